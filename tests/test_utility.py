@@ -1,0 +1,743 @@
+"""nu.score, nu.heterogeneity, nu.task_energies against the dense float64 reference in _reference.py."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _reference import (
+    F64_EPS,
+    RICH_SPEC,
+    SMALL_SPEC,
+    assert_rel_close,
+    assert_scores_match,
+    default_rtol,
+    flat_modules,
+    make_adapters,
+    paper_objective,
+    ref_heterogeneity,
+    ref_scores,
+    ref_task_energies,
+    rich_adapters,
+    rich_reference,
+)
+
+import netutility_jax as nu
+
+utility_mod = importlib.import_module("netutility_jax.utility")
+
+RTOL32 = 1e-4  # float32 library vs float64 reference, relative to each quantity's max
+ALPHAS = [1.0, 0.0, 0.5]
+
+
+def _set(adapter, name, value):
+    """Return a shallow-copied adapter with the module at ``name`` replaced by ``value``."""
+    *parents, leaf = name.split("/")
+    out = dict(adapter)
+    node = out
+    for p in parents:
+        node[p] = dict(node[p])
+        node = node[p]
+    node[leaf] = value
+    return out
+
+
+def _get(adapter, name):
+    node = adapter
+    for p in name.split("/"):
+        node = node[p]
+    return node
+
+
+def _orth_support(rng, d, rows, r):
+    """(d, r) factor whose rows outside ``rows`` are exactly 0 (exactly orthogonal supports)."""
+    a = np.zeros((d, r), np.float32)
+    a[rows] = rng.normal(size=(len(rows), r))
+    return a
+
+
+def _mod(rng, a, d_out):
+    return {"lora_a": a, "lora_b": rng.normal(size=(a.shape[1], d_out)).astype(np.float32)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense reference
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_score_matches_dense_reference(m_tasks, alpha):
+    ads = rich_adapters(m_tasks)
+    ref = rich_reference(m_tasks, alpha)
+    sc = nu.score(ads, alpha=alpha)
+    assert isinstance(sc, nu.Scores)
+    for name, (_, _, _, ranks) in zip(sc.modules, RICH_SPEC, strict=True):
+        ms = sc.modules[name]
+        assert isinstance(ms, nu.ModuleScores)
+        r_max = max(abs(r) for r in ranks[:m_tasks] if r is not None)
+        for x in ms:
+            assert isinstance(x, jax.Array)
+            assert x.shape == (m_tasks, r_max)
+            assert x.dtype == jnp.float32
+    assert_scores_match(sc, ref, RTOL32)
+    assert float(sc.alpha) == alpha
+
+
+def test_reference_data_has_the_edge_cases():
+    """The rich data really has ragged ranks, a zero update and a missing module (guards the spec)."""
+    ref = rich_reference(4, 1.0)
+    n_cand = {k: m.candidate.sum(1).tolist() for k, m in ref.modules.items()}
+    assert n_cand["layers/0/attn/query"] == [4, 6, 3, 5]
+    assert n_cand["layers/1/mlp/up"] == [5, 3, 4, 5]
+    assert n_cand["layers/0/mlp/up"] == [3, 2, 0, 4]  # task 2: lora_b == 0
+    assert n_cand["layers/1/attn/query"] == [4, 0, 6, 2]  # task 1: None
+    assert all(m.interference[m.candidate].min() > 0 for m in ref.modules.values())
+    assert _get(rich_adapters(4)[1], "layers/1/attn/query") is None
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_benefit_is_an_energy_share(alpha):
+    """Each task's benefits sum to 1 in every module where it has candidates (w_j normalises)."""
+    sc = nu.score(rich_adapters(4), alpha=alpha)
+    for ms in sc.modules.values():
+        has = np.asarray(ms.sigma).max(1) > 0
+        np.testing.assert_allclose(np.asarray(ms.benefit).sum(1)[has], 1.0, rtol=1e-5)
+        assert np.all(np.asarray(ms.benefit)[~has] == 0)
+
+
+def test_sigma_descending_and_matches_svd_per_task():
+    sc = nu.score(rich_adapters(4))
+    flats = [flat_modules(ad) for ad in rich_adapters(4)]
+    for name, ms in sc.modules.items():
+        sig = np.asarray(ms.sigma)
+        assert np.all(np.diff(sig, axis=1) <= 0)
+        for j, f in enumerate(flats):
+            if f[name] is None:
+                assert np.all(sig[j] == 0)
+                continue
+            dk = float(np.asarray(f[name].get("scale", 1.0))) * (
+                np.asarray(f[name]["lora_a"], np.float64)
+                @ np.asarray(f[name]["lora_b"], np.float64)
+            )
+            s = np.linalg.svd(dk, compute_uv=False)[: f[name]["lora_a"].shape[1]]
+            s = np.where(s > default_rtol(sig.shape[1]) * s[0], s, 0.0)
+            np.testing.assert_allclose(sig[j, : s.size], s, rtol=1e-5, atol=1e-5 * max(s[0], 1e-30))
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.0])
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_score_x64_matches_reference_tightly(alpha, with_scale):
+    """float64 factors with x64 enabled: agreement with the float64 reference to ~1e-9."""
+    assert not jax.config.x64_enabled
+    with jax.enable_x64(True):
+        ads = make_adapters(3, 4, dtype=np.float64, with_scale=with_scale)
+        sc = nu.score(ads, alpha=alpha)
+        for ms in sc.modules.values():
+            assert all(x.dtype == jnp.float64 for x in ms)
+        assert sc.lam.dtype == jnp.float64
+        ref = ref_scores(ads, alpha=alpha, eps=F64_EPS)
+        assert_scores_match(sc, ref, 1e-9)
+        e = nu.task_energies(ads)
+        assert e.dtype == jnp.float64
+        assert_rel_close(e, ref_task_energies(ads), 1e-9, what="task_energies")
+    assert not jax.config.x64_enabled
+
+
+def test_float64_numpy_factors_without_x64_give_float32_without_warnings():
+    """Plain numpy (float64) factors are the common input; with x64 off they are computed in float32.
+
+    The API promises float32 by default; the library must not emit JAX's "float64 requested but not
+    available" UserWarning (an error under this project's filterwarnings = error).
+    """
+    ads = make_adapters(5, 3, dtype=np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sc = nu.score(ads)
+        e = nu.task_energies(ads)
+    assert sc.modules["layers/0/attn/query"].sigma.dtype == jnp.float32
+    assert e.dtype == jnp.float32
+    assert_scores_match(sc, ref_scores(ads), RTOL32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_factors_are_upcast(dtype):
+    ads32 = make_adapters(7, 4, SMALL_SPEC)
+    ads = jax.tree.map(lambda x: jnp.asarray(x, dtype), ads32)
+    sc = nu.score(ads, alpha=0.5)
+    for ms in sc.modules.values():
+        assert all(x.dtype == jnp.float32 for x in ms)
+    # the reference sees exactly the low-precision values, in float64
+    assert_scores_match(sc, ref_scores(ads, alpha=0.5), RTOL32)
+
+
+@hypothesis.given(seed=st.integers(0, 2**16), alpha=st.sampled_from(ALPHAS))
+def test_utilities_decompose_the_paper_objective(seed, alpha):
+    """Prop. A.3 / App. A.4: for any selection z, the dense separable objective of a module equals
+    M' - sum z * utility (M' tasks with a nonzero update there). Checks the library's utilities
+    against the paper's objective itself, not against a transcription of Eq. net-utility."""
+    ads = rich_adapters(4)
+    lam = 0.8
+    sc = nu.score(ads, alpha=alpha, lam=lam)
+    rng = np.random.default_rng(seed)
+    flats = [flat_modules(ad) for ad in ads]
+    for name, ms in sc.modules.items():
+        u = np.asarray(ms.utility, np.float64)
+        cand = np.isfinite(u)
+        z = cand & (rng.random(u.shape) < 0.5)
+        mods = [f[name] for f in flats]
+        m_eff = int(cand.any(1).sum())
+        expected = m_eff - float(np.sum(u[z]))
+        got = paper_objective(mods, z, lam=lam, alpha=alpha)
+        assert got == pytest.approx(expected, rel=1e-4, abs=1e-4), name
+
+
+# ------------------------------------------------------------------------------------------------
+# Zero updates, missing modules, M = 1, lambda
+# ------------------------------------------------------------------------------------------------
+
+
+def test_zero_update_and_missing_module_contribute_nothing():
+    ads = rich_adapters(4)
+    name = "layers/0/mlp/up"  # task 2 has rank-5 factors with lora_b == 0 here
+    sc = nu.score(ads, lam=0.7)
+    ms = sc.modules[name]
+    assert ms.sigma.shape == (4, 5)
+    assert np.all(np.asarray(ms.sigma)[2] == 0)
+    assert np.all(np.asarray(ms.utility)[2] == -np.inf)
+    # zero update == module absent (where r_max drops from 5 to 4: slot 4 is never a candidate)
+    ads_none = [_set(ad, name, None) if j == 2 else ad for j, ad in enumerate(ads)]
+    sc_none = nu.score(ads_none, lam=0.7)
+    for k in sc.modules:
+        r = sc_none.modules[k].sigma.shape[1]
+        assert np.all(np.asarray(sc.modules[k].utility)[:, r:] == -np.inf)
+        for f in ("sigma", "benefit", "interference", "utility"):
+            x = np.asarray(getattr(sc.modules[k], f))[:, :r]
+            y = np.asarray(getattr(sc_none.modules[k], f))
+            np.testing.assert_array_equal(np.isfinite(x), np.isfinite(y))
+            assert_rel_close(y[np.isfinite(x)], x[np.isfinite(x)], 1e-5, what=f"{k}.{f}")
+    # the other tasks' scores there are what they are without task 2 at all
+    three = [{name: _get(ads[j], name)} for j in (0, 1, 3)]
+    sc3 = nu.score(three, lam=0.7)
+    for f in ("sigma", "benefit", "interference"):
+        assert_rel_close(
+            getattr(sc3.modules[name], f), np.asarray(getattr(ms, f))[[0, 1, 3], :4], 1e-5, what=f
+        )
+
+
+def test_single_task_utility_is_benefit():
+    ads = make_adapters(15, 1, SMALL_SPEC)
+    sc = nu.score(ads)
+    assert float(sc.lam) == 0.0
+    assert_scores_match(sc, ref_scores(ads), RTOL32)
+    for ms in sc.modules.values():
+        assert np.all(np.asarray(ms.interference) == 0)
+        cand = np.isfinite(np.asarray(ms.utility))
+        np.testing.assert_array_equal(np.asarray(ms.utility)[cand], np.asarray(ms.benefit)[cand])
+
+
+def test_lam_auto_falls_back_to_positive_median_when_median_interference_is_zero():
+    rng = np.random.default_rng(11)
+    d, d_out = 12, 8
+    ads = [
+        {"m": _mod(rng, _orth_support(rng, d, [0, 1, 2], 2), d_out)},
+        {"m": _mod(rng, _orth_support(rng, d, [2, 3, 4], 2), d_out)},
+        # orthogonal to both: its 6 candidates have exactly zero interference (> half of 10)
+        {"m": _mod(rng, _orth_support(rng, d, list(range(5, 12)), 6), d_out)},
+    ]
+    ref = ref_scores(ads, overlap_atol=1e-12)
+    inter = ref.modules["m"].interference[ref.modules["m"].candidate]
+    assert np.median(inter) == 0 and (inter > 0).sum() == 4
+    expected = np.median(ref.modules["m"].benefit[ref.modules["m"].candidate]) / np.median(
+        inter[inter > 0]
+    )
+    assert ref.lam == pytest.approx(expected)
+    sc = nu.score(ads)
+    assert np.all(np.asarray(sc.modules["m"].interference)[2] == 0)
+    assert_scores_match(sc, ref, RTOL32)
+
+
+def test_lam_auto_is_zero_without_any_interference():
+    rng = np.random.default_rng(12)
+    ads = [
+        {"m": _mod(rng, _orth_support(rng, 12, [0, 1, 2], 2), 8)},
+        {"m": _mod(rng, _orth_support(rng, 12, [3, 4, 5, 6], 3), 8)},
+    ]
+    sc = nu.score(ads)
+    assert float(sc.lam) == 0.0
+    ms = sc.modules["m"]
+    assert np.all(np.asarray(ms.interference) == 0)
+    cand = np.isfinite(np.asarray(ms.utility))
+    np.testing.assert_array_equal(np.asarray(ms.utility)[cand], np.asarray(ms.benefit)[cand])
+    assert_scores_match(sc, ref_scores(ads, overlap_atol=1e-12), RTOL32)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.37, 2.5])
+def test_float_lam_is_used(lam):
+    ads = rich_adapters(4)
+    sc = nu.score(ads, alpha=0.5, lam=lam)
+    assert float(sc.lam) == pytest.approx(lam)
+    assert_scores_match(sc, ref_scores(ads, alpha=0.5, lam=lam), RTOL32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Candidates and rtol
+# ------------------------------------------------------------------------------------------------
+
+
+def _with_spectrum(rng, s, d_in=12, d_out=10):
+    """Factors with exactly known singular values ``s`` (orthonormal U, V from QR)."""
+    r = len(s)
+    u, _ = np.linalg.qr(rng.normal(size=(d_in, r)))
+    v, _ = np.linalg.qr(rng.normal(size=(d_out, r)))
+    return {"lora_a": (u * np.asarray(s)).astype(np.float32), "lora_b": v.T.astype(np.float32)}
+
+
+def test_explicit_rtol_cut():
+    rng = np.random.default_rng(3)
+    ads = [
+        {"m": _with_spectrum(rng, [10.0, 4.0, 1.3, 0.7])},
+        {"m": _with_spectrum(rng, [3.0, 2.0, 1.0, 0.31])},
+    ]
+    sc = nu.score(ads, rtol=0.1, lam=1.0)
+    cand = np.isfinite(np.asarray(sc.modules["m"].utility))
+    np.testing.assert_array_equal(cand, [[True, True, True, False], [True, True, True, True]])
+    assert_scores_match(sc, ref_scores(ads, rtol=0.1, lam=1.0), RTOL32)
+
+
+@pytest.mark.parametrize("r_other", [4, 8])
+def test_default_rtol_uses_module_r_max(r_other):
+    """Default rtol = sqrt(10 * r_max * eps32): 2.18e-3 at r_max = 4, 3.09e-3 at r_max = 8."""
+    rng = np.random.default_rng(4)
+    spectrum = [1.0, 0.5, 2.6e-3, 1.2e-3]
+    other = _with_spectrum(rng, np.linspace(2.0, 1.0, r_other).tolist())
+    ads = [{"m": _with_spectrum(rng, spectrum)}, {"m": other}]
+    sc = nu.score(ads)
+    cand = np.isfinite(np.asarray(sc.modules["m"].utility))[0]
+    expected = np.array(spectrum) > default_rtol(r_other) * spectrum[0]
+    assert expected.tolist() == [True, True, r_other == 4, False]
+    np.testing.assert_array_equal(cand[:4], expected)
+    assert not cand[4:].any()
+
+
+def test_ranks_exceeding_the_update_width():
+    """r > d_in or r > d_out: only min(d_in, d_out) directions can be candidates."""
+    spec = (("wide", 4, 12, (6, 3, 6)), ("narrow", 12, 4, (6, 5, 2)), ("square", 5, 5, (8, 8, 2)))
+    ads = make_adapters(16, 3, spec)
+    sc = nu.score(ads)
+    n_cand = {k: np.isfinite(np.asarray(m.utility)).sum(1).tolist() for k, m in sc.modules.items()}
+    assert n_cand == {"wide": [4, 3, 4], "narrow": [4, 4, 2], "square": [5, 5, 2]}
+    assert_scores_match(sc, ref_scores(ads), RTOL32)
+
+
+def test_rank_deficient_update_drops_the_zero_direction():
+    rng = np.random.default_rng(5)
+    a = rng.normal(size=(16, 4)).astype(np.float32)
+    a[:, 3] = a[:, 2]
+    ads = [
+        {"m": {"lora_a": a, "lora_b": rng.normal(size=(4, 12)).astype(np.float32)}},
+        {
+            "m": {
+                "lora_a": rng.normal(size=(16, 4)).astype(np.float32),
+                "lora_b": rng.normal(size=(4, 12)).astype(np.float32),
+            }
+        },
+    ]
+    sc = nu.score(ads)
+    ms = sc.modules["m"]
+    np.testing.assert_array_equal(np.isfinite(np.asarray(ms.utility)), [[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert float(ms.sigma[0, 3]) == 0.0
+    assert_scores_match(sc, ref_scores(ads), RTOL32)
+
+
+def test_nearly_shared_directions_match_reference():
+    """Task 2's lora_a = task 1's + 1e-4 noise: the stacked input factors are ill-conditioned."""
+    rng = np.random.default_rng(6)
+    a1 = rng.normal(size=(32, 6))
+    a2 = a1 + 1e-4 * rng.normal(size=a1.shape)
+    ads = [
+        {
+            "m": {
+                "lora_a": a.astype(np.float32),
+                "lora_b": rng.normal(size=(6, 24)).astype(np.float32),
+            }
+        }
+        for a in (rng.normal(size=(32, 6)), a1, a2)
+    ]
+    for alpha in (1.0, 0.0):
+        sc = nu.score(ads, alpha=alpha)
+        rm = ref_scores(ads, alpha=alpha).modules["m"]
+        lib = np.asarray(sc.modules["m"].interference, np.float64)
+        # tasks 1 and 2 overlap almost fully: large, and elementwise within 1e-3
+        np.testing.assert_allclose(lib[1:], rm.interference[1:], rtol=1e-3)
+        assert_rel_close(lib, rm.interference, 1e-3, what="interference")
+        assert_rel_close(sc.modules["m"].benefit, rm.benefit, 1e-4, what="benefit")
+
+
+# ------------------------------------------------------------------------------------------------
+# Invariants (hypothesis)
+# ------------------------------------------------------------------------------------------------
+
+# Equal ranks across tasks in each module (so a permutation keeps every leaf's shape and nothing
+# recompiles), ragged across modules, and a zero update in task 2 of "up".
+PERM_SPEC = (("q", 16, 12, (4, 4, 4, 4)), ("up", 10, 20, (3, 3, -3, 3)))
+
+
+@hypothesis.given(seed=st.integers(0, 2**16), perm=st.permutations(range(4)))
+def test_permuting_tasks_permutes_scores(seed, perm):
+    ads = make_adapters(seed, 4, PERM_SPEC)
+    sc = nu.score(ads, alpha=0.5)
+    sp = nu.score([ads[p] for p in perm], alpha=0.5)
+    assert float(sp.lam) == pytest.approx(float(sc.lam), rel=1e-5)
+    for k in sc.modules:
+        for f in ("sigma", "benefit", "interference", "utility"):
+            x = np.asarray(getattr(sc.modules[k], f))[list(perm)]
+            y = np.asarray(getattr(sp.modules[k], f))
+            np.testing.assert_array_equal(np.isfinite(x), np.isfinite(y))
+            fin = np.isfinite(x)
+            assert_rel_close(y[fin], x[fin], 1e-5, what=f"{k}.{f}")
+
+
+def test_permuting_tasks_with_ragged_ranks_and_missing_modules():
+    ads = rich_adapters(4)
+    perm = [2, 0, 3, 1]
+    sc = nu.score(ads)
+    sp = nu.score([ads[p] for p in perm])
+    for k in sc.modules:
+        for f in ("sigma", "benefit", "interference", "utility"):
+            x = np.asarray(getattr(sc.modules[k], f))[perm]
+            y = np.asarray(getattr(sp.modules[k], f))
+            np.testing.assert_array_equal(np.isfinite(x), np.isfinite(y))
+            assert_rel_close(y[np.isfinite(x)], x[np.isfinite(x)], 1e-5, what=f"{k}.{f}")
+
+
+SCALE_SPEC = (("q", 16, 12, (4, 5)), ("up", 10, 20, (3, 2)))
+
+
+@hypothesis.given(
+    seed=st.integers(0, 2**16),
+    task=st.integers(0, 1),
+    log_c=st.floats(-2.0, 2.0),
+    negative=st.booleans(),
+    alpha=st.sampled_from([1.0, 0.0, 0.5]),
+)
+def test_scaling_one_task(seed, task, log_c, negative, alpha):
+    """scale_j -> c * scale_j: benefit unchanged, sigma_j * |c|; with M = 2, interference_j * c^2
+    and the other task's * c^-2 (its overlap weights s^(2a)/w scale as c^-2)."""
+    c = 10.0**log_c
+    ads = make_adapters(seed, 2, SCALE_SPEC)
+    scaled = [dict(ad) for ad in ads]
+    for k in ("q", "up"):
+        m = dict(ads[task][k])
+        m["scale"] = np.asarray((-c if negative else c) * m["scale"], np.float32)
+        scaled[task][k] = m
+    sc = nu.score(ads, alpha=alpha, lam=1.0)
+    ss = nu.score(scaled, alpha=alpha, lam=1.0)
+    other = 1 - task
+    for k in sc.modules:
+        a, b = sc.modules[k], ss.modules[k]
+        assert_rel_close(b.benefit, a.benefit, 1e-5, what="benefit")
+        assert_rel_close(
+            np.asarray(b.sigma)[task], c * np.asarray(a.sigma)[task], 1e-5, what="sigma"
+        )
+        np.testing.assert_array_equal(np.asarray(b.sigma)[other], np.asarray(a.sigma)[other])
+        ia, ib = np.asarray(a.interference, np.float64), np.asarray(b.interference, np.float64)
+        assert_rel_close(ib[task], c**2 * ia[task], 1e-4, what="interference of the scaled task")
+        assert_rel_close(ib[other], ia[other] / c**2, 1e-4, what="interference of the other task")
+
+
+@hypothesis.given(seed=st.integers(0, 2**16), alpha=st.sampled_from([1.0, 0.0, 0.5]))
+def test_reparametrising_factors_leaves_scores_unchanged(seed, alpha):
+    """(a Q, Q^-1 b) is the same update: every score is unchanged."""
+    rng = np.random.default_rng(seed)
+    ads = rich_adapters(3)
+
+    def reparam(mod):
+        if mod is None:
+            return None
+        r = mod["lora_a"].shape[1]
+        q1, _ = np.linalg.qr(rng.normal(size=(r, r)))
+        q2, _ = np.linalg.qr(rng.normal(size=(r, r)))
+        q = q1 @ np.diag(rng.uniform(0.5, 2.0, size=r)) @ q2  # condition number <= 4
+        out = dict(mod)
+        out["lora_a"] = (np.asarray(mod["lora_a"], np.float64) @ q).astype(np.float32)
+        out["lora_b"] = (np.linalg.inv(q) @ np.asarray(mod["lora_b"], np.float64)).astype(
+            np.float32
+        )
+        return out
+
+    new = []
+    for ad in ads:
+        out = ad
+        for name, mod in flat_modules(ad).items():
+            out = _set(out, name, reparam(mod))
+        new.append(out)
+    sc = nu.score(ads, alpha=alpha)
+    sr = nu.score(new, alpha=alpha)
+    assert float(sr.lam) == pytest.approx(float(sc.lam), rel=1e-4)
+    for k in sc.modules:
+        for f in ("sigma", "benefit", "interference", "utility"):
+            x = np.asarray(getattr(sc.modules[k], f))
+            y = np.asarray(getattr(sr.modules[k], f))
+            np.testing.assert_array_equal(np.isfinite(x), np.isfinite(y))
+            assert_rel_close(y[np.isfinite(x)], x[np.isfinite(x)], 1e-4, what=f"{k}.{f}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Heterogeneity and energies
+# ------------------------------------------------------------------------------------------------
+
+
+def test_task_energies_match_dense(m_tasks):
+    ads = rich_adapters(m_tasks)
+    e = nu.task_energies(ads)
+    assert e.shape == (m_tasks,)
+    assert_rel_close(e, ref_task_energies(ads), 1e-5, what="energies")
+
+
+def test_heterogeneity_matches_dense(m_tasks):
+    ads = rich_adapters(m_tasks)
+    h = nu.heterogeneity(ads)
+    assert h.shape == ()
+    assert float(h) == pytest.approx(ref_heterogeneity(ads), rel=1e-4)
+    # population variance, not the sample variance
+    logs = np.log(ref_task_energies(ads))
+    assert float(h) != pytest.approx(float(np.var(logs, ddof=1)), rel=1e-3)
+
+
+def test_heterogeneity_closed_form():
+    """Scales 1 and e^2: log-energies differ by 4, so the population variance is 4."""
+    rng = np.random.default_rng(8)
+    a, b = rng.normal(size=(16, 2)).astype(np.float32), rng.normal(size=(2, 8)).astype(np.float32)
+    ads = [{"m": {"lora_a": a, "lora_b": b, "scale": np.float32(c)}} for c in (1.0, np.e**2)]
+    assert float(nu.heterogeneity(ads)) == pytest.approx(4.0, rel=1e-5)
+
+
+def test_heterogeneity_single_task_is_zero():
+    assert float(nu.heterogeneity([rich_adapters(3)[0]])) == 0.0
+
+
+def test_heterogeneity_rejects_a_task_zero_everywhere():
+    rng = np.random.default_rng(9)
+    ok = {
+        "p": _mod(rng, rng.normal(size=(8, 2)).astype(np.float32), 4),
+        "q": _mod(rng, rng.normal(size=(6, 3)).astype(np.float32), 5),
+    }
+    zero = {
+        "p": {"lora_a": np.ones((8, 2), np.float32), "lora_b": np.zeros((2, 4), np.float32)},
+        "q": None,
+    }
+    with pytest.raises(
+        ValueError, match=r"nu\.heterogeneity: task 1 has a zero update in every module"
+    ):
+        nu.heterogeneity([ok, zero, ok])
+
+
+@pytest.mark.parametrize("scale1, expected_alpha", [(1.2, 1.0), (np.e**2, 0.0)])
+def test_alpha_auto_follows_heterogeneity(scale1, expected_alpha):
+    rng = np.random.default_rng(10)
+    ads = []
+    for c in (1.0, scale1):
+        ads.append(
+            {
+                "m": {
+                    **_mod(rng, rng.normal(size=(12, 3)).astype(np.float32), 9),
+                    "scale": np.float32(c),
+                }
+            }
+        )
+    sc = nu.score(ads, alpha="auto")
+    assert float(sc.alpha) == expected_alpha
+    assert_scores_match(sc, ref_scores(ads, alpha=expected_alpha), RTOL32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input handled in nu.score
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factor", ["lora_a", "lora_b"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_nonfinite_factor_names_module_task_and_shapes(factor, value):
+    ads = [dict(ad) for ad in rich_adapters(3)]
+    name = "layers/1/mlp/up"
+    mod = dict(_get(ads[2], name))
+    bad = np.array(mod[factor], copy=True)
+    bad[1, 1] = value
+    mod[factor] = bad
+    ads[2] = _set(ads[2], name, mod)
+    msg = (
+        r"nu\.score: module 'layers/1/mlp/up', task 2 \(lora_a \(10, 4\), lora_b \(4, 20\)\): "
+        + factor
+        + " has NaN or Inf"
+    )
+    with pytest.raises(ValueError, match=msg):
+        nu.score(ads)
+
+
+def test_overflowing_factors_are_reported():
+    rng = np.random.default_rng(13)
+    big = {"lora_a": np.full((8, 3), 1e25, np.float32), "lora_b": np.ones((3, 6), np.float32)}
+    ads = [{"m": _mod(rng, rng.normal(size=(8, 3)).astype(np.float32), 6)}, {"m": big}]
+    with pytest.raises(
+        ValueError, match=r"module 'm', task 1 \(lora_a \(8, 3\), lora_b \(3, 6\)\).*overflow"
+    ):
+        nu.score(ads)
+
+
+@pytest.mark.parametrize("lam", ["auto", 0.5])
+def test_no_candidates_at_all_is_an_error(lam):
+    zero = {"lora_a": np.ones((8, 3), np.float32), "lora_b": np.zeros((3, 6), np.float32)}
+    ads = [{"m": zero, "n": zero}, {"m": zero, "n": None}]
+    with pytest.raises(ValueError, match=r"nu\.score: no candidate directions"):
+        nu.score(ads, lam=lam)
+
+
+@pytest.mark.parametrize("alpha", [-0.5, -1e-9, np.nan, np.inf])
+def test_bad_alpha(alpha):
+    with pytest.raises(ValueError, match=r"nu\.score: alpha=.*expected a finite scalar >= 0"):
+        nu.score(rich_adapters(3), alpha=alpha)
+
+
+def test_unknown_alpha_string():
+    with pytest.raises(
+        ValueError, match=r"nu\.score: alpha='gram'; expected a float >= 0 or 'auto'"
+    ):
+        nu.score(rich_adapters(3), alpha="gram")
+
+
+@pytest.mark.parametrize("lam", ["median", "AUTO", ""])
+def test_unknown_lam_string(lam):
+    with pytest.raises(ValueError, match=rf"nu\.score: lam='{lam}'; expected 'auto' or a float"):
+        nu.score(rich_adapters(3), lam=lam)
+
+
+@pytest.mark.parametrize("lam", [np.nan, np.inf])
+def test_nonfinite_lam(lam):
+    with pytest.raises(ValueError, match=r"nu\.score: lam=.*expected a finite float or 'auto'"):
+        nu.score(rich_adapters(3), lam=lam)
+
+
+@pytest.mark.parametrize("rtol", [-0.1, 1.0, 2.0])
+def test_bad_rtol(rtol):
+    with pytest.raises(ValueError, match=r"nu\.score: rtol=.*expected 0 <= rtol < 1"):
+        nu.score(rich_adapters(3), rtol=rtol)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compilation and jit
+# ------------------------------------------------------------------------------------------------
+
+
+class _CompileCounter:
+    """Counts XLA backend compilations through a jax.monitoring listener."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, event, duration, **kwargs):
+        if event == self.EVENT:
+            self.n += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def test_score_does_not_recompile():
+    spec = (("x", 7, 5, (2, 3, 2)), ("z", 7, 5, (3, 2, 2)))
+    nu.score(make_adapters(0, 3, spec))  # compile (shapes used nowhere else)
+    n0 = utility_mod._score_impl._cache_size()
+    with _CompileCounter() as cc:
+        sc = nu.score(make_adapters(1, 3, spec))
+        jax.block_until_ready(sc)
+    assert cc.n == 0
+    assert utility_mod._score_impl._cache_size() == n0
+    # float alpha / lam values are traced, not static: one compile for the float-lam variant only
+    nu.score(make_adapters(1, 3, spec), alpha=0.3, lam=0.2)
+    n1 = utility_mod._score_impl._cache_size()
+    with _CompileCounter() as cc:
+        for alpha, lam in [(0.0, 1.5), (0.7, 0.01), (1.0, 3.0)]:
+            jax.block_until_ready(nu.score(make_adapters(2, 3, spec), alpha=alpha, lam=lam))
+        for alpha in (0.0, 0.25):
+            jax.block_until_ready(nu.score(make_adapters(2, 3, spec), alpha=alpha))
+    assert cc.n == 0
+    assert utility_mod._score_impl._cache_size() == n1
+
+
+def test_heterogeneity_does_not_recompile():
+    spec = (("x", 7, 5, (2, 3, 2)), ("y", 9, 4, (3, 3, 1)))
+    nu.heterogeneity(make_adapters(0, 3, spec))
+    with _CompileCounter() as cc:
+        jax.block_until_ready(nu.heterogeneity(make_adapters(1, 3, spec)))
+    assert cc.n == 0
+
+
+def test_score_under_outer_jit():
+    ads = jax.tree.map(jnp.asarray, rich_adapters(3))
+    f = jax.jit(lambda a, al: nu.score(a, alpha=al))
+    for alpha in (1.0, 0.5):
+        eager = nu.score(ads, alpha=alpha)
+        jitted = f(ads, alpha)
+        assert_scores_match(jitted, rich_reference(3, alpha), RTOL32)
+        for k in eager.modules:
+            for fld in ("sigma", "benefit", "interference", "utility"):
+                x = np.asarray(getattr(eager.modules[k], fld))
+                y = np.asarray(getattr(jitted.modules[k], fld))
+                np.testing.assert_array_equal(np.isfinite(x), np.isfinite(y))
+                np.testing.assert_allclose(
+                    y[np.isfinite(x)], x[np.isfinite(x)], rtol=1e-5, atol=1e-7
+                )
+    # a traced lam as well
+    jl = jax.jit(lambda a, lam: nu.score(a, alpha=0.5, lam=lam))(ads, 0.4)
+    assert_scores_match(jl, ref_scores(rich_adapters(3), alpha=0.5, lam=0.4), RTOL32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Strict dtype promotion (see conftest.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_strict_promotion_float32():
+    ads = make_adapters(14, 4, SMALL_SPEC)
+    with jax.numpy_dtype_promotion("strict"):
+        sc = nu.score(ads, alpha=0.5)
+        sc_l = nu.score(ads, lam=0.3)
+        h = nu.heterogeneity(ads)
+        for scope in ("global", "local", "uniform"):
+            nu.allocate(sc, 3, scope=scope)
+    assert_scores_match(sc, ref_scores(ads, alpha=0.5), RTOL32)
+    assert float(sc_l.lam) == pytest.approx(0.3)
+    assert float(h) == pytest.approx(ref_heterogeneity(ads), rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_strict_promotion_low_precision(dtype):
+    ads = jax.tree.map(lambda x: jnp.asarray(x, dtype), make_adapters(14, 4, SMALL_SPEC))
+    with jax.numpy_dtype_promotion("strict"):
+        sc = nu.score(ads)
+        e = nu.task_energies(ads)
+    assert sc.modules["q"].sigma.dtype == jnp.float32
+    assert e.dtype == jnp.float32
+
+
+def test_strict_promotion_float64_x64():
+    with jax.enable_x64(True):
+        ads = make_adapters(14, 4, SMALL_SPEC, dtype=np.float64)
+        with jax.numpy_dtype_promotion("strict"):
+            sc = nu.score(ads)
+            e = nu.task_energies(ads)
+            for scope in ("global", "local", "uniform"):
+                nu.allocate(sc, 3, scope=scope)
+        assert sc.modules["q"].sigma.dtype == jnp.float64
+        assert e.dtype == jnp.float64
