@@ -44,6 +44,12 @@ def non_prefix_fraction(masks: Mapping[str, jax.Array]) -> float:
     A kept set is a prefix if it is ``{0, ..., n-1}`` in descending-sigma order (paper, "The optimal
     set need not be a prefix"). Empty sets are left out (a task with nothing kept has no set);
     returns 0.0 if every set is empty.
+
+    Example:
+      >>> import numpy as np, netutility_jax as nu
+      >>> masks = {"q": np.array([[1, 1, 0], [0, 1, 0], [0, 0, 0]], bool)}
+      >>> nu.non_prefix_fraction(masks)  # task 0 keeps a prefix, task 1 does not, task 2 nothing
+      0.5
     """
     rows = [row for v in _np(masks).values() for row in v if row.any()]
     if not rows:
