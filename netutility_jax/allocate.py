@@ -7,6 +7,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .utility import Scores
 
@@ -47,18 +48,12 @@ def _allocate_impl(utils, sigmas, *, budget, scope, positive_only):
     shapes = [u.shape for u in utils]
     if scope == "global":
         flat = jnp.concatenate([u.ravel() for u in utils])
-        mask = _topk_mask(flat, budget * len(utils), positive_only)
-        out, off = [], 0
-        for s in shapes:
-            size = s[0] * s[1]
-            out.append(mask[off : off + size].reshape(s))
-            off += size
-        return tuple(out)
+        return _topk_mask(flat, budget * len(utils), positive_only)
     # per module: group equal shapes so each group is one batched top_k
     groups: dict[tuple[int, int], list[int]] = {}
     for i, s in enumerate(shapes):
         groups.setdefault(s, []).append(i)
-    out = [None] * len(utils)
+    out = []
     for (m_tasks, r), idx in groups.items():
         u = jnp.stack([utils[i] for i in idx])
         if scope == "local":
@@ -66,10 +61,32 @@ def _allocate_impl(utils, sigmas, *, budget, scope, positive_only):
         else:
             sg = jnp.stack([sigmas[i] for i in idx])
             key, pos = _uniform_keys(sg, u > -jnp.inf, budget), False
-        mask = _topk_mask(key, budget, pos).reshape(len(idx), m_tasks, r)
-        for j, i in enumerate(idx):
-            out[i] = mask[j]
-    return tuple(out)
+        out.append(_topk_mask(key, budget, pos))
+    return jnp.concatenate([o.ravel() for o in out])
+
+
+def _split_masks(flat: jax.Array, shapes: list[tuple[int, int]], scope: str) -> list[jax.Array]:
+    """Cut the flat mask of ``_allocate_impl`` back into per-module masks (on the host).
+
+    Many sliced outputs inside the jitted graph cost seconds of XLA compile time; traced inputs
+    are sliced in the graph instead.
+    """
+    if scope == "global":
+        order = list(range(len(shapes)))
+    else:  # module groups of equal shape, in first-appearance order, as in _allocate_impl
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, s in enumerate(shapes):
+            groups.setdefault(s, []).append(i)
+        order = [i for idx in groups.values() for i in idx]
+    traced = isinstance(flat, jax.core.Tracer)
+    h = flat if traced else np.asarray(flat)
+    pieces: list = [None] * len(shapes)
+    off = 0
+    for i in order:
+        size = shapes[i][0] * shapes[i][1]
+        pieces[i] = h[off : off + size].reshape(shapes[i])
+        off += size
+    return pieces if traced else jax.device_put(pieces)
 
 
 def allocate(
@@ -133,7 +150,8 @@ def allocate(
     names = list(scores.modules)
     utils = tuple(scores.modules[k].utility for k in names)
     sigmas = tuple(scores.modules[k].sigma for k in names)
-    masks = _allocate_impl(
+    flat = _allocate_impl(
         utils, sigmas, budget=int(budget), scope=scope, positive_only=bool(positive_only)
     )
+    masks = _split_masks(flat, [tuple(u.shape) for u in utils], scope)
     return dict(zip(names, masks, strict=True))

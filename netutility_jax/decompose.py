@@ -14,17 +14,6 @@ from ._tree import float_dtype
 _HI = jax.lax.Precision.HIGHEST
 
 
-def serialize_after(x, *deps):
-    """Return ``x``, made to depend on ``deps`` so XLA cannot run the two concurrently.
-
-    jaxlib's CPU LAPACK kernels (QR, SVD, eigh) fan their batch out into the intra-op thread pool
-    they already run on and block until it is done; two of them running at once on a 2-thread pool
-    deadlock (seen with jaxlib 0.10.2). Chaining every LAPACK call of a graph keeps at most one in
-    flight. The barrier is free: no copy, no computation.
-    """
-    return jax.lax.optimization_barrier((x, *deps))[0]
-
-
 class LoraSVD(NamedTuple):
     """Thin SVD ``dK = in_dirs @ diag(s) @ out_dirs.T`` of a LoRA update in kernel layout.
 
@@ -54,9 +43,18 @@ def _float_dtype(**xs: ArrayLike) -> np.dtype:
 
 @jax.jit
 def _lora_svd(a: jax.Array, b: jax.Array, scale: jax.Array) -> LoraSVD:
-    qa, ra = jnp.linalg.qr(a)  # (..., d_in, k_a), (..., k_a, r)
-    b = serialize_after(b, ra)
-    qb, rb = jnp.linalg.qr(jnp.swapaxes(b, -1, -2))  # (..., d_out, k_b), (..., k_b, r)
+    # Both QRs as ONE call on the zero-padded pair (padding rows add nothing to R): jaxlib 0.10's
+    # CPU LAPACK kernels block on the thread pool they run on, and two running at once deadlock
+    # a 2-thread pool (see utility.eigh_batched).
+    d_in, d_out = a.shape[-2], b.shape[-1]
+    d = max(d_in, d_out)
+    if min(d_in, d_out) < a.shape[-1]:  # wide factor: thin QRs of different widths, call twice
+        qa, ra = jnp.linalg.qr(a)
+        qb, rb = jnp.linalg.qr(jnp.swapaxes(b, -1, -2) + 0 * jnp.sum(ra))
+    else:
+        pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, d - x.shape[-2]), (0, 0)])
+        q, rr = jnp.linalg.qr(jnp.stack([pad(a), pad(jnp.swapaxes(b, -1, -2))]))
+        qa, ra, qb, rb = q[0, ..., :d_in, :], rr[0], q[1, ..., :d_out, :], rr[1]
     core = scale[..., None, None] * jnp.matmul(ra, jnp.swapaxes(rb, -1, -2), precision=_HI)
     w, s, zt = jnp.linalg.svd(core, full_matrices=False)
     in_dirs = jnp.matmul(qa, w, precision=_HI)
@@ -110,6 +108,6 @@ def lora_svd(lora_a: ArrayLike, lora_b: ArrayLike, scale: ArrayLike = 1.0) -> Lo
     s = jnp.broadcast_to(jnp.asarray(scale, dt), a.shape[:-2])
     out = _lora_svd(a, b, s)
     if not isinstance(out.s, jax.core.Tracer):
-        # one LAPACK-using executable in flight at a time (see serialize_after)
+        # one LAPACK-using executable in flight at a time (see utility.eigh_batched)
         jax.block_until_ready(out)
     return out

@@ -34,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _tree
-from .decompose import serialize_after
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -89,6 +88,143 @@ def _safe_div(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.where(ok, x / jnp.where(ok, y, 1), 0)
 
 
+def eigh_batched(mats: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+    """Symmetric eigendecompositions of several batches as ONE ``eigh`` call (ascending order).
+
+    Each entry is ``(..., k, k)`` with ``k <= K = max k``; smaller ones are zero-padded to ``K``
+    (that adds zero eigenvalues, whose vectors live on the padding). Returns ``(w (..., K),
+    v (..., K, K))`` per entry.
+
+    One call, not one per bucket: jaxlib 0.10's CPU LAPACK kernels fan their batch out into the
+    intra-op thread pool they run on and block on it, so two running at once deadlock a 2-thread
+    pool; XLA's thunk executor runs independent calls concurrently and drops optimization barriers.
+    """
+    k_max = max(m.shape[-1] for m in mats)
+    flat = []
+    for m in mats:
+        pad = k_max - m.shape[-1]
+        m = jnp.pad(m, [(0, 0)] * (m.ndim - 2) + [(0, pad), (0, pad)])
+        flat.append(m.reshape(-1, k_max, k_max))
+    w, v = jnp.linalg.eigh(jnp.concatenate(flat) if len(flat) > 1 else flat[0])
+    out, off = [], 0
+    for m in mats:
+        n = int(np.prod(m.shape[:-2], dtype=np.int64))
+        shape = m.shape[:-2]
+        out.append(
+            (
+                w[off : off + n].reshape(*shape, k_max),
+                v[off : off + n].reshape(*shape, k_max, k_max),
+            )
+        )
+        off += n
+    return out
+
+
+class _Grams(NamedTuple):
+    g: jax.Array  # (n, M, r, M, r) = a_i^T a_j blocks
+    gii: jax.Array  # (n, M, r, r)
+    h: jax.Array  # (n, M, r, r) = b_i b_i^T
+    scale: jax.Array  # (n, M)
+    finite: jax.Array  # (n, M)
+
+
+def _grams(a: jax.Array, b: jax.Array, scale: jax.Array) -> _Grams:
+    """Stage 1: the only d-sized work, two Grams per module."""
+    g = jnp.einsum("nidk,njdl->nikjl", a, a, precision=_HI)
+    h = jnp.einsum("nikd,nild->nikl", b, b, precision=_HI)
+    gii = jnp.einsum("nikil->nikl", g)
+    finite = (
+        jnp.isfinite(jnp.diagonal(gii, axis1=-2, axis2=-1)).all(-1)
+        & jnp.isfinite(jnp.diagonal(h, axis1=-2, axis2=-1)).all(-1)
+        & jnp.isfinite(scale)
+    )
+    # Non-finite modules are reported by the caller; zeroing keeps the rest of the batch clean.
+    fix = lambda x: jnp.where(jnp.isfinite(x), x, 0)
+    return _Grams(fix(g), fix(gii), fix(h), fix(scale), finite)
+
+
+def _cores(gr: _Grams, phi: jax.Array, f: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Stage 2: ``R_b^T = F Phi^(1/2)`` (r, K) from ``eigh(H)``, and the (K, K) cores."""
+    r = gr.h.shape[-1]
+    rbt = f[..., :r, :] * jnp.sqrt(jnp.clip(phi, 0))[..., None, :]
+    core = (gr.scale**2)[..., None, None] * jnp.einsum(
+        "nika,nikl,nilb->niab", rbt, gr.gii, rbt, precision=_HI
+    )
+    return rbt, 0.5 * (core + jnp.swapaxes(core, -1, -2))
+
+
+def _finish(
+    gr: _Grams,
+    rbt: jax.Array,
+    ev: jax.Array,
+    z: jax.Array,
+    rank: jax.Array,
+    alpha: jax.Array | float,
+    rtol: jax.Array | float,
+) -> BucketStats:
+    """Stage 3: singular values, input directions ``a_i T_i``, overlaps, benefit, interference."""
+    r = gr.h.shape[-1]
+    m_tasks = gr.h.shape[1]
+    k = ev.shape[-1]
+    ev, z = ev[..., ::-1], z[..., ::-1]  # descending
+    sig = jnp.sqrt(jnp.clip(ev, 0))
+    smax = sig[..., 0]
+    slot = jnp.arange(k, dtype=rank.dtype) < rank[..., None]
+    cand = slot & (sig > rtol * smax[..., None]) & (smax[..., None] > 0)
+    sig = jnp.where(cand, sig, 0)
+    inv = jnp.where(cand, 1 / jnp.where(cand, sig, 1), 0)
+    t_in = gr.scale[..., None, None] * jnp.matmul(rbt, z, precision=_HI) * inv[..., None, :]
+    gt = jnp.einsum("njaib,nibm->njaim", gr.g, t_in, precision=_HI)
+    ov = jnp.einsum("njak,njaim->njkim", t_in, gt, precision=_HI)  # v_jk . v_im
+
+    rel = _safe_div(sig, smax[..., None])  # s / s_max: scale-free powers, no underflow
+    p = jnp.where(cand, rel ** (2 + 2 * alpha), 0)
+    wt = p.sum(-1)
+    benefit = _safe_div(p, wt[..., None])
+    # c_in = s_in^(2a) / w_i, in units of s_max_i^-2 (put back through ratio2 below)
+    c = _safe_div(jnp.where(cand, rel ** (2 * alpha), 0), wt[..., None])
+    per_task = jnp.einsum("njkim,nim->njki", ov**2, c)  # (n, M_j, K, M_i)
+    ratio2 = _safe_div(sig[..., None], smax[:, None, None, :]) ** 2  # (s_jk / s_max_i)^2
+    off = 1 - jnp.eye(m_tasks, dtype=sig.dtype)
+    interference = jnp.where(cand, (ratio2 * per_task * off[None, :, None, :]).sum(-1), 0)
+    # at most r nonzero singular values per task: the slots past r are never candidates
+    return BucketStats(
+        sig[..., :r], benefit[..., :r], interference[..., :r], cand[..., :r], gr.finite
+    )
+
+
+def score_buckets(
+    buckets: Sequence[tuple[jax.Array, jax.Array, jax.Array, jax.Array]],
+    *,
+    alpha: jax.Array | float,
+    rtols: Sequence[jax.Array | float],
+) -> list[BucketStats]:
+    """Benefit and interference of every direction of several buckets (pure, traceable).
+
+    Each bucket is ``(a, b, scale, rank)``:
+
+    * ``a (n, M, d_in, r)`` input factors, zero-padded to ``r`` (a task lacking a module is zero);
+    * ``b (n, M, r, d_out)`` output factors, zero-padded likewise;
+    * ``scale (n, M)`` LoRA scales; ``rank (n, M)`` int, each task's own rank (slots
+      ``k >= rank`` are never candidates).
+
+    All buckets share two ``eigh`` calls (see :func:`eigh_batched`); everything else is per
+    bucket. Free of global state: lambda and utilities are computed across buckets by the caller,
+    so buckets can be streamed or sharded.
+
+    Returns:
+      one :class:`BucketStats` per bucket, arrays ``(n, M, r)``.
+    """
+    grams = [_grams(a, b, s) for a, b, s, _ in buckets]
+    eig_h = eigh_batched([gr.h for gr in grams])
+    cores = [_cores(gr, phi, f) for gr, (phi, f) in zip(grams, eig_h, strict=True)]
+    eig_c = eigh_batched([c for _, c in cores])
+    return [
+        _finish(gr, rbt, ev, z, bk[3], alpha, rtol)
+        for gr, (rbt, _), (ev, z), bk, rtol in zip(grams, cores, eig_c, buckets, rtols, strict=True)
+    ]
+
+
 def score_bucket(
     a: jax.Array,
     b: jax.Array,
@@ -98,64 +234,8 @@ def score_bucket(
     alpha: jax.Array | float,
     rtol: jax.Array | float,
 ) -> BucketStats:
-    """Benefit and interference of every direction of one bucket of modules (pure, traceable).
-
-    Args:
-      a: ``(n, M, d_in, r)`` input factors, zero-padded to ``r``; a task lacking a module is zero.
-      b: ``(n, M, r, d_out)`` output factors, zero-padded likewise.
-      scale: ``(n, M)`` LoRA scales.
-      rank: ``(n, M)`` int, each task's own rank (padded slots ``k >= rank`` are never candidates).
-      alpha: geometry exponent (1 Gram, 0 row space).
-      rtol: relative singular-value cut for candidates.
-
-    Returns:
-      :class:`BucketStats`. Free of global state: lambda and utilities are computed across buckets
-      by the caller, so buckets can be streamed or sharded.
-    """
-    _n, m_tasks, _, r = a.shape
-    g = jnp.einsum("nidk,njdl->nikjl", a, a, precision=_HI)  # (n, M, r, M, r)
-    h = jnp.einsum("nikd,nild->nikl", b, b, precision=_HI)  # (n, M, r, r)
-    gii = jnp.einsum("nikil->nikl", g)  # (n, M, r, r)
-    finite = (
-        jnp.isfinite(jnp.diagonal(gii, axis1=-2, axis2=-1)).all(-1)
-        & jnp.isfinite(jnp.diagonal(h, axis1=-2, axis2=-1)).all(-1)
-        & jnp.isfinite(scale)
-    )
-    g = jnp.where(jnp.isfinite(g), g, 0)
-    h = jnp.where(jnp.isfinite(h), h, 0)
-    gii = jnp.where(jnp.isfinite(gii), gii, 0)
-    scale = jnp.where(jnp.isfinite(scale), scale, 0)
-
-    phi, f = jnp.linalg.eigh(h)
-    rbt = f * jnp.sqrt(jnp.clip(phi, 0))[..., None, :]  # R_b^T, (n, M, r, r)
-    core = (scale**2)[..., None, None] * jnp.einsum(
-        "nika,nikl,nilb->niab", rbt, gii, rbt, precision=_HI
-    )
-    core = 0.5 * (core + jnp.swapaxes(core, -1, -2))
-    ev, z = jnp.linalg.eigh(core)
-    ev, z = ev[..., ::-1], z[..., ::-1]  # descending
-    sig = jnp.sqrt(jnp.clip(ev, 0))
-    smax = sig[..., 0]
-    slot = jnp.arange(r, dtype=rank.dtype) < rank[..., None]
-    cand = slot & (sig > rtol * smax[..., None]) & (smax[..., None] > 0)
-    sig = jnp.where(cand, sig, 0)
-    inv = jnp.where(cand, 1 / jnp.where(cand, sig, 1), 0)
-    t_in = scale[..., None, None] * jnp.matmul(rbt, z, precision=_HI) * inv[..., None, :]
-    gt = jnp.einsum("njaib,nibm->njaim", g, t_in, precision=_HI)
-    ov = jnp.einsum("njak,njaim->njkim", t_in, gt, precision=_HI)  # v_jk . v_im
-
-    rel = _safe_div(sig, smax[..., None])  # s / s_max: scale-free powers, no underflow
-    p = jnp.where(cand, rel ** (2 + 2 * alpha), 0)
-    wt = p.sum(-1)
-    benefit = _safe_div(p, wt[..., None])
-    c = _safe_div(
-        jnp.where(cand, rel ** (2 * alpha), 0), wt[..., None]
-    )  # s_in^(2a)/w_i / s_max_i^-2
-    per_task = jnp.einsum("njkim,nim->njki", ov**2, c)  # (n, M_j, r, M_i)
-    ratio2 = _safe_div(sig[..., None], smax[:, None, None, :]) ** 2  # (s_jk / s_max_i)^2
-    off = 1 - jnp.eye(m_tasks, dtype=sig.dtype)
-    interference = jnp.where(cand, (ratio2 * per_task * off[None, :, None, :]).sum(-1), 0)
-    return BucketStats(sig, benefit, interference, cand, finite)
+    """:func:`score_buckets` for one bucket: ``a (n, M, d_in, r)``, ``b (n, M, r, d_out)``."""
+    return score_buckets([(a, b, scale, rank)], alpha=alpha, rtols=[rtol])[0]
 
 
 def lam_auto(benefit: jax.Array, interference: jax.Array, candidate: jax.Array) -> jax.Array:
@@ -176,12 +256,11 @@ def lam_auto(benefit: jax.Array, interference: jax.Array, candidate: jax.Array) 
 @functools.partial(jax.jit, static_argnames=("meta", "lam_is_auto"))
 def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto):
     dtype = meta[0]
-    stats = []
-    for (a, b, s), (d_in, d_out, r_max), rtol in zip(inputs, meta[1], rtols, strict=True):
-        A, B, S, R = _tree.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
-        if stats:  # one bucket's LAPACK calls at a time (see decompose.serialize_after)
-            A, B = serialize_after((A, B), stats[-1].sigma)
-        stats.append(score_bucket(A, B, S, R, alpha=alpha, rtol=rtol))
+    stacked = [
+        _tree.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
+        for (a, b, s), (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True)
+    ]
+    stats = score_buckets(stacked, alpha=alpha, rtols=rtols)
     if lam_is_auto:
         lam = lam_auto(
             jnp.concatenate([st.benefit.ravel() for st in stats]),
@@ -192,16 +271,20 @@ def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto):
     out = []
     for st in stats:
         util = jnp.where(st.candidate, st.benefit - lam * st.interference, -jnp.inf)
-        out.append(
-            (
-                tuple(
-                    ModuleScores(st.sigma[k], st.benefit[k], st.interference[k], util[k])
-                    for k in range(st.sigma.shape[0])
-                ),
-                st.finite,
-            )
-        )
+        out.append((ModuleScores(st.sigma, st.benefit, st.interference, util), st.finite))
     return tuple(out), lam
+
+
+def unstack(x: jax.Array) -> list[jax.Array]:
+    """Split the leading axis of a bucket-level array into one array per module.
+
+    Done on the host (one device_put of numpy views): slicing many outputs inside a jitted graph
+    costs XLA seconds of compile time per bucket shape. Traced inputs are sliced in the graph.
+    """
+    if isinstance(x, jax.core.Tracer):
+        return [x[i] for i in range(x.shape[0])]
+    h = np.asarray(x)
+    return jax.device_put([h[i] for i in range(h.shape[0])], x.sharding)
 
 
 def _raise_nonfinite(fn: str, bucket: _tree.Bucket, finite: np.ndarray) -> None:
@@ -317,7 +400,7 @@ def score(
     )
     if not isinstance(lam_used, jax.core.Tracer):
         # Finish before returning: two LAPACK-using executables in flight at once can deadlock
-        # jaxlib's CPU thread pool (see decompose.serialize_after).
+        # jaxlib's CPU thread pool (see eigh_batched).
         jax.block_until_ready((outs, lam_used))
     by_name: dict[str, ModuleScores] = {}
     for bk, (mods, finite) in zip(buckets, outs, strict=True):
@@ -325,7 +408,8 @@ def score(
             fin = np.asarray(finite)
             if not fin.all():
                 _raise_nonfinite(fn, bk, fin)
-        by_name.update(zip(bk.names, mods, strict=True))
+        per_module = zip(*(unstack(f) for f in mods), strict=True)
+        by_name.update(zip(bk.names, (ModuleScores(*f) for f in per_module), strict=True))
     if not isinstance(lam_used, jax.core.Tracer) and not any(
         np.asarray(ms.sigma).any() for ms in by_name.values()
     ):
