@@ -156,7 +156,9 @@ def test_lora_svd_errors():
         nu.lora_svd(np.ones((2, 8, 3), np.float32), np.ones((3, 3, 6), np.float32))
     with pytest.raises(ValueError, match=r"do not chain"):
         nu.lora_svd(np.ones((8,), np.float32), np.ones((8, 6), np.float32))
-    with pytest.raises(TypeError, match=r"nu.lora_svd: lora_a has dtype int32; expected a floating dtype"):
+    with pytest.raises(
+        TypeError, match=r"nu.lora_svd: lora_a has dtype int32; expected a floating dtype"
+    ):
         nu.lora_svd(np.ones((8, 3), np.int32), np.ones((3, 6), np.float32))
 
 

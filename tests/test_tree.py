@@ -254,7 +254,8 @@ def test_nonfinite_scale(value):
     rng = np.random.default_rng(12)
     ads = [{"m": _mod(rng, scale=np.float32(1.0))}, {"m": _mod(rng, scale=np.float32(value))}]
     with pytest.raises(
-        ValueError, match=r"nu\.score: scale of module 'm', task 1 \(lora_a \(8, 3\), lora_b \(3, 6\)\), is .*expected a finite"
+        ValueError,
+        match=r"nu\.score: scale of module 'm', task 1 \(lora_a \(8, 3\), lora_b \(3, 6\)\), is .*expected a finite",
     ):
         nu.score(ads)
     with pytest.raises(ValueError, match=r"nu\.task_energies: scale of module 'm', task 1"):
