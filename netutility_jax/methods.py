@@ -1,0 +1,304 @@
+"""Merge operators on task updates in some coordinate system (paper, Baselines).
+
+Every kernel here is pure, written for stacked tasks and batched over any leading axes, so one
+call merges a whole bucket of modules. Two input forms:
+
+* **factored** tasks ``A (..., M, p, r)``, ``B (..., M, q, r)`` with task ``i``'s update
+  ``X_i = A_i @ B_i^T`` (``p`` the input side, ``q`` the output side, kernel layout). Columns that
+  are not kept are zero. The spectral methods (TA, TSV, Iso-C, Iso-CTS) work here and return a
+  factored result ``(A_m (..., p, K), B_m (..., q, K))``: they never form a ``(p, q)`` matrix.
+* **dense** tasks ``X (..., M, p, q)``: the elementwise methods (TIES, DARE, DARE-TIES) need entry
+  access and return a dense ``(..., p, q)`` result.
+
+Thin SVDs of factored matrices use QR of both factors plus a small core SVD (MATH.md 1, 6).
+Singular values at or below ``rtol * s_max`` count as zero (``rtol`` = :func:`rank_rtol`).
+
+References:
+  Ilharco et al. 2023 (Task Arithmetic); Yadav et al. 2023 (TIES); Yu et al. 2024 (DARE);
+  Gargiulo et al. 2025 (TSV-Merge); Marczak et al. 2025 (Iso-C, Iso-CTS).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def rank_rtol(dims: tuple[int, ...], dtype) -> float:
+    """Relative singular-value cut for numerical rank: ``max(dims) * eps(dtype)`` (numpy's rule)."""
+    return float(max(dims) * np.finfo(np.dtype(dtype)).eps)
+
+
+def _mm(x, y):
+    return jnp.matmul(x, y, precision=_HI)
+
+
+def _t(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _orth_pass(x: jax.Array, rtol2: float) -> tuple[jax.Array, jax.Array]:
+    g = _mm(_t(x), x)
+    g = 0.5 * (g + _t(g))
+    lam, e = jnp.linalg.eigh(g)
+    keep = lam > rtol2 * jnp.max(lam, -1, keepdims=True)
+    root = jnp.sqrt(jnp.where(keep, lam, 0))
+    inv = jnp.where(keep, 1 / jnp.where(keep, root, 1), 0)
+    return _mm(x, e * inv[..., None, :]), _t(e * root[..., None, :])
+
+
+def orth_qr(x: jax.Array, *, rtol: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """``x = Q R`` for tall ``x (..., d, K)`` from Grams (CholeskyQR2-style, eigh instead of chol).
+
+    Two passes of ``Q = x E Lambda^-1/2`` with ``x^T x = E Lambda E^T``: the second restores
+    orthogonality to working precision. Directions with ``lambda <= max(rtol^2, 10 K eps) lambda_max``
+    are dropped (zero columns of ``Q``), never inverted. All d-sized work is matmuls; the
+    eigenproblems are ``K x K``. (jaxlib 0.10's batched LAPACK QR stalls on tall batches on CPU.)
+    """
+    k = x.shape[-1]
+    rtol2 = max(rtol**2, 10 * k * float(jnp.finfo(x.dtype).eps))
+    q1, r1 = _orth_pass(x, rtol2)
+    q2, r2 = _orth_pass(q1, 10 * k * float(jnp.finfo(x.dtype).eps))
+    return q2, _mm(r2, r1)
+
+
+class FactoredSVD(NamedTuple):
+    """Thin SVD ``A B^T = U diag(s) V^T`` of a factored matrix; ``keep`` marks nonzero values.
+
+    ``U (..., p, k)``, ``s (..., k)`` descending, ``V (..., q, k)``, ``keep (..., k)`` bool. Columns
+    with ``keep = False`` are zeroed in ``U``, ``s`` and ``V``.
+    """
+
+    u: jax.Array
+    s: jax.Array
+    v: jax.Array
+    keep: jax.Array
+
+
+def factored_svd(a: jax.Array, b: jax.Array, *, rtol: float) -> FactoredSVD:
+    """Thin SVD of ``a @ b^T`` from QR of ``a (..., p, K)`` and ``b (..., q, K)`` (MATH.md 1).
+
+    Cost ``O((p + q) K^2)``; the ``(p, q)`` product is never formed.
+    """
+    qa, ra = orth_qr(a, rtol=rtol)
+    qb, rb = orth_qr(b, rtol=rtol)
+    w, s, zt = jnp.linalg.svd(_mm(ra, _t(rb)), full_matrices=False)
+    keep = (s > rtol * s[..., :1]) & (s > 0)
+    s = jnp.where(keep, s, 0)
+    u = jnp.where(keep[..., None, :], _mm(qa, w), 0)
+    v = jnp.where(keep[..., None, :], _mm(qb, _t(zt)), 0)
+    return FactoredSVD(u, s, v, keep)
+
+
+def polar(x: jax.Array, *, rtol: float) -> jax.Array:
+    """Polar factor ``P Q^T`` of ``x (..., p, K)`` on its nonzero spectrum (pseudo-inverse sqrt).
+
+    ``x = Q_1 R_1``, ``R_1 = W S Z^T``: the polar factor is ``Q_1 W Z^T`` restricted to ``S > rtol
+    S_max``. Zero columns of ``x`` map to zero columns, so zero-padded (unkept) slots stay inert;
+    nonzero columns that are linearly independent map to orthonormal columns.
+    """
+    q, r = orth_qr(x, rtol=rtol)
+    w, s, zt = jnp.linalg.svd(r, full_matrices=False)
+    keep = (s > rtol * s[..., :1]) & (s > 0)
+    return _mm(jnp.where(keep[..., None, :], _mm(q, w), 0), zt)
+
+
+def _concat_tasks(x: jax.Array) -> jax.Array:
+    """``(..., M, p, r)`` -> ``(..., p, M r)``: the tasks' columns side by side."""
+    *lead, m, p, r = x.shape
+    return jnp.moveaxis(x, -3, -2).reshape(*lead, p, m * r)
+
+
+def _flatten(s: jax.Array, keep: jax.Array) -> jax.Array:
+    """Replace the kept singular values by their mean; zeros stay zero (none kept -> all zero)."""
+    n = keep.sum(-1, keepdims=True, dtype=jnp.int32)
+    mean = jnp.where(keep, s, 0).sum(-1, keepdims=True) / jnp.maximum(n, 1).astype(s.dtype)
+    return jnp.where(keep, mean, 0)
+
+
+def ta(a: jax.Array, b: jax.Array, *, coef) -> tuple[jax.Array, jax.Array]:
+    """Task Arithmetic ``coef * sum_i X_i`` on factored tasks: the factors side by side.
+
+    Returns ``(coef * [A_1 .. A_M], [B_1 .. B_M])``, rank ``K = M r`` slots (unkept slots zero).
+    """
+    return coef * _concat_tasks(a), _concat_tasks(b)
+
+
+def iso_c(a: jax.Array, b: jax.Array, *, coef, rtol: float) -> tuple[jax.Array, jax.Array]:
+    """Iso-C: the TA sum with its nonzero singular values replaced by their mean.
+
+    ``sum_i X_i = U diag(s) V^T`` (thin SVD from factors), result ``coef * U (mean s) V^T`` where the
+    mean runs over the nonzero singular values only (the Core Space code also averages zeros in full
+    space, which shrinks the result with the matrix size; we do not).
+    """
+    f = factored_svd(_concat_tasks(a), _concat_tasks(b), rtol=rtol)
+    return coef * f.u * _flatten(f.s, f.keep)[..., None, :], f.v
+
+
+def tsv(
+    a: jax.Array, b: jax.Array, *, coef, rtol: float, is_svd: bool = False, isotropize: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """TSV-Merge: concatenate every task's singular triplets, orthogonalise each side (polar).
+
+    Per task ``X_i = U_i diag(s_i) V_i^T`` (its kept components); ``U = [U_1 .. U_M]``,
+    ``V = [V_1 .. V_M]`` are replaced by their polar factors and the result is
+    ``coef * polar(U) diag(s) polar(V)^T``. With ``isotropize`` the kept ``s`` are replaced by their
+    mean (the paper's "Iso-C + TSV"). ``is_svd`` says the factored tasks are already
+    ``A_i = U_i diag(s_i)``, ``B_i = V_i`` with orthonormal kept columns (skips the per-task SVD).
+    """
+    if is_svd:
+        s = jnp.linalg.norm(a, axis=-2)
+        keep = s > 0
+        u = a / jnp.where(keep, s, 1)[..., None, :]
+        v = b
+    else:
+        u, s, v, keep = factored_svd(a, b, rtol=rtol)
+    u, v = _concat_tasks(u), _concat_tasks(v)
+    s, keep = (
+        _concat_tasks(s[..., None, :])[..., 0, :],
+        _concat_tasks(keep[..., None, :])[..., 0, :],
+    )
+    if isotropize:
+        s = _flatten(s, keep)
+    return coef * polar(u, rtol=rtol) * s[..., None, :], polar(v, rtol=rtol)
+
+
+def iso_cts(
+    a: jax.Array, b: jax.Array, *, coef, rtol: float, common_fraction: float = 0.8
+) -> tuple[jax.Array, jax.Array]:
+    """Iso-CTS (Marczak et al. 2025) on factored tasks.
+
+    1. Common subspace: the top ``floor(common_fraction * D)`` singular triplets of the TA sum, where
+       ``D`` is the TA sum's numerical rank (the space the low-rank tasks span; the reference uses
+       ``min(d_out, d_in)``, which for LoRA updates would leave nothing task-specific).
+    2. Task-specific: each task's update with the common output directions projected out,
+       ``X_i (I - V_c V_c^T)``, keeps its top ``floor((D - k_c) / M)`` triplets.
+    3. Concatenate, replace each side by its polar factor, and set every kept singular value to the
+       mean of the concatenated ones: ``coef * polar(U) (mean s) polar(V)^T``.
+    """
+    m_tasks = a.shape[-3]
+    f = factored_svd(_concat_tasks(a), _concat_tasks(b), rtol=rtol)
+    d = f.keep.sum(-1, dtype=jnp.int32)  # (...,)
+    k_c = jnp.floor(jnp.asarray(common_fraction, f.s.dtype) * d.astype(f.s.dtype)).astype(jnp.int32)
+    n_t = (d - k_c) // m_tasks
+    kc_mask = jnp.arange(f.s.shape[-1], dtype=jnp.int32) < k_c[..., None]
+    uc = jnp.where(kc_mask[..., None, :], f.u, 0)
+    sc = jnp.where(kc_mask, f.s, 0)
+    vc = jnp.where(kc_mask[..., None, :], f.v, 0)
+    # residual of each task outside the common output directions (projection on the q side)
+    vc_t = vc[..., None, :, :]
+    b_res = b - _mm(vc_t, _mm(_t(vc_t), b))
+    rs = factored_svd(a, b_res, rtol=rtol)
+    t_mask = (jnp.arange(rs.s.shape[-1], dtype=jnp.int32) < n_t[..., None, None]) & rs.keep
+    ur = _concat_tasks(jnp.where(t_mask[..., None, :], rs.u, 0))
+    vr = _concat_tasks(jnp.where(t_mask[..., None, :], rs.v, 0))
+    sr = _concat_tasks(jnp.where(t_mask, rs.s, 0)[..., None, :])[..., 0, :]
+    keep_r = _concat_tasks(t_mask[..., None, :])[..., 0, :]
+    u = jnp.concatenate([uc, ur], -1)
+    v = jnp.concatenate([vc, vr], -1)
+    s = jnp.concatenate([sc, sr], -1)
+    keep = jnp.concatenate([kc_mask & f.keep, keep_r], -1)
+    s = _flatten(s, keep)
+    return coef * polar(u, rtol=rtol) * s[..., None, :], polar(v, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise methods on dense tasks
+# ---------------------------------------------------------------------------------------------
+
+
+def _uint_of(dtype):
+    return {4: jnp.uint32, 8: jnp.uint64, 2: jnp.uint16}[jnp.dtype(dtype).itemsize]
+
+
+def kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
+    """Exact k-th largest entry of the non-negative ``x (..., n)`` per leading index (``k >= 1``).
+
+    Bisection over the bit patterns of the floats (monotone for non-negative values): one count per
+    bit, so ``O(n * bits)`` with no sort and no ``top_k`` of size ``k``.
+    """
+    ut = _uint_of(x.dtype)
+    bits = jnp.dtype(ut).itemsize * 8
+    xi = jax.lax.bitcast_convert_type(x, ut)
+    k = jnp.asarray(k)
+
+    def body(i, t):
+        cand = t | (jnp.asarray(1, ut) << jnp.asarray(bits - 1 - i, ut))
+        cnt = (xi >= cand[..., None]).sum(-1, dtype=jnp.int32)
+        return jnp.where(cnt >= k, cand, t)
+
+    t = jax.lax.fori_loop(0, bits, body, jnp.zeros(x.shape[:-1], ut))
+    return jax.lax.bitcast_convert_type(t, x.dtype)
+
+
+def topk_count(density, n) -> jax.Array:
+    """``int(density * n)`` with ``density`` and ``n`` possibly traced (TIES's kept count).
+
+    The product is nudged up by a few ulps so that an exact integer product (``0.3 * 10``) is not
+    floored one below by rounding.
+    """
+    dens = jnp.asarray(density)
+    dt = dens.dtype if jnp.issubdtype(dens.dtype, jnp.floating) else jnp.dtype(jnp.float32)
+    prod = dens.astype(dt) * jnp.asarray(n).astype(dt)
+    return jnp.floor(prod * (1 + 8 * jnp.finfo(dt).eps)).astype(jnp.int32)
+
+
+def trim_topk(x: jax.Array, k: jax.Array | int) -> jax.Array:
+    """Keep exactly ``k`` largest-magnitude entries of each task ``x (..., M, p, q)``.
+
+    ``k`` is a scalar or ``(...)`` (one count per leading index, shared by the M tasks); TIES uses
+    ``k = int(density * n)`` over the ``n`` real entries (:func:`topk_count`). Ties at the threshold
+    are broken towards the lower flat index, so exactly ``k`` are kept (PEFT's ``magnitude`` prune).
+    ``k = 0`` keeps nothing.
+    """
+    shape = x.shape
+    flat = x.reshape(*shape[:-2], -1)
+    n = flat.shape[-1]
+    k = jnp.minimum(jnp.asarray(k, jnp.int32), n)[..., None, None]  # (..., 1, 1) over tasks, n
+    mag = jnp.abs(flat)
+    t = kth_largest(mag, jnp.maximum(k[..., 0], 1))[..., None]
+    above = mag > t
+    at = mag == t
+    room = k - above.sum(-1, keepdims=True, dtype=jnp.int32)
+    keep = (above | (at & (jnp.cumsum(at, -1, dtype=jnp.int32) <= room))) & (k > 0)
+    return jnp.where(keep, flat, 0).reshape(shape)
+
+
+def disjoint_mean(x: jax.Array) -> jax.Array:
+    """TIES sign election and disjoint mean over the task axis ``-3`` of ``x (..., M, p, q)``.
+
+    Elected sign: sign of the sum over tasks (zero -> +). Each entry is the mean of the tasks'
+    nonzero values that agree with it (zero if none).
+    """
+    sign = jnp.where(x.sum(-3) >= 0, 1.0, -1.0).astype(x.dtype)
+    agree = (x != 0) & (jnp.sign(x) == sign[..., None, :, :])
+    cnt = agree.sum(-3, dtype=jnp.int32)
+    tot = jnp.where(agree, x, 0).sum(-3)
+    return tot / jnp.maximum(cnt, 1).astype(x.dtype)
+
+
+def ties(x: jax.Array, *, coef, k) -> jax.Array:
+    """TIES-Merging: trim each task to its ``k`` largest entries (``k = int(density * n)``), elect
+    signs, disjoint mean, times ``coef``."""
+    return coef * disjoint_mean(trim_topk(x, k))
+
+
+def dare_drop(x: jax.Array, key: jax.Array, p) -> jax.Array:
+    """Drop each entry with probability ``p`` and rescale the survivors by ``1 / (1 - p)``."""
+    keep = jax.random.bernoulli(key, 1.0 - jnp.asarray(p, jnp.float32), x.shape)
+    return jnp.where(keep, x / (1.0 - jnp.asarray(p, x.dtype)), 0)
+
+
+def dare(x: jax.Array, key: jax.Array, *, coef, p) -> jax.Array:
+    """DARE (linear): random drop-and-rescale per task, then ``coef * sum``."""
+    return coef * dare_drop(x, key, p).sum(-3)
+
+
+def dare_ties(x: jax.Array, key: jax.Array, *, coef, p) -> jax.Array:
+    """DARE-TIES: random drop-and-rescale per task, then TIES sign election and disjoint mean."""
+    return coef * disjoint_mean(dare_drop(x, key, p))

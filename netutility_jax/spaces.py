@@ -1,0 +1,210 @@
+"""Merge spaces as transforms of each task's kept components: full, Core Space and KnOTS.
+
+A space turns task ``i``'s kept update ``dK_i`` (kernel layout, ``(d_in, d_out)``) into coordinates
+``X_i = A_i B_i^T`` of shape ``(p, q)``, in which a merge method runs, and maps a merged ``X`` back:
+``dK = left @ X @ right^T``. All three transforms are computed from the factors (QR of stacked
+``(d, M r)`` factors plus ``(M r)``-sized SVDs), never from a dense ``(d_in, d_out)`` matrix, and are
+batched over the modules of a bucket: every array has a leading module axis ``n``.
+
+* **full**: ``X_i = dK_i``; ``A_i = in_dirs_i diag(s_i)``, ``B_i = out_dirs_i`` (already an SVD).
+* **core** (Panariello et al. 2025): reference bases are the left singular vectors ``L (d_in, D)``
+  of the task-stacked input factors ``[a_1 .. a_M]`` and ``R (d_out, D)`` of the stacked output
+  factors ``[b_1^T .. b_M^T]``; core matrices ``X_i = L^T dK_i R`` are ``(D, D)``, ``D <= M r``
+  (the paper's ``M_i = U_ref^T B_i A_i V_ref``, transposed). Lossless: ``L L^T dK_i R R^T = dK_i``.
+  With a selection, each task's factors are first projected on its kept directions
+  (``a_i' = P_i P_i^T a_i``, ``b_i'^T = Q_i Q_i^T b_i^T``, so ``s_i a_i' b_i' = `` the kept update,
+  and with everything kept ``a_i' = a_i``): the bases span exactly the kept components.
+  The bases come from the unscaled factors, as in the Core Space code.
+* **knots** (Stoica et al. 2024): the SVD ``U diag(S) [V_1 .. V_M]`` of the task concatenation
+  ``[dW_1 .. dW_M]`` (paper layout). Its shared output basis ``U (d_out, k)`` and ``S`` are the left
+  singular vectors and values of ``Z = [Q_1 diag(s_1) .. Q_M diag(s_M)]`` (``d_out, M r``), since
+  ``sum_i dW_i dW_i^T = Z Z^T``; so one QR of ``Z`` and a ``(M r)``-sized SVD suffice. Task blocks
+  in kernel layout are ``X_i = dK_i U S^-1 = V_i^T`` (``(d_in, k)``, the Core Space code's variant,
+  default) or ``X_i = dK_i U = (S V_i)^T`` (``variant="original"``, KnOTS's scaled blocks); the
+  merged block maps back by ``S U^T`` or ``U^T``. Singular values ``S <= rtol S_max`` are dropped.
+
+Components: task ``i``'s thin SVD from :func:`nu.lora_svd`; slot ``k`` is its k-th largest singular
+direction. A slot is kept where the mask says so and it is a candidate (inside the task's rank and
+``s > rtol_cand * s_max``, the rule of :func:`nu.score`).
+
+References:
+  Panariello et al., "Accurate and Efficient Low-Rank Model Merging in Core Space", 2025.
+  Stoica et al., "Model merging with SVD to tie the KnOTS", 2024.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import methods as _m
+
+_HI = jax.lax.Precision.HIGHEST
+SPACES = ("full", "core", "knots")
+KNOTS_VARIANTS = ("core_space", "original")
+
+
+def _mm(x, y):
+    return jnp.matmul(x, y, precision=_HI)
+
+
+def _t(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+class Kept(NamedTuple):
+    """Kept components of a bucket, zero where not kept.
+
+    Attributes:
+      in_dirs: ``(n, M, d_in, r)`` orthonormal input directions.
+      s: ``(n, M, r)`` singular values.
+      out_dirs: ``(n, M, d_out, r)`` orthonormal output directions.
+      keep: ``(n, M, r)`` bool.
+    """
+
+    in_dirs: jax.Array
+    s: jax.Array
+    out_dirs: jax.Array
+    keep: jax.Array
+
+
+def kept_components(a, b, scale, rank, mask, *, cand_rtol) -> Kept:
+    """Thin SVD of every task's update and the kept slots (mask & candidate).
+
+    Args:
+      a: ``(n, M, d_in, r)``, b: ``(n, M, r, d_out)``, scale: ``(n, M)``, rank: ``(n, M)`` int,
+      mask: ``(n, M, r)`` bool. cand_rtol: relative cut of candidates.
+    """
+    u = _factor_svd(a, b, scale)
+    r = a.shape[-1]
+    smax = u.s[..., :1]
+    keep = (
+        mask
+        & (jnp.arange(r, dtype=jnp.int32) < rank.astype(jnp.int32)[..., None])
+        & (u.s > cand_rtol * smax)
+        & (smax > 0)
+    )
+    kf = keep.astype(u.s.dtype)
+    return Kept(u.in_dirs * kf[..., None, :], u.s * kf, u.out_dirs * kf[..., None, :], keep)
+
+
+def _factor_svd(a, b, scale):
+    """``nu.lora_svd``'s result (descending ``s``, ``in_dirs``, ``out_dirs``) by the Gram route.
+
+    Same factorisation as :func:`nu.lora_svd` (``a = Q_a R_a``, ``b^T = Q_b R_b``, SVD of the
+    ``r x r`` core) with the QRs from :func:`methods.orth_qr` (jaxlib's batched LAPACK QR stalls
+    on batches of tall factors on CPU).
+    """
+    qa, ra = _m.orth_qr(a)
+    qb, rb = _m.orth_qr(_t(b))
+    core = scale[..., None, None] * _mm(ra, _t(rb))
+    w, s, zt = jnp.linalg.svd(core, full_matrices=False)
+    return _SVD(_mm(qa, w), s, _mm(qb, _t(zt)))
+
+
+class _SVD(NamedTuple):
+    in_dirs: jax.Array
+    s: jax.Array
+    out_dirs: jax.Array
+
+
+class Coords(NamedTuple):
+    """Tasks in a space's coordinates, ``X_i = a_i b_i^T`` of shape ``(p, q)``.
+
+    Attributes:
+      a: ``(n, M, p, r)``; b: ``(n, M, q, r)``.
+      left: ``(n, d_in, p)`` orthonormal map of the input side back to ``d_in``, or None (identity).
+      right: ``(n, d_out, q)`` map of the output side back to ``d_out``, or None (identity).
+      right_scale: ``(n, q)`` diagonal applied before ``right`` when mapping back, or None.
+    """
+
+    a: jax.Array
+    b: jax.Array
+    left: jax.Array | None
+    right: jax.Array | None
+    right_scale: jax.Array | None
+
+
+def _basis(x: jax.Array, rtol: float) -> jax.Array:
+    """Left singular vectors of ``x (..., d, K)`` (QR, then SVD of R), zeroed past its rank."""
+    q, r = _m.orth_qr(x, rtol=rtol)
+    w, s, _ = jnp.linalg.svd(r, full_matrices=False)
+    keep = (s > rtol * s[..., :1]) & (s > 0)
+    return jnp.where(keep[..., None, :], _mm(q, w), 0)
+
+
+def full_coords(k: Kept) -> Coords:
+    """Full space: ``A_i = in_dirs_i diag(s_i)``, ``B_i = out_dirs_i``."""
+    return Coords(k.in_dirs * k.s[..., None, :], k.out_dirs, None, None, None)
+
+
+def core_coords(k: Kept, a: jax.Array, b: jax.Array, *, rtol: float) -> Coords:
+    """Core Space bases and ``(D, D)`` core coordinates from the (kept-projected) factors."""
+    # a_i' = P_i (P_i^T a_i): the input factor restricted to the kept input directions.
+    a_p = _mm(k.in_dirs, _mm(_t(k.in_dirs), a))  # (n, M, d_in, r)
+    b_p = _mm(k.out_dirs, _mm(_t(k.out_dirs), _t(b)))  # (n, M, d_out, r)
+    left = _basis(_m._concat_tasks(a_p), rtol)  # (n, d_in, D)
+    right = _basis(_m._concat_tasks(b_p), rtol)  # (n, d_out, D)
+    ca = _mm(_t(left)[:, None], k.in_dirs) * k.s[..., None, :]  # (n, M, D, r)
+    cb = _mm(_t(right)[:, None], k.out_dirs)  # (n, M, D, r)
+    return Coords(ca, cb, left, right, None)
+
+
+def knots_coords(k: Kept, *, rtol: float, variant: str = "core_space") -> Coords:
+    """KnOTS shared output basis ``U`` from ``Z = [Q_i diag(s_i)]`` and per-task blocks."""
+    z = _m._concat_tasks(k.out_dirs * k.s[..., None, :])  # (n, d_out, M r)
+    q, rz = _m.orth_qr(z, rtol=rtol)
+    w, s, _ = jnp.linalg.svd(rz, full_matrices=False)  # rz: (n, M r, M r)
+    keep = (s > rtol * s[..., :1]) & (s > 0)
+    s = jnp.where(keep, s, 0)
+    u = jnp.where(keep[..., None, :], _mm(q, w), 0)  # (n, d_out, k)
+    # U^T Q_i diag(s_i) = W^T Rz_i: per task a (k, r) block, no d-sized work.
+    m_tasks, r = k.s.shape[-2], k.s.shape[-1]
+    proj = _mm(jnp.where(keep[..., :, None], _t(w), 0), rz)  # (n, k, M r)
+    proj = jnp.moveaxis(proj.reshape(*proj.shape[:-1], m_tasks, r), -2, -3)  # (n, M, k, r)
+    if variant == "original":
+        cb, rs = proj, None
+    else:
+        inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0)
+        cb, rs = proj * inv[:, None, :, None], s
+    # X_i = in_dirs_i (U^T Q_i diag(s_i) [S^-1])^T: the task's kept in_dirs times a (k, r) block
+    return Coords(k.in_dirs, cb, None, u, rs)
+
+
+def dense_tasks(c: Coords) -> jax.Array:
+    """``X_i = a_i b_i^T`` for every task: ``(n, M, p, q)`` (only for elementwise methods)."""
+    return _mm(c.a, _t(c.b))
+
+
+def decode_factored(c: Coords, am: jax.Array, bm: jax.Array, *, rtol: float, compact: bool):
+    """Map a factored merge ``X = am bm^T`` (``am (n, p, K)``, ``bm (n, q, K)``) back to LoRA form.
+
+    Returns ``(lora_a (n, d_in, K'), lora_b (n, K', d_out), live (n, K'))`` with the live columns
+    first; ``live.sum(-1)`` is each module's rank. With ``compact`` the result is re-factored by a
+    thin SVD (its numerical rank), otherwise live columns are the nonzero ones.
+    """
+    if c.right_scale is not None:
+        bm = bm * c.right_scale[:, :, None]
+    if compact:
+        f = _m.factored_svd(am, bm, rtol=rtol)
+        am, bm, live = f.u * f.s[..., None, :], f.v, f.keep
+    else:
+        live = (jnp.abs(am).sum(-2) > 0) & (jnp.abs(bm).sum(-2) > 0)
+    if c.left is not None:
+        am = _mm(c.left, am)
+    if c.right is not None:
+        bm = _mm(c.right, bm)
+    order = jnp.argsort(~live, axis=-1, stable=True)
+    am = jnp.take_along_axis(am, order[:, None, :], -1)
+    bm = jnp.take_along_axis(bm, order[:, None, :], -1)
+    live = jnp.take_along_axis(live, order, -1)
+    return jnp.where(live[:, None, :], am, 0), _t(jnp.where(live[:, None, :], bm, 0)), live
+
+
+def decode_dense(c: Coords, x: jax.Array, *, rtol: float):
+    """Map a dense merge in coordinates ``x (n, p, q)`` back to LoRA form (thin SVD of ``x``)."""
+    q = x.shape[-1]
+    eye = jnp.broadcast_to(jnp.eye(q, dtype=x.dtype), (x.shape[0], q, q))
+    return decode_factored(c, x, eye, rtol=rtol, compact=True)

@@ -1,0 +1,136 @@
+"""Merge operators (netutility_jax.methods) against dense float64 numpy, one module at a time."""
+
+from __future__ import annotations
+
+import _merge_reference as ref
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from netutility_jax import methods as m
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _tasks(seed=0, m_tasks=3, p=14, q=10, r=3):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(m_tasks, p, r))
+    b = rng.normal(size=(m_tasks, q, r))
+    return a, b, [a[i] @ b[i].T for i in range(m_tasks)]
+
+
+RT = 1e-10
+
+
+def _dense(ab):
+    return np.asarray(ab[0]) @ np.asarray(ab[1]).T
+
+
+def test_ta():
+    a, b, xs = _tasks()
+    np.testing.assert_allclose(_dense(m.ta(a, b, coef=0.7)), ref.ta(xs, 0.7), atol=1e-12)
+
+
+def test_iso_c_flat_spectrum():
+    a, b, xs = _tasks()
+    out = _dense(m.iso_c(jnp.asarray(a), jnp.asarray(b), coef=1.0, rtol=RT))
+    np.testing.assert_allclose(out, ref.iso_c(xs), atol=1e-10)
+    s = np.linalg.svd(out, compute_uv=False)
+    nz = s[s > 1e-8 * s[0]]
+    s_ta = np.linalg.svd(sum(xs), compute_uv=False)
+    assert len(nz) == 9
+    np.testing.assert_allclose(nz, s_ta[:9].mean(), rtol=1e-10)
+
+
+@pytest.mark.parametrize("isotropize", [False, True])
+def test_tsv(isotropize):
+    a, b, xs = _tasks(1)
+    out = m.tsv(jnp.asarray(a), jnp.asarray(b), coef=1.3, rtol=RT, isotropize=isotropize)
+    np.testing.assert_allclose(_dense(out), ref.tsv(xs, 1.3, isotropize), atol=1e-10)
+    # direction blocks orthonormal: lora_a = polar(U) diag(s), lora_b = polar(V)
+    v = np.asarray(out[1])
+    np.testing.assert_allclose(v.T @ v, np.eye(v.shape[1]), atol=1e-10)
+    u = np.asarray(out[0])
+    uu = u.T @ u
+    np.testing.assert_allclose(uu, np.diag(np.diag(uu)), atol=1e-10)
+
+
+def test_tsv_svd_input_matches_generic():
+    a, b, _ = _tasks(2)
+    f = m.factored_svd(jnp.asarray(a), jnp.asarray(b), rtol=RT)
+    a2 = f.u * f.s[..., None, :]
+    x1 = _dense(m.tsv(a2, f.v, coef=1.0, rtol=RT, is_svd=True))
+    x2 = _dense(m.tsv(jnp.asarray(a), jnp.asarray(b), coef=1.0, rtol=RT))
+    np.testing.assert_allclose(x1, x2, atol=1e-10)
+
+
+@pytest.mark.parametrize("frac", [0.8, 0.5])
+def test_iso_cts(frac):
+    a, b, xs = _tasks(3, m_tasks=3, p=30, q=24, r=4)
+    out = _dense(m.iso_cts(jnp.asarray(a), jnp.asarray(b), coef=1.0, rtol=RT, common_fraction=frac))
+    np.testing.assert_allclose(out, ref.iso_cts(xs, 1.0, frac), atol=1e-9)
+    s = np.linalg.svd(out, compute_uv=False)
+    nz = s[s > 1e-8 * s[0]]
+    np.testing.assert_allclose(nz, nz.mean(), rtol=1e-9)
+
+
+def test_polar_zero_columns_inert():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 6))
+    x[:, [1, 4]] = 0
+    p = np.asarray(m.polar(jnp.asarray(x), rtol=RT))
+    np.testing.assert_allclose(p[:, [1, 4]], 0, atol=1e-14)
+    keep = [0, 2, 3, 5]
+    np.testing.assert_allclose(p[:, keep], ref.polar(x[:, keep]), atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kth_largest_exact(dtype):
+    rng = np.random.default_rng(0)
+    x = np.abs(rng.normal(size=(3, 1000))).astype(dtype)
+    for k in (1, 7, 500, 1000):
+        got = np.asarray(m.kth_largest(jnp.asarray(x), k))
+        want = -np.sort(-x, axis=-1)[:, k - 1]
+        np.testing.assert_array_equal(got, want)
+
+
+def test_trim_exact_count_with_ties():
+    x = jnp.asarray(np.array([[[1.0, -1.0], [1.0, 0.5]]]))  # four entries, three tied magnitudes
+    t = np.asarray(m.trim_topk(x, 2))
+    assert (t != 0).sum() == 2
+    np.testing.assert_array_equal(t, [[[1.0, -1.0], [0.0, 0.0]]])
+    assert not np.any(np.asarray(m.trim_topk(x, 0)))
+    assert int(m.topk_count(0.3, 10)) == 3 and int(m.topk_count(0.3, jnp.asarray(10))) == 3
+
+
+@pytest.mark.parametrize("density", [0.1, 0.5, 1.0])
+def test_ties(density):
+    _, _, xs = _tasks(4)
+    out = np.asarray(m.ties(jnp.asarray(np.stack(xs)), coef=0.9, k=int(density * xs[0].size)))
+    np.testing.assert_allclose(out, ref.ties(xs, 0.9, density), atol=1e-12)
+
+
+def test_ties_one_task_density_one_is_identity():
+    _, _, xs = _tasks(5, m_tasks=1)
+    out = np.asarray(m.ties(jnp.asarray(np.stack(xs)), coef=1.0, k=xs[0].size))
+    np.testing.assert_allclose(out, xs[0], atol=1e-14)
+
+
+def test_dare_properties():
+    _, _, xs = _tasks(6)
+    x = jnp.asarray(np.stack(xs))
+    k = jax.random.key(3)
+    np.testing.assert_allclose(np.asarray(m.dare(x, k, coef=1.0, p=0.0)), sum(xs), atol=1e-12)
+    d1 = np.asarray(m.dare(x, k, coef=1.0, p=0.4))
+    np.testing.assert_array_equal(d1, np.asarray(m.dare(x, k, coef=1.0, p=0.4)))
+    assert not np.array_equal(d1, np.asarray(m.dare(x, jax.random.key(4), coef=1.0, p=0.4)))
+    # survivors are rescaled by 1/(1-p)
+    dropped = np.asarray(m.dare_drop(x, k, 0.4))
+    nz = dropped != 0
+    np.testing.assert_allclose(dropped[nz], np.stack(xs)[nz] / 0.6, rtol=1e-12)
+    assert 0.45 < nz.mean() < 0.75

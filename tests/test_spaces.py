@@ -1,0 +1,129 @@
+"""Core Space and KnOTS transforms from factors (netutility_jax.spaces) against dense float64."""
+
+from __future__ import annotations
+
+import _merge_reference as ref
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from netutility_jax import spaces as sp
+
+RT = 1e-10
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _bucket(seed=0, n=2, m_tasks=3, d_in=20, d_out=14, r=4, ranks=None, mask_p=None):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(n, m_tasks, d_in, r))
+    b = rng.normal(size=(n, m_tasks, r, d_out))
+    scale = rng.uniform(0.5, 2, size=(n, m_tasks))
+    rank = np.full((n, m_tasks), r) if ranks is None else np.asarray(ranks)
+    slot = np.arange(r) < rank[..., None]
+    a = a * slot[:, :, None, :]
+    b = b * slot[..., None]
+    mask = (
+        np.ones((n, m_tasks, r), bool) if mask_p is None else rng.random((n, m_tasks, r)) < mask_p
+    )
+    k = sp.kept_components(
+        jnp.asarray(a),
+        jnp.asarray(b),
+        jnp.asarray(scale),
+        jnp.asarray(rank),
+        jnp.asarray(mask),
+        cand_rtol=1e-8,
+    )
+    mods = [
+        [
+            {
+                "lora_a": a[j, i, :, : rank[j, i]],
+                "lora_b": b[j, i, : rank[j, i]],
+                "scale": scale[j, i],
+            }
+            for i in range(m_tasks)
+        ]
+        for j in range(n)
+    ]
+    xs = [ref.kept_updates(mods[j], d_in, d_out, mask[j]) for j in range(n)]
+    return a, b, k, mods, xs
+
+
+def _back(c, x, j):
+    """Map task coordinates x (p, q) of module j back to (d_in, d_out) densely (test only)."""
+    left = np.eye(x.shape[0]) if c.left is None else np.asarray(c.left[j])
+    right = np.eye(x.shape[1]) if c.right is None else np.asarray(c.right[j])
+    if c.right_scale is not None:
+        right = right * np.asarray(c.right_scale[j])
+    return left @ x @ right.T
+
+
+@pytest.mark.parametrize("space", ["full", "core", "knots", "knots_original"])
+@pytest.mark.parametrize("mask_p", [None, 0.6])
+def test_transform_lossless(space, mask_p):
+    """Map each task to the space and straight back: every kept update is reproduced."""
+    a, b, k, _, xs = _bucket(1, ranks=[[4, 2, 3], [1, 4, 4]], mask_p=mask_p)
+    if space == "full":
+        c = sp.full_coords(k)
+    elif space == "core":
+        c = sp.core_coords(k, jnp.asarray(a), jnp.asarray(b), rtol=RT)
+    else:
+        c = sp.knots_coords(
+            k, rtol=RT, variant="original" if space == "knots_original" else "core_space"
+        )
+    x = np.asarray(sp.dense_tasks(c))
+    for j in range(2):
+        for i in range(3):
+            np.testing.assert_allclose(_back(c, x[j, i], j), xs[j][i], atol=1e-10)
+
+
+def test_core_bases_match_reference():
+    a, b, k, mods, xs = _bucket(2, mask_p=0.7)
+    c = sp.core_coords(k, jnp.asarray(a), jnp.asarray(b), rtol=RT)
+    for j in range(2):
+        left, right = ref.core_bases(mods[j], xs[j], 20, 14)
+        lj = np.asarray(c.left[j])
+        lj = lj[:, np.linalg.norm(lj, axis=0) > 0.5]
+        rj = np.asarray(c.right[j])
+        rj = rj[:, np.linalg.norm(rj, axis=0) > 0.5]
+        # same basis vectors up to sign, same order (descending singular values)
+        np.testing.assert_allclose(np.abs(lj.T @ left), np.eye(left.shape[1]), atol=1e-8)
+        np.testing.assert_allclose(np.abs(rj.T @ right), np.eye(right.shape[1]), atol=1e-8)
+        # core matrices are (D, D) with D <= M r and equal the reference's up to basis signs
+        sl, sr = np.sign(np.sum(lj * left, 0)), np.sign(np.sum(rj * right, 0))
+        core = np.asarray(sp.dense_tasks(c))[j]
+        keep_l = np.linalg.norm(np.asarray(c.left[j]), axis=0) > 0.5
+        keep_r = np.linalg.norm(np.asarray(c.right[j]), axis=0) > 0.5
+        for i in range(3):
+            want = (left * sl).T @ xs[j][i] @ (right * sr)
+            np.testing.assert_allclose(core[i][np.ix_(keep_l, keep_r)], want, atol=1e-10)
+
+
+@pytest.mark.parametrize("variant", ["core_space", "original"])
+def test_knots_blocks_match_reference(variant):
+    _, _, k, _, xs = _bucket(3, mask_p=0.8)
+    c = sp.knots_coords(k, rtol=RT, variant=variant)
+    x = np.asarray(sp.dense_tasks(c))
+    for j in range(2):
+        blocks, back = ref.knots_blocks(xs[j], variant)
+        u = np.asarray(c.right[j])
+        live = np.linalg.norm(u, axis=0) > 0.5
+        u = u[:, live]
+        ref_u = back / np.linalg.norm(back, axis=0)
+        sign = np.sign(np.sum(u * ref_u, 0))
+        np.testing.assert_allclose(np.abs(u.T @ ref_u), np.eye(u.shape[1]), atol=1e-8)
+        for i in range(3):
+            np.testing.assert_allclose(x[j, i][:, live] * sign, blocks[i], atol=1e-9)
+
+
+def test_no_candidates_is_zero():
+    a, b, k, _, _ = _bucket(4, ranks=[[0, 0, 0], [2, 0, 0]])
+    c = sp.core_coords(k, jnp.asarray(a), jnp.asarray(b), rtol=RT)
+    assert np.all(np.isfinite(np.asarray(c.a))) and not np.any(np.asarray(c.a)[0])
+    c = sp.knots_coords(k, rtol=RT)
+    assert np.all(np.isfinite(np.asarray(c.b))) and not np.any(np.asarray(c.b)[0])
