@@ -663,6 +663,7 @@ def write_json(path: str, payload: dict) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(payload, f, indent=2)
             f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -677,9 +678,10 @@ def serialize_eigh() -> None:
 
     jaxlib's batched LAPACK kernels (``lapack_ssyevd_ffi``) split the batch into chunks on XLA's
     intra-op pool and block until they finish (``jax::ParallelBatchMap``). When independent eighs
-    (one per bucket of module shapes) run concurrently, they can occupy every pool thread (2 on a
-    2-core machine) and wait forever for chunks no thread is left to run. XLA flags do not help
-    (``--xla_cpu_multi_thread_eigen=false`` and the non-thunk runtime hang too).
+    run concurrently (the library up to e878f90 ran one per bucket of module shapes), they can
+    occupy every pool thread (2 on a 2-core machine) and wait forever for chunks no thread is left
+    to run. XLA flags do not help (``--xla_cpu_multi_thread_eigen=false`` and the non-thunk
+    runtime hang too).
 
     The patch makes every eigh traced after another one in the same trace depend on its output
     (``a + 0 * previous[0]``: a real data dependency; XLA:CPU drops ``optimization_barrier``), so
