@@ -1,7 +1,7 @@
 """Net Utility of every singular direction of every task's LoRA update (paper Eq. net-utility).
 
 The pipeline is bucketed: modules of equal ``(d_in, d_out, r_max)`` are stacked and scored by one
-batched kernel (:func:`score_bucket`), which reads each factor once, through two Grams:
+batched kernel (:func:`score_buckets`), which reads each factor once, through two Grams:
 
 * ``G = X^T X`` with ``X = [a_1 ... a_M]`` the task-stacked input factors ``(d_in, M r)``;
 * ``H_i = b_i b_i^T`` per task ``(r, r)``.
@@ -69,7 +69,7 @@ class Scores(NamedTuple):
 
 
 class BucketStats(NamedTuple):
-    """Per-bucket output of :func:`score_bucket`, each ``(n, M, r_max)`` unless noted."""
+    """Per-bucket output of :func:`score_buckets`, each ``(n, M, r_max)`` unless noted."""
 
     sigma: jax.Array
     benefit: jax.Array
@@ -223,19 +223,6 @@ def score_buckets(
         _finish(gr, rbt, ev, z, bk[3], alpha, rtol)
         for gr, (rbt, _), (ev, z), bk, rtol in zip(grams, cores, eig_c, buckets, rtols, strict=True)
     ]
-
-
-def score_bucket(
-    a: jax.Array,
-    b: jax.Array,
-    scale: jax.Array,
-    rank: jax.Array,
-    *,
-    alpha: jax.Array | float,
-    rtol: jax.Array | float,
-) -> BucketStats:
-    """:func:`score_buckets` for one bucket: ``a (n, M, d_in, r)``, ``b (n, M, r, d_out)``."""
-    return score_buckets([(a, b, scale, rank)], alpha=alpha, rtols=[rtol])[0]
 
 
 def lam_auto(benefit: jax.Array, interference: jax.Array, candidate: jax.Array) -> jax.Array:
