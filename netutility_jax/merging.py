@@ -26,6 +26,8 @@ import numpy as np
 from . import _tree
 from . import methods as _m
 from . import spaces as _s
+from ._linalg import mm as _mm
+from ._linalg import t as _t
 from .allocate import allocate
 from .analysis import budget_spent, kept_per_task, non_prefix_fraction
 from .decompose import lora_svd
@@ -194,14 +196,6 @@ def _low_rank(c, *, method, coef, opts, rtol, is_svd):
     if method == "tsv":
         return _m.tsv(c.a, c.b, coef=coef, rtol=rtol, is_svd=is_svd, isotropize=opts["isotropize"])
     return _m.iso_cts(c.a, c.b, coef=coef, rtol=rtol, common_fraction=opts["common_fraction"])
-
-
-def _mm(x, y):
-    return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
-
-
-def _t(x):
-    return jnp.swapaxes(x, -1, -2)
 
 
 # The bucket pipeline is three jitted stages (space transform, method, map back) so that compiled
@@ -439,7 +433,9 @@ def merge(
                     k_top,
                     cfg=(method, bk.r_max),
                 )
-                results[nm] = {"delta": delta}
+                # one module's executable at a time: bounded memory, and no two LAPACK calls in
+                # flight together (see netutility_jax._linalg)
+                results[nm] = {"delta": jax.block_until_ready(delta)}
             del A, B, S, R
             continue
         if space == "knots":

@@ -26,45 +26,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_HI = jax.lax.Precision.HIGHEST
+from ._linalg import mm as _mm
+from ._linalg import orth_qr as orth_qr
+from ._linalg import orth_qr_many, svd_many
+from ._linalg import t as _t
 
 
 def rank_rtol(dims: tuple[int, ...], dtype) -> float:
     """Relative singular-value cut for numerical rank: ``max(dims) * eps(dtype)`` (numpy's rule)."""
     return float(max(dims) * np.finfo(np.dtype(dtype)).eps)
-
-
-def _mm(x, y):
-    return jnp.matmul(x, y, precision=_HI)
-
-
-def _t(x):
-    return jnp.swapaxes(x, -1, -2)
-
-
-def _orth_pass(x: jax.Array, rtol2: float) -> tuple[jax.Array, jax.Array]:
-    g = _mm(_t(x), x)
-    g = 0.5 * (g + _t(g))
-    lam, e = jnp.linalg.eigh(g)
-    keep = lam > rtol2 * jnp.max(lam, -1, keepdims=True)
-    root = jnp.sqrt(jnp.where(keep, lam, 0))
-    inv = jnp.where(keep, 1 / jnp.where(keep, root, 1), 0)
-    return _mm(x, e * inv[..., None, :]), _t(e * root[..., None, :])
-
-
-def orth_qr(x: jax.Array, *, rtol: float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """``x = Q R`` for tall ``x (..., d, K)`` from Grams (CholeskyQR2-style, eigh instead of chol).
-
-    Two passes of ``Q = x E Lambda^-1/2`` with ``x^T x = E Lambda E^T``: the second restores
-    orthogonality to working precision. Directions with ``lambda <= max(rtol^2, 10 K eps) lambda_max``
-    are dropped (zero columns of ``Q``), never inverted. All d-sized work is matmuls; the
-    eigenproblems are ``K x K``. (jaxlib 0.10's batched LAPACK QR stalls on tall batches on CPU.)
-    """
-    k = x.shape[-1]
-    rtol2 = max(rtol**2, 10 * k * float(jnp.finfo(x.dtype).eps))
-    q1, r1 = _orth_pass(x, rtol2)
-    q2, r2 = _orth_pass(q1, 10 * k * float(jnp.finfo(x.dtype).eps))
-    return q2, _mm(r2, r1)
 
 
 class FactoredSVD(NamedTuple):
@@ -83,10 +53,10 @@ class FactoredSVD(NamedTuple):
 def factored_svd(a: jax.Array, b: jax.Array, *, rtol: float) -> FactoredSVD:
     """Thin SVD of ``a @ b^T`` from QR of ``a (..., p, K)`` and ``b (..., q, K)`` (MATH.md 1).
 
-    Cost ``O((p + q) K^2)``; the ``(p, q)`` product is never formed.
+    Cost ``O((p + q) K^2)``; the ``(p, q)`` product is never formed. Both QRs share their LAPACK
+    calls (see :mod:`netutility_jax._linalg`).
     """
-    qa, ra = orth_qr(a, rtol=rtol)
-    qb, rb = orth_qr(b, rtol=rtol)
+    (qa, ra), (qb, rb) = orth_qr_many([a, b], rtol=rtol)
     w, s, zt = jnp.linalg.svd(_mm(ra, _t(rb)), full_matrices=False)
     keep = (s > rtol * s[..., :1]) & (s > 0)
     s = jnp.where(keep, s, 0)
@@ -95,17 +65,25 @@ def factored_svd(a: jax.Array, b: jax.Array, *, rtol: float) -> FactoredSVD:
     return FactoredSVD(u, s, v, keep)
 
 
-def polar(x: jax.Array, *, rtol: float) -> jax.Array:
-    """Polar factor ``P Q^T`` of ``x (..., p, K)`` on its nonzero spectrum (pseudo-inverse sqrt).
+def polar_many(xs: list[jax.Array], *, rtol: float) -> list[jax.Array]:
+    """Polar factor ``P Q^T`` of each ``x (..., p, K)`` (same ``K``) on its nonzero spectrum.
 
     ``x = Q_1 R_1``, ``R_1 = W S Z^T``: the polar factor is ``Q_1 W Z^T`` restricted to ``S > rtol
     S_max``. Zero columns of ``x`` map to zero columns, so zero-padded (unkept) slots stay inert;
-    nonzero columns that are linearly independent map to orthonormal columns.
+    nonzero columns that are linearly independent map to orthonormal columns. All inputs share
+    their LAPACK calls.
     """
-    q, r = orth_qr(x, rtol=rtol)
-    w, s, zt = jnp.linalg.svd(r, full_matrices=False)
-    keep = (s > rtol * s[..., :1]) & (s > 0)
-    return _mm(jnp.where(keep[..., None, :], _mm(q, w), 0), zt)
+    qrs = orth_qr_many(xs, rtol=rtol)
+    out = []
+    for (q, _), (w, s, zt) in zip(qrs, svd_many([r for _, r in qrs]), strict=True):
+        keep = (s > rtol * s[..., :1]) & (s > 0)
+        out.append(_mm(jnp.where(keep[..., None, :], _mm(q, w), 0), zt))
+    return out
+
+
+def polar(x: jax.Array, *, rtol: float) -> jax.Array:
+    """:func:`polar_many` of one matrix."""
+    return polar_many([x], rtol=rtol)[0]
 
 
 def _concat_tasks(x: jax.Array) -> jax.Array:
@@ -165,7 +143,8 @@ def tsv(
     )
     if isotropize:
         s = _flatten(s, keep)
-    return coef * polar(u, rtol=rtol) * s[..., None, :], polar(v, rtol=rtol)
+    pu, pv = polar_many([u, v], rtol=rtol)
+    return coef * pu * s[..., None, :], pv
 
 
 def iso_cts(
@@ -204,7 +183,8 @@ def iso_cts(
     s = jnp.concatenate([sc, sr], -1)
     keep = jnp.concatenate([kc_mask & f.keep, keep_r], -1)
     s = _flatten(s, keep)
-    return coef * polar(u, rtol=rtol) * s[..., None, :], polar(v, rtol=rtol)
+    pu, pv = polar_many([u, v], rtol=rtol)
+    return coef * pu * s[..., None, :], pv
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,18 +40,12 @@ import jax
 import jax.numpy as jnp
 
 from . import methods as _m
+from ._linalg import mm as _mm
+from ._linalg import orth_qr_many, svd_many
+from ._linalg import t as _t
 
-_HI = jax.lax.Precision.HIGHEST
 SPACES = ("full", "core", "knots")
 KNOTS_VARIANTS = ("core_space", "original")
-
-
-def _mm(x, y):
-    return jnp.matmul(x, y, precision=_HI)
-
-
-def _t(x):
-    return jnp.swapaxes(x, -1, -2)
 
 
 class Kept(NamedTuple):
@@ -94,11 +88,10 @@ def _factor_svd(a, b, scale):
     """``nu.lora_svd``'s result (descending ``s``, ``in_dirs``, ``out_dirs``) by the Gram route.
 
     Same factorisation as :func:`nu.lora_svd` (``a = Q_a R_a``, ``b^T = Q_b R_b``, SVD of the
-    ``r x r`` core) with the QRs from :func:`methods.orth_qr` (jaxlib's batched LAPACK QR stalls
-    on batches of tall factors on CPU).
+    ``r x r`` core) with both QRs from one :func:`_linalg.orth_qr_many` (Gram route: ``d``-sized
+    work is matmuls, and the two sides share their LAPACK calls).
     """
-    qa, ra = _m.orth_qr(a)
-    qb, rb = _m.orth_qr(_t(b))
+    (qa, ra), (qb, rb) = orth_qr_many([a, _t(b)])
     core = scale[..., None, None] * _mm(ra, _t(rb))
     w, s, zt = jnp.linalg.svd(core, full_matrices=False)
     return _SVD(_mm(qa, w), s, _mm(qb, _t(zt)))
@@ -127,12 +120,17 @@ class Coords(NamedTuple):
     right_scale: jax.Array | None
 
 
-def _basis(x: jax.Array, rtol: float) -> jax.Array:
-    """Left singular vectors of ``x (..., d, K)`` (QR, then SVD of R), zeroed past its rank."""
-    q, r = _m.orth_qr(x, rtol=rtol)
-    w, s, _ = jnp.linalg.svd(r, full_matrices=False)
-    keep = (s > rtol * s[..., :1]) & (s > 0)
-    return jnp.where(keep[..., None, :], _mm(q, w), 0)
+def _bases(xs: list[jax.Array], rtol: float) -> list[jax.Array]:
+    """Left singular vectors of each ``x (..., d, K)`` (QR, then SVD of R), zeroed past its rank.
+
+    All inputs (same ``K``) share their LAPACK calls.
+    """
+    qrs = orth_qr_many(xs, rtol=rtol)
+    out = []
+    for (q, _), (w, s, _) in zip(qrs, svd_many([r for _, r in qrs]), strict=True):
+        keep = (s > rtol * s[..., :1]) & (s > 0)
+        out.append(jnp.where(keep[..., None, :], _mm(q, w), 0))
+    return out
 
 
 def full_coords(k: Kept) -> Coords:
@@ -145,8 +143,7 @@ def core_coords(k: Kept, a: jax.Array, b: jax.Array, *, rtol: float) -> Coords:
     # a_i' = P_i (P_i^T a_i): the input factor restricted to the kept input directions.
     a_p = _mm(k.in_dirs, _mm(_t(k.in_dirs), a))  # (n, M, d_in, r)
     b_p = _mm(k.out_dirs, _mm(_t(k.out_dirs), _t(b)))  # (n, M, d_out, r)
-    left = _basis(_m._concat_tasks(a_p), rtol)  # (n, d_in, D)
-    right = _basis(_m._concat_tasks(b_p), rtol)  # (n, d_out, D)
+    left, right = _bases([_m._concat_tasks(a_p), _m._concat_tasks(b_p)], rtol)  # (n, d, D)
     ca = _mm(_t(left)[:, None], k.in_dirs) * k.s[..., None, :]  # (n, M, D, r)
     cb = _mm(_t(right)[:, None], k.out_dirs)  # (n, M, D, r)
     return Coords(ca, cb, left, right, None)
@@ -155,7 +152,7 @@ def core_coords(k: Kept, a: jax.Array, b: jax.Array, *, rtol: float) -> Coords:
 def knots_coords(k: Kept, *, rtol: float, variant: str = "core_space") -> Coords:
     """KnOTS shared output basis ``U`` from ``Z = [Q_i diag(s_i)]`` and per-task blocks."""
     z = _m._concat_tasks(k.out_dirs * k.s[..., None, :])  # (n, d_out, M r)
-    q, rz = _m.orth_qr(z, rtol=rtol)
+    ((q, rz),) = orth_qr_many([z], rtol=rtol)
     w, s, _ = jnp.linalg.svd(rz, full_matrices=False)  # rz: (n, M r, M r)
     keep = (s > rtol * s[..., :1]) & (s > 0)
     s = jnp.where(keep, s, 0)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _tree
+from ._linalg import eigh_batched as eigh_batched
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -86,38 +87,6 @@ def default_rtol(r_max: int, dtype: Any) -> float:
 def _safe_div(x: jax.Array, y: jax.Array) -> jax.Array:
     ok = y > 0
     return jnp.where(ok, x / jnp.where(ok, y, 1), 0)
-
-
-def eigh_batched(mats: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
-    """Symmetric eigendecompositions of several batches as ONE ``eigh`` call (ascending order).
-
-    Each entry is ``(..., k, k)`` with ``k <= K = max k``; smaller ones are zero-padded to ``K``
-    (that adds zero eigenvalues, whose vectors live on the padding). Returns ``(w (..., K),
-    v (..., K, K))`` per entry.
-
-    One call, not one per bucket: jaxlib 0.10's CPU LAPACK kernels fan their batch out into the
-    intra-op thread pool they run on and block on it, so two running at once deadlock a 2-thread
-    pool; XLA's thunk executor runs independent calls concurrently and drops optimization barriers.
-    """
-    k_max = max(m.shape[-1] for m in mats)
-    flat = []
-    for m in mats:
-        pad = k_max - m.shape[-1]
-        m = jnp.pad(m, [(0, 0)] * (m.ndim - 2) + [(0, pad), (0, pad)])
-        flat.append(m.reshape(-1, k_max, k_max))
-    w, v = jnp.linalg.eigh(jnp.concatenate(flat) if len(flat) > 1 else flat[0])
-    out, off = [], 0
-    for m in mats:
-        n = int(np.prod(m.shape[:-2], dtype=np.int64))
-        shape = m.shape[:-2]
-        out.append(
-            (
-                w[off : off + n].reshape(*shape, k_max),
-                v[off : off + n].reshape(*shape, k_max, k_max),
-            )
-        )
-        off += n
-    return out
 
 
 class _Grams(NamedTuple):
