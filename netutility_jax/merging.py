@@ -287,6 +287,129 @@ def _module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, cfg):
     return _elementwise(x, key, method=method, coef=coef, opts=dict(nums), k_top=k_top)
 
 
+# TIES with scope="model": each task keeps its int(density * N) largest entries over the whole
+# model (N = entries of all modules in the space's coordinates), as the original TIES and KnOTS.
+# The per-task threshold is found by radix selection over the magnitudes' bit patterns, 16 bits
+# per pass, each pass streaming the modules (full space) or chunks of modules (core, KnOTS) with
+# only the counts kept: memory stays at one unit's dense tasks, like scope="module".
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _module_tasks(a, b, s, r, mask, *, cfg):
+    """One module's kept dense task updates, full space: ``(1, M, d_in, d_out)``."""
+    (r_max,) = cfg
+    k = _s.kept_components(
+        a[None], b[None], s[None], r[None], mask[None], cand_rtol=default_rtol(r_max, a.dtype)
+    )
+    return _s.dense_tasks(_s.full_coords(k))
+
+
+@jax.jit
+def _coords_tasks(ca, cb):
+    return _mm(ca, _t(cb))
+
+
+@functools.partial(jax.jit, static_argnames=("shift", "width"))
+def _digit_hist(x, hi, *, shift, width):
+    return _m.digit_histogram(x, hi, shift=shift, width=width)
+
+
+@jax.jit
+def _ties_apply(x, t, room, coef):
+    trimmed, used = _m.trim_at(x, t, room)
+    return coef * _m.disjoint_mean(trimmed), used
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _stage_decode_dense(coords, xm, *, cfg):
+    (rtol,) = cfg
+    return _s.decode_dense(coords, xm, rtol=rtol)
+
+
+def _radix_threshold(units, m_tasks: int, k: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Per task the bit pattern ``t`` of its k-th largest magnitude and how many ties at ``t`` to
+    keep, so that exactly ``k`` entries are kept; ``units`` yield dense tasks ``(u, M, p, q)``."""
+    ut = np.dtype(_m._uint_of(dtype))
+    nbits, width = ut.itemsize * 8, 16
+    if k <= 0:  # keep nothing: no magnitude exceeds the largest bit pattern
+        return np.full(m_tasks, np.iinfo(ut).max, ut), np.zeros(m_tasks, np.int64)
+    hi = np.zeros(m_tasks, np.uint64)
+    above = np.zeros(m_tasks, np.int64)
+    for shift in range(nbits - width, -1, -width):
+        counts = np.zeros((m_tasks, 2**width), np.int64)
+        prefix = jnp.asarray(hi.astype(ut))
+        for produce, _ in units:
+            counts += np.asarray(_digit_hist(produce(), prefix, shift=shift, width=width))
+        for i in range(m_tasks):
+            c = counts[i, ::-1]
+            j = int(np.searchsorted(above[i] + np.cumsum(c), k))
+            above[i] += int(c[:j].sum())
+            hi[i] |= np.uint64(2**width - 1 - j) << np.uint64(shift)
+    return hi.astype(ut), k - above
+
+
+def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) -> dict:
+    """TIES over the whole model (see the comment above); returns ``{name: module}``."""
+    units = []  # (produce dense tasks, finish with the merged dense coordinates)
+    n_total = 0
+    results: dict[str, Any] = {}
+    for bk, mk in zip(buckets, mks, strict=True):
+        leaves = _tree.bucket_arrays(bk)
+        stacked = _stage_stack(leaves, cfg=(bk.d_in, bk.d_out, bk.r_max, dtype))
+        if space == "full":
+            for j, nm in enumerate(bk.names):
+                n_total += bk.d_in * bk.d_out
+
+                def produce(j=j, st=stacked, mk=mk, r_max=bk.r_max):
+                    a, b, s, r = st
+                    return _module_tasks(a[j], b[j], s[j], r[j], mk[j], cfg=(r_max,))
+
+                def finish(xm, nm=nm):
+                    results[nm] = {"delta": jax.block_until_ready(xm[0])}
+
+                units.append((produce, finish))
+            continue
+        rtol = _m.rank_rtol((bk.d_in, bk.d_out, m_tasks * bk.r_max), dtype)
+        c = jax.block_until_ready(_stage_coords(stacked, mk, cfg=(space, variant, rtol)))
+        live_q = np.asarray((jnp.abs(c.right).sum(-2) > 0).sum(-1))
+        live_p = (
+            np.full(len(bk.names), c.a.shape[-2])
+            if c.left is None
+            else np.asarray((jnp.abs(c.left).sum(-2) > 0).sum(-1))
+        )
+        n_total += int((live_p.astype(np.int64) * live_q).sum())
+        p, q = c.a.shape[-2], c.b.shape[-2]
+        chunk = _chunk(m_tasks, p, q, jnp.dtype(dtype).itemsize)
+        for j0 in range(0, len(bk.names), chunk):
+            sl = jax.tree.map(lambda x, j0=j0, n=chunk: x[j0 : j0 + n], c)
+
+            def produce(sl=sl):
+                return _coords_tasks(sl.a, sl.b)
+
+            def finish(xm, sl=sl, j0=j0, bk=bk, rtol=rtol):
+                la, lb, live = _stage_decode_dense(sl, xm, cfg=(rtol,))
+                ranks = np.asarray(live.sum(-1))
+                for jj, rk in enumerate(ranks):
+                    rk = int(rk)
+                    results[bk.names[j0 + jj]] = {
+                        "lora_a": la[jj, :, :rk],
+                        "lora_b": lb[jj, :rk, :],
+                        "scale": 1.0,
+                    }
+
+            units.append((produce, finish))
+    k = int(np.floor(density * n_total * (1 + 8 * np.finfo(np.float64).eps)))
+    t, room = _radix_threshold(units, m_tasks, k, dtype)
+    t = jnp.asarray(t)
+    for produce, finish in units:
+        xm, used = _ties_apply(
+            produce(), t, jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32), coef
+        )
+        room = room - np.asarray(used, np.int64)
+        finish(xm)
+    return results
+
+
 # ---------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------
@@ -309,6 +432,12 @@ def _rebuild(adapter: Any, results: Mapping[str, Any]) -> Any:
         return {k: walk(node[k], (*path, str(k))) for k in node.keys()}
 
     return walk(adapter, ())
+
+
+def _bucket_mask(masks, bk, m_tasks: int) -> jax.Array:
+    if masks is None:
+        return jnp.ones((len(bk.names), m_tasks, bk.r_max), bool)
+    return jnp.stack([jnp.asarray(masks[nm], bool) for nm in bk.names])
 
 
 def _keys_for(key: jax.Array, idx: Sequence[int]) -> jax.Array:
@@ -392,11 +521,6 @@ def merge(
             f"{fn}: method={method!r} needs key= (a jax.random key, e.g. jax.random.key(0)); the "
             "drop mask is drawn fresh from it on every call."
         )
-    if method == "ties" and opts["scope"] == "model":
-        raise NotImplementedError(
-            f"{fn}: TIES scope='model' (top-k over the whole model) is not implemented yet; use "
-            "scope='module'."
-        )
     names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     if masks is not None:
         masks = _check_masks(fn, masks, names, buckets, m_tasks)
@@ -407,6 +531,19 @@ def merge(
         method, opts = "iso_c", {k: v for k, v in opts.items() if k != "isotropize"}
     static_opts, nums = _split(opts, dtype)
     results: dict[str, Any] = {}
+    if method == "ties" and opts["scope"] == "model":
+        mks = [_bucket_mask(masks, bk, m_tasks) for bk in buckets]
+        results = _ties_model(
+            buckets,
+            mks,
+            space=space,
+            variant=opts.get("variant"),
+            density=opts["density"],
+            coef=coef_arr,
+            dtype=dtype,
+            m_tasks=m_tasks,
+        )
+        return _rebuild(adapters[0], results)
     for bk in buckets:
         n = len(bk.names)
         if masks is None:

@@ -249,6 +249,47 @@ def trim_topk(x: jax.Array, k: jax.Array | int) -> jax.Array:
     return jnp.where(keep, flat, 0).reshape(shape)
 
 
+def digit_histogram(x: jax.Array, hi: jax.Array, *, shift: int, width: int) -> jax.Array:
+    """One radix-select pass: per task, counts of ``|x|``'s bit digit among entries matching ``hi``.
+
+    ``x (..., M, p, q)``; the magnitudes' bit patterns (monotone for non-negative floats) are split
+    into a known prefix (the bits of ``hi (M,)`` above ``shift + width``) and the digit
+    ``bits[shift : shift + width]``. Returns ``(M, 2**width)`` int32 counts of each digit over
+    the entries whose prefix equals the task's ``hi``.
+    """
+    ut = _uint_of(x.dtype)
+    nbits = jnp.dtype(ut).itemsize * 8
+    m = x.shape[-3]
+    bits = jnp.moveaxis(jax.lax.bitcast_convert_type(jnp.abs(x), ut), -3, 0).reshape(m, -1)
+    top = shift + width
+    if top >= nbits:
+        match = jnp.ones(bits.shape, bool)
+    else:
+        match = (bits >> jnp.asarray(top, ut)) == (hi.astype(ut)[:, None] >> jnp.asarray(top, ut))
+    digit = ((bits >> jnp.asarray(shift, ut)) & jnp.asarray(2**width - 1, ut)).astype(jnp.int32)
+    rows = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], digit.shape)
+    return jnp.zeros((m, 2**width), jnp.int32).at[rows, digit].add(match.astype(jnp.int32))
+
+
+def trim_at(x: jax.Array, t: jax.Array, room: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keep entries with ``|x| > t`` plus the first ``room`` entries with ``|x| == t``, per task.
+
+    ``x (..., M, p, q)``; ``t (M,)`` thresholds as bit patterns of ``x``'s unsigned type;
+    ``room (M,)`` int32. Ties are taken in flat order over the leading axes, then ``p``, ``q``.
+    Returns ``(trimmed x, ties taken (M,))``.
+    """
+    ut = _uint_of(x.dtype)
+    m = x.shape[-3]
+    xt = jnp.moveaxis(x, -3, 0)
+    bits = jax.lax.bitcast_convert_type(jnp.abs(xt), ut).reshape(m, -1)
+    tt = t.astype(ut)[:, None]
+    at = bits == tt
+    take = at & (jnp.cumsum(at, -1, dtype=jnp.int32) <= room[:, None])
+    keep = (bits > tt) | take
+    out = jnp.where(keep.reshape(xt.shape), xt, 0)
+    return jnp.moveaxis(out, 0, -3), take.sum(-1, dtype=jnp.int32)
+
+
 def disjoint_mean(x: jax.Array) -> jax.Array:
     """TIES sign election and disjoint mean over the task axis ``-3`` of ``x (..., M, p, q)``.
 

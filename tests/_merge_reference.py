@@ -137,6 +137,32 @@ def ties(xs, coef=1.0, density=0.2):
     return coef * np.where(agree, t, 0).sum(0) / np.maximum(agree.sum(0), 1)
 
 
+def ties_model(xs_by_module, coef=1.0, density=0.2):
+    """TIES with one top-k per task over ALL modules: ``xs_by_module[l][i]`` is task i's
+    coordinates in module l; the kept count is int(density * total entries)."""
+    m = len(xs_by_module[0])
+    n = sum(xs[0].size for xs in xs_by_module)
+    k = int(density * n)
+    out_trim = [[None] * m for _ in xs_by_module]
+    for i in range(m):
+        flat = np.concatenate([xs[i].ravel() for xs in xs_by_module])
+        keep = np.zeros(flat.size, bool)
+        if k > 0:
+            keep[np.argsort(-np.abs(flat), kind="stable")[:k]] = True
+        off = 0
+        for mod, xs in enumerate(xs_by_module):
+            sz = xs[i].size
+            out_trim[mod][i] = np.where(keep[off : off + sz], xs[i].ravel(), 0).reshape(xs[i].shape)
+            off += sz
+    res = []
+    for trimmed in out_trim:
+        t = np.stack(trimmed)
+        sign = np.where(t.sum(0) >= 0, 1.0, -1.0)
+        agree = (t != 0) & (np.sign(t) == sign)
+        res.append(coef * np.where(agree, t, 0).sum(0) / np.maximum(agree.sum(0), 1))
+    return res
+
+
 # ------------------------------------------------------------------ spaces
 
 

@@ -404,8 +404,6 @@ def test_errors():
         nu.merge(ads, space="knots", variant="x")
     with pytest.raises(ValueError, match=r"does not take 'variant'"):
         nu.merge(ads, space="core", variant="original")
-    with pytest.raises(NotImplementedError, match=r"TIES scope='model' .* is not implemented yet"):
-        nu.merge(ads, method="ties", scope="model")
     with pytest.raises(ValueError, match=r"TIES scope='layer'"):
         nu.merge(ads, method="ties", scope="layer")
     with pytest.raises(ValueError, match=r"unknown allocation 'topk'"):
@@ -468,3 +466,75 @@ def test_second_call_does_not_recompile():
     nu.merge(_adapters(14), method="tsv", space="knots", coef=2.0)
     nu.merge(_adapters(14), method="ties", space="core", density=0.7, coef=0.5)
     assert [f._cache_size() for f in stages] == before
+
+
+# ----------------------------------------------------------------- TIES over the whole model
+
+
+@pytest.mark.parametrize("space", ["full", "core"])
+def test_ties_model_scope_matches_dense_reference(space):
+    """One top-k per task over every module (original TIES / KnOTS), two buckets."""
+    ads = _adapters(2, True)
+    masks = _masks(ads, 11)
+    names = list(ads[0])
+    kept = {n: _kept(ads, n, masks) for n in names}
+    if space == "full":
+        coords = [kept[n] for n in names]
+        back = [lambda x: x for _ in names]
+    else:
+        coords, back = [], []
+        for n in names:
+            left, right = ref.core_bases([ad[n] for ad in ads], kept[n], *SHAPES[n])
+            coords.append([left.T @ x @ right for x in kept[n]])
+            back.append(lambda x, left=left, right=right: left @ x @ right.T)
+    want = ref.ties_model(coords, coef=0.7, density=0.3)
+    out = nu.merge(ads, masks, method="ties", space=space, scope="model", density=0.3, coef=0.7)
+    for n, w, bk in zip(names, want, back, strict=True):
+        np.testing.assert_allclose(ref.dense(out[n]), bk(w), atol=1e-9, err_msg=n)
+    # and it differs from the per-module top-k (the scopes are not the same operator)
+    per_mod = nu.merge(ads, masks, method="ties", space=space, density=0.3, coef=0.7)
+    assert any(not np.allclose(ref.dense(out[n]), ref.dense(per_mod[n]), atol=1e-6) for n in names)
+
+
+@pytest.mark.parametrize("space", ["full", "core", "knots"])
+def test_ties_model_scope_one_module_equals_module_scope(space):
+    ads = [{"q": ad["layers/0/q"]} for ad in _adapters(3)]
+    a = nu.merge(ads, method="ties", space=space, scope="model", density=0.4)
+    b = nu.merge(ads, method="ties", space=space, scope="module", density=0.4)
+    np.testing.assert_allclose(ref.dense(a["q"]), ref.dense(b["q"]), atol=1e-10)
+
+
+def test_ties_model_scope_density_edges():
+    ads = _adapters(4, True)
+    zero = nu.merge(ads, method="ties", scope="model", density=0.0)
+    assert all(not np.any(ref.dense(m)) for m in zero.values())
+    full = nu.merge(ads, method="ties", scope="model", density=1.0)
+    mod = nu.merge(ads, method="ties", scope="module", density=1.0)
+    for n in ads[0]:
+        np.testing.assert_allclose(ref.dense(full[n]), ref.dense(mod[n]), atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_radix_threshold_keeps_exactly_k_with_ties(dtype):
+    """Many equal magnitudes across units: exactly k kept per task, ties in flat (unit) order."""
+    rng = np.random.default_rng(0)
+    units_np = [rng.integers(-3, 4, size=(u, 2, 5, 4)).astype(dtype) for u in (1, 3, 2)]
+    flat = [np.concatenate([np.moveaxis(x, 1, 0)[i].ravel() for x in units_np]) for i in range(2)]
+    for k in (0, 1, 7, 23, 60, flat[0].size):
+        units = [(lambda x=x: jnp.asarray(x), None) for x in units_np]
+        t, room = merge_mod._radix_threshold(units, 2, k, np.dtype(dtype))
+        kept = [[], []]
+        for x in units_np:
+            tr, used = jax.jit(nu.methods.trim_at)(
+                jnp.asarray(x), jnp.asarray(t), jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32)
+            )
+            room = room - np.asarray(used)
+            tr = np.moveaxis(np.asarray(tr), 1, 0)
+            for i in range(2):
+                kept[i].append(tr[i].ravel() != 0)
+        for i in range(2):
+            got = np.concatenate(kept[i])
+            want = np.zeros(flat[i].size, bool)
+            want[np.argsort(-np.abs(flat[i]), kind="stable")[:k]] = True
+            want &= flat[i] != 0  # zero entries kept or not look the same
+            np.testing.assert_array_equal(got, want, err_msg=f"k={k} task={i}")
