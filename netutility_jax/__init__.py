@@ -1,4 +1,12 @@
-"""netutility-jax: budget-aware LoRA merging across tasks with Net Utility, in JAX."""
+"""netutility-jax: budget-aware LoRA merging across tasks with Net Utility, in JAX.
+
+The numerical core (scoring, allocation, merging) is imported eagerly. The interop and tooling
+submodules are imported on first use, so ``import netutility_jax`` stays light: ``nu.peft``
+(PEFT checkpoints), ``nu.nnx`` (Flax nnx models), ``nu.checkpoint`` (orbax), ``nu.plots``
+(matplotlib) and ``nu.experiments`` (the built-in MiniLM experiment).
+"""
+
+import importlib as _importlib
 
 from ._tree import extract_lora as extract_lora
 from .allocate import allocate as allocate
@@ -23,6 +31,21 @@ from .utility import task_energies as task_energies
 
 __version__ = "0.1.0"
 
+_LAZY = ("checkpoint", "experiments", "nnx", "peft", "plots")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        mod = _importlib.import_module(f".{name}", __name__)
+        globals()[name] = mod
+        return mod
+    raise AttributeError(f"module 'netutility_jax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
+
+
 __all__ = [
     "LoraSVD",
     "ModuleScores",
@@ -30,6 +53,8 @@ __all__ = [
     "Scores",
     "allocate",
     "budget_spent",
+    "checkpoint",
+    "experiments",
     "extract_lora",
     "fold",
     "heterogeneity",
@@ -39,7 +64,10 @@ __all__ = [
     "merge",
     "merge_adapters",
     "module_update",
+    "nnx",
     "non_prefix_fraction",
+    "peft",
+    "plots",
     "retention_by_rank",
     "score",
     "task_energies",

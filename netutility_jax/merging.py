@@ -626,12 +626,10 @@ def to_lora(module: Mapping[str, Any] | Any, rank: int) -> dict[str, Any]:
 
 
 def _float_at_least32(*dts) -> np.dtype:
-    """float64 if any input is float64 (x64 on), else float32 (bf16/fp16 upcast)."""
-    return (
-        np.dtype(np.float64)
-        if any(np.dtype(d) == np.float64 for d in dts)
-        else np.dtype(np.float32)
-    )
+    """float64 if any input is float64 and x64 is on, else float32 (bf16/fp16 upcast)."""
+    if any(np.dtype(d) == np.float64 for d in dts):
+        return np.dtype(jax.dtypes.canonicalize_dtype(np.float64))
+    return np.dtype(np.float32)
 
 
 def module_update(module: Mapping[str, Any]) -> jax.Array:

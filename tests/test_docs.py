@@ -10,7 +10,18 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MODULES = ["_tree", "decompose", "utility", "allocate", "analysis"]
+MODULES = [
+    "_tree",
+    "decompose",
+    "utility",
+    "allocate",
+    "analysis",
+    "merging",
+    "peft",
+    "nnx",
+    "checkpoint",
+    "plots",
+]
 
 
 def test_readme_python_block_runs(capsys):

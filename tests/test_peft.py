@@ -1,0 +1,768 @@
+"""nu.peft: load PEFT LoRA checkpoints and save merges PEFT loads, against real PEFT and numpy.
+
+The pure-numpy tests write checkpoints by hand with ``safetensors.numpy`` and need no torch. The
+round-trip tests build tiny random ``transformers`` models from a config (no download), train
+nothing: they set random LoRA factors, save them with PEFT, load them here, merge, save, and
+compare PEFT's forward pass with the base model whose weights get the merged update computed in
+numpy float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import pathlib
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import netutility_jax as nu
+from netutility_jax import peft as nu_peft
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="nu.peft needs safetensors")
+
+# transformers' PreTrainedModel.is_gradient_checkpointing, which PEFT calls when wrapping a model,
+# emits this deprecation in transformers 5.x; it is not ours to fix.
+HF_WARNINGS = pytest.mark.filterwarnings(
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+)
+P = nu_peft.PREFIX
+
+
+def _write(d: pathlib.Path, config: dict | None, tensors: dict[str, np.ndarray]) -> pathlib.Path:
+    d.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (d / "adapter_config.json").write_text(json.dumps(config))
+    safetensors_numpy.save_file(tensors, str(d / "adapter_model.safetensors"))
+    return d
+
+
+def _lora_tensors(rng, modules: dict[str, tuple[int, int, int]], dtype=np.float32) -> dict:
+    """PEFT-layout factors: lora_A (r, d_in), lora_B (d_out, r) for {name: (d_in, d_out, r)}."""
+    out = {}
+    for name, (d_in, d_out, r) in modules.items():
+        out[f"{P}{name}.lora_A.weight"] = rng.normal(size=(r, d_in)).astype(dtype)
+        out[f"{P}{name}.lora_B.weight"] = rng.normal(size=(d_out, r)).astype(dtype)
+    return out
+
+
+def _dense(mod) -> np.ndarray:
+    """float64 kernel-layout update of a loaded / merged module."""
+    if "delta" in mod:
+        return np.asarray(mod["delta"], np.float64)
+    a = np.asarray(mod["lora_a"], np.float64)
+    b = np.asarray(mod["lora_b"], np.float64)
+    return float(mod.get("scale", 1.0)) * a @ b
+
+
+def _assert_close(got, want, rtol, what=""):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = np.abs(got - want).max() if got.size else 0.0
+    assert err <= rtol * max(np.abs(want).max(), 1e-30), (what, err, np.abs(want).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading (pure numpy)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_load_layout_scale_and_order(tmp_path):
+    rng = np.random.default_rng(0)
+    mods = {
+        "model.layers.10.self_attn.q_proj": (8, 6, 4),
+        "model.layers.2.self_attn.q_proj": (8, 6, 4),
+    }
+    t = _lora_tensors(rng, mods)
+    _write(tmp_path, {"peft_type": "LORA", "r": 4, "lora_alpha": 8}, t)
+    ad = nu_peft.load_adapter(tmp_path)
+    assert list(ad) == ["model.layers.2.self_attn.q_proj", "model.layers.10.self_attn.q_proj"]
+    for name in mods:
+        m = ad[name]
+        assert m["lora_a"].shape == (8, 4) and m["lora_b"].shape == (4, 6)
+        assert m["lora_a"].dtype == jnp.float32 and m["scale"] == 2.0
+        A, B = t[f"{P}{name}.lora_A.weight"], t[f"{P}{name}.lora_B.weight"]
+        want = 2.0 * (B.astype(np.float64) @ A).T
+        _assert_close(nu.module_update(m), want, 1e-6, name)
+
+
+def test_load_rslora_and_patterns(tmp_path):
+    rng = np.random.default_rng(1)
+    mods = {
+        "model.layers.0.self_attn.q_proj": (8, 6, 2),  # rank_pattern "q_proj"
+        "model.layers.1.self_attn.q_proj": (8, 6, 5),  # the more specific key comes first
+        "model.layers.0.self_attn.v_proj": (8, 6, 3),  # regex key
+        "model.layers.1.self_attn.v_proj": (8, 6, 4),  # default r
+    }
+    cfg = {
+        "r": 4,
+        "lora_alpha": 16,
+        "use_rslora": True,
+        "rank_pattern": {"layers.1.self_attn.q_proj": 5, "q_proj": 2, r"layers\.0\..*v_proj": 3},
+        "alpha_pattern": {"v_proj": 9, "model.layers.0.self_attn.q_proj": 3},
+    }
+    _write(tmp_path, cfg, _lora_tensors(rng, mods))
+    ad = nu_peft.load_adapter(tmp_path)
+    want = {
+        "model.layers.0.self_attn.q_proj": 3 / math.sqrt(2),
+        "model.layers.1.self_attn.q_proj": 16 / math.sqrt(5),
+        "model.layers.0.self_attn.v_proj": 9 / math.sqrt(3),
+        "model.layers.1.self_attn.v_proj": 9 / math.sqrt(4),
+    }
+    for name, scale in want.items():
+        assert ad[name]["lora_a"].shape[1] == mods[name][2]
+        assert ad[name]["scale"] == pytest.approx(scale, rel=1e-12), name
+
+
+def test_pattern_key_rule():
+    keys = ["k_proj", "layers.1.self_attn.q_proj", "q_proj", r"layers\.[01]\.mlp\.up_proj"]
+    pk = nu_peft.pattern_key
+    assert pk(keys, "model.layers.1.self_attn.q_proj") == "layers.1.self_attn.q_proj"
+    assert pk(keys, "model.layers.0.self_attn.q_proj") == "q_proj"
+    assert pk(keys, "model.layers.0.mlp.up_proj") == r"layers\.[01]\.mlp\.up_proj"
+    assert pk(keys, "model.layers.2.mlp.up_proj") is None
+    assert pk(["proj"], "model.layers.0.self_attn.q_proj") is None  # only after a dot
+    assert pk(["q_proj"], "q_proj") == "q_proj"  # the whole name
+    with pytest.raises(ValueError, match=r"pattern key '\(q' is not a valid regular expression"):
+        pk(["(q"], "model.q")
+
+
+def test_load_accepts_adapter_name_in_keys(tmp_path):
+    rng = np.random.default_rng(2)
+    A, B = rng.normal(size=(2, 5)), rng.normal(size=(3, 2))
+    t = {f"{P}m.lora_A.default.weight": A, f"{P}m.lora_B.default.weight": B}
+    _write(tmp_path, {"r": 2, "lora_alpha": 2}, t)
+    ad = nu_peft.load_adapter(tmp_path)
+    _assert_close(nu.module_update(ad["m"]), (B @ A).T, 1e-6)
+
+
+def test_load_bf16_upcasts(tmp_path):
+    import ml_dtypes
+
+    rng = np.random.default_rng(3)
+    A = rng.normal(size=(4, 16)).astype(ml_dtypes.bfloat16)
+    B = rng.normal(size=(12, 4)).astype(ml_dtypes.bfloat16)
+    _write(
+        tmp_path,
+        {"r": 4, "lora_alpha": 4},
+        {f"{P}q.lora_A.weight": A, f"{P}q.lora_B.weight": B},
+    )
+    ad = nu_peft.load_adapter(tmp_path)
+    assert ad["q"]["lora_a"].dtype == jnp.float32 and ad["q"]["lora_b"].dtype == jnp.float32
+    # the upcast is exact
+    np.testing.assert_array_equal(np.asarray(ad["q"]["lora_a"]), A.astype(np.float32).T)
+    np.testing.assert_array_equal(np.asarray(ad["q"]["lora_b"]), B.astype(np.float32).T)
+
+
+def test_load_adapters_and_config(tmp_path):
+    rng = np.random.default_rng(4)
+    cfg = {
+        "r": 2,
+        "lora_alpha": 4,
+        "base_model_name_or_path": "org/base",
+        "task_type": "CAUSAL_LM",
+        "target_modules": ["q", "v"],
+        "modules_to_save": None,
+        "lora_dropout": 0.1,
+    }
+    d0 = _write(tmp_path / "a", cfg, _lora_tensors(rng, {"l.q": (8, 6, 2), "l.v": (8, 6, 2)}))
+    d1 = _write(
+        tmp_path / "b",
+        {**cfg, "r": 3, "lora_alpha": 3},
+        _lora_tensors(rng, {"l.q": (8, 6, 3), "l.v": (8, 6, 3)}),
+    )
+    ads, base = nu_peft.load_adapters([d0, d1])
+    assert [list(a) for a in ads] == [["l.q", "l.v"]] * 2
+    assert ads[1]["l.q"]["scale"] == 1.0
+    assert base == {
+        "base_model_name_or_path": "org/base",
+        "task_type": "CAUSAL_LM",
+        "target_modules": ["q", "v"],
+    }
+    assert nu_peft.load_config(d0) == cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals on load (pure numpy)
+# ---------------------------------------------------------------------------------------------
+
+
+def _one(tmp_path, config=None, **extra):
+    rng = np.random.default_rng(5)
+    t = _lora_tensors(rng, {"m.q": (8, 6, 2)})
+    t.update(extra)
+    return _write(tmp_path, {"r": 2, "lora_alpha": 2} if config is None else config, t)
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"r": 2, "use_dora": True}, r"use_dora=true: a DoRA adapter"),
+        ({"r": 2, "lora_bias": True}, r"lora_bias=true"),
+        ({"r": 2, "peft_type": "LOHA"}, r"peft_type='LOHA'; only LoRA adapters"),
+        ({"r": 2, "target_parameters": ["experts.w"]}, r"target_parameters=\['experts.w'\]"),
+        ({"r": 2, "init_lora_weights": "pissa"}, r"path_initial_model_for_weight_conversion"),
+        ({"r": 2, "use_qalora": True}, r"use_qalora=true"),
+        ({"r": 4}, r"module 'm.q' has lora_A \(2, 8\) and lora_B \(6, 2\) .* gives it r=4"),
+        ({"r": 4, "rank_pattern": {"q": 3}}, r"gives it r=3 \(r / rank_pattern\)"),
+        ({"r": 2, "rank_pattern": ["q"]}, r"rank_pattern is a list"),
+    ],
+)
+def test_load_refuses_config(tmp_path, config, match):
+    d = _one(tmp_path, config)
+    with pytest.raises(ValueError, match=match):
+        nu_peft.load_adapter(d)
+
+
+def test_load_refuses_tensors(tmp_path):
+    z = np.zeros
+    cases = [
+        ({f"{P}m.q.lora_magnitude_vector.weight": z(6, np.float32)}, r"DoRA magnitude"),
+        ({f"{P}m.q.lora_B.bias": z(6, np.float32)}, r"bias .*lora_bias=true"),
+        ({f"{P}emb.lora_embedding_A": z((2, 10), np.float32)}, r"embedding layer \('emb'\)"),
+        (
+            {f"{P}m.k.lora_A.weight": z((2, 8), np.float32)},
+            r"has '.*m\.k\.lora_A\.weight' \(2, 8\) but no lora_B for module 'm\.k'",
+        ),
+        ({f"{P}m.k.lora_B.weight": z((6, 2), np.float32)}, r"but no lora_A for module 'm\.k'"),
+        (
+            {f"{P}m.k.lora_A.weight": z((2, 8)), f"{P}m.k.lora_B.weight": z((6, 3))},
+            r"lora_A \(2, 8\) = \(r, d_in\) but lora_B \(6, 3\) = \(d_out, r\) with a different r",
+        ),
+        (
+            {f"{P}c.lora_A.weight": z((2, 3, 1, 1)), f"{P}c.lora_B.weight": z((4, 2, 1, 1))},
+            r"only 2-D factors",
+        ),
+        (
+            {
+                f"{P}m.k.lora_A.other.weight": z((2, 8)),
+                f"{P}m.k.lora_B.other.weight": z((6, 2)),
+                f"{P}m.v.lora_A.default.weight": z((2, 8)),
+                f"{P}m.v.lora_B.default.weight": z((6, 2)),
+            },
+            r"several adapters \(\['default', 'other'\]\)",
+        ),
+        (
+            {f"{P}m.k.lora_A.weight": z((2, 8), np.int32), f"{P}m.k.lora_B.weight": z((6, 2))},
+            r"dtype int32",
+        ),
+    ]
+    for i, (extra, match) in enumerate(cases):
+        d = _one(tmp_path / str(i), **extra)
+        err = TypeError if "int32" in match else ValueError
+        with pytest.raises(err, match=match):
+            nu_peft.load_adapter(d)
+
+
+def test_load_non_lora_tensors_strict_and_skip(tmp_path):
+    d = _one(tmp_path, **{f"{P}score.weight": np.zeros((3, 8), np.float32)})
+    with pytest.raises(
+        ValueError, match=r"holds 'base_model\.model\.score\.weight' \(3, 8\), which is not a LoRA"
+    ):
+        nu_peft.load_adapter(d)
+    assert list(nu_peft.load_adapter(d, strict=False)) == ["m.q"]
+
+
+def test_load_refuses_no_factors(tmp_path):
+    _write(tmp_path, {"r": 2}, {f"{P}score.weight": np.zeros((3, 8), np.float32)})
+    with pytest.raises(ValueError, match=r"holds no LoRA factors"):
+        nu_peft.load_adapter(tmp_path, strict=False)
+
+
+def test_load_refuses_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no such directory .*snapshot_download"):
+        nu_peft.load_adapter(tmp_path / "nope")
+    d = _one(tmp_path / "ok")
+    with pytest.raises(ValueError, match=r"is a file; pass the adapter directory"):
+        nu_peft.load_adapter(d / "adapter_model.safetensors")
+
+    pk = tmp_path / "pickled"
+    pk.mkdir()
+    (pk / "adapter_config.json").write_text('{"r": 2}')
+    (pk / "adapter_model.bin").write_bytes(b"\x80\x04not unpickled")
+    with pytest.raises(
+        ValueError, match=r"only the pickled adapter_model\.bin.*safe_serialization=True"
+    ):
+        nu_peft.load_adapter(pk)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"adapter_model\.safetensors' does not exist"):
+        nu_peft.load_adapter(empty)
+
+    nocfg = tmp_path / "nocfg"
+    _write(nocfg, None, _lora_tensors(np.random.default_rng(0), {"q": (4, 4, 2)}))
+    with pytest.raises(FileNotFoundError, match=r"adapter_config\.json' does not exist"):
+        nu_peft.load_adapter(nocfg)
+
+    badjson = _one(tmp_path / "badjson")
+    (badjson / "adapter_config.json").write_text('{"r": 2,')
+    with pytest.raises(ValueError, match=r"adapter_config\.json' is not valid JSON"):
+        nu_peft.load_adapter(badjson)
+    (badjson / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"holds a JSON list, expected an object"):
+        nu_peft.load_adapter(badjson)
+
+    trunc = _one(tmp_path / "trunc")
+    f = trunc / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-7])
+    with pytest.raises(
+        ValueError, match=r"is not a readable safetensors file .*corrupt or truncated"
+    ):
+        nu_peft.load_adapter(trunc)
+    f.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"is not a readable safetensors file"):
+        nu_peft.load_adapter(trunc)
+
+
+def test_load_adapters_refuses_mismatch(tmp_path):
+    rng = np.random.default_rng(6)
+    cfg = {"r": 2, "lora_alpha": 2}
+    d0 = _write(tmp_path / "a", cfg, _lora_tensors(rng, {"l.q": (8, 6, 2), "l.v": (8, 6, 2)}))
+    d1 = _write(tmp_path / "b", cfg, _lora_tensors(rng, {"l.q": (8, 6, 2), "l.v": (8, 5, 2)}))
+    d2 = _write(tmp_path / "c", cfg, _lora_tensors(rng, {"l.q": (8, 6, 2)}))
+    with pytest.raises(
+        ValueError,
+        match=r"module 'l\.v' has update shape \(d_in, d_out\) = \(8, 6\) in '.*a' but \(8, 5\) "
+        r"in '.*b'; the adapters were trained on different base models",
+    ):
+        nu_peft.load_adapters([d0, d1])
+    with pytest.raises(ValueError, match=r"module 'l\.v' is in '.*a' but not in '.*c'"):
+        nu_peft.load_adapters([d0, d2])
+    with pytest.raises(ValueError, match=r"expected a non-empty list of adapter directories"):
+        nu_peft.load_adapters(str(d0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving (pure numpy)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_save_round_trip_ranks_rank0_dense(tmp_path):
+    rng = np.random.default_rng(7)
+    delta = rng.normal(size=(8, 6))
+    merged = {
+        "model.layers.0.q": {
+            "lora_a": rng.normal(size=(8, 3)),
+            "lora_b": rng.normal(size=(3, 6)),
+            "scale": 0.7,
+        },
+        "model.layers.1.q": {
+            "lora_a": rng.normal(size=(8, 3)),
+            "lora_b": rng.normal(size=(3, 6)),
+            "scale": 1.0,
+        },
+        "model.layers.0.v": {"lora_a": rng.normal(size=(8, 5)), "lora_b": rng.normal(size=(5, 6))},
+        "model.layers.1.v": {"lora_a": np.zeros((8, 0)), "lora_b": np.zeros((0, 6)), "scale": 1.0},
+        "model.layers.1.o": {"delta": delta},
+    }
+    out = tmp_path / "out"
+    cfg = nu_peft.save_adapter(merged, out, rank=2, base_model_name_or_path="org/base")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp dir left behind
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert cfg == json.loads((out / "adapter_config.json").read_text())
+    assert cfg["r"] == cfg["lora_alpha"] == 3 and cfg["use_rslora"] is False
+    assert (
+        cfg["rank_pattern"]
+        == cfg["alpha_pattern"]
+        == {
+            r"^model\.layers\.0\.v": 5,
+            r"^model\.layers\.1\.o": 2,
+            r"^model\.layers\.1\.v": 1,
+        }
+    )
+    assert cfg["target_modules"] == sorted(merged, key=nu_peft._natural)
+    assert cfg["base_model_name_or_path"] == "org/base"
+
+    back = nu_peft.load_adapter(out)
+    assert {n: int(m["lora_a"].shape[1]) for n, m in back.items()} == {
+        "model.layers.0.q": 3,
+        "model.layers.0.v": 5,
+        "model.layers.1.q": 3,
+        "model.layers.1.v": 1,
+        "model.layers.1.o": 2,
+    }
+    for name, mod in merged.items():
+        if "delta" in mod:
+            u, s, vt = np.linalg.svd(delta, full_matrices=False)
+            want = (u[:, :2] * s[:2]) @ vt[:2]
+        else:
+            want = _dense(mod)
+        assert back[name]["scale"] == 1.0
+        _assert_close(_dense(back[name]), want, 1e-6, name)
+    assert not np.any(np.asarray(back["model.layers.1.v"]["lora_a"]))
+
+
+def test_save_pattern_keys_with_suffix_clash(tmp_path):
+    # "x.a.q" ends with "." + "a.q": an unanchored key "a.q" would also match "x.a.q"
+    rng = np.random.default_rng(8)
+
+    def mod(r):
+        return {"lora_a": rng.normal(size=(4, r)), "lora_b": rng.normal(size=(r, 4))}
+
+    merged = {"a.q": mod(3), "x.a.q": mod(2), "b.q": mod(2), "y.x.a.q": mod(2)}
+    cfg = nu_peft.save_adapter(merged, tmp_path / "o")
+    assert cfg["r"] == 2 and list(cfg["rank_pattern"]) == [r"^a\.q"]
+    for keys in (cfg["rank_pattern"], sorted(cfg["rank_pattern"], reverse=True)):  # any order
+        for name, m in merged.items():
+            key = nu_peft.pattern_key(keys, name)
+            r = cfg["rank_pattern"][key] if key else cfg["r"]
+            assert r == m["lora_a"].shape[1], name
+    back = nu_peft.load_adapter(tmp_path / "o")  # checks every module's r against the config
+    for name, m in merged.items():
+        _assert_close(_dense(back[name]), _dense(m), 1e-6, name)
+
+
+def test_save_bf16_and_base_config_carry(tmp_path):
+    rng = np.random.default_rng(9)
+    merged = {"l.q": {"lora_a": rng.normal(size=(8, 2)), "lora_b": rng.normal(size=(2, 6))}}
+    src = _write(
+        tmp_path / "src",
+        {
+            "r": 2,
+            "lora_alpha": 2,
+            "task_type": "SEQ_CLS",
+            "modules_to_save": ["score"],
+            "target_modules": ["q"],
+            "fan_in_fan_out": True,
+            "lora_dropout": 0.1,
+        },
+        _lora_tensors(rng, {"l.q": (8, 6, 2)}),
+    )
+    cfg = nu_peft.save_adapter(
+        merged, tmp_path / "o", base_config=src, dtype="bfloat16", task_type="CAUSAL_LM"
+    )
+    assert cfg["target_modules"] == ["q"] and cfg["fan_in_fan_out"] is True
+    assert cfg["task_type"] == "CAUSAL_LM" and cfg["modules_to_save"] is None
+    assert cfg["lora_dropout"] == 0.0
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "o" / "adapter_model.safetensors"), framework="flax") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    back = nu_peft.load_adapter(tmp_path / "o")
+    assert back["l.q"]["lora_a"].dtype == jnp.float32
+    _assert_close(_dense(back["l.q"]), _dense(merged["l.q"]), 2e-2)
+
+
+def test_save_refusals(tmp_path):
+    rng = np.random.default_rng(10)
+    lo = {"lora_a": rng.normal(size=(8, 2)), "lora_b": rng.normal(size=(2, 6))}
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "x").write_text("x")
+    with pytest.raises(FileExistsError, match=r"occupied' exists and is not empty; refusing"):
+        nu_peft.save_adapter({"m.q": lo}, occupied)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(FileExistsError, match=r"afile' is a file"):
+        nu_peft.save_adapter({"m.q": lo}, afile)
+    with pytest.raises(
+        ValueError,
+        match=r"module 'm\.o' is dense \(\{'delta': \(8, 6\)\}.*Pass rank=k .*nu\.to_lora",
+    ):
+        nu_peft.save_adapter({"m.q": lo, "m.o": {"delta": np.ones((8, 6))}}, tmp_path / "d")
+    with pytest.raises(ValueError, match=r"unknown config field foo=; accepted: "):
+        nu_peft.save_adapter({"m.q": lo}, tmp_path / "d", foo=1)
+    with pytest.raises(ValueError, match=r"r= is computed by save_adapter"):
+        nu_peft.save_adapter({"m.q": lo}, tmp_path / "d", r=4)
+    with pytest.raises(ValueError, match=r"module name 'layers/0/q' is not a PEFT module name"):
+        nu_peft.save_adapter({"layers": {"0": {"q": lo}}, "layers/0/q": lo}, tmp_path / "d")
+    with pytest.raises(ValueError, match=r"PEFT would not adapt module 'm\.q'"):
+        nu_peft.save_adapter({"m.q": lo}, tmp_path / "d", target_modules=["k"])
+    with pytest.raises(ValueError, match=r"rank=0; expected a positive integer"):
+        nu_peft.save_adapter({"m.q": lo}, tmp_path / "d", rank=0)
+    with pytest.raises(ValueError, match=r"factors of module 'm\.q' do not chain"):
+        nu_peft.save_adapter({"m.q": {**lo, "lora_b": np.ones((3, 6))}}, tmp_path / "d")
+    with pytest.raises(ValueError, match=r"lora_a of module 'm\.q' \(8, 2\) has non-finite"):
+        nu_peft.save_adapter({"m.q": {**lo, "lora_a": np.full((8, 2), np.nan)}}, tmp_path / "d")
+    with pytest.raises(ValueError, match=r"module 'm\.q''s lora_B overflows float16 \(largest"):
+        nu_peft.save_adapter({"m.q": {**lo, "scale": 1e6}}, tmp_path / "d", dtype="float16")
+    with pytest.raises(ValueError, match=r"dtype='int8'; expected one of"):
+        nu_peft.save_adapter({"m.q": lo}, tmp_path / "d", dtype="int8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "occupied"]  # nothing left
+    # an existing empty directory is fine
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nu_peft.save_adapter({"m.q": lo}, empty)
+    assert (empty / "adapter_model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Against real PEFT (torch, transformers, peft)
+# ---------------------------------------------------------------------------------------------
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ZERO_MODULE = "model.layers.1.self_attn.o_proj"  # B = 0 in every task: the merge keeps nothing
+IDS = [[1, 5, 7, 42, 3, 99, 0, 12]]
+
+
+def _torch_stack():
+    torch = pytest.importorskip("torch", reason="round trips against PEFT need torch")
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
+    peft = pytest.importorskip("peft", reason="needs peft")
+    return torch, transformers, peft
+
+
+def _lora_layers(pm):
+    """{module name in the base model: PEFT LoRA layer} of a PeftModel."""
+    out = {}
+    for name, m in pm.named_modules():
+        if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
+            out[name.removeprefix("base_model.model.")] = m
+    return out
+
+
+def _peft_delta(layer) -> np.ndarray:
+    """PEFT's own update scaling * B @ A in float64, in kernel layout (d_in, d_out)."""
+    A = layer.lora_A["default"].weight.detach().double().numpy()
+    B = layer.lora_B["default"].weight.detach().double().numpy()
+    return (layer.scaling["default"] * B @ A).T
+
+
+def _randomize(torch, pm, seed, zero=()):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, layer in _lora_layers(pm).items():
+            A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            A.copy_(torch.randn(A.shape, generator=g) / math.sqrt(A.shape[1]))
+            B.copy_(0.0 if name in zero else 0.02 * torch.randn(B.shape, generator=g))
+
+
+def _logits(torch, model, ids=IDS) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.double().numpy()
+
+
+def _reference_logits(torch, base, updates, *, conv1d=False) -> np.ndarray:
+    """Logits of the base model with W + dK (numpy float64, cast once to the weight dtype)."""
+    ref = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, dk in updates.items():
+            w = ref.get_submodule(name).weight
+            new = w.detach().double().numpy() + (dk if conv1d else dk.T)
+            w.copy_(torch.from_numpy(new))
+    return _logits(torch, ref)
+
+
+def _assert_logits(got, want, base):
+    err = np.abs(got - want).max()
+    moved = np.abs(base - want).max()
+    assert err <= 2e-5 * np.abs(want).max(), (err, np.abs(want).max())
+    assert moved > 1e3 * err, (moved, err)  # the update is large enough to be checked
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    torch, transformers, peft = _torch_stack()
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,  # k/v_proj 64x64 like q/o: one merge bucket, one compile
+        vocab_size=100,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(cfg).eval()
+    root = tmp_path_factory.mktemp("llama")
+    configs = [
+        dict(r=4, lora_alpha=8),
+        dict(r=8, lora_alpha=16, use_rslora=True),
+        dict(
+            r=6,
+            lora_alpha=12,
+            rank_pattern={"q_proj": 2, "layers.1.self_attn.v_proj": 3},
+            alpha_pattern={"k_proj": 5},
+        ),
+    ]
+    dirs, deltas = [], []
+    for i, c in enumerate(configs):
+        lc = peft.LoraConfig(target_modules=LLAMA_TARGETS, task_type="CAUSAL_LM", **c)
+        pm = peft.get_peft_model(copy.deepcopy(base), lc)
+        _randomize(torch, pm, seed=i, zero=(ZERO_MODULE,))
+        deltas.append({n: _peft_delta(layer) for n, layer in _lora_layers(pm).items()})
+        pm.save_pretrained(str(root / f"task{i}"))
+        dirs.append(root / f"task{i}")
+    return torch, peft, base, dirs, deltas
+
+
+@HF_WARNINGS
+def test_peft_load_matches_peft_delta(llama):
+    _, _, _, dirs, deltas = llama
+    ads, base_cfg = nu_peft.load_adapters(dirs)
+    assert base_cfg["task_type"] == "CAUSAL_LM"
+    assert sorted(base_cfg["target_modules"]) == sorted(LLAMA_TARGETS)
+    assert len(ads[0]) == 8
+    assert ads[2]["model.layers.0.self_attn.q_proj"]["lora_a"].shape == (64, 2)
+    assert ads[2]["model.layers.1.self_attn.v_proj"]["lora_a"].shape == (64, 3)
+    assert ads[2]["model.layers.1.self_attn.k_proj"]["scale"] == 5 / 6
+    assert ads[1]["model.layers.0.self_attn.k_proj"]["scale"] == pytest.approx(16 / math.sqrt(8))
+    for ad, want in zip(ads, deltas, strict=True):
+        assert set(ad) == set(want)
+        for name, dk in want.items():
+            _assert_close(_dense(ad[name]), dk, 1e-6, name)
+
+
+@HF_WARNINGS
+@pytest.mark.parametrize("method", ["ta", "tsv"])
+def test_peft_merge_save_load_forward(llama, tmp_path, method):
+    torch, peft, base, dirs, _ = llama
+    ads, base_cfg = nu_peft.load_adapters(dirs)
+    merged, report = nu.merge_adapters(ads, budget=3, method=method)
+    assert report.ranks[ZERO_MODULE] == 0
+    assert max(report.ranks.values()) > 1
+    out = tmp_path / "merged"
+    cfg = nu_peft.save_adapter(merged, out, base_config=base_cfg)
+    assert cfg["rank_pattern"].get("^" + re.escape(ZERO_MODULE)) == 1 or cfg["r"] == 1
+
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(out)).eval()
+    layers = _lora_layers(pm)
+    assert set(layers) == set(merged)
+    updates = {n: _dense(m) for n, m in merged.items()}  # numpy float64 from the merged factors
+    for name, layer in layers.items():
+        _assert_close(_peft_delta(layer), updates[name], 1e-6, name)
+    assert not np.any(updates[ZERO_MODULE])
+    got = _logits(torch, pm)
+    _assert_logits(got, _reference_logits(torch, base, updates), _logits(torch, base))
+
+
+@HF_WARNINGS
+def test_peft_dense_ties_saved_with_rank(llama, tmp_path):
+    torch, peft, base, dirs, _ = llama
+    ads, base_cfg = nu_peft.load_adapters(dirs)
+    merged, _ = nu.merge_adapters(ads, budget=4, method="ties", density=0.5)
+    assert all("delta" in m for m in merged.values())
+    with pytest.raises(ValueError, match=r"is dense .*Pass rank=k"):
+        nu_peft.save_adapter(merged, tmp_path / "refused", base_config=base_cfg)
+    k = 3
+    cfg = nu_peft.save_adapter(merged, tmp_path / "ties", rank=k, base_config=base_cfg)
+    assert cfg["r"] == k and cfg["rank_pattern"] == {}
+    updates = {}
+    for name, m in merged.items():
+        u, s, vt = np.linalg.svd(np.asarray(m["delta"], np.float64), full_matrices=False)
+        updates[name] = (u[:, :k] * s[:k]) @ vt[:k]
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "ties")).eval()
+    for name, layer in _lora_layers(pm).items():
+        _assert_close(_peft_delta(layer), updates[name], 1e-5, name)
+    _assert_logits(
+        _logits(torch, pm), _reference_logits(torch, base, updates), _logits(torch, base)
+    )
+
+
+@HF_WARNINGS
+def test_peft_gpt2_fan_in_fan_out_round_trip(tmp_path):
+    torch, transformers, peft = _torch_stack()
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32)
+    torch.manual_seed(1)
+    base = transformers.GPT2LMHeadModel(cfg).eval()
+    lc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+    pm = peft.get_peft_model(copy.deepcopy(base), lc)
+    _randomize(torch, pm, seed=3)
+    pm.save_pretrained(str(tmp_path / "gpt2"))
+    ad = nu_peft.load_adapter(tmp_path / "gpt2")
+    assert set(ad) == {"transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn"}
+    for name, layer in _lora_layers(pm).items():
+        # Conv1D stores its weight (d_in, d_out): PEFT's delta is already in kernel layout
+        assert layer.fan_in_fan_out
+        want = layer.get_delta_weight("default").detach().double().numpy()
+        assert ad[name]["lora_a"].shape == (32, 4) and ad[name]["lora_b"].shape == (4, 96)
+        _assert_close(nu.module_update(ad[name]), want, 1e-6, name)
+
+    # base_config as a peft.LoraConfig object (sets and enums become JSON lists and strings)
+    cfg_out = nu_peft.save_adapter(ad, tmp_path / "out", base_config=lc)
+    assert cfg_out["target_modules"] == ["c_attn"]
+    assert cfg_out["fan_in_fan_out"] is True
+    pm2 = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "out")).eval()
+    updates = {n: _dense(m) for n, m in ad.items()}
+    _assert_logits(
+        _logits(torch, pm2),
+        _reference_logits(torch, base, updates, conv1d=True),
+        _logits(torch, base),
+    )
+
+
+def test_pattern_key_matches_peft():
+    _torch_stack()
+    from peft.utils.other import get_pattern_key
+
+    keys = [
+        r"^model\.layers\.0\.self_attn\.k_proj",
+        "k_proj",
+        "layers.1.self_attn.q_proj",
+        "q_proj",
+        r"layers\.[01]\..*v_proj",
+        r"^a\.q",
+        "a.q",
+    ]
+    names = [
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.v_proj",
+        "model.layers.2.self_attn.v_proj",
+        "model.layers.0.self_attn.k_proj",
+        "x.a.q",
+        "a.q",
+        "xa.q",
+        "model.layers.0.mlp.up_proj",
+    ]
+    for name in names:
+        want = get_pattern_key(keys, name)
+        got = nu_peft.pattern_key(keys, name)
+        assert (got if got is not None else name) == want, name
+
+
+def test_target_rule_matches_peft():
+    # save_adapter checks a carried target_modules covers every module with PEFT's own rule
+    _torch_stack()
+    from types import SimpleNamespace
+
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    configs = [
+        {"target_modules": ["q_proj", "v_proj"]},
+        {"target_modules": ["model.layers.0.self_attn.q_proj"]},
+        {"target_modules": r".*layers\.1\..*_proj"},
+        {"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [1]},
+        {"target_modules": ["q_proj"], "layers_to_transform": 0, "layers_pattern": "layers"},
+        {"target_modules": ["q_proj", "v_proj"], "exclude_modules": ["layers.1.self_attn.v_proj"]},
+        {"target_modules": ["proj"]},
+    ]
+    names = [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.v_proj",
+        "model.layers.0.mlp.up_proj",
+    ]
+    fields = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
+    for cfg in configs:
+        ns = SimpleNamespace(
+            **{k: cfg.get(k) for k in fields}, modules_to_save=None, target_parameters=None
+        )
+        for name in names:
+            want = bool(check_target_module_exists(ns, name))
+            assert nu_peft._targeted(cfg, name) == want, (cfg, name)
+
+
+def test_save_refuses_config_missing_modules(tmp_path):
+    rng = np.random.default_rng(11)
+    lo = {"lora_a": rng.normal(size=(8, 2)), "lora_b": rng.normal(size=(2, 6))}
+    ad = {"model.layers.0.self_attn.q_proj": lo, "model.layers.1.self_attn.q_proj": lo}
+    with pytest.raises(
+        ValueError,
+        match=r"with \{'target_modules': \['q_proj'\], 'layers_to_transform': \[1\]\} PEFT would "
+        r"not adapt module 'model\.layers\.0\.self_attn\.q_proj'",
+    ):
+        nu_peft.save_adapter(
+            ad,
+            tmp_path / "o",
+            base_config={"target_modules": ["q_proj"], "layers_to_transform": [1]},
+        )
+    cfg = nu_peft.save_adapter(ad, tmp_path / "o", base_config={"target_modules": ["q_proj"]})
+    assert cfg["target_modules"] == ["q_proj"]
