@@ -1,0 +1,352 @@
+"""Flax nnx interop: read the LoRA adapter out of an ``nnx`` model, and write a merge back in.
+
+A LoRA layer is an ``nnx.LoRA`` (standalone, or wrapping a ``base_module`` such as an
+``nnx.Linear``) or an ``nnx.LoRALinear`` (an ``nnx.Linear`` whose ``lora`` child is an
+``nnx.LoRA``). Both store ``lora_a (d_in, r)`` and ``lora_b (r, d_out)`` as ``nnx.LoRAParam`` and
+compute ``x @ lora_a @ lora_b`` with **no scaling**: flax has no ``lora_alpha``. So a module's
+``scale`` is 1 unless
+
+* the ``nnx.LoRA`` module has a ``scale`` attribute (a number, a scalar array or an
+  ``nnx.Variable`` holding one), as a subclass that computes ``scale * x @ lora_a @ lora_b`` would
+  store it (for an ``nnx.LoRALinear`` that is ``layer.lora.scale``); or
+* the caller passes ``scale=`` (a float, or ``{name: float}``), for a scaling the training code
+  applies outside the layer (e.g. ``lora_alpha / r``).
+
+A module's name is the "/"-joined state path of its layer: the ``nnx.LoRALinear`` itself
+(``"layers/0/attention/query"``, not ``".../query/lora"``), or the ``nnx.LoRA`` module; a model
+that is itself a single LoRA layer has the one module ``"lora"`` (the name :func:`nu.merge` gives a
+root module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import _tree
+from .merging import module_update
+
+MODES = ("fold", "lora")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """One LoRA layer of a model: its nnx.LoRA, and the base kernel the update folds into."""
+
+    name: str
+    lora: nnx.LoRA
+    base: Any  # the module holding the base `kernel` (LoRALinear, or LoRA.base_module), or None
+
+
+def _lora_layers(model: Any, fn: str) -> dict[str, _Layer]:
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"{fn}: expected a flax.nnx.Module, got {type(model).__name__}.")
+    mods = dict(nnx.iter_modules(model))
+    out: dict[str, _Layer] = {}
+    for path, mod in mods.items():
+        if not isinstance(mod, nnx.LoRA):
+            continue
+        parent = mods.get(path[:-1]) if path else None
+        if path and path[-1] == "lora" and isinstance(parent, nnx.LoRALinear):
+            path, base = path[:-1], parent
+        else:
+            base = mod.base_module
+        # a model that is itself one LoRA layer: "lora", as nu.merge names a root module
+        name = "/".join(map(str, path)) or "lora"
+        out[name] = _Layer(name, mod, base)
+    if not out:
+        raise ValueError(
+            f"{fn}: {type(model).__name__} has no LoRA layers (nnx.LoRA or nnx.LoRALinear); "
+            "build the model with LoRA layers (e.g. nnx.LoRALinear(d_in, d_out, lora_rank=r))."
+        )
+    return out
+
+
+def _scalar(fn: str, name: str, x: Any, what: str) -> float | jax.Array:
+    x = _tree._unwrap(x)
+    if isinstance(x, jax.core.Tracer):
+        return x
+    arr = np.asarray(x)
+    if arr.shape != () or not jnp.issubdtype(arr.dtype, jnp.number) or not np.isfinite(arr):
+        raise ValueError(
+            f"{fn}: {what} of module {name!r} is {x!r}; expected a finite scalar (the factor the "
+            "forward applies to x @ lora_a @ lora_b)."
+        )
+    return float(arr)
+
+
+def _scales(
+    fn: str, layers: Mapping[str, _Layer], scale: float | Mapping[str, float] | None
+) -> dict[str, float | jax.Array]:
+    if isinstance(scale, Mapping):
+        unknown = sorted(set(scale) - set(layers))
+        if unknown:
+            raise ValueError(
+                f"{fn}: scale names {unknown[:3]} are not LoRA layers of the model; LoRA layers "
+                f"are {list(layers)[:5]}{' ...' if len(layers) > 5 else ''}."
+            )
+    out: dict[str, float | jax.Array] = {}
+    for name, layer in layers.items():
+        if isinstance(scale, Mapping) and name in scale:
+            out[name] = _scalar(fn, name, scale[name], "scale")
+        elif scale is not None and not isinstance(scale, Mapping):
+            out[name] = _scalar(fn, name, scale, "scale")
+        elif hasattr(layer.lora, "scale"):
+            out[name] = _scalar(fn, name, layer.lora.scale, "the layer's `scale` attribute")
+        else:
+            out[name] = 1.0
+    return out
+
+
+def extract_adapter(
+    model: Any, *, scale: float | Mapping[str, float] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The LoRA adapter of an nnx model, as a flat dict keyed by layer path.
+
+    Every ``nnx.LoRA`` / ``nnx.LoRALinear`` layer becomes a module
+    ``{"lora_a": (d_in, r), "lora_b": (r, d_out), "scale": ()}`` whose update in kernel layout is
+    ``dK = scale * lora_a @ lora_b``: the input :func:`nu.score` and :func:`nu.merge_adapters`
+    take, one per task.
+
+    Args:
+      model: an ``nnx.Module`` with LoRA layers.
+      scale: the factor the forward applies to each LoRA branch, if not stored on the layers: a
+        float for all, or ``{name: float}``. Default: the ``nnx.LoRA`` module's ``scale``
+        attribute where it has one, else 1 (flax's LoRA layers do not scale).
+
+    Returns:
+      ``{name: {"lora_a", "lora_b", "scale"}}`` in model traversal order; factors are copies
+      (``jax.Array``, their dtype kept), ``scale`` a Python float.
+
+    Raises:
+      TypeError: ``model`` is not an ``nnx.Module``.
+      ValueError: the model has no LoRA layers; a ``scale`` that is not a finite scalar, or names
+        a layer the model lacks.
+
+    Example:
+      >>> from flax import nnx
+      >>> import netutility_jax as nu
+      >>> model = nnx.LoRALinear(8, 4, lora_rank=2, rngs=nnx.Rngs(0))
+      >>> ad = nu.nnx.extract_adapter(model)
+      >>> {k: v["lora_a"].shape for k, v in ad.items()}, ad["lora"]["scale"]
+      ({'lora': (8, 2)}, 1.0)
+    """
+    fn = "nu.nnx.extract_adapter"
+    layers = _lora_layers(model, fn)
+    scales = _scales(fn, layers, scale)
+    return {
+        name: {
+            "lora_a": jnp.array(layer.lora.lora_a.get_value(), copy=True),
+            "lora_b": jnp.array(layer.lora.lora_b.get_value(), copy=True),
+            "scale": scales[name],
+        }
+        for name, layer in layers.items()
+    }
+
+
+def _merged_modules(fn: str, merged: Any) -> dict[str, Mapping[str, Any] | None]:
+    if not _tree._is_mapping(merged):
+        raise TypeError(
+            f"{fn}: merged is a {type(merged).__name__}; expected the adapter returned by "
+            "nu.merge / nu.merge_adapters ({name: module})."
+        )
+    out: dict[str, Mapping[str, Any] | None] = {}
+
+    def walk(node, path):
+        name = "/".join(path)
+        if node is None:
+            out[name] = None
+        elif _tree._is_mapping(node) and ({"lora_a", "lora_b", "delta"} & set(node.keys())):
+            out[name] = node
+        elif _tree._is_mapping(node):
+            for k in node.keys():
+                walk(node[k], (*path, str(k)))
+        else:
+            raise ValueError(
+                f"{fn}: merged has a leaf at {name!r} ({type(node).__name__}) outside any module; "
+                "expected {name: {'lora_a', 'lora_b', 'scale'}} or {name: {'delta'}}."
+            )
+
+    walk(merged, ())
+    return out
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in np.shape(x))
+
+
+def apply_adapter(
+    model: Any,
+    merged: Any,
+    *,
+    mode: str = "fold",
+    scale: float | Mapping[str, float] | None = None,
+) -> Any:
+    """A new model that computes the base model plus a merged adapter (the input is untouched).
+
+    For each LoRA layer with base kernel ``W (d_in, d_out)`` and merged update
+    ``dK = scale * lora_a @ lora_b`` (or ``delta``):
+
+    * ``mode="fold"``: ``kernel <- W + dK`` (in the kernel's dtype) and ``lora_b <- 0``, so the
+      forward is ``x @ (W + dK) + bias`` with the update counted exactly once. Needs a base kernel:
+      an ``nnx.LoRALinear``, or an ``nnx.LoRA`` whose ``base_module`` has a ``kernel`` (d_in, d_out).
+    * ``mode="lora"``: the base kernel is kept and the layer's ``lora_a``/``lora_b`` are replaced by
+      new ``nnx.LoRAParam`` of the merged module's own rank ``K``: ``lora_a (d_in, K)`` and
+      ``lora_b = merged_scale / layer_scale * merged_b (K, d_out)`` (the merged scale folded into
+      ``lora_b``; ``layer_scale`` as in :func:`extract_adapter`), in the layer's factor dtypes.
+      Dense modules (``{"delta"}``, from full-space TIES/DARE) have no factors and are refused.
+
+    ``None`` at a module name means "no update" (a zero update in "fold", rank 0 in "lora").
+
+    Args:
+      model: an ``nnx.Module`` with LoRA layers.
+      merged: the merged adapter from :func:`nu.merge_adapters` / :func:`nu.merge` on adapters
+        from :func:`extract_adapter`: flat ``{name: module}`` or nested by path; its module names
+        must be exactly the model's LoRA layers.
+      mode: ``"fold"`` or ``"lora"``.
+      scale: as for :func:`extract_adapter` (used by ``"lora"`` only).
+
+    Returns:
+      a new model (``nnx.clone``); unchanged variables share their arrays with ``model``.
+
+    Raises:
+      TypeError: ``model`` is not an ``nnx.Module``, ``merged`` is not a mapping.
+      ValueError: unknown mode; merged names differ from the model's LoRA layers; a module whose
+        ``(d_in, d_out)`` differs from its layer's; a dense module in ``"lora"`` mode; a layer
+        without a base kernel in ``"fold"`` mode.
+
+    Example:
+      >>> from flax import nnx
+      >>> import jax.numpy as jnp, numpy as np, netutility_jax as nu
+      >>> model = nnx.LoRALinear(8, 4, lora_rank=2, rngs=nnx.Rngs(0))
+      >>> merged = {"lora": {"lora_a": jnp.ones((8, 3)), "lora_b": jnp.ones((3, 4)), "scale": 0.5}}
+      >>> folded = nu.nnx.apply_adapter(model, merged, mode="fold")
+      >>> as_lora = nu.nnx.apply_adapter(model, merged, mode="lora")
+      >>> as_lora.lora.lora_a.shape, model.lora.lora_a.shape
+      ((8, 3), (8, 2))
+      >>> x = jnp.ones((1, 8))
+      >>> bool(np.allclose(folded(x), as_lora(x), atol=1e-5))
+      True
+    """
+    fn = "nu.nnx.apply_adapter"
+    if mode not in MODES:
+        raise ValueError(f"{fn}: unknown mode {mode!r}; expected one of {MODES}.")
+    layers = _lora_layers(model, fn)
+    mods = _merged_modules(fn, merged)
+    if set(mods) != set(layers):
+        missing, extra = sorted(set(layers) - set(mods)), sorted(set(mods) - set(layers))
+        parts = []
+        if missing:
+            parts.append(f"the model's LoRA layers {missing[:3]} have no merged module")
+        if extra:
+            parts.append(f"merged modules {extra[:3]} are not LoRA layers of the model")
+        raise ValueError(
+            f"{fn}: merged module names do not match the model: {'; '.join(parts)}. Merge "
+            "adapters extracted from this model architecture (nu.nnx.extract_adapter); its "
+            f"LoRA layers are {list(layers)[:5]}{' ...' if len(layers) > 5 else ''}."
+        )
+    scales = _scales(fn, layers, scale) if mode == "lora" else {}
+    for name, layer in layers.items():
+        _check(fn, name, layer, mods[name], mode, scales.get(name))
+    new = nnx.clone(model)
+    for name, layer in _lora_layers(new, fn).items():
+        _apply_one(layer, mods[name], mode, scales.get(name))
+    return new
+
+
+def _layer_dims(layer: _Layer) -> tuple[int, int]:
+    a, b = layer.lora.lora_a, layer.lora.lora_b
+    return int(a.shape[0]), int(b.shape[1])
+
+
+def _base_kernel(layer: _Layer) -> Any:
+    kernel = getattr(layer.base, "kernel", None) if layer.base is not None else None
+    return kernel if isinstance(kernel, nnx.Variable) else None
+
+
+def _check(fn: str, name: str, layer: _Layer, mod: Any, mode: str, layer_scale: Any) -> None:
+    d_in, d_out = _layer_dims(layer)
+    ours = (
+        f"the model's layer has (d_in, d_out) = ({d_in}, {d_out}) (lora_a "
+        f"{tuple(layer.lora.lora_a.shape)}, lora_b {tuple(layer.lora.lora_b.shape)})"
+    )
+    if mod is not None:
+        if "delta" in mod.keys():
+            got, what = _shape(mod["delta"]), f"delta {_shape(mod['delta'])}"
+            if len(got) != 2:
+                got = (-1, -1)
+        else:
+            if "lora_a" not in mod.keys() or "lora_b" not in mod.keys():
+                raise ValueError(
+                    f"{fn}: merged module {name!r} has keys {sorted(mod.keys())}; expected "
+                    "'lora_a' and 'lora_b' (and 'scale'), or 'delta'."
+                )
+            sa, sb = _shape(mod["lora_a"]), _shape(mod["lora_b"])
+            what = f"lora_a {sa}, lora_b {sb}"
+            if len(sa) != 2 or len(sb) != 2 or sa[1] != sb[0]:
+                raise ValueError(
+                    f"{fn}: merged module {name!r} has factors {what} that do not chain; expected "
+                    "lora_a (d_in, K) and lora_b (K, d_out) in flax kernel layout."
+                )
+            got = (sa[0], sb[1])
+        if got != (d_in, d_out):
+            raise ValueError(
+                f"{fn}: merged module {name!r} ({what}) is not (d_in, d_out) = ({d_in}, {d_out}): "
+                f"{ours}. Merge adapters extracted from this model (nu.nnx.extract_adapter)."
+            )
+    if mode == "fold":
+        kernel = _base_kernel(layer)
+        if kernel is None:
+            raise ValueError(
+                f"{fn}: module {name!r} is an nnx.LoRA without a base kernel (base_module "
+                f"{type(layer.base).__name__ if layer.base is not None else None}); mode='fold' "
+                "adds the update to a base module's `kernel`. Use mode='lora' for this layer's "
+                "model (and nu.to_lora for dense modules)."
+            )
+        if _shape(kernel) != (d_in, d_out):
+            raise ValueError(
+                f"{fn}: module {name!r}: base kernel has shape {_shape(kernel)} but {ours}; "
+                "mode='fold' needs a kernel in flax layout (d_in, d_out). Use mode='lora'."
+            )
+    else:
+        if mod is not None and "delta" in mod.keys():
+            raise ValueError(
+                f"{fn}: merged module {name!r} is dense ({{'delta': {_shape(mod['delta'])}}}, from "
+                "a full-space TIES/DARE merge) and has no LoRA factors; use mode='fold' to add it "
+                "to the base kernel, or truncate it first with nu.to_lora(module, rank)."
+            )
+        if not isinstance(layer_scale, jax.core.Tracer) and layer_scale == 0:
+            raise ValueError(
+                f"{fn}: LoRA layer {name!r} has scale 0, so no lora_b reproduces the merged "
+                "update; pass scale= or use mode='fold'."
+            )
+
+
+def _apply_one(layer: _Layer, mod: Any, mode: str, layer_scale: Any) -> None:
+    lora = layer.lora
+    a_var, b_var = lora.lora_a, lora.lora_b
+    if mode == "fold":
+        kernel = _base_kernel(layer)
+        w = kernel.get_value()
+        if mod is not None:
+            w = w + module_update(mod).astype(w.dtype)
+        kernel.set_value(w)
+        b_var.set_value(jnp.zeros(b_var.shape, b_var.get_value().dtype))
+        return
+    a_dt, b_dt = a_var.get_value().dtype, b_var.get_value().dtype
+    if mod is None:
+        d_in, d_out = _layer_dims(layer)
+        a, b = jnp.zeros((d_in, 0), a_dt), jnp.zeros((0, d_out), b_dt)
+    else:
+        a, b = jnp.asarray(mod["lora_a"]), jnp.asarray(mod["lora_b"])
+        dt = _tree.float_dtype(b.dtype)
+        factor = jnp.asarray(mod.get("scale", 1.0), dt) / jnp.asarray(layer_scale, dt)
+        a, b = a.astype(a_dt), (factor * b.astype(dt)).astype(b_dt)
+    lora.lora_a = a_var.replace(a)
+    lora.lora_b = b_var.replace(b)

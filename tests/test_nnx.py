@@ -1,0 +1,369 @@
+"""nnx interop: extract -> merge -> apply against a numpy float64 forward of base + merged update."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import netutility_jax as nu
+from netutility_jax import nnx as nu_nnx
+
+# one (d_in, d_out) for all modules: one bucket, one compile of each merge stage
+D, H1, R = 12, 10, 4
+NAMES = [
+    "layers/0/mlp",
+    "layers/0/query",
+    "layers/0/value",
+    "layers/1/mlp",
+    "layers/1/query",
+    "layers/1/value",
+]
+
+
+def _numpy_init(seed):
+    # numpy initializers: flax's jax ones compile once per shape, seconds for a model this size
+    rng = np.random.default_rng(seed)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), dtype)
+
+    return {"kernel_init": init, "bias_init": init}
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, seed: int):
+        kw = _numpy_init(seed)
+        lora_kw = {"a_initializer": kw["kernel_init"], "b_initializer": kw["kernel_init"]}
+        self.query = nnx.LoRALinear(D, H1, lora_rank=R, rngs=rngs, **kw, **lora_kw)
+        self.value = nnx.LoRALinear(D, H1, lora_rank=R, rngs=rngs, **kw, **lora_kw)
+        base = nnx.Linear(D, H1, rngs=rngs, **kw)
+        self.mlp = nnx.LoRA(D, R, H1, base_module=base, rngs=rngs, **lora_kw)
+        self.out = nnx.Linear(H1, D, rngs=rngs, **kw)
+
+    def __call__(self, x):
+        y = jnp.tanh(self.query(x)) + self.value(x) + jnp.tanh(self.mlp(x))
+        return x + self.out(y)
+
+
+class Model(nnx.Module):
+    def __init__(self, seed: int):
+        rngs = nnx.Rngs(seed)
+        self.layers = nnx.List([Block(rngs, seed + i) for i in range(2)])
+        self.head = nnx.Linear(D, 3, rngs=rngs, **_numpy_init(seed + 7))
+
+    def __call__(self, x):
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+def _lora_of(model, name):
+    layer = model
+    for part in name.split("/"):
+        layer = layer[int(part)] if part.isdigit() else getattr(layer, part)
+    return layer.lora if isinstance(layer, nnx.LoRALinear) else layer
+
+
+def _randomize(model, seed):
+    """A copy of ``model`` with random (trained-looking) LoRA factors in every layer."""
+    rng = np.random.default_rng(seed)
+    out = nnx.clone(model)
+    for name in NAMES:
+        lora = _lora_of(out, name)
+        a, b = lora.lora_a, lora.lora_b
+        a.set_value(jnp.asarray(rng.normal(size=a.shape) / np.sqrt(a.shape[0]), jnp.float32))
+        b.set_value(jnp.asarray(rng.normal(size=b.shape) * 0.5, jnp.float32))
+    return out
+
+
+def _np(x):
+    return np.asarray(x, np.float64)
+
+
+def _dense(mod):
+    if mod is None:
+        return 0.0
+    if "delta" in mod:
+        return _np(mod["delta"])
+    return float(mod.get("scale", 1.0)) * (_np(mod["lora_a"]) @ _np(mod["lora_b"]))
+
+
+def _reference(model, merged, x):
+    """numpy float64 forward of ``model``'s base weights plus the merged dense updates.
+
+    The model's own LoRA factors are ignored: the result must replace them.
+    """
+    x = _np(x)
+    upd = {name: _dense(merged[name]) for name in NAMES}
+
+    def lin(layer, x, name=None):
+        w = _np(layer.kernel.get_value()) + (upd[name] if name else 0.0)
+        return x @ w + _np(layer.bias.get_value())
+
+    for i, blk in enumerate(model.layers):
+        p = f"layers/{i}/"
+        y = np.tanh(lin(blk.query, x, p + "query")) + lin(blk.value, x, p + "value")
+        y = y + np.tanh(lin(blk.mlp.base_module, x, p + "mlp"))
+        x = x + lin(blk.out, y)
+    return lin(model.head, x)
+
+
+def _snapshot(model):
+    return [np.array(v) for v in jax.tree.leaves(nnx.state(model))]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.fixture(scope="module")
+def setup():
+    base = Model(0)
+    tasks = [_randomize(base, seed) for seed in (1, 2, 3)]
+    adapters = [nu_nnx.extract_adapter(t) for t in tasks]
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(5, D)), jnp.float32)
+    # the target carries a LoRA branch of its own, which both modes must overwrite
+    return {"target": tasks[0], "adapters": adapters, "x": x}
+
+
+@pytest.fixture(scope="module")
+def merged_ta(setup):
+    return nu.merge_adapters(setup["adapters"], budget=3, method="ta")
+
+
+@pytest.fixture(scope="module")
+def merged_ties(setup):
+    return nu.merge_adapters(setup["adapters"], budget=3, method="ties", space="full")
+
+
+def test_extract_names_shapes_values(setup):
+    target = setup["target"]
+    ad = nu_nnx.extract_adapter(target)
+    assert list(ad) == NAMES
+    for name, mod in ad.items():
+        d_in, d_out = D, H1
+        assert set(mod) == {"lora_a", "lora_b", "scale"}
+        assert isinstance(mod["lora_a"], jax.Array) and isinstance(mod["lora_b"], jax.Array)
+        assert mod["lora_a"].shape == (d_in, R) and mod["lora_b"].shape == (R, d_out)
+        assert mod["scale"] == 1.0
+        lora = _lora_of(target, name)
+        np.testing.assert_array_equal(mod["lora_a"], lora.lora_a.get_value())
+        np.testing.assert_array_equal(mod["lora_b"], lora.lora_b.get_value())
+
+
+def test_extract_apply_round_trip_is_bitwise(setup):
+    target = setup["target"]
+    ad = nu_nnx.extract_adapter(target)
+    fresh = Model(5)
+    back = nu_nnx.extract_adapter(nu_nnx.apply_adapter(fresh, ad, mode="lora"))
+    assert list(back) == list(ad)
+    for name in ad:
+        for k in ("lora_a", "lora_b"):
+            assert back[name][k].dtype == ad[name][k].dtype
+            np.testing.assert_array_equal(back[name][k], ad[name][k])
+
+
+def test_fold_low_rank_matches_numpy(setup, merged_ta):
+    merged, rep = merged_ta
+    assert all(r is not None for r in rep.ranks.values())
+    target, x = setup["target"], setup["x"]
+    before = _snapshot(target)
+    new = nu_nnx.apply_adapter(target, merged, mode="fold")
+    assert _same(before, _snapshot(target)), "apply_adapter mutated its input"
+    for name in NAMES:
+        assert not np.asarray(_lora_of(new, name).lora_b.get_value()).any()
+    np.testing.assert_allclose(new(x), _reference(target, merged, x), rtol=1e-4, atol=1e-4)
+
+
+def test_lora_mode_matches_numpy_with_merged_ranks(setup, merged_ta):
+    merged, rep = merged_ta
+    target, x = setup["target"], setup["x"]
+    before = _snapshot(target)
+    new = nu_nnx.apply_adapter(target, merged, mode="lora")
+    assert _same(before, _snapshot(target)), "apply_adapter mutated its input"
+    for name in NAMES:
+        lora = _lora_of(new, name)
+        assert isinstance(lora.lora_a, nnx.LoRAParam) and isinstance(lora.lora_b, nnx.LoRAParam)
+        assert lora.lora_a.shape[1] == lora.lora_b.shape[0] == rep.ranks[name]
+        assert _lora_of(target, name).lora_a.shape[1] == R
+    assert len({rep.ranks[n] for n in NAMES}) > 1, "test wants modules of different merged rank"
+    np.testing.assert_allclose(new(x), _reference(target, merged, x), rtol=1e-4, atol=1e-4)
+    # the kernels are the target's, untouched
+    k_new = _np(new.layers[0].query.kernel.get_value())
+    np.testing.assert_array_equal(k_new, _np(target.layers[0].query.kernel.get_value()))
+
+
+def test_fold_dense_ties_matches_numpy(setup, merged_ties):
+    merged, rep = merged_ties
+    assert all(r is None for r in rep.ranks.values()), "full-space TIES should be dense"
+    target, x = setup["target"], setup["x"]
+    new = nu_nnx.apply_adapter(target, merged, mode="fold")
+    np.testing.assert_allclose(new(x), _reference(target, merged, x), rtol=1e-4, atol=1e-4)
+
+
+def test_lora_mode_refuses_dense(setup, merged_ties):
+    merged, _ = merged_ties
+    msg = (
+        "nu.nnx.apply_adapter: merged module 'layers/0/mlp' is dense ({'delta': (12, 10)}, from a "
+        "full-space TIES/DARE merge) and has no LoRA factors; use mode='fold' to add it to the "
+        "base kernel, or truncate it first with nu.to_lora(module, rank)."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        nu_nnx.apply_adapter(setup["target"], merged, mode="lora")
+    # the documented fix works
+    fixed = {k: nu.to_lora(v, 4) for k, v in merged.items()}
+    new = nu_nnx.apply_adapter(setup["target"], fixed, mode="lora")
+    assert _lora_of(new, "layers/0/mlp").lora_a.shape == (D, 4)
+
+
+def test_names_must_match(setup, merged_ta):
+    merged, _ = merged_ta
+    missing = {k: v for k, v in merged.items() if k != "layers/1/value"}
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "nu.nnx.apply_adapter: merged module names do not match the model: the model's LoRA "
+            "layers ['layers/1/value'] have no merged module. Merge adapters extracted from this "
+            "model architecture (nu.nnx.extract_adapter);"
+        ),
+    ):
+        nu_nnx.apply_adapter(setup["target"], missing)
+    extra = {**merged, "layers/2/query": merged["layers/0/query"]}
+    with pytest.raises(
+        ValueError, match=re.escape("merged modules ['layers/2/query'] are not LoRA layers")
+    ):
+        nu_nnx.apply_adapter(setup["target"], extra)
+
+
+def test_nested_merged_adapter_is_accepted(setup, merged_ta):
+    merged, _ = merged_ta
+    nested: dict = {}
+    for name, mod in merged.items():
+        node = nested
+        *head, last = name.split("/")
+        for part in head:
+            node = node.setdefault(part, {})
+        node[last] = mod
+    a = nu_nnx.apply_adapter(setup["target"], nested, mode="fold")
+    b = nu_nnx.apply_adapter(setup["target"], merged, mode="fold")
+    np.testing.assert_array_equal(a(setup["x"]), b(setup["x"]))
+
+
+def test_shape_mismatch_names_module(setup):
+    ad = nu_nnx.extract_adapter(setup["target"])
+    ad["layers/1/query"] = {"lora_a": jnp.ones((D + 1, 2)), "lora_b": jnp.ones((2, H1))}
+    msg = (
+        "nu.nnx.apply_adapter: merged module 'layers/1/query' (lora_a (13, 2), lora_b (2, 10)) is "
+        "not (d_in, d_out) = (12, 10): the model's layer has (d_in, d_out) = (12, 10) (lora_a "
+        "(12, 4), lora_b (4, 10)). Merge adapters extracted from this model "
+        "(nu.nnx.extract_adapter)."
+    )
+    for mode in ("fold", "lora"):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            nu_nnx.apply_adapter(setup["target"], ad, mode=mode)
+    ad["layers/1/query"] = {"delta": jnp.ones((H1, D))}
+    with pytest.raises(ValueError, match=re.escape("'layers/1/query' (delta (10, 12)) is not")):
+        nu_nnx.apply_adapter(setup["target"], ad, mode="fold")
+
+
+def test_none_module_is_no_update(setup, merged_ta):
+    merged, _ = merged_ta
+    merged = {**merged, "layers/0/value": None}
+    x = setup["x"]
+    ref = _reference(setup["target"], merged, x)
+    for mode in ("fold", "lora"):
+        new = nu_nnx.apply_adapter(setup["target"], merged, mode=mode)
+        np.testing.assert_allclose(new(x), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_arguments():
+    model = nnx.LoRALinear(4, 3, lora_rank=2, rngs=nnx.Rngs(0), **_numpy_init(0))
+    good = nu_nnx.extract_adapter(model)
+    with pytest.raises(ValueError, match=re.escape("nu.nnx.apply_adapter: unknown mode 'dense'")):
+        nu_nnx.apply_adapter(model, good, mode="dense")
+    with pytest.raises(TypeError, match=re.escape("expected a flax.nnx.Module, got dict")):
+        nu_nnx.extract_adapter({"w": 1})
+    with pytest.raises(ValueError, match=re.escape("Linear has no LoRA layers")):
+        nu_nnx.extract_adapter(nnx.Linear(2, 2, rngs=nnx.Rngs(0), **_numpy_init(0)))
+    with pytest.raises(TypeError, match=re.escape("merged is a list")):
+        nu_nnx.apply_adapter(model, [good])
+
+
+class ScaledLoRA(nnx.LoRA):
+    """A LoRA layer that stores its scale, as a lora_alpha / r subclass would."""
+
+    def __init__(self, *args, scale, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = nnx.Variable(jnp.asarray(scale, jnp.float32))
+
+    def __call__(self, x):
+        return self.scale.get_value() * (x @ self.lora_a[...] @ self.lora_b[...])
+
+
+def test_standalone_lora_and_stored_scale():
+    rngs = nnx.Rngs(0)
+    init = _numpy_init(0)["kernel_init"]
+    kw = {"a_initializer": init, "b_initializer": init, "rngs": rngs}
+    model = nnx.Dict(plain=nnx.LoRA(6, 2, 5, **kw), scaled=ScaledLoRA(6, 2, 5, scale=2.5, **kw))
+    ad = nu_nnx.extract_adapter(model)
+    assert list(ad) == ["plain", "scaled"]
+    assert ad["plain"]["scale"] == 1.0 and ad["scaled"]["scale"] == 2.5
+    override = nu_nnx.extract_adapter(model, scale={"plain": 0.25})
+    assert override["plain"]["scale"] == 0.25 and override["scaled"]["scale"] == 2.5
+
+    rng = np.random.default_rng(0)
+    merged = {
+        k: {
+            "lora_a": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
+            "lora_b": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
+            "scale": 0.5,
+        }
+        for k in ("plain", "scaled")
+    }
+    new = nu_nnx.apply_adapter(model, merged, mode="lora")
+    x = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
+    for k in ("plain", "scaled"):
+        np.testing.assert_allclose(new[k](x), _np(x) @ _dense(merged[k]), rtol=1e-5, atol=1e-5)
+    assert new["scaled"].scale.get_value() == 2.5  # the layer keeps its own scale
+
+    msg = (
+        "nu.nnx.apply_adapter: module 'plain' is an nnx.LoRA without a base kernel (base_module "
+        "None); mode='fold' adds the update to a base module's `kernel`."
+    )
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        nu_nnx.apply_adapter(model, merged, mode="fold")
+    with pytest.raises(ValueError, match=re.escape("scale names ['nope'] are not LoRA layers")):
+        nu_nnx.extract_adapter(model, scale={"nope": 1.0})
+    with pytest.raises(ValueError, match=re.escape("scale of module 'plain' is nan")):
+        nu_nnx.extract_adapter(model, scale=float("nan"))
+
+
+def test_bf16_factors_keep_their_dtype():
+    init = _numpy_init(0)["kernel_init"]
+    model = nnx.LoRALinear(
+        8,
+        6,
+        lora_rank=R,
+        lora_param_dtype=jnp.bfloat16,
+        a_initializer=init,
+        b_initializer=init,
+        rngs=nnx.Rngs(0),
+        **_numpy_init(1),
+    )
+    ad = nu_nnx.extract_adapter(model)
+    assert ad["lora"]["lora_a"].dtype == jnp.bfloat16
+    merged = {"lora": {"lora_a": jnp.ones((8, 2)), "lora_b": jnp.ones((2, 6)), "scale": 0.5}}
+    new = nu_nnx.apply_adapter(model, merged, mode="lora")
+    assert new.lora.lora_a.get_value().dtype == jnp.bfloat16
+    assert new.lora.lora_b.get_value().dtype == jnp.bfloat16
+    assert new.lora.lora_a.shape == (8, 2)
+    folded = nu_nnx.apply_adapter(model, merged, mode="fold")
+    assert folded.kernel.get_value().dtype == model.kernel.get_value().dtype
