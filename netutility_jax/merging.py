@@ -734,6 +734,8 @@ class Report:
       heterogeneity: ``h = Var_i[log ||dW_i||_F^2]`` (paper Eq. h); NaN if a task is all zero.
       ranks: ``{name: int}`` rank of each merged module (None for dense modules).
       method, space, allocation, scope: the settings used.
+      masks: ``{name: bool (M, r_max)}`` the kept components (for plots and analyses).
+      scores: the :class:`nu.Scores` the allocation used (None for ``allocation="all"``).
     """
 
     lam: float | None
@@ -749,6 +751,8 @@ class Report:
     space: str
     allocation: str
     scope: str | None
+    masks: dict[str, Any] | None = None
+    scores: Any = None
 
 
 def merge_adapters(
@@ -808,6 +812,7 @@ def merge_adapters(
         raise ValueError(f"{fn}: budget={budget!r}; expected a positive integer R.")
     names, buckets, _m_tasks = _tree.collect(adapters, fn=fn)
     lam_used = alpha_used = None
+    sc = None
     if allocation == "all":
         masks = None
         kept_masks = {}
@@ -825,8 +830,9 @@ def merge_adapters(
                 jnp.ones((*A.shape[:2], bk.r_max), bool),
                 cand_rtol=default_rtol(bk.r_max, dtype),
             )
+            keep = jax.block_until_ready(k.keep)  # one LAPACK-using computation at a time
             for j, nm in enumerate(bk.names):
-                kept_masks[nm] = k.keep[j]
+                kept_masks[nm] = keep[j]
         kept_masks = {nm: kept_masks[nm] for nm in names}
     else:
         sc = score(adapters, alpha=alpha, lam=lam)
@@ -870,5 +876,7 @@ def merge_adapters(
         space=space,
         allocation=allocation,
         scope=scope if allocation == "net_utility" else None,
+        masks=dict(kept_masks),
+        scores=sc,
     )
     return merged, report
