@@ -12,6 +12,7 @@ eager wrappers block on their results before returning.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,30 +83,53 @@ def svd_many(mats: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array, jax.
 
 
 def _orth_pass_many(xs: Sequence[jax.Array], rtol2: float) -> list[tuple[jax.Array, jax.Array]]:
+    """One CholeskyQR pass (``eigh`` for Cholesky) of each ``x``: ``(m, r)`` with ``Q = x m``
+    and ``x = Q r``; one ``eigh`` call for all inputs."""
     grams = []
     for x in xs:
         g = mm(t(x), x)
         grams.append(0.5 * (g + t(g)))
     out = []
-    for x, (lam, e) in zip(xs, eigh_batched(grams), strict=True):
+    for lam, e in eigh_batched(grams):
         keep = lam > rtol2 * jnp.max(lam, -1, keepdims=True)
         root = jnp.sqrt(jnp.where(keep, lam, 0))
         inv = jnp.where(keep, 1 / jnp.where(keep, root, 1), 0)
-        out.append((mm(x, e * inv[..., None, :]), t(e * root[..., None, :])))
+        out.append((e * inv[..., None, :], t(e * root[..., None, :])))
     return out
 
 
-def orth_qr_many(
-    xs: Sequence[jax.Array], *, rtol: float = 0.0
-) -> list[tuple[jax.Array, jax.Array]]:
+class LazyQR(NamedTuple):
+    """``x = Q r`` with ``Q = q1 @ m`` kept factored: ``Q @ c`` costs one ``d``-sized matmul.
+
+    Attributes:
+      q1: ``(..., d, K)`` first-pass orthonormalised columns.
+      m: ``(..., K, K)`` second-pass correction.
+      r: ``(..., K, K)`` with ``x = Q r``.
+    """
+
+    q1: jax.Array
+    m: jax.Array
+    r: jax.Array
+
+    def q_times(self, c: jax.Array) -> jax.Array:
+        """``Q @ c`` for a small ``c (..., K, k)``: the small product first."""
+        return mm(self.q1, mm(self.m, c))
+
+    @property
+    def q(self) -> jax.Array:
+        return mm(self.q1, self.m)
+
+
+def orth_qr_lazy_many(xs: Sequence[jax.Array], *, rtol: float = 0.0) -> list[LazyQR]:
     """``x = Q R`` for each tall ``x (..., d, K)`` (same ``K``), two ``eigh`` calls for all of them.
 
     CholeskyQR2 with ``eigh`` in place of Cholesky: ``Q = x E Lambda^-1/2`` where
     ``x^T x = E Lambda E^T``, twice (the second pass restores orthogonality to working precision).
     Directions with ``lambda <= max(rtol^2, 10 K eps) lambda_max`` are dropped (zero columns of
-    ``Q``), never inverted. All ``d``-sized work is matmuls; the eigenproblems are ``K x K``.
-    ``R`` is not triangular (it is ``Q^T x``); callers only need ``x = Q R`` with ``Q^T Q``
-    a projector.
+    ``Q``), never inverted. All ``d``-sized work is matmuls (three per input: two Grams and the
+    first pass); the eigenproblems are ``K x K``. ``Q`` stays factored (:class:`LazyQR`) so that
+    callers fold their small rotations into the last ``d``-sized product. ``R`` is not
+    triangular (it is ``Q^T x``); callers only need ``x = Q R`` with ``Q^T Q`` a projector.
     """
     ks = {x.shape[-1] for x in xs}
     if len(ks) != 1:
@@ -113,8 +137,18 @@ def orth_qr_many(
     k = ks.pop()
     eps = float(jnp.finfo(xs[0].dtype).eps)
     first = _orth_pass_many(xs, max(rtol**2, 10 * k * eps))
-    second = _orth_pass_many([q for q, _ in first], 10 * k * eps)
-    return [(q2, mm(r2, r1)) for (_, r1), (q2, r2) in zip(first, second, strict=True)]
+    q1s = [mm(x, m1) for x, (m1, _) in zip(xs, first, strict=True)]
+    second = _orth_pass_many(q1s, 10 * k * eps)
+    return [
+        LazyQR(q1, m2, mm(r2, r1)) for q1, (_, r1), (m2, r2) in zip(q1s, first, second, strict=True)
+    ]
+
+
+def orth_qr_many(
+    xs: Sequence[jax.Array], *, rtol: float = 0.0
+) -> list[tuple[jax.Array, jax.Array]]:
+    """:func:`orth_qr_lazy_many` with ``Q`` formed: ``[(Q, R)]``."""
+    return [(f.q, f.r) for f in orth_qr_lazy_many(xs, rtol=rtol)]
 
 
 def orth_qr(x: jax.Array, *, rtol: float = 0.0) -> tuple[jax.Array, jax.Array]:

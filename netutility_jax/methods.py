@@ -28,7 +28,7 @@ import numpy as np
 
 from ._linalg import mm as _mm
 from ._linalg import orth_qr as orth_qr
-from ._linalg import orth_qr_many, svd_many
+from ._linalg import orth_qr_lazy_many, svd_many
 from ._linalg import t as _t
 
 
@@ -56,12 +56,12 @@ def factored_svd(a: jax.Array, b: jax.Array, *, rtol: float) -> FactoredSVD:
     Cost ``O((p + q) K^2)``; the ``(p, q)`` product is never formed. Both QRs share their LAPACK
     calls (see :mod:`netutility_jax._linalg`).
     """
-    (qa, ra), (qb, rb) = orth_qr_many([a, b], rtol=rtol)
-    w, s, zt = jnp.linalg.svd(_mm(ra, _t(rb)), full_matrices=False)
+    fa, fb = orth_qr_lazy_many([a, b], rtol=rtol)
+    w, s, zt = jnp.linalg.svd(_mm(fa.r, _t(fb.r)), full_matrices=False)
     keep = (s > rtol * s[..., :1]) & (s > 0)
     s = jnp.where(keep, s, 0)
-    u = jnp.where(keep[..., None, :], _mm(qa, w), 0)
-    v = jnp.where(keep[..., None, :], _mm(qb, _t(zt)), 0)
+    u = fa.q_times(jnp.where(keep[..., None, :], w, 0))
+    v = fb.q_times(jnp.where(keep[..., None, :], _t(zt), 0))
     return FactoredSVD(u, s, v, keep)
 
 
@@ -73,11 +73,11 @@ def polar_many(xs: list[jax.Array], *, rtol: float) -> list[jax.Array]:
     nonzero columns that are linearly independent map to orthonormal columns. All inputs share
     their LAPACK calls.
     """
-    qrs = orth_qr_many(xs, rtol=rtol)
+    qrs = orth_qr_lazy_many(xs, rtol=rtol)
     out = []
-    for (q, _), (w, s, zt) in zip(qrs, svd_many([r for _, r in qrs]), strict=True):
+    for f, (w, s, zt) in zip(qrs, svd_many([f.r for f in qrs]), strict=True):
         keep = (s > rtol * s[..., :1]) & (s > 0)
-        out.append(_mm(jnp.where(keep[..., None, :], _mm(q, w), 0), zt))
+        out.append(f.q_times(_mm(jnp.where(keep[..., None, :], w, 0), zt)))
     return out
 
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from . import methods as _m
 from ._linalg import mm as _mm
-from ._linalg import orth_qr_many, svd_many
+from ._linalg import orth_qr_lazy_many, svd_many
 from ._linalg import t as _t
 
 SPACES = ("full", "core", "knots")
@@ -88,13 +88,13 @@ def _factor_svd(a, b, scale):
     """``nu.lora_svd``'s result (descending ``s``, ``in_dirs``, ``out_dirs``) by the Gram route.
 
     Same factorisation as :func:`nu.lora_svd` (``a = Q_a R_a``, ``b^T = Q_b R_b``, SVD of the
-    ``r x r`` core) with both QRs from one :func:`_linalg.orth_qr_many` (Gram route: ``d``-sized
+    ``r x r`` core) with both QRs from one :func:`_linalg.orth_qr_lazy_many` (Gram route: ``d``-sized
     work is matmuls, and the two sides share their LAPACK calls).
     """
-    (qa, ra), (qb, rb) = orth_qr_many([a, _t(b)])
-    core = scale[..., None, None] * _mm(ra, _t(rb))
+    fa, fb = orth_qr_lazy_many([a, _t(b)])
+    core = scale[..., None, None] * _mm(fa.r, _t(fb.r))
     w, s, zt = jnp.linalg.svd(core, full_matrices=False)
-    return _SVD(_mm(qa, w), s, _mm(qb, _t(zt)))
+    return _SVD(fa.q_times(w), s, fb.q_times(_t(zt)))
 
 
 class _SVD(NamedTuple):
@@ -125,11 +125,11 @@ def _bases(xs: list[jax.Array], rtol: float) -> list[jax.Array]:
 
     All inputs (same ``K``) share their LAPACK calls.
     """
-    qrs = orth_qr_many(xs, rtol=rtol)
+    qrs = orth_qr_lazy_many(xs, rtol=rtol)
     out = []
-    for (q, _), (w, s, _) in zip(qrs, svd_many([r for _, r in qrs]), strict=True):
+    for f, (w, s, _) in zip(qrs, svd_many([f.r for f in qrs]), strict=True):
         keep = (s > rtol * s[..., :1]) & (s > 0)
-        out.append(jnp.where(keep[..., None, :], _mm(q, w), 0))
+        out.append(f.q_times(jnp.where(keep[..., None, :], w, 0)))
     return out
 
 
@@ -152,11 +152,12 @@ def core_coords(k: Kept, a: jax.Array, b: jax.Array, *, rtol: float) -> Coords:
 def knots_coords(k: Kept, *, rtol: float, variant: str = "core_space") -> Coords:
     """KnOTS shared output basis ``U`` from ``Z = [Q_i diag(s_i)]`` and per-task blocks."""
     z = _m._concat_tasks(k.out_dirs * k.s[..., None, :])  # (n, d_out, M r)
-    ((q, rz),) = orth_qr_many([z], rtol=rtol)
+    (fz,) = orth_qr_lazy_many([z], rtol=rtol)
+    rz = fz.r
     w, s, _ = jnp.linalg.svd(rz, full_matrices=False)  # rz: (n, M r, M r)
     keep = (s > rtol * s[..., :1]) & (s > 0)
     s = jnp.where(keep, s, 0)
-    u = jnp.where(keep[..., None, :], _mm(q, w), 0)  # (n, d_out, k)
+    u = fz.q_times(jnp.where(keep[..., None, :], w, 0))  # (n, d_out, k)
     # U^T Q_i diag(s_i) = W^T Rz_i: per task a (k, r) block, no d-sized work.
     m_tasks, r = k.s.shape[-2], k.s.shape[-1]
     proj = _mm(jnp.where(keep[..., :, None], _t(w), 0), rz)  # (n, k, M r)
