@@ -9,12 +9,17 @@ run) and ``--repeat`` steady calls are timed with ``block_until_ready``. Reporte
 time (first call minus steady median), steady median, peak RSS during the merges and its increase
 over the pre-merge RSS, both also as multiples of the adapters' own size.
 
+In the same process and interleaved with the merges, the irreducible work of a factored merge is
+timed: per bucket, the Grams of the task-stacked factors ``[a_1 .. a_M]`` and ``[b_1^T .. b_M^T]``
+(one pass over every factor; any orthogonalisation of the kept directions needs at least that).
+
 Full-space TIES/DARE (dense modules) and the dense baseline (the reference codebases' route: dense
 updates, per-module dense SVDs) run on a few modules and are scaled to the whole model by module
 count; the JSON says so (``"scaled_from"``).
 
 Usage:
-  python benchmarks/merging.py [--quick] [--out results.json] [--repeat 3]
+  python benchmarks/merging.py [--quick] [--out benchmarks/results/merging.json] [--repeat 3]
+      [--only tsv:full,ta:core] [--timeout 900]
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ SHAPES = {"q": (2560, 4096), "k": (2560, 1024), "v": (2560, 1024), "o": (4096, 2
 M, R, BUDGET = 6, 16, 16
 
 LOW_RANK = [("ta", {}), ("tsv", {}), ("iso_c", {}), ("tsv", {"isotropize": True}), ("iso_cts", {})]
-ELEMENTWISE = [("ties", {"density": 0.2}), ("dare", {"p": 0.5}), ("dare_ties", {"p": 0.5})]
+ELEMENTWISE = [
+    ("ties", {"density": 0.2}),
+    ("ties", {"density": 0.2, "scope": "model"}),
+    ("dare", {"p": 0.5}),
+    ("dare_ties", {"p": 0.5}),
+]
 SPACES = ["full", "core", "knots"]
 
 
@@ -85,22 +95,63 @@ def _block(tree):
             x.block_until_ready()
 
 
-def _timed(fn, repeat: int) -> dict:
+def _timed(fn, repeat: int, floor=None) -> dict:
+    """First call, then ``repeat`` steady calls; ``floor`` (irreducible work) interleaved."""
     t0 = time.perf_counter()
     _block(fn())
     first = time.perf_counter() - t0
-    times = []
+    if floor is not None:
+        _block(floor())  # compile it outside the timings
+    times, floors = [], []
     for _ in range(repeat):
         t0 = time.perf_counter()
         _block(fn())
         times.append(time.perf_counter() - t0)
+        if floor is not None:
+            t0 = time.perf_counter()
+            _block(floor())
+            floors.append(time.perf_counter() - t0)
     steady = float(np.median(times))
-    return {
+    out = {
         "first_s": first,
         "steady_s": steady,
         "compile_s": max(first - steady, 0.0),
         "steady_all_s": times,
     }
+    if floors:
+        out["irreducible_s"] = float(np.median(floors))
+        out["steady_over_irreducible"] = steady / out["irreducible_s"]
+    return out
+
+
+def _irreducible(ads):
+    """Per bucket, the Grams of the task-stacked factors, from the per-module arrays (jitted)."""
+    import jax
+    import jax.numpy as jnp
+
+    hi = jax.lax.Precision.HIGHEST
+    groups: dict = {}
+    for name, m in ads[0].items():
+        groups.setdefault((m["lora_a"].shape[0], m["lora_b"].shape[1]), []).append(name)
+    leaves = [
+        (
+            [[ad[n]["lora_a"] for ad in ads] for n in names],
+            [[ad[n]["lora_b"] for ad in ads] for n in names],
+        )
+        for names in groups.values()
+    ]
+
+    @jax.jit
+    def grams(leaves):
+        out = []
+        for a_l, b_l in leaves:
+            a = jnp.stack([jnp.concatenate(row, 1) for row in a_l])  # (n, d_in, M r)
+            b = jnp.stack([jnp.concatenate(row, 0) for row in b_l])  # (n, M r, d_out)
+            out.append(jnp.einsum("ndk,ndl->nkl", a, a, precision=hi))
+            out.append(jnp.einsum("nkd,nld->nkl", b, b, precision=hi))
+        return out
+
+    return lambda: grams(leaves)
 
 
 def run_case(spec: dict) -> dict:
@@ -138,7 +189,8 @@ def run_case(spec: dict) -> dict:
         def call():
             return nu.merge(ads, masks, method=method, space=space, key=key, **opts)
 
-        out.update(_timed(call, spec["repeat"]))
+        floor = None if sub else _irreducible(ads)
+        out.update(_timed(call, spec["repeat"], floor))
         res = call()
         ranks = [m["lora_a"].shape[1] for m in res.values() if "lora_a" in m]
         out["mean_rank"] = float(np.mean(ranks)) if ranks else None
@@ -239,7 +291,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4 layers instead of 36")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default="benchmarks/merging_results.json")
+    ap.add_argument("--out", default="benchmarks/results/merging.json")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per case")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--only", help="comma list of method:space to run")
     args = ap.parse_args()
@@ -252,22 +305,29 @@ def main() -> None:
         tag = f"{spec.get('method', spec['kind'])}:{spec.get('space', '-')}"
         if spec.get("options", {}).get("isotropize"):
             tag += "+iso"
+        if spec.get("options", {}).get("scope") == "model":
+            tag += "+model"
         if only and tag not in only:
             continue
-        proc = subprocess.run(
-            [sys.executable, __file__, "--case", json.dumps(spec)],
-            capture_output=True,
-            text=True,
-            # jaxlib 0.10.2's CPU async dispatch deadlocks on these sizes (all threads idle in
-            # BlockUntilReady); synchronous dispatch costs nothing here since we block anyway.
-            env={**os.environ, "JAX_CPU_ENABLE_ASYNC_DISPATCH": "false"},
-        )
+        load = os.getloadavg()
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--case", json.dumps(spec)],
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+            )
+        except subprocess.TimeoutExpired:
+            print(f"{tag}: TIMEOUT after {args.timeout} s", file=sys.stderr)
+            results.append({**spec, "tag": tag, "error": f"timeout after {args.timeout} s"})
+            continue
         if proc.returncode != 0:
             print(f"{tag}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
             results.append({**spec, "error": proc.stderr[-2000:]})
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         r["tag"] = tag
+        r["load_average_at_start"] = load
         if r.get("subset"):  # one q and one k module measured: 72 q/o- and 72 k/v-shaped modules
             r["model_steady_s_scaled"] = 72 * r["steady_s"]
         results.append(r)
@@ -277,19 +337,40 @@ def main() -> None:
             if k.endswith("_s") or k.endswith("_mb") or k.startswith("peak") or k.endswith("scaled")
         }
         print(tag, json.dumps(show), flush=True)
-        with open(args.out, "w") as f:  # after every case: partial results survive a timeout
-            json.dump(
-                {
-                    "shapes": SHAPES,
-                    "tasks": M,
-                    "rank": R,
-                    "budget": BUDGET,
-                    "layers": 4 if args.quick else 36,
-                    "results": results,
-                },
-                f,
-                indent=1,
-            )
+        doc = {
+            "machine": _machine(),
+            "shapes": SHAPES,
+            "tasks": M,
+            "rank": R,
+            "budget": BUDGET,
+            "layers": 4 if args.quick else 36,
+            "results": results,
+        }
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:  # after every case: partial results survive a timeout
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, args.out)
+
+
+def _machine() -> dict:
+    import platform
+
+    import jax
+
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        head = None
+    return {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "git_head": head,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 if __name__ == "__main__":
