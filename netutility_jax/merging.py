@@ -475,7 +475,11 @@ def merge(
     Spaces: ``"full"``, ``"core"`` (Core Space) and ``"knots"`` (``variant="core_space"`` unscaled
     blocks, default, or ``"original"`` scaled blocks). TA is identical in all three; TSV, Iso-C and
     Iso-CTS are identical in full, core and original-KnOTS space (the transforms are isometries on
-    the spans of the kept directions). Elementwise methods depend on the space.
+    the spans of the kept directions). Elementwise methods depend on the space. In KnOTS's default
+    variant the task blocks are unscaled (``V_i``) and the merged block maps back through ``S U^T``,
+    so Iso-C and ``isotropize=True`` flatten the spectrum of the merge in those coordinates, not of
+    the returned update (there, Iso-C + TSV equals TSV); use ``variant="original"`` for the
+    isotropic result.
 
     Args:
       adapters: M adapters (one per task) with the same module names, as for :func:`nu.score`.

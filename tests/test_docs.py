@@ -21,6 +21,8 @@ MODULES = [
     "nnx",
     "checkpoint",
     "plots",
+    "experiments.evaluate",
+    "experiments.demo",
 ]
 
 
