@@ -516,6 +516,7 @@ def run_experiment(
     progress: bool = True,
     log: Callable[[str], None] = print,
     backbone: ev.Backbone | None = None,
+    alpha: float | str = "auto",
 ) -> Experiment:
     """Train (or load) the task LoRAs, run the merge grid and the analyses.
 
@@ -527,12 +528,15 @@ def run_experiment(
       progress: show tqdm bars.
       log: where one-line status messages go.
       backbone: the base model (default :class:`evaluate.Backbone`, the pretrained MiniLM).
+      alpha: scoring geometry: ``"auto"`` (the paper's heterogeneity rule), ``1.0`` (Gram) or
+        ``0.0`` (row space).
     """
     import jax
 
     import netutility_jax as nu
 
     t_start = time.perf_counter()
+    alpha_arg = alpha
     grid = preset.grid
     tcfg = dataclasses.replace(preset.train, seed=seed)
     names = [t.name for t in task_list]
@@ -586,7 +590,7 @@ def run_experiment(
         for job in [*jobs, *extra]:
             bar.set_postfix_str(job.key)
             ts = time.perf_counter()
-            merged, report = _merge(adapters, job, seed=seed)
+            merged, report = _merge(adapters, job, seed=seed, alpha=alpha_arg)
             tm = time.perf_counter() - ts
             passes0, tok0 = backbone.passes, backbone.tokens
             spec = METHODS[job.method]
@@ -699,7 +703,11 @@ def run_experiment(
         },
         "heterogeneity": h,
         "alpha": alpha,
-        "alpha_rule": "alpha = 0 if h > 1.0 else 1 (paper: h = 1.83 vision -> 0, 0.63 NLI -> 1)",
+        "alpha_rule": (
+            "alpha = 0 if h > 1.0 else 1 (paper: h = 1.83 vision -> 0, 0.63 NLI -> 1)"
+            if alpha_arg == "auto"
+            else f"set by the caller (alpha={alpha_arg})"
+        ),
         "lambda": lam,
         "single": {
             n: {
@@ -974,8 +982,29 @@ def _jsonable(x: Any) -> Any:
 # ----------------------------------------------------------------------------------------- CLI
 
 
+def _alpha_arg(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or a number >= 0, got {text!r}"
+        ) from None
+    if not np.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number >= 0, got {text!r}")
+    return v
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``netutility demo`` options to ``parser``."""
+    parser.add_argument(
+        "--alpha",
+        type=_alpha_arg,
+        default="auto",
+        help="scoring geometry: auto (the paper's heterogeneity rule, default), 1 (Gram) or 0 "
+        "(row space)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -1051,6 +1080,7 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         log=lambda s: print(s, flush=True),
+        alpha=args.alpha,
     )
     written = write_outputs(exp, out, overwrite=args.overwrite)
     res = exp.results
