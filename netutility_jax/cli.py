@@ -45,7 +45,8 @@ class UsageError(Exception):
 # ---------------------------------------------------------------------------------------------
 
 
-def _float_or_auto(text: str) -> float | str:
+def float_or_auto(text: str) -> float | str:
+    """argparse type: ``'auto'`` or a finite number >= 0."""
     if text == "auto":
         return text
     try:
@@ -70,7 +71,7 @@ def _positive_int(text: str) -> int:
 def _add_scoring(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--alpha",
-        type=_float_or_auto,
+        type=float_or_auto,
         default="auto",
         help="geometry exponent of the interference: 1 = Gram geometry (singular-value weighted), "
         "0 = row-space geometry, 'auto' = the paper's rule from the task heterogeneity h "
@@ -78,15 +79,19 @@ def _add_scoring(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--lam",
-        type=_float_or_auto,
+        type=float_or_auto,
         default="auto",
         help="interference weight lambda in utility = benefit - lambda * interference; 'auto' = "
         "median(benefit) / median(interference) over all candidates (data-free). Default: auto.",
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``netutility`` argument parser (subcommands ``merge``, ``inspect``, ``demo``)."""
+def build_parser(*, demo_options: bool = True) -> argparse.ArgumentParser:
+    """The ``netutility`` argument parser (subcommands ``merge``, ``inspect``, ``demo``).
+
+    ``demo_options=False`` leaves out the demo's own options, whose module imports the experiment
+    (MiniLM, optax; about 3 s): :func:`main` asks for them only when the command is ``demo``.
+    """
     from .merging import ALLOCATIONS, METHODS
     from .spaces import SPACES
 
@@ -211,12 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train task LoRAs on MiniLM-L6 with real data, merge them with every method, "
         "space and budget, uniform against net utility, and report normalized accuracy.",
     )
-    try:
-        from .experiments import demo as _demo
-    except ImportError as e:  # the experiment's own dependencies are optional
-        d.set_defaults(_demo_error=str(e))
-    else:
-        _demo.add_arguments(d)
+    if demo_options:
+        try:
+            from .experiments import demo as _demo
+        except ImportError as e:  # the experiment's own dependencies are optional
+            d.set_defaults(_demo_error=str(e))
+        else:
+            _demo.add_arguments(d)
     return parser
 
 
@@ -511,7 +517,8 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``netutility`` console script; returns the exit code."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(demo_options=bool(argv) and argv[0] == "demo")
     args = parser.parse_args(argv)
     cmds = {"merge": cmd_merge, "inspect": cmd_inspect, "demo": cmd_demo}
     try:

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cli import float_or_auto
 from . import evaluate as ev
 from . import tasks as tk
 from . import train as tr
@@ -982,25 +983,11 @@ def _jsonable(x: Any) -> Any:
 # ----------------------------------------------------------------------------------------- CLI
 
 
-def _alpha_arg(text: str) -> float | str:
-    if text == "auto":
-        return text
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected 'auto' or a number >= 0, got {text!r}"
-        ) from None
-    if not np.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number >= 0, got {text!r}")
-    return v
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``netutility demo`` options to ``parser``."""
     parser.add_argument(
         "--alpha",
-        type=_alpha_arg,
+        type=float_or_auto,
         default="auto",
         help="scoring geometry: auto (the paper's heterogeneity rule, default), 1 (Gram) or 0 "
         "(row space)",
