@@ -82,27 +82,70 @@ def svd_many(mats: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array, jax.
     )
 
 
-def _orth_pass_many(xs: Sequence[jax.Array], rtol2: float) -> list[tuple[jax.Array, jax.Array]]:
-    """One CholeskyQR pass (``eigh`` for Cholesky) of each ``x``: ``(m, r)`` with ``Q = x m``
-    and ``x = Q r``; one ``eigh`` call for all inputs."""
-    grams = []
-    for x in xs:
-        g = mm(t(x), x)
-        grams.append(0.5 * (g + t(g)))
+def _gram(x: jax.Array, rows: bool) -> jax.Array:
+    """``x^T x`` of columns ``x (..., d, K)``, or ``x x^T`` of rows ``x (..., K, d)``; symmetric."""
+    g = mm(x, t(x)) if rows else mm(t(x), x)
+    return 0.5 * (g + t(g))
+
+
+def _orth_pass_many(grams: Sequence[jax.Array], rtol2: float) -> list[tuple[jax.Array, jax.Array]]:
+    """One CholeskyQR pass (``eigh`` for Cholesky, rank-revealing) from each Gram of ``x``:
+    ``(m, r)`` with ``Q = x m`` and ``x = Q r``; one ``eigh`` call for all inputs.
+
+    The Gram is equilibrated first (``D G D`` with ``D = diag(1 / ||x_j||)``, zero columns kept
+    at zero): a Gram's rounding error is relative to the column norms, so columns of very different
+    norms (tasks of different energy, a spectrum decaying over the rank) lose nothing, and ``rtol2``
+    cuts the spectrum of ``x D`` (near-dependent columns), not of ``x``.
+    """
+    eq, scales = [], []
+    for g in grams:
+        norm = jnp.sqrt(jnp.maximum(jnp.diagonal(g, axis1=-2, axis2=-1), 0))
+        dinv = jnp.where(norm > 0, 1 / jnp.where(norm > 0, norm, 1), 0)
+        eq.append(g * dinv[..., :, None] * dinv[..., None, :])
+        scales.append((norm, dinv))
     out = []
-    for lam, e in eigh_batched(grams):
+    for (lam, e), (norm, dinv) in zip(eigh_batched(eq), scales, strict=True):
         keep = lam > rtol2 * jnp.max(lam, -1, keepdims=True)
         root = jnp.sqrt(jnp.where(keep, lam, 0))
         inv = jnp.where(keep, 1 / jnp.where(keep, root, 1), 0)
-        out.append((e * inv[..., None, :], t(e * root[..., None, :])))
+        # x D = Q Lambda^1/2 E^T  =>  Q = x (D E Lambda^-1/2),  x = Q (Lambda^1/2 E^T D^-1)
+        m = dinv[..., :, None] * e * inv[..., None, :]
+        r = t(e * root[..., None, :]) * norm[..., None, :]
+        out.append((m, r))
     return out
+
+
+def _chol_pass_many(grams: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+    """Second CholeskyQR pass from the Grams of nearly orthonormal ``x`` (same ``K``): ``(m, r)``
+    with ``Q = x m``, ``x = Q r``; one Cholesky and one triangular solve for all inputs.
+
+    Zero columns of ``x`` (directions the first pass dropped) stay zero: their rows and columns
+    of the Gram are replaced by the identity's. If the factorisation fails (not finite) the pass
+    is the identity, leaving the first pass's ``Q``.
+    """
+    k = grams[0].shape[-1]
+    eye = jnp.eye(k, dtype=grams[0].dtype)
+    regs = []
+    for g in grams:
+        dead = jnp.diagonal(g, axis1=-2, axis2=-1) < 0.25  # live columns have norm ~1
+        cross = dead[..., :, None] | dead[..., None, :]
+        regs.append(jnp.where(cross, eye, g))
+    flat, shapes = _flat_concat(regs)
+    low = jnp.linalg.cholesky(flat)
+    eyes = jnp.broadcast_to(eye, flat.shape)
+    linv = jax.lax.linalg.triangular_solve(low, eyes, left_side=True, lower=True)
+    ok = jnp.isfinite(linv).all((-2, -1), keepdims=True)
+    m = jnp.where(ok, t(linv), eyes)  # L^-T
+    r = jnp.where(ok, t(low), eyes)  # L^T
+    return list(zip(_split_flat(m, shapes), _split_flat(r, shapes), strict=True))
 
 
 class LazyQR(NamedTuple):
     """``x = Q r`` with ``Q = q1 @ m`` kept factored: ``Q @ c`` costs one ``d``-sized matmul.
 
     Attributes:
-      q1: ``(..., d, K)`` first-pass orthonormalised columns.
+      q1: ``(..., d, K)`` first-pass orthonormalised columns (``(..., K, d)`` rows for a QR of
+        ``x^T`` given as rows, see :func:`orth_qr_lazy_many`).
       m: ``(..., K, K)`` second-pass correction.
       r: ``(..., K, K)`` with ``x = Q r``.
     """
@@ -115,30 +158,46 @@ class LazyQR(NamedTuple):
         """``Q @ c`` for a small ``c (..., K, k)``: the small product first."""
         return mm(self.q1, mm(self.m, c))
 
+    def times_qt(self, y: jax.Array) -> jax.Array:
+        """``y @ Q^T`` for a small ``y (..., k, K)`` of a QR built from rows: ``(..., k, d)``."""
+        return mm(mm(y, t(self.m)), self.q1)
+
     @property
     def q(self) -> jax.Array:
         return mm(self.q1, self.m)
 
 
-def orth_qr_lazy_many(xs: Sequence[jax.Array], *, rtol: float = 0.0) -> list[LazyQR]:
-    """``x = Q R`` for each tall ``x (..., d, K)`` (same ``K``), two ``eigh`` calls for all of them.
+def orth_qr_lazy_many(
+    xs: Sequence[jax.Array], *, rtol: float = 0.0, rows: Sequence[bool] | None = None
+) -> list[LazyQR]:
+    """``x = Q R`` for each tall ``x (..., d, K)`` (same ``K``), one ``eigh``, one Cholesky.
 
-    CholeskyQR2 with ``eigh`` in place of Cholesky: ``Q = x E Lambda^-1/2`` where
-    ``x^T x = E Lambda E^T``, twice (the second pass restores orthogonality to working precision).
-    Directions with ``lambda <= max(rtol^2, 10 K eps) lambda_max`` are dropped (zero columns of
-    ``Q``), never inverted. All ``d``-sized work is matmuls (three per input: two Grams and the
-    first pass); the eigenproblems are ``K x K``. ``Q`` stays factored (:class:`LazyQR`) so that
-    callers fold their small rotations into the last ``d``-sized product. ``R`` is not
-    triangular (it is ``Q^T x``); callers only need ``x = Q R`` with ``Q^T Q`` a projector.
+    CholeskyQR2: a first pass with ``eigh`` in place of Cholesky (rank-revealing, on the
+    equilibrated Gram): ``Q1 = x D E Lambda^-1/2`` where ``D x^T x D = E Lambda E^T``; then a
+    Cholesky pass on ``Q1^T Q1`` restores orthogonality to working precision. Directions with
+    ``lambda <= max(rtol^2, 10 K eps) lambda_max`` are dropped (zero columns of ``Q``), never
+    inverted. All ``d``-sized work is matmuls (two Grams and the first-pass product); the
+    factorisations are ``K x K``. ``Q`` stays factored (:class:`LazyQR`) so that callers fold their
+    small rotations into the last ``d``-sized product. ``R`` is not triangular (it is ``Q^T x``);
+    callers only need ``x = Q R`` with ``Q^T Q`` a projector.
+
+    ``rows[i]`` says ``xs[i]`` is given transposed, as rows ``(..., K, d)`` (a LoRA ``B``): the QR
+    is of its transpose, and ``q1`` is kept as rows (use :meth:`LazyQR.times_qt`). No transposed
+    copy of a ``d``-sized array is made.
     """
-    ks = {x.shape[-1] for x in xs}
+    rows = [False] * len(xs) if rows is None else list(rows)
+    ks = {x.shape[-2] if rw else x.shape[-1] for x, rw in zip(xs, rows, strict=True)}
     if len(ks) != 1:
         raise ValueError(f"orth_qr_many: inputs must share their column count; got {sorted(ks)}.")
     k = ks.pop()
     eps = float(jnp.finfo(xs[0].dtype).eps)
-    first = _orth_pass_many(xs, max(rtol**2, 10 * k * eps))
-    q1s = [mm(x, m1) for x, (m1, _) in zip(xs, first, strict=True)]
-    second = _orth_pass_many(q1s, 10 * k * eps)
+    first = _orth_pass_many(
+        [_gram(x, rw) for x, rw in zip(xs, rows, strict=True)], max(rtol**2, 10 * k * eps)
+    )
+    q1s = [
+        mm(t(m1), x) if rw else mm(x, m1) for x, rw, (m1, _) in zip(xs, rows, first, strict=True)
+    ]
+    second = _chol_pass_many([_gram(q1, rw) for q1, rw in zip(q1s, rows, strict=True)])
     return [
         LazyQR(q1, m2, mm(r2, r1)) for q1, (_, r1), (m2, r2) in zip(q1s, first, second, strict=True)
     ]

@@ -348,3 +348,31 @@ def stack_bucket(
     S = jnp.stack([jnp.stack([jnp.asarray(x, dtype) for x in row]) for row in s])
     R = np.array([[0 if x is None else x.shape[1] for x in row] for row in a], np.int32)
     return A, B, S, jnp.asarray(R)
+
+
+def stack_bucket_cat(
+    a: Any, b: Any, s: Any, *, d_in: int, d_out: int, r_max: int, dtype: Any
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`stack_bucket` with the tasks side by side, in the factors' own layouts (traceable).
+
+    Returns:
+      ``xa (n, d_in, M r_max)`` = ``[a_1 .. a_M]``, ``yb (n, M r_max, d_out)`` = ``[b_1; ..; b_M]``
+      (task ``i`` in columns / rows ``i r_max .. (i + 1) r_max``, zero-padded), ``scale (n, M)`` and
+      ``rank (n, M)`` as :func:`stack_bucket`. No transposes: one copy of every factor.
+    """
+
+    def pad_a(x):
+        if x is None:
+            return jnp.zeros((d_in, r_max), dtype)
+        return jnp.pad(jnp.asarray(x, dtype), ((0, 0), (0, r_max - x.shape[1])))
+
+    def pad_b(x):
+        if x is None:
+            return jnp.zeros((r_max, d_out), dtype)
+        return jnp.pad(jnp.asarray(x, dtype), ((0, r_max - x.shape[0]), (0, 0)))
+
+    xa = jnp.stack([jnp.concatenate([pad_a(x) for x in row], 1) for row in a])
+    yb = jnp.stack([jnp.concatenate([pad_b(x) for x in row], 0) for row in b])
+    S = jnp.stack([jnp.stack([jnp.asarray(x, dtype) for x in row]) for row in s])
+    R = np.array([[0 if x is None else x.shape[1] for x in row] for row in a], np.int32)
+    return xa, yb, S, jnp.asarray(R)

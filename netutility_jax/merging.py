@@ -178,11 +178,11 @@ def _elementwise(x, keys, *, method, coef, opts, k_top=None):
     return _m.dare_ties(x, keys, coef=coef, p=opts["p"])
 
 
-def _coords(k, a, b, *, space, opts, rtol):
+def _coords(k, a, b, *, space, opts, rtol, spectral=False):
     if space == "full":
         return _s.full_coords(k)
     if space == "core":
-        return _s.core_coords(k, a, b, rtol=rtol)
+        return _s.core_coords(k, a, b, rtol=rtol, basis="qr" if spectral else "svd")
     return _s.knots_coords(k, rtol=rtol, variant=opts["variant"])
 
 
@@ -211,12 +211,39 @@ def _stage_stack(leaves, *, cfg):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_coords(stacked, mask, *, cfg):
-    """Kept components of a bucket in a space's coordinates (:class:`spaces.Coords`)."""
-    space, variant, rtol = cfg
-    A, B, S, R = stacked
-    k = _s.kept_components(A, B, S, R, mask, cand_rtol=default_rtol(A.shape[-1], A.dtype))
-    return _coords(k, A, B, space=space, opts={"variant": variant}, rtol=rtol)
+def _stage_reduce(leaves, *, cfg):
+    """A bucket's factors in the bases of their own spans (:class:`spaces.Reduced`), its scales
+    and ranks: the only ``d``-sized work before the map back (two Grams, one product per side)."""
+    d_in, d_out, r_max, dtype, m_tasks = cfg
+    a, b, s = leaves
+    xa, yb, S, R = _tree.stack_bucket_cat(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
+    return _s.reduce_factors(xa, yb, m_tasks), S, R
+
+
+def _expand_in(qa, x):
+    """Reduced input-side columns ``x (n, [M,] K, k)`` to ``d_in``: ``Q_a x``."""
+    q1, m = (qa.q1, qa.m) if x.ndim == 3 else (qa.q1[:, None], qa.m[:, None])
+    return _mm(q1, _mm(m, x))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _stage_coords(red, S, R, mask, *, cfg):
+    """Kept components of a bucket in a space's coordinates (:class:`spaces.Coords`).
+
+    Computed in the reduced coordinates of :class:`spaces.Reduced`; with ``ambient_in`` (KnOTS
+    with an elementwise method, whose input side is entry-wise in ``d_in``) the input side is
+    mapped back to ``d_in``.
+    """
+    space, variant, rtol, ambient_in, spectral = cfg
+    k = _s.kept_components(
+        red.a, red.b, S, R, mask, cand_rtol=default_rtol(red.a.shape[-1], red.a.dtype)
+    )
+    c = _coords(
+        k, red.a, red.b, space=space, opts={"variant": variant}, rtol=rtol, spectral=spectral
+    )
+    if ambient_in:
+        c = c._replace(a=_expand_in(red.qa, c.a))
+    return c
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -229,16 +256,24 @@ def _stage_low_rank(ca, cb, coef, nums, *, cfg):
     )
 
 
+def _map_back(la, lb, live, qa, qb, expand_in):
+    """Reduced results ``la (n, K|d_in, k)``, ``lb (n, k, K)`` to ``d_in`` / ``d_out``."""
+    if expand_in:
+        la = _expand_in(qa, la)
+    return la, qb.times_qt(lb), live
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_decode(coords, am, bm, *, cfg):
+def _stage_decode(coords, am, bm, qa, qb, *, cfg):
     rtol, compact = cfg
-    return _s.decode_factored(coords, am, bm, rtol=rtol, compact=compact)
+    la, lb, live = _s.decode_factored(coords, am, bm, rtol=rtol, compact=compact)
+    return _map_back(la, lb, live, qa, qb, True)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_elementwise(coords, coef, keys, nums, *, cfg):
+def _stage_elementwise(coords, coef, keys, nums, qa, qb, *, cfg):
     """TIES / DARE on dense core or KnOTS coordinates, a chunk of modules at a time, mapped back."""
-    method, rtol, chunk = cfg
+    method, rtol, chunk, expand_in = cfg
     opts = dict(nums)
     c = coords
     # TIES counts int(density * n) over the real entries: the bases may be smaller than D
@@ -256,7 +291,7 @@ def _stage_elementwise(coords, coef, keys, nums, *, cfg):
         xm = jax.vmap(one)((c.a, c.b, keys, k_top))
     else:
         xm = jax.lax.map(one, (c.a, c.b, keys, k_top), batch_size=chunk)
-    return _s.decode_dense(c, xm, rtol=rtol)
+    return _map_back(*_s.decode_dense(c, xm, rtol=rtol), qa, qb, expand_in)
 
 
 def _bucket_merge(leaves, mask, coef, keys, nums, *, cfg):
@@ -266,14 +301,23 @@ def _bucket_merge(leaves, mask, coef, keys, nums, *, cfg):
     """
     method, space, opts, d_in, d_out, r_max, dtype, chunk = cfg
     opts = dict(opts)
-    stacked = _stage_stack(leaves, cfg=(d_in, d_out, r_max, dtype))
-    rtol = _m.rank_rtol((d_in, d_out, stacked[0].shape[1] * r_max), dtype)
-    c = _stage_coords(stacked, mask, cfg=(space, opts.get("variant"), rtol))
-    if method in ELEMENTWISE_METHODS:
-        return _stage_elementwise(c, coef, keys, nums, cfg=(method, rtol, chunk))
+    m_tasks = len(leaves[0][0])
+    red, S, R = _stage_reduce(leaves, cfg=(d_in, d_out, r_max, dtype, m_tasks))
+    rtol = _m.rank_rtol((d_in, d_out, m_tasks * r_max), dtype)
+    elementwise = method in ELEMENTWISE_METHODS
+    ambient_in = elementwise and space == "knots"
+    c = _stage_coords(
+        red, S, R, mask, cfg=(space, opts.get("variant"), rtol, ambient_in, not elementwise)
+    )
+    if elementwise:
+        return _stage_elementwise(
+            c, coef, keys, nums, red.qa, red.qb, cfg=(method, rtol, chunk, not ambient_in)
+        )
     mopts = tuple((k, v) for k, v in sorted(opts.items()) if k != "variant")
     am, bm = _stage_low_rank(c.a, c.b, coef, nums, cfg=(method, mopts, rtol, space == "full"))
-    return _stage_decode(c, am, bm, cfg=(rtol, space != "full"))
+    # full and core results come as orthogonal factors (live columns = nonzero ones); KnOTS's map
+    # back rescales the output side, so its result is re-factored by a thin SVD
+    return _stage_decode(c, am, bm, red.qa, red.qb, cfg=(rtol, space == "knots"))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -321,9 +365,9 @@ def _ties_apply(x, t, room, coef):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_decode_dense(coords, xm, *, cfg):
-    (rtol,) = cfg
-    return _s.decode_dense(coords, xm, rtol=rtol)
+def _stage_decode_dense(coords, xm, qa, qb, *, cfg):
+    rtol, expand_in = cfg
+    return _map_back(*_s.decode_dense(coords, xm, rtol=rtol), qa, qb, expand_in)
 
 
 def _radix_threshold(units, m_tasks: int, k: int, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -355,8 +399,8 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
     results: dict[str, Any] = {}
     for bk, mk in zip(buckets, mks, strict=True):
         leaves = _tree.bucket_arrays(bk)
-        stacked = _stage_stack(leaves, cfg=(bk.d_in, bk.d_out, bk.r_max, dtype))
         if space == "full":
+            stacked = _stage_stack(leaves, cfg=(bk.d_in, bk.d_out, bk.r_max, dtype))
             for j, nm in enumerate(bk.names):
                 n_total += bk.d_in * bk.d_out
 
@@ -370,7 +414,13 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
                 units.append((produce, finish))
             continue
         rtol = _m.rank_rtol((bk.d_in, bk.d_out, m_tasks * bk.r_max), dtype)
-        c = jax.block_until_ready(_stage_coords(stacked, mk, cfg=(space, variant, rtol)))
+        red, S, R = _stage_reduce(leaves, cfg=(bk.d_in, bk.d_out, bk.r_max, dtype, m_tasks))
+        ambient_in = space == "knots"
+        c = jax.block_until_ready(
+            _stage_coords(red, S, R, mk, cfg=(space, variant, rtol, ambient_in, False))
+        )
+        qa, qb = red.qa, red.qb
+        del red
         live_q = np.asarray((jnp.abs(c.right).sum(-2) > 0).sum(-1))
         live_p = (
             np.full(len(bk.names), c.a.shape[-2])
@@ -381,13 +431,13 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
         p, q = c.a.shape[-2], c.b.shape[-2]
         chunk = _chunk(m_tasks, p, q, jnp.dtype(dtype).itemsize)
         for j0 in range(0, len(bk.names), chunk):
-            sl = jax.tree.map(lambda x, j0=j0, n=chunk: x[j0 : j0 + n], c)
+            sl, sqa, sqb = jax.tree.map(lambda x, j0=j0, n=chunk: x[j0 : j0 + n], (c, qa, qb))
 
             def produce(sl=sl):
                 return _coords_tasks(sl.a, sl.b)
 
-            def finish(xm, sl=sl, j0=j0, bk=bk, rtol=rtol):
-                la, lb, live = _stage_decode_dense(sl, xm, cfg=(rtol,))
+            def finish(xm, sl=sl, sqa=sqa, sqb=sqb, j0=j0, bk=bk, rtol=rtol, ex=not ambient_in):
+                la, lb, live = _stage_decode_dense(sl, xm, sqa, sqb, cfg=(rtol, ex))
                 ranks = np.asarray(live.sum(-1))
                 for jj, rk in enumerate(ranks):
                     rk = int(rk)

@@ -41,11 +41,46 @@ import jax.numpy as jnp
 
 from . import methods as _m
 from ._linalg import mm as _mm
-from ._linalg import orth_qr_lazy_many, svd_many
+from ._linalg import LazyQR, orth_qr_lazy_many, svd_many
 from ._linalg import t as _t
 
 SPACES = ("full", "core", "knots")
 KNOTS_VARIANTS = ("core_space", "original")
+
+
+class Reduced(NamedTuple):
+    """A bucket's factors in the orthonormal bases of their own spans (exact, no truncation).
+
+    ``[a_1 .. a_M] = Q_a R_a`` and ``[b_1; ..; b_M]^T = Q_b R_b`` with ``Q_a (n, d_in, K)``,
+    ``Q_b (n, d_out, K)`` orthonormal, ``K = M r``. Task ``i``'s update is ``Q_a (a_i' b_i')
+    Q_b^T`` with ``a_i' = R_a[:, i]`` and ``b_i' = R_b[:, i]^T``: every spectral quantity of the
+    updates (their SVDs, Grams, the Core Space and KnOTS bases, polar factors, TA/TSV/Iso sums) is
+    the same in these ``K``-dimensional coordinates, so a bucket is merged there and mapped back by
+    one ``d``-sized product per side. This keeps the ``d``-sized work of every low-rank merge at
+    two Grams and two products per side.
+
+    Attributes:
+      a: ``(n, M, K, r)`` reduced input factors; b: ``(n, M, r, K)`` reduced output factors.
+      qa: :class:`_linalg.LazyQR` of ``[a_1 .. a_M]`` (``Q_a x = qa.q_times(x)``).
+      qb: :class:`_linalg.LazyQR` of ``[b_1; ..; b_M]^T`` built from rows (``y Q_b^T =
+        qb.times_qt(y)``).
+    """
+
+    a: jax.Array
+    b: jax.Array
+    qa: LazyQR
+    qb: LazyQR
+
+
+def reduce_factors(xa: jax.Array, yb: jax.Array, m_tasks: int) -> Reduced:
+    """:class:`Reduced` from ``xa (n, d_in, M r)`` and ``yb (n, M r, d_out)`` (see
+    :func:`_tree.stack_bucket_cat`); both QRs share their LAPACK calls."""
+    fa, fb = orth_qr_lazy_many([xa, yb], rows=[False, True])
+    n, k = fa.r.shape[0], fa.r.shape[-2]
+    r = xa.shape[-1] // m_tasks
+    a = jnp.moveaxis(fa.r.reshape(n, k, m_tasks, r), 2, 1)  # (n, M, K, r)
+    b = _t(jnp.moveaxis(fb.r.reshape(n, k, m_tasks, r), 2, 1))  # (n, M, r, K)
+    return Reduced(a, b, fa, fb)
 
 
 class Kept(NamedTuple):
@@ -138,12 +173,24 @@ def full_coords(k: Kept) -> Coords:
     return Coords(k.in_dirs * k.s[..., None, :], k.out_dirs, None, None, None)
 
 
-def core_coords(k: Kept, a: jax.Array, b: jax.Array, *, rtol: float) -> Coords:
-    """Core Space bases and ``(D, D)`` core coordinates from the (kept-projected) factors."""
+def core_coords(
+    k: Kept, a: jax.Array, b: jax.Array, *, rtol: float, basis: str = "svd"
+) -> Coords:
+    """Core Space bases and ``(D, D)`` core coordinates from the (kept-projected) factors.
+
+    ``basis="svd"`` uses the left singular vectors (Core Space's reference bases; elementwise
+    methods depend on them). ``basis="qr"`` uses any orthonormal basis of the same spans (one QR
+    each, no SVD): the core matrices differ by rotations on both sides, which spectral methods
+    (TA, TSV, Iso-C, Iso-CTS) are invariant to, so they give the same merged update cheaper.
+    """
     # a_i' = P_i (P_i^T a_i): the input factor restricted to the kept input directions.
     a_p = _mm(k.in_dirs, _mm(_t(k.in_dirs), a))  # (n, M, d_in, r)
     b_p = _mm(k.out_dirs, _mm(_t(k.out_dirs), _t(b)))  # (n, M, d_out, r)
-    left, right = _bases([_m._concat_tasks(a_p), _m._concat_tasks(b_p)], rtol)  # (n, d, D)
+    stacked = [_m._concat_tasks(a_p), _m._concat_tasks(b_p)]
+    if basis == "qr":
+        left, right = (f.q for f in orth_qr_lazy_many(stacked, rtol=rtol))
+    else:
+        left, right = _bases(stacked, rtol)  # (n, d, D)
     ca = _mm(_t(left)[:, None], k.in_dirs) * k.s[..., None, :]  # (n, M, D, r)
     cb = _mm(_t(right)[:, None], k.out_dirs)  # (n, M, D, r)
     return Coords(ca, cb, left, right, None)

@@ -454,7 +454,7 @@ def test_low_rank_paths_never_form_dense_update(space, method):
 def test_second_call_does_not_recompile():
     ads = _adapters(13)
     stages = [
-        merge_mod._stage_stack,
+        merge_mod._stage_reduce,
         merge_mod._stage_coords,
         merge_mod._stage_low_rank,
         merge_mod._stage_decode,
