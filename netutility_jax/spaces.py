@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from . import methods as _m
-from ._linalg import mm as _mm
 from ._linalg import LazyQR, orth_qr_lazy_many, svd_many
+from ._linalg import mm as _mm
 from ._linalg import t as _t
 
 SPACES = ("full", "core", "knots")
@@ -173,9 +173,7 @@ def full_coords(k: Kept) -> Coords:
     return Coords(k.in_dirs * k.s[..., None, :], k.out_dirs, None, None, None)
 
 
-def core_coords(
-    k: Kept, a: jax.Array, b: jax.Array, *, rtol: float, basis: str = "svd"
-) -> Coords:
+def core_coords(k: Kept, a: jax.Array, b: jax.Array, *, rtol: float, basis: str = "svd") -> Coords:
     """Core Space bases and ``(D, D)`` core coordinates from the (kept-projected) factors.
 
     ``basis="svd"`` uses the left singular vectors (Core Space's reference bases; elementwise
