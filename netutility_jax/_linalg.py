@@ -71,15 +71,27 @@ def eigh_batched(mats: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array]]
 
 
 def svd_many(mats: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
-    """Thin SVDs of several batches of equally shaped ``(..., m, k)`` matrices as ONE call."""
-    tail = {m.shape[-2:] for m in mats}
-    if len(tail) != 1:
-        raise ValueError(f"svd_many: matrices must share their last two dims; got {sorted(tail)}.")
-    flat, shapes = _flat_concat(mats)
+    """Thin SVDs of several batches of ``(..., m, k)`` matrices as ONE call.
+
+    Matrices of different shapes are zero-padded to the largest ``(m, k)`` (padding adds zero
+    singular values only, ordered last) and the thin factors are sliced back.
+    """
+    pm = max(m.shape[-2] for m in mats)
+    pk = max(m.shape[-1] for m in mats)
+    padded = [
+        jnp.pad(m, [(0, 0)] * (m.ndim - 2) + [(0, pm - m.shape[-2]), (0, pk - m.shape[-1])])
+        for m in mats
+    ]
+    flat, shapes = _flat_concat(padded)
     u, s, vt = jnp.linalg.svd(flat, full_matrices=False)
-    return list(
-        zip(_split_flat(u, shapes), _split_flat(s, shapes), _split_flat(vt, shapes), strict=True)
-    )
+    out = []
+    for m, uu, ss, vv in zip(
+        mats, _split_flat(u, shapes), _split_flat(s, shapes), _split_flat(vt, shapes), strict=True
+    ):
+        p, k = m.shape[-2:]
+        c = min(p, k)
+        out.append((uu[..., :p, :c], ss[..., :c], vv[..., :c, :k]))
+    return out
 
 
 def _gram(x: jax.Array, rows: bool) -> jax.Array:

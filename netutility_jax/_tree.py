@@ -372,7 +372,8 @@ def stack_bucket_cat(
         return jnp.pad(jnp.asarray(x, dtype), ((0, r_max - x.shape[0]), (0, 0)))
 
     xa = jnp.stack([jnp.concatenate([pad_a(x) for x in row], 1) for row in a])
-    yb = jnp.stack([jnp.concatenate([pad_b(x) for x in row], 0) for row in b])
+    # one flat concatenation (a plain copy per factor), then a free reshape
+    yb = jnp.concatenate([pad_b(x) for row in b for x in row], 0).reshape(len(b), -1, d_out)
     S = jnp.stack([jnp.stack([jnp.asarray(x, dtype) for x in row]) for row in s])
     R = np.array([[0 if x is None else x.shape[1] for x in row] for row in a], np.int32)
     return xa, yb, S, jnp.asarray(R)

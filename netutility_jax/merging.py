@@ -171,18 +171,21 @@ def _split(opts: dict, dtype) -> tuple[tuple, dict]:
 
 
 def _elementwise(x, keys, *, method, coef, opts, k_top=None):
+    """An elementwise method on a batch of modules: ``x (n, M, p, q)``, ``keys (n,)``, ``k_top
+    (n,)``. Batched natively (not vmapped), so TIES can skip its tie-breaking pass at run time."""
     if method == "ties":
         return _m.ties(x, coef=coef, k=k_top)
+    drop = jax.vmap(lambda xx, kk: _m.dare_drop(xx, kk, opts["p"]))(x, keys)
     if method == "dare":
-        return _m.dare(x, keys, coef=coef, p=opts["p"])
-    return _m.dare_ties(x, keys, coef=coef, p=opts["p"])
+        return coef * _m._task_sum([drop[..., i, :, :] for i in range(drop.shape[-3])])
+    return coef * _m.disjoint_mean(drop)
 
 
-def _coords(k, a, b, *, space, opts, rtol, spectral=False):
+def _coords(k, a, b, *, space, opts, rtol):
     if space == "full":
         return _s.full_coords(k)
     if space == "core":
-        return _s.core_coords(k, a, b, rtol=rtol, basis="qr" if spectral else "svd")
+        return _s.core_coords(k, a, b, rtol=rtol)
     return _s.knots_coords(k, rtol=rtol, variant=opts["variant"])
 
 
@@ -234,13 +237,11 @@ def _stage_coords(red, S, R, mask, *, cfg):
     with an elementwise method, whose input side is entry-wise in ``d_in``) the input side is
     mapped back to ``d_in``.
     """
-    space, variant, rtol, ambient_in, spectral = cfg
+    space, variant, rtol, ambient_in = cfg
     k = _s.kept_components(
         red.a, red.b, S, R, mask, cand_rtol=default_rtol(red.a.shape[-1], red.a.dtype)
     )
-    c = _coords(
-        k, red.a, red.b, space=space, opts={"variant": variant}, rtol=rtol, spectral=spectral
-    )
+    c = _coords(k, red.a, red.b, space=space, opts={"variant": variant}, rtol=rtol)
     if ambient_in:
         c = c._replace(a=_expand_in(red.qa, c.a))
     return c
@@ -256,24 +257,38 @@ def _stage_low_rank(ca, cb, coef, nums, *, cfg):
     )
 
 
-def _map_back(la, lb, live, qa, qb, expand_in):
-    """Reduced results ``la (n, K|d_in, k)``, ``lb (n, k, K)`` to ``d_in`` / ``d_out``."""
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _stage_map_back(la, lb, qa, qb, *, cfg):
+    width, expand_in = cfg
+    la, lb = la[..., :width], lb[..., :width, :]
     if expand_in:
         la = _expand_in(qa, la)
-    return la, qb.times_qt(lb), live
+    return la, qb.times_qt(lb)
+
+
+def _map_back(la, lb, live, qa, qb, expand_in):
+    """Reduced results ``la (n, K|d_in, k)``, ``lb (n, k, K)`` (live columns first) to ``d_in`` /
+    ``d_out``: only the bucket's largest live count of columns, rounded up to a multiple of 16
+    (few compiled widths), are mapped back and returned."""
+    if isinstance(live, jax.core.Tracer):
+        width = live.shape[-1]
+    else:
+        most = int(np.asarray(live.sum(-1)).max(initial=0))
+        width = min(live.shape[-1], -(-most // 16) * 16)
+    la, lb = _stage_map_back(la, lb, qa, qb, cfg=(width, expand_in))
+    return la, lb, live[..., :width]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_decode(coords, am, bm, qa, qb, *, cfg):
+def _stage_decode(coords, am, bm, *, cfg):
     rtol, compact = cfg
-    la, lb, live = _s.decode_factored(coords, am, bm, rtol=rtol, compact=compact)
-    return _map_back(la, lb, live, qa, qb, True)
+    return _s.decode_factored(coords, am, bm, rtol=rtol, compact=compact)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_elementwise(coords, coef, keys, nums, qa, qb, *, cfg):
-    """TIES / DARE on dense core or KnOTS coordinates, a chunk of modules at a time, mapped back."""
-    method, rtol, chunk, expand_in = cfg
+def _stage_elementwise(coords, coef, keys, nums, *, cfg):
+    """TIES / DARE on dense core or KnOTS coordinates, a chunk of modules at a time, decoded."""
+    method, rtol, chunk = cfg
     opts = dict(nums)
     c = coords
     # TIES counts int(density * n) over the real entries: the bases may be smaller than D
@@ -283,15 +298,21 @@ def _stage_elementwise(coords, coef, keys, nums, qa, qb, *, cfg):
     )
     k_top = _m.topk_count(opts.get("density", 0.0), live_p * live_q)
 
-    def one(args):
+    def one(args):  # a chunk of modules
         ca, cb, kk, kt = args
         return _elementwise(_mm(ca, _t(cb)), kk, method=method, coef=coef, opts=opts, k_top=kt)
 
-    if chunk >= c.a.shape[0]:  # one batched call: cheaper to compile than a map
-        xm = jax.vmap(one)((c.a, c.b, keys, k_top))
-    else:
-        xm = jax.lax.map(one, (c.a, c.b, keys, k_top), batch_size=chunk)
-    return _map_back(*_s.decode_dense(c, xm, rtol=rtol), qa, qb, expand_in)
+    n = c.a.shape[0]
+    k_top = jnp.broadcast_to(k_top, (n,))
+    if chunk >= n:  # one batched call: cheaper to compile than a map
+        xm = one((c.a, c.b, keys, k_top))
+    else:  # chunks of whole modules (chunk divides n)
+        xm = jax.lax.map(
+            one, tuple(x.reshape(n // chunk, chunk, *x.shape[1:]) for x in (c.a, c.b, keys, k_top))
+        )
+        xm = xm.reshape(n, *xm.shape[2:])
+    # KnOTS blocks (d_in, k) are kept as the input factor; core matrices are re-factored by SVD
+    return _s.decode_dense(c, xm, rtol=rtol, compact=c.left is not None)
 
 
 def _bucket_merge(leaves, mask, coef, keys, nums, *, cfg):
@@ -306,18 +327,20 @@ def _bucket_merge(leaves, mask, coef, keys, nums, *, cfg):
     rtol = _m.rank_rtol((d_in, d_out, m_tasks * r_max), dtype)
     elementwise = method in ELEMENTWISE_METHODS
     ambient_in = elementwise and space == "knots"
-    c = _stage_coords(
-        red, S, R, mask, cfg=(space, opts.get("variant"), rtol, ambient_in, not elementwise)
-    )
+    # Spectral methods are invariant to the orthonormal bases they run in, as long as the bases
+    # span the kept components; the reduced coordinates are such bases (Core Space's reference
+    # bases up to a rotation), so Core Space's bases and core matrices would change nothing:
+    # core-space TA / TSV / Iso-C / Iso-CTS run in the reduced coordinates directly.
+    cspace = "full" if space == "core" and not elementwise else space
+    c = _stage_coords(red, S, R, mask, cfg=(cspace, opts.get("variant"), rtol, ambient_in))
     if elementwise:
-        return _stage_elementwise(
-            c, coef, keys, nums, red.qa, red.qb, cfg=(method, rtol, chunk, not ambient_in)
-        )
+        la, lb, live = _stage_elementwise(c, coef, keys, nums, cfg=(method, rtol, chunk))
+        return _map_back(la, lb, live, red.qa, red.qb, not ambient_in)
     mopts = tuple((k, v) for k, v in sorted(opts.items()) if k != "variant")
-    am, bm = _stage_low_rank(c.a, c.b, coef, nums, cfg=(method, mopts, rtol, space == "full"))
-    # full and core results come as orthogonal factors (live columns = nonzero ones); KnOTS's map
-    # back rescales the output side, so its result is re-factored by a thin SVD
-    return _stage_decode(c, am, bm, red.qa, red.qb, cfg=(rtol, space == "knots"))
+    am, bm = _stage_low_rank(c.a, c.b, coef, nums, cfg=(method, mopts, rtol, cspace == "full"))
+    # the result's factors are exact as they come (live columns = the nonzero ones)
+    la, lb, live = _stage_decode(c, am, bm, cfg=(rtol, False))
+    return _map_back(la, lb, live, red.qa, red.qb, True)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -327,8 +350,10 @@ def _module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, cfg):
     k = _s.kept_components(
         a[None], b[None], s[None], r[None], mask[None], cand_rtol=default_rtol(r_max, a.dtype)
     )
-    x = _s.dense_tasks(_s.full_coords(k))[0]  # (M, d_in, d_out)
-    return _elementwise(x, key, method=method, coef=coef, opts=dict(nums), k_top=k_top)
+    x = _s.dense_tasks(_s.full_coords(k))  # (1, M, d_in, d_out)
+    return _elementwise(x, key[None], method=method, coef=coef, opts=dict(nums), k_top=k_top[None])[
+        0
+    ]
 
 
 # TIES with scope="model": each task keeps its int(density * N) largest entries over the whole
@@ -365,9 +390,9 @@ def _ties_apply(x, t, room, coef):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_decode_dense(coords, xm, qa, qb, *, cfg):
-    rtol, expand_in = cfg
-    return _map_back(*_s.decode_dense(coords, xm, rtol=rtol), qa, qb, expand_in)
+def _stage_decode_dense(coords, xm, *, cfg):
+    (rtol,) = cfg
+    return _s.decode_dense(coords, xm, rtol=rtol, compact=coords.left is not None)
 
 
 def _radix_threshold(units, m_tasks: int, k: int, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -417,7 +442,7 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
         red, S, R = _stage_reduce(leaves, cfg=(bk.d_in, bk.d_out, bk.r_max, dtype, m_tasks))
         ambient_in = space == "knots"
         c = jax.block_until_ready(
-            _stage_coords(red, S, R, mk, cfg=(space, variant, rtol, ambient_in, False))
+            _stage_coords(red, S, R, mk, cfg=(space, variant, rtol, ambient_in))
         )
         qa, qb = red.qa, red.qb
         del red
@@ -429,7 +454,7 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
         )
         n_total += int((live_p.astype(np.int64) * live_q).sum())
         p, q = c.a.shape[-2], c.b.shape[-2]
-        chunk = _chunk(m_tasks, p, q, jnp.dtype(dtype).itemsize)
+        chunk = _chunk(m_tasks, p, q, jnp.dtype(dtype).itemsize, len(bk.names))
         for j0 in range(0, len(bk.names), chunk):
             sl, sqa, sqb = jax.tree.map(lambda x, j0=j0, n=chunk: x[j0 : j0 + n], (c, qa, qb))
 
@@ -437,7 +462,7 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
                 return _coords_tasks(sl.a, sl.b)
 
             def finish(xm, sl=sl, sqa=sqa, sqb=sqb, j0=j0, bk=bk, rtol=rtol, ex=not ambient_in):
-                la, lb, live = _stage_decode_dense(sl, xm, sqa, sqb, cfg=(rtol, ex))
+                la, lb, live = _map_back(*_stage_decode_dense(sl, xm, cfg=(rtol,)), sqa, sqb, ex)
                 ranks = np.asarray(live.sum(-1))
                 for jj, rk in enumerate(ranks):
                     rk = int(rk)
@@ -465,9 +490,15 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
 # ---------------------------------------------------------------------------------------------
 
 
-def _chunk(n_tasks: int, p: int, q: int, itemsize: int, budget_bytes: int = 64 << 20) -> int:
+def _chunk(
+    n_tasks: int, p: int, q: int, itemsize: int, n: int | None = None, budget_bytes: int = 64 << 20
+) -> int:
+    """Modules per chunk of dense work: within ``budget_bytes``, and dividing ``n`` if given."""
     per = max(1, 8 * n_tasks * p * q * itemsize)  # dense tasks plus a few temporaries
-    return int(max(1, budget_bytes // per))
+    c = int(max(1, budget_bytes // per))
+    if n is not None:
+        c = max(d for d in range(1, min(c, n) + 1) if n % d == 0)
+    return c
 
 
 def _rebuild(adapter: Any, results: Mapping[str, Any]) -> Any:
@@ -633,7 +664,7 @@ def merge(
             p, q = bk.d_in, m_tasks * bk.r_max
         else:
             p = q = m_tasks * bk.r_max
-        chunk = _chunk(m_tasks, p, q, jnp.dtype(dtype).itemsize)
+        chunk = _chunk(m_tasks, p, q, jnp.dtype(dtype).itemsize, len(bk.names))
         cfg = (method, space, static_opts, bk.d_in, bk.d_out, bk.r_max, dtype, chunk)
         la, lb, live = _bucket_merge(leaves, mk, coef_arr, keys, nums, cfg=cfg)
         ranks = np.asarray(live.sum(-1))

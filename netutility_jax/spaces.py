@@ -246,8 +246,13 @@ def decode_factored(c: Coords, am: jax.Array, bm: jax.Array, *, rtol: float, com
     return jnp.where(live[:, None, :], am, 0), _t(jnp.where(live[:, None, :], bm, 0)), live
 
 
-def decode_dense(c: Coords, x: jax.Array, *, rtol: float):
-    """Map a dense merge in coordinates ``x (n, p, q)`` back to LoRA form (thin SVD of ``x``)."""
+def decode_dense(c: Coords, x: jax.Array, *, rtol: float, compact: bool = True):
+    """Map a dense merge in coordinates ``x (n, p, q)`` back to LoRA form.
+
+    With ``compact`` by a thin SVD of ``x`` (its numerical rank); otherwise ``x`` itself is the
+    input factor (rank = its nonzero columns, at most ``q``): for KnOTS blocks ``(d_in, k)``, whose
+    merge is full rank ``k`` but for degenerate cases, this skips a ``d_in``-sized SVD per module.
+    """
     q = x.shape[-1]
     eye = jnp.broadcast_to(jnp.eye(q, dtype=x.dtype), (x.shape[0], q, q))
-    return decode_factored(c, x, eye, rtol=rtol, compact=True)
+    return decode_factored(c, x, eye, rtol=rtol, compact=compact)
