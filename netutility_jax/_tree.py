@@ -377,3 +377,25 @@ def stack_bucket_cat(
     S = jnp.stack([jnp.stack([jnp.asarray(x, dtype) for x in row]) for row in s])
     R = np.array([[0 if x is None else x.shape[1] for x in row] for row in a], np.int32)
     return xa, yb, S, jnp.asarray(R)
+
+
+def split_bucket(bucket: Bucket, max_bytes: int, itemsize: int = 4) -> list[Bucket]:
+    """A bucket as consecutive sub-buckets of equal size whose stacked factors fit ``max_bytes``.
+
+    The size divides the bucket's module count (one compiled shape per bucket), so sub-buckets
+    hold between 1 and ``n`` modules. Per-bucket kernels are free of global state, so merging a
+    bucket piece by piece gives the same result with peak memory bounded by ``max_bytes``.
+    """
+    n = len(bucket.names)
+    m_tasks = len(bucket.modules[0]) if n else 0
+    per = max(1, m_tasks * bucket.r_max * (bucket.d_in + bucket.d_out) * itemsize)
+    cap = max(1, min(n, max_bytes // per))
+    size = max(d for d in range(1, cap + 1) if n % d == 0) if n else 1
+    if size >= n:
+        return [bucket]
+    return [
+        dataclasses.replace(
+            bucket, names=bucket.names[i : i + size], modules=bucket.modules[i : i + size]
+        )
+        for i in range(0, n, size)
+    ]

@@ -52,6 +52,7 @@ SPACE_OPTIONS: dict[str, dict[str, Any]] = {
     "knots": {"variant": "core_space"},
 }
 ALLOCATIONS = ("net_utility", "uniform", "all")
+_PIECE_BYTES = 32 << 20  # stacked factors per piece of a bucket merged at once
 _FN = "nu.merge"
 
 
@@ -616,6 +617,9 @@ def merge(
         method, opts = "iso_c", {k: v for k, v in opts.items() if k != "isotropize"}
     static_opts, nums = _split(opts, dtype)
     results: dict[str, Any] = {}
+    # buckets are merged a piece at a time: peak memory stays near one piece's stacked factors
+    itemsize = jnp.dtype(dtype).itemsize
+    buckets = [sub for bk in buckets for sub in _tree.split_bucket(bk, _PIECE_BYTES, itemsize)]
     if method == "ties" and opts["scope"] == "model":
         mks = [_bucket_mask(masks, bk, m_tasks) for bk in buckets]
         results = _ties_model(
@@ -631,10 +635,7 @@ def merge(
         return _rebuild(adapters[0], results)
     for bk in buckets:
         n = len(bk.names)
-        if masks is None:
-            mk = jnp.ones((n, m_tasks, bk.r_max), bool)
-        else:
-            mk = jnp.stack([jnp.asarray(masks[nm], bool) for nm in bk.names])
+        mk = _bucket_mask(masks, bk, m_tasks)
         idx = [index[nm] for nm in bk.names]
         keys = _keys_for(key, idx) if key is not None else jnp.zeros((n,), jnp.uint32)
         leaves = _tree.bucket_arrays(bk)
