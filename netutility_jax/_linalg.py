@@ -148,7 +148,7 @@ def _chol_pass_many(grams: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Arr
     linv = jax.lax.linalg.triangular_solve(low, eyes, left_side=True, lower=True)
     ok = jnp.isfinite(linv).all((-2, -1), keepdims=True)
     m = jnp.where(ok, t(linv), eyes)  # L^-T
-    r = jnp.where(ok, t(low), eyes)  # L^T
+    r = jnp.where(ok, t(low), eyes)  # L^T (waits for the solve too: see the module docstring)
     return list(zip(_split_flat(m, shapes), _split_flat(r, shapes), strict=True))
 
 
@@ -179,8 +179,40 @@ class LazyQR(NamedTuple):
         return mm(self.q1, self.m)
 
 
+_SMALL = 512  # at most this many rows: Householder QR directly (exact, and cheap at this size)
+
+
+def _householder_many(xs: Sequence[jax.Array], rows: Sequence[bool], k: int) -> list[LazyQR]:
+    """Householder QR of each input (LAPACK ``geqrf``/``orgqr``), one input after another.
+
+    Backward stable whatever the conditioning (nothing is dropped: dependent columns give a small
+    ``R``). ``Q`` is zero-padded to ``K`` columns when an input has fewer rows than columns.
+    """
+    out: list[LazyQR] = []
+    prev = None
+    for x, rw in zip(xs, rows, strict=True):
+        xc = t(x) if rw else x
+        if prev is not None:  # chain the LAPACK calls through data: one in flight at a time
+            xc = after(xc, prev)
+        q, r = jnp.linalg.qr(xc, mode="reduced")  # q (..., d, c), r (..., c, K), c = min(d, K)
+        c = q.shape[-1]
+        if c < k:
+            q = jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, k - c)])
+            r = jnp.pad(r, [(0, 0)] * (r.ndim - 2) + [(0, k - c), (0, 0)])
+        # q (orgqr) comes after r (geqrf): whatever uses r or q must wait for both
+        r = after(r, q)
+        prev = r
+        eye = jnp.broadcast_to(jnp.eye(k, dtype=r.dtype), r.shape)
+        out.append(LazyQR(t(q) if rw else q, eye, r))
+    return out
+
+
 def orth_qr_lazy_many(
-    xs: Sequence[jax.Array], *, rtol: float = 0.0, rows: Sequence[bool] | None = None
+    xs: Sequence[jax.Array],
+    *,
+    rtol: float = 0.0,
+    rows: Sequence[bool] | None = None,
+    exact: bool = False,
 ) -> list[LazyQR]:
     """``x = Q R`` for each tall ``x (..., d, K)`` (same ``K``), one ``eigh``, one Cholesky.
 
@@ -193,26 +225,48 @@ def orth_qr_lazy_many(
     small rotations into the last ``d``-sized product. ``R`` is not triangular (it is ``Q^T x``);
     callers only need ``x = Q R`` with ``Q^T Q`` a projector.
 
+    A Gram in float32 resolves the directions of ``x D`` down to about ``1e-2`` of the largest;
+    weaker ones (a LoRA ``B`` whose spectrum decays by ``1e3``, tasks sharing their ``A``
+    initialisation) are what the first pass drops. With ``exact``, an input whose first pass
+    drops a direction of a nonzero column is factored by Householder QR instead (the whole call
+    switches, at run time, by ``lax.cond``), so ``x = Q R`` holds to working precision for any
+    conditioning. Inputs with at most ``_SMALL`` rows always use Householder QR.
+
     ``rows[i]`` says ``xs[i]`` is given transposed, as rows ``(..., K, d)`` (a LoRA ``B``): the QR
     is of its transpose, and ``q1`` is kept as rows (use :meth:`LazyQR.times_qt`). No transposed
-    copy of a ``d``-sized array is made.
+    copy of a ``d``-sized array is made on the Cholesky route.
     """
     rows = [False] * len(xs) if rows is None else list(rows)
     ks = {x.shape[-2] if rw else x.shape[-1] for x, rw in zip(xs, rows, strict=True)}
     if len(ks) != 1:
         raise ValueError(f"orth_qr_many: inputs must share their column count; got {sorted(ks)}.")
     k = ks.pop()
+    if max(x.shape[-1] if rw else x.shape[-2] for x, rw in zip(xs, rows, strict=True)) <= _SMALL:
+        return _householder_many(xs, rows, k)
     eps = float(jnp.finfo(xs[0].dtype).eps)
-    first = _orth_pass_many(
-        [_gram(x, rw) for x, rw in zip(xs, rows, strict=True)], max(rtol**2, 10 * k * eps)
-    )
-    q1s = [
-        mm(t(m1), x) if rw else mm(x, m1) for x, rw, (m1, _) in zip(xs, rows, first, strict=True)
-    ]
-    second = _chol_pass_many([_gram(q1, rw) for q1, rw in zip(q1s, rows, strict=True)])
-    return [
-        LazyQR(q1, m2, mm(r2, r1)) for q1, (_, r1), (m2, r2) in zip(q1s, first, second, strict=True)
-    ]
+    grams = [_gram(x, rw) for x, rw in zip(xs, rows, strict=True)]
+    first = _orth_pass_many(grams, max(rtol**2, 10 * k * eps))
+
+    def cholesky_route():
+        q1s = [
+            mm(t(m1), x) if rw else mm(x, m1)
+            for x, rw, (m1, _) in zip(xs, rows, first, strict=True)
+        ]
+        second = _chol_pass_many([_gram(q1, rw) for q1, rw in zip(q1s, rows, strict=True)])
+        return [
+            LazyQR(q1, m2, mm(r2, r1))
+            for q1, (_, r1), (m2, r2) in zip(q1s, first, second, strict=True)
+        ]
+
+    if not exact:
+        return cholesky_route()
+    # a direction of a nonzero column dropped: rank(x D) below its nonzero columns
+    lost = jnp.zeros((), bool)
+    for g, (m1, _) in zip(grams, first, strict=True):
+        nonzero = (jnp.diagonal(g, axis1=-2, axis2=-1) > 0).sum(-1)
+        kept = (jnp.abs(m1).sum(-2) > 0).sum(-1)
+        lost = lost | jnp.any(kept < nonzero)
+    return jax.lax.cond(lost, lambda: _householder_many(xs, rows, k), cholesky_route)
 
 
 def orth_qr_many(

@@ -75,7 +75,7 @@ class Reduced(NamedTuple):
 def reduce_factors(xa: jax.Array, yb: jax.Array, m_tasks: int) -> Reduced:
     """:class:`Reduced` from ``xa (n, d_in, M r)`` and ``yb (n, M r, d_out)`` (see
     :func:`_tree.stack_bucket_cat`); both QRs share their LAPACK calls."""
-    fa, fb = orth_qr_lazy_many([xa, yb], rows=[False, True])
+    fa, fb = orth_qr_lazy_many([xa, yb], rows=[False, True], exact=True)
     n, k = fa.r.shape[0], fa.r.shape[-2]
     r = xa.shape[-1] // m_tasks
     a = jnp.moveaxis(fa.r.reshape(n, k, m_tasks, r), 2, 1)  # (n, M, K, r)

@@ -95,9 +95,25 @@ def _ref_in_space(space, method_fn, ads):
     return want
 
 
+@pytest.fixture(scope="module", params=["householder", "cholesky"])
+def qr_route(request):
+    """The QR route of netutility_jax._linalg: Householder (at most _SMALL rows, as every module
+    in these small tests) or CholeskyQR2 (larger modules), forced by setting _SMALL to 0.
+    Module-scoped: pytest groups the tests by route, so caches are cleared once per switch."""
+    from netutility_jax import _linalg
+
+    saved = _linalg._SMALL
+    if request.param == "cholesky":
+        _linalg._SMALL = 0
+        jax.clear_caches()  # traces read _SMALL: do not reuse the Householder ones
+    yield request.param
+    _linalg._SMALL = saved
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("space", ["full", "core", "knots", "knots_original"])
 @pytest.mark.parametrize("name", list(CALL))
-def test_method_in_space_matches_dense_reference(space, name):
+def test_method_in_space_matches_dense_reference(space, name, qr_route):
     ads = _adapters()
     masks = _masks(ads, 7) if name != "ta_iso" else None  # non-prefix selections, and all kept
     method, opts = CALL[name]
@@ -540,3 +556,70 @@ def test_radix_threshold_keeps_exactly_k_with_ties(dtype):
             want[np.argsort(-np.abs(flat[i]), kind="stable")[:k]] = True
             want &= flat[i] != 0  # zero entries kept or not look the same
             np.testing.assert_array_equal(got, want, err_msg=f"k={k} task={i}")
+
+
+# ----------------------------------------------------------------- buckets merged piece by piece
+
+
+def test_split_bucket_sizes_divide_and_fit():
+    _names, buckets, _m_tasks = nu._tree.collect(_adapters(0, True), fn="t")
+    for bk in buckets:
+        n = len(bk.names)
+        per = M * bk.r_max * (bk.d_in + bk.d_out) * 8
+        for cap in (1, per, 2 * per, 10**9):
+            pieces = nu._tree.split_bucket(bk, cap, 8)
+            assert [nm for p in pieces for nm in p.names] == list(bk.names)
+            assert len({len(p.names) for p in pieces}) == 1  # one compiled shape
+            assert n % len(pieces[0].names) == 0
+            assert len(pieces[0].names) * per <= max(cap, per)
+
+
+@pytest.mark.parametrize(
+    ("method", "space", "opts"),
+    [
+        ("ta", "core", {}),
+        ("tsv", "knots", {}),
+        ("iso_cts", "full", {}),
+        ("ties", "knots", {"density": 0.3}),
+        ("ties", "core", {"density": 0.3, "scope": "model"}),
+        ("dare", "core", {"p": 0.3}),
+    ],
+)
+def test_pieces_give_the_same_merge(monkeypatch, method, space, opts):
+    """Per-bucket kernels are free of global state: one module per piece changes nothing."""
+    ads = _adapters(2)
+    masks = _masks(ads, 4)
+    key = jax.random.key(3)
+    whole = nu.merge(ads, masks, method=method, space=space, key=key, **opts)
+    monkeypatch.setattr(merge_mod, "_PIECE_BYTES", 1)
+    pieces = nu.merge(ads, masks, method=method, space=space, key=key, **opts)
+    for n in ads[0]:
+        np.testing.assert_allclose(ref.dense(pieces[n]), ref.dense(whole[n]), atol=1e-10)
+
+
+def test_float32_merge_of_tasks_sharing_their_a_init():
+    """Tasks trained from one A initialisation (A_i = A_0 + 1e-3 d_i), float32, modules larger
+    than the Householder cut: TA keeps float32 accuracy (the reduction switches to Householder)."""
+    from netutility_jax import _linalg
+
+    rng = np.random.default_rng(7)
+    d_in, d_out, r = _linalg._SMALL + 88, _linalg._SMALL + 40, 4
+    a0 = rng.normal(size=(d_in, r)) / np.sqrt(d_in)
+    ads = [
+        {
+            "m": {
+                "lora_a": (a0 + 1e-3 * rng.normal(size=(d_in, r)) / np.sqrt(d_in)).astype(
+                    np.float32
+                ),
+                "lora_b": (0.01 * rng.normal(size=(r, d_out))).astype(np.float32),
+            }
+        }
+        for _ in range(3)
+    ]
+    want = sum(ad["m"]["lora_a"].astype(np.float64) @ ad["m"]["lora_b"] for ad in ads)
+    with jax.enable_x64(False):
+        for space in ("full", "core", "knots"):
+            out = nu.merge(ads, method="ta", space=space)["m"]
+            got = ref.dense(out)
+            assert np.asarray(out["lora_a"]).dtype == np.float32
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5, space

@@ -1,0 +1,123 @@
+"""QR / SVD helpers of netutility_jax._linalg against numpy, in float32 where precision matters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from netutility_jax import _linalg as L
+
+D = 2048  # more rows than _SMALL: the CholeskyQR2 route
+assert D > L._SMALL
+
+
+def _qr(x, **kw):
+    (f,) = L.orth_qr_lazy_many([jnp.asarray(x)], **kw)
+    return np.asarray(f.q, np.float64), np.asarray(f.r, np.float64)
+
+
+def _recon_err(x, q, r):
+    """max over columns of ||x_j - (Q R)_j|| / ||x_j|| (each column at its own scale)."""
+    err = np.linalg.norm(x - q @ r, axis=0)
+    return float((err / np.maximum(np.linalg.norm(x, axis=0), 1e-300)).max())
+
+
+def _orth_err(q):
+    """Q^T Q must be the identity on the live (nonzero) columns and zero elsewhere."""
+    live = np.linalg.norm(q, axis=0) > 0
+    return float(np.abs(q.T @ q - np.diag(live.astype(float))).max())
+
+
+def test_cholesky_route_columns_of_very_different_norms():
+    """Equilibration: column norms spanning 1e-4 .. 1e3 lose nothing (a plain Gram would drop
+    the weak columns, whose eigenvalues sit under float32's noise floor)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(D, 32)) * np.logspace(-4, 3, 32)
+    x32 = x.astype(np.float32)
+    q, r = _qr(x32)
+    assert _orth_err(q) < 1e-5
+    assert _recon_err(x32.astype(np.float64), q, r) < 1e-5
+
+
+def test_exact_switches_to_householder_when_a_direction_is_dropped():
+    """Tasks sharing their A initialisation: [A0 + 1e-3 d_1, ..., A0 + 1e-3 d_4]. The Gram
+    cannot resolve the 1e-3 differences in float32; ``exact=True`` must still reproduce x."""
+    rng = np.random.default_rng(1)
+    a0 = rng.normal(size=(D, 8))
+    x = np.concatenate([a0 + 1e-3 * rng.normal(size=(D, 8)) for _ in range(4)], 1)
+    x32 = x.astype(np.float32)
+    x64 = x32.astype(np.float64)
+    q, r = _qr(x32, exact=True)
+    assert _orth_err(q) < 1e-5
+    assert _recon_err(x64, q, r) < 1e-5
+    # the Gram route alone drops those directions: the switch is what makes the difference
+    qc, rc = _qr(x32)
+    assert _recon_err(x64, qc, rc) > 1e-4
+
+
+def test_exact_keeps_zero_columns_zero_and_duplicates():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(D, 12)).astype(np.float32)
+    x[:, 3] = 0  # padding / a task lacking the module
+    x[:, 7] = x[:, 1]  # exactly dependent (a frozen, shared A)
+    q, r = _qr(x, exact=True)
+    assert _recon_err(x.astype(np.float64), q, r) < 1e-5
+    np.testing.assert_allclose(q.T @ q, np.eye(12), atol=1e-5)  # Householder: full basis
+
+
+def test_rows_form_equals_columns_form():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(D, 16)).astype(np.float32) * np.logspace(-2, 1, 16, dtype=np.float32)
+    (fc,) = L.orth_qr_lazy_many([jnp.asarray(x)])
+    (fr,) = L.orth_qr_lazy_many([jnp.asarray(x.T)], rows=[True])
+    c = jnp.asarray(rng.normal(size=(16, 5)), jnp.float32)
+    np.testing.assert_allclose(
+        np.asarray(fc.q_times(c)), np.asarray(fr.times_qt(c.T)).T, rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_allclose(np.asarray(fc.r), np.asarray(fr.r), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [100, 2 * L._SMALL])
+def test_small_and_large_routes_agree(rows):
+    """x = Q R with Q^T Q = I on both routes (float64: both to working precision)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(3, rows, 20)) * np.logspace(-3, 2, 20)
+    with jax.enable_x64(True):
+        (f,) = L.orth_qr_lazy_many([jnp.asarray(x)], exact=True)
+        q, r = np.asarray(f.q), np.asarray(f.r)
+    np.testing.assert_allclose(q @ r, x, atol=1e-10 * np.abs(x).max())
+    for qi in q:
+        np.testing.assert_allclose(qi.T @ qi, np.eye(20), atol=1e-10)
+
+
+def test_householder_pads_when_fewer_rows_than_columns():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(6, 10))
+    with jax.enable_x64(True):
+        (f,) = L.orth_qr_lazy_many([jnp.asarray(x)])
+        q, r = np.asarray(f.q), np.asarray(f.r)
+    assert q.shape == (6, 10) and r.shape == (10, 10)
+    np.testing.assert_allclose(q @ r, x, atol=1e-12)
+
+
+def test_svd_many_mixed_shapes_match_numpy():
+    rng = np.random.default_rng(6)
+    mats = [rng.normal(size=(2, 7, 5)), rng.normal(size=(3, 4, 9)), rng.normal(size=(6, 6))]
+    with jax.enable_x64(True):
+        out = L.svd_many([jnp.asarray(m) for m in mats])
+    for m, (u, s, vt) in zip(mats, out, strict=True):
+        c = min(m.shape[-2:])
+        assert u.shape == (*m.shape[:-1], c) and vt.shape == (*m.shape[:-2], c, m.shape[-1])
+        np.testing.assert_allclose(np.asarray(s), np.linalg.svd(m, compute_uv=False), atol=1e-12)
+        rec = np.asarray(u) * np.asarray(s)[..., None, :] @ np.asarray(vt)
+        np.testing.assert_allclose(rec, m, atol=1e-12)
+
+
+def test_cholesky_pass_falls_back_to_identity_when_not_positive_definite():
+    g = jnp.asarray(np.array([[[1.0, 2.0], [2.0, 1.0]], [[1.0, 0.1], [0.1, 1.0]]], np.float32))
+    ((m, r),) = L._chol_pass_many([g])
+    np.testing.assert_array_equal(np.asarray(m[0]), np.eye(2))
+    np.testing.assert_array_equal(np.asarray(r[0]), np.eye(2))
+    np.testing.assert_allclose(np.asarray(r[1]).T @ np.asarray(r[1]), np.asarray(g[1]), atol=1e-6)
