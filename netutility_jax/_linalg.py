@@ -190,10 +190,11 @@ def _householder_many(xs: Sequence[jax.Array], rows: Sequence[bool], k: int) -> 
     """
     out: list[LazyQR] = []
     prev = None
-    for x, rw in zip(xs, rows, strict=True):
+    for j, (x, rw) in enumerate(zip(xs, rows, strict=True)):
         xc = t(x) if rw else x
-        if prev is not None:  # chain the LAPACK calls through data: one in flight at a time
-            xc = after(xc, prev)
+        # chain the LAPACK calls through data, one in flight at a time; the first waits for every
+        # input, so it cannot overlap a call that produces one of the others
+        xc = after(xc, *xs[1:]) if j == 0 else after(xc, prev)
         q, r = jnp.linalg.qr(xc, mode="reduced")  # q (..., d, c), r (..., c, K), c = min(d, K)
         c = q.shape[-1]
         if c < k:

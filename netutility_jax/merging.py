@@ -8,6 +8,11 @@ with ``K`` the module's own result rank. Only TIES, DARE and DARE-TIES in full s
 access to ``dK``; they return ``{"delta": (d_in, d_out)}`` and are run module by module, so at most
 one module's ``M`` dense task updates are alive at a time (:func:`to_lora` truncates them back).
 
+Each bucket is merged a piece at a time (at most ``_PIECE_BYTES`` of stacked factors) in the
+reduced coordinates of its stacked factors (:class:`spaces.Reduced`): the ``d``-sized work of a
+low-rank merge is two Grams and two products per side, everything else is ``(M r)``-sized, and
+only the live columns are mapped back.
+
 :func:`merge_adapters` is the one-call pipeline: score, allocate, merge, report.
 """
 
@@ -562,6 +567,12 @@ def merge(
     so Iso-C and ``isotropize=True`` flatten the spectrum of the merge in those coordinates, not of
     the returned update (there, Iso-C + TSV equals TSV); use ``variant="original"`` for the
     isotropic result.
+
+    Low-rank results are returned as they come out of the method, not re-factored: ``lora_a``'s
+    columns are the merge's (nonzero) directions, so a module's rank is its number of live
+    columns (TA: the kept components; TSV in full and core space: orthonormal ``lora_b`` rows).
+    KnOTS elementwise merges keep the merged ``(d_in, k)`` block as ``lora_a`` (rank ``k`` but for
+    zero columns). Use :func:`to_lora` for a truncated SVD of any module.
 
     Args:
       adapters: M adapters (one per task) with the same module names, as for :func:`nu.score`.

@@ -23,6 +23,16 @@ batched over the modules of a bucket: every array has a leading module axis ``n`
   default) or ``X_i = dK_i U = (S V_i)^T`` (``variant="original"``, KnOTS's scaled blocks); the
   merged block maps back by ``S U^T`` or ``U^T``. Singular values ``S <= rtol S_max`` are dropped.
 
+Reduced coordinates (:class:`Reduced`): :func:`nu.merge` first factors a bucket's task-stacked
+factors, ``[a_1 .. a_M] = Q_a R_a`` and ``[b_1; ..; b_M]^T = Q_b R_b`` (``M r`` columns), and
+runs everything above on the ``(M r)``-sized ``R`` blocks: every transform and every spectral
+method is equivariant under the orthonormal ``Q``'s, so the result is the same, and only one
+``d``-sized product per side maps it back. In these coordinates Core Space's bases are rotations
+of the reduced ones, which spectral methods cannot see: :func:`nu.merge` runs core-space TA, TSV,
+Iso-C and Iso-CTS there directly and builds Core Space's SVD bases only for the elementwise
+methods (which do depend on the basis). KnOTS elementwise merges map the input side back first
+(their entries live in ``d_in`` coordinates).
+
 Components: task ``i``'s thin SVD from :func:`nu.lora_svd`; slot ``k`` is its k-th largest singular
 direction. A slot is kept where the mask says so and it is a candidate (inside the task's rank and
 ``s > rtol_cand * s_max``, the rule of :func:`nu.score`).
