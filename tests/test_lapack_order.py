@@ -1,0 +1,153 @@
+"""No two LAPACK calls of a merge may run at once (see netutility_jax._linalg).
+
+jaxlib's CPU LAPACK kernels split large batches over the intra-op thread pool and block on it, so
+two independent calls deadlock a 2-thread pool; small test inputs never show it. This test checks
+the traced pipeline instead: at every level of every jaxpr, the operations that reach LAPACK must
+be totally ordered by data dependencies.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import _merge_reference as ref
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import pytest
+
+import netutility_jax as nu
+from netutility_jax import _linalg
+from netutility_jax import merging as merge_mod
+
+LAPACK = {
+    "eigh",
+    "svd",
+    "qr",
+    "geqrf",
+    "geqp3",
+    "householder_product",
+    "cholesky",
+    "triangular_solve",
+    "lu",
+    "eig",
+    "schur",
+    "tridiagonal",
+}
+
+
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for x in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(x, jax.extend.core.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jax.extend.core.Jaxpr):
+                yield x
+
+
+@functools.cache
+def _uses_lapack(jaxpr) -> bool:
+    return any(
+        e.primitive.name in LAPACK or any(_uses_lapack(j) for j in _subjaxprs(e))
+        for e in jaxpr.eqns
+    )
+
+
+def _check_ordered(jaxpr, path="top"):
+    """Every pair of LAPACK-using equations of ``jaxpr`` is ordered; recursively."""
+    producer = {}
+    ancestors: list[set[int]] = []
+    users = []
+    for i, e in enumerate(jaxpr.eqns):
+        anc: set[int] = set()
+        for v in e.invars:
+            if isinstance(v, jax.extend.core.Var) and v in producer:
+                p = producer[v]
+                anc |= ancestors[p]
+                if p in users:
+                    anc.add(p)
+        ancestors.append(anc)
+        for v in e.outvars:
+            producer[v] = i
+        uses = e.primitive.name in LAPACK or any(_uses_lapack(j) for j in _subjaxprs(e))
+        if uses:
+            for u in users:
+                assert u in anc, (
+                    f"{path}: LAPACK-using '{jaxpr.eqns[u].primitive.name}' (eqn {u}) and "
+                    f"'{e.primitive.name}' (eqn {i}) are independent: they may run at once"
+                )
+            users.append(i)
+        for j, sub in enumerate(_subjaxprs(e)):
+            _check_ordered(sub, f"{path}/{e.primitive.name}[{i}.{j}]")
+
+
+CASES = [
+    (m, s)
+    for s in ("full", "core", "knots")
+    for m in ("ta", "tsv", "iso_c", "iso_cts", "ties", "dare")
+    if not (s == "full" and m in ("ties", "dare"))
+]
+
+
+@pytest.fixture(params=["householder", "cholesky"])
+def route(request):
+    saved = _linalg._SMALL
+    if request.param == "cholesky":
+        _linalg._SMALL = 0
+    jax.clear_caches()
+    yield request.param
+    _linalg._SMALL = saved
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(("method", "space"), CASES)
+def test_bucket_merge_lapack_calls_are_ordered(method, space, route):
+    d_in, d_out, r = 37, 53, 3
+    ads = ref.make_adapters(0, 4, (("m", d_in, d_out, (3, 3, 3, 3)),))
+    _names, buckets, m_tasks = nu._tree.collect(ads, fn="t")
+    opts = merge_mod._resolve_options("t", method, space, {"p": 0.2} if method == "dare" else {})
+    static, nums = merge_mod._split(opts, jnp.float32)
+    cfg = (method, space, static, d_in, d_out, r, jnp.float32, 1)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(1))
+    jaxpr = jax.make_jaxpr(functools.partial(merge_mod._bucket_merge, cfg=cfg))(
+        nu._tree.bucket_arrays(buckets[0]),
+        jnp.ones((1, m_tasks, r), bool),
+        jnp.asarray(1.0),
+        keys,
+        nums,
+    )
+    assert _uses_lapack(jaxpr.jaxpr)
+    _check_ordered(jaxpr.jaxpr)
+
+
+def test_checker_catches_independent_calls():
+    def two(x, y):
+        return jnp.linalg.eigh(x)[0], jnp.linalg.svd(y)[1]
+
+    x = jnp.eye(3)
+    jaxpr = jax.make_jaxpr(two)(x, x)
+    with pytest.raises(AssertionError, match="independent"):
+        _check_ordered(jaxpr.jaxpr)
+
+
+def test_full_space_elementwise_module_lapack_calls_are_ordered(route):
+    d_in, d_out, r = 37, 53, 3
+    ads = ref.make_adapters(1, 3, (("m", d_in, d_out, (3, 2, 3)),))
+    _names, buckets, _m_tasks = nu._tree.collect(ads, fn="t")
+    bk = buckets[0]
+    a, b, s, rk = merge_mod._stage_stack(
+        nu._tree.bucket_arrays(bk), cfg=(d_in, d_out, r, jnp.float32)
+    )
+    jaxpr = jax.make_jaxpr(functools.partial(merge_mod._module_dense, cfg=("ties", r)))(
+        a[0],
+        b[0],
+        s[0],
+        rk[0],
+        jnp.ones((3, r), bool),
+        jnp.asarray(1.0),
+        jnp.zeros((), jnp.uint32),
+        {"density": jnp.asarray(0.3)},
+        jnp.asarray(10, jnp.int32),
+    )
+    assert _uses_lapack(jaxpr.jaxpr)
+    _check_ordered(jaxpr.jaxpr)
