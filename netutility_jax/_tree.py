@@ -323,15 +323,9 @@ def bucket_arrays(bucket: Bucket) -> tuple[Any, Any, Any]:
     return a, b, s
 
 
-def stack_bucket(
-    a: Any, b: Any, s: Any, *, d_in: int, d_out: int, r_max: int, dtype: Any
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Stack (and zero-pad to r_max) the leaves of :func:`bucket_arrays` (traceable).
-
-    Returns:
-      ``a (n, M, d_in, r_max)``, ``b (n, M, r_max, d_out)``, ``scale (n, M)``, ``rank (n, M)``
-      (int32, 0 where a task lacks the module).
-    """
+def _padders(d_in: int, d_out: int, r_max: int, dtype: Any):
+    """Zero-padding of one ``lora_a`` to ``(d_in, r_max)`` and one ``lora_b`` to ``(r_max, d_out)``
+    (None, a task lacking the module, gives zeros)."""
 
     def pad_a(x):
         if x is None:
@@ -343,11 +337,31 @@ def stack_bucket(
             return jnp.zeros((r_max, d_out), dtype)
         return jnp.pad(jnp.asarray(x, dtype), ((0, r_max - x.shape[0]), (0, 0)))
 
-    A = jnp.stack([jnp.stack([pad_a(x) for x in row]) for row in a])
-    B = jnp.stack([jnp.stack([pad_b(x) for x in row]) for row in b])
+    return pad_a, pad_b
+
+
+def _scales_ranks(a: Any, s: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """``scale (n, M)`` and ``rank (n, M)`` int32 (0 where a task lacks the module)."""
     S = jnp.stack([jnp.stack([jnp.asarray(x, dtype) for x in row]) for row in s])
     R = np.array([[0 if x is None else x.shape[1] for x in row] for row in a], np.int32)
-    return A, B, S, jnp.asarray(R)
+    return S, jnp.asarray(R)
+
+
+def stack_bucket(
+    a: Any, b: Any, s: Any, *, d_in: int, d_out: int, r_max: int, dtype: Any
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Stack (and zero-pad to r_max) the leaves of :func:`bucket_arrays` (traceable).
+
+    Returns:
+      ``a (n, M, d_in, r_max)``, ``b (n, M, r_max, d_out)``, ``scale (n, M)``, ``rank (n, M)``
+      (int32, 0 where a task lacks the module).
+    """
+
+    pad_a, pad_b = _padders(d_in, d_out, r_max, dtype)
+    A = jnp.stack([jnp.stack([pad_a(x) for x in row]) for row in a])
+    B = jnp.stack([jnp.stack([pad_b(x) for x in row]) for row in b])
+    S, R = _scales_ranks(a, s, dtype)
+    return A, B, S, R
 
 
 def stack_bucket_cat(
@@ -361,22 +375,12 @@ def stack_bucket_cat(
       ``rank (n, M)`` as :func:`stack_bucket`. No transposes: one copy of every factor.
     """
 
-    def pad_a(x):
-        if x is None:
-            return jnp.zeros((d_in, r_max), dtype)
-        return jnp.pad(jnp.asarray(x, dtype), ((0, 0), (0, r_max - x.shape[1])))
-
-    def pad_b(x):
-        if x is None:
-            return jnp.zeros((r_max, d_out), dtype)
-        return jnp.pad(jnp.asarray(x, dtype), ((0, r_max - x.shape[0]), (0, 0)))
-
+    pad_a, pad_b = _padders(d_in, d_out, r_max, dtype)
     xa = jnp.stack([jnp.concatenate([pad_a(x) for x in row], 1) for row in a])
     # one flat concatenation (a plain copy per factor), then a free reshape
     yb = jnp.concatenate([pad_b(x) for row in b for x in row], 0).reshape(len(b), -1, d_out)
-    S = jnp.stack([jnp.stack([jnp.asarray(x, dtype) for x in row]) for row in s])
-    R = np.array([[0 if x is None else x.shape[1] for x in row] for row in a], np.int32)
-    return xa, yb, S, jnp.asarray(R)
+    S, R = _scales_ranks(a, s, dtype)
+    return xa, yb, S, R
 
 
 def split_bucket(bucket: Bucket, max_bytes: int, itemsize: int = 4) -> list[Bucket]:

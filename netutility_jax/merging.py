@@ -181,10 +181,8 @@ def _elementwise(x, keys, *, method, coef, opts, k_top=None):
     (n,)``. Batched natively (not vmapped), so TIES can skip its tie-breaking pass at run time."""
     if method == "ties":
         return _m.ties(x, coef=coef, k=k_top)
-    drop = jax.vmap(lambda xx, kk: _m.dare_drop(xx, kk, opts["p"]))(x, keys)
-    if method == "dare":
-        return coef * _m._task_sum([drop[..., i, :, :] for i in range(drop.shape[-3])])
-    return coef * _m.disjoint_mean(drop)
+    fn = _m.dare if method == "dare" else _m.dare_ties  # one key per module
+    return jax.vmap(lambda xx, kk: fn(xx, kk, coef=coef, p=opts["p"]))(x, keys)
 
 
 def _coords(k, a, b, *, space, opts, rtol):
@@ -207,8 +205,8 @@ def _low_rank(c, *, method, coef, opts, rtol, is_svd):
     return _m.iso_cts(c.a, c.b, coef=coef, rtol=rtol, common_fraction=opts["common_fraction"])
 
 
-# The bucket pipeline is three jitted stages (space transform, method, map back) so that compiled
-# stages are shared between methods and spaces; every stage is pure and batched over modules.
+# The bucket pipeline is a few jitted stages (reduce, space transform, method, decode, map back) so
+# that compiled stages are shared between methods and spaces; each is pure and batched over modules.
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
