@@ -290,33 +290,48 @@ def _stage_decode(coords, am, bm, *, cfg):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_elementwise(coords, coef, keys, nums, *, cfg):
-    """TIES / DARE on dense core or KnOTS coordinates, a chunk of modules at a time, decoded."""
-    method, rtol, chunk = cfg
-    opts = dict(nums)
+def _stage_split(coords, keys, density, *, cfg):
+    """A bucket's coordinates cut into chunks of whole modules for :func:`_stage_elementwise`:
+    ``[(a, b, keys, k_top)]`` per chunk. TIES keeps ``k_top = int(density * n)`` of the ``n``
+    real entries of a module's coordinates (the bases may be smaller than ``D``)."""
+    (chunk,) = cfg
     c = coords
-    # TIES counts int(density * n) over the real entries: the bases may be smaller than D
     live_q = (jnp.abs(c.right).sum(-2) > 0).sum(-1, dtype=jnp.int32)
     live_p = (
         c.a.shape[-2] if c.left is None else (jnp.abs(c.left).sum(-2) > 0).sum(-1, dtype=jnp.int32)
     )
-    k_top = _m.topk_count(opts.get("density", 0.0), live_p * live_q)
-
-    def one(args):  # a chunk of modules
-        ca, cb, kk, kt = args
-        return _elementwise(_mm(ca, _t(cb)), kk, method=method, coef=coef, opts=opts, k_top=kt)
-
     n = c.a.shape[0]
-    k_top = jnp.broadcast_to(k_top, (n,))
-    if chunk >= n:  # one batched call: cheaper to compile than a map
-        xm = one((c.a, c.b, keys, k_top))
-    else:  # chunks of whole modules (chunk divides n)
-        xm = jax.lax.map(
-            one, tuple(x.reshape(n // chunk, chunk, *x.shape[1:]) for x in (c.a, c.b, keys, k_top))
-        )
-        xm = xm.reshape(n, *xm.shape[2:])
-    # KnOTS blocks (d_in, k) are kept as the input factor; core matrices are re-factored by SVD
-    return _s.decode_dense(c, xm, rtol=rtol, compact=c.left is not None)
+    k_top = jnp.broadcast_to(_m.topk_count(density, live_p * live_q), (n,))
+    return [tuple(x[j0 : j0 + chunk] for x in (c.a, c.b, keys, k_top)) for j0 in range(0, n, chunk)]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _stage_elementwise(a, b, keys, k_top, coef, nums, *, cfg):
+    """TIES / DARE on a chunk of modules' dense core or KnOTS coordinates ``a b^T``."""
+    (method,) = cfg
+    return _elementwise(_mm(a, _t(b)), keys, method=method, coef=coef, opts=dict(nums), k_top=k_top)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _stage_decode_chunks(coords, xms, *, cfg):
+    """The merged chunks back to LoRA form: KnOTS blocks ``(d_in, k)`` are kept as the input
+    factor, core matrices are re-factored by SVD."""
+    (rtol,) = cfg
+    xm = jnp.concatenate(xms) if len(xms) > 1 else xms[0]
+    return _s.decode_dense(coords, xm, rtol=rtol, compact=coords.left is not None)
+
+
+def _elementwise_bucket(coords, coef, keys, nums, *, cfg):
+    """TIES / DARE on a bucket, a chunk of whole modules per call (at most one chunk's dense
+    tasks alive), then decoded. A Python loop rather than ``lax.map``: XLA:CPU writes a mapped
+    output through an in-place update that it emits as scalar code, ~4 ms per KnOTS module."""
+    method, rtol, chunk = cfg
+    density = nums.get("density", jnp.zeros((), coef.dtype))
+    xms = [
+        _stage_elementwise(a, b, kk, kt, coef, nums, cfg=(method,))
+        for a, b, kk, kt in _stage_split(coords, keys, density, cfg=(chunk,))
+    ]
+    return _stage_decode_chunks(coords, xms, cfg=(rtol,))
 
 
 def _bucket_merge(leaves, mask, coef, keys, nums, *, cfg):
@@ -338,7 +353,7 @@ def _bucket_merge(leaves, mask, coef, keys, nums, *, cfg):
     cspace = "full" if space == "core" and not elementwise else space
     c = _stage_coords(red, S, R, mask, cfg=(cspace, opts.get("variant"), rtol, ambient_in))
     if elementwise:
-        la, lb, live = _stage_elementwise(c, coef, keys, nums, cfg=(method, rtol, chunk))
+        la, lb, live = _elementwise_bucket(c, coef, keys, nums, cfg=(method, rtol, chunk))
         return _map_back(la, lb, live, red.qa, red.qb, not ambient_in)
     mopts = tuple((k, v) for k, v in sorted(opts.items()) if k != "variant")
     am, bm = _stage_low_rank(c.a, c.b, coef, nums, cfg=(method, mopts, rtol, cspace == "full"))
@@ -387,9 +402,18 @@ def _digit_hist(x, hi, *, shift, width):
     return _m.digit_histogram(x, hi, shift=shift, width=width)
 
 
-@jax.jit
-def _ties_apply(x, t, room, coef):
-    trimmed, used = _m.trim_at(x, t, room)
+@functools.partial(jax.jit, static_argnames=("flat_ties",))
+def _ties_apply(x, t, room, coef, *, flat_ties):
+    """Trim at the thresholds ``t`` and take the disjoint mean. Without ``flat_ties`` every entry
+    at a task's threshold is known to fit (``room`` = their count), so the running count that
+    breaks ties in flat order (a slow scan on CPU) is skipped."""
+    if flat_ties:
+        trimmed, used = _m.trim_at(x, t, room)
+    else:
+        xt = jnp.moveaxis(x, -3, 0)
+        bits = jax.lax.bitcast_convert_type(jnp.abs(xt), t.dtype)
+        keep = bits >= t.reshape(-1, *([1] * (bits.ndim - 1)))
+        trimmed, used = jnp.moveaxis(jnp.where(keep, xt, 0), 0, -3), room
     return coef * _m.disjoint_mean(trimmed), used
 
 
@@ -399,15 +423,18 @@ def _stage_decode_dense(coords, xm, *, cfg):
     return _s.decode_dense(coords, xm, rtol=rtol, compact=coords.left is not None)
 
 
-def _radix_threshold(units, m_tasks: int, k: int, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Per task the bit pattern ``t`` of its k-th largest magnitude and how many ties at ``t`` to
-    keep, so that exactly ``k`` entries are kept; ``units`` yield dense tasks ``(u, M, p, q)``."""
+def _radix_threshold(units, m_tasks: int, k: int, dtype) -> tuple[np.ndarray, ...]:
+    """Per task the bit pattern ``t`` of its k-th largest magnitude, how many ties at ``t`` to
+    keep (so that exactly ``k`` entries are kept) and how many entries are at ``t``; ``units``
+    yield dense tasks ``(u, M, p, q)``."""
     ut = np.dtype(_m._uint_of(dtype))
     nbits, width = ut.itemsize * 8, 16
     if k <= 0:  # keep nothing: no magnitude exceeds the largest bit pattern
-        return np.full(m_tasks, np.iinfo(ut).max, ut), np.zeros(m_tasks, np.int64)
+        zero = np.zeros(m_tasks, np.int64)
+        return np.full(m_tasks, np.iinfo(ut).max, ut), zero, zero
     hi = np.zeros(m_tasks, np.uint64)
     above = np.zeros(m_tasks, np.int64)
+    at = np.zeros(m_tasks, np.int64)
     for shift in range(nbits - width, -1, -width):
         counts = np.zeros((m_tasks, 2**width), np.int64)
         prefix = jnp.asarray(hi.astype(ut))
@@ -417,8 +444,9 @@ def _radix_threshold(units, m_tasks: int, k: int, dtype) -> tuple[np.ndarray, np
             c = counts[i, ::-1]
             j = int(np.searchsorted(above[i] + np.cumsum(c), k))
             above[i] += int(c[:j].sum())
+            at[i] = c[j]
             hi[i] |= np.uint64(2**width - 1 - j) << np.uint64(shift)
-    return hi.astype(ut), k - above
+    return hi.astype(ut), k - above, at
 
 
 def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) -> dict:
@@ -478,11 +506,16 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
 
             units.append((produce, finish))
     k = int(np.floor(density * n_total * (1 + 8 * np.finfo(np.float64).eps)))
-    t, room = _radix_threshold(units, m_tasks, k, dtype)
+    t, room, at = _radix_threshold(units, m_tasks, k, dtype)
+    flat_ties = bool(np.any(at > room))  # otherwise every entry at a threshold is kept
     t = jnp.asarray(t)
     for produce, finish in units:
         xm, used = _ties_apply(
-            produce(), t, jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32), coef
+            produce(),
+            t,
+            jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32),
+            coef,
+            flat_ties=flat_ties,
         )
         room = room - np.asarray(used, np.int64)
         finish(xm)

@@ -206,6 +206,9 @@ def iso_cts(
 # ---------------------------------------------------------------------------------------------
 
 
+_BLOCK = 64  # entries per packed partial count in kth_largest_count
+
+
 def _uint_of(dtype):
     return {4: jnp.uint32, 8: jnp.uint64, 2: jnp.uint16}[jnp.dtype(dtype).itemsize]
 
@@ -220,20 +223,68 @@ def kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
     Bisection over the bit patterns of the floats (monotone for non-negative values): one count per
     bit, so ``O(n * bits)`` with no sort and no ``top_k`` of size ``k``.
     """
-    # Non-negative floats have the sign bit clear, so their patterns compare the same as signed
-    # integers (which XLA:CPU compares about twice as fast) and the sign bit needs no pass.
+    return kth_largest_count(x, k)[0]
+
+
+def kth_largest_count(x: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`kth_largest` and how many entries are at least that large (``>= k``; ``== k`` when
+    the entries at the threshold all fit in the top ``k``), at no extra pass over ``x``."""
+    t, ge = _kth_pattern(jax.lax.bitcast_convert_type(x, _int_of(x.dtype)), k)
+    return jax.lax.bitcast_convert_type(t, x.dtype), ge
+
+
+def _magnitude_pattern(x: jax.Array) -> jax.Array:
+    """``|x|``'s bit patterns as signed integers (sign bit cleared): ordered like ``|x|``."""
     it = _int_of(x.dtype)
-    bits = jnp.dtype(it).itemsize * 8
-    xi = jax.lax.bitcast_convert_type(x, it)
-    k = jnp.asarray(k)
+    return jax.lax.bitcast_convert_type(x, it) & jnp.iinfo(it).max
 
-    def body(i, t):
-        cand = t | (jnp.asarray(1, it) << (bits - 2 - i).astype(it))
-        cnt = (xi >= cand[..., None]).sum(-1, dtype=jnp.int32)
-        return jnp.where(cnt >= k, cand, t)
 
-    t = jax.lax.fori_loop(0, bits - 1, body, jnp.zeros(x.shape[:-1], it))
-    return jax.lax.bitcast_convert_type(t, x.dtype)
+def _kth_pattern(xi: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`kth_largest_count` on the non-negative bit patterns ``xi`` of non-negative floats."""
+    # Non-negative floats have the sign bit clear, so their patterns compare the same as signed
+    # integers and the sign bit needs no pass: 31 bits (63 in float64) are found two at a time,
+    # each pass counting the entries at or above three candidates.
+    it = xi.dtype
+    bits = jnp.dtype(it).itemsize * 8 - 1
+    n = xi.shape[-1]
+    shape = xi.shape[:-1]
+    # The three counts of a block of _BLOCK entries (each at most 64: 7 bits) are packed in one
+    # float32 block sum (exact below 2**24): XLA:CPU streams the compare into a float sum, while
+    # an integer sum of this length becomes a reduce-window over a materialised array, and three
+    # separate sums read the data three times. Zero padding counts nothing (candidates are > 0).
+    nb = -(-n // _BLOCK)
+    xi = jnp.pad(xi, [(0, 0)] * (xi.ndim - 1) + [(0, nb * _BLOCK - n)])
+    xi = xi.reshape(*xi.shape[:-1], nb, _BLOCK)
+    k = jnp.asarray(k).astype(jnp.int32)
+
+    def counts(cands):  # (..., 3) increasing candidates -> (..., 3) counts of xi >= each
+        c = [cands[..., j, None, None] for j in range(3)]
+        # xi's weight 1 + 128 [xi >= c1] + 16384 [xi >= c2] if xi >= c0, as one nested select
+        w = jnp.where(xi >= c[2], 16513.0, jnp.where(xi >= c[1], 129.0, 1.0))
+        packed = jnp.where(xi >= c[0], w, 0.0).astype(jnp.float32).sum(-1)
+        p = packed.astype(jnp.int32)
+        parts = [p & 127, (p >> 7) & 127, p >> 14]
+        return jnp.stack([q.sum(-1, dtype=jnp.int32) for q in parts], -1)
+
+    big = jnp.iinfo(it).max  # a candidate no entry reaches (patterns of finite floats are less)
+
+    def body(i, carry):
+        t, ge = carry
+        # pass i decides bits hi = bits - 1 - 2 i and hi - 1 (only bit 0 on an odd last pass)
+        low = jnp.maximum(bits - 2 - 2 * i, 0).astype(it)
+        mult = jnp.arange(1, 4, dtype=it)
+        valid = (i < bits // 2) | (mult == 1)  # bits is odd: the last pass has one candidate
+        cands = jnp.where(valid, t[..., None] | (mult << low), big)
+        cnt = counts(cands)
+        j = (cnt >= k[..., None]).sum(-1)  # the counts decrease: the candidates kept are a prefix
+        at = jnp.maximum(j - 1, 0)[..., None]
+        take = j > 0
+        t = jnp.where(take, jnp.take_along_axis(cands, at, -1)[..., 0], t)
+        ge = jnp.where(take, jnp.take_along_axis(cnt, at, -1)[..., 0], ge)
+        return t, ge
+
+    init = (jnp.zeros(shape, it), jnp.full(shape, n, jnp.int32))
+    return jax.lax.fori_loop(0, -(-bits // 2), body, init)
 
 
 def topk_count(density, n) -> jax.Array:
@@ -260,23 +311,22 @@ def trim_topk(x: jax.Array, k: jax.Array | int) -> jax.Array:
     flat = x.reshape(*shape[:-2], -1)
     n = flat.shape[-1]
     k = jnp.minimum(jnp.asarray(k, jnp.int32), n)[..., None, None]  # (..., 1, 1) over tasks, n
-    mag = jnp.abs(flat)
-    t = kth_largest(mag, jnp.maximum(k[..., 0], 1))[..., None]
-    above = mag > t
-    at = mag == t
-    room = k - above.sum(-1, keepdims=True, dtype=jnp.int32)
-    # usually every entry at the threshold fits (continuous data: just the k-th one), or the
-    # threshold is 0 (keeping zeros changes nothing); the running count that breaks ties in flat
-    # order is only computed otherwise (outside vmap, the cond skips it at run time)
-    fits = jnp.all((at.sum(-1, keepdims=True, dtype=jnp.int32) <= room) | (t == 0))
-    take = jax.lax.cond(
-        fits,
-        lambda at, room: at,
-        lambda at, room: at & (jnp.cumsum(at, -1, dtype=jnp.int32) <= room),
-        at,
-        room,
-    )
-    keep = (above | take) & (k > 0)
+    mag = _magnitude_pattern(flat)  # one materialised array for the count passes and the trim
+    t, ge = _kth_pattern(mag, jnp.maximum(k[..., 0], 1))
+    t, ge = t[..., None], ge[..., None]
+    # usually every entry at the threshold fits (continuous data: just the k-th one, so exactly k
+    # are >= t), or the threshold is 0 (keeping zeros changes nothing); the running count that
+    # breaks ties in flat order is only computed otherwise (outside vmap, the cond skips it)
+    fits = jnp.all((ge <= k) | (t == 0))
+
+    def by_flat_order(mag):
+        above = mag > t
+        at = mag == t
+        room = k - above.sum(-1, keepdims=True, dtype=jnp.int32)
+        return above | (at & (jnp.cumsum(at, -1, dtype=jnp.int32) <= room))
+
+    keep = jax.lax.cond(fits, lambda mag: mag >= t, by_flat_order, mag)
+    keep = keep & (k > 0)
     return jnp.where(keep, flat, 0).reshape(shape)
 
 
@@ -315,10 +365,18 @@ def trim_at(x: jax.Array, t: jax.Array, room: jax.Array) -> tuple[jax.Array, jax
     bits = jax.lax.bitcast_convert_type(jnp.abs(xt), ut).reshape(m, -1)
     tt = t.astype(ut)[:, None]
     at = bits == tt
-    take = at & (jnp.cumsum(at, -1, dtype=jnp.int32) <= room[:, None])
+    n_at = at.sum(-1, dtype=jnp.int32)
+    # the running count that breaks ties in flat order (a slow scan on CPU) only where the ties
+    # here do not all fit: in one unit of a model-wide TIES at most
+    take = jax.lax.cond(
+        jnp.all(n_at <= room),
+        lambda at: at,
+        lambda at: at & (jnp.cumsum(at, -1, dtype=jnp.int32) <= room[:, None]),
+        at,
+    )
     keep = (bits > tt) | take
     out = jnp.where(keep.reshape(xt.shape), xt, 0)
-    return jnp.moveaxis(out, 0, -3), take.sum(-1, dtype=jnp.int32)
+    return jnp.moveaxis(out, 0, -3), jnp.minimum(n_at, room)
 
 
 def disjoint_mean(x: jax.Array) -> jax.Array:

@@ -532,30 +532,63 @@ def test_ties_model_scope_density_edges():
         np.testing.assert_allclose(ref.dense(full[n]), ref.dense(mod[n]), atol=1e-12)
 
 
+def _disjoint_mean_np(x):
+    """TIES sign election and disjoint mean over axis -3, written out (zero sum elects +)."""
+    pos = x.sum(-3, keepdims=True) >= 0
+    agree = np.where(pos, x > 0, x < 0)
+    return np.where(agree, x, 0).sum(-3) / np.maximum(agree.sum(-3), 1)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_radix_threshold_keeps_exactly_k_with_ties(dtype):
     """Many equal magnitudes across units: exactly k kept per task, ties in flat (unit) order."""
     rng = np.random.default_rng(0)
     units_np = [rng.integers(-3, 4, size=(u, 2, 5, 4)).astype(dtype) for u in (1, 3, 2)]
     flat = [np.concatenate([np.moveaxis(x, 1, 0)[i].ravel() for x in units_np]) for i in range(2)]
+    sizes = [x[:, 0].size for x in units_np]
+    uint = np.uint32 if dtype == np.float32 else np.uint64
     for k in (0, 1, 7, 23, 60, flat[0].size):
         units = [(lambda x=x: jnp.asarray(x), None) for x in units_np]
-        t, room = merge_mod._radix_threshold(units, 2, k, np.dtype(dtype))
-        kept = [[], []]
-        for x in units_np:
-            tr, used = jax.jit(nu.methods.trim_at)(
-                jnp.asarray(x), jnp.asarray(t), jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32)
-            )
-            room = room - np.asarray(used)
-            tr = np.moveaxis(np.asarray(tr), 1, 0)
-            for i in range(2):
-                kept[i].append(tr[i].ravel() != 0)
+        t, room, at = merge_mod._radix_threshold(units, 2, k, np.dtype(dtype))
+        want = []
         for i in range(2):
-            got = np.concatenate(kept[i])
-            want = np.zeros(flat[i].size, bool)
-            want[np.argsort(-np.abs(flat[i]), kind="stable")[:k]] = True
-            want &= flat[i] != 0  # zero entries kept or not look the same
-            np.testing.assert_array_equal(got, want, err_msg=f"k={k} task={i}")
+            w = np.zeros(flat[i].size, bool)
+            w[np.argsort(-np.abs(flat[i]), kind="stable")[:k]] = True
+            want.append(w & (flat[i] != 0))  # zero entries kept or not look the same
+            if k:  # entries at the threshold, counted by brute force; they cover the room
+                assert int((np.abs(flat[i]).view(uint) == t[i]).sum()) == at[i] >= room[i]
+        # trim_at breaks ties in flat order; _ties_apply skips that pass when every tie fits
+        flat_ties = bool(np.any(at > room))
+        assert flat_ties == (0 < k < flat[0].size)  # integer data: ties at every inner k
+        for apply_flat in {flat_ties, True}:
+            r1, r2 = room.copy(), room.copy()
+            kept, start = [[], []], 0
+            for x, size in zip(units_np, sizes, strict=True):
+                tr, used = jax.jit(nu.methods.trim_at)(
+                    jnp.asarray(x),
+                    jnp.asarray(t),
+                    jnp.asarray(np.minimum(r1, 2**31 - 1), jnp.int32),
+                )
+                r1 = r1 - np.asarray(used)
+                tr = np.moveaxis(np.asarray(tr), 1, 0)
+                for i in range(2):
+                    kept[i].append(tr[i].ravel() != 0)
+                xm, used = merge_mod._ties_apply(
+                    jnp.asarray(x),
+                    jnp.asarray(t),
+                    jnp.asarray(np.minimum(r2, 2**31 - 1), jnp.int32),
+                    jnp.asarray(0.5, dtype),
+                    flat_ties=apply_flat,
+                )
+                r2 = r2 - np.asarray(used)
+                mask = np.stack([w[start : start + size].reshape(x[:, 0].shape) for w in want], 1)
+                np.testing.assert_allclose(
+                    np.asarray(xm), 0.5 * _disjoint_mean_np(np.where(mask, x, 0)), err_msg=f"k={k}"
+                )
+                start += size
+            for i in range(2):
+                got = np.concatenate(kept[i])
+                np.testing.assert_array_equal(got, want[i], err_msg=f"k={k} task={i}")
 
 
 # ----------------------------------------------------------------- buckets merged piece by piece
@@ -595,6 +628,29 @@ def test_pieces_give_the_same_merge(monkeypatch, method, space, opts):
     pieces = nu.merge(ads, masks, method=method, space=space, key=key, **opts)
     for n in ads[0]:
         np.testing.assert_allclose(ref.dense(pieces[n]), ref.dense(whole[n]), atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("method", "space", "opts"),
+    [
+        ("ties", "knots", {"density": 0.3}),
+        ("ties", "core", {"density": 0.3}),
+        ("dare_ties", "knots", {"p": 0.3}),
+    ],
+)
+def test_elementwise_chunks_give_the_same_merge(monkeypatch, method, space, opts):
+    """The dense work of a bucket runs a chunk of modules per call: one module per chunk (as for
+    large modules) gives the same merge as the whole bucket in one call."""
+    ads = _adapters(6)
+    masks = _masks(ads, 5)
+    key = jax.random.key(4)
+    whole = nu.merge(ads, masks, method=method, space=space, key=key, **opts)
+    calls = []
+    monkeypatch.setattr(merge_mod, "_chunk", lambda *a, **k: calls.append(a) or 1)
+    chunked = nu.merge(ads, masks, method=method, space=space, key=key, **opts)
+    assert calls
+    for n in ads[0]:
+        np.testing.assert_allclose(ref.dense(chunked[n]), ref.dense(whole[n]), atol=1e-10)
 
 
 def test_float32_merge_of_tasks_sharing_their_a_init():

@@ -99,6 +99,32 @@ def test_kth_largest_exact(dtype):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kth_largest_count_exact_on_hard_data(dtype):
+    """Ties, zeros, subnormals, 60 decades, lengths not a multiple of the count blocks, one k
+    per row: the threshold and the number of entries at or above it, against a sort."""
+    rng = np.random.default_rng(1)
+    tiny = np.finfo(dtype).smallest_subnormal
+    for trial in range(40):
+        n = int(rng.integers(1, 300))
+        kind = trial % 4
+        if kind == 0:
+            x = np.abs(rng.normal(size=(3, n)))
+        elif kind == 1:
+            x = rng.integers(0, 4, size=(3, n)).astype(float)  # mostly ties
+        elif kind == 2:
+            x = np.abs(rng.normal(size=(3, n))) * 10.0 ** rng.integers(-30, 30, size=(3, n))
+        else:
+            x = np.where(rng.random((3, n)) < 0.5, tiny * rng.integers(1, 5, (3, n)), 0.0)
+        x = x.astype(dtype)
+        k = rng.integers(1, n + 1, size=3)
+        t, ge = jax.jit(m.kth_largest_count)(jnp.asarray(x), jnp.asarray(k))
+        for i in range(3):
+            want = np.sort(x[i])[::-1][k[i] - 1]
+            assert np.asarray(t)[i] == want, (trial, i)
+            assert int(np.asarray(ge)[i]) == int((x[i] >= want).sum()), (trial, i)
+
+
 def test_trim_exact_count_with_ties():
     x = jnp.asarray(np.array([[[1.0, -1.0], [1.0, 0.5]]]))  # four entries, three tied magnitudes
     t = np.asarray(m.trim_topk(x, 2))
