@@ -289,6 +289,15 @@ def _stage_decode(coords, am, bm, *, cfg):
     return _s.decode_factored(coords, am, bm, rtol=rtol, compact=compact)
 
 
+def _real_entries(c):
+    """Entries of each module's dense coordinates ``(p, q)`` that its bases span (live columns of
+    ``left`` times those of ``right``; ``p`` without ``left``): TIES's ``n`` in core / KnOTS."""
+    live_q = (jnp.abs(c.right).sum(-2) > 0).sum(-1, dtype=jnp.int32)
+    if c.left is None:
+        return c.a.shape[-2] * live_q
+    return (jnp.abs(c.left).sum(-2) > 0).sum(-1, dtype=jnp.int32) * live_q
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _stage_split(coords, keys, density, *, cfg):
     """A bucket's coordinates cut into chunks of whole modules for :func:`_stage_elementwise`:
@@ -296,12 +305,8 @@ def _stage_split(coords, keys, density, *, cfg):
     real entries of a module's coordinates (the bases may be smaller than ``D``)."""
     (chunk,) = cfg
     c = coords
-    live_q = (jnp.abs(c.right).sum(-2) > 0).sum(-1, dtype=jnp.int32)
-    live_p = (
-        c.a.shape[-2] if c.left is None else (jnp.abs(c.left).sum(-2) > 0).sum(-1, dtype=jnp.int32)
-    )
     n = c.a.shape[0]
-    k_top = jnp.broadcast_to(_m.topk_count(density, live_p * live_q), (n,))
+    k_top = jnp.broadcast_to(_m.topk_count(density, _real_entries(c)), (n,))
     return [tuple(x[j0 : j0 + chunk] for x in (c.a, c.b, keys, k_top)) for j0 in range(0, n, chunk)]
 
 
@@ -417,12 +422,6 @@ def _ties_apply(x, t, room, coef, *, flat_ties):
     return coef * _m.disjoint_mean(trimmed), used
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_decode_dense(coords, xm, *, cfg):
-    (rtol,) = cfg
-    return _s.decode_dense(coords, xm, rtol=rtol, compact=coords.left is not None)
-
-
 def _radix_threshold(units, m_tasks: int, k: int, dtype) -> tuple[np.ndarray, ...]:
     """Per task the bit pattern ``t`` of its k-th largest magnitude, how many ties at ``t`` to
     keep (so that exactly ``k`` entries are kept) and how many entries are at ``t``; ``units``
@@ -478,13 +477,7 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
         )
         qa, qb = red.qa, red.qb
         del red
-        live_q = np.asarray((jnp.abs(c.right).sum(-2) > 0).sum(-1))
-        live_p = (
-            np.full(len(bk.names), c.a.shape[-2])
-            if c.left is None
-            else np.asarray((jnp.abs(c.left).sum(-2) > 0).sum(-1))
-        )
-        n_total += int((live_p.astype(np.int64) * live_q).sum())
+        n_total += int(np.asarray(_real_entries(c), np.int64).sum())
         p, q = c.a.shape[-2], c.b.shape[-2]
         chunk = _chunk(m_tasks, p, q, jnp.dtype(dtype).itemsize, len(bk.names))
         for j0 in range(0, len(bk.names), chunk):
@@ -494,7 +487,7 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
                 return _coords_tasks(sl.a, sl.b)
 
             def finish(xm, sl=sl, sqa=sqa, sqb=sqb, j0=j0, bk=bk, rtol=rtol, ex=not ambient_in):
-                la, lb, live = _map_back(*_stage_decode_dense(sl, xm, cfg=(rtol,)), sqa, sqb, ex)
+                la, lb, live = _map_back(*_stage_decode_chunks(sl, [xm], cfg=(rtol,)), sqa, sqb, ex)
                 ranks = np.asarray(live.sum(-1))
                 for jj, rk in enumerate(ranks):
                     rk = int(rk)

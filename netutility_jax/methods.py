@@ -50,6 +50,12 @@ class FactoredSVD(NamedTuple):
     keep: jax.Array
 
 
+def above_rtol(s: jax.Array, rtol: float) -> jax.Array:
+    """The singular values kept: nonzero and above ``rtol`` times the largest (``s`` sorted
+    descending along its last axis)."""
+    return (s > rtol * s[..., :1]) & (s > 0)
+
+
 def factored_svd(a: jax.Array, b: jax.Array, *, rtol: float) -> FactoredSVD:
     """Thin SVD of ``a @ b^T`` from QR of ``a (..., p, K)`` and ``b (..., q, K)`` (MATH.md 1).
 
@@ -60,14 +66,14 @@ def factored_svd(a: jax.Array, b: jax.Array, *, rtol: float) -> FactoredSVD:
     p, q, k = a.shape[-2], b.shape[-2], a.shape[-1]
     if max(p, q) <= k:  # already small (reduced coordinates): one dense SVD, no QRs
         u, s, vt = jnp.linalg.svd(_mm(a, _t(b)), full_matrices=False)
-        keep = (s > rtol * s[..., :1]) & (s > 0)
+        keep = above_rtol(s, rtol)
         s = jnp.where(keep, s, 0)
         return FactoredSVD(
             jnp.where(keep[..., None, :], u, 0), s, jnp.where(keep[..., None, :], _t(vt), 0), keep
         )
     fa, fb = orth_qr_lazy_many([a, b], rtol=rtol)
     w, s, zt = jnp.linalg.svd(_mm(fa.r, _t(fb.r)), full_matrices=False)
-    keep = (s > rtol * s[..., :1]) & (s > 0)
+    keep = above_rtol(s, rtol)
     s = jnp.where(keep, s, 0)
     u = fa.q_times(jnp.where(keep[..., None, :], w, 0))
     v = fb.q_times(jnp.where(keep[..., None, :], _t(zt), 0))
@@ -85,12 +91,12 @@ def polar_many(xs: list[jax.Array], *, rtol: float) -> list[jax.Array]:
     out = []
     if all(x.shape[-2] <= x.shape[-1] for x in xs):  # already small: SVD of x itself, no QR
         for w, s, zt in svd_many(xs):
-            keep = (s > rtol * s[..., :1]) & (s > 0)
+            keep = above_rtol(s, rtol)
             out.append(_mm(jnp.where(keep[..., None, :], w, 0), zt))
         return out
     qrs = orth_qr_lazy_many(xs, rtol=rtol)
     for f, (w, s, zt) in zip(qrs, svd_many([f.r for f in qrs]), strict=True):
-        keep = (s > rtol * s[..., :1]) & (s > 0)
+        keep = above_rtol(s, rtol)
         out.append(f.q_times(_mm(jnp.where(keep[..., None, :], w, 0), zt)))
     return out
 
@@ -220,8 +226,8 @@ def _int_of(dtype):
 def kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
     """Exact k-th largest entry of the non-negative ``x (..., n)`` per leading index (``k >= 1``).
 
-    Bisection over the bit patterns of the floats (monotone for non-negative values): one count per
-    bit, so ``O(n * bits)`` with no sort and no ``top_k`` of size ``k``.
+    Search over the bit patterns of the floats (monotone for non-negative values), two bits per
+    pass over ``x``: ``O(n * bits / 2)`` with no sort and no ``top_k`` of size ``k``.
     """
     return kth_largest_count(x, k)[0]
 

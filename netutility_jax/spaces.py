@@ -173,7 +173,7 @@ def _bases(xs: list[jax.Array], rtol: float) -> list[jax.Array]:
     qrs = orth_qr_lazy_many(xs, rtol=rtol)
     out = []
     for f, (w, s, _) in zip(qrs, svd_many([f.r for f in qrs]), strict=True):
-        keep = (s > rtol * s[..., :1]) & (s > 0)
+        keep = _m.above_rtol(s, rtol)
         out.append(f.q_times(jnp.where(keep[..., None, :], w, 0)))
     return out
 
@@ -210,7 +210,7 @@ def knots_coords(k: Kept, *, rtol: float, variant: str = "core_space") -> Coords
     (fz,) = orth_qr_lazy_many([z], rtol=rtol)
     rz = fz.r
     w, s, _ = jnp.linalg.svd(rz, full_matrices=False)  # rz: (n, M r, M r)
-    keep = (s > rtol * s[..., :1]) & (s > 0)
+    keep = _m.above_rtol(s, rtol)
     s = jnp.where(keep, s, 0)
     u = fz.q_times(jnp.where(keep[..., None, :], w, 0))  # (n, d_out, k)
     # U^T Q_i diag(s_i) = W^T Rz_i: per task a (k, r) block, no d-sized work.
