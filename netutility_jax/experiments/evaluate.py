@@ -1,24 +1,30 @@
-"""Accuracy of task LoRAs and of their merges on MiniLM, normalized accuracy, coefficient search.
+"""Zero-shot heads, packed evaluation of MiniLM with folded merges, and the coefficient search.
 
-A merged adapter is evaluated as it would be served: folded into the base kernels
-(``W + coef * dK``, :func:`minilm.fold_adapter`), no LoRA branch. Every text is embedded once per
-merged model (mean-pooled last hidden states of one shared backbone) and each task's own linear
-head classifies its own texts: ``argmax(pooled @ kernel + bias)``.
+**Heads.** Every task classifies with a frozen zero-shot head, the analogue of CLIP's text
+heads: the L2-normalised base-model embeddings of one short description per label
+(``Task.label_texts``, e.g. ``"a positive word"``). A text's logits are the cosine similarities
+of its normalised embedding with those vectors, divided by a fixed temperature
+(:data:`TEMPERATURE`); its prediction is the nearest description. The heads never train, so
+every bit of task knowledge lives in the LoRA, and a merge that loses a task's directions loses
+the task (the zero-shot model is the floor).
 
-Normalized accuracy (paper, "Evaluation"; KnOTS, Core Space): per task,
+**Evaluation.** A merged adapter is evaluated as it would be served: folded into the base
+kernels, ``W + coef * dK``. Each module's dense ``dK`` is formed once per merge
+(:meth:`Backbone.deltas`); the fold happens inside the jitted forward, so a new coefficient
+costs no host work and never recompiles.
+
+**Speed (CPU).** Texts are packed (:func:`minilm.pack`): several texts share a row of
+:data:`ROW_LEN` tokens, each attending only to itself, with positions restarting per text, so no
+compute goes to padding. Batches have one fixed shape (:data:`ROWS` x :data:`ROW_LEN`), so the
+forward compiles once. Measured on the 2-core CPU (see ``benchmarks/demo_eval.py``).
+
+**Normalized accuracy** (paper, "Evaluation"; KnOTS, Core Space): per task,
 ``100 * accuracy(merged) / accuracy(task's own LoRA)``, averaged over tasks.
 
-Speed (CPU): texts of all tasks are tokenized once, sorted by length and cut into batches of
-``batch_size`` texts, each padded only to its own longest text rounded up to a multiple of 8
-(:func:`bucket_length`). A backbone has one jitted forward; it compiles once per padded length
-(at most ``max_len / 8`` shapes) and never again for a new adapter or coefficient, since the
-folded kernels are arguments, not constants.
-
-The merge coefficient is chosen on the validation split only (:meth:`Evaluator.evaluate`): the
-candidates are scored by mean normalized validation accuracy, and the test split is evaluated
-once, with the winner. Every merge method here is linear in its coefficient
-(``merge(coef=c) == c * merge(coef=1)``), so a configuration is merged once and each candidate is
-a fold with another ``coef``.
+**Coefficient search** (:func:`select_coef`): on validation only, over the grid
+``{0.1, 0.2, ..., 9.9}`` of the Core Space code's linear search (step 0.1): a ladder of
+doublings from a start point brackets the best region, then a hill climb in steps of 0.1 finds a
+local optimum on that grid. Test labels are never seen.
 """
 
 from __future__ import annotations
@@ -29,76 +35,100 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import minilm
 
-EVAL_BATCH = 32
+#: Tokens per packed row, and the truncation length of every text ([CLS] and [SEP] included).
+ROW_LEN = 32
+#: Most texts per row (each has at least [CLS], one token and [SEP]).
+MAX_TEXTS = ROW_LEN // 3
+#: Rows per forward call: 2048 tokens, the size at which this CPU's matmuls run fastest.
+ROWS = 64
+#: Temperature of the zero-shot heads' logits (cosine similarity / temperature).
+TEMPERATURE = 0.05
 
 
-def bucket_length(n: int, *, max_len: int, step: int = 8, coarse_from: int | None = None) -> int:
-    """Padded length of a batch whose longest text has ``n`` tokens.
-
-    Rounded up to a multiple of ``step`` (to a multiple of ``2 * step`` above ``coarse_from``, if
-    given: fewer shapes, fewer compiles) and capped at ``max_len``.
-
-    Example:
-      >>> [bucket_length(n, max_len=64) for n in (1, 8, 9, 30, 70)]
-      [8, 8, 16, 32, 64]
-      >>> [bucket_length(n, max_len=64, coarse_from=16) for n in (9, 17, 33, 49)]
-      [16, 32, 48, 64]
-    """
-    n = max(int(n), 1)
-    if coarse_from is not None and n > coarse_from:
-        big = 2 * step
-        out = coarse_from + -(-(n - coarse_from) // big) * big
-    else:
-        out = -(-n // step) * step
-    return int(min(out, max_len))
-
-
-def encode(texts: Sequence[str], *, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+def encode(texts: Sequence[str], *, max_len: int = ROW_LEN) -> tuple[np.ndarray, np.ndarray]:
     """Token ids ``(N, T)`` (``T`` the longest text, at most ``max_len``) and lengths ``(N,)``."""
     tok = minilm.tokenize(list(texts), max_length=max_len, pad_to_max_length=False)
     return tok.ids, tok.mask.sum(axis=1).astype(np.int32)
 
 
-class Head(NamedTuple):
-    """A linear classification head on the pooled embedding: ``kernel (D, C)``, ``bias (C,)``."""
+class Batch(NamedTuple):
+    """One packed forward call: :class:`minilm.Packed` arrays of shape ``(ROWS, ROW_LEN)``."""
 
-    kernel: np.ndarray
-    bias: np.ndarray
+    ids: np.ndarray
+    segment_ids: np.ndarray
+    position_ids: np.ndarray
+    text: np.ndarray
+
+
+def packed_batches(
+    ids: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    rows: int = ROWS,
+    row_len: int = ROW_LEN,
+    decreasing: bool = True,
+) -> list[Batch]:
+    """Pack texts into rows and cut the rows into fixed-shape batches (empty rows fill the last).
+
+    ``decreasing``: see :func:`minilm.pack`.
+    """
+    p = minilm.pack(ids, lengths, row_len=row_len, max_texts=row_len // 3, decreasing=decreasing)
+    out = []
+    for s in range(0, len(p.ids), rows):
+        sl = slice(s, s + rows)
+        out.append(
+            Batch(
+                _fill(p.ids[sl], rows, 0),
+                _fill(p.segment_ids[sl], rows, 0),
+                _fill(p.position_ids[sl], rows, 0),
+                _fill(p.text[sl], rows, -1),
+            )
+        )
+    return out
+
+
+def _fill(x: np.ndarray, rows: int, value: int) -> np.ndarray:
+    """``x`` with rows of ``value`` appended up to ``rows`` rows."""
+    pad = rows - len(x)
+    return np.concatenate([x, np.full((pad, *x.shape[1:]), value, x.dtype)]) if pad else x
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class EvalSet:
-    """Texts of one or more tasks, tokenized once and cut into length-sorted batches.
+    """Texts of one or more tasks, tokenized and packed once.
 
     Attributes:
       task_names: the tasks, in the order of the ``task`` indices.
-      ids: ``(N, T)`` int32 token ids (zero-padded).
-      lengths: ``(N,)`` tokens per text.
-      task: ``(N,)`` int32 index into ``task_names``.
+      task: ``(N,)`` int32 task index of each text.
       labels: ``(N,)`` int32 label ids.
-      batches: ``(rows, padded_length)`` per batch; rows are sorted by length.
+      lengths: ``(N,)`` tokens per text (after truncation to ``ROW_LEN``).
+      batches: the packed forward calls (``text`` indexes into these N texts).
     """
 
     task_names: tuple[str, ...]
-    ids: np.ndarray
-    lengths: np.ndarray
     task: np.ndarray
     labels: np.ndarray
-    batch_size: int
-    max_len: int
-    batches: tuple[tuple[np.ndarray, int], ...]
+    lengths: np.ndarray
+    batches: tuple[Batch, ...]
+    ids: np.ndarray = dataclasses.field(repr=False)
 
     def __len__(self) -> int:
-        return int(self.ids.shape[0])
+        return int(self.task.shape[0])
 
     @property
-    def padded_tokens(self) -> int:
-        """Tokens one pass processes, padding included (the cost of a pass)."""
-        return int(sum(self.batch_size * length for _, length in self.batches))
+    def tokens(self) -> int:
+        """Real tokens in one pass (the work a pass has to do)."""
+        return int(self.lengths.sum())
+
+    @property
+    def slot_tokens(self) -> int:
+        """Tokens one pass computes, padding included (the work a pass does)."""
+        return int(sum(b.ids.size for b in self.batches))
 
     def rows(self, task: int | str) -> np.ndarray:
         """Indices of the texts of one task."""
@@ -110,48 +140,29 @@ class EvalSet:
         i = self.task_names.index(task) if isinstance(task, str) else int(task)
         r = self.rows(i)
         return _build(
-            (self.task_names[i],),
-            self.ids[r],
-            self.lengths[r],
-            np.zeros(r.shape, np.int32),
-            self.labels[r],
-            batch_size=self.batch_size,
-            max_len=self.max_len,
+            (self.task_names[i],), self.ids[r], self.lengths[r], np.zeros(len(r)), self.labels[r]
         )
 
 
-def _build(names, ids, lengths, task, labels, *, batch_size, max_len) -> EvalSet:
-    order = np.argsort(lengths, kind="stable")
-    batches = []
-    for s in range(0, len(order), batch_size):
-        rows = order[s : s + batch_size]
-        batches.append((rows, bucket_length(int(lengths[rows].max()), max_len=max_len)))
+def _build(names, ids, lengths, task, labels) -> EvalSet:
+    ids = np.asarray(ids, np.int32)
+    lengths = np.minimum(np.asarray(lengths, np.int32), ROW_LEN)
     return EvalSet(
         task_names=tuple(names),
-        ids=np.asarray(ids, np.int32),
-        lengths=np.asarray(lengths, np.int32),
         task=np.asarray(task, np.int32),
         labels=np.asarray(labels, np.int32),
-        batch_size=int(batch_size),
-        max_len=int(max_len),
-        batches=tuple(batches),
+        lengths=lengths,
+        batches=tuple(packed_batches(ids, lengths)),
+        ids=ids,
     )
 
 
-def make_eval_set(
-    task_names: Sequence[str],
-    splits: Sequence[Any],
-    *,
-    max_len: int,
-    batch_size: int = EVAL_BATCH,
-) -> EvalSet:
-    """Tokenize the splits of several tasks into one length-sorted :class:`EvalSet`.
+def make_eval_set(task_names: Sequence[str], splits: Sequence[Any]) -> EvalSet:
+    """Tokenize (at most :data:`ROW_LEN` tokens) and pack the splits of several tasks.
 
     Args:
       task_names: one name per split.
       splits: objects with ``texts`` and ``labels`` (``tasks.Split``), one per task.
-      max_len: truncation length in tokens (``[CLS]`` and ``[SEP]`` included).
-      batch_size: texts per batch.
     """
     if len(task_names) != len(splits):
         raise ValueError(
@@ -165,12 +176,12 @@ def make_eval_set(
         labels += list(np.asarray(sp.labels).tolist())
     if not texts:
         raise ValueError("make_eval_set: the splits hold no texts.")
-    ids, lengths = encode(texts, max_len=max_len)
-    return _build(task_names, ids, lengths, task, labels, batch_size=batch_size, max_len=max_len)
+    ids, lengths = encode(texts)
+    return _build(task_names, ids, lengths, task, labels)
 
 
 def balanced_subset(split: Any, n: int | None) -> Any:
-    """The first ``n // k`` examples of each of the ``k`` labels, in split order (deterministic).
+    """The first ``ceil(n / k)`` examples of each of the ``k`` labels, in split order.
 
     Returns the split itself when ``n`` is None or not smaller than it. The result has the type
     of ``tasks.Split`` (``texts``, ``labels``).
@@ -179,47 +190,151 @@ def balanced_subset(split: Any, n: int | None) -> Any:
     if n is None or n >= len(labels):
         return split
     k = max(int(labels.max()) + 1, 1)
-    per = max(n // k, 1)
+    per = max(-(-n // k), 1)
     keep = np.sort(np.concatenate([np.flatnonzero(labels == c)[:per] for c in range(k)]))
     return type(split)(texts=tuple(split.texts[i] for i in keep), labels=labels[keep])
 
 
-def embed(pool: Callable[[np.ndarray, np.ndarray], Any], es: EvalSet) -> np.ndarray:
-    """Pooled embeddings ``(N, D)`` of every text of ``es``, in ``es`` order.
+# ------------------------------------------------------------------------------------ backbone
 
-    ``pool(ids, mask)`` maps a ``(B, L)`` batch to ``(B, D)``; every batch has ``B =
-    es.batch_size`` rows (a short last batch is filled with copies of its last text, whose outputs
-    are dropped) and ``L`` a multiple of 8, so a jitted ``pool`` compiles once per length.
+
+def _module_delta(mod: Mapping[str, Any]) -> np.ndarray:
+    if "delta" in mod:
+        return np.asarray(mod["delta"], np.float32)
+    a = np.asarray(mod["lora_a"], np.float32)
+    b = np.asarray(mod["lora_b"], np.float32)
+    return np.float32(mod.get("scale", 1.0)) * (a @ b)
+
+
+class Backbone:
+    """The frozen base MiniLM, evaluated packed with a merged adapter folded into its kernels.
+
+    ``embed(es, adapter, coef)`` returns the normalised sentence embedding of every text of
+    ``es`` under ``W + coef * dK`` in every adapted kernel. One jitted forward serves every
+    adapter and coefficient (the deltas and ``coef`` are arguments).
+
+    Args:
+      model: a :class:`minilm.MiniLM` without adapters (default :func:`minilm.load`).
     """
-    out: np.ndarray | None = None
-    pending: list[tuple[np.ndarray, Any]] = []
-    for rows, length in es.batches:
-        n = len(rows)
-        fill = (
-            np.concatenate([rows, np.full(es.batch_size - n, rows[-1])])
-            if n < es.batch_size
-            else rows
+
+    def __init__(self, model: minilm.MiniLM | None = None):
+        from flax import nnx
+
+        self.model = minilm.load() if model is None else model
+        if self.model.lora_rank is not None:
+            raise ValueError(
+                "Backbone: the model has LoRA adapters; pass the base model (minilm.load()), "
+                "adapters are folded into its kernels."
+            )
+        cfg = self.model.config
+        self.targets = tuple(
+            (i, name) for i in range(cfg.num_layers) for name in minilm.LORA_TARGETS
         )
-        ids = np.zeros((es.batch_size, length), np.int32)
-        width = min(length, es.ids.shape[1])
-        ids[:, :width] = es.ids[fill, :width]
-        mask = (np.arange(length)[None, :] < es.lengths[fill][:, None]).astype(np.int32)
-        pending.append((rows, pool(ids, mask)))
-    for rows, e in pending:
-        e = np.asarray(jax.block_until_ready(e), np.float32)
-        if out is None:
-            out = np.zeros((len(es), e.shape[-1]), np.float32)
-        out[rows] = e[: len(rows)]
-    if out is None:
-        raise ValueError("embed: the EvalSet has no texts.")
-    return out
+        self.module_names = tuple(f"layers/{i}/attention/{n}" for i, n in self.targets)
+        self.graphdef, self.state = nnx.split(self.model)
+        graphdef, targets = self.graphdef, self.targets
+        d = cfg.hidden_size
+        self._zero = jnp.zeros((len(targets), d, d), jnp.float32)
+
+        def pool(state, deltas, coef, ids, seg, pos):
+            m = nnx.merge(graphdef, state)
+            for k, (i, name) in enumerate(targets):
+                lin = getattr(m.layers[i].attention, name)
+                lin.kernel.set_value(lin.kernel.get_value() + coef * deltas[k])
+            h = m(ids, seg > 0, segment_ids=seg, position_ids=pos)
+            e = minilm.segment_mean_pool(h, seg, MAX_TEXTS)
+            return e * jax.lax.rsqrt(jnp.sum(e * e, axis=-1, keepdims=True) + 1e-24)
+
+        self._pool = jax.jit(pool)
+        self.passes = 0
+        self.tokens = 0
+        self.slot_tokens = 0
+        self.seconds = 0.0
+
+    def deltas(self, adapter: Mapping[str, Any] | None) -> jax.Array:
+        """``(modules, d, d)`` dense updates of ``adapter`` in :attr:`module_names` order.
+
+        A module the adapter lacks (or None) adds nothing. Names not in the model are an error.
+        """
+        if adapter is None:
+            return self._zero
+        unknown = sorted(set(adapter) - set(self.module_names))
+        if unknown:
+            raise ValueError(
+                f"Backbone: adapter modules {unknown[:3]} (of {len(unknown)}) are not LoRA targets "
+                f"of the model; expected names like {self.module_names[0]!r}."
+            )
+        out = np.zeros(self._zero.shape, np.float32)
+        for k, name in enumerate(self.module_names):
+            mod = adapter.get(name)
+            if mod is not None:
+                out[k] = _module_delta(mod)
+        return jnp.asarray(out)
+
+    def embed(
+        self,
+        es: EvalSet,
+        adapter: Mapping[str, Any] | None = None,
+        coef: float = 1.0,
+        *,
+        deltas: jax.Array | None = None,
+    ) -> np.ndarray:
+        """Normalised embeddings ``(N, D)`` of ``es`` under the base model plus ``coef * adapter``.
+
+        Pass ``deltas`` (from :meth:`deltas`) instead of ``adapter`` to reuse one merge's dense
+        updates over several coefficients.
+        """
+        t0 = time.perf_counter()
+        dk = self.deltas(adapter) if deltas is None else deltas
+        c = jnp.asarray(coef, jnp.float32)
+        pending = [
+            (b.text, self._pool(self.state, dk, c, b.ids, b.segment_ids, b.position_ids))
+            for b in es.batches
+        ]
+        out = np.zeros((len(es), self.model.config.hidden_size), np.float32)
+        for text, e in pending:
+            e = np.asarray(e)
+            keep = text >= 0
+            out[text[keep]] = e[keep]
+        self.passes += 1
+        self.tokens += es.tokens
+        self.slot_tokens += es.slot_tokens
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
 
 
-def logits(emb: np.ndarray, head: Head) -> np.ndarray:
-    """``emb @ kernel + bias`` in float32."""
-    return np.asarray(emb, np.float32) @ np.asarray(head.kernel, np.float32) + np.asarray(
-        head.bias, np.float32
-    )
+# --------------------------------------------------------------------------------------- heads
+
+
+class Head(NamedTuple):
+    """A frozen zero-shot head: ``vectors (C, D)`` unit rows, one per label."""
+
+    vectors: np.ndarray
+
+
+def zero_shot_heads(backbone: Backbone, tasks: Sequence[Any]) -> list[Head]:
+    """One head per task from the base model's embeddings of its ``label_texts``."""
+    names, splits = [], []
+    for t in tasks:
+        names.append(t.name)
+        splits.append(_Texts(tuple(t.label_texts), np.arange(len(t.label_texts))))
+    es = make_eval_set(names, splits)
+    emb = backbone.embed(es)
+    return [Head(emb[es.rows(i)].copy()) for i in range(len(tasks))]
+
+
+class _Texts(NamedTuple):
+    texts: tuple[str, ...]
+    labels: np.ndarray
+
+
+def logits(emb: np.ndarray, head: Head, temperature: float = TEMPERATURE) -> np.ndarray:
+    """Cosine similarities of unit embeddings with the head's vectors, over the temperature."""
+    return (np.asarray(emb, np.float32) @ np.asarray(head.vectors, np.float32).T) / temperature
 
 
 def predict(emb: np.ndarray, heads: Sequence[Head], es: EvalSet) -> np.ndarray:
@@ -237,10 +352,14 @@ def predict(emb: np.ndarray, heads: Sequence[Head], es: EvalSet) -> np.ndarray:
     return pred
 
 
-def accuracies(emb: np.ndarray, heads: Sequence[Head], es: EvalSet) -> dict[str, float]:
-    """Accuracy of each task's head on its own texts: ``{task: fraction correct}``."""
-    correct = predict(emb, heads, es) == es.labels
-    return {name: float(correct[es.rows(i)].mean()) for i, name in enumerate(es.task_names)}
+def correct(emb: np.ndarray, heads: Sequence[Head], es: EvalSet) -> np.ndarray:
+    """``(N,)`` bool: whether each text is classified right by its own task's head."""
+    return predict(emb, heads, es) == es.labels
+
+
+def accuracies(ok: np.ndarray, es: EvalSet) -> dict[str, float]:
+    """Per-task accuracy ``{task: fraction correct}`` from a correctness vector."""
+    return {name: float(ok[es.rows(i)].mean()) for i, name in enumerate(es.task_names)}
 
 
 class Normalized(NamedTuple):
@@ -274,6 +393,9 @@ def normalized_accuracy(merged: Mapping[str, float], single: Mapping[str, float]
     return Normalized(per, float(np.mean(list(per.values()))))
 
 
+# ---------------------------------------------------------------------------- coefficient search
+
+
 class CoefSearch(NamedTuple):
     """Result of :func:`select_coef`: the winner and every candidate's validation score."""
 
@@ -281,125 +403,89 @@ class CoefSearch(NamedTuple):
     scores: dict[float, float]
 
 
-def _round(c: float) -> float:
-    return float(f"{c:.4g}")
-
-
 def select_coef(
     score: Callable[[float], float],
-    coefs: Sequence[float],
     *,
-    extend: int = 2,
-    refine: int = 0,
+    start: float = 1.0,
+    step: float = 0.1,
+    lo: float = 0.1,
+    hi: float = 9.9,
 ) -> CoefSearch:
-    """Pick the coefficient with the best score on a geometric grid, widened and refined.
+    """The best coefficient on the grid ``{lo, lo + step, ..., hi}``, by a bracket and a climb.
 
-    1. The candidates ``coefs`` are scored.
-    2. While the best lies on the grid's edge (at most ``extend`` times), one more candidate is
-       scored one grid ratio beyond that edge (``c_max * c_max / c_prev`` or
-       ``c_min * c_min / c_next``).
-    3. ``refine`` times, the geometric midpoint between the best and its better neighbour is
-       scored.
+    1. **Ladder.** From ``start`` (snapped to the grid), candidates at doublings and halvings are
+       scored, moving in the direction that improves, until a candidate is worse than the best
+       so far on both sides (or the grid ends).
+    2. **Bisection.** The best candidate and its ladder neighbours bracket the optimum; the wider
+       side of the bracket is halved (on the grid) until the best candidate's grid neighbours
+       have both been scored or lie outside the grid.
 
-    Ties go to the candidate closest to 1, then to the smaller one. New candidates are rounded to
-    4 significant digits.
+    The result is a local optimum on the grid (the resolution of the Core Space code's linear
+    search, 0.1 from 0.1 to 9.9) after typically 6 to 10 scores; for a unimodal score it is the
+    grid's best. Ties go to the earlier-scored candidate.
 
     Args:
       score: validation score of a coefficient (higher is better). It must not look at test data.
-      coefs: initial candidates (positive), e.g. ``(0.25, 0.5, 1.0)``.
-      extend: at most this many candidates beyond the grid's edges.
-      refine: this many midpoints.
+      start: first candidate (a method's usual coefficient).
+      step, lo, hi: the grid.
 
     Example:
-      >>> select_coef(lambda c: -(c - 2.0) ** 2, [0.5, 1.0]).coef
-      2.0
-      >>> r = select_coef(lambda c: -(c - 0.7) ** 2, [0.25, 0.5, 1.0], refine=1)
-      >>> r.coef, sorted(r.scores)
-      (0.7071, [0.25, 0.5, 0.7071, 1.0])
+      >>> r = select_coef(lambda c: -(c - 0.7) ** 2, start=1.0)
+      >>> r.coef, len(r.scores) <= 8
+      (0.7, True)
     """
-    grid = sorted({float(c) for c in coefs})
-    if not grid or grid[0] <= 0:
-        raise ValueError(f"select_coef: coefs={list(coefs)!r}; expected positive candidates.")
-    scores = {c: float(score(c)) for c in grid}
-    up = grid[-1] / grid[-2] if len(grid) > 1 else 2.0
-    down = grid[1] / grid[0] if len(grid) > 1 else 2.0
+    if not (0 < lo <= hi and step > 0):
+        raise ValueError(f"select_coef: need 0 < lo <= hi and step > 0, got {lo}, {hi}, {step}")
+    n = round((hi - lo) / step)
 
-    def best() -> float:
-        return min(scores, key=lambda c: (-scores[c], abs(c - 1.0), c))
+    def at(k: int) -> float:
+        return round(lo + k * step, 10)
 
-    for _ in range(extend):
-        b, cs = best(), sorted(scores)
-        if b == cs[-1]:
-            new = _round(cs[-1] * up)
-        elif b == cs[0]:
-            new = _round(cs[0] / down)
+    def snap(c: float) -> int:
+        return int(min(max(round((c - lo) / step), 0), n))
+
+    seen: dict[int, float] = {}
+
+    def value(k: int) -> float:
+        if k not in seen:
+            seen[k] = float(score(at(k)))
+        return seen[k]
+
+    def best() -> int:
+        return max(seen, key=lambda k: (seen[k], -list(seen).index(k)))
+
+    k0 = snap(start)
+    value(k0)
+    for factor in (2.0, 0.5):  # ladder: doublings; halvings only if doubling did not help
+        k = k0
+        while True:
+            nk = snap(at(k) * factor)
+            if nk == k:
+                break
+            value(nk)
+            if best() != nk:
+                break
+            k = nk
+        if best() != k0:
+            break
+    # bracket (l, m, r): m the best so far, l and r its ladder neighbours (or the grid's ends);
+    # bisect the wider side until l, m, r are adjacent grid points
+    m = best()
+    lower = [j for j in seen if j < m]
+    upper = [j for j in seen if j > m]
+    left = max(lower) if lower else 0
+    right = min(upper) if upper else n
+    while m - left > 1 or right - m > 1:
+        x = (left + m) // 2 if m - left >= right - m else (m + right + 1) // 2
+        if value(x) > seen[m]:
+            left, m, right = (left, x, m) if x < m else (m, x, right)
         else:
-            break
-        scores[new] = float(score(new))
-    for _ in range(refine):
-        b, cs = best(), sorted(scores)
-        i = cs.index(b)
-        nbrs = [cs[j] for j in (i - 1, i + 1) if 0 <= j < len(cs)]
-        if not nbrs:
-            break
-        nb = min(nbrs, key=lambda c: (-scores[c], abs(c - 1.0), c))
-        new = _round(float(np.sqrt(b * nb)))
-        if new in scores:
-            break
-        scores[new] = float(score(new))
-    return CoefSearch(best(), dict(sorted(scores.items())))
+            left, right = (x, right) if x < m else (left, x)
+    k = best()
+    return CoefSearch(at(k), {at(j): v for j, v in sorted(seen.items())})
 
 
-class Backbone:
-    """The frozen base MiniLM (no LoRA branch) that merged adapters are folded into.
-
-    ``embed(es, adapter, coef)`` is one jitted pooled forward over ``es`` with
-    ``W + coef * dK`` in every adapted kernel; compiles once per padded batch length.
-
-    Args:
-      model: a :class:`minilm.MiniLM` without adapters (default :func:`minilm.load`).
-    """
-
-    def __init__(self, model: minilm.MiniLM | None = None):
-        from flax import nnx
-
-        self.model = minilm.load() if model is None else model
-        if self.model.lora_rank is not None:
-            raise ValueError(
-                "Backbone: the model has LoRA adapters; pass the base model (minilm.load()), "
-                "adapters are folded into its kernels."
-            )
-        self.graphdef, self.state = nnx.split(self.model)
-        graphdef = self.graphdef
-
-        def pool(state, ids, mask):
-            m = nnx.merge(graphdef, state)
-            return minilm.mean_pool(m(ids, mask), mask)
-
-        self._pool = jax.jit(pool)
-        self.passes = 0
-        self.tokens = 0
-        self.seconds = 0.0
-
-    def state_with(self, adapter: Mapping[str, Any] | None, coef: float = 1.0) -> Any:
-        """The model state with ``adapter`` folded in (``W + coef * dK``); base state for None."""
-        from flax import nnx
-
-        if adapter is None:
-            return self.state
-        return nnx.state(minilm.fold_adapter(self.model, adapter, coef=coef))
-
-    def embed(
-        self, es: EvalSet, adapter: Mapping[str, Any] | None = None, coef: float = 1.0
-    ) -> np.ndarray:
-        """Pooled embeddings ``(N, D)`` of ``es`` under the base model plus ``coef * adapter``."""
-        t0 = time.perf_counter()
-        state = self.state_with(adapter, coef)
-        out = embed(lambda ids, mask: self._pool(state, ids, mask), es)
-        self.passes += 1
-        self.tokens += es.padded_tokens
-        self.seconds += time.perf_counter() - t0
-        return out
+# ---------------------------------------------------------------------------------- evaluator
 
 
 class MergeEval(NamedTuple):
@@ -409,6 +495,7 @@ class MergeEval(NamedTuple):
       coef: the coefficient chosen on validation.
       val_scores: ``{coef: mean normalized validation accuracy}`` of every candidate tried.
       val_normalized: the winner's mean normalized validation accuracy.
+      test_correct: ``(N_test,)`` bool, each test text classified right (for the bootstrap).
       test_accuracy: ``{task: accuracy}`` on the test split, with ``coef``.
       test_normalized: normalized test accuracy (per task and mean).
     """
@@ -416,26 +503,28 @@ class MergeEval(NamedTuple):
     coef: float
     val_scores: dict[float, float]
     val_normalized: float
+    test_correct: np.ndarray
     test_accuracy: dict[str, float]
     test_normalized: Normalized
 
 
 class Evaluator:
-    """Accuracies of single task LoRAs and of merges, on a validation and a test :class:`EvalSet`.
+    """Accuracies of single task LoRAs, of the zero-shot model and of merges, on val and test.
 
     Args:
-      backbone: a :class:`Backbone` (or any object with ``embed(es, adapter=None, coef=1.0)``).
+      backbone: a :class:`Backbone`.
       adapters: one LoRA adapter per task, in ``val.task_names`` order.
-      heads: one :class:`Head` per task, same order.
+      heads: one zero-shot :class:`Head` per task, same order.
       val: validation texts (coefficient search); test: test texts (reported once per merge).
 
-    The single-LoRA accuracies (the normalizers) are computed on construction: each task's own
-    adapter folded in, on that task's texts only.
+    On construction: the single-LoRA correctness (each task's own adapter folded in, on that
+    task's texts only) on val and test, whose accuracies are the normalizers, and the zero-shot
+    (base model) correctness on test.
     """
 
     def __init__(
         self,
-        backbone: Any,
+        backbone: Backbone,
         adapters: Sequence[Mapping[str, Any]],
         heads: Sequence[Head],
         val: EvalSet,
@@ -454,45 +543,52 @@ class Evaluator:
         self.backbone, self.adapters, self.heads = backbone, list(adapters), list(heads)
         self.val, self.test = val, test
         self.task_names = val.task_names
-        self.single_val = self._single(val)
-        self.single_test = self._single(test)
+        self.single_val_correct = self._single(val)
+        self.single_test_correct = self._single(test)
+        self.single_val = accuracies(self.single_val_correct, val)
+        self.single_test = accuracies(self.single_test_correct, test)
+        self.zero_shot_test_correct = self.correct(test, None)
+        self.zero_shot_val = accuracies(self.correct(val, None), val)
+        self.zero_shot_test = accuracies(self.zero_shot_test_correct, test)
 
-    def _single(self, es: EvalSet) -> dict[str, float]:
-        out = {}
-        for i, name in enumerate(self.task_names):
+    def _single(self, es: EvalSet) -> np.ndarray:
+        ok = np.zeros(len(es), bool)
+        for i in range(len(self.task_names)):
             sub = es.only(i)
             emb = self.backbone.embed(sub, self.adapters[i])
-            out[name] = accuracies(emb, [self.heads[i]], sub)[name]
-        return out
+            ok[es.rows(i)] = correct(emb, [self.heads[i]], sub)
+        return ok
 
-    def accuracy(
-        self, es: EvalSet, adapter: Mapping[str, Any] | None, coef: float = 1.0
-    ) -> dict[str, float]:
-        """Per-task accuracy on ``es`` of the backbone plus ``coef * adapter`` (None: base)."""
-        return accuracies(self.backbone.embed(es, adapter, coef), self.heads, es)
+    def correct(
+        self, es: EvalSet, adapter: Mapping[str, Any] | None, coef: float = 1.0, *, deltas=None
+    ) -> np.ndarray:
+        """``(N,)`` bool correctness on ``es`` of the backbone plus ``coef * adapter``."""
+        return correct(self.backbone.embed(es, adapter, coef, deltas=deltas), self.heads, es)
 
-    def val_score(self, adapter: Mapping[str, Any], coef: float) -> float:
-        """Mean normalized validation accuracy of ``coef * adapter``."""
-        acc = self.accuracy(self.val, adapter, coef)
+    def val_score(self, deltas: jax.Array, coef: float) -> float:
+        """Mean normalized validation accuracy of the merge whose updates are ``deltas``."""
+        acc = accuracies(self.correct(self.val, None, coef, deltas=deltas), self.val)
         return normalized_accuracy(acc, self.single_val).mean
 
     def evaluate(
-        self,
-        adapter: Mapping[str, Any],
-        coefs: Sequence[float],
-        *,
-        extend: int = 2,
-        refine: int = 0,
+        self, adapter: Mapping[str, Any], *, start: float = 1.0, coef: float | None = None
     ) -> MergeEval:
-        """Choose ``coef`` on validation (:func:`select_coef`), then evaluate the test split once."""
-        search = select_coef(
-            lambda c: self.val_score(adapter, c), coefs, extend=extend, refine=refine
-        )
-        test_acc = self.accuracy(self.test, adapter, search.coef)
+        """Choose ``coef`` on validation (:func:`select_coef`), then evaluate the test split once.
+
+        ``coef`` given: no search, that coefficient (e.g. the weight average, ``1 / M``).
+        """
+        dk = self.backbone.deltas(adapter)
+        if coef is None:
+            search = select_coef(lambda c: self.val_score(dk, c), start=start)
+        else:
+            search = CoefSearch(float(coef), {float(coef): self.val_score(dk, coef)})
+        ok = self.correct(self.test, None, search.coef, deltas=dk)
+        test_acc = accuracies(ok, self.test)
         return MergeEval(
             coef=search.coef,
             val_scores=search.scores,
             val_normalized=search.scores[search.coef],
+            test_correct=ok,
             test_accuracy=test_acc,
             test_normalized=normalized_accuracy(test_acc, self.single_test),
         )

@@ -340,9 +340,17 @@ class Embeddings(nnx.Module):
         self.token_type_embeddings = emb(cfg.type_vocab_size, rngs=rngs)
         self.layer_norm = _layer_norm(cfg, rngs)
 
-    def __call__(self, ids: jax.Array, token_type_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        ids: jax.Array,
+        token_type_ids: jax.Array | None = None,
+        position_ids: jax.Array | None = None,
+    ) -> jax.Array:
         t = ids.shape[1]
-        x = self.word_embeddings(ids) + self.position_embeddings.embedding[:t][None]
+        if position_ids is None:
+            x = self.word_embeddings(ids) + self.position_embeddings.embedding[:t][None]
+        else:  # packed rows: positions restart at every text
+            x = self.word_embeddings(ids) + self.position_embeddings(position_ids)
         if token_type_ids is None:
             # Single-segment input: every token has type 0; skip the gather.
             x = x + self.token_type_embeddings.embedding[0]
@@ -375,7 +383,9 @@ class SelfAttention(nnx.Module):
         k = self.key(x).reshape(b, t, h, d // h)
         v = self.value(x).reshape(b, t, h, d // h)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
-        s = jnp.where(mask[:, None, None, :], s, jnp.finfo(s.dtype).min)
+        # mask: (B, T) keys to attend to, or (B, T, T) query x key pairs (packed rows)
+        keep = mask[:, None, None, :] if mask.ndim == 2 else mask[:, None]
+        s = jnp.where(keep, s, jnp.finfo(s.dtype).min)
         p = jax.nn.softmax(s, axis=-1)
         o = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, d)
         return self.layer_norm(x + self.output(o))
@@ -446,17 +456,33 @@ class MiniLM(nnx.Module):
         )
 
     def __call__(
-        self, ids: ArrayLike, mask: ArrayLike, token_type_ids: ArrayLike | None = None
+        self,
+        ids: ArrayLike,
+        mask: ArrayLike,
+        token_type_ids: ArrayLike | None = None,
+        *,
+        segment_ids: ArrayLike | None = None,
+        position_ids: ArrayLike | None = None,
     ) -> jax.Array:
         """Last hidden states ``(B, T, hidden_size)`` of ids ``(B, T)`` with mask ``(B, T)``.
 
         Positions where ``mask`` is 0 are not attended to; their own outputs are meaningless.
+
+        Packed rows (several texts in one row, see :func:`pack`): ``segment_ids`` ``(B, T)``
+        numbers the texts of a row 1, 2, ... (0 for padding) and a token attends only to the
+        tokens of its own text; ``position_ids`` ``(B, T)`` restart at 0 for every text. The
+        hidden states of each text are then those of the text alone (up to float rounding).
         """
         ids, mask = jnp.asarray(ids), jnp.asarray(mask)
         _check_batch("MiniLM", ids, mask, self.config)
         tt = None if token_type_ids is None else jnp.asarray(token_type_ids)
-        x = self.embeddings(ids, tt)
-        keep = mask != 0
+        pos = None if position_ids is None else jnp.asarray(position_ids)
+        x = self.embeddings(ids, tt, pos)
+        if segment_ids is None:
+            keep = mask != 0
+        else:
+            seg = jnp.asarray(segment_ids)
+            keep = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
         for layer in self.layers:
             x = layer(x, keep)
         return x
@@ -493,6 +519,102 @@ def mean_pool(hidden: ArrayLike, mask: ArrayLike) -> jax.Array:
     m = jnp.asarray(mask).astype(hidden.dtype)
     total = jnp.einsum("btd,bt->bd", hidden, m)
     return total / jnp.maximum(m.sum(axis=1, keepdims=True), 1e-9)
+
+
+def segment_mean_pool(hidden: ArrayLike, segment_ids: ArrayLike, n_segments: int) -> jax.Array:
+    """Mean of the hidden states of each text of packed rows.
+
+    ``e_bs = sum_t [seg_bt = s + 1] h_bt / max(count, 1)`` for ``s < n_segments``.
+
+    Args:
+      hidden: ``(B, T, D)``.
+      segment_ids: ``(B, T)``, text number 1, 2, ... within its row, 0 for padding.
+      n_segments: ``S``, the most texts a row holds.
+
+    Returns:
+      ``(B, S, D)``; an empty slot is all zero.
+    """
+    hidden = jnp.asarray(hidden)
+    seg = jnp.asarray(segment_ids)
+    onehot = (seg[:, :, None] == jnp.arange(1, n_segments + 1)[None, None, :]).astype(hidden.dtype)
+    total = jnp.einsum("btd,bts->bsd", hidden, onehot)
+    return total / jnp.maximum(onehot.sum(axis=1)[..., None], 1.0)
+
+
+class Packed(NamedTuple):
+    """Texts packed into rows of fixed length (:func:`pack`).
+
+    Attributes:
+      ids, segment_ids, position_ids: ``(B, T)`` int32; see :meth:`MiniLM.__call__`.
+      text: ``(B, S)`` int32, the index (in the packed list) of the text in each slot, -1 empty.
+    """
+
+    ids: np.ndarray
+    segment_ids: np.ndarray
+    position_ids: np.ndarray
+    text: np.ndarray
+
+
+def pack(
+    ids: np.ndarray, lengths: np.ndarray, *, row_len: int, max_texts: int, decreasing: bool = True
+) -> Packed:
+    """Pack tokenized texts into rows of ``row_len`` tokens, at most ``max_texts`` per row.
+
+    First fit: each text goes into the first row with room for it, longest texts first
+    (``decreasing=True``, fewest rows) or in the given order; the rows and their order are
+    deterministic. A text longer
+    than ``row_len`` is cut to its first ``row_len`` tokens: tokenize with
+    ``max_length <= row_len`` so that its ``[SEP]`` is kept.
+
+    Args:
+      ids: ``(N, L)`` token ids, text ``i`` in ``ids[i, :lengths[i]]``.
+      lengths: ``(N,)`` tokens per text (>= 1).
+      row_len: ``T``.
+      max_texts: ``S``.
+      decreasing: place the texts longest first (else in the given order).
+
+    Returns:
+      :class:`Packed` with ``B`` rows.
+
+    Example:
+      >>> import numpy as np
+      >>> p = pack(np.arange(1, 13).reshape(4, 3), np.array([3, 2, 3, 1]), row_len=4, max_texts=2)
+      >>> p.segment_ids.tolist()
+      [[1, 1, 1, 2], [1, 1, 1, 0], [1, 1, 0, 0]]
+      >>> p.text.tolist()
+      [[0, 3], [2, -1], [1, -1]]
+    """
+    lengths = np.minimum(np.asarray(lengths, np.int64), row_len)
+    if len(lengths) and lengths.min() < 1:
+        raise ValueError("pack: every text needs at least one token.")
+    order = np.argsort(-lengths, kind="stable") if decreasing else np.arange(len(lengths))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = int(lengths[i])
+        for r, row in enumerate(rows):  # first fit; rows are few and short
+            if free[r] >= n and len(row) < max_texts:
+                row.append(int(i))
+                free[r] -= n
+                break
+        else:
+            rows.append([int(i)])
+            free.append(row_len - n)
+    b = len(rows)
+    out_ids = np.zeros((b, row_len), np.int32)
+    seg = np.zeros((b, row_len), np.int32)
+    pos = np.zeros((b, row_len), np.int32)
+    text = np.full((b, max_texts), -1, np.int32)
+    for r, row in enumerate(rows):
+        off = 0
+        for s, i in enumerate(row):
+            n = int(lengths[i])
+            out_ids[r, off : off + n] = ids[i, :n]
+            seg[r, off : off + n] = s + 1
+            pos[r, off : off + n] = np.arange(n)
+            text[r, s] = i
+            off += n
+    return Packed(out_ids, seg, pos, text)
 
 
 def embed(

@@ -14,31 +14,41 @@ vectors, lists and attributes (no code is ever evaluated and nothing is unpickle
 and is several times faster than a general-purpose parser (0.7 s instead of 4 s for
 the 208k-row ``parts_of_speech`` table). The WordNet task reads ``/usr/share/wordnet/data.noun``.
 
-Built-in tasks (sizes for the defaults ``max_train=2000, n_val=300, n_test=500``)
-==========================================================================================
+Built-in tasks (sizes for the defaults ``max_train=2000, n_val=200, n_test=1000``)
+======================================================================================
+
+Every task also has one short description per label (``TaskInfo.label_texts``): the base
+model's embeddings of these are the task's frozen zero-shot head in the built-in experiment.
 
 ==================  =============================================  ===============================================  ==========================================  ==================
 name                source (Debian package: file, object)          text                                             labels                                      train / val / test
 ==================  =============================================  ===============================================  ==========================================  ==================
-austen_novel        r-cran-janeaustenr: data/Rdata.rdb, objects    a passage of two consecutive lines from one      Emma, Mansfield Park, Northanger Abbey,     1998 / 300 / 498
+austen_novel        r-cran-janeaustenr: data/Rdata.rdb, objects    a passage of two consecutive lines from one      Emma, Mansfield Park, Northanger Abbey,     1998 / 204 / 1002
                     emma, mansfieldpark, northangerabbey,          paragraph of a novel (passages of >= 8 words)    Persuasion, Pride and Prejudice, Sense
                     persuasion, prideprejudice, sensesensibility                                                    and Sensibility
-tweet_source        r-cran-dslabs: data/Rdata.rdb, trump_tweets    a tweet from @realDonaldTrump, 2015-06-16 to     Android, iPhone                             2000 / 300 / 500
+tweet_source        r-cran-dslabs: data/Rdata.rdb, trump_tweets    a tweet from @realDonaldTrump, 2015-06-16 to     Android, iPhone                             2000 / 200 / 1000
                                                                    2016-11-08 (campaign), HTML entities decoded
-word_sentiment      r-cran-tidytext: data/Rdata.rdb, sentiments    an English word of the Bing Liu opinion lexicon  negative, positive                          2000 / 300 / 500
+word_sentiment      r-cran-tidytext: data/Rdata.rdb, sentiments    an English word of the Bing Liu opinion lexicon  negative, positive                          2000 / 200 / 1000
                     (the Bing lexicon)                             (words listed with both labels are dropped)
-word_pos            r-cran-tidytext: data/Rdata.rdb,               a lower-case English word (Moby part-of-speech   adjective, adverb, noun, verb               2000 / 300 / 500
+word_pos            r-cran-tidytext: data/Rdata.rdb,               a lower-case English word (Moby part-of-speech   adjective, adverb, noun, verb               2000 / 200 / 1000
                     parts_of_speech                                list) all of whose entries map to one coarse
                                                                    class: Noun/Plural -> noun, the three Verb
                                                                    tags -> verb, Adjective, Adverb
-movie_genre         r-cran-dslabs: data/Rdata.rdb, movielens       a film title (", The" moved to the front) whose  Action, Comedy, Documentary, Drama, Horror   1265 / 300 / 500
+movie_genre         r-cran-dslabs: data/Rdata.rdb, movielens       a film title (", The" moved to the front) whose  Action, Comedy, Documentary, Drama, Horror   865 / 200 / 1000
                                                                    MovieLens genres contain exactly one of the
                                                                    five labels (other genres may also be listed)
-review_sentiment    r-cran-modeldata: data/Rdata.rdb,              an Amazon fine-food review (``<br />`` removed;  great (5 stars), other (1-4 stars)          2000 / 300 / 500
+review_sentiment    r-cran-modeldata: data/Rdata.rdb,              an Amazon fine-food review (``<br />`` removed;  great (5 stars), other (1-4 stars)          2000 / 200 / 1000
                     training_data + testing_data                   often longer than 128 tokens, truncate it)
                     (small_fine_foods)
-wordnet_supersense  wordnet-base: /usr/share/wordnet/data.noun     the definition of a WordNet 3.0 noun synset      animal, artifact, food, location, person,   1998 / 300 / 498
+wordnet_supersense  wordnet-base: /usr/share/wordnet/data.noun     the definition of a WordNet 3.0 noun synset      animal, artifact, food, location, person,   1998 / 204 / 1002
                                                                    (its gloss without the quoted examples)          plant
+verb_supersense     wordnet-base: /usr/share/wordnet/data.verb     the definition of a WordNet 3.0 verb synset      change, communication, contact, motion,     1998 / 204 / 1002
+                                                                   (its gloss without the quoted examples)          possession, social
+word_relation       wordnet-base: /usr/share/wordnet/data.{noun,   two one-word lemmas ``"first ; second"``: a      antonym, hypernym, part, synonym            2000 / 200 / 1000
+                    verb,adj,adv}: synsets and pointers            synset's first two lemmas (synonym), a ``!``
+                                                                   pointer (antonym), a noun or verb and its
+                                                                   direct ``@`` hypernym, a part and its whole
+                                                                   (``%p``); the pair-input task
 ==================  =============================================  ===============================================  ==========================================  ==================
 
 How a task is built and split
@@ -47,10 +57,11 @@ How a task is built and split
    empty texts are dropped, a text that occurs with two different labels is dropped,
    and duplicates are merged. The pairs are sorted by text (a stable, machine-
    independent order that does not depend on the package's row order).
-2. Built-in tasks are balanced: with ``k`` labels each split gets ``n // k`` examples
-   of every label (``n`` = ``n_val``, ``n_test``, ``max_train``); when the rarest
-   label has too few examples the train split gets what is left after validation and
-   test (``movie_genre``: 253 per label).
+2. Built-in tasks are balanced: with ``k`` labels, validation and test get
+   ``ceil(n / k)`` examples of every label (``n`` = ``n_val``, ``n_test``: at least ``n``
+   in all) and train ``max_train // k``; when the rarest label has too few examples the
+   train split gets what is left after validation and test (``movie_genre``: 173 per
+   label).
 3. Per label, a permutation drawn from a PCG64 stream (numpy's default bit generator)
    seeded by ``SeedSequence([seed, crc32(task name), label index])`` picks validation
    examples first, then test, then train, so changing ``max_train`` never changes the
@@ -126,8 +137,8 @@ R_LIBRARY_DIRS: tuple[str, ...] = (
 WORDNET_DIRS: tuple[str, ...] = ("/usr/share/wordnet",)
 
 DEFAULT_MAX_TRAIN = 2000
-DEFAULT_N_VAL = 300
-DEFAULT_N_TEST = 500
+DEFAULT_N_VAL = 200
+DEFAULT_N_TEST = 1000
 
 
 class TaskDataError(ValueError):
@@ -501,9 +512,123 @@ def _wordnet_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
     return rows
 
 
+_VERB_LEXNAMES = {
+    30: "change",
+    32: "communication",
+    35: "contact",
+    38: "motion",
+    40: "possession",
+    41: "social",
+}
+
+
+def _verb_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
+    path = _wordnet_file("verb_supersense", "data.verb", wn_dirs)
+    rows: _Rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith(" ") or " | " not in line:
+                continue
+            fields, gloss = line.split(" | ", 1)
+            label = _VERB_LEXNAMES.get(int(fields.split()[1]))
+            if label is not None:
+                rows.append((_EXAMPLE.split(gloss, maxsplit=1)[0].strip(" ;"), label))
+    return rows
+
+
+#: Separator of the two words of a pair task's text (``"wheel ; car"``); WordNet lemmas never
+#: contain it, and a prompt builder splits on it.
+PAIR_SEP = " ; "
+_ADJ_MARKER = re.compile(r"\((?:a|p|ip)\)$")
+_ONE_WORD = re.compile(r"[a-z]+(?:-[a-z]+)*")
+
+
+class _Synset:
+    __slots__ = ("lemmas", "pointers")
+
+    def __init__(self, lemmas: list[str], pointers: list[tuple[str, str, str, int, int]]):
+        self.lemmas = lemmas
+        self.pointers = pointers
+
+
+def _read_synsets(path: Path, pos: str) -> dict[tuple[str, str], _Synset]:
+    """WordNet ``data.<pos>`` as ``{(pos letter, offset): synset}`` (lemmas, pointers)."""
+    out: dict[tuple[str, str], _Synset] = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.startswith(" ") or " | " not in line:
+                continue
+            fields = line.split(" | ", 1)[0].split()
+            offset, ss_type = fields[0], fields[2]
+            n_words = int(fields[3], 16)
+            lemmas = [
+                _ADJ_MARKER.sub("", fields[4 + 2 * k]).replace("_", " ").lower()
+                for k in range(n_words)
+            ]
+            i = 4 + 2 * n_words
+            n_ptr = int(fields[i])
+            i += 1
+            pointers = []
+            for _ in range(n_ptr):
+                sym, target, tpos, st = fields[i : i + 4]
+                i += 4
+                pointers.append(
+                    (sym, target, "a" if tpos == "s" else tpos, int(st[:2], 16), int(st[2:], 16))
+                )
+            out[("a" if ss_type == "s" else ss_type, offset)] = _Synset(lemmas, pointers)
+    return out
+
+
+def _relation_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
+    """Pairs of one-word WordNet lemmas and their relation (the pair-input task).
+
+    ``synonym``: the first two one-word lemmas of a synset; ``antonym``: a lexical ``!``
+    pointer (any part of speech); ``hypernym``: a noun or verb and the first lemma of its
+    direct hypernym (``@``), ``"dog ; canine"``; ``part``: a part and its whole (a noun's
+    ``%p`` part meronym), ``"wheel ; car"``. Order matters for hypernym and part.
+    """
+    synsets: dict[tuple[str, str], _Synset] = {}
+    for pos in ("noun", "verb", "adj", "adv"):
+        synsets.update(_read_synsets(_wordnet_file("word_relation", f"data.{pos}", wn_dirs), pos))
+
+    def word(s: _Synset, k: int = 0) -> str | None:
+        if k < 0:
+            return next((w for w in s.lemmas if _ONE_WORD.fullmatch(w)), None)
+        w = s.lemmas[k] if k < len(s.lemmas) else ""
+        return w if _ONE_WORD.fullmatch(w) else None
+
+    rows: _Rows = []
+    for (pos, _), syn in synsets.items():
+        ones = [w for w in dict.fromkeys(syn.lemmas) if _ONE_WORD.fullmatch(w)]
+        if len(ones) >= 2:
+            rows.append((ones[0] + PAIR_SEP + ones[1], "synonym"))
+        for sym, target, tpos, src, dst in syn.pointers:
+            other = synsets.get((tpos, target))
+            if other is None:
+                continue
+            if sym == "!" and src and dst:
+                a, b = word(syn, src - 1), word(other, dst - 1)
+                if a and b and a < b:  # each antonym pair is listed from both sides: keep one
+                    rows.append((a + PAIR_SEP + b, "antonym"))
+            elif sym == "@" and pos in ("n", "v"):
+                a, b = word(syn, -1), word(other, -1)
+                if a and b and a != b:
+                    rows.append((a + PAIR_SEP + b, "hypernym"))
+            elif sym == "%p":
+                a, b = word(other, -1), word(syn, -1)
+                if a and b and a != b:
+                    rows.append((a + PAIR_SEP + b, "part"))
+    return rows
+
+
 @dataclass(frozen=True)
 class TaskInfo:
-    """What a built-in task is made of; no data is read to make one."""
+    """What a built-in task is made of; no data is read to make one.
+
+    ``label_texts[i]`` is the short description of ``labels[i]`` whose base-model embedding is the
+    task's frozen zero-shot head (the analogue of CLIP's ``"a photo of a {label}"`` text heads).
+    ``pair`` tasks hold two words joined by :data:`PAIR_SEP` in each text.
+    """
 
     name: str
     labels: tuple[str, ...]
@@ -511,9 +636,15 @@ class TaskInfo:
     source: str
     text: str
     label: str
+    label_texts: tuple[str, ...]
     #: (train, val, test) sizes for the default ``max_train``/``n_val``/``n_test``.
     default_sizes: tuple[int, int, int]
     rows: Callable[[Sequence[str], Sequence[str]], _Rows] = field(repr=False, compare=False)
+    pair: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.label_texts) != len(self.labels):
+            raise ValueError(f"task {self.name!r}: one label text per label")
 
 
 TASK_INFO: Mapping[str, TaskInfo] = MappingProxyType(
@@ -527,7 +658,8 @@ TASK_INFO: Mapping[str, TaskInfo] = MappingProxyType(
                 "janeaustenr data/Rdata.rdb: " + ", ".join(obj for obj, _ in _AUSTEN),
                 "two consecutive lines of one paragraph (>= 8 words)",
                 "the novel the passage comes from",
-                (1998, 300, 498),
+                tuple(f"a passage from Jane Austen's novel {title}" for _, title in _AUSTEN),
+                (1998, 204, 1002),
                 _austen_rows,
             ),
             TaskInfo(
@@ -537,7 +669,8 @@ TASK_INFO: Mapping[str, TaskInfo] = MappingProxyType(
                 "dslabs data/Rdata.rdb: trump_tweets",
                 "a @realDonaldTrump tweet of 2015-06-16..2016-11-08",
                 "the client it was posted from (Twitter for Android / for iPhone)",
-                (2000, 300, 500),
+                ("a tweet posted from an Android phone", "a tweet posted from an iPhone"),
+                (2000, 200, 1000),
                 _tweet_rows,
             ),
             TaskInfo(
@@ -547,7 +680,8 @@ TASK_INFO: Mapping[str, TaskInfo] = MappingProxyType(
                 "tidytext data/Rdata.rdb: sentiments (Bing Liu lexicon)",
                 "one English word",
                 "its sentiment in the Bing lexicon",
-                (2000, 300, 500),
+                ("a negative word", "a positive word"),
+                (2000, 200, 1000),
                 _sentiment_rows,
             ),
             TaskInfo(
@@ -557,7 +691,8 @@ TASK_INFO: Mapping[str, TaskInfo] = MappingProxyType(
                 "tidytext data/Rdata.rdb: parts_of_speech (Moby)",
                 "one lower-case English word with a single coarse part of speech",
                 "that coarse part of speech",
-                (2000, 300, 500),
+                ("an adjective", "an adverb", "a noun", "a verb"),
+                (2000, 200, 1000),
                 _pos_rows,
             ),
             TaskInfo(
@@ -567,7 +702,14 @@ TASK_INFO: Mapping[str, TaskInfo] = MappingProxyType(
                 "dslabs data/Rdata.rdb: movielens",
                 "a film title",
                 "the one of its MovieLens genres that is among the labels",
-                (1265, 300, 500),
+                (
+                    "an action movie",
+                    "a comedy movie",
+                    "a documentary film",
+                    "a drama film",
+                    "a horror movie",
+                ),
+                (865, 200, 1000),
                 _movie_rows,
             ),
             TaskInfo(
@@ -577,7 +719,8 @@ TASK_INFO: Mapping[str, TaskInfo] = MappingProxyType(
                 "modeldata data/Rdata.rdb: training_data + testing_data (small_fine_foods)",
                 "an Amazon fine-food review",
                 "great = 5-star rating, other = 1-4 stars",
-                (2000, 300, 500),
+                ("a glowing five-star review", "a mixed or negative review"),
+                (2000, 200, 1000),
                 _review_rows,
             ),
             TaskInfo(
@@ -587,8 +730,52 @@ TASK_INFO: Mapping[str, TaskInfo] = MappingProxyType(
                 "wordnet-base /usr/share/wordnet/data.noun",
                 "the definition of a WordNet 3.0 noun synset",
                 "its lexicographer file (noun.animal, noun.artifact, ...)",
-                (1998, 300, 498),
+                (
+                    "an animal",
+                    "a man-made object",
+                    "food or drink",
+                    "a place",
+                    "a person",
+                    "a plant",
+                ),
+                (1998, 204, 1002),
                 _wordnet_rows,
+            ),
+            TaskInfo(
+                "verb_supersense",
+                tuple(sorted(_VERB_LEXNAMES.values())),
+                "wordnet-base",
+                "wordnet-base /usr/share/wordnet/data.verb",
+                "the definition of a WordNet 3.0 verb synset",
+                "its lexicographer file (verb.change, verb.communication, ...)",
+                (
+                    "to change or become different",
+                    "to talk, write or communicate",
+                    "to touch, hit or hold something",
+                    "to move or travel",
+                    "to own, give, buy or take something",
+                    "to meet, work or deal with other people",
+                ),
+                (1998, 204, 1002),
+                _verb_rows,
+            ),
+            TaskInfo(
+                "word_relation",
+                ("antonym", "hypernym", "part", "synonym"),
+                "wordnet-base",
+                "wordnet-base /usr/share/wordnet/data.{noun,verb,adj,adv}: pointers and synsets",
+                "two one-word WordNet lemmas, 'first ; second'",
+                "how they relate: antonym (!), hypernym (second is the first's direct @), part "
+                "(first is a %p part of second), synonym (same synset)",
+                (
+                    "two words with opposite meanings",
+                    "a word and a more general category it belongs to",
+                    "a part and the whole it belongs to",
+                    "two words with the same meaning",
+                ),
+                (2000, 200, 1000),
+                _relation_rows,
+                pair=True,
             ),
         )
     }
@@ -623,7 +810,17 @@ class Split:
 
 @dataclass(frozen=True, eq=False)
 class Task:
-    """A text classification task with fixed train/validation/test splits."""
+    """A text classification task with fixed train/validation/test splits.
+
+    Attributes:
+      name: task name.
+      labels: label names; label id ``i`` is ``labels[i]``.
+      train, val, test: the splits (disjoint).
+      source: where the data comes from.
+      label_texts: one short description per label; their base-model embeddings are the task's
+        frozen zero-shot head (default: the label names).
+      pair: each text is two words joined by :data:`PAIR_SEP`.
+    """
 
     name: str
     labels: tuple[str, ...]
@@ -631,6 +828,18 @@ class Task:
     val: Split
     test: Split
     source: str = ""
+    label_texts: tuple[str, ...] = ()
+    pair: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "labels", tuple(self.labels))
+        texts = tuple(self.label_texts) or self.labels
+        if len(texts) != len(self.labels):
+            raise TaskDataError(
+                f"task {self.name!r}: {len(texts)} label texts for {len(self.labels)} labels; "
+                "give one description per label"
+            )
+        object.__setattr__(self, "label_texts", texts)
 
     @property
     def num_labels(self) -> int:
@@ -656,12 +865,14 @@ def describe(name: str | None = None) -> str:
     out = []
     for n in names:
         info = TASK_INFO[n]
-        train, val, test = info.default_sizes
+        heads = "; ".join(
+            f"{lab}: {t!r}" for lab, t in zip(info.labels, info.label_texts, strict=True)
+        )
         out.append(
             f"{n}: {info.text} -> {info.label}\n"
             f"  labels: {', '.join(info.labels)}\n"
-            f"  source: {info.source} (Debian package {info.apt_package})\n"
-            f"  default sizes: train {train}, val {val}, test {test}"
+            f"  zero-shot head texts: {heads}\n"
+            f"  source: {info.source} (Debian package {info.apt_package})"
         )
     return "\n".join(out)
 
@@ -717,6 +928,8 @@ def _assemble(
     parts: dict[str, list[tuple[str, int]]],
     seed: int,
     source: str,
+    label_texts: tuple[str, ...] = (),
+    pair: bool = False,
 ) -> Task:
     splits = {}
     for i, split_name in enumerate(("train", "val", "test")):
@@ -726,7 +939,9 @@ def _assemble(
             texts=tuple(items[j][0] for j in order),
             labels=np.array([items[j][1] for j in order], dtype=np.int32),
         )
-    return Task(name=name, labels=labels, source=source, **splits)
+    return Task(
+        name=name, labels=labels, source=source, label_texts=label_texts, pair=pair, **splits
+    )
 
 
 def _balanced_split(
@@ -739,10 +954,13 @@ def _balanced_split(
     n_val: int,
     n_test: int,
     source: str,
+    label_texts: tuple[str, ...] = (),
+    pair: bool = False,
 ) -> Task:
     k = len(labels)
-    val_per, test_per = n_val // k, n_test // k
-    if val_per < 1 or test_per < 1 or max_train < k:
+    # at least n_val / n_test in all (a ceiling per label), at most max_train
+    val_per, test_per = -(-n_val // k), -(-n_test // k)
+    if max_train < k:
         raise TaskDataError(
             f"task {name!r} has {k} labels: max_train, n_val and n_test must each be >= {k}"
         )
@@ -761,7 +979,7 @@ def _balanced_split(
         parts["val"] += picked[:val_per]
         parts["test"] += picked[val_per : val_per + test_per]
         parts["train"] += picked[val_per + test_per :]
-    return _assemble(name, labels, parts, seed, source)
+    return _assemble(name, labels, parts, seed, source, label_texts, pair)
 
 
 @functools.lru_cache(maxsize=16)
@@ -800,9 +1018,9 @@ def load_task(
 ) -> Task:
     """Load built-in task ``name`` with balanced, seed-determined splits.
 
-    Each split holds ``n // len(labels)`` examples of every label (``n`` being
-    ``max_train``, ``n_val`` or ``n_test``), train fewer when the rarest label runs
-    out. Raises :class:`TaskDataMissingError` (naming the ``apt-get install`` line) when
+    Validation and test hold ``ceil(n / len(labels))`` examples of every label (``n`` being
+    ``n_val`` or ``n_test``), train ``max_train // len(labels)``, fewer when the rarest label
+    runs out. Raises :class:`TaskDataMissingError` (naming the ``apt-get install`` line) when
     the Debian data is not installed, ``KeyError`` for an unknown name.
     """
     info = _info(name)
@@ -817,6 +1035,8 @@ def load_task(
         n_val=n_val,
         n_test=n_test,
         source=f"{info.source} (Debian package {info.apt_package})",
+        label_texts=info.label_texts,
+        pair=info.pair,
     )
 
 
@@ -903,26 +1123,7 @@ def load_csv_task(
     """
     _check_sizes(seed, max_train, n_val, n_test)
     path = Path(path)
-    if not path.is_file():
-        raise TaskDataError(f"task {name!r}: CSV file {path} does not exist")
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
-        header = reader.fieldnames
-        if not header:
-            raise TaskDataError(f"task {name!r}: {path} is empty (expected a header text,label)")
-        missing = [c for c in ("text", "label") if c not in [h.strip() for h in header]]
-        if missing:
-            raise TaskDataError(
-                f"task {name!r}: {path} has no column {' or '.join(map(repr, missing))} "
-                f"(header: {header}); expected columns text,label"
-            )
-        column = {h.strip(): h for h in header}
-        try:
-            rows = [
-                (row[column["text"]] or "", _clean(row[column["label"]]) or None) for row in reader
-            ]
-        except csv.Error as e:
-            raise TaskDataError(f"task {name!r}: {path}: {e}") from None
+    rows = _read_csv_rows(name, path)
     by_label = _dedupe(rows)
     if not by_label:
         raise TaskDataError(f"task {name!r}: {path} has no rows with a text and a label")
@@ -948,6 +1149,63 @@ def load_csv_task(
         n_test=n_test,
         source=str(path),
     )
+
+
+def _read_csv_rows(name: str, path: Path) -> list[tuple[str, str | None]]:
+    """The ``(text, label)`` rows of a task CSV, refusing what would silently lose rows.
+
+    Refused with :class:`TaskDataError` naming the task, the file and the line: a path that is
+    not a readable file, a file that is not UTF-8, a missing or repeated header column, and a
+    quote that is never closed (Python's csv module would otherwise read the rest of the file
+    into one field).
+    """
+    where = f"task {name!r}: {path}"
+    if path.is_dir():
+        raise TaskDataError(f"{where} is a directory; give the CSV file inside it")
+    if not path.is_file():
+        raise TaskDataError(f"task {name!r}: CSV file {path} does not exist")
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f, strict=True)
+            header = next(reader, None)
+            if not header or not any(h.strip() for h in header):
+                raise TaskDataError(f"{where} is empty (expected a header text,label)")
+            names = [h.strip() for h in header]
+            repeated = sorted({h for h in names if h and names.count(h) > 1})
+            if repeated:
+                raise TaskDataError(
+                    f"{where}: the header names column(s) {', '.join(map(repr, repeated))} more "
+                    f"than once ({header}); each column name must be unique"
+                )
+            missing = [c for c in ("text", "label") if c not in names]
+            if missing:
+                raise TaskDataError(
+                    f"{where} has no column {' or '.join(map(repr, missing))} "
+                    f"(header: {header}); expected columns text,label"
+                )
+            i_text, i_label = names.index("text"), names.index("label")
+            rows: list[tuple[str, str | None]] = []
+            start = reader.line_num + 1
+            try:
+                for row in reader:
+                    if row:
+                        text = row[i_text] if i_text < len(row) else ""
+                        label = row[i_label] if i_label < len(row) else ""
+                        rows.append((text or "", _clean(label) or None))
+                    start = reader.line_num + 1
+            except csv.Error as e:
+                raise TaskDataError(
+                    f"{where}: line {start}: {e} (a quote opened on line {start} is never "
+                    "closed?); fix the quoting of that row"
+                ) from None
+    except UnicodeDecodeError as e:
+        raise TaskDataError(
+            f"{where} is not UTF-8 (byte {e.object[e.start : e.start + 1]!r} at offset "
+            f"{e.start}); save it as UTF-8"
+        ) from None
+    except PermissionError:
+        raise TaskDataError(f"{where} cannot be read (permission denied)") from None
+    return rows
 
 
 def _stratified_split(

@@ -1,33 +1,33 @@
-"""Train one LoRA adapter and a linear head per task on MiniLM, cached on disk.
+"""Train one LoRA adapter per task on MiniLM against the task's frozen zero-shot head, cached.
 
 Per task (:meth:`Trainer.fit`): the pretrained MiniLM-L6 with ``nnx.LoRA`` rank 16, alpha 16 on
 ``query``, ``key``, ``value`` and the attention ``output`` of all 6 layers
-(:func:`minilm.add_lora`), and a linear head on the mean-pooled last hidden states. Only the LoRA
-factors and the head train (the gradient is taken with respect to the ``nnx.LoRAParam`` state and
-the head; the frozen base, ``nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))``, is a constant input).
-AdamW with a linear warmup (``warmup_fraction`` of the steps) and a linear decay to zero;
-cross-entropy; validation accuracy every ``eval_every`` steps, the best LoRA + head kept, early
-stopping after ``patience`` evaluations without improvement (paper, Appendix B, scaled down).
+(:func:`minilm.add_lora`). **Only the LoRA factors train**: the head is the task's frozen
+zero-shot head (:func:`evaluate.zero_shot_heads`, cosine similarity to the base-model
+embeddings of the label descriptions over a fixed temperature), so everything a task learns is
+in its adapter, as with the frozen CLIP text heads of the paper's vision suite.
 
-Deterministic from ``TrainConfig.seed``: the LoRA ``A`` factors and the head are drawn from
-``nnx.Rngs(SeedSequence([seed, crc32(task name)]))``, and each epoch's data order from a PCG64
-stream of ``(seed, crc32(task name), epoch)``.
+Optimisation: AdamW (optax) with a linear warmup over ``warmup_fraction`` of ``max_steps`` and a
+cosine decay to zero at ``max_steps``; cross-entropy; validation accuracy every ``eval_every``
+steps; the best adapter (validation accuracy, then validation loss) is kept; training stops early
+after ``patience`` evaluations without a better one (paper, Appendix B, scaled down). The curves
+(training loss, validation loss and accuracy at every evaluation) are returned in ``info``.
 
-Speed (2-core CPU): a batch is padded only to its own longest text, rounded up to 8 tokens (to 16
-above 16 tokens: at most 5 shapes up to 64), texts are truncated to ``max_len``; batches are formed
-from chunks of 8 batches' worth of shuffled texts sorted by length (less padding, still random);
-one jitted step per padded length, shared by every task (heads are padded to a multiple of 8
-labels, the surplus logits masked), with the parameters and the optimizer state donated.
+Batches are packed (:func:`minilm.pack`): every step fills ``rows x row_len`` tokens with the next
+texts of a shuffled epoch, so a step holds many short texts or a few long ones, its shape never
+changes (one compile for every task), and no compute goes to padding. A step always consumes at
+least one text and an epoch ends when its texts are used up, so training advances whatever the
+size of the split (a split smaller than a step is one step per epoch).
 
-Caching (:func:`train_task`): the trained adapter and head are stored with ``nu.checkpoint``
-under ``cache_dir/<task>-<key>``; the key hashes everything that determines the result (the task's
-name, labels and the texts and labels of every split, the :class:`TrainConfig` with its seed, the
-size and modification time of the pretrained files, :data:`CODE_VERSION`). A checkpoint is written
-to a temporary directory and renamed into place, so a reader never sees half of one.
+Deterministic from ``TrainConfig.seed``: the ``A`` factors are drawn from
+``nnx.Rngs(SeedSequence([seed, crc32(task name)]))``, each epoch's order from a PCG64 stream of
+``(seed, crc32(task name), epoch)``.
 
-A linear probe (ridge classifier on the frozen base embedding, its ridge chosen on validation) is
-fitted alongside: it measures what the base model already knows of a task (the paper's "relative
-accuracy" is adapter accuracy minus base accuracy).
+Caching (:func:`train_task`): the trained adapter is stored with ``nu.checkpoint`` under
+``cache_dir/<task>-<key>``; the key hashes everything that determines the result (the task's
+name, labels, label texts and every split, the :class:`TrainConfig` with its seed, the size and
+modification time of the pretrained files, :data:`CODE_VERSION`). A checkpoint is written to a
+temporary directory and renamed into place, so a reader never sees half of one.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from . import evaluate as ev
 from . import minilm
 
 #: Bump when a change to this module changes what training produces: invalidates every cache.
-CODE_VERSION = 1
+CODE_VERSION = 2
 CACHE_ENV = "NETUTILITY_CACHE"
 DEFAULT_CACHE_DIR = pathlib.Path("~/.cache/netutility-jax/demo")
 _LABEL_PAD = 8
@@ -66,64 +66,70 @@ class TrainConfig:
 
     Attributes:
       lora_rank, lora_alpha: LoRA ``r`` and alpha (update scaled by ``alpha / r``).
-      max_len: truncation length in tokens.
-      batch_size: texts per step.
-      learning_rate: AdamW peak learning rate (LoRA factors and head).
+      rows, row_len: a step packs texts into ``rows`` rows of ``row_len`` tokens (texts are
+        truncated to ``row_len``).
+      learning_rate: AdamW peak learning rate.
       weight_decay: AdamW decoupled weight decay.
-      warmup_fraction: fraction of the steps with a linear warmup from 0.
-      epochs: passes over the training split (the schedule's length), unless ``max_steps`` is
-        smaller.
-      max_steps: cap on the number of steps (None: ``epochs`` decide).
+      warmup_fraction: fraction of ``max_steps`` with a linear warmup from 0.
+      max_steps: the schedule's length (cosine decay to 0 there) and the most steps run.
       eval_every: steps between validation evaluations (and one at the end).
       patience: stop after this many evaluations without a better validation accuracy.
-      probe_examples: training texts the linear probe on the base embedding is fitted on.
-      val_examples: validation texts for early stopping (a balanced subset; None: all).
+      temperature: of the zero-shot heads' logits.
       seed: data order and initialization.
     """
 
     lora_rank: int = 16
     lora_alpha: float = 16.0
-    max_len: int = 64
-    batch_size: int = 32
-    learning_rate: float = 1e-3
+    rows: int = 8
+    row_len: int = ev.ROW_LEN
+    learning_rate: float = 2e-3
     weight_decay: float = 0.01
-    warmup_fraction: float = 0.06
-    epochs: float = 2.0
-    max_steps: int | None = None
-    eval_every: int = 30
-    patience: int = 3
-    probe_examples: int = 500
-    val_examples: int | None = None
+    warmup_fraction: float = 0.05
+    max_steps: int = 600
+    eval_every: int = 25
+    patience: int = 4
+    temperature: float = ev.TEMPERATURE
     seed: int = 0
 
-    def steps(self, n_train: int) -> int:
-        """Number of optimizer steps for a training split of ``n_train`` texts."""
-        per_epoch = max(n_train // self.batch_size, 1)
-        total = max(round(self.epochs * per_epoch), 1)
-        return total if self.max_steps is None else min(total, self.max_steps)
+    def __post_init__(self) -> None:
+        for name in ("lora_rank", "rows", "row_len", "max_steps", "eval_every", "patience"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TrainConfig: {name}={v!r}; expected an integer >= 1.")
+        if self.row_len < 3:
+            raise ValueError(f"TrainConfig: row_len={self.row_len}; a text needs >= 3 tokens.")
+
+    def schedule(self) -> optax.Schedule:
+        """Linear warmup to ``learning_rate``, then cosine decay to 0 at ``max_steps``.
+
+        The step count is cast to float32 first (optax mixes it with float constants, which
+        strict dtype promotion refuses for an integer count).
+        """
+        warm = max(round(self.warmup_fraction * self.max_steps), 1)
+        sched = optax.warmup_cosine_decay_schedule(
+            0.0, self.learning_rate, warm, max(self.max_steps, warm + 1), end_value=0.0
+        )
+        return lambda step: sched(jnp.asarray(step, jnp.float32))
 
 
 class TrainedTask(NamedTuple):
-    """A trained task: its LoRA adapter, its head, and what happened.
+    """A trained task: its LoRA adapter and what happened.
 
     Attributes:
       name: task name.
-      labels: label names (head output ``i`` is ``labels[i]``).
+      labels: label names.
       adapter: ``{module: {"lora_a" (d_in, r), "lora_b" (r, d_out), "scale"}}`` (float32 numpy),
         module names ``layers/{i}/attention/{query,key,value,output}``.
-      head: :class:`evaluate.Head` on the mean-pooled embedding of the adapted model.
-      probe: :class:`evaluate.Head`, the linear probe on the base model's mean-pooled embedding.
-      info: ``best_step``, ``best_val_accuracy``, ``steps``, ``stopped_early``, ``history``
-        (``[{"step", "loss", "val_accuracy"}]``), ``train_seconds``, ``steps_per_second``,
-        ``probe_val_accuracy``, ``probe_seconds``, ``cache_key``, ``cache_hit``. Steps that
-        compile (a new padded length) are left out of ``steps_per_second``.
+      info: ``best_step``, ``best_val_accuracy``, ``best_val_loss``, ``steps``,
+        ``stopped_early``, ``epochs``, ``texts_seen``, ``history``
+        (``[{"step", "train_loss", "val_loss", "val_accuracy", "lr"}]``), ``train_seconds``,
+        ``steps_per_second`` and ``tokens_per_second`` (compiling steps left out),
+        ``cache_key``, ``cache_hit``.
     """
 
     name: str
     labels: tuple[str, ...]
     adapter: dict[str, dict[str, Any]]
-    head: ev.Head
-    probe: ev.Head
     info: dict[str, Any]
 
 
@@ -137,9 +143,9 @@ def default_cache_dir() -> pathlib.Path:
 
 
 def task_fingerprint(task: Any) -> str:
-    """sha256 of a task's name, labels, and the texts and labels of every split."""
+    """sha256 of a task's name, labels, label texts, and the texts and labels of every split."""
     h = hashlib.sha256()
-    h.update(json.dumps([task.name, list(task.labels)]).encode())
+    h.update(json.dumps([task.name, list(task.labels), list(task.label_texts)]).encode())
     for split in (task.train, task.val, task.test):
         h.update(json.dumps(list(split.texts), ensure_ascii=False).encode())
         h.update(np.asarray(split.labels, np.int64).tobytes())
@@ -172,28 +178,20 @@ def _to_checkpoint(t: TrainedTask) -> dict[str, Any]:
         "name": t.name,
         "labels": list(t.labels),
         "adapter": t.adapter,
-        "head": {"kernel": t.head.kernel, "bias": t.head.bias},
-        "probe": {"kernel": t.probe.kernel, "bias": t.probe.bias},
         "info": {k: v for k, v in t.info.items() if k != "cache_hit"},
     }
 
 
 def _from_checkpoint(obj: dict[str, Any]) -> TrainedTask:
-    def arr(x):
-        return np.asarray(x, np.float32)
-
     adapter = {
-        name: {"lora_a": arr(m["lora_a"]), "lora_b": arr(m["lora_b"]), "scale": float(m["scale"])}
+        name: {
+            "lora_a": np.asarray(m["lora_a"], np.float32),
+            "lora_b": np.asarray(m["lora_b"], np.float32),
+            "scale": float(m["scale"]),
+        }
         for name, m in obj["adapter"].items()
     }
-    return TrainedTask(
-        name=obj["name"],
-        labels=tuple(obj["labels"]),
-        adapter=adapter,
-        head=ev.Head(arr(obj["head"]["kernel"]), arr(obj["head"]["bias"])),
-        probe=ev.Head(arr(obj["probe"]["kernel"]), arr(obj["probe"]["bias"])),
-        info=dict(obj["info"]),
-    )
+    return TrainedTask(obj["name"], tuple(obj["labels"]), adapter, dict(obj["info"]))
 
 
 def cache_path(cache_dir: str | os.PathLike, task: Any, key: str) -> pathlib.Path:
@@ -240,76 +238,53 @@ def _task_seed(config: TrainConfig, name: str, *more: int) -> np.random.SeedSequ
     return np.random.SeedSequence([config.seed, zlib.crc32(name.encode()), *more])
 
 
-def epoch_batches(
-    lengths: np.ndarray, *, batch_size: int, seed: np.random.SeedSequence
-) -> list[np.ndarray]:
-    """One epoch's batches of row indices: shuffled, then sorted by length within chunks.
+def epoch_steps(
+    lengths: np.ndarray, *, rows: int, row_len: int, seed: np.random.SeedSequence
+) -> list[list[int]]:
+    """One epoch as steps: the texts in a shuffled order, each step the most that fit.
 
-    The rows are permuted, cut into chunks of ``8 * batch_size``, each chunk sorted by length and
-    cut into batches (a short last batch is dropped), and the batches shuffled.
+    A step takes texts in the epoch's order while they fit (first fit, as
+    :func:`minilm.pack` with ``decreasing=False``) into ``rows`` rows of ``row_len`` tokens with
+    at most ``row_len // 3`` texts a row; the first text that does not fit starts the next step. Every text is in exactly one step and every step has at least one
+    (a text is cut to ``row_len``), so an epoch always ends.
     """
-    rng = np.random.Generator(np.random.PCG64(seed))
-    perm = rng.permutation(len(lengths))
-    chunk = 8 * batch_size
-    batches = []
-    for s in range(0, len(perm), chunk):
-        part = perm[s : s + chunk]
-        part = part[np.argsort(lengths[part], kind="stable")]
-        batches += [
-            part[i : i + batch_size] for i in range(0, len(part) - batch_size + 1, batch_size)
-        ]
-    order = rng.permutation(len(batches))
-    return [batches[i] for i in order]
-
-
-def learning_rate(step: int, total: int, config: TrainConfig) -> float:
-    """Linear warmup over ``warmup_fraction * total`` steps to the peak, then linear decay to 0."""
-    warm = max(round(config.warmup_fraction * total), 1)
-    sched = optax.join_schedules(
-        [
-            optax.linear_schedule(0.0, config.learning_rate, warm),
-            optax.linear_schedule(config.learning_rate, 0.0, max(total - warm, 1)),
-        ],
-        [warm],
-    )
-    return float(sched(step + 1))
+    order = np.random.Generator(np.random.PCG64(seed)).permutation(len(lengths))
+    lens = np.minimum(np.asarray(lengths), row_len)
+    cap = row_len // 3
+    steps: list[list[int]] = []
+    cur: list[int] = []
+    free: list[int] = []
+    counts: list[int] = []
+    for i in order:
+        n = int(lens[i])
+        r = next((j for j in range(len(free)) if free[j] >= n and counts[j] < cap), None)
+        if r is None and len(free) < rows:
+            free.append(row_len)
+            counts.append(0)
+            r = len(free) - 1
+        if r is None:  # the step is full
+            steps.append(cur)
+            cur, free, counts = [], [row_len], [0]
+            r = 0
+        free[r] -= n
+        counts[r] += 1
+        cur.append(int(i))
+    if cur:
+        steps.append(cur)
+    return steps
 
 
 def _pad_labels(n: int) -> int:
     return max(_LABEL_PAD, -(-n // _LABEL_PAD) * _LABEL_PAD)
 
 
-def fit_probe(
-    train_emb: np.ndarray,
-    train_labels: np.ndarray,
-    val_emb: np.ndarray,
-    val_labels: np.ndarray,
-    n_labels: int,
-) -> tuple[ev.Head, float]:
-    """Ridge classifier (one-hot least squares) with its ridge chosen on validation accuracy."""
-    x = np.concatenate([train_emb, np.ones((len(train_emb), 1))], axis=1).astype(np.float64)
-    y = np.eye(n_labels)[train_labels]
-    gram = x.T @ x
-    scale = np.trace(gram) / gram.shape[0]
-    fits = []
-    for ridge in (1e-3, 1e-2, 1e-1, 1.0):
-        reg = ridge * scale * np.eye(gram.shape[0])
-        reg[-1, -1] = 0.0  # no penalty on the bias
-        w = np.linalg.solve(gram + reg, x.T @ y)
-        head = ev.Head(w[:-1].astype(np.float32), w[-1].astype(np.float32))
-        acc = float((np.argmax(ev.logits(val_emb, head), -1) == val_labels).mean())
-        fits.append((acc, head))
-    acc, head = max(fits, key=lambda f: f[0])  # ties: the first, smallest ridge
-    return head, acc
-
-
 class Trainer:
-    """Trains task LoRAs on one shared MiniLM; the jitted steps compile once for all tasks.
+    """Trains task LoRAs on one shared MiniLM; the jitted step compiles once for all tasks.
 
     Args:
       config: hyperparameters.
-      backbone: an :class:`evaluate.Backbone` (its base model is the model to adapt; default
-        loads the pretrained one).
+      backbone: an :class:`evaluate.Backbone` (its base model is the model to adapt, and it
+        evaluates validation accuracy; default loads the pretrained one).
     """
 
     def __init__(self, config: TrainConfig, backbone: ev.Backbone | None = None):
@@ -318,139 +293,62 @@ class Trainer:
         self.config = config
         self.backbone = ev.Backbone() if backbone is None else backbone
         model = minilm.add_lora(
-            self.backbone.model,
-            rank=config.lora_rank,
-            alpha=config.lora_alpha,
-            rngs=nnx.Rngs(0),
+            self.backbone.model, rank=config.lora_rank, alpha=config.lora_alpha, rngs=nnx.Rngs(0)
         )
         self.graphdef, _, self.base_state = nnx.split(model, nnx.LoRAParam, ...)
         graphdef = self.graphdef
-        tx = optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(config.weight_decay))
+        cap = config.row_len // 3
+        tx = optax.chain(
+            optax.scale_by_adam(),
+            optax.add_decayed_weights(config.weight_decay),
+            optax.scale_by_schedule(lambda step: -config.schedule()(step)),
+        )
         self._tx = tx
+        inv_t = 1.0 / config.temperature
 
-        def forward(params, base, ids, mask):
-            m = nnx.merge(graphdef, params["lora"], base)
-            pooled = minilm.mean_pool(m(ids, mask), mask)
-            return pooled @ params["head"]["kernel"] + params["head"]["bias"]
-
-        def loss_fn(params, base, ids, mask, labels, n_labels):
-            z = forward(params, base, ids, mask)
-            z = jnp.where(jnp.arange(z.shape[-1]) < n_labels, z, _MASKED_LOGIT)
-            return optax.softmax_cross_entropy_with_integer_labels(z, labels).mean()
-
-        def step(params, opt_state, base, ids, mask, labels, n_labels, lr):
-            loss, grads = jax.value_and_grad(loss_fn)(params, base, ids, mask, labels, n_labels)
-            # optax's bias correction raises a float to an int32 step count: allowed under
-            # standard promotion only (the test suite runs with strict promotion)
-            with jax.numpy_dtype_promotion("standard"):
-                updates, opt_state = tx.update(grads, opt_state, params)
-            params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
-            return params, opt_state, loss
-
-        def pool(lora, base, ids, mask):
+        def loss_fn(lora, base, ids, seg, pos, head, labels, valid, n_labels):
             m = nnx.merge(graphdef, lora, base)
-            return minilm.mean_pool(m(ids, mask), mask)
+            h = m(ids, seg > 0, segment_ids=seg, position_ids=pos)
+            e = minilm.segment_mean_pool(h, seg, cap)  # (R, S, D)
+            # an empty slot's embedding is 0: a norm with a finite gradient there
+            e = e * jax.lax.rsqrt(jnp.sum(e * e, axis=-1, keepdims=True) + 1e-24)
+            z = jnp.einsum("rsd,cd->rsc", e, head) * inv_t
+            z = jnp.where(jnp.arange(z.shape[-1]) < n_labels, z, _MASKED_LOGIT)
+            ce = optax.softmax_cross_entropy_with_integer_labels(z, labels)
+            n = jnp.sum(valid.astype(ce.dtype))
+            return jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(n, 1.0)
+
+        def step(lora, opt_state, base, ids, seg, pos, head, labels, valid, n_labels):
+            loss, grads = jax.value_and_grad(loss_fn)(
+                lora, base, ids, seg, pos, head, labels, valid, n_labels
+            )
+            # optax's bias correction and schedule raise floats to an int32 step count: allowed
+            # under standard promotion only (the test suite runs with strict promotion)
+            with jax.numpy_dtype_promotion("standard"):
+                updates, opt_state = tx.update(grads, opt_state, lora)
+                lora = optax.apply_updates(lora, updates)
+            return lora, opt_state, loss
 
         self._step = jax.jit(step, donate_argnums=(0, 1))
-        self._compiled: set[int] = set()  # padded lengths the step has compiled for
-        self._pool = jax.jit(pool)
         self.fits = 0
 
-    def _init(self, name: str, n_labels: int) -> dict[str, Any]:
+    def _init(self, name: str) -> Any:
         from flax import nnx
 
         seed = int(_task_seed(self.config, name).generate_state(1)[0])
-        rngs = nnx.Rngs(seed)
         model = minilm.add_lora(
-            self.backbone.model, rank=self.config.lora_rank, alpha=self.config.lora_alpha, rngs=rngs
+            self.backbone.model,
+            rank=self.config.lora_rank,
+            alpha=self.config.lora_alpha,
+            rngs=nnx.Rngs(seed),
         )
-        lora = nnx.state(model, nnx.LoRAParam)
-        d = self.backbone.model.config.hidden_size
-        kernel = 0.02 * jax.random.normal(rngs.params(), (d, _pad_labels(n_labels)), jnp.float32)
-        head = {"kernel": kernel, "bias": jnp.zeros((_pad_labels(n_labels),), jnp.float32)}
-        # own buffers: the step donates them
-        return jax.tree.map(jnp.array, {"lora": lora, "head": head})
+        return jax.tree.map(jnp.array, nnx.state(model, nnx.LoRAParam))  # own buffers: donated
 
-    def fit(self, task: Any, *, progress: Callable[[int, dict], None] | None = None) -> TrainedTask:
-        """Train ``task`` (a ``tasks.Task``); no caching. ``progress(step, stats)`` after each step."""
+    def _adapter(self, lora: Any) -> dict[str, dict[str, Any]]:
         from flax import nnx
 
-        cfg = self.config
-        t0 = time.perf_counter()
-        self.fits += 1
-        n_labels = task.num_labels
-        ids, lengths = ev.encode(task.train.texts, max_len=cfg.max_len)
-        labels = np.asarray(task.train.labels, np.int32)
-        val = ev.make_eval_set(
-            [task.name], [ev.balanced_subset(task.val, cfg.val_examples)], max_len=cfg.max_len
-        )
-        total = cfg.steps(len(labels))
-        params = self._init(task.name, n_labels)
-        opt_state = self._tx.init(params)
-        nl = jnp.asarray(n_labels, jnp.int32)
-
-        def val_accuracy(p) -> float:
-            emb = ev.embed(lambda i, m: self._pool(p["lora"], self.base_state, i, m), val)
-            head = ev.Head(
-                np.asarray(p["head"]["kernel"])[:, :n_labels],
-                np.asarray(p["head"]["bias"])[:n_labels],
-            )
-            return ev.accuracies(emb, [head], val)[task.name]
-
-        history: list[dict[str, Any]] = []
-        best_acc, best_step, best = -1.0, 0, jax.device_get(params)
-        since_best, step, epoch, losses = 0, 0, 0, []
-        stopped_early = False
-        t_steps, n_timed = 0.0, 0
-        while step < total and not stopped_early:
-            batches = epoch_batches(
-                lengths, batch_size=cfg.batch_size, seed=_task_seed(cfg, task.name, 1, epoch)
-            )
-            epoch += 1
-            for rows in batches:
-                if step >= total:
-                    break
-                length = ev.bucket_length(
-                    int(lengths[rows].max()), max_len=cfg.max_len, coarse_from=16
-                )
-                b_ids = np.zeros((len(rows), length), np.int32)
-                width = min(length, ids.shape[1])
-                b_ids[:, :width] = ids[rows, :width]
-                b_mask = (np.arange(length)[None] < lengths[rows][:, None]).astype(np.int32)
-                lr = jnp.asarray(learning_rate(step, total, cfg), jnp.float32)
-                ts = time.perf_counter()
-                params, opt_state, loss = self._step(
-                    params, opt_state, self.base_state, b_ids, b_mask, labels[rows], nl, lr
-                )
-                loss = float(loss)
-                if length in self._compiled:  # steps/s without compiles
-                    t_steps += time.perf_counter() - ts
-                    n_timed += 1
-                self._compiled.add(length)
-                losses.append(loss)
-                step += 1
-                stats = {"loss": loss}
-                if step % cfg.eval_every == 0 or step == total:
-                    acc = val_accuracy(params)
-                    history.append(
-                        {"step": step, "loss": float(np.mean(losses)), "val_accuracy": acc}
-                    )
-                    losses = []
-                    stats["val_accuracy"] = acc
-                    if acc > best_acc:
-                        best_acc, best_step, best = acc, step, jax.device_get(params)
-                        since_best = 0
-                    else:
-                        since_best += 1
-                        if since_best >= cfg.patience:
-                            stopped_early = step < total
-                if progress is not None:
-                    progress(step, stats)
-                if stopped_early:
-                    break
-        train_seconds = time.perf_counter() - t0
-        model = nnx.merge(self.graphdef, best["lora"], self.base_state)
-        adapter = {
+        model = nnx.merge(self.graphdef, lora, self.base_state)
+        return {
             name: {
                 "lora_a": np.asarray(m["lora_a"], np.float32),
                 "lora_b": np.asarray(m["lora_b"], np.float32),
@@ -458,37 +356,130 @@ class Trainer:
             }
             for name, m in minilm.lora_adapter(model).items()
         }
-        head = ev.Head(
-            np.asarray(best["head"]["kernel"], np.float32)[:, :n_labels],
-            np.asarray(best["head"]["bias"], np.float32)[:n_labels],
-        )
-        probe, probe_acc = self._probe(task)
+
+    def _val(self, adapter, head: ev.Head, val: ev.EvalSet, n_labels: int) -> tuple[float, float]:
+        emb = self.backbone.embed(val, adapter)
+        z = ev.logits(emb, head, self.config.temperature)
+        z = z - z.max(axis=1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        loss = float(-logp[np.arange(len(val)), val.labels].mean())
+        return float((np.argmax(z, axis=1) == val.labels).mean()), loss
+
+    def fit(
+        self,
+        task: Any,
+        head: ev.Head,
+        *,
+        progress: Callable[[int, dict], None] | None = None,
+    ) -> TrainedTask:
+        """Train ``task`` (a ``tasks.Task``) against its frozen ``head``; no caching.
+
+        ``progress(step, stats)`` is called after each step.
+        """
+        cfg = self.config
+        if len(task.train) == 0:
+            raise ValueError(f"Trainer.fit: task {task.name!r} has an empty train split.")
+        t0 = time.perf_counter()
+        self.fits += 1
+        n_labels = task.num_labels
+        ids, lengths = ev.encode(task.train.texts, max_len=cfg.row_len)
+        labels = np.asarray(task.train.labels, np.int32)
+        val = ev.make_eval_set([task.name], [task.val])
+        hpad = np.zeros((_pad_labels(n_labels), head.vectors.shape[1]), np.float32)
+        hpad[:n_labels] = head.vectors
+        hpad = jnp.asarray(hpad)
+        lora = self._init(task.name)
+        opt_state = self._tx.init(lora)
+        nl = jnp.asarray(n_labels, jnp.int32)
+        sched = cfg.schedule()
+
+        history: list[dict[str, Any]] = []
+        best = (-1.0, np.inf)
+        best_step, best_lora = 0, jax.device_get(lora)
+        since_best, step, epoch, losses, seen = 0, 0, 0, [], 0
+        stopped_early = False
+        t_steps, n_timed, tok_timed = 0.0, 0, 0
+        while step < cfg.max_steps and not stopped_early:
+            steps = epoch_steps(
+                lengths,
+                rows=cfg.rows,
+                row_len=cfg.row_len,
+                seed=_task_seed(cfg, task.name, 1, epoch),
+            )
+            epoch += 1
+            for chosen in steps:
+                rows = np.asarray(chosen)
+                # the same first fit, in the same order, as epoch_steps: one batch of cfg.rows
+                (b,) = ev.packed_batches(
+                    ids[rows], lengths[rows], rows=cfg.rows, row_len=cfg.row_len, decreasing=False
+                )
+                slot = b.text
+                lab = np.where(slot >= 0, labels[rows][np.maximum(slot, 0)], 0).astype(np.int32)
+                ts = time.perf_counter()
+                lora, opt_state, loss = self._step(
+                    lora,
+                    opt_state,
+                    self.base_state,
+                    b.ids,
+                    b.segment_ids,
+                    b.position_ids,
+                    hpad,
+                    lab,
+                    slot >= 0,
+                    nl,
+                )
+                loss = float(loss)
+                if step > 0:  # the first step compiles
+                    t_steps += time.perf_counter() - ts
+                    n_timed += 1
+                    tok_timed += int(np.minimum(lengths[rows], cfg.row_len).sum())
+                losses.append(loss)
+                seen += len(rows)
+                step += 1
+                stats: dict[str, Any] = {"loss": loss}
+                if step % cfg.eval_every == 0 or step == cfg.max_steps:
+                    acc, vloss = self._val(self._adapter(lora), head, val, n_labels)
+                    history.append(
+                        {
+                            "step": step,
+                            "train_loss": float(np.mean(losses)),
+                            "val_loss": vloss,
+                            "val_accuracy": acc,
+                            "lr": float(sched(step)),
+                        }
+                    )
+                    losses = []
+                    stats["val_accuracy"] = acc
+                    if (acc, -vloss) > (best[0], -best[1]):
+                        best, best_step, best_lora = (acc, vloss), step, jax.device_get(lora)
+                        since_best = 0
+                    else:
+                        since_best += 1
+                        stopped_early = since_best >= cfg.patience and step < cfg.max_steps
+                if progress is not None:
+                    progress(step, stats)
+                if stopped_early or step >= cfg.max_steps:
+                    break
         info = {
             "best_step": best_step,
-            "best_val_accuracy": best_acc,
+            "best_val_accuracy": best[0],
+            "best_val_loss": best[1],
             "steps": step,
-            "planned_steps": total,
+            "max_steps": cfg.max_steps,
             "stopped_early": stopped_early,
+            "epochs": epoch,
+            "texts_seen": seen,
             "history": history,
-            "train_seconds": train_seconds,
+            "train_seconds": time.perf_counter() - t0,
             "steps_per_second": n_timed / t_steps if t_steps > 0 else float("nan"),
-            "probe_val_accuracy": probe_acc,
-            "probe_seconds": time.perf_counter() - t0 - train_seconds,
+            "tokens_per_second": tok_timed / t_steps if t_steps > 0 else float("nan"),
         }
-        return TrainedTask(task.name, tuple(task.labels), adapter, head, probe, info)
-
-    def _probe(self, task: Any) -> tuple[ev.Head, float]:
-        cfg = self.config
-        train = ev.balanced_subset(task.train, cfg.probe_examples)
-        val = ev.balanced_subset(task.val, cfg.val_examples)
-        es = ev.make_eval_set([task.name, task.name + ":val"], [train, val], max_len=cfg.max_len)
-        emb = self.backbone.embed(es)
-        tr, va = es.rows(0), es.rows(1)
-        return fit_probe(emb[tr], es.labels[tr], emb[va], es.labels[va], task.num_labels)
+        return TrainedTask(task.name, tuple(task.labels), self._adapter(best_lora), info)
 
 
 def train_task(
     task: Any,
+    head: ev.Head,
     config: TrainConfig,
     *,
     cache_dir: str | os.PathLike | None = None,
@@ -499,6 +490,8 @@ def train_task(
 
     Args:
       task: a ``tasks.Task``.
+      head: its zero-shot head (a function of the task's label texts and the model, both in the
+        cache key).
       config: hyperparameters and seed.
       cache_dir: cache directory (default :func:`default_cache_dir`).
       trainer: a :class:`Trainer` for ``config`` (or a callable making one, called only on a cache
@@ -524,7 +517,7 @@ def train_task(
             f"train_task: the trainer was built for {trainer.config} but config is {config}; pass "
             "a Trainer(config)."
         )
-    trained = trainer.fit(task, progress=progress)
+    trained = trainer.fit(task, head, progress=progress)
     trained = trained._replace(info={**trained.info, "cache_key": key})
     key_doc = {
         "code_version": CODE_VERSION,
@@ -540,6 +533,7 @@ def train_task(
 
 def train_tasks(
     tasks: Sequence[Any],
+    heads: Sequence[ev.Head],
     config: TrainConfig,
     *,
     cache_dir: str | os.PathLike | None = None,
@@ -562,12 +556,12 @@ def train_tasks(
         return made[0]
 
     out = []
-    for task in tasks:
+    for task, head in zip(tasks, heads, strict=True):
         bar = tqdm(
-            total=config.steps(len(task.train)),
-            desc=f"train {task.name}",
+            total=config.max_steps,
+            desc=f"train {task.name} (seed {config.seed})",
             disable=not progress,
-            leave=True,
+            leave=False,
             mininterval=1.0,
             dynamic_ncols=True,
         )
@@ -578,26 +572,20 @@ def train_tasks(
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", val=f"{stats['val_accuracy']:.3f}")
 
         with bar:
-            t = train_task(task, config, cache_dir=cache_dir, trainer=get_trainer, progress=tick)
-            if t.info["cache_hit"]:
-                bar.set_postfix_str("cached")
-            else:
-                bar.set_postfix(
-                    best_val=f"{t.info['best_val_accuracy']:.3f}",
-                    steps=t.info["steps"],
-                    it_s=f"{t.info['steps_per_second']:.2f}",
-                )
+            t = train_task(
+                task, head, config, cache_dir=cache_dir, trainer=get_trainer, progress=tick
+            )
         if log is not None:
             i = t.info
             how = (
                 "cached"
                 if i["cache_hit"]
                 else f"trained {i['steps']} steps in {i['train_seconds']:.0f} s "
-                f"({i['steps_per_second']:.2f} steps/s)"
+                f"({i['tokens_per_second']:.0f} tokens/s)"
             )
             log(
-                f"{task.name}: {how}; best validation accuracy {i['best_val_accuracy']:.3f} "
-                f"at step {i['best_step']}"
+                f"{task.name} (seed {config.seed}): {how}; best validation accuracy "
+                f"{i['best_val_accuracy']:.3f} at step {i['best_step']}"
             )
         out.append(t)
     return out

@@ -1,0 +1,260 @@
+"""What the built-in experiment merges: methods, the grid of merges, the presets.
+
+A **row** of the main table is a merge method in a space (the paper's Table 2 rows); every row is
+merged at every budget ``R`` with the uniform allocation (the paper's baseline) and with Net
+Utility. The **controls** show what the budget does: every direction (no budget), a random
+allocation that keeps as many directions per module as Net Utility but picks them at random,
+the zero-shot model and the weight average (TA with coefficient ``1 / M``, every direction).
+
+Merges that the library documents as identical are run once and reported for every space they
+stand for (TA in every space; TSV, Iso-C and Iso-C + TSV in full and Core space).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import train as tr
+
+SPACE_LABELS = {"full": "Full", "core": "Core", "knots": "KnOTS"}
+ALLOCATIONS = ("uniform", "net_utility")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """A merge method of the grid.
+
+    Attributes:
+      label: name in the tables.
+      method: ``nu.merge`` method.
+      options: method options (``density``, ``p``, ``isotropize``).
+      start: the first merge coefficient the validation search tries (see
+        :func:`evaluate.select_coef`); later merges of the same method and space in a seed start
+        from the coefficient chosen last.
+      same_spaces: groups of spaces in which the method gives identical results.
+    """
+
+    label: str
+    method: str
+    options: tuple[tuple[str, Any], ...] = ()
+    start: float = 1.0
+    same_spaces: tuple[tuple[str, ...], ...] = (("full",), ("core",), ("knots",))
+
+    def canonical_space(self, space: str, spaces: tuple[str, ...] | None = None) -> str:
+        """The space in which a merge standing for ``space`` is run (the first of its group in
+        ``spaces``, if given)."""
+        for group in self.same_spaces:
+            if space in group:
+                if spaces is not None:
+                    return next((s for s in group if s in spaces), space)
+                return group[0]
+        return space
+
+
+_FULL_CORE = (("full", "core"), ("knots",))
+#: The grid's methods. TA and DARE sum 7 task updates (DARE after a random drop with rescaling),
+#: so their search starts at 0.3; the others renormalize or average (start at 1). DARE: drop
+#: rate p = 0.5 (LoRA updates are low rank and dense; the p = 0.9 used on full fine-tunes wipes
+#: them out), a key from the seed. TIES: density 0.2 (the TIES paper's top 20%, the library
+#: default). Allocation scope is the paper's: local (per module) for TIES and DARE, global
+#: otherwise.
+METHODS: dict[str, MethodSpec] = {
+    "ta": MethodSpec("TA", "ta", start=0.3, same_spaces=(("full", "core", "knots"),)),
+    "tsv": MethodSpec("TSV", "tsv", same_spaces=_FULL_CORE),
+    "ties": MethodSpec("TIES", "ties", (("density", 0.2),)),
+    "dare": MethodSpec("DARE", "dare", (("p", 0.5),), start=0.3),
+    "iso_c": MethodSpec("Iso-C", "iso_c", same_spaces=_FULL_CORE),
+    "iso_c_tsv": MethodSpec("Iso-C + TSV", "tsv", (("isotropize", True),), same_spaces=_FULL_CORE),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A row of the main table: ``method`` (a key of :data:`METHODS`) in ``space``.
+
+    ``budgets``: the budgets this row is merged at (None: all of the grid's).
+    """
+
+    method: str
+    space: str
+    budgets: tuple[int, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GridConfig:
+    """What is merged, per training seed.
+
+    Attributes:
+      rows: the main table (uniform and Net Utility at each budget).
+      budgets: budgets R (average directions per module), the table's column groups.
+      no_budget: ``(method, space)`` pairs also merged with every direction.
+      random: ``(method, space)`` pairs with the random-allocation control at every budget.
+      random_draws: random draws per seed and budget (the draws differ between seeds).
+      full_capacity: also merge TA with Net Utility at ``R = M r`` (budget-spent analysis; the
+        uniform allocation there keeps everything, i.e. the no-budget TA).
+      weight_average: also evaluate the weight average (TA, coefficient ``1 / M``, no search).
+    """
+
+    rows: tuple[Row, ...]
+    budgets: tuple[int, ...]
+    no_budget: tuple[tuple[str, str], ...] = ()
+    random: tuple[tuple[str, str], ...] = ()
+    random_draws: int = 1
+    full_capacity: bool = True
+    weight_average: bool = True
+
+    @property
+    def spaces(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r.space for r in self.rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One distinct merge.
+
+    Attributes:
+      key: ``"ta/full/R16/net_utility"``, ``"ta/full/R16/random1"``, ``"ta/full/all"``,
+        ``"average"``.
+      method, space: what :func:`nu.merge` runs.
+      spaces: the table spaces it stands for.
+      budget: R (None for ``all`` and ``average``).
+      allocation: ``uniform``, ``net_utility``, ``random``, ``all`` or ``average``.
+      draw: the random draw (``random`` only).
+      ref: the Net Utility job whose per-module counts a ``random`` job copies.
+    """
+
+    key: str
+    method: str
+    space: str
+    spaces: tuple[str, ...]
+    budget: int | None
+    allocation: str
+    draw: int = 0
+    ref: str | None = None
+
+
+def grid_jobs(grid: GridConfig, *, full_capacity: int) -> list[Job]:
+    """The distinct merges of ``grid``, in run order (a random control after its reference).
+
+    Args:
+      grid: the grid.
+      full_capacity: ``M r``, the budget of the full-capacity TA merge.
+    """
+    jobs: dict[str, Job] = {}
+
+    def add(job: Job) -> None:
+        if job.key in jobs:
+            old = jobs[job.key]
+            spaces = tuple(dict.fromkeys((*old.spaces, *job.spaces)))
+            jobs[job.key] = dataclasses.replace(old, spaces=spaces)
+        else:
+            jobs[job.key] = job
+
+    space_order = grid.spaces
+    for row in grid.rows:
+        spec = METHODS[row.method]
+        canon = spec.canonical_space(row.space, space_order)
+        for r in row.budgets or grid.budgets:
+            for alloc in ALLOCATIONS:
+                key = f"{row.method}/{canon}/R{r}/{alloc}"
+                add(Job(key, row.method, canon, (row.space,), r, alloc))
+            if (row.method, row.space) in grid.random:
+                for d in range(1, grid.random_draws + 1):
+                    key = f"{row.method}/{canon}/R{r}/random{d}"
+                    ref = f"{row.method}/{canon}/R{r}/net_utility"
+                    add(Job(key, row.method, canon, (row.space,), r, "random", d, ref))
+    for method, space in grid.no_budget:
+        canon = METHODS[method].canonical_space(space, space_order)
+        add(Job(f"{method}/{canon}/all", method, canon, (space,), None, "all"))
+    if grid.full_capacity:
+        key = f"ta/full/R{full_capacity}/net_utility"
+        add(Job(key, "ta", "full", ("full",), full_capacity, "net_utility"))
+    if grid.weight_average:
+        add(Job("average", "ta", "full", ("full",), None, "average"))
+    return list(jobs.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named experiment: tasks, data sizes, training, seeds and grid.
+
+    Attributes:
+      name: ``"quick"``, ``"full"`` or ``"paper"``.
+      tasks: the built-in tasks run when none are chosen.
+      seeds: training seeds (the data splits are the same for every seed: split seed 0).
+      train: training settings (its ``seed`` is replaced by each seed).
+      grid: the merges.
+      max_train, n_val, n_test: split sizes (:func:`tasks.load_task`); at least ``n_val`` and
+        ``n_test`` texts per task where the data allow.
+    """
+
+    name: str
+    tasks: tuple[str, ...]
+    seeds: tuple[int, ...]
+    train: tr.TrainConfig
+    grid: GridConfig
+    max_train: int
+    n_val: int
+    n_test: int
+
+
+DEFAULT_TASKS = (
+    "austen_novel",
+    "tweet_source",
+    "word_sentiment",
+    "word_pos",
+    "wordnet_supersense",
+    "verb_supersense",
+    "word_relation",
+)
+_MAIN = ("ta", "tsv", "ties", "dare")
+
+QUICK = Preset(
+    name="quick",
+    tasks=("word_sentiment", "word_pos", "verb_supersense"),
+    seeds=(0,),
+    train=tr.TrainConfig(max_steps=60, eval_every=20, patience=2, learning_rate=3e-3),
+    grid=GridConfig(
+        rows=(Row("ta", "full"), Row("ties", "full")),
+        budgets=(16,),
+        no_budget=(("ta", "full"),),
+        random=(("ta", "full"),),
+    ),
+    max_train=600,
+    n_val=90,
+    n_test=300,
+)
+FULL = Preset(
+    name="full",
+    tasks=DEFAULT_TASKS,
+    seeds=(0, 1, 2),
+    train=tr.TrainConfig(),
+    grid=GridConfig(
+        rows=(
+            *(Row(m, "full") for m in _MAIN),
+            Row("iso_c", "full", budgets=(16,)),
+            Row("iso_c_tsv", "full", budgets=(16,)),
+        ),
+        budgets=(64, 32, 16),
+        no_budget=tuple((m, "full") for m in (*_MAIN, "iso_c")),
+        random=(("ta", "full"),),
+    ),
+    max_train=2000,
+    n_val=200,
+    n_test=1000,
+)
+PAPER = dataclasses.replace(
+    FULL,
+    name="paper",
+    grid=dataclasses.replace(
+        FULL.grid,
+        rows=(
+            Row("ta", "full"),
+            *(Row(m, s) for s in ("full", "core", "knots") for m in ("tsv", "dare", "ties")),
+            *(Row(m, s) for s in ("full", "knots") for m in ("iso_c", "iso_c_tsv")),
+        ),
+        random=(("ta", "full"), ("tsv", "full"), ("ties", "full")),
+    ),
+)
+PRESETS = {p.name: p for p in (QUICK, FULL, PAPER)}

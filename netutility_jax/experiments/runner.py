@@ -1,0 +1,459 @@
+"""Run the built-in experiment: train per seed, merge the grid, evaluate, keep every prediction.
+
+For each training seed (:func:`run_experiment`):
+
+1. every task's LoRA is trained against its frozen zero-shot head, or loaded from the cache
+   (:func:`train.train_tasks`);
+2. the single-LoRA and zero-shot accuracies are measured on validation and test
+   (:class:`evaluate.Evaluator`);
+3. every job of the grid (:func:`grid.grid_jobs`) is merged with ``nu.merge_adapters`` (or
+   ``nu.merge`` with the random control's masks), its coefficient chosen on validation, and its
+   test correctness kept, text by text, for the paired bootstrap (:mod:`stats`).
+
+A job's result is cached on disk (``<cache>/merges/``), keyed by everything that determines it
+(the trained adapters' cache keys, the job, the evaluation settings and texts, this module's
+:data:`CODE_VERSION`), so an interrupted run resumes where it stopped and a second run only
+renders. The data splits are the same for every seed (split seed 0): seeds differ in training
+(initialisation and data order) and DARE's mask, and every merge is evaluated on the same texts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import evaluate as ev
+from . import grid as gr
+from . import train as tr
+
+#: Bump when a change here or in evaluate.py changes what a job produces: invalidates job caches.
+CODE_VERSION = 1
+#: Seed of the data splits, the same for every training seed.
+SPLIT_SEED = 0
+
+
+def random_allocation(
+    reference: dict[str, Any], scores: Any, *, seed: Sequence[int]
+) -> dict[str, np.ndarray]:
+    """Masks keeping as many directions per module as ``reference``, chosen at random.
+
+    In each module, ``reference[name].sum()`` directions are drawn uniformly without
+    replacement among the module's candidates (any task, any rank: the slots whose utility is
+    finite), so the per-module budget is Net Utility's and only the choice within a module is
+    random.
+
+    Args:
+      reference: ``{name: bool (M, r_max)}`` (e.g. ``nu.allocate`` masks).
+      scores: the ``nu.Scores`` that defines the candidates.
+      seed: entropy for ``numpy.random.SeedSequence``.
+
+    Returns:
+      ``{name: bool (M, r_max)}``.
+    """
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(list(seed))))
+    out = {}
+    for name in sorted(reference):
+        ref = np.asarray(reference[name], bool)
+        cand = np.isfinite(np.asarray(scores.modules[name].utility))
+        k = int(ref.sum())
+        flat = np.flatnonzero(cand.ravel())
+        if k > len(flat):
+            raise ValueError(
+                f"random_allocation: module {name!r} keeps {k} directions but has {len(flat)} "
+                "candidates; the reference masks do not come from these scores."
+            )
+        mask = np.zeros(cand.size, bool)
+        mask[rng.choice(flat, size=k, replace=False)] = True
+        out[name] = mask.reshape(cand.shape)
+    return {name: out[name] for name in reference}
+
+
+def _elementwise(method: str) -> bool:
+    from .. import merging
+
+    return method in merging.ELEMENTWISE_METHODS
+
+
+def _fingerprint(es: ev.EvalSet) -> str:
+    h = hashlib.sha256()
+    for x in (es.ids, es.lengths, es.task, es.labels):
+        h.update(np.ascontiguousarray(x).tobytes())
+    h.update(json.dumps(es.task_names).encode())
+    return h.hexdigest()
+
+
+class JobCache:
+    """Finished jobs on disk: ``<dir>/<seed>-<job>-<key>.npz`` holding the test correctness and
+    the record (JSON), written to a temporary file and renamed into place."""
+
+    def __init__(self, directory: str | os.PathLike | None):
+        self.dir = None if directory is None else pathlib.Path(directory)
+
+    def path(self, seed: int, job: gr.Job, key: str) -> pathlib.Path | None:
+        if self.dir is None:
+            return None
+        return self.dir / f"s{seed}-{job.key.replace('/', '_')}-{key[:16]}.npz"
+
+    def load(self, path: pathlib.Path | None) -> tuple[dict[str, Any], np.ndarray] | None:
+        if path is None or not path.exists():
+            return None
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                record = json.loads(bytes(z["record"]).decode())
+                correct = np.unpackbits(z["correct"])[: int(z["n"])].astype(bool)
+        except (OSError, ValueError, KeyError):
+            return None
+        return record, correct
+
+    def store(self, path: pathlib.Path | None, record: dict[str, Any], correct: np.ndarray) -> None:
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".npz.tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(
+                    f,
+                    record=np.frombuffer(json.dumps(_jsonable(record)).encode(), np.uint8),
+                    correct=np.packbits(np.asarray(correct, bool)),
+                    n=np.asarray(len(correct)),
+                )
+            os.replace(tmp, path)
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return x
+
+
+@dataclasses.dataclass
+class SeedResult:
+    """Everything one training seed produced (see :func:`run_experiment`)."""
+
+    seed: int
+    training: dict[str, dict[str, Any]]
+    single_val: dict[str, float]
+    single_test: dict[str, float]
+    zero_shot_val: dict[str, float]
+    zero_shot_test: dict[str, float]
+    single_correct: np.ndarray
+    zero_shot_correct: np.ndarray
+    records: dict[str, dict[str, Any]]
+    correct: dict[str, np.ndarray]
+    scoring: dict[str, Any]
+    kept_per_module: dict[str, int]
+    retention: list[float]
+    masks: Any
+    scores: Any
+    seconds: dict[str, float]
+
+
+@dataclasses.dataclass
+class Run:
+    """The raw outcome of :func:`run_experiment`."""
+
+    preset: gr.Preset
+    tasks: list[Any]
+    jobs: list[gr.Job]
+    seeds: list[SeedResult]
+    val: ev.EvalSet
+    test: ev.EvalSet
+    heads: list[ev.Head]
+    alpha_arg: Any
+    seconds: dict[str, float]
+    backbone: dict[str, float]
+
+
+def _summary_of_masks(masks: dict[str, Any]) -> dict[str, Any]:
+    import netutility_jax as nu
+
+    return {
+        "budget_spent": nu.budget_spent(masks),
+        "non_prefix_fraction": nu.non_prefix_fraction(masks),
+        "kept_per_task": [int(x) for x in np.asarray(nu.kept_per_task(masks))],
+    }
+
+
+def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
+    """``(merged adapter, record fields)`` of one job (coefficient 1)."""
+    import jax
+
+    import netutility_jax as nu
+
+    spec = gr.METHODS[job.method]
+    opts = dict(spec.options)
+    key = jax.random.key(seed) if spec.method in ("dare", "dare_ties") else None
+    m_tasks = len(adapters)
+    rank = max(int(np.asarray(m["lora_a"]).shape[1]) for m in adapters[0].values())
+    if job.allocation in ("uniform", "net_utility", "all"):
+        budget = job.budget if job.budget is not None else m_tasks * rank
+        merged, report = nu.merge_adapters(
+            adapters,
+            budget=budget,
+            method=spec.method,
+            space=job.space,
+            allocation=job.allocation,
+            alpha=alpha,
+            key=key,
+            **opts,
+        )
+        fields = {
+            "scope": report.scope,
+            "lam": report.lam,
+            "alpha": report.alpha,
+            "budget_spent": report.budget_spent,
+            "non_prefix_fraction": report.non_prefix_fraction,
+            "kept_per_task": [int(x) for x in np.asarray(report.kept_per_task)],
+        }
+    elif job.allocation == "random":
+        scope = "local" if _elementwise(spec.method) else "global"
+        ref = nu.allocate(scores, job.budget, scope=scope, positive_only=True)
+        masks = random_allocation(ref, scores, seed=(seed, job.draw, job.budget))
+        merged = nu.merge(adapters, masks, method=spec.method, space=job.space, key=key, **opts)
+        fields = {"scope": scope, **_summary_of_masks(masks)}
+    elif job.allocation == "average":
+        merged = nu.merge(adapters, None, method="ta", space="full")
+        fields = {}
+    else:
+        raise ValueError(f"unknown allocation {job.allocation!r} in job {job.key!r}")
+    # one merge's LAPACK work at a time (jaxlib CPU can deadlock on concurrent batched LAPACK)
+    return jax.block_until_ready(merged), fields
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, mininterval=1.0, dynamic_ncols=True)
+
+
+def run_experiment(
+    task_list: Sequence[Any],
+    preset: gr.Preset,
+    *,
+    seeds: Sequence[int] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    backbone: ev.Backbone | None = None,
+    alpha: float | str = "auto",
+) -> Run:
+    """Train (or load) the task LoRAs for every seed, run the grid, keep every prediction.
+
+    Args:
+      task_list: ``tasks.Task`` objects (at least 2), split with :data:`SPLIT_SEED`.
+      preset: :data:`grid.QUICK`, :data:`grid.FULL`, :data:`grid.PAPER` or your own.
+      seeds: training seeds (default the preset's).
+      cache_dir: trained-adapter and job cache (default :func:`train.default_cache_dir`); the
+        jobs go to its ``merges/`` folder.
+      progress: show tqdm bars.
+      log: where one-line status messages go.
+      backbone: the base model (default :class:`evaluate.Backbone`, the pretrained MiniLM).
+      alpha: scoring geometry: ``"auto"`` (the paper's heterogeneity rule), ``1.0`` (Gram) or
+        ``0.0`` (row space).
+    """
+    import jax
+
+    import netutility_jax as nu
+
+    t_start = time.perf_counter()
+    seeds = list(preset.seeds if seeds is None else seeds)
+    cache = pathlib.Path(cache_dir) if cache_dir is not None else tr.default_cache_dir()
+    jobs_cache = JobCache(cache / "merges")
+    names = [t.name for t in task_list]
+    m_tasks = len(task_list)
+    backbone = ev.Backbone() if backbone is None else backbone
+    heads = ev.zero_shot_heads(backbone, task_list)
+    val = ev.make_eval_set(names, [t.val for t in task_list])
+    test = ev.make_eval_set(names, [t.test for t in task_list])
+    fingerprint = {"val": _fingerprint(val), "test": _fingerprint(test)}
+    jobs = gr.grid_jobs(preset.grid, full_capacity=m_tasks * preset.train.lora_rank)
+    results: list[SeedResult] = []
+    bar = _progress_bar(len(jobs) * len(seeds), "merge grid", progress)
+    with bar:
+        for seed in seeds:
+            results.append(
+                _run_seed(
+                    seed, task_list, heads, preset, jobs, val, test, fingerprint,
+                    cache=cache, jobs_cache=jobs_cache, backbone=backbone, alpha=alpha,
+                    progress=progress, log=log, bar=bar,
+                )
+            )  # fmt: skip
+    return Run(
+        preset=preset,
+        tasks=list(task_list),
+        jobs=jobs,
+        seeds=results,
+        val=val,
+        test=test,
+        heads=heads,
+        alpha_arg=alpha,
+        seconds={
+            "total": time.perf_counter() - t_start,
+            "training": sum(r.seconds["training"] for r in results),
+            "grid": sum(r.seconds["grid"] for r in results),
+        },
+        backbone={
+            "passes": backbone.passes,
+            "tokens": backbone.tokens,
+            "slot_tokens": backbone.slot_tokens,
+            "seconds": backbone.seconds,
+            "tokens_per_second": backbone.tokens_per_second,
+            "jax": jax.__version__,
+            "nu": nu.__version__,
+        },
+    )
+
+
+def _run_seed(
+    seed, task_list, heads, preset, jobs, val, test, fingerprint, *,
+    cache, jobs_cache, backbone, alpha, progress, log, bar,
+) -> SeedResult:  # fmt: skip
+    import jax
+
+    import netutility_jax as nu
+
+    tcfg = dataclasses.replace(preset.train, seed=seed)
+    t0 = time.perf_counter()
+    trained = tr.train_tasks(
+        task_list, heads, tcfg, cache_dir=cache, backbone=backbone, progress=progress, log=log
+    )
+    train_wall = time.perf_counter() - t0
+    adapters = [t.adapter for t in trained]
+    t0 = time.perf_counter()
+    evaluator = ev.Evaluator(backbone, adapters, heads, val, test)
+    single_wall = time.perf_counter() - t0
+    names = evaluator.task_names
+    log(
+        f"seed {seed}: test accuracy zero-shot -> single LoRA: "
+        + ", ".join(
+            f"{n} {evaluator.zero_shot_test[n]:.3f} -> {evaluator.single_test[n]:.3f}"
+            for n in names
+        )
+    )
+    scores = jax.block_until_ready(nu.score(adapters, alpha=alpha, lam="auto"))
+    top = max(preset.grid.budgets)
+    masks = jax.block_until_ready(nu.allocate(scores, top))
+    base_key = {
+        "code_version": CODE_VERSION,
+        "adapters": [t.info["cache_key"] for t in trained],
+        "alpha": alpha,
+        "eval": {
+            "row_len": ev.ROW_LEN,
+            "rows": ev.ROWS,
+            "temperature": ev.TEMPERATURE,
+            **fingerprint,
+        },
+    }
+    records: dict[str, dict[str, Any]] = {}
+    correct: dict[str, np.ndarray] = {}
+    last_coef: dict[tuple[str, str], float] = {}
+    t0 = time.perf_counter()
+    for job in jobs:
+        spec = gr.METHODS[job.method]
+        start = last_coef.get((job.method, job.space), spec.start)
+        what = {**base_key, "job": dataclasses.asdict(job) | {"spaces": None}}
+        what |= {"options": dict(spec.options), "start": start, "seed": seed}
+        key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+        path = jobs_cache.path(seed, job, key)
+        bar.set_postfix_str(f"seed {seed} {job.key}")
+        hit = jobs_cache.load(path)
+        if hit is not None:
+            rec, ok = hit
+            rec = {**rec, "cache_hit": True}
+        else:
+            ts = time.perf_counter()
+            merged, fields = _merge(adapters, job, seed=seed, alpha=alpha, scores=scores)
+            tm = time.perf_counter() - ts
+            passes0 = backbone.passes
+            res = evaluator.evaluate(
+                merged,
+                start=start,
+                coef=1.0 / len(adapters) if job.allocation == "average" else None,
+            )
+            ok = res.test_correct
+            rec = {
+                "key": job.key,
+                "seed": seed,
+                "method": job.method,
+                "label": spec.label,
+                "space": job.space,
+                "spaces": list(job.spaces),
+                "budget": job.budget,
+                "allocation": job.allocation,
+                "draw": job.draw,
+                "options": dict(spec.options),
+                **fields,
+                "coef": res.coef,
+                "coef_start": start,
+                "val_scores": {f"{c:g}": s for c, s in res.val_scores.items()},
+                "val_normalized": res.val_normalized,
+                "test_accuracy": res.test_accuracy,
+                "test_normalized": res.test_normalized.per_task,
+                "normalized": res.test_normalized.mean,
+                "merge_seconds": tm,
+                "eval_seconds": time.perf_counter() - ts - tm,
+                "val_passes": backbone.passes - passes0 - 1,
+                "cache_hit": False,
+            }
+            jobs_cache.store(path, rec, ok)
+        rec["spaces"] = list(job.spaces)
+        records[job.key] = rec
+        correct[job.key] = ok
+        last_coef[(job.method, job.space)] = rec["coef"]
+        bar.update(1)
+        if not progress:
+            log(
+                f"seed {seed} {job.key}: normalized accuracy {rec['normalized']:.1f} "
+                f"(coef {rec['coef']:g}{', cached' if rec['cache_hit'] else ''})"
+            )
+    grid_wall = time.perf_counter() - t0
+    mnu = _mean_net_utility(scores)
+    return SeedResult(
+        seed=seed,
+        training={t.name: dict(t.info) for t in trained},
+        single_val=evaluator.single_val,
+        single_test=evaluator.single_test,
+        zero_shot_val=evaluator.zero_shot_val,
+        zero_shot_test=evaluator.zero_shot_test,
+        single_correct=evaluator.single_test_correct,
+        zero_shot_correct=evaluator.zero_shot_test_correct,
+        records=records,
+        correct=correct,
+        scoring={
+            "lam": float(scores.lam),
+            "alpha": float(scores.alpha),
+            "heterogeneity": float(nu.heterogeneity(adapters)),
+            "mean_net_utility": {n: float(mnu[i]) for i, n in enumerate(names)},
+        },
+        kept_per_module=nu.kept_per_module(masks),
+        retention=[float(x) for x in np.asarray(nu.retention_by_rank(masks, scores))],
+        masks=masks,
+        scores=scores,
+        seconds={"training": train_wall, "single_eval": single_wall, "grid": grid_wall},
+    )
+
+
+def _mean_net_utility(scores: Any) -> np.ndarray:
+    """``(M,)`` mean net utility of each task's candidate directions over all modules."""
+    u = np.concatenate([np.asarray(m.utility, np.float64) for m in scores.modules.values()], 1)
+    fin = np.isfinite(u)
+    return np.where(fin, u, 0).sum(1) / np.maximum(fin.sum(1), 1)
