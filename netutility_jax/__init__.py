@@ -17,6 +17,9 @@ from .analysis import non_prefix_fraction as non_prefix_fraction
 from .analysis import retention_by_rank as retention_by_rank
 from .decompose import LoraSVD as LoraSVD
 from .decompose import lora_svd as lora_svd
+from .errors import InputError as InputError
+from .errors import InputTypeError as InputTypeError
+from .errors import NetUtilityError as NetUtilityError
 from .merging import Report as Report
 from .merging import fold as fold
 from .merging import merge as merge
@@ -47,8 +50,11 @@ def __dir__():
 
 
 __all__ = [
+    "InputError",
+    "InputTypeError",
     "LoraSVD",
     "ModuleScores",
+    "NetUtilityError",
     "Report",
     "Scores",
     "allocate",

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import InputError
+
 HI = jax.lax.Precision.HIGHEST
 
 
@@ -240,7 +242,7 @@ def orth_qr_lazy_many(
     rows = [False] * len(xs) if rows is None else list(rows)
     ks = {x.shape[-2] if rw else x.shape[-1] for x, rw in zip(xs, rows, strict=True)}
     if len(ks) != 1:
-        raise ValueError(f"orth_qr_many: inputs must share their column count; got {sorted(ks)}.")
+        raise InputError(f"orth_qr_many: inputs must share their column count; got {sorted(ks)}.")
     k = ks.pop()
     if max(x.shape[-1] if rw else x.shape[-2] for x, rw in zip(xs, rows, strict=True)) <= _SMALL:
         return _householder_many(xs, rows, k)

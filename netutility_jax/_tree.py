@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import InputError, InputTypeError
+
 MODULE_KEYS = frozenset({"lora_a", "lora_b", "scale"})
 
 
@@ -82,7 +84,7 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
       ValueError: on a leaf that is not part of a LoRA module, or a module missing a factor.
     """
     if not _is_mapping(adapter):
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: adapter {task} is a {type(adapter).__name__}; expected a mapping (nested dicts) "
             "whose LoRA modules are dicts with 'lora_a' (d_in, r) and 'lora_b' (r, d_out)."
         )
@@ -91,13 +93,13 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
     def walk(node: Any, path: tuple[str, ...]) -> None:
         name = "/".join(path)
         if name in out:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: adapter {task} has two modules named {name!r} (a flat key containing '/' "
                 "and a nested path spell the same name); rename one of them."
             )
         if node is None:
             if not path:
-                raise ValueError(f"{fn}: adapter {task} is None.")
+                raise InputError(f"{fn}: adapter {task} is None.")
             out[name] = None
             return
         if _is_mapping(node):
@@ -106,12 +108,12 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
                 missing = {"lora_a", "lora_b"} - keys
                 extra = keys - MODULE_KEYS
                 if missing:
-                    raise ValueError(
+                    raise InputError(
                         f"{fn}: module {name!r} of task {task} has no {sorted(missing)[0]!r}; a LoRA "
                         "module needs both 'lora_a' (d_in, r) and 'lora_b' (r, d_out)."
                     )
                 if extra:
-                    raise ValueError(
+                    raise InputError(
                         f"{fn}: module {name!r} of task {task} has keys {sorted(extra)} besides "
                         "'lora_a', 'lora_b', 'scale'; pass only the LoRA part of the parameters "
                         "(nu.extract_lora(tree) keeps it)."
@@ -125,7 +127,7 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
             for k in node.keys():
                 walk(node[k], (*path, str(k)))
             return
-        raise ValueError(
+        raise InputError(
             f"{fn}: adapter {task} has a leaf at {name!r} ({type(node).__name__}) that is not part "
             "of a LoRA module; pass only LoRA modules (nu.extract_lora(tree) keeps them), or None "
             "for a module the task lacks."
@@ -174,22 +176,22 @@ def _check_module(fn: str, name: str, task: int, m: Module) -> None:
     a, b = m.lora_a, m.lora_b
     for label, x in (("lora_a", a), ("lora_b", b)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(
+            raise InputTypeError(
                 f"{fn}: {label} of module {name!r}, task {task}, is a {type(x).__name__}; "
                 "expected an array."
             )
         if len(x.shape) != 2:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: {label} of module {name!r}, task {task}, has shape {tuple(x.shape)}; "
                 f"expected 2-D ({'d_in, r' if label == 'lora_a' else 'r, d_out'})."
             )
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(
+            raise InputTypeError(
                 f"{fn}: {label} of module {name!r}, task {task}, has dtype {x.dtype}; expected a "
                 "floating dtype (bf16/fp16 are upcast to float32)."
             )
     if a.shape[1] != b.shape[0]:
-        raise ValueError(
+        raise InputError(
             f"{fn}: factors of module {name!r}, task {task}, do not chain: lora_a {tuple(a.shape)} "
             f"is (d_in, r={a.shape[1]}) but lora_b {tuple(b.shape)} is (r={b.shape[0]}, d_out). "
             "Factors use the flax kernel layout (dK = lora_a @ lora_b); a PEFT checkpoint stores "
@@ -200,12 +202,12 @@ def _check_module(fn: str, name: str, task: int, m: Module) -> None:
     if not isinstance(s, jax.core.Tracer):
         s_arr = np.asarray(s)
         if s_arr.shape != ():
-            raise ValueError(
+            raise InputError(
                 f"{fn}: scale of module {name!r}, task {task}, has shape {s_arr.shape}; expected a "
                 "scalar."
             )
         if not np.isfinite(s_arr):
-            raise ValueError(
+            raise InputError(
                 f"{fn}: scale of module {name!r}, task {task} (lora_a {tuple(a.shape)}, lora_b "
                 f"{tuple(b.shape)}), is {s_arr}; expected a finite LoRA scale (lora_alpha / r)."
             )
@@ -224,16 +226,16 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
       TypeError: non-array or non-floating factors.
     """
     if isinstance(adapters, Mapping) or not isinstance(adapters, Sequence):
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: expected a sequence of adapters (one per task), got {type(adapters).__name__}. "
             "Wrap a single adapter in a list: [adapter]."
         )
     if len(adapters) == 0:
-        raise ValueError(f"{fn}: the adapter list is empty; pass one adapter per task (M >= 1).")
+        raise InputError(f"{fn}: the adapter list is empty; pass one adapter per task (M >= 1).")
     flat = [flatten_modules(ad, fn=fn, task=i) for i, ad in enumerate(adapters)]
     names = list(flat[0])
     if not names:
-        raise ValueError(f"{fn}: adapter 0 has no LoRA modules ('lora_a'/'lora_b' dicts).")
+        raise InputError(f"{fn}: adapter 0 has no LoRA modules ('lora_a'/'lora_b' dicts).")
     ref = set(names)
     for i, f in enumerate(flat[1:], start=1):
         if set(f) != ref:
@@ -244,7 +246,7 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
                 parts.append(f"task {i} lacks {_few(missing)} that task 0 has")
             if extra:
                 parts.append(f"task {i} has {_few(extra)} that task 0 lacks")
-            raise ValueError(
+            raise InputError(
                 f"{fn}: module names differ between adapters: {'; '.join(parts)}. Adapters must "
                 "come from the same base model with the same target modules; where a task really "
                 "lacks a module, put None at that name."
@@ -255,7 +257,7 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
         mods = tuple(f[name] for f in flat)
         present = [(i, m) for i, m in enumerate(mods) if m is not None]
         if not present:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: module {name!r} is None in every task; drop it from the adapters."
             )
         for i, m in present:
@@ -263,7 +265,7 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
         i0, m0 = present[0]
         for i, m in present[1:]:
             if (m.d_in, m.d_out) != (m0.d_in, m0.d_out):
-                raise ValueError(
+                raise InputError(
                     f"{fn}: module {name!r} has update shape (d_in, d_out) = ({m0.d_in}, "
                     f"{m0.d_out}) in task {i0} (lora_a {tuple(m0.lora_a.shape)}, lora_b "
                     f"{tuple(m0.lora_b.shape)}) but ({m.d_in}, {m.d_out}) in task {i} (lora_a "

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import InputError, InputTypeError
 from .utility import Scores
 
 SCOPES = ("global", "local", "uniform")
@@ -133,18 +134,18 @@ def allocate(
     """
     fn = "nu.allocate"
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
-        raise ValueError(
+        raise InputError(
             f"{fn}: budget={budget!r} ({type(budget).__name__}); expected a positive integer R, the "
             "average number of directions kept per module."
         )
     if budget <= 0:
-        raise ValueError(
+        raise InputError(
             f"{fn}: budget={budget}; expected a positive integer (directions per module)."
         )
     if scope not in SCOPES:
-        raise ValueError(f"{fn}: unknown scope {scope!r}; expected one of {SCOPES}.")
+        raise InputError(f"{fn}: unknown scope {scope!r}; expected one of {SCOPES}.")
     if not isinstance(scores, Scores) or not scores.modules:
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: expected the nu.Scores returned by nu.score, got {type(scores).__name__}."
         )
     names = list(scores.modules)

@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import InputTypeError
 from .utility import Scores
 
 
 def _np(masks: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
     if not isinstance(masks, Mapping) or not masks:
-        raise TypeError("expected the {name: bool (M, r_max)} masks returned by nu.allocate.")
+        raise InputTypeError("expected the {name: bool (M, r_max)} masks returned by nu.allocate.")
     return {k: np.asarray(v, bool) for k, v in masks.items()}
 
 

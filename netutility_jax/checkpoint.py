@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 
 from . import _tree
 from .decompose import LoraSVD
+from .errors import InputError, InputTypeError
 from .merging import Report
 from .utility import ModuleScores, Scores
 
@@ -53,7 +54,7 @@ def _encode(x: Any, arrays: list, where: str) -> dict[str, Any]:
         return {"t": "str", "v": x}
     if isinstance(x, jax.Array):
         if isinstance(x, jax.core.Tracer):
-            raise TypeError(
+            raise InputTypeError(
                 f"nu.checkpoint.save: {where} is a traced array; save concrete values, outside jit."
             )
         return _encode_array(x, "jax", arrays, where)
@@ -62,7 +63,7 @@ def _encode(x: Any, arrays: list, where: str) -> dict[str, Any]:
     if isinstance(x, tuple) and hasattr(x, "_fields"):
         name = type(x).__name__
         if NAMED_TUPLES.get(name) is not type(x):
-            raise TypeError(
+            raise InputTypeError(
                 f"nu.checkpoint.save: {where} is a {name} NamedTuple; only {sorted(NAMED_TUPLES)} "
                 "are restored by type. Convert it to a dict (x._asdict()) first."
             )
@@ -71,7 +72,7 @@ def _encode(x: Any, arrays: list, where: str) -> dict[str, Any]:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         name = type(x).__name__
         if DATACLASSES.get(name) is not type(x):
-            raise TypeError(
+            raise InputTypeError(
                 f"nu.checkpoint.save: {where} is a {name} dataclass; only {sorted(DATACLASSES)} "
                 "are restored by type. Convert it to a dict (dataclasses.asdict) first."
             )
@@ -87,7 +88,7 @@ def _encode(x: Any, arrays: list, where: str) -> dict[str, Any]:
         items = []
         for k in x.keys():
             if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise TypeError(
+                raise InputTypeError(
                     f"nu.checkpoint.save: {where} has a key {k!r} of type {type(k).__name__}; "
                     "keys must be str or int."
                 )
@@ -95,7 +96,7 @@ def _encode(x: Any, arrays: list, where: str) -> dict[str, Any]:
         return {"t": "dict", "items": items}
     if hasattr(x, "get_value"):  # a flax.nnx Variable: its value
         return _encode(x.get_value(), arrays, where)
-    raise TypeError(
+    raise InputTypeError(
         f"nu.checkpoint.save: {where} is a {type(x).__name__}; expected nested dicts, lists and "
         "tuples of arrays, Python scalars, strings and None, or nu.Scores / nu.Report."
     )
@@ -104,7 +105,7 @@ def _encode(x: Any, arrays: list, where: str) -> dict[str, Any]:
 def _encode_array(x: Any, kind: str, arrays: list, where: str) -> dict[str, Any]:
     dtype = np.dtype(x.dtype)
     if not (jnp.issubdtype(dtype, jnp.number) or dtype == np.bool_):
-        raise TypeError(
+        raise InputTypeError(
             f"nu.checkpoint.save: {where} has dtype {dtype}; only numeric and bool arrays are "
             "stored."
         )
@@ -210,7 +211,7 @@ def _decode(spec: dict[str, Any], arrays: Mapping[str, Any]) -> Any:
         return tuple(_decode(v, arrays) for v in spec["items"])
     if t == "dict":
         return {k: _decode(v, arrays) for k, v in spec["items"]}
-    raise ValueError(f"unknown node type {t!r}")
+    raise InputError(f"unknown node type {t!r}")
 
 
 def restore(path: str | os.PathLike) -> Any:
@@ -255,12 +256,12 @@ def restore(path: str | os.PathLike) -> Any:
         except Exception as e:
             raise _unreadable(fn, path, e) from e
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or "tree" not in meta:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: {path!r} is an orbax checkpoint but not one nu.checkpoint.save wrote (no "
                 f"{FORMAT!r} metadata); restore it with orbax directly."
             )
         if not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: {path!r} has format version {meta.get('version')!r}; this netutility-jax "
                 f"reads versions up to {VERSION}. Upgrade netutility-jax."
             )
@@ -268,7 +269,7 @@ def restore(path: str | os.PathLike) -> Any:
         for s in specs:
             dt = jnp.dtype(s["dtype"])
             if s["kind"] == "jax" and jax.dtypes.canonicalize_dtype(dt) != dt:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: {path!r} holds a {dt} jax.Array {tuple(s['shape'])}, saved with "
                     "jax_enable_x64; enable it (jax.config.update('jax_enable_x64', True)) "
                     "before restoring, so the values are not truncated."

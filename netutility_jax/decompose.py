@@ -10,6 +10,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from ._tree import float_dtype
+from .errors import InputError, InputTypeError
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -33,7 +34,7 @@ def _float_dtype(**xs: ArrayLike) -> np.dtype:
     for label, x in xs.items():
         dt = np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
         if not jnp.issubdtype(dt, jnp.floating):
-            raise TypeError(
+            raise InputTypeError(
                 f"nu.lora_svd: {label} has dtype {dt}; expected a floating dtype (bf16/fp16 are "
                 "upcast to float32)."
             )
@@ -100,7 +101,7 @@ def lora_svd(lora_a: ArrayLike, lora_b: ArrayLike, scale: ArrayLike = 1.0) -> Lo
     a = jnp.asarray(lora_a, dt)
     b = jnp.asarray(lora_b, dt)
     if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
-        raise ValueError(
+        raise InputError(
             f"nu.lora_svd: lora_a {a.shape} and lora_b {b.shape} do not chain; expected lora_a "
             "(..., d_in, r) and lora_b (..., r, d_out) with the same leading axes. A PEFT "
             "checkpoint stores lora_A (r, d_in) and lora_B (d_out, r): transpose both."

@@ -36,6 +36,7 @@ from ._linalg import t as _t
 from .allocate import allocate
 from .analysis import budget_spent, kept_per_task, non_prefix_fraction
 from .decompose import lora_svd
+from .errors import InputError, InputTypeError
 from .utility import default_rtol, heterogeneity, score
 
 METHODS = ("ta", "ties", "dare", "dare_ties", "tsv", "iso_c", "iso_cts")
@@ -68,14 +69,14 @@ _FN = "nu.merge"
 
 def _resolve_options(fn: str, method: str, space: str, options: Mapping[str, Any]) -> dict:
     if method not in METHODS:
-        raise ValueError(f"{fn}: unknown method {method!r}; expected one of {METHODS}.")
+        raise InputError(f"{fn}: unknown method {method!r}; expected one of {METHODS}.")
     if space not in _s.SPACES:
-        raise ValueError(f"{fn}: unknown space {space!r}; expected one of {_s.SPACES}.")
+        raise InputError(f"{fn}: unknown space {space!r}; expected one of {_s.SPACES}.")
     takes = {**METHOD_OPTIONS[method], **SPACE_OPTIONS[space]}
     extra = sorted(set(options) - set(takes))
     if extra:
         which = ", ".join(repr(k) for k in takes) or "no options"
-        raise ValueError(
+        raise InputError(
             f"{fn}: method={method!r} in space={space!r} does not take {', '.join(map(repr, extra))}; "
             f"it takes {which}."
         )
@@ -85,7 +86,7 @@ def _resolve_options(fn: str, method: str, space: str, options: Mapping[str, Any
             continue
         v = opts[name]
         if v is None:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: method={method!r} needs {name}= (the drop rate in [0, 1), e.g. p=0.5)."
             )
         hi_ok = name == "density"
@@ -96,20 +97,20 @@ def _resolve_options(fn: str, method: str, space: str, options: Mapping[str, Any
             or not (0 <= v < 1 or (hi_ok and v == 1))
         ):
             rng = "[0, 1]" if hi_ok else "[0, 1)"
-            raise ValueError(f"{fn}: {name}={v!r}; expected a number in {rng}.")
+            raise InputError(f"{fn}: {name}={v!r}; expected a number in {rng}.")
         opts[name] = float(v)
     if method == "ties" and opts["scope"] not in ("module", "model"):
-        raise ValueError(
+        raise InputError(
             f"{fn}: TIES scope={opts['scope']!r}; expected 'module' (per-module top-k, default) "
             "or 'model' (top-k over the whole model, as the original KnOTS)."
         )
     if method == "iso_cts":
         cf = opts["common_fraction"]
         if isinstance(cf, bool) or not isinstance(cf, numbers.Real) or not 0 <= cf <= 1:
-            raise ValueError(f"{fn}: common_fraction={cf!r}; expected a number in [0, 1].")
+            raise InputError(f"{fn}: common_fraction={cf!r}; expected a number in [0, 1].")
         opts["common_fraction"] = float(cf)
     if space == "knots" and opts["variant"] not in _s.KNOTS_VARIANTS:
-        raise ValueError(
+        raise InputError(
             f"{fn}: KnOTS variant={opts['variant']!r}; expected one of {_s.KNOTS_VARIANTS} "
             "('core_space': unscaled blocks V_i, default; 'original': scaled blocks S V_i)."
         )
@@ -124,12 +125,12 @@ def _check_coef(fn: str, coef: Any) -> None:
         return
     c = np.asarray(coef)
     if c.shape != () or not np.issubdtype(c.dtype, np.number) or not np.isfinite(c):
-        raise ValueError(f"{fn}: coef={coef!r}; expected a finite scalar.")
+        raise InputError(f"{fn}: coef={coef!r}; expected a finite scalar.")
 
 
 def _check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) -> dict:
     if not isinstance(masks, Mapping):
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: masks is a {type(masks).__name__}; expected the {{name: bool (M, r_max)}} dict "
             "returned by nu.allocate, or None to keep every component."
         )
@@ -141,7 +142,7 @@ def _check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) -
             parts.append(f"no mask for {_tree._few(missing)}")
         if extra:
             parts.append(f"masks for {_tree._few(extra)} that the adapters lack")
-        raise ValueError(
+        raise InputError(
             f"{fn}: mask names do not match the adapters' modules: {'; '.join(parts)}. Pass the "
             "masks nu.allocate returns for these same adapters."
         )
@@ -151,13 +152,13 @@ def _check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) -
             m = masks[name]
             shape = tuple(getattr(m, "shape", np.shape(m)))
             if shape != (m_tasks, bk.r_max):
-                raise ValueError(
+                raise InputError(
                     f"{fn}: mask of module {name!r} has shape {shape}; expected (M, r_max) = "
                     f"({m_tasks}, {bk.r_max}) (tasks x the module's largest rank)."
                 )
             dt = np.dtype(getattr(m, "dtype", np.asarray(m).dtype))
             if dt != np.bool_:
-                raise TypeError(f"{fn}: mask of module {name!r} has dtype {dt}; expected bool.")
+                raise InputTypeError(f"{fn}: mask of module {name!r} has dtype {dt}; expected bool.")
             out[name] = m
     return out
 
@@ -638,7 +639,7 @@ def merge(
     opts = _resolve_options(fn, method, space, options)
     _check_coef(fn, coef)
     if method in ("dare", "dare_ties") and key is None:
-        raise ValueError(
+        raise InputError(
             f"{fn}: method={method!r} needs key= (a jax.random key, e.g. jax.random.key(0)); the "
             "drop mask is drawn fresh from it on every call."
         )
@@ -729,14 +730,14 @@ def to_lora(module: Mapping[str, Any] | Any, rank: int) -> dict[str, Any]:
       (True, (4, 2))
     """
     if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0:
-        raise ValueError(f"nu.to_lora: rank={rank!r}; expected an integer >= 0.")
+        raise InputError(f"nu.to_lora: rank={rank!r}; expected an integer >= 0.")
     if isinstance(module, Mapping) and "lora_a" in module:
         u = lora_svd(module["lora_a"], module["lora_b"], module.get("scale", 1.0))
         k = min(int(rank), u.s.shape[-1])
         return {"lora_a": u.in_dirs[:, :k] * u.s[:k], "lora_b": u.out_dirs[:, :k].T, "scale": 1.0}
     x = module["delta"] if isinstance(module, Mapping) else module
     if not hasattr(x, "shape") or len(x.shape) != 2:
-        raise ValueError(
+        raise InputError(
             "nu.to_lora: expected {'delta': (d_in, d_out)}, a 2-D array or a LoRA module; got "
             f"{type(x).__name__} with shape {getattr(x, 'shape', None)}."
         )
@@ -799,13 +800,13 @@ def fold(params: Any, merged: Any, *, kernel: str = "kernel", coef: float = 1.0)
 
     walk(merged, ())
     if not mods:
-        raise ValueError(f"{fn}: merged adapter has no modules ('lora_a'/'lora_b' or 'delta').")
+        raise InputError(f"{fn}: merged adapter has no modules ('lora_a'/'lora_b' or 'delta').")
 
     def add(target, name, mod):
         w = _tree._unwrap(target)
         d = module_update(mod)
         if tuple(w.shape) != tuple(d.shape):
-            raise ValueError(
+            raise InputError(
                 f"{fn}: module {name!r}: base kernel has shape {tuple(w.shape)} but the update is "
                 f"(d_in, d_out) = {tuple(d.shape)}; kernels use the flax layout (d_in, d_out)."
             )
@@ -816,13 +817,13 @@ def fold(params: Any, merged: Any, *, kernel: str = "kernel", coef: float = 1.0)
         if not path:
             if _tree._is_mapping(node):
                 if kernel not in node.keys():
-                    raise ValueError(f"{fn}: params at {name!r} has no {kernel!r} entry.")
+                    raise InputError(f"{fn}: params at {name!r} has no {kernel!r} entry.")
                 out = dict(node)
                 out[kernel] = add(node[kernel], name, mod)
                 return out
             return add(node, name, mod)
         if not _tree._is_mapping(node) or path[0] not in node.keys():
-            raise ValueError(
+            raise InputError(
                 f"{fn}: module {name!r} has no counterpart in params (missing key {path[0]!r}); "
                 "params must mirror the adapter's module paths."
             )
@@ -924,13 +925,13 @@ def merge_adapters(
     fn = "nu.merge_adapters"
     _resolve_options(fn, method, space, options)
     if allocation not in ALLOCATIONS:
-        raise ValueError(f"{fn}: unknown allocation {allocation!r}; expected one of {ALLOCATIONS}.")
+        raise InputError(f"{fn}: unknown allocation {allocation!r}; expected one of {ALLOCATIONS}.")
     if scope is None:
         scope = "local" if method in ELEMENTWISE_METHODS else "global"
     if allocation == "net_utility" and scope not in ("global", "local"):
-        raise ValueError(f"{fn}: scope={scope!r}; expected 'global', 'local' or None.")
+        raise InputError(f"{fn}: scope={scope!r}; expected 'global', 'local' or None.")
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget <= 0:
-        raise ValueError(f"{fn}: budget={budget!r}; expected a positive integer R.")
+        raise InputError(f"{fn}: budget={budget!r}; expected a positive integer R.")
     names, buckets, _m_tasks = _tree.collect(adapters, fn=fn)
     lam_used = alpha_used = None
     sc = None

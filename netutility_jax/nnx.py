@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from . import _tree
+from .errors import InputError, InputTypeError
 from .merging import module_update
 
 MODES = ("fold", "lora")
@@ -46,7 +47,7 @@ class _Layer:
 
 def _lora_layers(model: Any, fn: str) -> dict[str, _Layer]:
     if not isinstance(model, nnx.Module):
-        raise TypeError(f"{fn}: expected a flax.nnx.Module, got {type(model).__name__}.")
+        raise InputTypeError(f"{fn}: expected a flax.nnx.Module, got {type(model).__name__}.")
     mods = dict(nnx.iter_modules(model))
     out: dict[str, _Layer] = {}
     for path, mod in mods.items():
@@ -61,7 +62,7 @@ def _lora_layers(model: Any, fn: str) -> dict[str, _Layer]:
         name = "/".join(map(str, path)) or "lora"
         out[name] = _Layer(name, mod, base)
     if not out:
-        raise ValueError(
+        raise InputError(
             f"{fn}: {type(model).__name__} has no LoRA layers (nnx.LoRA or nnx.LoRALinear); "
             "build the model with LoRA layers (e.g. nnx.LoRALinear(d_in, d_out, lora_rank=r))."
         )
@@ -74,7 +75,7 @@ def _scalar(fn: str, name: str, x: Any, what: str) -> float | jax.Array:
         return x
     arr = np.asarray(x)
     if arr.shape != () or not jnp.issubdtype(arr.dtype, jnp.number) or not np.isfinite(arr):
-        raise ValueError(
+        raise InputError(
             f"{fn}: {what} of module {name!r} is {x!r}; expected a finite scalar (the factor the "
             "forward applies to x @ lora_a @ lora_b)."
         )
@@ -87,7 +88,7 @@ def _scales(
     if isinstance(scale, Mapping):
         unknown = sorted(set(scale) - set(layers))
         if unknown:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: scale names {unknown[:3]} are not LoRA layers of the model; LoRA layers "
                 f"are {list(layers)[:5]}{' ...' if len(layers) > 5 else ''}."
             )
@@ -152,7 +153,7 @@ def extract_adapter(
 
 def _merged_modules(fn: str, merged: Any) -> dict[str, Mapping[str, Any] | None]:
     if not _tree._is_mapping(merged):
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: merged is a {type(merged).__name__}; expected the adapter returned by "
             "nu.merge / nu.merge_adapters ({name: module})."
         )
@@ -168,7 +169,7 @@ def _merged_modules(fn: str, merged: Any) -> dict[str, Mapping[str, Any] | None]
             for k in node.keys():
                 walk(node[k], (*path, str(k)))
         else:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: merged has a leaf at {name!r} ({type(node).__name__}) outside any module; "
                 "expected {name: {'lora_a', 'lora_b', 'scale'}} or {name: {'delta'}}."
             )
@@ -236,7 +237,7 @@ def apply_adapter(
     """
     fn = "nu.nnx.apply_adapter"
     if mode not in MODES:
-        raise ValueError(f"{fn}: unknown mode {mode!r}; expected one of {MODES}.")
+        raise InputError(f"{fn}: unknown mode {mode!r}; expected one of {MODES}.")
     layers = _lora_layers(model, fn)
     mods = _merged_modules(fn, merged)
     if set(mods) != set(layers):
@@ -246,7 +247,7 @@ def apply_adapter(
             parts.append(f"the model's LoRA layers {missing[:3]} have no merged module")
         if extra:
             parts.append(f"merged modules {extra[:3]} are not LoRA layers of the model")
-        raise ValueError(
+        raise InputError(
             f"{fn}: merged module names do not match the model: {'; '.join(parts)}. Merge "
             "adapters extracted from this model architecture (nu.nnx.extract_adapter); its "
             f"LoRA layers are {list(layers)[:5]}{' ...' if len(layers) > 5 else ''}."
@@ -283,46 +284,46 @@ def _check(fn: str, name: str, layer: _Layer, mod: Any, mode: str, layer_scale: 
                 got = (-1, -1)
         else:
             if "lora_a" not in mod.keys() or "lora_b" not in mod.keys():
-                raise ValueError(
+                raise InputError(
                     f"{fn}: merged module {name!r} has keys {sorted(mod.keys())}; expected "
                     "'lora_a' and 'lora_b' (and 'scale'), or 'delta'."
                 )
             sa, sb = _shape(mod["lora_a"]), _shape(mod["lora_b"])
             what = f"lora_a {sa}, lora_b {sb}"
             if len(sa) != 2 or len(sb) != 2 or sa[1] != sb[0]:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: merged module {name!r} has factors {what} that do not chain; expected "
                     "lora_a (d_in, K) and lora_b (K, d_out) in flax kernel layout."
                 )
             got = (sa[0], sb[1])
         if got != (d_in, d_out):
-            raise ValueError(
+            raise InputError(
                 f"{fn}: merged module {name!r} ({what}) is not (d_in, d_out) = ({d_in}, {d_out}): "
                 f"{ours}. Merge adapters extracted from this model (nu.nnx.extract_adapter)."
             )
     if mode == "fold":
         kernel = _base_kernel(layer)
         if kernel is None:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: module {name!r} is an nnx.LoRA without a base kernel (base_module "
                 f"{type(layer.base).__name__ if layer.base is not None else None}); mode='fold' "
                 "adds the update to a base module's `kernel`. Use mode='lora' for this layer's "
                 "model (and nu.to_lora for dense modules)."
             )
         if _shape(kernel) != (d_in, d_out):
-            raise ValueError(
+            raise InputError(
                 f"{fn}: module {name!r}: base kernel has shape {_shape(kernel)} but {ours}; "
                 "mode='fold' needs a kernel in flax layout (d_in, d_out). Use mode='lora'."
             )
     else:
         if mod is not None and "delta" in mod.keys():
-            raise ValueError(
+            raise InputError(
                 f"{fn}: merged module {name!r} is dense ({{'delta': {_shape(mod['delta'])}}}, from "
                 "a full-space TIES/DARE merge) and has no LoRA factors; use mode='fold' to add it "
                 "to the base kernel, or truncate it first with nu.to_lora(module, rank)."
             )
         if not isinstance(layer_scale, jax.core.Tracer) and layer_scale == 0:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: LoRA layer {name!r} has scale 0, so no lora_b reproduces the merged "
                 "update; pass scale= or use mode='fold'."
             )

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import InputError, InputTypeError
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
@@ -140,7 +142,7 @@ def _match_key(pattern_keys: Iterable[str], name: str, *, fn: str) -> str | None
         try:
             hit = re.match(rf"(.*\.)?({key})$", name)
         except re.error as e:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: pattern key {key!r} is not a valid regular expression ({e}); PEFT matches "
                 "rank_pattern / alpha_pattern keys as regexes: escape special characters."
             ) from e
@@ -175,7 +177,7 @@ def _directory(path: Any, *, fn: str) -> pathlib.Path:
             "download it first with huggingface_hub.snapshot_download(repo_id)."
         )
     if not p.is_dir():
-        raise ValueError(
+        raise InputError(
             f"{fn}: {str(p)!r} is a file; pass the adapter directory that holds {CONFIG_NAME} and "
             f"{WEIGHTS_NAME} (here: {str(p.parent)!r})."
         )
@@ -218,12 +220,12 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
     try:
         cfg = json.loads(f.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(
+        raise InputError(
             f"{fn}: {str(f)!r} is not valid JSON ({e}); the file is corrupt or truncated: "
             "re-save the adapter with PEFT's save_pretrained."
         ) from e
     if not isinstance(cfg, dict):
-        raise ValueError(
+        raise InputError(
             f"{fn}: {str(f)!r} holds a JSON {type(cfg).__name__}, expected an object with the "
             "LoraConfig fields (peft_type, r, lora_alpha, target_modules, ...)."
         )
@@ -235,40 +237,40 @@ def _check_lora_config(cfg: Mapping[str, Any], f: pathlib.Path, *, fn: str) -> N
     where = f"{fn}: {str(f)!r}"
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
-        raise ValueError(
+        raise InputError(
             f"{where} has peft_type={peft_type!r}; only LoRA adapters (peft_type 'LORA') can be "
             "loaded."
         )
     if cfg.get("use_dora"):
-        raise ValueError(
+        raise InputError(
             f"{where} has use_dora=true: a DoRA adapter rescales the weight columns by a learned "
             "magnitude, so its update is not scale * B A and cannot be merged as LoRA. Use a plain "
             "LoRA adapter, or load it with PEFT and merge_and_unload() it into the base weights."
         )
     if cfg.get("lora_bias"):
-        raise ValueError(
+        raise InputError(
             f"{where} has lora_bias=true: its lora_B layers carry a bias, which a LoRA update "
             "scale * B A cannot hold. Use an adapter trained with lora_bias=false."
         )
     if cfg.get("target_parameters"):
-        raise ValueError(
+        raise InputError(
             f"{where} sets target_parameters={cfg['target_parameters']!r}: LoRA on raw parameters "
             "(e.g. MoE experts) has a different layout and is not supported; only LoRA on "
             "Linear / Conv1D modules (target_modules) is."
         )
     if cfg.get("use_qalora"):
-        raise ValueError(
+        raise InputError(
             f"{where} has use_qalora=true: QA-LoRA's lora_A acts on pooled input groups, so its "
             "update is not scale * B A on the full input. Use a plain LoRA adapter."
         )
     if cfg.get("alora_invocation_tokens"):
-        raise ValueError(
+        raise InputError(
             f"{where} is an activated LoRA (alora_invocation_tokens set): its update applies only "
             "after the invocation tokens, which a merged weight update cannot express."
         )
     init = str(cfg.get("init_lora_weights", True)).lower()
     if any(init.startswith(p) for p in _MUTATING_INITS):
-        raise ValueError(
+        raise InputError(
             f"{where} has init_lora_weights={cfg['init_lora_weights']!r}: this initialisation "
             "rewrites the base weights, so the saved update is relative to the rewritten weights. "
             "Re-save it with PEFT: model.save_pretrained(out, "
@@ -278,7 +280,7 @@ def _check_lora_config(cfg: Mapping[str, Any], f: pathlib.Path, *, fn: str) -> N
     for field in ("rank_pattern", "alpha_pattern"):
         v = cfg.get(field)
         if v is not None and not isinstance(v, dict):
-            raise ValueError(
+            raise InputError(
                 f"{where}: {field} is a {type(v).__name__}; expected an object mapping module-name "
                 "patterns to values."
             )
@@ -305,7 +307,7 @@ def _open_weights(f: pathlib.Path, *, fn: str):
     try:
         return st.safe_open(str(f), framework="flax")
     except st.SafetensorError as e:
-        raise ValueError(
+        raise InputError(
             f"{fn}: {str(f)!r} is not a readable safetensors file ({e}); it is corrupt or "
             "truncated (an interrupted download or copy): download or save it again."
         ) from e
@@ -368,7 +370,7 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
     wf = d / WEIGHTS_NAME
     if not wf.is_file():
         if (d / PICKLE_NAME).is_file():
-            raise ValueError(
+            raise InputError(
                 f"{fn}: {str(d)!r} holds only the pickled {PICKLE_NAME}, which is never unpickled "
                 "here (loading a pickle can run arbitrary code). Convert it once with PEFT: "
                 "PeftModel.from_pretrained(base_model, dir).save_pretrained(out, "
@@ -396,7 +398,7 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
             for k in keys:
                 shapes[k] = tuple(fh.get_slice(k).get_shape())
         except _safetensors().SafetensorError as e:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: {str(wf)!r} is not a readable safetensors file ({e}); it is corrupt or "
                 "truncated: download or save it again."
             ) from e
@@ -404,7 +406,7 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
             module, kind, adapter_name, param = _split_key(k)
             if kind is None:
                 if strict:
-                    raise ValueError(
+                    raise InputError(
                         f"{fn}: {str(wf)!r} holds {k!r} {shapes[k]}, which is not a LoRA factor "
                         "(a modules_to_save copy, trainable tokens or a trained bias). A merge "
                         "of LoRA updates cannot carry it; pass strict=False to skip such "
@@ -412,23 +414,23 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
                     )
                 continue
             if kind == "lora_magnitude_vector":
-                raise ValueError(
+                raise InputError(
                     f"{fn}: {str(wf)!r} holds the DoRA magnitude {k!r}: DoRA adapters are not "
                     "scale * B A updates and cannot be merged as LoRA."
                 )
             if kind in ("lora_embedding_A", "lora_embedding_B"):
-                raise ValueError(
+                raise InputError(
                     f"{fn}: {str(wf)!r} holds {k!r}: LoRA on an embedding layer ({module!r}) is "
                     "not supported; train the adapter without embedding layers in "
                     "target_modules."
                 )
             if kind not in ("lora_A", "lora_B"):
-                raise ValueError(
+                raise InputError(
                     f"{fn}: {str(wf)!r} holds {k!r} ({kind}), which is not part of a LoRA "
                     "adapter (lora_A / lora_B); was it saved by another PEFT method?"
                 )
             if param == "bias":
-                raise ValueError(
+                raise InputError(
                     f"{fn}: {str(wf)!r} holds the bias {k!r}: an adapter trained with "
                     "lora_bias=true is not a pure scale * B A update and cannot be merged as LoRA."
                 )
@@ -436,19 +438,19 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
                 adapter_names.add(adapter_name)
             slot = factors.setdefault(module, {})
             if kind in slot:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: {str(wf)!r} holds two {kind} tensors for module {module!r} "
                     f"({slot[kind]!r} and {k!r}); keep one adapter per directory."
                 )
             slot[kind] = k
         if len(adapter_names) > 1:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: {str(wf)!r} holds several adapters ({sorted(adapter_names)}); save each "
                 "with PEFT's save_pretrained(..., selected_adapters=[name]) and load them one by "
                 "one."
             )
         if not factors:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: {str(wf)!r} holds no LoRA factors (no '...lora_A.weight' / "
                 "'...lora_B.weight' keys); it is not a LoRA adapter."
             )
@@ -458,7 +460,7 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
             slot = factors[module]
             for have, need in (("lora_A", "lora_B"), ("lora_B", "lora_A")):
                 if have in slot and need not in slot:
-                    raise ValueError(
+                    raise InputError(
                         f"{fn}: {str(wf)!r} has {slot[have]!r} {shapes[slot[have]]} but no "
                         f"{need} for module {module!r}; the file is incomplete: save the adapter "
                         "again."
@@ -466,7 +468,7 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
             ka, kb = slot["lora_A"], slot["lora_B"]
             sa, sb = shapes[ka], shapes[kb]
             if len(sa) != 2 or len(sb) != 2:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: module {module!r} in {str(wf)!r} has lora_A {sa} and lora_B {sb}; "
                     "only 2-D factors (LoRA on Linear / Conv1D) are supported, not LoRA on "
                     "convolutions."
@@ -474,25 +476,25 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
             r = _pattern_value(rank_pattern, module, r_default, fn=fn)
             alpha = _pattern_value(alpha_pattern, module, alpha_default, fn=fn)
             if sa[0] != sb[1]:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: module {module!r} in {str(wf)!r} has lora_A {sa} = (r, d_in) but "
                     f"lora_B {sb} = (d_out, r) with a different r; the file is corrupt: save the "
                     "adapter again."
                 )
             if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r <= 0:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: {str(cf)!r} gives module {module!r} r={r!r}; expected a positive "
                     "integer."
                 )
             if sa[0] != r:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: module {module!r} has lora_A {sa} and lora_B {sb} (rank {sa[0]}) in "
                     f"{str(wf)!r}, but {str(cf)!r} gives it r={r} (r / rank_pattern); the config "
                     "does not belong to these weights: keep each adapter's config with its "
                     "weights."
                 )
             if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
-                raise ValueError(
+                raise InputError(
                     f"{fn}: {str(cf)!r} gives module {module!r} lora_alpha={alpha!r}; expected a "
                     "number."
                 )
@@ -501,7 +503,7 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
             b = fh.get_tensor(kb)
             for k, x in ((ka, a), (kb, b)):
                 if not jnp.issubdtype(x.dtype, jnp.floating):
-                    raise TypeError(
+                    raise InputTypeError(
                         f"{fn}: {k!r} in {str(wf)!r} has dtype {x.dtype}; LoRA factors are "
                         "floating point (float32, bf16, fp16)."
                     )
@@ -558,15 +560,15 @@ def check_compatible(
     if labels is None:
         labels = [f"adapter {i}" for i in range(len(adapters))]
     if len(labels) != len(adapters):
-        raise ValueError(f"{fn}: {len(labels)} labels for {len(adapters)} adapters.")
+        raise InputError(f"{fn}: {len(labels)} labels for {len(adapters)} adapters.")
     if not adapters:
-        raise ValueError(f"{fn}: no adapters given.")
+        raise InputError(f"{fn}: no adapters given.")
     ref, ref_label = adapters[0], labels[0]
     for ad, label in zip(adapters[1:], labels[1:], strict=True):
         for x, y, lx, ly in ((ref, ad, ref_label, label), (ad, ref, label, ref_label)):
             missing = [n for n in x if n not in y]
             if missing:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: module {missing[0]!r} is in {lx} but not in {ly} "
                     f"({len(missing)} such module{'s' if len(missing) > 1 else ''}); the adapters "
                     "must target the same modules of the same base model (same target_modules)."
@@ -574,7 +576,7 @@ def check_compatible(
         for name in ref:
             s0, s1 = _update_shape(ref[name]), _update_shape(ad[name])
             if s0 != s1:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: module {name!r} has update shape (d_in, d_out) = {s0} in {ref_label} "
                     f"but {s1} in {label}; the adapters were trained on different base models "
                     "and cannot be merged."
@@ -606,7 +608,7 @@ def load_adapters(paths: Sequence[str | os.PathLike], *, strict: bool = True) ->
     """
     fn = "nu.peft.load_adapters"
     if isinstance(paths, (str, os.PathLike)) or len(paths) == 0:
-        raise ValueError(
+        raise InputError(
             f"{fn}: expected a non-empty list of adapter directories, got {paths!r}; for one "
             "adapter use nu.peft.load_adapter(path)."
         )
@@ -634,7 +636,7 @@ def _jsonable(v: Any) -> Any:
 
 def _modules_for_save(adapter: Any, *, fn: str) -> dict[str, Mapping[str, Any]]:
     if not isinstance(adapter, Mapping):
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: adapter is a {type(adapter).__name__}; expected a dict keyed by PEFT module "
             "names (as nu.peft.load_adapter and nu.merge_adapters return)."
         )
@@ -649,17 +651,17 @@ def _modules_for_save(adapter: Any, *, fn: str) -> dict[str, Mapping[str, Any]]:
             for k in node:
                 walk(node[k], (*path, str(k)))
             return
-        raise ValueError(
+        raise InputError(
             f"{fn}: {name!r} holds a {type(node).__name__}, not a module; expected "
             "{'lora_a', 'lora_b', 'scale'} or {'delta'} dicts keyed by PEFT module names."
         )
 
     walk(adapter, ())
     if not out:
-        raise ValueError(f"{fn}: the adapter has no modules.")
+        raise InputError(f"{fn}: the adapter has no modules.")
     for name in out:
         if not name or "/" in name or name.startswith(PREFIX):
-            raise ValueError(
+            raise InputError(
                 f"{fn}: module name {name!r} is not a PEFT module name: expected the dotted path "
                 "of a module in the transformers model without the 'base_model.model.' prefix "
                 "(e.g. 'model.layers.0.self_attn.q_proj'), as nu.peft.load_adapter returns."
@@ -669,19 +671,19 @@ def _modules_for_save(adapter: Any, *, fn: str) -> dict[str, Mapping[str, Any]]:
 
 def _host(x: Any, label: str, name: str, *, fn: str) -> np.ndarray:
     if isinstance(x, jax.core.Tracer):
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: {label} of module {name!r} is traced; call save_adapter outside jit."
         )
     arr = np.asarray(x)
     if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name not in ("bfloat16",):
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: {label} of module {name!r} has dtype {arr.dtype}; expected floating point."
         )
     if arr.ndim != 2:
-        raise ValueError(f"{fn}: {label} of module {name!r} has shape {arr.shape}; expected 2-D.")
+        raise InputError(f"{fn}: {label} of module {name!r} has shape {arr.shape}; expected 2-D.")
     arr = arr.astype(np.float64)
     if not np.all(np.isfinite(arr)):
-        raise ValueError(
+        raise InputError(
             f"{fn}: {label} of module {name!r} {arr.shape} has non-finite entries; PEFT would "
             "load NaN/inf weights."
         )
@@ -695,7 +697,7 @@ def _peft_factors(
     if "delta" in mod:
         delta = _host(mod["delta"], "delta", name, fn=fn)
         if rank is None:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: module {name!r} is dense ({{'delta': {delta.shape}}}, e.g. from TIES or "
                 "DARE in full space) and PEFT stores only low-rank factors. Pass rank=k to "
                 "truncate dense modules by SVD (the best rank-k approximation), or truncate "
@@ -707,20 +709,20 @@ def _peft_factors(
         # balanced split: both factors carry sqrt(s), like a trained LoRA
         return (u[:, :k] * root).T, (root[:, None] * vt[:k]).T
     if "lora_a" not in mod or "lora_b" not in mod:
-        raise ValueError(
+        raise InputError(
             f"{fn}: module {name!r} has keys {sorted(mod.keys())}; a LoRA module needs both "
             "'lora_a' (d_in, r) and 'lora_b' (r, d_out)."
         )
     a = _host(mod["lora_a"], "lora_a", name, fn=fn)
     b = _host(mod["lora_b"], "lora_b", name, fn=fn)
     if a.shape[1] != b.shape[0]:
-        raise ValueError(
+        raise InputError(
             f"{fn}: factors of module {name!r} do not chain: lora_a {a.shape} is (d_in, r) but "
             f"lora_b {b.shape} is (r, d_out)."
         )
     scale = np.asarray(mod.get("scale", 1.0), np.float64)
     if scale.shape != () or not np.isfinite(scale):
-        raise ValueError(f"{fn}: scale of module {name!r} is {scale!r}; expected a finite scalar.")
+        raise InputError(f"{fn}: scale of module {name!r} is {scale!r}; expected a finite scalar.")
     if a.shape[1] == 0:
         # nothing kept here: PEFT needs r >= 1, so write one zero direction (update exactly 0)
         return np.zeros((1, a.shape[0])), np.zeros((b.shape[1], 1))
@@ -789,7 +791,7 @@ def _check_targets(cfg: Mapping[str, Any], names: Iterable[str], *, fn: str) -> 
         try:
             ok = _targeted(cfg, n)
         except re.error as e:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: target_modules / exclude_modules is not a valid regex ({e})."
             ) from e
         if not ok:
@@ -803,7 +805,7 @@ def _check_targets(cfg: Mapping[str, Any], names: Iterable[str], *, fn: str) -> 
                 )
                 if cfg.get(k) is not None
             }
-            raise ValueError(
+            raise InputError(
                 f"{fn}: with {shown} PEFT would not adapt module {n!r}, so its weights would not "
                 "be loaded. Leave target_modules out (the exact module names are then written) or "
                 "make these fields cover every module of the adapter."
@@ -818,7 +820,7 @@ def _resolve_base_config(base_config: Any, *, fn: str) -> dict[str, Any]:
     if hasattr(base_config, "to_dict") and not isinstance(base_config, Mapping):
         base_config = base_config.to_dict()
     if not isinstance(base_config, Mapping):
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: base_config is a {type(base_config).__name__}; expected a dict (e.g. "
             "nu.peft.load_config(dir) or load_adapters(...).config), a peft LoraConfig, or an "
             "adapter directory."
@@ -910,20 +912,20 @@ def save_adapter(
     if rank is not None and (
         isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1
     ):
-        raise ValueError(
+        raise InputError(
             f"{fn}: rank={rank!r}; expected a positive integer (the rank dense modules are "
             "truncated to) or None."
         )
     if dtype not in _SAVE_DTYPES:
-        raise ValueError(f"{fn}: dtype={dtype!r}; expected one of {_SAVE_DTYPES}.")
+        raise InputError(f"{fn}: dtype={dtype!r}; expected one of {_SAVE_DTYPES}.")
     for k in config:
         if k in _COMPUTED_FIELDS:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: {k}= is computed by save_adapter (each module's rank, with lora_alpha = r "
                 "so PEFT's scale is 1 and the merged scale is folded into lora_B); drop it."
             )
         if k not in _CONFIG_OVERRIDES:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: unknown config field {k}=; accepted: {', '.join(_CONFIG_OVERRIDES)}."
             )
     out_dir = pathlib.Path(os.fspath(path))
@@ -943,7 +945,7 @@ def save_adapter(
             with np.errstate(over="ignore"):  # overflow is reported below, with the module
                 y = np.ascontiguousarray(x.astype(np_dtype))
             if not np.all(np.isfinite(y.astype(np.float32))):
-                raise ValueError(
+                raise InputError(
                     f"{fn}: module {name!r}'s {part} overflows {dtype} (largest entry "
                     f"{np.abs(x).max():.3g}); save with dtype='float32' or 'bfloat16'."
                 )
@@ -975,7 +977,7 @@ def save_adapter(
     try:
         text = json.dumps(cfg, indent=2) + "\n"
     except TypeError as e:
-        raise ValueError(f"{fn}: the config is not JSON-serialisable ({e}): {cfg!r}.") from e
+        raise InputError(f"{fn}: the config is not JSON-serialisable ({e}): {cfg!r}.") from e
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .analysis import non_prefix_fraction, retention_by_rank
+from .errors import InputError, InputTypeError
 from .merging import Report
 from .utility import Scores
 
@@ -90,7 +91,7 @@ def _kept_counts(fn: str, masks: Any) -> dict[str, np.ndarray]:
 
 def _masks(fn: str, masks: Any) -> dict[str, np.ndarray]:
     if not isinstance(masks, Mapping) or not masks:
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: expected the {{name: bool (M, r_max)}} masks returned by nu.allocate, got "
             f"{type(masks).__name__}{' (empty)' if isinstance(masks, Mapping) else ''}."
         )
@@ -98,14 +99,14 @@ def _masks(fn: str, masks: Any) -> dict[str, np.ndarray]:
     for k, v in masks.items():
         v = np.asarray(v)
         if v.ndim != 2:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: mask of module {k!r} has shape {v.shape}; expected (M, r_max) as returned "
                 "by nu.allocate."
             )
         out[k] = v.astype(bool)
     m = {v.shape[0] for v in out.values()}
     if len(m) > 1:
-        raise ValueError(f"{fn}: masks disagree on the number of tasks M: {sorted(m)}.")
+        raise InputError(f"{fn}: masks disagree on the number of tasks M: {sorted(m)}.")
     return out
 
 
@@ -114,7 +115,7 @@ def _task_labels(fn: str, task_names: Sequence[str] | None, m_tasks: int) -> lis
         return [f"task {i}" for i in range(m_tasks)]
     names = [str(t) for t in task_names]
     if len(names) != m_tasks:
-        raise ValueError(
+        raise InputError(
             f"{fn}: {len(names)} task_names for M = {m_tasks} tasks; pass one name per task."
         )
     return names
@@ -122,10 +123,10 @@ def _task_labels(fn: str, task_names: Sequence[str] | None, m_tasks: int) -> lis
 
 def _check_scores(fn: str, scores: Any, names: Sequence[str] | None = None) -> None:
     if not isinstance(scores, Scores):
-        raise TypeError(f"{fn}: expected the nu.Scores returned by nu.score, got {type(scores)}.")
+        raise InputTypeError(f"{fn}: expected the nu.Scores returned by nu.score, got {type(scores)}.")
     if names is not None and set(names) != set(scores.modules):
         diff = sorted(set(names) ^ set(scores.modules))
-        raise ValueError(
+        raise InputError(
             f"{fn}: masks and scores name different modules (e.g. {diff[:3]}); pass the masks "
             "nu.allocate returned for these scores."
         )
@@ -242,7 +243,7 @@ def budget_heatmap(
     kept = _kept_counts(fn, masks)
     m_tasks = len(next(iter(kept.values())))
     if task is not None and not (isinstance(task, int) and 0 <= task < m_tasks):
-        raise ValueError(f"{fn}: task={task!r}; expected None or an int in [0, {m_tasks}).")
+        raise InputError(f"{fn}: task={task!r}; expected None or an int in [0, {m_tasks}).")
     rows, cols, pos = _grid(list(kept))
     data = np.full((len(rows), len(cols)), np.nan)
     for name, counts in kept.items():
@@ -334,7 +335,7 @@ def prefix_retention(
     for name, v in m.items():
         shape = tuple(np.shape(scores.modules[name].utility))
         if v.shape != shape:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: mask of module {name!r} has shape {v.shape} but its scores {shape}; pass "
                 "the masks nu.allocate returned for these scores."
             )
@@ -451,7 +452,7 @@ def utility_distribution(
     fn = "nu.plots.utility_distribution"
     _check_scores(fn, scores)
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"{fn}: bins={bins!r}; expected a positive integer.")
+        raise InputError(f"{fn}: bins={bins!r}; expected a positive integer.")
     utils = {k: np.asarray(v.utility, np.float64) for k, v in scores.modules.items()}
     m_tasks = next(iter(utils.values())).shape[0]
     m = None
@@ -460,7 +461,7 @@ def utility_distribution(
         _check_scores(fn, scores, list(m))
         for name, v in m.items():
             if v.shape != utils[name].shape:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: mask of module {name!r} has shape {v.shape} but its scores "
                     f"{utils[name].shape}; pass the masks nu.allocate returned for these scores."
                 )

@@ -35,6 +35,7 @@ import numpy as np
 
 from . import _tree
 from ._linalg import eigh_batched as eigh_batched
+from .errors import InputError
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -253,7 +254,7 @@ def _raise_nonfinite(fn: str, bucket: _tree.Bucket, finite: np.ndarray) -> None:
             break
     else:
         what = "lora_a or lora_b overflows in the Gram (entries too large for float32)"
-    raise ValueError(
+    raise InputError(
         f"{fn}: module {bucket.names[n]!r}, task {i} (lora_a {tuple(m.lora_a.shape)}, lora_b "
         f"{tuple(m.lora_b.shape)}): {what}. Fix or retrain that adapter, or enable x64 and pass "
         "float64 factors if they are merely large."
@@ -265,7 +266,7 @@ def _check_alpha(fn: str, alpha: Any) -> None:
         return
     a = np.asarray(alpha)
     if a.shape != () or not np.isfinite(a) or a < 0:
-        raise ValueError(
+        raise InputError(
             f"{fn}: alpha={alpha!r}; expected a finite scalar >= 0 (1.0 Gram geometry, 0.0 "
             "row-space heuristic; 'auto' picks by heterogeneity)."
         )
@@ -331,19 +332,19 @@ def score(
     names, buckets, _m_tasks = _tree.collect(adapters, fn=fn)
     if isinstance(alpha, str):
         if alpha != "auto":
-            raise ValueError(f"{fn}: alpha={alpha!r}; expected a float >= 0 or 'auto'.")
+            raise InputError(f"{fn}: alpha={alpha!r}; expected a float >= 0 or 'auto'.")
         alpha = 0.0 if float(heterogeneity(adapters)) > h_threshold else 1.0
     _check_alpha(fn, alpha)
     if isinstance(lam, str):
         if lam != "auto":
-            raise ValueError(f"{fn}: lam={lam!r}; expected 'auto' or a float.")
+            raise InputError(f"{fn}: lam={lam!r}; expected 'auto' or a float.")
         lam_is_auto, lam_val = True, 0.0
     else:
         if not isinstance(lam, jax.core.Tracer) and not np.isfinite(np.asarray(lam)):
-            raise ValueError(f"{fn}: lam={lam!r}; expected a finite float or 'auto'.")
+            raise InputError(f"{fn}: lam={lam!r}; expected a finite float or 'auto'.")
         lam_is_auto, lam_val = False, lam
     if rtol is not None and not (0 <= float(rtol) < 1):
-        raise ValueError(f"{fn}: rtol={rtol!r}; expected 0 <= rtol < 1.")
+        raise InputError(f"{fn}: rtol={rtol!r}; expected 0 <= rtol < 1.")
     dtype = _tree.compute_dtype(buckets)
     meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
     rtols = tuple(
@@ -369,7 +370,7 @@ def score(
     if not isinstance(lam_used, jax.core.Tracer) and not any(
         np.asarray(ms.sigma).any() for ms in by_name.values()
     ):
-        raise ValueError(
+        raise InputError(
             f"{fn}: no candidate directions: the update of every task is zero (or below rtol) in "
             f"all {len(names)} modules; check that the adapters are trained (lora_b is zero at "
             "initialisation) and loaded correctly."
@@ -427,7 +428,7 @@ def heterogeneity(adapters: Sequence[Any]) -> jax.Array:
     if not isinstance(e, jax.core.Tracer):
         zero = np.flatnonzero(np.asarray(e) <= 0)
         if zero.size:
-            raise ValueError(
+            raise InputError(
                 f"nu.heterogeneity: task {int(zero[0])} has a zero update in every module; its "
                 "log-energy is undefined. Drop that adapter."
             )

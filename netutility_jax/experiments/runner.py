@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
 from . import evaluate as ev
 from . import grid as gr
 from . import train as tr
@@ -67,7 +68,7 @@ def random_allocation(
         k = int(ref.sum())
         flat = np.flatnonzero(cand.ravel())
         if k > len(flat):
-            raise ValueError(
+            raise InputError(
                 f"random_allocation: module {name!r} keeps {k} directions but has {len(flat)} "
                 "candidates; the reference masks do not come from these scores."
             )
@@ -234,7 +235,7 @@ def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
         merged = nu.merge(adapters, None, method="ta", space="full")
         fields = {}
     else:
-        raise ValueError(f"unknown allocation {job.allocation!r} in job {job.key!r}")
+        raise InputError(f"unknown allocation {job.allocation!r} in job {job.key!r}")
     # one merge's LAPACK work at a time (jaxlib CPU can deadlock on concurrent batched LAPACK)
     return jax.block_until_ready(merged), fields
 

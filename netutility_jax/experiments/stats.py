@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..errors import InputError
+
 #: Two-sided 97.5% Student t quantiles for 1..30 degrees of freedom (then the normal's 1.96).
 _T975 = (
     12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
@@ -99,11 +101,11 @@ class Bootstrap:
     def __init__(self, task: np.ndarray, *, n_boot: int = 2000, seed: int = 0):
         self.task = np.asarray(task, np.int64)
         if self.task.ndim != 1 or len(self.task) == 0:
-            raise ValueError("Bootstrap: task must be a non-empty (N,) vector.")
+            raise InputError("Bootstrap: task must be a non-empty (N,) vector.")
         self.n_tasks = int(self.task.max()) + 1
         self.rows = [np.flatnonzero(self.task == t) for t in range(self.n_tasks)]
         if any(len(r) == 0 for r in self.rows):
-            raise ValueError("Bootstrap: every task index 0 .. T-1 needs test texts.")
+            raise InputError("Bootstrap: every task index 0 .. T-1 needs test texts.")
         rng = np.random.Generator(np.random.PCG64(seed))
         # (B, n_t) multinomial counts per task: how often each text is drawn
         self.weights = [

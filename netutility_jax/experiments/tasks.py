@@ -94,6 +94,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
+
 __all__ = [
     "APT_INSTALL_COMMAND",
     "APT_PACKAGES",
@@ -141,7 +143,7 @@ DEFAULT_N_VAL = 200
 DEFAULT_N_TEST = 1000
 
 
-class TaskDataError(ValueError):
+class TaskDataError(InputError):
     """A task's data or arguments cannot make a usable task (bad CSV, bad sizes)."""
 
 
@@ -198,12 +200,12 @@ class _RReader:
             hi, lo = self._int(), self._int()
             n = (hi << 32) + lo
         if n < 0 or n > len(self.buf):
-            raise ValueError(f"corrupt R serialization: vector length {n}")
+            raise InputError(f"corrupt R serialization: vector length {n}")
         return n
 
     def read(self) -> Any:
         if bytes(self.buf[:2]) != b"X\n":
-            raise ValueError("not an R serialization in XDR format (expected 'X\\n')")
+            raise InputError("not an R serialization in XDR format (expected 'X\\n')")
         self.pos = 2
         version = self._int()
         self._int()  # R version that wrote it
@@ -212,7 +214,7 @@ class _RReader:
             encoding_length = self._int()
             self.pos += encoding_length  # skip the native encoding's name
         elif version != 2:
-            raise ValueError(f"unsupported R serialization version {version}")
+            raise InputError(f"unsupported R serialization version {version}")
         return self._item()
 
     def _array(self, dtype: str, size: int) -> np.ndarray:
@@ -258,7 +260,7 @@ class _RReader:
             value = bytes(self.buf[self.pos : self.pos + n])
             self.pos += n
         else:
-            raise ValueError(f"unsupported R object type {kind} in serialized data")
+            raise InputError(f"unsupported R object type {kind} in serialized data")
         attrs = self._item() if flags & (1 << 9) else None
         return self._with_attributes(kind, value, attrs)
 
@@ -305,7 +307,7 @@ class _RReader:
             source = state[0][1] if isinstance(state, list) else next(iter(state.values()))
             value, kind = [str(x) for x in np.asarray(source).tolist()], 16
         else:
-            raise ValueError(f"unsupported R ALTREP class {name!r} in serialized data")
+            raise InputError(f"unsupported R ALTREP class {name!r} in serialized data")
         return self._with_attributes(kind, value, attrs)
 
 
@@ -316,7 +318,7 @@ def read_r_serialized(data: bytes) -> Any:
 
 def _decompress_lazyload_entry(blob: bytes, compressed: int) -> bytes:
     if len(blob) < 5:
-        raise ValueError("corrupt lazy-load entry")
+        raise InputError("corrupt lazy-load entry")
     (size,) = struct.unpack_from(">I", blob, 0)
     if compressed in (2, 3):  # a one-byte type follows the length (R_decompress2/3)
         kind, body = blob[4:5], blob[5:]
@@ -331,11 +333,11 @@ def _decompress_lazyload_entry(blob: bytes, compressed: int) -> bytes:
         elif kind == b"0":
             out = body
         else:
-            raise ValueError(f"unknown lazy-load compression type {kind!r}")
+            raise InputError(f"unknown lazy-load compression type {kind!r}")
     else:
         out = zlib.decompress(blob[4:])
     if len(out) != size:
-        raise ValueError("corrupt lazy-load entry: wrong decompressed length")
+        raise InputError("corrupt lazy-load entry: wrong decompressed length")
     return out
 
 
@@ -644,7 +646,7 @@ class TaskInfo:
 
     def __post_init__(self) -> None:
         if len(self.label_texts) != len(self.labels):
-            raise ValueError(f"task {self.name!r}: one label text per label")
+            raise InputError(f"task {self.name!r}: one label text per label")
 
 
 TASK_INFO: Mapping[str, TaskInfo] = MappingProxyType(
@@ -802,7 +804,7 @@ class Split:
         object.__setattr__(self, "labels", labels)
         object.__setattr__(self, "texts", tuple(self.texts))
         if labels.shape != (len(self.texts),):
-            raise ValueError(f"{len(self.texts)} texts but labels of shape {labels.shape}")
+            raise InputError(f"{len(self.texts)} texts but labels of shape {labels.shape}")
 
     def __len__(self) -> int:
         return len(self.texts)

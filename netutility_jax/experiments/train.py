@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ..errors import InputError
 from . import evaluate as ev
 from . import minilm
 
@@ -95,9 +96,9 @@ class TrainConfig:
         for name in ("lora_rank", "rows", "row_len", "max_steps", "eval_every", "patience"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"TrainConfig: {name}={v!r}; expected an integer >= 1.")
+                raise InputError(f"TrainConfig: {name}={v!r}; expected an integer >= 1.")
         if self.row_len < 3:
-            raise ValueError(f"TrainConfig: row_len={self.row_len}; a text needs >= 3 tokens.")
+            raise InputError(f"TrainConfig: row_len={self.row_len}; a text needs >= 3 tokens.")
 
     def schedule(self) -> optax.Schedule:
         """Linear warmup to ``learning_rate``, then cosine decay to 0 at ``max_steps``.
@@ -378,7 +379,7 @@ class Trainer:
         """
         cfg = self.config
         if len(task.train) == 0:
-            raise ValueError(f"Trainer.fit: task {task.name!r} has an empty train split.")
+            raise InputError(f"Trainer.fit: task {task.name!r} has an empty train split.")
         t0 = time.perf_counter()
         self.fits += 1
         n_labels = task.num_labels
@@ -513,7 +514,7 @@ def train_task(
     elif not isinstance(trainer, Trainer):
         trainer = trainer()
     if trainer.config != config:
-        raise ValueError(
+        raise InputError(
             f"train_task: the trainer was built for {trainer.config} but config is {config}; pass "
             "a Trainer(config)."
         )

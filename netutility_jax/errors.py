@@ -1,0 +1,28 @@
+"""The library's exception types.
+
+Every error that netutility-jax raises on bad input (a shape, a value, a file, an option) is one
+of these. They subclass the built-in ``ValueError`` and ``TypeError``, so ``except ValueError``
+clauses keep working. The ``netutility`` command maps exactly these (and its own usage errors) to
+one line on stderr and exit code 2; any other exception is a bug in the library and surfaces
+with its traceback and a request to report it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["InputError", "InputTypeError", "NetUtilityError"]
+
+
+class NetUtilityError(Exception):
+    """Base class of the errors netutility-jax raises on bad input."""
+
+
+class InputError(NetUtilityError, ValueError):
+    """A value, shape, option or file content that the library cannot use.
+
+    The message names the function, the module and task involved, the shapes or values given,
+    and how to fix it.
+    """
+
+
+class InputTypeError(NetUtilityError, TypeError):
+    """An argument of the wrong type (a Python type where another is required, or a dtype)."""
