@@ -9,7 +9,13 @@ with its traceback and a request to report it.
 
 from __future__ import annotations
 
-__all__ = ["InputError", "InputTypeError", "NetUtilityError"]
+__all__ = [
+    "FileAccessError",
+    "InputError",
+    "InputTypeError",
+    "MissingFileError",
+    "NetUtilityError",
+]
 
 
 class NetUtilityError(Exception):
@@ -26,3 +32,12 @@ class InputError(NetUtilityError, ValueError):
 
 class InputTypeError(NetUtilityError, TypeError):
     """An argument of the wrong type (a Python type where another is required, or a dtype)."""
+
+
+class MissingFileError(NetUtilityError, FileNotFoundError):
+    """A file or folder the user named does not exist (or is a folder where a file is expected,
+    or the reverse: the message says which)."""
+
+
+class FileAccessError(NetUtilityError, PermissionError):
+    """A file or folder the user named exists but cannot be read or written (permissions)."""

@@ -94,7 +94,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, MissingFileError
 
 __all__ = [
     "APT_INSTALL_COMMAND",
@@ -147,7 +147,7 @@ class TaskDataError(InputError):
     """A task's data or arguments cannot make a usable task (bad CSV, bad sizes)."""
 
 
-class TaskDataMissingError(FileNotFoundError):
+class TaskDataMissingError(MissingFileError):
     """A built-in task's Debian data files are not installed.
 
     ``install_command`` is the ``apt-get`` line that installs them.
