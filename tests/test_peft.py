@@ -9,18 +9,25 @@ numpy float64.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
+import os
 import pathlib
 import re
+import signal
+import time
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import netutility_jax as nu
 from netutility_jax import peft as nu_peft
+from netutility_jax.errors import FileAccessError, InputError, InputTypeError, MissingFileError
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="nu.peft needs safetensors")
 
@@ -209,6 +216,17 @@ def _one(tmp_path, config=None, **extra):
         ({"r": 4}, r"module 'm.q' has lora_A \(2, 8\) and lora_B \(6, 2\) .* gives it r=4"),
         ({"r": 4, "rank_pattern": {"q": 3}}, r"gives it r=3 \(r / rank_pattern\)"),
         ({"r": 2, "rank_pattern": ["q"]}, r"rank_pattern is a list"),
+        ({"r": 2, "lora_alpha": math.nan}, r"gives module 'm\.q' lora_alpha=nan \(lora_alpha\); "),
+        ({"r": 2, "lora_alpha": math.inf}, r"lora_alpha=inf \(lora_alpha\); expected a finite"),
+        (
+            {"r": 2, "alpha_pattern": {"q": -math.inf}},
+            r"lora_alpha=-inf \(alpha_pattern\['q'\]\); expected a finite number",
+        ),
+        ({"r": 2, "lora_alpha": 10**400}, r"lora_alpha=1000000.*\(lora_alpha\); expected a finite"),
+        ({"r": 0}, r"adapter_config\.json' gives module 'm\.q' r=0 \(r\); expected a positive"),
+        ({"r": 2, "rank_pattern": {"q": -2}}, r"r=-2 \(rank_pattern\['q'\]\); expected a positive"),
+        ({"r": 2, "rank_pattern": {"m.q": 2.0}}, r"r=2\.0 \(rank_pattern\['m\.q'\]\)"),
+        ({"r": 2, "use_rslora": "false"}, r"use_rslora is 'false'; expected true or false"),
     ],
 )
 def test_load_refuses_config(tmp_path, config, match):
@@ -260,10 +278,14 @@ def test_load_refuses_tensors(tmp_path):
 def test_load_non_lora_tensors_strict_and_skip(tmp_path):
     d = _one(tmp_path, **{f"{P}score.weight": np.zeros((3, 8), np.float32)})
     with pytest.raises(
-        ValueError, match=r"holds 'base_model\.model\.score\.weight' \(3, 8\), which is not a LoRA"
+        InputError,
+        match=r"holds 'base_model\.model\.score\.weight' \(3, 8\), which is not a LoRA factor.*"
+        r"pass strict=False \(CLI: --skip-non-lora\) to skip such tensors",
     ):
         nu_peft.load_adapter(d)
     assert list(nu_peft.load_adapter(d, strict=False)) == ["m.q"]
+    with pytest.raises(InputTypeError, match=r"load_adapter: strict='no'; expected True or False"):
+        nu_peft.load_adapter(d, strict="no")
 
 
 def test_load_refuses_no_factors(tmp_path):
@@ -273,11 +295,28 @@ def test_load_refuses_no_factors(tmp_path):
 
 
 def test_load_refuses_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"no such directory .*snapshot_download"):
+    with pytest.raises(MissingFileError, match=r"no such directory .*snapshot_download"):
         nu_peft.load_adapter(tmp_path / "nope")
     d = _one(tmp_path / "ok")
-    with pytest.raises(ValueError, match=r"is a file; pass the adapter directory"):
-        nu_peft.load_adapter(d / "adapter_model.safetensors")
+    for call in (nu_peft.load_adapter, nu_peft.load_config):
+        with pytest.raises(
+            MissingFileError,
+            match=r"adapter_model\.safetensors' is a file, expected an adapter folder containing "
+            r"adapter_config\.json and adapter_model\.safetensors; pass its folder \(here: '.*ok'\)",
+        ):
+            call(d / "adapter_model.safetensors")
+    # a folder where a file is expected
+    for fname, what in (
+        ("adapter_model.safetensors", "the safetensors file"),
+        ("adapter_config.json", "the JSON file adapter_config.json"),
+    ):
+        bad = _one(tmp_path / f"folder-{fname}")
+        (bad / fname).unlink()
+        (bad / fname).mkdir()
+        with pytest.raises(
+            MissingFileError, match=rf"{re.escape(fname)}' is a folder, expected {what}"
+        ):
+            nu_peft.load_adapter(bad)
 
     pk = tmp_path / "pickled"
     pk.mkdir()
@@ -290,12 +329,12 @@ def test_load_refuses_files(tmp_path):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(FileNotFoundError, match=r"adapter_model\.safetensors' does not exist"):
+    with pytest.raises(MissingFileError, match=r"adapter_model\.safetensors' does not exist"):
         nu_peft.load_adapter(empty)
 
     nocfg = tmp_path / "nocfg"
     _write(nocfg, None, _lora_tensors(np.random.default_rng(0), {"q": (4, 4, 2)}))
-    with pytest.raises(FileNotFoundError, match=r"adapter_config\.json' does not exist"):
+    with pytest.raises(MissingFileError, match=r"adapter_config\.json' does not exist"):
         nu_peft.load_adapter(nocfg)
 
     badjson = _one(tmp_path / "badjson")
@@ -330,8 +369,23 @@ def test_load_adapters_refuses_mismatch(tmp_path):
         r"in '.*b'; the adapters were trained on different base models",
     ):
         nu_peft.load_adapters([d0, d1])
-    with pytest.raises(ValueError, match=r"module 'l\.v' is in '.*a' but not in '.*c'"):
-        nu_peft.load_adapters([d0, d2])
+    with pytest.raises(
+        InputError,
+        match=r"module 'l\.v' is in '.*a' but not in '.*c': the adapters target different modules, "
+        r"which strict_targets=True \(CLI: --strict-targets\) refuses\. Pass strict_targets=False",
+    ):
+        nu_peft.load_adapters([d0, d2], strict_targets=True)
+    ads, _ = nu_peft.load_adapters([d0, d2])  # the union, None where a task lacks a module
+    assert list(ads[1]) == ["l.q", "l.v"] and ads[1]["l.v"] is None
+    # shapes must agree wherever two tasks have a module, even when task 0 lacks it
+    with pytest.raises(
+        InputError,
+        match=r"module 'l\.v' has update shape \(d_in, d_out\) = \(8, 6\) in '.*a' but \(8, 5\) in "
+        r"'.*b'",
+    ):
+        nu_peft.load_adapters([d2, d0, d1])
+    with pytest.raises(InputTypeError, match=r"strict_targets=1; expected True or False"):
+        nu_peft.load_adapters([d0, d2], strict_targets=1)
     with pytest.raises(ValueError, match=r"expected a non-empty list of adapter directories"):
         nu_peft.load_adapters(str(d0))
 
@@ -756,8 +810,8 @@ def test_save_refuses_config_missing_modules(tmp_path):
     ad = {"model.layers.0.self_attn.q_proj": lo, "model.layers.1.self_attn.q_proj": lo}
     with pytest.raises(
         ValueError,
-        match=r"with \{'target_modules': \['q_proj'\], 'layers_to_transform': \[1\]\} PEFT would "
-        r"not adapt module 'model\.layers\.0\.self_attn\.q_proj'",
+        match=r"with target_modules=\['q_proj'\], layers_to_transform=\[1\] PEFT would not adapt "
+        r"module 'model\.layers\.0\.self_attn\.q_proj', so its weights",
     ):
         nu_peft.save_adapter(
             ad,
@@ -766,3 +820,501 @@ def test_save_refuses_config_missing_modules(tmp_path):
         )
     cfg = nu_peft.save_adapter(ad, tmp_path / "o", base_config={"target_modules": ["q_proj"]})
     assert cfg["target_modules"] == ["q_proj"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Regular expressions from the config: PEFT's rule, at bounded cost
+# ---------------------------------------------------------------------------------------------
+
+# "any module whose name ends in a digit": Python's re backtracks exponentially on a module name
+# that does not (2^31 paths for model.layers.0.self_attn.q_proj), so PEFT hangs on it
+HOSTILE = r"(\w|.)+\d"
+LLAMA_NAMES = [f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj")]
+
+
+class _Hang(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds):
+    """Fail (do not hang) if the body runs longer than ``seconds``: re checks signals."""
+    if not hasattr(signal, "setitimer"):
+        pytest.skip("needs SIGALRM to bound the test's own run time")
+
+    def on_alarm(signum, frame):
+        raise _Hang(f"still running after {seconds} s: the call hangs")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _llama_like(d, config):
+    rng = np.random.default_rng(12)
+    return _write(d, config, _lora_tensors(rng, {n: (8, 6, 2) for n in LLAMA_NAMES}))
+
+
+def _refused_fast(call, match):
+    with _time_limit(10):
+        t0 = time.perf_counter()
+        with pytest.raises(InputError, match=match):
+            call()
+        took = time.perf_counter() - t0
+    assert took < 1.0, took  # the pattern's 0.25 s limit plus starting one helper process
+
+
+@pytest.mark.parametrize("field", ["rank_pattern", "alpha_pattern"])
+def test_hostile_pattern_key_is_refused_fast(tmp_path, field):
+    d = _llama_like(tmp_path, {"r": 2, "lora_alpha": 2, field: {"k_proj": 2, HOSTILE: 2}})
+    _refused_fast(
+        lambda: nu_peft.load_adapter(d),
+        rf"adapter_config\.json': {field} key {re.escape(repr(HOSTILE))} did not finish matching "
+        r"module 'model\.layers\.0\.self_attn\.q_proj' within 0\.25 s: the regex backtracks "
+        r"catastrophically .*PEFT, .*would hang on it too",
+    )
+
+
+def test_hostile_target_patterns_are_refused_fast(tmp_path):
+    cfg = {"r": 2, "lora_alpha": 2, "target_modules": HOSTILE}
+    d = _llama_like(tmp_path / "a", cfg)
+    assert list(nu_peft.load_adapter(d)) == LLAMA_NAMES  # load_adapter does not use targets
+    # load_adapters checks that the carried target fields cover the modules
+    _refused_fast(
+        lambda: nu_peft.load_adapters([d]),
+        rf"load_adapters: '.*a/adapter_config\.json': target_modules pattern "
+        rf"{re.escape(repr(HOSTILE))} did not finish matching module 'model\.layers\.0\.",
+    )
+    ad = nu_peft.load_adapter(d)
+    for base_config, label in (
+        ({"target_modules": HOSTILE}, "target_modules pattern"),
+        ({"target_modules": ["q_proj", "v_proj"], "exclude_modules": HOSTILE}, "exclude_"),
+    ):
+        _refused_fast(
+            lambda bc=base_config: nu_peft.save_adapter(ad, tmp_path / "o", base_config=bc),
+            rf"save_adapter: {label}.* did not finish matching module",
+        )
+    assert not (tmp_path / "o").exists()
+
+
+def test_invalid_pattern_names_key_pattern_and_module(tmp_path):
+    d = _llama_like(tmp_path, {"r": 2, "rank_pattern": {"q_proj": 2, "v_proj(": 2}})
+    # PEFT's first-match rule: "v_proj(" is reached only by modules "q_proj" does not match
+    with pytest.raises(
+        InputError,
+        match=r"adapter_config\.json': rank_pattern key 'v_proj\(' is not a valid regular "
+        r"expression \(missing \), unterminated subpattern.*; matched against module "
+        r"'model\.layers\.0\.self_attn\.v_proj'\)",
+    ):
+        nu_peft.load_adapter(d)
+
+
+def test_real_regex_keys_still_follow_peft(tmp_path):
+    # keys that need the regex engine (character classes, alternation, repetition)
+    cfg = {
+        "r": 2,
+        "lora_alpha": 2,
+        "rank_pattern": {r"layers\.[1-9]\..*q_proj": 2},
+        "alpha_pattern": {r"(q|k)_proj": 6, r"layers\.1\..+": 10, "v_proj": 4},
+    }
+    d = _llama_like(tmp_path, cfg)
+    scales = {n: m["scale"] for n, m in nu_peft.load_adapter(d).items()}
+    assert scales == {
+        "model.layers.0.self_attn.q_proj": 3.0,
+        "model.layers.0.self_attn.v_proj": 2.0,
+        "model.layers.1.self_attn.q_proj": 3.0,
+        "model.layers.1.self_attn.v_proj": 5.0,
+    }
+
+
+_GLOB_TOKENS = ["a", "b", "_", "-", ".", r"\.", r"\-", r"\_", "é"]
+_NAME_CHARS = "ab_-.é\n"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    anchor=st.booleans(),
+    tokens=st.lists(st.sampled_from(_GLOB_TOKENS), max_size=4),
+    name=st.text(alphabet=_NAME_CHARS, max_size=8),
+)
+def test_plain_patterns_match_exactly_like_re(anchor, tokens, name):
+    # the direct matcher of plain patterns against re itself, on the rules PEFT applies
+    key = ("^" if anchor else "") + "".join(tokens)
+    g = nu_peft._glob(key)
+    assert g is not None, key
+    assert nu_peft._glob_suffix(g, name) == bool(re.match(rf"(.*\.)?({key})$", name)), (key, name)
+    assert nu_peft._glob_full(g, name) == bool(re.fullmatch(key, name)), (key, name)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    keys=st.lists(
+        st.tuples(st.booleans(), st.lists(st.sampled_from(_GLOB_TOKENS), max_size=3)), max_size=6
+    ),
+    names=st.lists(st.text(alphabet=_NAME_CHARS, max_size=8), min_size=1, max_size=4),
+)
+def test_first_plain_key_follows_peft_rule(keys, names):
+    # literal keys are looked up, wildcard keys scanned: the first key in order still wins
+    ks = [("^" if anchor else "") + "".join(tokens) for anchor, tokens in keys]
+    got = nu_peft._Regexes("test").first_keys("key", ks, names)
+    for name, j in zip(names, got, strict=True):
+        want = next((i for i, k in enumerate(ks) if re.match(rf"(.*\.)?({k})$", name)), -1)
+        assert j == want, (ks, name)
+
+
+def test_real_regexes_are_not_taken_for_plain_patterns():
+    for key in (HOSTILE, "q*", "[qk]_proj", r"\d", "a|b", "(a)", "a{2}", "a$", "a?", "a+", "x^"):
+        assert nu_peft._glob(key) is None, key
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: missing, folder for file, unreadable
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unreadable_files_are_access_errors(tmp_path, monkeypatch):
+    for fname in ("adapter_model.safetensors", "adapter_config.json"):
+        d = _one(tmp_path / fname)
+        f = d / fname
+        f.chmod(0)
+        try:
+            if os.access(f, os.R_OK):
+                # root reads anything: make the reader refuse this file as chmod does for others
+                real_open = open
+
+                def fake_open(path, *args, _f=f, _open=real_open, **kwargs):
+                    if pathlib.Path(path) == _f:
+                        raise PermissionError(13, "Permission denied", str(path))
+                    return _open(path, *args, **kwargs)
+
+                monkeypatch.setattr(nu_peft, "open", fake_open, raising=False)
+            with pytest.raises(
+                FileAccessError,
+                match=rf"{re.escape(fname)}' exists but cannot be read \(permission denied\); make "
+                r"it readable",
+            ) as info:
+                nu_peft.load_adapter(d)
+            assert isinstance(info.value, PermissionError)
+        finally:
+            f.chmod(0o644)
+            monkeypatch.undo()
+        nu_peft.load_adapter(d)  # readable again
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapters from different sources: base models, target modules
+# ---------------------------------------------------------------------------------------------
+
+
+def test_load_adapters_refuses_different_base_models(tmp_path):
+    rng = np.random.default_rng(13)
+    t = _lora_tensors(rng, {"l.q": (8, 6, 2)})
+    d0 = _write(tmp_path / "a", {"r": 2, "base_model_name_or_path": "org/llama-7b"}, t)
+    d1 = _write(tmp_path / "b", {"r": 2, "base_model_name_or_path": "org/mistral-7b"}, t)
+    d_none = _write(tmp_path / "c", {"r": 2, "base_model_name_or_path": None}, t)
+    d_absent = _write(tmp_path / "d", {"r": 2}, t)
+    match = (
+        r"load_adapters: the adapters were trained on different base models: '.*a' on "
+        r"'org/llama-7b' but '.*b' on 'org/mistral-7b' \(base_model_name_or_path\).*pass "
+        r"allow_different_base=True \(CLI: --allow-different-base\)"
+    )
+    with pytest.raises(InputError, match=match):
+        nu_peft.load_adapters([d0, d1])
+    # an unknown base model is never refused, and does not hide a difference between known ones
+    with pytest.raises(InputError, match=match):
+        nu_peft.load_adapters([d_none, d0, d_absent, d1])
+    loaded = nu_peft.load_adapters([d_none, d0, d_absent])
+    assert loaded.config == {}  # the first config names no base model
+    loaded = nu_peft.load_adapters([d0, d1], allow_different_base=True)
+    assert loaded.config["base_model_name_or_path"] == "org/llama-7b"
+    # refused before any weights are read
+    (d1 / "adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(InputError, match=match):
+        nu_peft.load_adapters([d0, d1])
+
+
+def _task_update(d, name, scale):
+    """float64 kernel-layout update of module ``name`` read from ``d``'s safetensors file."""
+    t = safetensors_numpy.load_file(str(d / "adapter_model.safetensors"))
+    A = t[f"{P}{name}.lora_A.weight"].astype(np.float64)
+    B = t[f"{P}{name}.lora_B.weight"].astype(np.float64)
+    return scale * (B @ A).T
+
+
+def test_load_adapters_merges_the_union_of_modules(tmp_path):
+    rng = np.random.default_rng(14)
+    base = {"base_model_name_or_path": "org/base", "task_type": "CAUSAL_LM"}
+
+    def mods(layers, kinds, r):
+        return {f"m.layers.{i}.{k}": (8, 6, r) for i in layers for k in kinds}
+
+    specs = [  # (config, modules, scale)
+        (
+            {**base, "r": 2, "lora_alpha": 4, "target_modules": ["q", "v"]},
+            mods([2, 10], "qv", 2),
+            2,
+        ),
+        (
+            {**base, "r": 3, "lora_alpha": 3, "target_modules": ["k", "o"]},
+            mods([2, 10], "ko", 3),
+            1,
+        ),
+        ({**base, "r": 1, "lora_alpha": 5, "target_modules": ["v", "o"]}, mods([10], "vo", 1), 5),
+    ]
+    dirs = [
+        _write(tmp_path / f"t{i}", cfg, _lora_tensors(rng, m))
+        for i, (cfg, m, _) in enumerate(specs)
+    ]
+    loaded = nu_peft.load_adapters(dirs)
+    adapters, config = loaded  # still a pair
+    names = [f"m.layers.{i}.{k}" for i in (2, 10) for k in "koqv"]  # natural order
+    assert [list(ad) for ad in adapters] == [names] * 3
+    for ad, (_, m, _) in zip(adapters, specs, strict=True):
+        assert {n for n in names if ad[n] is not None} == set(m)
+    assert loaded.coverage == {
+        "m.layers.2.k": (1,),
+        "m.layers.2.o": (1,),
+        "m.layers.2.q": (0,),
+        "m.layers.2.v": (0,),
+        "m.layers.10.k": (1,),
+        "m.layers.10.o": (1, 2),
+        "m.layers.10.q": (0,),
+        "m.layers.10.v": (0, 2),
+    }
+    assert config == {**base, "target_modules": ["k", "o", "q", "v"]}  # covers the union
+
+    for ad, (_, m, scale), d in zip(adapters, specs, dirs, strict=True):
+        for name in m:
+            _assert_close(_dense(ad[name]), _task_update(d, name, scale), 1e-6, name)
+    # the carried config lets save_adapter write an adapter over the union (the merge itself is
+    # checked against PEFT in test_peft_union_merge_save_load_forward)
+    union = {n: next(ad[n] for ad in adapters if ad[n] is not None) for n in names}
+    cfg = nu_peft.save_adapter(union, tmp_path / "union", base_config=config)
+    assert cfg["target_modules"] == ["k", "o", "q", "v"]
+    back = nu_peft.load_adapter(tmp_path / "union")
+    for name in names:
+        _assert_close(_dense(back[name]), _dense(union[name]), 1e-6, name)
+
+    with pytest.raises(
+        InputError,
+        match=r"modules 'm\.layers\.2\.q', 'm\.layers\.2\.v', 'm\.layers\.10\.q' and 1 more are in "
+        r"'.*t0' but not in '.*t1'.*CLI: --strict-targets",
+    ):
+        nu_peft.load_adapters(dirs, strict_targets=True)
+
+
+def test_union_config_falls_back_to_exact_names(tmp_path):
+    # target fields that cannot be joined into one list (a regex, layers_to_transform): the
+    # carried config leaves them out and save_adapter writes the exact module names
+    rng = np.random.default_rng(15)
+    t0 = _lora_tensors(rng, {"m.layers.0.q": (8, 6, 2), "m.layers.1.q": (8, 6, 2)})
+    t1 = _lora_tensors(rng, {"m.layers.1.k": (8, 6, 2)})
+    names = ["m.layers.0.q", "m.layers.1.k", "m.layers.1.q"]
+    for i, (target, extra) in enumerate(
+        [(r"m\.layers\.[0-9]+\.q", {}), (["q"], {"layers_to_transform": [0, 1]})]
+    ):
+        cfg0 = {"r": 2, "target_modules": target, "fan_in_fan_out": False, **extra}
+        d0 = _write(tmp_path / f"{i}a", cfg0, t0)
+        d1 = _write(tmp_path / f"{i}b", {"r": 2, "target_modules": ["k"]}, t1)
+        assert nu_peft.load_adapters([d0]).config == _jsonable_config(cfg0)  # covers: kept
+        loaded = nu_peft.load_adapters([d0, d1])
+        assert loaded.config == {"fan_in_fan_out": False}
+        union = {n: next(ad[n] for ad in loaded.adapters if ad[n] is not None) for n in names}
+        cfg = nu_peft.save_adapter(union, tmp_path / f"{i}out", base_config=loaded.config)
+        assert cfg["target_modules"] == names
+
+
+def _jsonable_config(cfg):
+    return {k: v for k, v in cfg.items() if k in nu_peft.CARRIED_FIELDS}
+
+
+def test_check_compatible_skips_missing_modules():
+    a = {"q": {"lora_a": np.ones((8, 2)), "lora_b": np.ones((2, 4))}, "k": None}
+    b = {"q": None, "k": {"lora_a": np.ones((8, 1)), "lora_b": np.ones((1, 5))}}
+    c = {"q": {"lora_a": np.ones((8, 3)), "lora_b": np.ones((3, 5))}, "k": None}
+    nu_peft.check_compatible([a, b], strict_targets=False)
+    with pytest.raises(InputError, match=r"module 'q' is in adapter 0 but not in adapter 1"):
+        nu_peft.check_compatible([a, b])
+    with pytest.raises(
+        InputError,
+        match=r"module 'q' has update shape \(d_in, d_out\) = \(8, 4\) in adapter 0 but \(8, 5\) "
+        r"in adapter 2",
+    ):
+        nu_peft.check_compatible([a, b, c], strict_targets=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages stay short, whatever the number of modules
+# ---------------------------------------------------------------------------------------------
+
+
+def test_messages_about_many_modules_stay_short(tmp_path):
+    n = 2000
+    names = [f"model.layers.{i}.mlp.proj_{j}" for i in range(n // 4) for j in range(4)]
+    rng = np.random.default_rng(16)
+    t_big = _lora_tensors(rng, {name: (2, 2, 1) for name in names})
+    big = _write(tmp_path / "big", {"r": 1, "target_modules": names}, t_big)
+    small = _write(tmp_path / "small", {"r": 1}, _lora_tensors(rng, {names[0]: (2, 2, 1)}))
+    wide = _write(tmp_path / "wide", {"r": 1}, _lora_tensors(rng, {names[0]: (2, 3, 1)}))
+    messages = []
+    for call in (
+        lambda: nu_peft.load_adapters([big, small], strict_targets=True),
+        lambda: nu_peft.load_adapters([small, big], strict_targets=True),
+        lambda: nu_peft.load_adapters([big, wide]),
+    ):
+        with pytest.raises(InputError) as info:
+            call()
+        messages.append(str(info.value))
+    ad = nu_peft.load_adapter(big)
+    other = {f"{name}_x": m for name, m in ad.items()}
+    with pytest.raises(InputError) as info:
+        nu_peft.save_adapter(other, tmp_path / "o", base_config=big)  # a list of 2000 names
+    messages.append(str(info.value))
+    assert "and 1996 more are in" in messages[0] and "and 1997 more" in messages[3]
+    for msg in messages:
+        assert len(msg) < 1000, (len(msg), msg[:300])
+
+
+def test_rank_zero_and_extreme_alpha(tmp_path):
+    z = np.zeros
+    d = _write(
+        tmp_path / "r0",
+        {"r": 2},
+        {f"{P}m.q.lora_A.weight": z((0, 8), np.float32), f"{P}m.q.lora_B.weight": z((6, 0))},
+    )
+    with pytest.raises(
+        InputError,
+        match=r"adapter_model\.safetensors' holds rank-0 factors for module 'm\.q' "
+        r"\('base_model\.model\.m\.q\.lora_A\.weight' \(0, 8\), .*PEFT adapters have r >= 1",
+    ):
+        nu_peft.load_adapter(d)
+    # a finite extreme alpha loads as given (the scoring handles the scale)
+    d = _one(tmp_path / "big", {"r": 2, "lora_alpha": 1e30})
+    assert nu_peft.load_adapter(d)["m.q"]["scale"] == 5e29
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapters with different target modules, against real PEFT
+# ---------------------------------------------------------------------------------------------
+
+# (LoraConfig kwargs, {module kind: scale PEFT applies}) per task; the union of their modules is
+# every q/k/v/o projection, which no single task covers. Every rank is 4, so that all modules form
+# one merge bucket (one compile).
+MIXED_TASKS = [
+    (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), {"q_proj": 2.0, "v_proj": 2.0}),
+    (
+        dict(r=4, lora_alpha=6, target_modules=["k_proj", "o_proj"], alpha_pattern={"o_proj": 2}),
+        {"k_proj": 1.5, "o_proj": 0.5},
+    ),
+    (
+        dict(r=4, lora_alpha=3, use_rslora=True, target_modules=["v_proj", "o_proj"]),
+        {"v_proj": 1.5, "o_proj": 1.5},
+    ),
+]
+
+
+@HF_WARNINGS
+@pytest.mark.parametrize("layers", [None, [1]], ids=["lists", "layers_to_transform"])
+def test_peft_union_merge_save_load_forward(llama, tmp_path, layers):
+    torch, peft, base, _, _ = llama
+    dirs, own = [], []  # own: {module: scale} of each task
+    for i, (kwargs, scales) in enumerate(MIXED_TASKS):
+        extra = {"layers_to_transform": layers} if layers and i == 2 else {}
+        lc = peft.LoraConfig(task_type="CAUSAL_LM", **kwargs, **extra)
+        pm = peft.get_peft_model(copy.deepcopy(base), lc)
+        _randomize(torch, pm, seed=10 + i)
+        own.append({n: scales[n.rsplit(".", 1)[1]] for n in _lora_layers(pm)})
+        pm.save_pretrained(str(tmp_path / f"task{i}"))
+        dirs.append(tmp_path / f"task{i}")
+    union = sorted(set().union(*own), key=nu_peft._natural)
+    assert len(union) == 8 and all(len(o) < 8 for o in own)
+
+    loaded = nu_peft.load_adapters(dirs)
+    assert [list(ad) for ad in loaded.adapters] == [union] * 3
+    assert loaded.coverage == {n: tuple(i for i, o in enumerate(own) if n in o) for n in union}
+    merged, _ = nu.merge_adapters(loaded.adapters, budget=2, allocation="all", method="ta")
+    # each task's own update, float64 from its safetensors file; a task lacking a module adds 0
+    want = {
+        n: sum(_task_update(d, n, o[n]) for d, o in zip(dirs, own, strict=True) if n in o)
+        for n in union
+    }
+    for name in union:
+        _assert_close(_dense(merged[name]), want[name], 1e-5, name)
+
+    out = tmp_path / "merged"
+    cfg = nu_peft.save_adapter(merged, out, base_config=loaded.config)
+    # plain lists join into one list; layers_to_transform cannot, so exact names are written
+    assert cfg["target_modules"] == (LLAMA_TARGETS_SORTED if layers is None else union)
+    assert cfg["task_type"] == "CAUSAL_LM"
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(out)).eval()
+    layers_back = _lora_layers(pm)
+    assert set(layers_back) == set(union)
+    for name, layer in layers_back.items():
+        _assert_close(_peft_delta(layer), want[name], 1e-5, name)
+    _assert_logits(_logits(torch, pm), _reference_logits(torch, base, want), _logits(torch, base))
+
+
+LLAMA_TARGETS_SORTED = sorted(LLAMA_TARGETS)
+
+
+def test_target_rule_with_patterns_matches_peft():
+    # string patterns (plain ones matched directly, real regexes by the helper) and layer rules
+    _torch_stack()
+    from types import SimpleNamespace
+
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    configs = [
+        {"target_modules": "model.layers.0.self_attn.q_proj"},
+        {"target_modules": "model.layers.1.self_attn..._proj"},
+        {"target_modules": r"^model\.layers\.0\.self_attn\.q_proj"},
+        {"target_modules": r".*\.(q|v)_proj", "exclude_modules": r".*layers\.1\.self_attn\.v_proj"},
+        {"target_modules": ["q_proj"], "exclude_modules": "model.layers.0.self_attn.q_proj"},
+        {"target_modules": ["q_proj", "up_proj"], "layers_to_transform": 0},
+        {
+            "target_modules": ["q_proj", "v_proj"],
+            "layers_to_transform": [1],
+            "layers_pattern": "layers",
+        },
+        {
+            "target_modules": ["q_proj"],
+            "layers_to_transform": [0],
+            "layers_pattern": ["h", "layers"],
+        },
+        {"target_modules": ["q_proj"], "layers_to_transform": [0], "layers_pattern": "la.ers"},
+        {"target_modules": ["q_proj"], "layers_to_transform": [1], "layers_pattern": ""},
+        {"target_modules": ["q_proj"], "layers_to_transform": [1], "layers_pattern": []},
+        {"target_modules": ["q_proj", "v_proj"], "exclude_modules": ["layers.1.self_attn.v_proj"]},
+        {"target_modules": ["model.layers.1.self_attn.q_proj"], "layers_to_transform": [0]},
+    ]
+    names = [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.v_proj",
+        "model.layers.0.mlp.up_proj",
+    ]
+    fields = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
+    for cfg in configs:
+        ns = SimpleNamespace(
+            **{k: cfg.get(k) for k in fields}, modules_to_save=None, target_parameters=None
+        )
+        want = sorted(
+            (n for n in names if not check_target_module_exists(ns, n)), key=nu_peft._natural
+        )
+        got = nu_peft._untargeted(cfg, names, nu_peft._Regexes("test"), fn="test")
+        assert got == want, cfg
+
+
+def test_save_refuses_malformed_target_fields(tmp_path):
+    lo = {"lora_a": np.ones((8, 2)), "lora_b": np.ones((2, 6))}
+    for bad, match in (
+        ({"target_modules": ["q", 3]}, r"target_modules is \['q', 3\]; expected a regex string"),
+        ({"target_modules": ["q"], "layers_to_transform": [True]}, r"layers_to_transform is"),
+        ({"target_modules": ["q"], "exclude_modules": 7}, r"exclude_modules is 7; expected"),
+    ):
+        with pytest.raises(InputError, match=match):
+            nu_peft.save_adapter({"m.q": lo}, tmp_path / "o", base_config=bad)
