@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import copy
+import errno
+import importlib
+import io
 import json
+import math
+import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import netutility_jax as nu
 from netutility_jax import cli
+from netutility_jax.errors import InputError
 
 pytest.importorskip("safetensors")
 
@@ -143,7 +156,7 @@ def test_merge_refuses_existing_output_and_inputs(folders, tmp_path, capsys):
 def test_bad_inputs_one_line_and_exit_2(folders, tmp_path, capsys):
     missing = tmp_path / "nope"
     rc, _, err = _run(capsys, "inspect", folders[0], str(missing))
-    assert rc == 2 and err.count("\n") == 1 and "not a folder" in err
+    assert rc == 2 and err.count("\n") == 1 and f"adapter folder {missing} does not exist" in err
     # a different base model: shapes do not match
     other = tmp_path / "other"
     nu.peft.save_adapter(_adapter(9, 4, d_out=8), other, base_config=BASE)
@@ -158,10 +171,18 @@ def test_bad_inputs_one_line_and_exit_2(folders, tmp_path, capsys):
     (pk / "adapter_model.bin").write_bytes(b"not really a pickle")
     rc, _, err = _run(capsys, "inspect", str(pk))
     assert rc == 2 and "adapter_model.bin" in err and err.count("\n") == 1
-    # option errors from the library, one line
-    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--method", "ties",
-                      "--density", "1.5", "--out", str(tmp_path / "o2"))  # fmt: skip
-    assert rc == 2 and "density=1.5" in err and err.count("\n") == 1
+    # option errors, before loading, one line
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--method", "dare", "--rank",
+                      "4", "--out", str(tmp_path / "o2"))  # fmt: skip
+    assert rc == 2 and err == (
+        "netutility merge: error: method dare needs --p (the drop rate in [0, 1), e.g. --p 0.5).\n"
+    )
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--density", "0.5",
+                      "--out", str(tmp_path / "o2"))  # fmt: skip
+    assert rc == 2 and err == (
+        "netutility merge: error: --density does not apply to method ta in full space; it takes "
+        "--isotropize.\n"
+    )
     # argparse errors exit 2 too
     with pytest.raises(SystemExit) as e:
         cli.main(["merge", *folders, "--budget", "0", "--out", str(tmp_path / "o3")])
@@ -210,3 +231,620 @@ def test_console_entry_point_runs():
     )
     assert proc.returncode == 0, proc.stderr
     assert "--budget" in proc.stdout and "--allocation" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit codes: the library's errors are one line and exit 2; anything else is a bug, exit 1
+# ---------------------------------------------------------------------------------------------
+
+
+def _one_error_line(err: str, start: str) -> None:
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(start), err
+
+
+@pytest.mark.parametrize(
+    "exc, code",
+    [(InputError, 2), (RuntimeError, 1), (TypeError, 1), (ValueError, 1), (ZeroDivisionError, 1)],
+)
+def test_only_library_errors_are_user_errors(folders, tmp_path, capsys, monkeypatch, exc, code):
+    """An exception deep in the merge (in the allocation kernel's caller) is a user error only if
+    it is one of the library's own types; a raw TypeError/ValueError is a bug and says so."""
+    allocate = importlib.import_module("netutility_jax.allocate")  # (nu.allocate is the function)
+
+    def boom(*args, **kwargs):
+        raise exc("boom deep in the merge")
+
+    monkeypatch.setattr(allocate, "_allocate_impl", boom)
+    out = tmp_path / "out"
+    argv = ["merge", *folders, "--budget", "2", "--out", str(out), "--quiet", "--no-plots"]
+    rc, stdout, err = _run(capsys, *argv)
+    assert rc == code and not stdout
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written, no staging left
+    if code == 2:
+        _one_error_line(err, "netutility merge: error: boom deep in the merge")
+        return
+    import jax
+
+    assert err.startswith("Traceback (most recent call last):")
+    assert f"{exc.__name__}: boom deep in the merge" in err
+    assert ", in boom\n" in err and ", in merge_adapters\n" in err  # the whole traceback
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(
+        "netutility merge: internal error: this is a bug in netutility-jax, not a problem with "
+        "your input; please report it with the traceback above, the command line (netutility "
+        f"merge {folders[0]} "
+    )
+    assert f"jax {jax.__version__}" in last and "Python 3." in last
+
+
+def test_interrupt_exits_130_and_removes_the_staging(folders, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nu.peft, "save_adapter", interrupted)
+    out = tmp_path / "out"
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--out", str(out), "--quiet")
+    assert rc == 130 and err == "netutility merge: interrupted\n"
+    assert not list(tmp_path.iterdir())
+
+
+def test_write_failure_is_one_line(folders, tmp_path, capsys, monkeypatch):
+    def full(adapter, path, **kwargs):
+        pathlib.Path(path).mkdir()
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(nu.peft, "save_adapter", full)
+    out = tmp_path / "out"
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--out", str(out), "--quiet")
+    assert rc == 2
+    _one_error_line(err, f"netutility merge: error: --out {out}: writing the result failed at ")
+    assert "(No space left on device); nothing was written." in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_long_messages_are_cut(folders, tmp_path, capsys, monkeypatch):
+    text = "module model.layers.0.q_proj, " * 2000  # 60,000 characters
+    assert cli._one_line(InputError(text)) == (
+        text[: cli.MAX_MESSAGE] + f"... ({len(text.strip()) - cli.MAX_MESSAGE} more characters)"
+    )
+    assert cli._one_line(InputError("short\n  message")) == "short message"
+
+    def wordy(*args, **kwargs):
+        raise InputError(text)
+
+    monkeypatch.setattr(nu.peft, "load_adapters", wordy)
+    rc, _, err = _run(capsys, "inspect", *folders)
+    assert rc == 2
+    _one_error_line(err, "netutility inspect: error: module model.layers.0.q_proj, module")
+    assert err.endswith(f"... ({len(text.strip()) - cli.MAX_MESSAGE} more characters)\n")
+    assert len(err) < cli.MAX_MESSAGE + 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers: bounded by argparse, with the flag named
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--budget", "0", "expected a positive integer up to 2147483647 (2**31 - 1;"),
+        ("--budget", str(2**31), "expected a positive integer up to 2147483647"),
+        ("--budget", "1e3", "expected a positive integer up to 2147483647"),
+        ("--rank", "-3", "expected a positive integer up to 2147483647"),
+        ("--seed", str(2**32), "expected an integer in [0, 2**32) = [0, 4294967295]"),
+        ("--seed", "-1", "expected an integer in [0, 2**32)"),
+        ("--seed", "9" * 5000, "expected an integer in [0, 2**32)"),
+        ("--coef", "nan", "expected a finite nonzero number"),
+        ("--coef", "-inf", "expected a finite nonzero number"),
+        ("--coef", "0", "expected a finite nonzero number"),
+        ("--coef", "1e400", "expected a finite nonzero number"),
+        ("--coef", "(1+2j)", "expected a finite nonzero number"),
+        ("--density", "0", "expected a finite number in (0, 1] (the kept fraction)"),
+        ("--density", "1.5", "expected a finite number in (0, 1]"),
+        ("--density", "nan", "expected a finite number in (0, 1]"),
+        ("--p", "1", "expected a finite number in [0, 1) (the drop rate)"),
+        ("--p", "-0.1", "expected a finite number in [0, 1)"),
+        ("--p", "inf", "expected a finite number in [0, 1)"),
+        ("--lam", "-1", "expected a finite number >= 0 or 'auto'"),
+        ("--lam", "nan", "expected a finite number >= 0 or 'auto'"),
+        ("--alpha", "inf", "expected a finite number >= 0 or 'auto'"),
+    ],
+)
+def test_bad_numbers_name_the_flag(capsys, flag, value, message):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["merge", "a", "--budget", "2", "--out", "o", f"{flag}={value}"])
+    assert e.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"netutility merge: error: argument {flag}: {message}")
+    assert len(line) < 300  # a 5000-digit value is shown cut
+
+
+_BOUNDS = {  # flag: (accepted values, the test of a value argparse returns)
+    "--budget": lambda v: isinstance(v, int) and 1 <= v <= 2**31 - 1,
+    "--rank": lambda v: isinstance(v, int) and 1 <= v <= 2**31 - 1,
+    "--seed": lambda v: isinstance(v, int) and 0 <= v < 2**32,
+    "--coef": lambda v: isinstance(v, float) and math.isfinite(v) and v != 0,
+    "--density": lambda v: isinstance(v, float) and 0 < v <= 1,
+    "--p": lambda v: isinstance(v, float) and 0 <= v < 1,
+    "--lam": lambda v: v == "auto" or (isinstance(v, float) and 0 <= v < math.inf),
+    "--alpha": lambda v: v == "auto" or (isinstance(v, float) and 0 <= v < math.inf),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    flag=st.sampled_from(sorted(_BOUNDS)),
+    value=st.one_of(
+        st.text(max_size=12),
+        st.integers(-(2**70), 2**70).map(str),
+        st.floats(allow_nan=True, allow_infinity=True).map(repr),
+        st.sampled_from(["auto", "nan", "-0", "0x10", "1_000", " 3 ", "1e-320", "2147483647"]),
+    ),
+)
+def test_number_flags_accept_only_values_in_range(flag, value):
+    """Whatever the text, argparse either returns a value in the documented range or exits 2."""
+    parser = cli.build_parser(demo_options=False)
+    sink = io.StringIO()
+    with contextlib.redirect_stderr(sink):
+        try:
+            args = parser.parse_args(
+                ["merge", "a", "--budget", "1", "--out", "o", f"{flag}={value}"]
+            )
+        except SystemExit as e:
+            assert e.code == 2
+            assert f"argument {flag}: " in sink.getvalue()
+            return
+    assert _BOUNDS[flag](getattr(args, flag.lstrip("-"))), (flag, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths: one line naming the path and what was expected, before anything is loaded
+# ---------------------------------------------------------------------------------------------
+
+
+def _no_loading(monkeypatch) -> None:
+    def fail(*args, **kwargs):
+        pytest.fail("the adapters were loaded")
+
+    monkeypatch.setattr(nu.peft, "load_adapters", fail)
+    monkeypatch.setattr(nu.peft, "load_adapter", fail)
+
+
+def _deny(monkeypatch, path: pathlib.Path, mode: int) -> None:
+    """Make ``os.access(path, mode)`` answer no, as it does for a normal user on a path without
+    that permission: the tests run as root, for whom a 0o555 folder or a 0o000 file is still
+    writable and readable, so chmod alone would test nothing."""
+    real = os.access
+
+    def access(p, m, *args, **kwargs):
+        if pathlib.Path(p) == path and m & mode:
+            return False
+        return real(p, m, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+
+
+def _copy_adapter(src: str, dst: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+EXPECTED = (
+    "expected a PEFT adapter folder holding adapter_config.json and adapter_model.safetensors (as "
+    "PeftModel.save_pretrained writes)"
+)
+
+
+def test_adapter_paths_are_checked(folders, tmp_path, capsys, monkeypatch):
+    _no_loading(monkeypatch)
+    weights = pathlib.Path(folders[1]) / "adapter_model.safetensors"
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    cases = {
+        str(tmp_path / "nope"): f"adapter folder {tmp_path / 'nope'} does not exist; {EXPECTED}",
+        str(weights): f"adapter folder {weights} is a file, not a folder; {EXPECTED}; pass the "
+        f"folder that holds it, {folders[1]}",
+        str(a_file / "sub"): f"adapter folder {a_file / 'sub'} does not exist ({a_file} is a "
+        f"file); {EXPECTED}",
+        "": "ADAPTER_DIR is an empty path; give a folder",
+    }
+    no_config = _copy_adapter(folders[0], tmp_path / "no_config")
+    (no_config / "adapter_config.json").unlink()
+    cases[str(no_config)] = f"adapter folder {no_config} has no adapter_config.json; {EXPECTED}"
+    dir_weights = _copy_adapter(folders[0], tmp_path / "dir_weights")
+    (dir_weights / "adapter_model.safetensors").unlink()
+    (dir_weights / "adapter_model.safetensors").mkdir()
+    cases[str(dir_weights)] = (
+        f"{dir_weights / 'adapter_model.safetensors'} is a folder; expected the file "
+        f"adapter_model.safetensors of a PEFT adapter folder"
+    )
+    for command in ("inspect", "merge"):
+        for path, message in cases.items():
+            extra = ["--budget", "2", "--out", str(tmp_path / "o")] if command == "merge" else []
+            rc, _, err = _run(capsys, command, folders[0], path, *extra)
+            assert rc == 2, (path, err)
+            _one_error_line(err, f"netutility {command}: error: {message}")
+    assert not (tmp_path / "o").exists()
+
+
+def test_unreadable_adapters_are_refused(folders, tmp_path, capsys, monkeypatch):
+    _no_loading(monkeypatch)
+    locked = _copy_adapter(folders[0], tmp_path / "locked")
+    locked.chmod(0o000)
+    try:
+        _deny(monkeypatch, locked, os.R_OK)
+        rc, _, err = _run(capsys, "inspect", folders[1], str(locked))
+        assert rc == 2
+        _one_error_line(
+            err, f"netutility inspect: error: adapter folder {locked} cannot be read (permission "
+            f"denied); {EXPECTED}",
+        )  # fmt: skip
+    finally:
+        locked.chmod(0o755)
+    cfg = _copy_adapter(folders[0], tmp_path / "cfg") / "adapter_config.json"
+    cfg.chmod(0o000)
+    try:
+        _deny(monkeypatch, cfg, os.R_OK)
+        rc, _, err = _run(capsys, "inspect", str(cfg.parent), folders[1])
+        assert rc == 2
+        _one_error_line(err, f"netutility inspect: error: {cfg} cannot be read (permission denied)")
+    finally:
+        cfg.chmod(0o644)
+
+
+# ---------------------------------------------------------------------------------------------
+# The output location, checked before anything is loaded
+# ---------------------------------------------------------------------------------------------
+
+
+def test_output_location_is_checked_before_loading(folders, tmp_path, capsys, monkeypatch):
+    _no_loading(monkeypatch)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    _deny(monkeypatch, ro, os.W_OK)
+    cases = {
+        str(a_file / "merged"): f"--out {a_file / 'merged'}: {a_file} is a file, not a folder; "
+        "choose a path in a folder.",
+        str(a_file / "deeper" / "merged"): f"--out {a_file / 'deeper' / 'merged'}: {a_file} is "
+        "a file, not a folder;",
+        "": "--out is an empty path; give a folder",
+        "  ": "--out is an empty path; give a folder",
+        str(ro / "merged"): f"--out {ro / 'merged'}: cannot write in {ro} (permission denied); "
+        "choose a writable folder.",
+        str(ro / "new" / "merged"): f"--out {ro / 'new' / 'merged'}: cannot write in {ro} "
+        "(permission denied)",
+    }
+    try:
+        for out, message in cases.items():
+            rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--out", out)
+            assert rc == 2, (out, err)
+            _one_error_line(err, f"netutility merge: error: {message}")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "ro"]
+        assert not list(ro.iterdir())
+    finally:
+        ro.chmod(0o755)
+
+
+def test_output_needs_room_for_the_estimated_size(folders, tmp_path, capsys, monkeypatch):
+    """The estimate, by hand: 4 modules (d_in 24, d_out 16) whose task ranks sum to 4 + 3 + 4 =
+    11, so a merge has rank <= 11 there: 11 * (24 + 16) float32 numbers + 512 header bytes per
+    module, plus 16 MiB for the report and plots."""
+    want = 4 * (11 * (24 + 16) * 4 + 512) + (16 << 20)
+    shapes = [cli.weight_shapes(f) for f in folders]
+    est = cli.estimate_out_bytes(shapes, rank=None, dtype="float32")
+    assert est == (want, 4, 11)
+    assert cli.estimate_out_bytes(shapes, rank=14, dtype="bfloat16") == (
+        4 * (14 * 40 * 2 + 512) + (16 << 20), 4, 14,
+    )  # fmt: skip
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(want + 10**6, 10**6 + 1, want - 1))
+    _no_loading(monkeypatch)
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--out", str(tmp_path / "o"))
+    assert rc == 2
+    _one_error_line(
+        err,
+        f"netutility merge: error: --out {tmp_path / 'o'}: not enough free space in {tmp_path}: "
+        "the merge needs about 16.8 MB (estimated from the inputs: 4 modules at rank up to 11 in "
+        "float32, plus the report and plots) but 16.8 MB is free; free some space or choose "
+        "another --out.",
+    )
+    assert not list(tmp_path.iterdir())
+
+
+def test_size_estimate_bounds_what_is_written(folders, tmp_path, capsys):
+    """Keeping every direction gives the largest merge; the estimate must not be below it."""
+    out = tmp_path / "all"
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", "1", "--allocation", "all",
+                      "--out", str(out), "--no-plots", "--quiet")  # fmt: skip
+    assert rc == 0, err
+    est = cli.estimate_out_bytes(
+        [cli.weight_shapes(f) for f in folders], rank=None, dtype="float32"
+    )
+    written = (out / "adapter_model.safetensors").stat().st_size
+    assert {m["lora_a"].shape[1] for m in nu.peft.load_adapter(out).values()} == {11}
+    assert 11 * 40 * 4 * 4 < written <= est.bytes - cli.OUT_MARGIN
+
+
+# ---------------------------------------------------------------------------------------------
+# Staging folders of killed merges
+# ---------------------------------------------------------------------------------------------
+
+
+def test_stale_staging_of_a_dead_process_is_removed(folders, tmp_path, capsys):
+    # a staging folder made by the real code in a process that has since exited, as a merge
+    # killed while writing leaves it
+    code = (
+        "import pathlib, sys; from netutility_jax import cli; "
+        "print(cli.staging_dir(pathlib.Path(sys.argv[1])))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "killed")],
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    dead = pathlib.Path(proc.stdout.strip())
+    assert dead.parent == tmp_path and dead.is_dir()
+    (dead / "adapter_model.safetensors").write_bytes(b"half written")
+    pid = int(re.fullmatch(r"\.killed\.netutility-staging-\w+-(\d+)-[0-9a-f]{8}", dead.name)[1])
+    host = cli._host_tag()
+    keep = [
+        tmp_path / f".x.netutility-staging-{host}-{os.getpid()}-0123abcd",  # a live process
+        tmp_path / f".x.netutility-staging-{host}x-{pid}-0123abcd",  # another host's
+        tmp_path / f".x.netutility-staging-{host}-{pid}-0123abcd.old",  # not the exact pattern
+        tmp_path / f".x.netutility-staging-{host}-{pid}-0123abcg",
+        tmp_path / f"x.netutility-staging-{host}-{pid}-0123abcd",
+        tmp_path / ".x.tmp-1234",  # unrelated hidden folders
+        tmp_path / ".git",
+    ]
+    for k in keep:
+        k.mkdir()
+        (k / "f").write_text("keep me")
+    a_file = tmp_path / f".y.netutility-staging-{host}-{pid}-0123abcd"  # not a folder
+    a_file.write_text("keep me")
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--out", str(tmp_path / "new"),
+                      "--quiet", "--no-plots")  # fmt: skip
+    assert rc == 0, err
+    assert err == (
+        f"netutility merge: note: removed 1 stale staging folder left in {tmp_path} by killed "
+        f"merges (their processes are gone): {dead.name}\n"
+    )
+    assert not dead.exists()
+    assert all((k / "f").read_text() == "keep me" for k in keep) and a_file.is_file()
+    assert (tmp_path / "new" / "adapter_model.safetensors").is_file()
+    # a second run has nothing to remove and says nothing
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--out", str(tmp_path / "new2"),
+                      "--quiet", "--no-plots")  # fmt: skip
+    assert rc == 0 and err == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*(k.name for k in keep), a_file.name, "new", "new2"]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# netutility demo: the output location and inputs are checked before any training
+# ---------------------------------------------------------------------------------------------
+
+
+def test_demo_checks_before_any_training(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("optax")
+    from netutility_jax.experiments import runner, tasks, train
+
+    def fail(*args, **kwargs):
+        pytest.fail("the demo started working before checking its arguments")
+
+    monkeypatch.setattr(tasks, "load_tasks", fail)
+    monkeypatch.setattr(runner, "run_experiment", fail)
+    monkeypatch.setattr(train, "train_task", fail)
+    monkeypatch.setattr(train, "train_tasks", fail)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    _deny(monkeypatch, ro, os.W_OK)
+    csv_dir = tmp_path / "data.csv"
+    csv_dir.mkdir()
+    locked = tmp_path / "locked.csv"
+    locked.write_text("text,label\na,b\n")
+    _deny(monkeypatch, locked, os.R_OK)
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    task = ["--tasks", "word_pos,mine"]
+    cases = [
+        (["--out", str(a_file)], f"--out {a_file} exists and is not a directory; choose a "
+         "directory"),
+        (["--out", str(a_file / "x")], f"--out {a_file / 'x'}: {a_file} is not a directory"),
+        (["--out", ""], "--out is empty; give a directory for the results"),
+        (["--out", str(ro / "x")], f"--out {ro / 'x'}: cannot write in {ro} (permission denied)"),
+        (["--task", f"mine={csv_dir}", *task], f"--task mine={csv_dir}: {csv_dir} is a folder; "
+         "expected a CSV file with columns text,label"),
+        (["--task", f"mine={tmp_path / 'no.csv'}", *task], f"--task mine={tmp_path / 'no.csv'}: "
+         f"{tmp_path / 'no.csv'} does not exist; expected a CSV file with columns text,label"),
+        (["--task", f"mine={locked}", *task], f"--task mine={locked}: {locked} cannot be read "
+         "(permission denied)"),
+        (["--task", f"mine={a_file / 'x.csv'}", *task], f"--task mine={a_file / 'x.csv'}: "
+         f"{a_file / 'x.csv'} does not exist"),
+        (["--cache-dir", str(a_file)], f"--cache-dir {a_file} exists and is not a directory"),
+        (["--cache-dir", str(a_file / "c")], f"--cache-dir {a_file / 'c'}: {a_file} is not a "
+         "directory"),
+        (["--cache-dir", str(ro / "c")], f"--cache-dir {ro / 'c'}: cannot write in {ro}"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        if "--out" not in argv:
+            argv = [*argv, "--out", str(tmp_path / "results")]
+        if "--cache-dir" not in argv:
+            argv = [*argv, *cache]
+        rc, _, err = _run(capsys, "demo", *argv)
+        assert rc == 2, (argv, err)
+        _one_error_line(err, f"netutility demo: error: {message}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "data.csv", "locked.csv", "ro"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The largest numbers accepted work
+# ---------------------------------------------------------------------------------------------
+
+
+def test_largest_budget_and_seed_are_accepted(folders, tmp_path, capsys):
+    """--budget 2**31 - 1 with uniform allocation (int32 overflow before) keeps everything: the
+    TA merge is the sum of the tasks' updates (numpy float64)."""
+    out = tmp_path / "uniform"
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", str(2**31 - 1), "--allocation",
+                      "uniform", "--out", str(out), "--no-plots", "--quiet")  # fmt: skip
+    assert rc == 0, err
+    got = nu.peft.load_adapter(out)
+    for n in NAMES:
+        want = sum(
+            2.0 * _adapter(i, r)[n]["lora_a"].astype(np.float64) @ _adapter(i, r)[n]["lora_b"]
+            for i, r in enumerate((4, 3, 4))
+        )
+        np.testing.assert_allclose(_dense(got[n]), want, atol=1e-4 * np.abs(want).max())
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--method", "dare", "--p",
+                      "0.5", "--seed", str(2**32 - 1), "--space", "core", "--out",
+                      str(tmp_path / "dare"), "--no-plots", "--quiet")  # fmt: skip
+    assert rc == 0, err
+    report = json.loads((tmp_path / "dare" / cli.REPORT_NAME).read_text())
+    assert report["options"]["seed"] == 2**32 - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Loader flags: --strict-targets, --allow-different-base, --skip-non-lora
+# ---------------------------------------------------------------------------------------------
+
+
+def test_different_targets_are_merged_over_the_union(tmp_path, capsys):
+    """Real PEFT adapters on different target modules (q,v / q,k,v / k): merged over the union
+    by default, coverage on the terminal and in the report, and PEFT loads the result with each
+    module's update the sum of the PEFT updates of the tasks that have it (numpy float64)."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(
+                torch.nn.ModuleDict({m: torch.nn.Linear(24, 16) for m in ("q", "k", "v")})
+                for _ in range(2)
+            )
+
+    torch.manual_seed(0)
+    base = Toy()
+    targets = [["q", "v"], ["q", "k", "v"], ["k"]]
+    dirs, deltas = [], []
+    for i, t in enumerate(targets):
+        lc = peft.LoraConfig(r=2 + i, lora_alpha=4, target_modules=t)
+        pm = peft.get_peft_model(copy.deepcopy(base), lc)
+        delta = {}
+        with torch.no_grad():
+            for name, m in pm.named_modules():
+                if hasattr(m, "lora_B") and "default" in m.lora_B:
+                    m.lora_B["default"].weight.normal_(0, 0.1)
+                    a = m.lora_A["default"].weight.double().numpy()
+                    b = m.lora_B["default"].weight.double().numpy()
+                    delta[name.removeprefix("base_model.model.")] = m.scaling["default"] * b @ a
+        deltas.append(delta)
+        pm.save_pretrained(str(tmp_path / f"task{i}"))
+        dirs.append(str(tmp_path / f"task{i}"))
+    union = {f"layers.{i}.{m}" for i in range(2) for m in ("q", "k", "v")}
+    assert set().union(*deltas) == union
+
+    out = tmp_path / "merged"
+    rc, _, err = _run(capsys, "merge", *dirs, "--budget", "1", "--allocation", "all",
+                      "--out", str(out), "--no-plots", "--quiet")  # fmt: skip
+    assert rc == 0, err
+    lines = err.splitlines()
+    assert lines[0] == (
+        "netutility merge: note: the adapters target different modules: merged over the union "
+        "of 6 modules, a task contributing nothing where it has no LoRA module (--strict-targets "
+        "refuses this)"
+    )
+    assert len(lines) == 3 and "Traceback" not in err
+    assert lines[1].startswith(f"netutility merge: note: task 0 ({dirs[0]}) lacks 2 of 6 modules: ")
+    assert "layers.0.k" in lines[1] and "layers.1.k" in lines[1]
+    assert lines[2].startswith(f"netutility merge: note: task 2 ({dirs[2]}) lacks 4 of 6 modules: ")
+    assert lines[2].endswith(" and 1 more")
+    report = json.loads((out / cli.REPORT_NAME).read_text())
+    assert report["coverage"] == {n: [i for i in range(3) if n in deltas[i]] for n in union}
+
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(out))
+    seen = set()
+    for name, m in pm.named_modules():
+        if hasattr(m, "lora_B") and "default" in m.lora_B:
+            name = name.removeprefix("base_model.model.")
+            a = m.lora_A["default"].weight.detach().double().numpy()
+            b = m.lora_B["default"].weight.detach().double().numpy()
+            want = sum(d[name] for d in deltas if name in d)
+            np.testing.assert_allclose(m.scaling["default"] * b @ a, want, atol=1e-5, err_msg=name)
+            seen.add(name)
+    assert seen == union
+
+    rc, stdout, _ = _run(capsys, "inspect", *dirs, "--json")
+    assert rc == 0 and json.loads(stdout)["coverage"] == report["coverage"]
+
+    rc, _, err = _run(capsys, "merge", *dirs, "--budget", "1", "--strict-targets",
+                      "--out", str(tmp_path / "strict"), "--quiet")  # fmt: skip
+    assert rc == 2 and not (tmp_path / "strict").exists()
+    _one_error_line(err, "netutility merge: error: ")
+
+
+def test_coverage_summary_stays_short():
+    """5000 modules, 30 tasks, task i lacking module j when (i + j) % 3 == 0: a dozen lines."""
+    cov = {f"m{j}": tuple(i for i in range(30) if (i + j) % 3) for j in range(5000)}
+    lines = cli.coverage_summary(cov, 30)
+    assert len(lines) == 1 + 10 + 1 and all(len(line) < 250 for line in lines)
+    assert lines[1] == "task 0 lacks 1667 of 5000 modules: m0, m3, m6 and 1664 more"
+    assert lines[2] == "task 1 lacks 1666 of 5000 modules: m2, m5, m8 and 1663 more"
+    assert lines[-1] == "... and 20 more tasks lacking modules"
+    assert cli.coverage_summary({"q": (0, 1), "k": (0, 1)}, 2) == []
+
+
+def test_different_base_models_are_refused_unless_allowed(tmp_path, capsys):
+    dirs = []
+    for i, base in enumerate(("org/model-a", "org/model-b")):
+        d = tmp_path / f"task{i}"
+        nu.peft.save_adapter(_adapter(i, 3), d, base_config={"base_model_name_or_path": base})
+        dirs.append(str(d))
+    rc, _, err = _run(capsys, "merge", *dirs, "--budget", "2", "--out", str(tmp_path / "o"),
+                      "--quiet")  # fmt: skip
+    assert rc == 2 and not (tmp_path / "o").exists()
+    _one_error_line(err, "netutility merge: error: ")
+    assert "org/model-a" in err and "org/model-b" in err and "--allow-different-base" in err
+    rc, _, err = _run(capsys, "merge", *dirs, "--budget", "2", "--allow-different-base",
+                      "--out", str(tmp_path / "o"), "--no-plots", "--quiet")  # fmt: skip
+    assert rc == 0, err
+    cfg = json.loads((tmp_path / "o" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == "org/model-a"
+    report = json.loads((tmp_path / "o" / cli.REPORT_NAME).read_text())
+    assert report["options"]["allow_different_base"] is True
+
+
+def test_skip_non_lora(folders, tmp_path, capsys):
+    """A modules_to_save copy is refused by default; --skip-non-lora merges without it, says how
+    many tensors were skipped, and gives the merge of the adapters without it."""
+    st_numpy = pytest.importorskip("safetensors.numpy")
+    extra = tmp_path / "extra"
+    shutil.copytree(folders[1], extra)
+    f = extra / "adapter_model.safetensors"
+    tensors = st_numpy.load_file(str(f))
+    key = "base_model.model.score.modules_to_save.default.weight"
+    tensors[key] = np.ones((3, 16), np.float32)
+    st_numpy.save_file(tensors, str(f))
+    dirs = [folders[0], str(extra), folders[2]]
+    rc, _, err = _run(capsys, "merge", *dirs, "--budget", "3", "--out", str(tmp_path / "o"),
+                      "--quiet")  # fmt: skip
+    assert rc == 2 and not (tmp_path / "o").exists()
+    _one_error_line(err, "netutility merge: error: ")
+    assert "modules_to_save" in err and "--skip-non-lora" in err
+    out = tmp_path / "skipped"
+    rc, _, err = _run(capsys, "merge", *dirs, "--budget", "3", "--skip-non-lora", "--out",
+                      str(out), "--no-plots", "--quiet")  # fmt: skip
+    assert rc == 0, err
+    assert err == (
+        f"netutility merge: warning: --skip-non-lora skipped 1 non-LoRA tensor (task 1 ({extra}): "
+        f"1, e.g. '{key}'); the merged adapter does not carry them.\n"
+    )
+    want, _ = nu.merge_adapters([nu.peft.load_adapter(d) for d in folders], budget=3, alpha="auto")
+    got = nu.peft.load_adapter(out)
+    assert set(got) == set(NAMES)
+    for n in NAMES:
+        np.testing.assert_allclose(_dense(got[n]), _dense(want[n]), atol=1e-5, err_msg=n)

@@ -18,6 +18,7 @@ MODULES = [
     "analysis",
     "merging",
     "peft",
+    "cli",
     "nnx",
     "checkpoint",
     "plots",

@@ -20,7 +20,8 @@ temporary file and renamed into place; existing results are never overwritten wi
 ``--overwrite``. The output location is checked before any work.
 
 Exit codes: 0 done; 1 results exist (no ``--overwrite``); 2 bad arguments, an unusable output
-location, missing data or missing model weights.
+location or cache folder, a missing or unreadable ``--task`` CSV, missing data or missing model
+weights. All of these are checked before any training.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ import argparse
 import math
 import os
 import pathlib
+import stat
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import NetUtilityError
 from . import grid as gr
 from . import tasks as tk
 from . import train as tr
@@ -46,7 +49,7 @@ METHODS = gr.METHODS
 QUICK, FULL, PAPER = gr.QUICK, gr.FULL, gr.PAPER
 
 
-class DemoError(Exception):
+class DemoError(NetUtilityError):
     """A problem the user can fix; printed as one line, exit code ``code``."""
 
     def __init__(self, message: str, code: int = 2):
@@ -101,6 +104,67 @@ def task_args(
     if len(out) < 2:
         raise DemoError(f"merging needs at least 2 tasks, got {len(out)}: {out}")
     return out
+
+
+def check_task_files(args: Sequence[str]) -> None:
+    """Refuse, before any work, a ``--task NAME=PATH.csv`` whose file cannot be read.
+
+    Raises:
+      DemoError: naming the task and path: nothing there, a folder where the CSV is expected, or
+        a file that cannot be read (permission).
+    """
+    for arg in args:
+        if "=" not in arg:
+            continue
+        name, path = tk.parse_task_arg(arg)
+        where, expected = f"--task {name}={path}", "expected a CSV file with columns text,label"
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise DemoError(f"{where}: {path} does not exist; {expected}") from None
+        except OSError as e:  # (permission denied on a folder above it, a name too long)
+            raise DemoError(f"{where}: cannot use {path} ({e.strerror or e})") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise DemoError(f"{where}: {path} is a folder; {expected}")
+        if not os.access(path, os.R_OK):
+            raise DemoError(f"{where}: {path} cannot be read (permission denied)")
+
+
+def _writable_place(path: pathlib.Path, flag: str) -> None:
+    """Refuse ``path`` unless it is, or can be created as, a folder this process can write."""
+    if "\0" in str(path):
+        raise DemoError(f"{flag} {str(path)!r} contains a NUL character")
+    parent = path
+    try:
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        is_dir = parent.is_dir()
+    except OSError as e:  # (a folder above it cannot be searched)
+        raise DemoError(f"{flag} {path}: cannot use it ({e.strerror or e})") from None
+    if not is_dir and parent == path:
+        raise DemoError(f"{flag} {path} exists and is not a directory; choose a directory")
+    if not is_dir:
+        raise DemoError(f"{flag} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DemoError(f"{flag} {path}: cannot write in {parent} (permission denied)")
+
+
+def check_cache_dir(cache_dir: str | os.PathLike | None) -> pathlib.Path:
+    """Refuse, before any training, a cache folder the adapters could not be written to.
+
+    Returns:
+      The cache folder (``--cache-dir``, else :func:`train.default_cache_dir`).
+
+    Raises:
+      DemoError: an empty path, a file, a path under a file, or a folder this process cannot
+        write.
+    """
+    if cache_dir is not None and not str(cache_dir).strip():
+        raise DemoError("--cache-dir is empty; give a directory for the adapter cache")
+    path = pathlib.Path(cache_dir) if cache_dir is not None else tr.default_cache_dir()
+    flag = "--cache-dir" if cache_dir is not None else f"the cache directory (${tr.CACHE_ENV})"
+    _writable_place(path, flag)
+    return path
 
 
 def check_data(args: Sequence[str]) -> None:
@@ -163,9 +227,11 @@ def check_out(out: str | os.PathLike, *, overwrite: bool) -> pathlib.Path:
     if not str(out).strip():  # (pathlib would read "" as ".")
         raise DemoError("--out is empty; give a directory for the results")
     out = pathlib.Path(out)
-    if out.exists() and not out.is_dir():
-        raise DemoError(f"--out {out} exists and is not a directory; choose a directory")
-    existing = report.existing_results(out) if out.is_dir() else []
+    _writable_place(out, "--out")
+    try:
+        existing = report.existing_results(out) if out.is_dir() else []
+    except OSError as e:  # (a folder that cannot be searched)
+        raise DemoError(f"--out {out}: cannot use it ({e.strerror or e})") from None
     if existing and not overwrite:
         more = f" (and {len(existing) - 1} other result file(s))" if len(existing) > 1 else ""
         raise DemoError(
@@ -173,13 +239,6 @@ def check_out(out: str | os.PathLike, *, overwrite: bool) -> pathlib.Path:
             "choose another --out",
             code=1,
         )
-    parent = out if out.exists() else out.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise DemoError(f"--out {out}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise DemoError(f"--out {out}: cannot write in {parent} (permission denied)")
     return out
 
 
@@ -279,11 +338,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``netutility demo`` with parsed arguments; returns the exit code."""
+    from ..cli import _one_line
+
     try:
         return _run(args)
-    except DemoError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return e.code
+    except NetUtilityError as e:  # DemoError, and the library's errors on bad input
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return e.code if isinstance(e, DemoError) else 2
 
 
 def preset_of(args: argparse.Namespace) -> gr.Preset:
@@ -303,8 +364,11 @@ def _run(args: argparse.Namespace) -> int:
         seeds: tuple[int, ...] = (args.seed,)
     else:
         seeds = args.seeds or preset.seeds
+    # every check before any work: a run's results must not be lost at the end
     out = check_out(args.out, overwrite=args.overwrite)
     specs = task_args(args.task, args.tasks, preset.tasks)
+    check_task_files(specs)
+    check_cache_dir(args.cache_dir)
     check_data(specs)
     check_weights()
     task_list = load_tasks(specs, preset)
@@ -328,6 +392,8 @@ def _run(args: argparse.Namespace) -> int:
         written = report.write_outputs(exp, out, overwrite=args.overwrite)
     except FileExistsError as e:  # appeared while we ran
         raise DemoError(f"{e}; pass --overwrite or choose another --out", code=1) from None
+    except OSError as e:  # (the disk filled up, or the folder changed while we ran)
+        raise DemoError(f"--out {out}: writing the results failed ({e})") from e
     print()
     print(exp.markdown.split("### Deltas per seed")[0].split("## Normalized accuracy")[1].strip())
     print(f"\nwall time {time.perf_counter() - t0:.0f} s; results in {out}/ ({len(written)} files)")
@@ -359,8 +425,10 @@ __all__ = [
     "QUICK",
     "DemoError",
     "add_arguments",
+    "check_cache_dir",
     "check_data",
     "check_out",
+    "check_task_files",
     "check_weights",
     "load_tasks",
     "main",
