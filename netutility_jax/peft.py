@@ -1565,7 +1565,11 @@ def save_adapter(
     try:
         st.numpy.save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(text, encoding="utf-8")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; save_pretrained's dirs are not
+        # mkdtemp makes the folder private and safetensors writes 0600: give both the modes of
+        # a plain open(), which the config file just written has (the user's umask decides)
+        mode = (tmp / CONFIG_NAME).stat().st_mode & 0o666
+        os.chmod(tmp / WEIGHTS_NAME, mode)
+        os.chmod(tmp, mode | (mode & 0o444) >> 2)  # x wherever r: a listable folder
         try:
             # POSIX rename replaces an empty directory atomically and fails on a non-empty one
             os.rename(tmp, out_dir)

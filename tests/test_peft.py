@@ -17,6 +17,7 @@ import os
 import pathlib
 import re
 import signal
+import stat
 import time
 
 import jax.numpy as jnp
@@ -1318,3 +1319,17 @@ def test_save_refuses_malformed_target_fields(tmp_path):
     ):
         with pytest.raises(InputError, match=match):
             nu_peft.save_adapter({"m.q": lo}, tmp_path / "o", base_config=bad)
+
+
+def test_save_gives_files_the_users_umask_modes(tmp_path):
+    # safetensors writes 0600 and mkdtemp makes a private folder; a saved adapter must be as
+    # readable as any file the user writes (0644 / 0755 under the usual umask 022)
+    old = os.umask(0o022)
+    try:
+        ad = {"q": {"lora_a": np.ones((4, 2), np.float32), "lora_b": np.ones((2, 3), np.float32)}}
+        nu_peft.save_adapter(ad, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        assert stat.S_IMODE((tmp_path / "out" / f).stat().st_mode) == 0o644, f
