@@ -40,6 +40,67 @@ def after(x: jax.Array, *deps: jax.Array) -> jax.Array:
     return x
 
 
+def _bits(dtype) -> tuple[np.dtype, int, int]:
+    """(integer type of the same width, mantissa bits, exponent bias) of a float dtype."""
+    fi = jnp.finfo(dtype)
+    return (
+        np.dtype(np.int64 if jnp.dtype(dtype).itemsize == 8 else np.int32),
+        fi.nmant,
+        fi.maxexp - 1,
+    )
+
+
+def pow2(k: jax.Array, dtype) -> jax.Array:
+    """Exact ``2.0 ** k`` for integer ``k``, clipped to the normal exponent range (bitcast)."""
+    ity, nmant, bias = _bits(dtype)
+    k = jnp.minimum(jnp.maximum(k.astype(ity), 1 - bias), bias)
+    return jax.lax.bitcast_convert_type((k + bias) << nmant, dtype)
+
+
+def exponent(x: jax.Array) -> jax.Array:
+    """``e`` (int32) with ``|x| = m 2^e``, ``m`` in ``[0.5, 1)``, for normal ``x``; 0 for 0 (and
+    subnormals, which XLA:CPU reads as 0). Like ``jnp.frexp(x)[1]``, from the exponent bits."""
+    ity, nmant, bias = _bits(x.dtype)
+    field = (jax.lax.bitcast_convert_type(x, ity) >> nmant) & (2 * bias + 1)
+    return jnp.where(field > 0, field - (bias - 1), 0).astype(jnp.int32)
+
+
+def mul_pow2(x: jax.Array, k: jax.Array) -> jax.Array:
+    """``x * 2**k`` for integer ``k`` (broadcast), exact unless the result under/overflows.
+
+    Two exact power-of-two factors, each in the normal range, so ``k`` may reach twice the
+    exponent range (``2**k`` itself need not be representable: ``1e-30 * 2**200`` is fine).
+    Multiplying by a power of two rounds nothing; a result beyond the range becomes ``inf`` (or
+    0), as the true value would in this dtype, for ``|x|`` between ``2^-(emax-1)`` and ``2^emax``
+    (beyond twice the range, ``k`` is clipped). Both factors are ``<= 1`` or both ``>= 1``, so
+    the intermediate product over/underflows only if the result does.
+    """
+    k = jnp.asarray(k, jnp.int32)
+    k1 = jax.lax.shift_right_arithmetic(k, jnp.ones((), jnp.int32))  # floor(k / 2), cheaply
+    dt = x.dtype
+    return x * pow2(k1, dt) * pow2(k - k1, dt)
+
+
+def pow2_normalise(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Scale ``x`` by a power of two per slice so its largest ``|entry|`` over ``axes`` is in
+    ``[0.5, 1)``: ``x = mul_pow2(y, e)`` exactly (entries more than ``2**-126`` below the slice's
+    largest may flush to zero: they are below its rounding).
+
+    Non-finite entries are set to 0 in ``y`` and counted, so what follows stays finite.
+
+    Returns:
+      ``(y, e, n_bad)``: ``y`` like ``x``; ``e`` int32 and ``n_bad`` int32 with ``axes`` reduced
+      (``e = 0`` for an all-zero slice).
+    """
+    ok = jnp.isfinite(x)
+    y = jnp.where(ok, x, jnp.zeros((), x.dtype))
+    amax = jnp.max(jnp.abs(y), axis=axes, keepdims=True, initial=0.0)
+    e = exponent(amax)
+    y = mul_pow2(y, -e)
+    n_bad = jnp.sum(~ok, axis=axes, dtype=jnp.int32)
+    return y, jnp.squeeze(e, axis=axes), n_bad
+
+
 def _flat_concat(mats: Sequence[jax.Array]) -> tuple[jax.Array, list[tuple]]:
     shapes = [m.shape[:-2] for m in mats]
     flat = [m.reshape(-1, *m.shape[-2:]) for m in mats]

@@ -11,6 +11,8 @@ same under an outer ``jit``.
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 from .errors import InputError, InputTypeError
 
 MODULE_KEYS = frozenset({"lora_a", "lora_b", "scale"})
+MAX_DEPTH = 64  # deeper nesting is not an adapter (and would exhaust Python's recursion limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +83,10 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
     """Map module name -> :class:`Module` (or None where the task lacks the module).
 
     Raises:
-      TypeError: if ``adapter`` is not a mapping.
-      ValueError: on a leaf that is not part of a LoRA module, or a module missing a factor.
+      InputTypeError: if ``adapter`` is not a mapping.
+      InputError: on a leaf that is not part of a LoRA module, a module missing a factor, two
+        modules of the same name, a cycle, or nesting deeper than :data:`MAX_DEPTH`. Names in
+        messages are cut to 80 characters.
     """
     if not _is_mapping(adapter):
         raise InputTypeError(
@@ -89,13 +94,20 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
             "whose LoRA modules are dicts with 'lora_a' (d_in, r) and 'lora_b' (r, d_out)."
         )
     out: dict[str, Module | None] = {}
+    ancestors: list[int] = []  # ids of the mappings on the current path (cycle detection)
 
     def walk(node: Any, path: tuple[str, ...]) -> None:
         name = "/".join(path)
+        if len(path) > MAX_DEPTH:
+            raise InputError(
+                f"{fn}: adapter {task} is nested more than {MAX_DEPTH} levels deep at "
+                f"{short(name)!r}; an adapter is a shallow tree of dicts whose LoRA modules are "
+                "{'lora_a', 'lora_b'[, 'scale']} dicts."
+            )
         if name in out:
             raise InputError(
-                f"{fn}: adapter {task} has two modules named {name!r} (a flat key containing '/' "
-                "and a nested path spell the same name); rename one of them."
+                f"{fn}: adapter {task} has two modules named {short(name)!r} (a flat key containing "
+                "'/' and a nested path spell the same name); rename one of them."
             )
         if node is None:
             if not path:
@@ -109,12 +121,14 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
                 extra = keys - MODULE_KEYS
                 if missing:
                     raise InputError(
-                        f"{fn}: module {name!r} of task {task} has no {sorted(missing)[0]!r}; a LoRA "
-                        "module needs both 'lora_a' (d_in, r) and 'lora_b' (r, d_out)."
+                        f"{fn}: module {short(name)!r} of task {task} has no "
+                        f"{sorted(missing)[0]!r}; a LoRA module needs both 'lora_a' (d_in, r) and "
+                        "'lora_b' (r, d_out)."
                     )
                 if extra:
                     raise InputError(
-                        f"{fn}: module {name!r} of task {task} has keys {sorted(extra)} besides "
+                        f"{fn}: module {short(name)!r} of task {task} has keys "
+                        f"{brief(sorted(map(str, extra)))} besides "
                         "'lora_a', 'lora_b', 'scale'; pass only the LoRA part of the parameters "
                         "(nu.extract_lora(tree) keeps it)."
                     )
@@ -124,13 +138,20 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
                     _unwrap(node.get("scale", 1.0)),
                 )
                 return
+            if id(node) in ancestors:
+                raise InputError(
+                    f"{fn}: adapter {task} contains itself at {short(name)!r} (a cycle of "
+                    "dicts); pass a tree of LoRA modules."
+                )
+            ancestors.append(id(node))
             for k in node.keys():
                 walk(node[k], (*path, str(k)))
+            ancestors.pop()
             return
         raise InputError(
-            f"{fn}: adapter {task} has a leaf at {name!r} ({type(node).__name__}) that is not part "
-            "of a LoRA module; pass only LoRA modules (nu.extract_lora(tree) keeps them), or None "
-            "for a module the task lacks."
+            f"{fn}: adapter {task} has a leaf at {short(name)!r} ({type(node).__name__}) that is "
+            "not part of a LoRA module; pass only LoRA modules (nu.extract_lora(tree) keeps them), "
+            "or None for a module the task lacks."
         )
 
     walk(adapter, ())
@@ -172,45 +193,98 @@ def extract_lora(tree: Any) -> dict[str, Any]:
     return out
 
 
+def _is_real_dtype(dt: Any) -> bool:
+    """Integer or floating (not bool, complex, string or object)."""
+    try:
+        dt = np.dtype(dt)
+    except TypeError:
+        return False
+    return bool(jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer))
+
+
+def is_real_scalar(x: Any) -> bool:
+    """A real number: a Python/numpy int or float (not bool, complex or str), or a 0-d array of
+    integer or floating dtype (a tracer too)."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, numbers.Real) and not isinstance(x, np.ndarray):
+        return True
+    return (
+        hasattr(x, "shape")
+        and hasattr(x, "dtype")
+        and tuple(x.shape) == ()
+        and _is_real_dtype(x.dtype)
+    )
+
+
+def check_real(fn: str, name: str, x: Any, expected: str) -> None:
+    """An option that must be a real number (see :func:`is_real_scalar`): else
+    :class:`InputTypeError` naming the option, the value and its type."""
+    if not is_real_scalar(x):
+        raise InputTypeError(f"{fn}: {name}={brief(x)} ({type(x).__name__}); expected {expected}.")
+
+
+def real_value(x: Any) -> float | None:
+    """The float value of a real scalar option, or None under a trace."""
+    return None if isinstance(x, jax.core.Tracer) else float(np.asarray(x, np.float64))
+
+
+def check_bool(fn: str, name: str, x: Any) -> bool:
+    """A real ``bool`` (numpy's too); anything else (``"no"``, 0, None) is an
+    :class:`InputTypeError`: options are never taken by truthiness."""
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    raise InputTypeError(f"{fn}: {name}={brief(x)} ({type(x).__name__}); expected True or False.")
+
+
 def _check_module(fn: str, name: str, task: int, m: Module) -> None:
     a, b = m.lora_a, m.lora_b
+    nm = short(name)
     for label, x in (("lora_a", a), ("lora_b", b)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise InputTypeError(
-                f"{fn}: {label} of module {name!r}, task {task}, is a {type(x).__name__}; "
+                f"{fn}: {label} of module {nm!r}, task {task}, is a {type(x).__name__}; "
                 "expected an array."
             )
         if len(x.shape) != 2:
             raise InputError(
-                f"{fn}: {label} of module {name!r}, task {task}, has shape {tuple(x.shape)}; "
+                f"{fn}: {label} of module {nm!r}, task {task}, has shape {tuple(x.shape)}; "
                 f"expected 2-D ({'d_in, r' if label == 'lora_a' else 'r, d_out'})."
             )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
+        try:
+            floating = bool(jnp.issubdtype(x.dtype, jnp.floating))
+        except TypeError:
+            floating = False
+        if not floating:
             raise InputTypeError(
-                f"{fn}: {label} of module {name!r}, task {task}, has dtype {x.dtype}; expected a "
-                "floating dtype (bf16/fp16 are upcast to float32)."
+                f"{fn}: {label} of module {nm!r}, task {task}, has dtype {brief(x.dtype)}; "
+                "expected a floating dtype (bf16/fp16 are upcast to float32)."
             )
     if a.shape[1] != b.shape[0]:
         raise InputError(
-            f"{fn}: factors of module {name!r}, task {task}, do not chain: lora_a {tuple(a.shape)} "
+            f"{fn}: factors of module {nm!r}, task {task}, do not chain: lora_a {tuple(a.shape)} "
             f"is (d_in, r={a.shape[1]}) but lora_b {tuple(b.shape)} is (r={b.shape[0]}, d_out). "
             "Factors use the flax kernel layout (dK = lora_a @ lora_b); a PEFT checkpoint stores "
             "lora_A as (r, d_in) and lora_B as (d_out, r): transpose both (nu.peft.load_adapter "
             "does this)."
         )
     s = m.scale
-    if not isinstance(s, jax.core.Tracer):
-        s_arr = np.asarray(s)
-        if s_arr.shape != ():
-            raise InputError(
-                f"{fn}: scale of module {name!r}, task {task}, has shape {s_arr.shape}; expected a "
-                "scalar."
-            )
-        if not np.isfinite(s_arr):
-            raise InputError(
-                f"{fn}: scale of module {name!r}, task {task} (lora_a {tuple(a.shape)}, lora_b "
-                f"{tuple(b.shape)}), is {s_arr}; expected a finite LoRA scale (lora_alpha / r)."
-            )
+    if hasattr(s, "shape") and hasattr(s, "dtype") and tuple(s.shape) != ():
+        raise InputError(
+            f"{fn}: scale of module {nm!r}, task {task}, has shape {tuple(s.shape)}; expected a "
+            "scalar."
+        )
+    if not is_real_scalar(s):
+        raise InputTypeError(
+            f"{fn}: scale of module {nm!r}, task {task}, is {brief(s)} ({type(s).__name__}"
+            f"{', dtype ' + str(s.dtype) if hasattr(s, 'dtype') else ''}); expected a real number "
+            "(the LoRA scale lora_alpha / r), e.g. 2.0."
+        )
+    if not isinstance(s, jax.core.Tracer) and not np.isfinite(np.asarray(s, np.float64)):
+        raise InputError(
+            f"{fn}: scale of module {nm!r}, task {task} (lora_a {tuple(a.shape)}, lora_b "
+            f"{tuple(b.shape)}), is {np.asarray(s)}; expected a finite LoRA scale (lora_alpha / r)."
+        )
 
 
 def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket], int]:
@@ -220,10 +294,15 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
       ``(names, buckets, M)``: module names in the first adapter's order, the buckets (modules in
       each bucket keep that order), and the number of tasks.
 
+    Values are not read, except each scale (a scalar): the factors' finiteness is checked by
+    the kernels that read them (see :func:`raise_nonfinite`).
+
     Raises:
-      ValueError: empty list, module names that differ between adapters, factor shapes that do not
-        chain, a module whose (d_in, d_out) differs across tasks, a module that no task has.
-      TypeError: non-array or non-floating factors.
+      InputError: empty list, module names that differ between adapters (a few are named, and a
+        count), factor shapes that do not chain, a module whose (d_in, d_out) differs across
+        tasks, a module that no task has, a scale that is not a finite scalar.
+      InputTypeError: non-array or non-floating factors, a scale that is not a real number (a
+        string, a bool, a complex number...).
     """
     if isinstance(adapters, Mapping) or not isinstance(adapters, Sequence):
         raise InputTypeError(
@@ -258,7 +337,7 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
         present = [(i, m) for i, m in enumerate(mods) if m is not None]
         if not present:
             raise InputError(
-                f"{fn}: module {name!r} is None in every task; drop it from the adapters."
+                f"{fn}: module {short(name)!r} is None in every task; drop it from the adapters."
             )
         for i, m in present:
             _check_module(fn, name, i, m)
@@ -266,7 +345,7 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
         for i, m in present[1:]:
             if (m.d_in, m.d_out) != (m0.d_in, m0.d_out):
                 raise InputError(
-                    f"{fn}: module {name!r} has update shape (d_in, d_out) = ({m0.d_in}, "
+                    f"{fn}: module {short(name)!r} has update shape (d_in, d_out) = ({m0.d_in}, "
                     f"{m0.d_out}) in task {i0} (lora_a {tuple(m0.lora_a.shape)}, lora_b "
                     f"{tuple(m0.lora_b.shape)}) but ({m.d_in}, {m.d_out}) in task {i} (lora_a "
                     f"{tuple(m.lora_a.shape)}, lora_b {tuple(m.lora_b.shape)}); the adapters must "
@@ -287,10 +366,92 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
     return names, buckets, m_tasks
 
 
-def _few(xs: list[str], n: int = 3) -> str:
-    shown = ", ".join(repr(x) for x in xs[:n])
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def brief(x: Any) -> str:
+    """``repr(x)`` cut to a few dozen characters (user values can be huge, hostile, or both)."""
+    try:
+        shape = getattr(x, "shape", None)
+        if shape is not None and hasattr(x, "dtype") and len(shape) > 0:
+            return f"<{type(x).__name__} of shape {tuple(shape)}, dtype {x.dtype}>"
+        return _REPR.repr(x)
+    except Exception:  # a repr that fails is still reported, by its type
+        return f"<{type(x).__name__}>"
+
+
+def short(name: str, n: int = 80) -> str:
+    """A module name cut to ``n`` characters (keys come from user files)."""
+    name = str(name)
+    return name if len(name) <= n else f"{name[: n // 2]}...{name[-(n // 2 - 3) :]}"
+
+
+def _few(xs: Sequence[str], n: int = 3) -> str:
+    """``module 'a'`` / ``modules 'a', 'b', 'c' and 17 more``: error messages stay short."""
+    xs = list(xs)
+    shown = ", ".join(repr(short(x)) for x in xs[:n])
     more = f" and {len(xs) - n} more" if len(xs) > n else ""
     return f"module{'s' if len(xs) > 1 else ''} {shown}{more}"
+
+
+NONFINITE_ARRAYS = ("lora_a", "lora_b", "scale")
+
+
+def raise_nonfinite(
+    fn: str, buckets: Sequence[Bucket], counts: Sequence[Any], *, dtype: Any
+) -> None:
+    """Raise :class:`InputError` for the first non-finite input, if any.
+
+    Args:
+      buckets: the buckets of :func:`collect`.
+      counts: per bucket, ``(n, M, 3)`` ints: non-finite entries of ``lora_a``, ``lora_b`` and
+        ``scale`` of each module and task, as seen in the compute ``dtype`` (a float64 value
+        beyond float32's range counts: the message says so).
+    """
+    hits = [
+        (bk, np.asarray(c)) for bk, c in zip(buckets, counts, strict=True) if np.asarray(c).any()
+    ]
+    if not hits:
+        return
+    bk, c = hits[0]
+    n, i, k = (int(v) for v in np.argwhere(c > 0)[0])
+    m = bk.modules[n][i]
+    label = NONFINITE_ARRAYS[k]
+    raw = np.asarray(getattr(m, label))
+    size = raw.size
+    count = int(c[n, i, k])
+    as64 = np.asarray(raw, np.float64) if _is_real_dtype(raw.dtype) else None
+    if as64 is not None and np.isfinite(as64).all():
+        big = float(np.max(np.abs(as64)))
+        where = (
+            f"scale = {float(as64):.3g} is"
+            if label == "scale"
+            else f"{label} has {count} {'entry' if count == 1 else 'entries'} (largest |{label}| "
+            f"= {big:.3g})"
+        )
+        what = (
+            f"{where} beyond the range of {np.dtype(dtype).name}. Enable x64 "
+            "(jax.config.update('jax_enable_x64', True)) and pass float64 factors, or rescale "
+            "them (move a power of two between lora_a, lora_b and scale)."
+        )
+    else:
+        what = (
+            f"{label} has {count} non-finite {'entry' if count == 1 else 'entries'} (NaN or Inf)"
+            f"{f' of {size}' if size > 1 else ''}. Fix or retrain that adapter."
+        )
+    bad = [nm for bk2, c2 in hits for nm, row in zip(bk2.names, c2, strict=True) if row.any()]
+    pairs = sum(int((c2.sum(-1) > 0).sum()) for _, c2 in hits)
+    more = (
+        f" In all, {pairs} (module, task) pairs have such entries, in {_few(bad)}."
+        if pairs > 1
+        else ""
+    )
+    raise InputError(
+        f"{fn}: module {short(bk.names[n])!r}, task {i} (lora_a {tuple(m.lora_a.shape)}, lora_b "
+        f"{tuple(m.lora_b.shape)}): {what}{more}"
+    )
 
 
 def float_dtype(*dtypes: Any) -> np.dtype:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
-import numbers
+import operator
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _tree
 from .errors import InputError, InputTypeError
 from .utility import Scores
 
@@ -37,18 +40,41 @@ def _uniform_keys(sigma: jax.Array, cand: jax.Array, budget: int) -> jax.Array:
     n_cand = cand.sum(-1)  # (n, M)
     m_eff = (n_cand > 0).sum(-1, keepdims=True)  # (n, 1)
     base = jnp.minimum(budget // jnp.maximum(m_eff, 1), n_cand)  # (n, M)
-    e = jnp.where(cand, sigma**2, 0)
+    # energy share from s / s_max: sigma**2 itself overflows float32 beyond 1.8e19
+    sig = jnp.where(cand, sigma, 0)
+    smax = sig.max(-1, keepdims=True)
+    rel = sig / jnp.where(smax > 0, smax, 1)
+    e = rel**2
     tot = e.sum(-1, keepdims=True)
     share = jnp.where(cand, e / jnp.where(tot > 0, tot, 1), -jnp.inf)
     key = jnp.where(jnp.arange(r) < base[..., None], jnp.inf, share)
     return key.reshape(n, m_tasks * r)
 
 
+def _bad_counts(utils, sigmas) -> jax.Array:
+    """Per module: utilities that are NaN or +inf, sigmas that are NaN, inf or negative."""
+    return jnp.stack(
+        [
+            jnp.sum(jnp.isnan(u) | (u == jnp.inf), dtype=jnp.int32)
+            + jnp.sum(~(jnp.isfinite(s) & (s >= 0)), dtype=jnp.int32)
+            for u, s in zip(utils, sigmas, strict=True)
+        ]
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("budget", "scope", "positive_only"))
 def _allocate_impl(utils, sigmas, *, budget, scope, positive_only):
+    return _select(utils, sigmas, budget=budget, scope=scope, positive_only=positive_only), (
+        _bad_counts(utils, sigmas)
+    )
+
+
+def _select(utils, sigmas, *, budget, scope, positive_only):
     shapes = [u.shape for u in utils]
     if scope == "global":
         flat = jnp.concatenate([u.ravel() for u in utils])
+        if flat.size == 0:
+            return jnp.zeros((0,), bool)
         return _topk_mask(flat, budget * len(utils), positive_only)
     # per module: group equal shapes so each group is one batched top_k
     groups: dict[tuple[int, int], list[int]] = {}
@@ -56,6 +82,9 @@ def _allocate_impl(utils, sigmas, *, budget, scope, positive_only):
         groups.setdefault(s, []).append(i)
     out = []
     for (m_tasks, r), idx in groups.items():
+        if r == 0:  # rank-0 modules: nothing to select
+            out.append(jnp.zeros((len(idx) * m_tasks * r,), bool))
+            continue
         u = jnp.stack([utils[i] for i in idx])
         if scope == "local":
             key, pos = u.reshape(len(idx), m_tasks * r), positive_only
@@ -90,6 +119,73 @@ def _split_masks(flat: jax.Array, shapes: list[tuple[int, int]], scope: str) -> 
     return pieces if traced else jax.device_put(pieces)
 
 
+def _check_scores(fn: str, scores: Any) -> list[str]:
+    if not isinstance(scores, Scores):
+        raise InputTypeError(
+            f"{fn}: expected the nu.Scores returned by nu.score, got {type(scores).__name__}."
+        )
+    if not isinstance(scores.modules, Mapping) or not scores.modules:
+        raise InputError(f"{fn}: scores.modules is empty; expected the nu.Scores of nu.score.")
+    names = list(scores.modules)
+    bad_type, bad_shape = [], []
+    shapes = {}
+    for nm in names:
+        ms = scores.modules[nm]
+        u = getattr(ms, "utility", None)
+        sg = getattr(ms, "sigma", None)
+        if not all(
+            hasattr(x, "shape") and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+            for x in (u, sg)
+        ):
+            bad_type.append(nm)
+            continue
+        if len(u.shape) != 2 or tuple(sg.shape) != tuple(u.shape):
+            bad_shape.append(nm)
+            continue
+        shapes[nm] = tuple(u.shape)
+    if bad_type:
+        raise InputTypeError(
+            f"{fn}: scores of {_tree._few(bad_type)} lack floating 'utility' and 'sigma' arrays; "
+            "expected the nu.Scores returned by nu.score."
+        )
+    if bad_shape:
+        nm = bad_shape[0]
+        ms = scores.modules[nm]
+        raise InputError(
+            f"{fn}: scores of {_tree._few(bad_shape)}: utility {tuple(ms.utility.shape)} and sigma "
+            f"{tuple(ms.sigma.shape)} (first one) must be equal and 2-D (M, r_max); expected the "
+            "nu.Scores returned by nu.score."
+        )
+    tasks = {s[0] for s in shapes.values()}
+    if len(tasks) > 1:
+        raise InputError(
+            f"{fn}: the modules' scores disagree on the number of tasks M ({sorted(tasks)}); "
+            "expected the nu.Scores returned by nu.score."
+        )
+    return names
+
+
+def _check_budget(fn: str, budget: Any) -> int:
+    if isinstance(budget, (bool, np.bool_)) or isinstance(budget, (float, complex, str)):
+        ok = False
+    else:
+        try:
+            budget = operator.index(budget)
+            ok = True
+        except TypeError:
+            ok = False
+    if not ok:
+        raise InputTypeError(
+            f"{fn}: budget={_tree.brief(budget)} ({type(budget).__name__}); expected a positive "
+            "integer R (a Python or numpy int), the average number of directions kept per module."
+        )
+    if budget <= 0:
+        raise InputError(
+            f"{fn}: budget={budget}; expected a positive integer (directions per module)."
+        )
+    return int(budget)
+
+
 def allocate(
     scores: Scores,
     budget: int,
@@ -104,24 +200,32 @@ def allocate(
     * ``"local"``: the top R utilities within each module (the paper's scope for TIES and DARE).
     * ``"uniform"``: the paper's baseline. Per module, each of the M' tasks with candidates keeps
       its ``floor(R / M')`` largest-sigma components (or all it has); the leftover slots go one at
-      a time to the task whose next component has the largest energy share ``s^2 / sum(s^2)``.
-      Every task keeps a spectral prefix and exactly ``min(R, candidates)`` are kept.
+      a time to the task whose next component has the largest energy share ``s^2 / sum(s^2)``
+      (computed from ``s / s_max``, so any finite sigma works). Every task keeps a spectral
+      prefix and exactly ``min(R, candidates)`` are kept.
 
     With ``positive_only`` (global, local) a direction is admitted only if its utility is > 0: the
     budget need not be spent. Non-candidates (``utility = -inf``) are never selected. Ties are
-    broken towards the lower module, task and slot index.
+    broken towards the lower module, task and slot index. A budget at or above the number of
+    candidates keeps them all, in every scope, for any integer budget (``2**40`` too). Scores
+    without any candidate (every utility ``-inf``) give all-False masks.
 
     Args:
       scores: output of :func:`nu.score`.
-      budget: R, a positive integer: the average number of directions per module.
+      budget: R, a positive integer (Python or numpy int; not a float or bool): the average number
+        of directions per module.
       scope: ``"global"``, ``"local"`` or ``"uniform"``.
-      positive_only: admit only positive utilities (ignored by ``"uniform"``).
+      positive_only: admit only positive utilities (ignored by ``"uniform"``); a ``bool``.
 
     Returns:
       ``{name: bool (M, r_max)}``, True where task j's k-th direction is kept.
 
     Raises:
-      ValueError: budget not a positive integer, unknown scope.
+      InputError: (a ``ValueError``) budget <= 0, unknown scope string, scores whose arrays do not
+        have the shapes of nu.score's, or (on concrete scores) a NaN or +inf utility or a NaN,
+        infinite or negative sigma.
+      InputTypeError: (a ``TypeError``) scores not a nu.Scores, budget not an integer, scope not
+        a string, positive_only not a bool.
 
     Example:
       >>> import numpy as np, netutility_jax as nu
@@ -131,28 +235,36 @@ def allocate(
       >>> masks = nu.allocate(nu.score(ads), 4, scope="uniform")
       >>> [int(m.sum()) for m in masks.values()]
       [4, 4]
+      >>> [int(m.sum()) for m in nu.allocate(nu.score(ads), 2**40, scope="uniform").values()]
+      [12, 12]
     """
     fn = "nu.allocate"
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
-        raise InputError(
-            f"{fn}: budget={budget!r} ({type(budget).__name__}); expected a positive integer R, the "
-            "average number of directions kept per module."
-        )
-    if budget <= 0:
-        raise InputError(
-            f"{fn}: budget={budget}; expected a positive integer (directions per module)."
+    budget = _check_budget(fn, budget)
+    if not isinstance(scope, str):
+        raise InputTypeError(
+            f"{fn}: scope={_tree.brief(scope)} ({type(scope).__name__}); expected one of {SCOPES}."
         )
     if scope not in SCOPES:
-        raise InputError(f"{fn}: unknown scope {scope!r}; expected one of {SCOPES}.")
-    if not isinstance(scores, Scores) or not scores.modules:
-        raise InputTypeError(
-            f"{fn}: expected the nu.Scores returned by nu.score, got {type(scores).__name__}."
-        )
-    names = list(scores.modules)
+        raise InputError(f"{fn}: unknown scope {_tree.brief(scope)}; expected one of {SCOPES}.")
+    positive_only = _tree.check_bool(fn, "positive_only", positive_only)
+    names = _check_scores(fn, scores)
     utils = tuple(scores.modules[k].utility for k in names)
     sigmas = tuple(scores.modules[k].sigma for k in names)
-    flat = _allocate_impl(
-        utils, sigmas, budget=int(budget), scope=scope, positive_only=bool(positive_only)
+    # R at or above a module's slots keeps all of them: cap it (exact, and a small static int)
+    budget = min(budget, max(1, *(int(np.prod(u.shape)) for u in utils)))
+    flat, bad = _allocate_impl(
+        utils, sigmas, budget=budget, scope=scope, positive_only=positive_only
     )
+    if not isinstance(bad, jax.core.Tracer):
+        b = np.asarray(bad)
+        if b.any():
+            hit = [nm for nm, c in zip(names, b, strict=True) if c]
+            nm = hit[0]
+            raise InputError(
+                f"{fn}: scores of {_tree._few(hit)} hold NaN or +inf utilities, or NaN, infinite "
+                f"or negative sigmas ({int(b[names.index(nm)])} such entries in {_tree.short(nm)!r}"
+                "); nu.score never returns these on concrete inputs: were the scores computed "
+                "under jit from NaN/Inf factors (see nu.score's checked=)?"
+            )
     masks = _split_masks(flat, [tuple(u.shape) for u in utils], scope)
     return dict(zip(names, masks, strict=True))

@@ -1,4 +1,11 @@
-"""Summaries of a selection: where the budget went, and whether kept sets are spectral prefixes."""
+"""Summaries of a selection: where the budget went, and whether kept sets are spectral prefixes.
+
+Every function takes the ``{name: bool (M, r_max)}`` masks of :func:`nu.allocate` and checks them
+first: a mapping that is not empty, of concrete 2-D bool arrays (a float or int mask is refused,
+not read by truthiness). Errors name the function and a few of the offending modules, with a
+count: :class:`InputTypeError` for a wrong type, :class:`InputError` for an empty mapping or a
+wrong shape.
+"""
 
 from __future__ import annotations
 
@@ -8,30 +15,81 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import InputTypeError
+from . import _tree
+from .errors import InputError, InputTypeError
 from .utility import Scores
 
 
-def _np(masks: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
-    if not isinstance(masks, Mapping) or not masks:
-        raise InputTypeError("expected the {name: bool (M, r_max)} masks returned by nu.allocate.")
-    return {k: np.asarray(v, bool) for k, v in masks.items()}
+def _np(fn: str, masks: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
+    """The masks as numpy bool arrays, validated (fn names the caller in messages)."""
+    if not isinstance(masks, Mapping):
+        raise InputTypeError(
+            f"{fn}: masks is a {type(masks).__name__}; expected the {{name: bool (M, r_max)}} "
+            "masks returned by nu.allocate."
+        )
+    if not masks:
+        raise InputError(
+            f"{fn}: masks is empty; expected the {{name: bool (M, r_max)}} masks returned by "
+            "nu.allocate (one entry per module)."
+        )
+    out: dict[str, np.ndarray] = {}
+    bad_type: list = []
+    bad_shape: list = []
+    for k, v in masks.items():
+        if isinstance(v, jax.core.Tracer) or not (hasattr(v, "dtype") and hasattr(v, "shape")):
+            bad_type.append(k)
+            continue
+        try:
+            is_bool = np.dtype(v.dtype) == np.bool_
+        except TypeError:
+            is_bool = False
+        if not is_bool:
+            bad_type.append(k)
+        elif len(v.shape) != 2:
+            bad_shape.append(k)
+        else:
+            out[k] = np.asarray(v)
+    if bad_type:
+        first = masks[bad_type[0]]
+        what = getattr(first, "dtype", type(first).__name__)
+        raise InputTypeError(
+            f"{fn}: the masks of {_tree._few([str(k) for k in bad_type])} are not concrete bool arrays (the first "
+            f"is {what}); expected the {{name: bool (M, r_max)}} masks returned by nu.allocate "
+            "(cast 0/1 arrays with .astype(bool))."
+        )
+    if bad_shape:
+        raise InputError(
+            f"{fn}: the masks of {_tree._few([str(k) for k in bad_shape])} are not 2-D (the first has shape "
+            f"{tuple(masks[bad_shape[0]].shape)}); expected (M, r_max) per module."
+        )
+    return out
 
 
 def kept_per_module(masks: Mapping[str, jax.Array]) -> dict[str, int]:
     """Directions kept in each module (all tasks): ``{name: int}``."""
-    return {k: int(v.sum()) for k, v in _np(masks).items()}
+    return {k: int(v.sum()) for k, v in _np("nu.kept_per_module", masks).items()}
 
 
 def kept_per_task(masks: Mapping[str, jax.Array]) -> jax.Array:
-    """Directions kept per task over all modules, ``(M,)`` int."""
-    return jnp.asarray(sum(v.sum(1) for v in _np(masks).values()))
+    """Directions kept per task over all modules, ``(M,)`` int.
+
+    Raises:
+      InputError: masks that disagree on the number of tasks M (and see the module docstring).
+    """
+    m = _np("nu.kept_per_task", masks)
+    tasks = {v.shape[0] for v in m.values()}
+    if len(tasks) > 1:
+        raise InputError(
+            f"nu.kept_per_task: the masks disagree on the number of tasks M ({sorted(tasks)}); "
+            "expected the masks of one nu.allocate call."
+        )
+    return jnp.asarray(sum(v.sum(1) for v in m.values()))
 
 
 def budget_spent(masks: Mapping[str, jax.Array]) -> float:
     """Average directions kept per module (the paper's "used (avg)"); compare with the budget R."""
-    m = _np(masks)
-    return float(sum(v.sum() for v in m.values()) / len(m))
+    m = _np("nu.budget_spent", masks)
+    return float(sum(int(v.sum()) for v in m.values()) / len(m))
 
 
 def _is_prefix(row: np.ndarray) -> bool:
@@ -52,7 +110,7 @@ def non_prefix_fraction(masks: Mapping[str, jax.Array]) -> float:
       >>> nu.non_prefix_fraction(masks)  # task 0 keeps a prefix, task 1 does not, task 2 nothing
       0.5
     """
-    rows = [row for v in _np(masks).values() for row in v if row.any()]
+    rows = [row for v in _np("nu.non_prefix_fraction", masks).values() for row in v if row.any()]
     if not rows:
         return 0.0
     return float(np.mean([not _is_prefix(r) for r in rows]))
@@ -63,8 +121,35 @@ def retention_by_rank(masks: Mapping[str, jax.Array], scores: Scores) -> jax.Arr
 
     Only sets whose k-th slot is a candidate count for k (the paper's prefix figure). A prefix rule
     gives a step; net utility need not.
+
+    Raises:
+      InputError: a mask whose module the scores lack, or whose shape differs from its
+        utility's (pass the masks and scores of one run; and see the module docstring).
+      InputTypeError: scores not a nu.Scores.
     """
-    m = _np(masks)
+    fn = "nu.retention_by_rank"
+    m = _np(fn, masks)
+    if not isinstance(scores, Scores):
+        raise InputTypeError(
+            f"{fn}: scores is a {type(scores).__name__}; expected the nu.Scores returned by "
+            "nu.score."
+        )
+    missing = [k for k in m if k not in scores.modules]
+    if missing:
+        raise InputError(
+            f"{fn}: scores have no entry for {_tree._few(missing)} of the masks; pass the masks "
+            "and scores of one nu.score / nu.allocate run."
+        )
+    wrong = [
+        k for k, v in m.items() if tuple(np.shape(scores.modules[k].utility)) != tuple(v.shape)
+    ]
+    if wrong:
+        k = wrong[0]
+        raise InputError(
+            f"{fn}: masks and scores differ in shape for {_tree._few(wrong)} (first: mask "
+            f"{tuple(m[k].shape)}, utility {tuple(np.shape(scores.modules[k].utility))}); pass "
+            "the masks and scores of one nu.score / nu.allocate run."
+        )
     r = max(v.shape[1] for v in m.values())
     kept = np.zeros(r)
     total = np.zeros(r)

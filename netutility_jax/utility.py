@@ -18,6 +18,17 @@ not candidates; the default ``rtol = sqrt(10 * r_max * eps)`` (4.4e-3 in float32
 2e-7 in float64) sits above that noise. Such directions carry less than ``rtol^2`` of the task's
 energy. Enable x64 and pass float64 factors for a tighter cut, or set ``rtol``.
 
+Scale safety: before the Grams, each task-module's ``lora_a``, ``lora_b`` and ``scale`` are divided
+by powers of two (exact) so that their largest entries are in ``[0.5, 1)``; the Grams and every
+``(M r)``-sized step then see numbers of order one, whatever ``lora_alpha`` or the factors' size.
+The update's size is carried as an integer exponent ``E_i`` per task-module (``s = s' 2^E_i``).
+Benefits and overlaps are free of it; the interference, which mixes tasks as ``(s_jk / s_max_i)^2``,
+gets its power of two ``2^(2 (E_j - E_i))`` exactly, term by term. So the result equals a float64
+computation of the same input to float32 rounding, for any scale, as long as every returned
+quantity (sigma, interference, utility, lambda) is itself a normal float32 number; where one is not
+(for example one task 1e20 times larger than another: its interference is 1e40), :func:`score`
+refuses with :class:`InputError` instead of returning zeros, infinities or NaN.
+
 References:
   Amballa et al., "Not All Ranks Are Equal: Budget-Aware LoRA Merging Across Tasks": Eq.
   net-utility (alpha = 1), App. A.4 (alpha = 0), Hyperparameters (lambda, h).
@@ -35,6 +46,7 @@ import numpy as np
 
 from . import _tree
 from ._linalg import eigh_batched as eigh_batched
+from ._linalg import exponent, mul_pow2, pow2, pow2_normalise
 from .errors import InputError
 
 _HI = jax.lax.Precision.HIGHEST
@@ -77,7 +89,9 @@ class BucketStats(NamedTuple):
     benefit: jax.Array
     interference: jax.Array
     candidate: jax.Array  # bool
-    finite: jax.Array  # bool (n, M): Grams finite (no NaN/Inf/overflow in the factors)
+    nonfinite: jax.Array  # int32 (n, M, 3): NaN/Inf entries of lora_a, lora_b, scale
+    log10_smax: jax.Array  # (n, M): log10 of each task's largest singular value (-inf if none)
+    raw_ok: jax.Array  # () bool: False if the "raw" route must be redone (see _safe_grams)
 
 
 def default_rtol(r_max: int, dtype: Any) -> float:
@@ -90,27 +104,120 @@ def _safe_div(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.where(ok, x / jnp.where(ok, y, 1), 0)
 
 
+# Largest |log2| of a task-module's largest factor entry for which the Grams of the raw factors
+# are exact up to rounding: entries at most 2^40 square to at most d 2^80 (no overflow), and a
+# product that underflows (< 2^-126) is below 2^-46 of the largest entry squared (>= 2^-80).
+_RAW_GRAM_RANGE = 40
+
+
 class _Grams(NamedTuple):
-    g: jax.Array  # (n, M, r, M, r) = a_i^T a_j blocks
+    """Grams of the factors divided by powers of two (largest entry in ``[0.5, 1)``), and the
+    scale likewise: the update is ``2^exp * scale a' b'`` (see :func:`_grams`)."""
+
+    g: jax.Array  # (n, M, r, M, r) = a'_i^T a'_j blocks
     gii: jax.Array  # (n, M, r, r)
-    h: jax.Array  # (n, M, r, r) = b_i b_i^T
-    scale: jax.Array  # (n, M)
-    finite: jax.Array  # (n, M)
+    h: jax.Array  # (n, M, r, r) = b'_i b'_i^T
+    scale: jax.Array  # (n, M), |scale'| in [0.5, 1) (or 0)
+    exp: jax.Array  # (n, M) int32
+    nonfinite: jax.Array  # (n, M, 3) int32: NaN/Inf entries of lora_a, lora_b, scale (read as 0)
+    raw_ok: jax.Array  # () bool: see _safe_grams
 
 
-def _grams(a: jax.Array, b: jax.Array, scale: jax.Array) -> _Grams:
-    """Stage 1: the only d-sized work, two Grams per module."""
-    g = jnp.einsum("nidk,njdl->nikjl", a, a, precision=_HI)
-    h = jnp.einsum("nikd,nild->nikl", b, b, precision=_HI)
-    gii = jnp.einsum("nikil->nikl", g)
-    finite = (
-        jnp.isfinite(jnp.diagonal(gii, axis1=-2, axis2=-1)).all(-1)
-        & jnp.isfinite(jnp.diagonal(h, axis1=-2, axis2=-1)).all(-1)
-        & jnp.isfinite(scale)
-    )
-    # Non-finite modules are reported by the caller; zeroing keeps the rest of the batch clean.
-    fix = lambda x: jnp.where(jnp.isfinite(x), x, 0)
-    return _Grams(fix(g), fix(gii), fix(h), fix(scale), finite)
+class _GramKind(NamedTuple):
+    """How a kernel forms the Gram of the input factors ``a (n, M, d_in, r)``."""
+
+    gram: Any  # a -> Gram
+    diag: Any  # Gram -> (n, M, r) squared column norms
+    rescale: Any  # (Gram, ea (n, M)) -> Gram of a * 2^-ea, for |ea| <= _RAW_GRAM_RANGE + 1
+
+
+# rescale: exponents are within +-(_RAW_GRAM_RANGE + 1) there, so one power of two is exact
+_CROSS = _GramKind(  # all task pairs: (n, M, r, M, r)
+    lambda a: jnp.einsum("nidk,njdl->nikjl", a, a, precision=_HI),
+    lambda g: jnp.einsum("nikik->nik", g),
+    lambda g, e: g * pow2(-(e[:, :, None, None, None] + e[:, None, None, :, None]), g.dtype),
+)
+_PER_TASK = _GramKind(  # each task alone: (n, M, r, r)
+    lambda a: jnp.einsum("nidk,nidl->nikl", a, a, precision=_HI),
+    lambda g: jnp.einsum("nikk->nik", g),
+    lambda g, e: g * pow2(-2 * e[..., None, None], g.dtype),
+)
+
+
+def _b_gram(b: jax.Array) -> jax.Array:
+    return jnp.einsum("nikd,nild->nikl", b, b, precision=_HI)
+
+
+ROUTES = ("raw", "normalise", "cond")
+
+
+def _safe_grams(
+    a: jax.Array, b: jax.Array, scale: jax.Array, kind: _GramKind, route: str
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Grams of ``a`` and ``b`` divided by powers of two, and the scale likewise (scale-safe).
+
+    Each task-module's ``lora_a``, ``lora_b`` and ``scale`` are divided by the power of two that
+    brings their largest entry into ``[0.5, 1)``. ``route`` says how, for the factors:
+
+    * ``"raw"``: on the Grams of the raw factors (exact, ``(M r)``-sized, one max-reduction over
+      the factors as the only extra work). Exact only when every largest entry is finite and
+      within ``2^+-40``, which the returned ``raw_ok`` says; otherwise the result is to be
+      discarded and the call repeated with ``"normalise"`` (eager callers do this).
+    * ``"normalise"``: on the factors themselves, before the Grams (one more pass over the
+      factors); non-finite entries are zeroed and counted. Exact for any input.
+    * ``"cond"``: ``"raw"`` when ``raw_ok``, else ``"normalise"``, chosen at run time by
+      ``lax.cond`` (for traced calls, where the eager retry is impossible).
+
+    Returns:
+      ``(ga, h, scale', exp, nonfinite, raw_ok)``: ``h = b' b'^T (n, M, r, r)``, ``scale' (n, M)``,
+      ``exp (n, M)`` int32 with ``scale a b = 2^exp scale' a' b'``, ``nonfinite (n, M, 3)`` int32
+      (NaN/Inf entries of lora_a, lora_b, scale, read as 0; 0 on the raw route, whose inputs are
+      finite when ``raw_ok``), and the scalar bool ``raw_ok``.
+    """
+    s, es, ns = pow2_normalise(scale, ())
+
+    def normalised():
+        a2, ea, na = pow2_normalise(a, (-2, -1))
+        b2, eb, nb = pow2_normalise(b, (-2, -1))
+        return kind.gram(a2), _b_gram(b2), ea + eb, jnp.stack([na, nb], -1)
+
+    if route == "normalise":
+        gs, hs, e_ab, bad = normalised()
+        raw_ok = jnp.ones((), bool)
+    else:
+        amax = jnp.max(jnp.abs(a), axis=(-2, -1), initial=0.0)
+        bmax = jnp.max(jnp.abs(b), axis=(-2, -1), initial=0.0)
+        ga, h = kind.gram(a), _b_gram(b)
+        lo, hi = 2.0**-_RAW_GRAM_RANGE, 2.0**_RAW_GRAM_RANGE
+
+        def in_range(x):
+            return (x == 0) | ((x >= lo) & (x <= hi))
+
+        # a max-reduction may skip NaN; the Gram diagonals (sums of squares) never do
+        raw_ok = (
+            jnp.isfinite(kind.diag(ga)).all(-1)
+            & jnp.isfinite(jnp.einsum("nikk->nik", h)).all(-1)
+            & in_range(amax)
+            & in_range(bmax)
+        ).all()
+
+        def from_raw():
+            ea, eb = exponent(amax), exponent(bmax)
+            hs = h * pow2(-2 * eb[..., None, None], h.dtype)
+            return kind.rescale(ga, ea), hs, ea + eb, jnp.zeros((*ea.shape, 2), jnp.int32)
+
+        if route == "raw":
+            gs, hs, e_ab, bad = from_raw()
+        else:
+            gs, hs, e_ab, bad = jax.lax.cond(raw_ok, from_raw, normalised)
+    return gs, hs, s, e_ab + es, jnp.concatenate([bad, ns[..., None]], -1), raw_ok
+
+
+def _grams(a: jax.Array, b: jax.Array, scale: jax.Array, route: str) -> _Grams:
+    """Stage 1: the only d-sized work, two Grams per module, scale-safe (see
+    :func:`_safe_grams`)."""
+    g, h, s, e, nonfinite, raw_ok = _safe_grams(a, b, scale, _CROSS, route)
+    return _Grams(g, jnp.einsum("nikil->nikl", g), h, s, e, nonfinite, raw_ok)
 
 
 def _cores(gr: _Grams, phi: jax.Array, f: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -132,7 +239,11 @@ def _finish(
     alpha: jax.Array | float,
     rtol: jax.Array | float,
 ) -> BucketStats:
-    """Stage 3: singular values, input directions ``a_i T_i``, overlaps, benefit, interference."""
+    """Stage 3: singular values, input directions ``a_i T_i``, overlaps, benefit, interference.
+
+    Everything is in each task's normalised units (``s = s' 2^E``) until the end: benefits and
+    overlaps do not depend on ``E``; sigma and the cross-task ratios get it back exactly.
+    """
     r = gr.h.shape[-1]
     m_tasks = gr.h.shape[1]
     k = ev.shape[-1]
@@ -154,12 +265,27 @@ def _finish(
     # c_in = s_in^(2a) / w_i, in units of s_max_i^-2 (put back through ratio2 below)
     c = _safe_div(jnp.where(cand, rel ** (2 * alpha), 0), wt[..., None])
     per_task = jnp.einsum("njkim,nim->njki", ov**2, c)  # (n, M_j, K, M_i)
-    ratio2 = _safe_div(sig[..., None], smax[:, None, None, :]) ** 2  # (s_jk / s_max_i)^2
+    ratio2 = _safe_div(sig[..., None], smax[:, None, None, :]) ** 2  # (s'_jk / s'_max_i)^2
     off = 1 - jnp.eye(m_tasks, dtype=sig.dtype)
-    interference = jnp.where(cand, (ratio2 * per_task * off[None, :, None, :]).sum(-1), 0)
+    # (s_jk / s_max_i)^2 = ratio2 * 2^(2 (E_j - E_i)), applied exactly, term by term
+    d_exp = 2 * (gr.exp[:, :, None, None] - gr.exp[:, None, None, :])
+    terms = mul_pow2(ratio2 * per_task * off[None, :, None, :], d_exp)
+    interference = jnp.where(cand, terms.sum(-1), 0)
+    sigma = jnp.where(cand, mul_pow2(sig, gr.exp[..., None]), 0)
+    log10_smax = jnp.where(
+        smax > 0,
+        (jnp.log2(jnp.where(smax > 0, smax, 1)) + gr.exp.astype(sig.dtype)) * np.log10(2.0),
+        -jnp.inf,
+    )
     # at most r nonzero singular values per task: the slots past r are never candidates
     return BucketStats(
-        sig[..., :r], benefit[..., :r], interference[..., :r], cand[..., :r], gr.finite
+        sigma[..., :r],
+        benefit[..., :r],
+        interference[..., :r],
+        cand[..., :r],
+        gr.nonfinite,
+        log10_smax.astype(sig.dtype),
+        gr.raw_ok,
     )
 
 
@@ -168,6 +294,7 @@ def score_buckets(
     *,
     alpha: jax.Array | float,
     rtols: Sequence[jax.Array | float],
+    route: str = "cond",
 ) -> list[BucketStats]:
     """Benefit and interference of every direction of several buckets (pure, traceable).
 
@@ -178,14 +305,20 @@ def score_buckets(
     * ``scale (n, M)`` LoRA scales; ``rank (n, M)`` int, each task's own rank (slots
       ``k >= rank`` are never candidates).
 
-    All buckets share two ``eigh`` calls (see :func:`eigh_batched`); everything else is per
-    bucket. Free of global state: lambda and utilities are computed across buckets by the caller,
-    so buckets can be streamed or sharded.
+    Factors and scales may hold any finite values (they are normalised by powers of two first,
+    see the module docstring); non-finite entries are counted in ``BucketStats.nonfinite`` and
+    read as 0, so the rest of the bucket is computed normally. All buckets share two ``eigh``
+    calls (see :func:`eigh_batched`); everything else is per bucket. Free of global state: lambda
+    and utilities are computed across buckets by the caller, so buckets can be streamed or sharded.
+
+    ``route`` picks how the factors are normalised (see :func:`_safe_grams`): the default
+    ``"cond"`` is exact for any input; ``"raw"`` is the fastest and exact unless
+    ``BucketStats.raw_ok`` is False, in which case the call must be repeated with ``"normalise"``.
 
     Returns:
       one :class:`BucketStats` per bucket, arrays ``(n, M, r)``.
     """
-    grams = [_grams(a, b, s) for a, b, s, _ in buckets]
+    grams = [_grams(a, b, s, route) for a, b, s, _ in buckets]
     eig_h = eigh_batched([gr.h for gr in grams])
     cores = [_cores(gr, phi, f) for gr, (phi, f) in zip(grams, eig_h, strict=True)]
     eig_c = eigh_batched([c for _, c in cores])
@@ -210,26 +343,52 @@ def lam_auto(benefit: jax.Array, interference: jax.Array, candidate: jax.Array) 
     return jnp.where(jnp.isfinite(denom) & (denom > 0), mb / jnp.where(denom > 0, denom, 1), 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("meta", "lam_is_auto"))
-def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto):
+@functools.partial(jax.jit, static_argnames=("meta", "lam_is_auto", "route"))
+def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw"):
+    """The jitted scoring of :func:`score`; with ``route="raw"`` the caller must redo the call
+    with ``route="normalise"`` when the returned ``raw_ok`` is False (see :func:`_safe_grams`)."""
     dtype = meta[0]
     stacked = [
         _tree.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
         for (a, b, s), (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True)
     ]
-    stats = score_buckets(stacked, alpha=alpha, rtols=rtols)
+    stats = score_buckets(stacked, alpha=alpha, rtols=rtols, route=route)
+    # Traced calls cannot raise: a module with a NaN/Inf input gets NaN scores, and lam="auto"
+    # NaN. (Eager calls raise on such input; their kernels skip this.)
+    nan_fill = route == "cond"
+    bad = [(st.nonfinite > 0).any((1, 2)) for st in stats]  # (n,): a module with a NaN/Inf input
     if lam_is_auto:
         lam = lam_auto(
             jnp.concatenate([st.benefit.ravel() for st in stats]),
             jnp.concatenate([st.interference.ravel() for st in stats]),
             jnp.concatenate([st.candidate.ravel() for st in stats]),
         )
+        if nan_fill:
+            lam = jnp.where(jnp.stack([b.any() for b in bad]).any(), jnp.nan, lam)
     lam = jnp.asarray(lam, dtype)
+    fi = jnp.finfo(dtype)
     out = []
-    for st in stats:
-        util = jnp.where(st.candidate, st.benefit - lam * st.interference, -jnp.inf)
-        out.append((ModuleScores(st.sigma, st.benefit, st.interference, util), st.finite))
-    return tuple(out), lam
+    pos_interference = jnp.zeros((), bool)
+    for st, b in zip(stats, bad, strict=True):
+        cand = st.candidate
+        util = jnp.where(cand, st.benefit - lam * st.interference, -jnp.inf)
+        fields = (st.sigma, st.benefit, st.interference, util)
+        if nan_fill:
+            fields = [jnp.where(b[:, None, None], jnp.nan, x) for x in fields]
+        # (n, M, 3): a candidate's sigma, interference or utility is not a normal number
+        ranges = jnp.stack(
+            [
+                (cand & ~((st.sigma >= fi.tiny) & (st.sigma <= fi.max))).any(-1),
+                (cand & ~jnp.isfinite(st.interference)).any(-1),
+                (cand & ~jnp.isfinite(util)).any(-1),
+            ],
+            -1,
+        )
+        pos_interference = pos_interference | (cand & (st.interference > 0)).any()
+        out.append((ModuleScores(*fields), st.nonfinite, ranges, st.log10_smax))
+    lam_bad = pos_interference & ~((lam >= fi.tiny) & (lam <= fi.max)) if lam_is_auto else False
+    raw_ok = jnp.stack([st.raw_ok for st in stats]).all()
+    return tuple(out), lam, jnp.asarray(lam_bad), raw_ok
 
 
 def unstack(x: jax.Array) -> list[jax.Array]:
@@ -244,32 +403,191 @@ def unstack(x: jax.Array) -> list[jax.Array]:
     return jax.device_put([h[i] for i in range(h.shape[0])], x.sharding)
 
 
-def _raise_nonfinite(fn: str, bucket: _tree.Bucket, finite: np.ndarray) -> None:
-    n, i = (int(x) for x in np.argwhere(~finite)[0])
-    m = bucket.modules[n][i]
-    what = "lora_a"
-    for label, x in (("lora_a", m.lora_a), ("lora_b", m.lora_b), ("scale", m.scale)):
-        if not np.isfinite(np.asarray(x, np.float64)).all():
-            what = f"{label} has NaN or Inf"
-            break
-    else:
-        what = "lora_a or lora_b overflows in the Gram (entries too large for float32)"
-    raise InputError(
-        f"{fn}: module {bucket.names[n]!r}, task {i} (lora_a {tuple(m.lora_a.shape)}, lora_b "
-        f"{tuple(m.lora_b.shape)}): {what}. Fix or retrain that adapter, or enable x64 and pass "
-        "float64 factors if they are merely large."
+_X64_HINT = (
+    "enable x64 (jax.config.update('jax_enable_x64', True)) and pass float64 factors, whose "
+    "range is far wider"
+)
+
+
+def _range_text(dtype: Any) -> str:
+    fi = np.finfo(np.dtype(dtype))
+    return f"the range of {np.dtype(dtype).name} (normal numbers {fi.tiny:.1e} to {fi.max:.1e})"
+
+
+def _spread(bk: _tree.Bucket, n: int, l10: np.ndarray) -> str:
+    """How much the tasks' updates differ in size in module ``n`` of ``bk``."""
+    live = np.flatnonzero(np.isfinite(l10))
+    hi = int(live[np.argmax(l10[live])])
+    lo = int(live[np.argmin(l10[live])])
+
+    def sc(i: int) -> str:
+        return f"{float(np.asarray(bk.modules[n][i].scale, np.float64)):.3g}"
+
+    return (
+        f"largest singular value about 1e{l10[hi]:+.0f} in task {hi} (scale {sc(hi)}) and "
+        f"1e{l10[lo]:+.0f} in task {lo} (scale {sc(lo)})"
     )
 
 
-def _check_alpha(fn: str, alpha: Any) -> None:
-    if isinstance(alpha, jax.core.Tracer):
-        return
-    a = np.asarray(alpha)
-    if a.shape != () or not np.isfinite(a) or a < 0:
-        raise InputError(
-            f"{fn}: alpha={alpha!r}; expected a finite scalar >= 0 (1.0 Gram geometry, 0.0 "
-            "row-space heuristic; 'auto' picks by heterogeneity)."
+def _raise_unrepresentable(
+    fn: str,
+    buckets: Sequence[_tree.Bucket],
+    outs: Sequence[Any],
+    lam: Any,
+    lam_bad: Any,
+    *,
+    dtype: Any,
+    lam_is_auto: bool,
+) -> None:
+    """Refuse results that the compute dtype cannot hold (see the module docstring)."""
+    hits = []
+    for bk, (_, _, ranges, l10) in zip(buckets, outs, strict=True):
+        r = np.asarray(ranges)
+        if r.any():
+            hits.append((bk, r, np.asarray(l10, np.float64)))
+    rng = _range_text(dtype)
+    if hits:
+        bk, r, l10 = hits[0]
+        n = int(np.flatnonzero(r.any((1, 2)))[0])
+        kind = int(np.flatnonzero(r[n].any(0))[0])
+        i = int(np.flatnonzero(r[n, :, kind])[0])
+        nm = _tree.short(bk.names[n])
+        if kind == 0:
+            head = (
+                f"module {nm!r}, task {i}: the update's singular values (largest about "
+                f"1e{l10[n, i]:+.0f}) fall outside {rng}. Check that task's scale (lora_alpha / "
+                f"r, here {float(np.asarray(bk.modules[n][i].scale, np.float64)):.3g}) and "
+                f"factors, or {_X64_HINT}."
+            )
+        else:
+            what = (
+                f"task {i}'s interference, which grows as the square of the ratio of two tasks' "
+                "update sizes,"
+                if kind == 1
+                else f"lam * interference of task {i} (lam = {float(np.asarray(lam)):.3g})"
+            )
+            head = (
+                f"module {nm!r}: {what} is beyond {rng}: the tasks' updates differ too much in "
+                f"size ({_spread(bk, n, l10[n])}). A LoRA scale (lora_alpha / r) this different "
+                "between tasks is usually a configuration error: check the scales"
+                f"{', or pass a smaller lam' if kind == 2 and not lam_is_auto else ''}, or "
+                f"{_X64_HINT}."
+            )
+        pairs = sum(int(r2.any(-1).sum()) for _, r2, _ in hits)
+        names = [
+            nm2 for bk2, r2, _ in hits for nm2, row in zip(bk2.names, r2, strict=True) if row.any()
+        ]
+        more = (
+            f" In all, {pairs} (module, task) pairs are affected, in {_tree._few(names)}."
+            if pairs > 1
+            else ""
         )
+        raise InputError(f"{fn}: {head}{more}")
+    if bool(np.asarray(lam_bad)):
+        raise InputError(
+            f"{fn}: lam='auto' (median benefit / median interference) is "
+            f"{float(np.asarray(lam)):.3g}, outside {rng}: the interferences are too large for "
+            "the benefits (the tasks' updates differ greatly in size). Check the LoRA scales, pass "
+            f"lam= explicitly, or {_X64_HINT}."
+        )
+
+
+def _checkify_score(
+    fn: str, names: Sequence[str], buckets: Sequence[_tree.Bucket], outs: Any, lam_bad: Any
+) -> None:
+    """Under a trace with ``checked=True``: the eager checks as ``checkify`` checks."""
+    from jax.experimental import checkify
+
+    index = {nm: k for k, nm in enumerate(names)}
+    # inputs first (checkify reports the first failed check): a NaN input also makes results NaN
+    for bk, (_, nonfinite, _, _) in zip(buckets, outs, strict=True):
+        pos = jnp.asarray([index[nm] for nm in bk.names], jnp.int32)
+        m_tasks = nonfinite.shape[1]
+        for k, label in enumerate(_tree.NONFINITE_ARRAYS):
+            c = nonfinite[..., k].reshape(-1)
+            first = jnp.argmax(c > 0)
+            checkify.check(
+                ~(c > 0).any(),
+                f"{fn}: {label} of task {{task}} in module #{{module}} (its position in the "
+                "adapters' module order) has {count} non-finite entries (NaN or Inf).",
+                task=first % m_tasks,
+                module=pos[first // m_tasks],
+                count=c[first],
+            )
+    for bk, (_, _, ranges, _) in zip(buckets, outs, strict=True):
+        pos = jnp.asarray([index[nm] for nm in bk.names], jnp.int32)
+        m_tasks = ranges.shape[1]
+        for k, what in enumerate(
+            ("singular values", "interference", "utility (lam * interference)")
+        ):
+            c = ranges[..., k].reshape(-1)
+            first = jnp.argmax(c)
+            checkify.check(
+                ~c.any(),
+                f"{fn}: the {what} of task {{task}} in module #{{module}} (its position in the "
+                "adapters' module order) is beyond the range of the compute dtype; the tasks' "
+                "update sizes (LoRA scales) differ too much, or enable x64.",
+                task=first % m_tasks,
+                module=pos[first // m_tasks],
+            )
+    checkify.check(
+        ~lam_bad,
+        f"{fn}: lam='auto' is beyond the range of the compute dtype (the tasks' update sizes "
+        "differ too much); pass lam= explicitly.",
+    )
+
+
+_ALPHA_EXPECTED = (
+    "a finite number >= 0 (1.0 Gram geometry, 0.0 row-space heuristic, values in between allowed) "
+    "or 'auto'"
+)
+_LAM_EXPECTED = "a finite number >= 0 (the interference weight) or 'auto'"
+
+
+def _check_alpha(fn: str, alpha: Any) -> None:
+    if isinstance(alpha, str):
+        if alpha != "auto":
+            raise InputError(f"{fn}: alpha={_tree.brief(alpha)}; expected {_ALPHA_EXPECTED}.")
+        return
+    _tree.check_real(fn, "alpha", alpha, _ALPHA_EXPECTED)
+    v = _tree.real_value(alpha)
+    if v is not None and not (np.isfinite(v) and v >= 0):
+        raise InputError(f"{fn}: alpha={_tree.brief(alpha)}; expected {_ALPHA_EXPECTED}.")
+
+
+def _check_lam(fn: str, lam: Any) -> None:
+    if isinstance(lam, str):
+        if lam != "auto":
+            raise InputError(f"{fn}: lam={_tree.brief(lam)}; expected {_LAM_EXPECTED}.")
+        return
+    _tree.check_real(fn, "lam", lam, _LAM_EXPECTED)
+    v = _tree.real_value(lam)
+    if v is not None and not (np.isfinite(v) and v >= 0):
+        raise InputError(f"{fn}: lam={_tree.brief(lam)}; expected {_LAM_EXPECTED}.")
+
+
+def _check_options(fn: str, alpha: Any, lam: Any, rtol: Any, h_threshold: Any) -> None:
+    _check_alpha(fn, alpha)
+    _check_lam(fn, lam)
+    if rtol is not None:
+        _tree.check_real(fn, "rtol", rtol, "None or a number with 0 <= rtol < 1")
+        v = _tree.real_value(rtol)
+        if v is not None and not (0 <= v < 1):
+            raise InputError(f"{fn}: rtol={_tree.brief(rtol)}; expected 0 <= rtol < 1.")
+    _tree.check_real(fn, "h_threshold", h_threshold, "a finite number")
+    v = _tree.real_value(h_threshold)
+    if v is not None and not np.isfinite(v):
+        raise InputError(f"{fn}: h_threshold={_tree.brief(h_threshold)}; expected a finite number.")
+
+
+def _traced(*trees: Any) -> bool:
+    """Is any leaf abstract (the call runs under jit, vmap, grad...)?"""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+
+
+def _dead(bk: _tree.Bucket) -> bool:
+    """A bucket whose updates are empty (rank 0, or d_in or d_out 0): no candidates."""
+    return bk.r_max == 0 or bk.d_in == 0 or bk.d_out == 0
 
 
 def score(
@@ -279,6 +597,7 @@ def score(
     lam: float | str = "auto",
     rtol: float | None = None,
     h_threshold: float = 1.0,
+    checked: bool = False,
 ) -> Scores:
     """Net utility of every singular direction of every module and task (paper Eq. net-utility).
 
@@ -293,29 +612,54 @@ def score(
     ``a = 1`` is the Gram geometry ``G_i ~ V_i S_i^2 V_i^T`` (paper Eq. gram-geometry), ``a = 0`` the
     row-space heuristic (App. A.4). All modules of equal shape are scored by one jitted, batched
     kernel from the Grams of the factors (see the module docstring); no dense update is formed.
+    The kernel is scale-safe: factors and scales are normalised by exact powers of two, so any
+    finite scale (``lora_alpha`` 1e-30 .. 1e30) gives the float64 result to float32 rounding,
+    or an :class:`InputError` where a returned quantity does not fit the compute dtype.
+
+    Checks: on concrete inputs (an ordinary call), every factor and scale must be finite and every
+    returned sigma, interference, utility and lambda representable; otherwise
+    :class:`InputError` names the module, the task and the array. Under a trace (inside
+    ``jax.jit``, ``vmap``...) values are abstract and these checks are skipped: a module with a
+    NaN/Inf input gets NaN scores (and ``lam="auto"`` is NaN), an unrepresentable quantity is
+    ``inf`` or 0. To have them reported inside ``jit``, pass ``checked=True`` and wrap the
+    function in :func:`jax.experimental.checkify.checkify`, which returns the error (``err.get()``
+    is the message; ``err.throw()`` raises it). Modules are then named by their position in the
+    adapters' module order.
 
     Args:
       adapters: sequence of M adapter pytrees (one per task) with the same module names. A module
         is ``{"lora_a": (d_in, r), "lora_b": (r, d_out), "scale": ()}`` (scale optional, default
-        1); ranks may differ between tasks and modules. ``None`` marks a module a task lacks.
-      alpha: geometry exponent ``>= 0``; ``"auto"`` applies the paper's heterogeneity rule: 0 when
-        ``nu.heterogeneity(adapters) > h_threshold``, else 1.
-      lam: interference weight, or ``"auto"``: median benefit / median interference over all
-        candidates of all modules (paper, Hyperparameters).
-      rtol: relative singular-value cut for candidates; default ``sqrt(10 * r_max * eps)``.
-      h_threshold: threshold of the ``alpha="auto"`` rule (between the paper's NLI h = 0.63 and
-        vision h = 1.83).
+        1, a real number); ranks may differ between tasks and modules (0 too: no candidates).
+        ``None`` marks a module a task lacks.
+      alpha: geometry exponent, a finite number ``>= 0``; ``"auto"`` applies the paper's
+        heterogeneity rule: 0 when ``nu.heterogeneity(adapters) > h_threshold``, else 1.
+      lam: interference weight, a finite number ``>= 0``, or ``"auto"``: median benefit / median
+        interference over all candidates of all modules (paper, Hyperparameters).
+      rtol: relative singular-value cut for candidates, ``0 <= rtol < 1``; default
+        ``sqrt(10 * r_max * eps)``.
+      h_threshold: finite threshold of the ``alpha="auto"`` rule (between the paper's NLI
+        h = 0.63 and vision h = 1.83).
+      checked: under a trace, emit :mod:`jax.experimental.checkify` checks for the conditions the
+        eager call raises on (the caller must functionalize them with ``checkify.checkify``).
+        Ignored on concrete inputs, which are always checked.
 
     Returns:
       :class:`Scores` with ``modules[name]`` fields ``sigma``, ``benefit``, ``interference``,
-      ``utility``, each ``(M, r_max)``. A task whose update is zero in a module (or that lacks it)
-      has no candidates there and adds no interference. Non-candidates: ``sigma = 0``,
-      ``utility = -inf``.
+      ``utility``, each ``(M, r_max)``. A task whose update is zero in a module (or that lacks it,
+      or has rank 0 there) has no candidates there and adds no interference. Non-candidates:
+      ``sigma = 0``, ``utility = -inf``. With no candidate anywhere and a numeric ``lam``, every
+      utility is ``-inf`` (:func:`nu.allocate` then keeps nothing).
 
     Raises:
-      ValueError: empty list, module names or shapes that differ between tasks, factors that do
-        not chain, NaN/Inf in a factor, negative alpha, unknown lam.
-      TypeError: non-floating factors.
+      InputError: (a ``ValueError``) empty list, module names or shapes that differ between tasks,
+        factors that do not chain, NaN/Inf in a factor or scale (the message names the module,
+        task, array and how many entries), a result beyond the compute dtype's range (tasks
+        whose update sizes differ by ~1e19 or more in float32), alpha or lam negative or not
+        finite, an unknown string option, rtol outside ``[0, 1)``, ``lam="auto"`` with no
+        candidate at all.
+      InputTypeError: (a ``TypeError``) non-floating factors, a scale that is not a real number
+        (e.g. the string ``"2.0"``), an option of the wrong type (alpha/lam/rtol/h_threshold not
+        a real number, checked not a bool).
 
     Example:
       >>> import numpy as np, netutility_jax as nu
@@ -327,94 +671,201 @@ def score(
       (3, 4)
       >>> bool(np.allclose(sc.modules["q"].benefit.sum(1), 1.0, atol=1e-5))
       True
+      >>> big = [{"q": {**ad["q"], "scale": 1e30}} for ad in ads]  # sigma ~1e31: scale-safe
+      >>> bool(np.allclose(nu.score(big).modules["q"].utility, sc.modules["q"].utility, atol=1e-5))
+      True
     """
     fn = "nu.score"
-    names, buckets, _m_tasks = _tree.collect(adapters, fn=fn)
+    checked = _tree.check_bool(fn, "checked", checked)
+    _check_options(fn, alpha, lam, rtol, h_threshold)
+    names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     if isinstance(alpha, str):
-        if alpha != "auto":
-            raise InputError(f"{fn}: alpha={alpha!r}; expected a float >= 0 or 'auto'.")
-        alpha = 0.0 if float(heterogeneity(adapters)) > h_threshold else 1.0
-    _check_alpha(fn, alpha)
-    if isinstance(lam, str):
-        if lam != "auto":
-            raise InputError(f"{fn}: lam={lam!r}; expected 'auto' or a float.")
-        lam_is_auto, lam_val = True, 0.0
-    else:
-        if not isinstance(lam, jax.core.Tracer) and not np.isfinite(np.asarray(lam)):
-            raise InputError(f"{fn}: lam={lam!r}; expected a finite float or 'auto'.")
-        lam_is_auto, lam_val = False, lam
-    if rtol is not None and not (0 <= float(rtol) < 1):
-        raise InputError(f"{fn}: rtol={rtol!r}; expected 0 <= rtol < 1.")
+        h = heterogeneity(adapters, checked=checked, _fn=f"{fn} (alpha='auto')")
+        if isinstance(h, jax.core.Tracer):  # under a trace the rule is data, not a branch
+            alpha = jnp.where(h > h_threshold, 0.0, 1.0)
+        else:
+            alpha = 0.0 if float(h) > float(h_threshold) else 1.0
+    lam_is_auto = isinstance(lam, str)
+    lam_val = 0.0 if lam_is_auto else lam
     dtype = _tree.compute_dtype(buckets)
-    meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
-    rtols = tuple(
-        jnp.asarray(default_rtol(bk.r_max, dtype) if rtol is None else rtol, dtype)
-        for bk in buckets
-    )
-    inputs = tuple(_tree.bucket_arrays(bk) for bk in buckets)
-    outs, lam_used = _score_impl(
-        inputs, jnp.asarray(alpha, dtype), lam_val, rtols, meta=meta, lam_is_auto=lam_is_auto
-    )
-    if not isinstance(lam_used, jax.core.Tracer):
+    live = [bk for bk in buckets if not _dead(bk)]
+    by_name: dict[str, ModuleScores] = {}
+    for bk in buckets:
+        if _dead(bk):
+            zeros = jnp.zeros((m_tasks, bk.r_max), dtype)
+            empty = ModuleScores(
+                zeros, zeros, zeros, jnp.full((m_tasks, bk.r_max), -jnp.inf, dtype)
+            )
+            by_name.update((nm, empty) for nm in bk.names)
+    if live:
+        meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in live))
+        rtols = tuple(
+            jnp.asarray(default_rtol(bk.r_max, dtype) if rtol is None else rtol, dtype)
+            for bk in live
+        )
+        inputs = tuple(_tree.bucket_arrays(bk) for bk in live)
+        traced = _traced(inputs, alpha, lam_val)
+        kw = {"meta": meta, "lam_is_auto": lam_is_auto}
+        # float64 values beyond float32 become inf when cast: counted and reported below
+        with np.errstate(over="ignore"):
+            args = (inputs, jnp.asarray(alpha, dtype), lam_val, rtols)
+            outs, lam_used, lam_bad, raw_ok = _score_impl(
+                *args, **kw, route="cond" if traced else "raw"
+            )
+            # extreme or non-finite factors: the exact route (after the first call is done: one
+            # LAPACK-using executable in flight at a time, see eigh_batched)
+            if not traced and not bool(jax.block_until_ready((outs, raw_ok))[1]):
+                outs, lam_used, lam_bad, _ = _score_impl(*args, **kw, route="normalise")
+    else:
+        outs, lam_used, lam_bad = (), jnp.asarray(lam_val, dtype), jnp.asarray(False)
+        traced = _traced(alpha, lam_val)
+    if not traced:
         # Finish before returning: two LAPACK-using executables in flight at once can deadlock
         # jaxlib's CPU thread pool (see eigh_batched).
         jax.block_until_ready((outs, lam_used))
-    by_name: dict[str, ModuleScores] = {}
-    for bk, (mods, finite) in zip(buckets, outs, strict=True):
-        if not isinstance(finite, jax.core.Tracer):
-            fin = np.asarray(finite)
-            if not fin.all():
-                _raise_nonfinite(fn, bk, fin)
+        _tree.raise_nonfinite(fn, live, [o[1] for o in outs], dtype=dtype)
+        _raise_unrepresentable(
+            fn, live, outs, lam_used, lam_bad, dtype=dtype, lam_is_auto=lam_is_auto
+        )
+    elif checked:
+        _checkify_score(fn, names, live, outs, lam_bad)
+    for bk, (mods, *_) in zip(live, outs, strict=True):
         per_module = zip(*(unstack(f) for f in mods), strict=True)
         by_name.update(zip(bk.names, (ModuleScores(*f) for f in per_module), strict=True))
-    if not isinstance(lam_used, jax.core.Tracer) and not any(
-        np.asarray(ms.sigma).any() for ms in by_name.values()
+    if (
+        not traced
+        and lam_is_auto
+        and not any(np.asarray(ms.sigma).any() for ms in by_name.values())
     ):
         raise InputError(
-            f"{fn}: no candidate directions: the update of every task is zero (or below rtol) in "
-            f"all {len(names)} modules; check that the adapters are trained (lora_b is zero at "
-            "initialisation) and loaded correctly."
+            f"{fn}: no candidate directions: the update of every task is zero (or below rtol, or "
+            f"of rank 0) in all {len(names)} modules, so lam='auto' (a median over candidates) is "
+            "undefined. Check that the adapters are trained (lora_b is zero at initialisation) "
+            "and loaded correctly; with lam= given explicitly the scores are defined (every "
+            "utility -inf) and nu.allocate keeps nothing."
         )
     return Scores({k: by_name[k] for k in names}, lam_used, jnp.asarray(alpha, dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("meta",))
-def _energy_impl(inputs, *, meta):
+@functools.partial(jax.jit, static_argnames=("meta", "route"))
+def _log_energy_impl(inputs, *, meta, route="raw"):
+    """Per task ``||dW_i||_F^2 = t_i 2^k_i`` summed over modules, scale-safe.
+
+    Returns ``(k (M,) int32, t (M,))``, per bucket the ``(n, M, 3)`` non-finite counts, and
+    ``raw_ok`` (see :func:`_safe_grams`: False means redo with ``route="normalise"``). Each
+    module's energy ``s^2 sum((a^T a) * (b b^T))`` is computed from normalised factors as a
+    mantissa and a power of two, and the sum over modules is taken relative to the task's
+    largest power, so nothing overflows whatever the scales.
+    """
     dtype = meta[0]
-    total = 0
+    mant, expo, bads, oks = [], [], [], []
     for (a, b, s), (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True):
         A, B, S, _ = _tree.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
-        gaa = jnp.einsum("nidk,nidl->nikl", A, A, precision=_HI)
-        gbb = jnp.einsum("nikd,nild->nikl", B, B, precision=_HI)
-        total = total + ((S**2)[..., None, None] * gaa * gbb).sum((0, 2, 3))
-    return total
+        gaa, gbb, s2, e, nonfinite, raw_ok = _safe_grams(A, B, S, _PER_TASK, route)
+        oks.append(raw_ok)
+        mant.append(((s2**2)[..., None, None] * gaa * gbb).sum((2, 3)))  # (n, M)
+        expo.append(2 * e)
+        bads.append(nonfinite)
+    e = jnp.concatenate(mant, 0)  # (L, M)
+    k = jnp.concatenate(expo, 0)
+    live = e > 0
+    kmax = jnp.max(jnp.where(live, k, jnp.iinfo(jnp.int32).min), 0)
+    t = jnp.where(live, mul_pow2(e, jnp.where(live, k - kmax, 0)), 0).sum(0)
+    kmax = jnp.where(live.any(0), kmax, 0)
+    # a task with a NaN/Inf input has an undefined energy (eager calls raise; traces see NaN)
+    bad_task = jnp.concatenate([(b > 0).any(-1) for b in bads], 0).any(0)
+    t = jnp.where(bad_task, jnp.nan, t)
+    return kmax, t, tuple(bads), jnp.stack(oks).all()
 
 
-def task_energies(adapters: Sequence[Any], *, _fn: str = "nu.task_energies") -> jax.Array:
+def _log_energies(adapters: Sequence[Any], fn: str, checked: bool):
+    """``(k, t, buckets)`` of :func:`_log_energy_impl`, with the eager finiteness check."""
+    _, buckets, m_tasks = _tree.collect(adapters, fn=fn)
+    dtype = _tree.compute_dtype(buckets)
+    live = [bk for bk in buckets if not _dead(bk)]
+    if not live:
+        return jnp.zeros((m_tasks,), jnp.int32), jnp.zeros((m_tasks,), dtype), dtype
+    meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in live))
+    inputs = tuple(_tree.bucket_arrays(bk) for bk in live)
+    traced = _traced(inputs)
+    with np.errstate(over="ignore"):  # values beyond the dtype: counted and reported below
+        k, t, bads, raw_ok = _log_energy_impl(inputs, meta=meta, route="cond" if traced else "raw")
+        # extreme or non-finite factors: the exact route (no LAPACK here, no ordering needed)
+        if not traced and not bool(raw_ok):
+            k, t, bads, _ = _log_energy_impl(inputs, meta=meta, route="normalise")
+    if not isinstance(t, jax.core.Tracer):
+        _tree.raise_nonfinite(fn, live, bads, dtype=dtype)
+    elif checked:
+        from jax.experimental import checkify
+
+        for bad in bads:
+            checkify.check(
+                ~(bad > 0).any(),
+                f"{fn}: a factor or scale has {{count}} non-finite entries (NaN or Inf).",
+                count=bad.sum(),
+            )
+    return k, t, dtype
+
+
+def task_energies(
+    adapters: Sequence[Any], *, checked: bool = False, _fn: str = "nu.task_energies"
+) -> jax.Array:
     """``||dW_i||_F^2`` summed over modules, per task, as ``(M,)``; from factor Grams.
 
-    ``||s a b||_F^2 = s^2 sum((a^T a) * (b b^T))``: no dense update.
+    ``||s a b||_F^2 = s^2 sum((a^T a) * (b b^T))``: no dense update. Computed scale-safely (as
+    :func:`score`); an energy beyond the compute dtype's range is an :class:`InputError`
+    (:func:`heterogeneity` works with log-energies and stays defined).
+
+    Args:
+      adapters: sequence of M adapters, as in :func:`score`.
+      checked: under a trace, report NaN/Inf inputs through :mod:`jax.experimental.checkify`
+        (see :func:`score`).
+
+    Raises:
+      InputError: NaN/Inf in a factor or scale; an energy outside the compute dtype's range.
+      InputTypeError: as :func:`score`.
     """
-    _, buckets, _ = _tree.collect(adapters, fn=_fn)
-    dtype = _tree.compute_dtype(buckets)
-    meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
-    return _energy_impl(tuple(_tree.bucket_arrays(bk) for bk in buckets), meta=meta)
+    checked = _tree.check_bool(_fn, "checked", checked)
+    k, t, dtype = _log_energies(adapters, _fn, checked)
+    e = mul_pow2(t, k)
+    if not isinstance(e, jax.core.Tracer):
+        fi = np.finfo(np.dtype(dtype))
+        e_np, t_np = np.asarray(e), np.asarray(t)
+        out = np.flatnonzero((t_np > 0) & ~((e_np >= fi.tiny) & (e_np <= fi.max)))
+        if out.size:
+            i = int(out[0])
+            l10 = (float(np.asarray(k)[i]) + float(np.log2(t_np[i]))) * np.log10(2.0)
+            raise InputError(
+                f"{_fn}: task {i}'s energy ||dW||_F^2 is about 1e{l10:+.0f}, outside "
+                f"{_range_text(dtype)}. Check its LoRA scales (lora_alpha / r), or {_X64_HINT}; "
+                "nu.heterogeneity works with log-energies and is defined."
+            )
+    return e
 
 
-def heterogeneity(adapters: Sequence[Any]) -> jax.Array:
+def heterogeneity(
+    adapters: Sequence[Any], *, checked: bool = False, _fn: str = "nu.heterogeneity"
+) -> jax.Array:
     """Task heterogeneity ``h = Var_i[log ||dW_i||_F^2]`` (paper Eq. h; population variance).
 
     ``||dW_i||_F^2`` is task i's whole-adapter energy (all modules), from the factors. The paper
     finds h = 1.83 on its vision adapters (where it sets alpha = 0) and 0.63 on NLI (alpha = 1).
+    The log-energies are computed from a mantissa and a power of two per task, so ``h`` is
+    defined (and exact to rounding) for any finite scales, even where the energies themselves
+    overflow.
 
     Args:
       adapters: sequence of M adapters, as in :func:`score`.
+      checked: under a trace, report NaN/Inf inputs through :mod:`jax.experimental.checkify`
+        (see :func:`score`).
 
     Returns:
       scalar ``h`` (0 for M = 1).
 
     Raises:
-      ValueError: if a task's adapter is zero everywhere (its log-energy is undefined).
+      InputError: a task's adapter is zero everywhere (its log-energy is undefined); NaN/Inf in a
+        factor or scale.
+      InputTypeError: as :func:`score`.
 
     Example:
       >>> import numpy as np, netutility_jax as nu
@@ -423,13 +874,20 @@ def heterogeneity(adapters: Sequence[Any]) -> jax.Array:
       >>> ads = [{"m": {"lora_a": a, "lora_b": b, "scale": c}} for c in (1.0, np.e)]
       >>> round(float(nu.heterogeneity(ads)), 4)  # log-energies differ by 2: variance 1
       1.0
+      >>> ads = [{"m": {"lora_a": a, "lora_b": b, "scale": c}} for c in (1e30, np.e * 1e30)]
+      >>> round(float(nu.heterogeneity(ads)), 4)  # energies ~1e60 overflow float32; h does not
+      1.0
     """
-    e = task_energies(adapters, _fn="nu.heterogeneity")
-    if not isinstance(e, jax.core.Tracer):
-        zero = np.flatnonzero(np.asarray(e) <= 0)
+    checked = _tree.check_bool(_fn, "checked", checked)
+    k, t, dtype = _log_energies(adapters, _fn, checked)
+    if not isinstance(t, jax.core.Tracer):
+        zero = np.flatnonzero(np.asarray(t) <= 0)
         if zero.size:
             raise InputError(
-                f"nu.heterogeneity: task {int(zero[0])} has a zero update in every module; its "
-                "log-energy is undefined. Drop that adapter."
+                f"{_fn}: task {int(zero[0])} has a zero update in every module; its log-energy "
+                "is undefined. Drop that adapter"
+                f"{' or pass alpha= explicitly' if 'alpha' in _fn else ''}."
             )
-    return jnp.var(jnp.log(e))
+    # log e_i = ln 2 (k_i + log2 t_i); the integer part is centred exactly before the float math
+    rel = (k - k[0]).astype(dtype) + jnp.log2(t)
+    return jnp.var(rel * np.log(2.0).astype(dtype))

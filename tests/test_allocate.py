@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _reference import (
+    make_adapters,
     np_masks,
     ref_allocate,
     ref_scores,
@@ -20,6 +21,7 @@ from _reference import (
 )
 
 import netutility_jax as nu
+from netutility_jax import InputError, InputTypeError
 
 allocate_mod = importlib.import_module("netutility_jax.allocate")
 
@@ -262,31 +264,91 @@ def test_allocate_matches_reference_on_random_scores(data, budget, scope, positi
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("budget", [0, -2, np.int64(-1)])
+def test_budget_not_positive(budget):
+    with pytest.raises(
+        InputError, match=rf"nu\.allocate: budget={int(budget)}; expected a positive integer"
+    ):
+        nu.allocate(_scores(HAND_U, HAND_S), budget)
+
+
 @pytest.mark.parametrize(
-    "budget, match",
+    "budget, shown",
     [
-        (0, r"nu\.allocate: budget=0; expected a positive integer"),
-        (-2, r"nu\.allocate: budget=-2; expected a positive integer"),
-        (2.0, r"nu\.allocate: budget=2\.0 \(float\); expected a positive integer R"),
-        (np.float32(3), r"nu\.allocate: budget=.*\(float32\); expected a positive integer R"),
-        (True, r"nu\.allocate: budget=True \(bool\); expected a positive integer R"),
-        (False, r"nu\.allocate: budget=False \(bool\); expected a positive integer R"),
-        ("3", r"nu\.allocate: budget='3' \(str\); expected a positive integer R"),
+        (2.0, r"2\.0 \(float\)"),
+        (np.float32(3), r".*3\.0\)? \(float32\)"),
+        (True, r"True \(bool\)"),
+        (False, r"False \(bool\)"),
+        (np.bool_(True), r"np\.True_ \(bool\)"),
+        ("3", r"'3' \(str\)"),
+        (None, r"None \(NoneType\)"),
+        (3 + 0j, r"\(3\+0j\) \(complex\)"),
     ],
 )
-def test_bad_budget(budget, match):
-    with pytest.raises(ValueError, match=match):
+def test_budget_of_the_wrong_type(budget, shown):
+    with pytest.raises(
+        InputTypeError,
+        match=rf"nu\.allocate: budget={shown}; expected a positive integer R \(a Python or numpy "
+        r"int\)",
+    ):
         nu.allocate(_scores(HAND_U, HAND_S), budget)
 
 
 def test_numpy_integer_budget_is_accepted():
     sc = _scores(HAND_U, HAND_S)
     _assert_masks_equal(nu.allocate(sc, np.int64(2)), np_masks(nu.allocate(sc, 2)))
+    _assert_masks_equal(nu.allocate(sc, np.uint8(2)), np_masks(nu.allocate(sc, 2)))
 
 
-@pytest.mark.parametrize("scope", ["layer", "Global", "", None])
+@pytest.mark.parametrize("budget", [2**31, 2**40, 2**63 - 1, np.int64(2**62)])
+@pytest.mark.parametrize("positive_only", [True, False])
+@pytest.mark.parametrize("scope", SCOPES)
+def test_budget_beyond_int32_keeps_every_candidate(budget, positive_only, scope):
+    """Before: OverflowError with scope="uniform". A budget above the candidates keeps them all
+    (the positive ones with positive_only), in every scope."""
+    sc = nu.score(rich_adapters(4))
+    u, s = _lib_arrays(sc)
+    masks = nu.allocate(sc, budget, scope=scope, positive_only=positive_only)
+    expect = ref_allocate(u, s, int(budget), scope=scope, positive_only=positive_only)
+    _assert_masks_equal(masks, expect)
+    if not positive_only or scope == "uniform":
+        for k, m in np_masks(masks).items():
+            np.testing.assert_array_equal(m, np.isfinite(u[k]))
+
+
+@pytest.mark.parametrize("value", ["no", "False", 1, 0, None, np.asarray([True]), 1.0])
+def test_positive_only_must_be_a_bool(value):
+    """Before: taken by truthiness (positive_only="no" behaved as True)."""
+    with pytest.raises(
+        InputTypeError,
+        match=rf"nu\.allocate: positive_only=.* \({type(value).__name__}\); expected True or False",
+    ):
+        nu.allocate(_scores(HAND_U, HAND_S), 2, positive_only=value)
+
+
+def test_numpy_bool_positive_only_is_accepted():
+    sc = _scores(HAND_U, HAND_S)
+    for v in (True, False):
+        _assert_masks_equal(
+            nu.allocate(sc, 3, positive_only=np.bool_(v)),
+            np_masks(nu.allocate(sc, 3, positive_only=v)),
+        )
+
+
+@pytest.mark.parametrize("scope", ["layer", "Global", ""])
 def test_unknown_scope(scope):
-    with pytest.raises(ValueError, match=r"nu\.allocate: unknown scope .*expected one of"):
+    with pytest.raises(
+        InputError, match=rf"nu\.allocate: unknown scope '{scope}'; expected one of \("
+    ):
+        nu.allocate(_scores(HAND_U, HAND_S), 2, scope=scope)
+
+
+@pytest.mark.parametrize("scope", [None, 1, ["global"], b"global"])
+def test_scope_of_the_wrong_type(scope):
+    with pytest.raises(
+        InputTypeError,
+        match=rf"nu\.allocate: scope=.* \({type(scope).__name__}\); expected one of \('global'",
+    ):
         nu.allocate(_scores(HAND_U, HAND_S), 2, scope=scope)
 
 
@@ -295,6 +357,80 @@ def test_allocate_needs_scores():
         TypeError, match=r"nu\.allocate: expected the nu\.Scores returned by nu\.score"
     ):
         nu.allocate({"A": HAND_U["A"]}, 2)
+
+
+@pytest.mark.parametrize("log_c", [-30, -20, 20, 30])
+def test_uniform_share_is_scale_free(log_c):
+    """The uniform rule's energy share s^2 / sum(s^2) is computed from s / s_max: sigmas of 1e30
+    (sigma^2 overflows float32) or 1e-30 (underflows) select as the unscaled ones. Before, every
+    share was NaN or 0 and nothing or the wrong set was kept."""
+    c = 10.0**log_c
+    scaled = {k: v * c for k, v in UNI_S.items()}
+    for budget in (2, 5, 7):
+        masks = nu.allocate(_scores(UNI_U, scaled), budget, scope="uniform")
+        _assert_masks_equal(
+            masks, ref_allocate(UNI_U, UNI_S, budget, scope="uniform", positive_only=True)
+        )
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_scores_of_scale_1e30_adapters_select_as_the_reference(scope):
+    """End to end: every task's scale 1e30 (sigma ~1e31): the selection is the float64
+    reference's, including the uniform baseline (which reads sigma)."""
+    ads = make_adapters(41, 3, (("q", 12, 9, (3, 4, 2)), ("v", 10, 6, (2, 3, 3))))
+    for ad in ads:
+        for k, m in ad.items():
+            ad[k] = dict(m, scale=np.asarray(m["scale"] * 1e30, np.float32))
+    sc = nu.score(ads)
+    ref = ref_scores(ads)
+    sig = {k: m.sigma for k, m in ref.modules.items()}
+    for budget in (1, 2, 4):
+        assert selection_margin(ref.utility, sig, budget, scope=scope, positive_only=True) > MARGIN
+        _assert_masks_equal(
+            nu.allocate(sc, budget, scope=scope),
+            ref_allocate(ref.utility, sig, budget, scope=scope, positive_only=True),
+            f"budget {budget}",
+        )
+
+
+@pytest.mark.parametrize(
+    "field, value", [("utility", np.nan), ("utility", np.inf), ("sigma", np.nan), ("sigma", -1.0)]
+)
+def test_scores_holding_nan_are_refused(field, value):
+    """nu.score never returns these on concrete inputs; a traced score of NaN input does."""
+    u = {k: v.copy() for k, v in HAND_U.items()}
+    s = {k: v.copy() for k, v in HAND_S.items()}
+    (u if field == "utility" else s)["B"][1, 1] = value
+    with pytest.raises(
+        InputError,
+        match=r"nu\.allocate: scores of module 'B' hold NaN or \+inf utilities, or NaN, infinite "
+        r"or negative sigmas \(1 such entries in 'B'\)",
+    ):
+        nu.allocate(_scores(u, s), 2)
+
+
+def test_scores_of_the_wrong_shape_are_refused_briefly():
+    """2,000 modules whose sigma and utility disagree: one short message, a few names."""
+    z = jnp.zeros((2, 3))
+    bad = {f"m{i}": nu.ModuleScores(z, z, z, jnp.zeros((2, 2))) for i in range(2000)}
+    sc = nu.Scores(bad, jnp.asarray(1.0), jnp.asarray(1.0))
+    with pytest.raises(
+        InputError,
+        match=r"nu\.allocate: scores of modules 'm0', 'm1', 'm2' and 1997 more: utility \(2, 2\) "
+        r"and sigma \(2, 3\) \(first one\) must be equal and 2-D",
+    ) as info:
+        nu.allocate(sc, 2)
+    assert len(str(info.value)) < 400
+    ragged = {
+        "a": nu.ModuleScores(*(jnp.zeros((2, 3)),) * 4),
+        "b": nu.ModuleScores(*(jnp.zeros((3, 3)),) * 4),
+    }
+    with pytest.raises(InputError, match=r"disagree on the number of tasks M \(\[2, 3\]\)"):
+        nu.allocate(nu.Scores(ragged, jnp.asarray(1.0), jnp.asarray(1.0)), 2)
+    with pytest.raises(InputTypeError, match=r"scores of module 'a' lack floating 'utility'"):
+        nu.allocate(nu.Scores({"a": nu.ModuleScores(*(None,) * 4)}, 1.0, 1.0), 2)
+    with pytest.raises(InputError, match=r"nu\.allocate: scores\.modules is empty"):
+        nu.allocate(nu.Scores({}, 1.0, 1.0), 2)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import pytest
 from _reference import rich_adapters
 
 import netutility_jax as nu
+from netutility_jax import InputError, InputTypeError
 
 # M = 3 tasks. A (r_max 5): task 0 keeps a prefix {0, 1}, task 1 the non-prefix {1}, task 2
 # nothing. B (r_max 2): prefixes {0} and {0, 1}, and the non-prefix {1}.
@@ -86,7 +87,56 @@ def test_summaries_of_real_allocations():
     assert nu.non_prefix_fraction(u) == 0.0  # the uniform baseline keeps spectral prefixes
 
 
+FNS = (nu.kept_per_module, nu.kept_per_task, nu.budget_spent, nu.non_prefix_fraction)
+
+
 def test_masks_must_be_a_non_empty_mapping():
-    for fn in (nu.kept_per_module, nu.kept_per_task, nu.budget_spent, nu.non_prefix_fraction):
-        with pytest.raises(TypeError, match=r"masks returned by nu\.allocate"):
+    for fn in FNS:
+        with pytest.raises(InputError, match=rf"nu\.{fn.__name__}: masks is empty"):
             fn({})
+        with pytest.raises(InputTypeError, match=rf"nu\.{fn.__name__}: masks is a list"):
+            fn([MASKS["A"]])
+    with pytest.raises(InputError, match=r"nu\.retention_by_rank: masks is empty"):
+        nu.retention_by_rank({}, _scores())
+
+
+@pytest.mark.parametrize(
+    "bad", [MASKS["A"].astype(np.float32) * 0.5, MASKS["A"].astype(np.int8), [[True]], "A"]
+)
+def test_masks_must_be_bool_arrays(bad):
+    """0.5 was read as True: a float, int or non-array mask is refused, naming the module."""
+    for fn in FNS:
+        with pytest.raises(
+            InputTypeError,
+            match=rf"nu\.{fn.__name__}: the masks of module 'A' are not concrete bool arrays",
+        ):
+            fn({"A": bad, "B": MASKS["B"]})
+
+
+def test_masks_must_be_2d_and_agree_on_m():
+    with pytest.raises(InputError, match=r"masks of module 'A' are not 2-D \(the first has shape"):
+        nu.budget_spent({"A": MASKS["A"][0], "B": MASKS["B"]})
+    with pytest.raises(InputError, match=r"disagree on the number of tasks M \(\[2, 3\]\)"):
+        nu.kept_per_task({"A": MASKS["A"], "B": MASKS["B"][:2]})
+
+
+def test_retention_needs_matching_scores():
+    with pytest.raises(InputError, match=r"scores have no entry for module 'C' of the masks"):
+        nu.retention_by_rank({**MASKS, "C": MASKS["B"]}, _scores())
+    with pytest.raises(
+        InputError, match=r"differ in shape for module 'B' \(first: mask \(3, 1\), utility \(3, 2\)"
+    ):
+        nu.retention_by_rank({"A": MASKS["A"], "B": MASKS["B"][:, :1]}, _scores())
+    with pytest.raises(InputTypeError, match=r"scores is a dict; expected the nu\.Scores"):
+        nu.retention_by_rank(MASKS, {"A": 1})
+
+
+def test_messages_stay_short_with_2000_bad_masks():
+    bad = {f"layer{i}": np.zeros((3, 4), np.float32) for i in range(2000)}
+    with pytest.raises(InputTypeError, match=r"'layer0', 'layer1', 'layer2' and 1997 more") as e:
+        nu.budget_spent(bad)
+    assert len(str(e.value)) < 400
+    masks = {f"layer{i}": np.zeros((3, 2), bool) for i in range(2000)}
+    with pytest.raises(InputError, match=r"'layer0', 'layer1', 'layer2' and 1997 more") as e:
+        nu.retention_by_rank(masks, _scores())
+    assert len(str(e.value)) < 400

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import netutility_jax as nu
+from netutility_jax import InputError, InputTypeError
 
 
 def _factors(rng, batch, d_in, r, d_out, dtype=np.float32):
@@ -157,9 +161,130 @@ def test_lora_svd_errors():
     with pytest.raises(ValueError, match=r"do not chain"):
         nu.lora_svd(np.ones((8,), np.float32), np.ones((8, 6), np.float32))
     with pytest.raises(
-        TypeError, match=r"nu.lora_svd: lora_a has dtype int32; expected a floating dtype"
+        InputTypeError, match=r"nu.lora_svd: lora_a has dtype int32; expected a floating dtype"
     ):
         nu.lora_svd(np.ones((8, 3), np.int32), np.ones((3, 6), np.float32))
+    with pytest.raises(InputTypeError, match=r"lora_b is \[\[1\], \[1, 2\]\] \(list\), not an"):
+        nu.lora_svd(np.ones((8, 3), np.float32), [[1], [1, 2]])
+
+
+# Scale safety
+
+
+@pytest.mark.parametrize(
+    "ca, cb, scale",
+    [(1e25, 1e25, 1e-20), (1e-25, 1e-25, 1e20), (1e-20, 1e-20, 1e30), (1e20, 1e20, 1e-10)],
+)
+def test_lora_svd_extreme_scales_match_numpy(ca, cb, scale):
+    """Factors and scale each extreme, the update itself representable (singular values 1e30 ..
+    1e-10): the result is numpy's float64 SVD to float32 rounding. Before, the core
+    ``R_a R_b^T`` overflowed (1e50: inf/NaN) or underflowed (1e-50: zeros) before the scale
+    brought it back."""
+    rng = np.random.default_rng(30)
+    a, b = _factors(rng, (2,), 16, 3, 9, np.float64)
+    a32, b32 = (a * ca).astype(np.float32), (b * cb).astype(np.float32)
+    u = nu.lora_svd(a32, b32, scale)
+    _check_svd(u, a32, b32, np.full(2, scale), rtol=2e-5)
+
+
+def test_lora_svd_mixed_batch_scales():
+    """Each batch element is normalised on its own: extreme factors of opposite directions side by
+    side with ordinary ones."""
+    rng = np.random.default_rng(31)
+    a, b = _factors(rng, (3,), 12, 4, 7)
+    a[0] *= np.float32(1e25)
+    b[0] *= np.float32(1e25)
+    a[2] *= np.float32(1e-25)
+    b[2] *= np.float32(1e-25)
+    scale = np.asarray([1e-20, 1.0, 1e20], np.float32)
+    u = nu.lora_svd(a, b, scale)
+    for i in range(3):
+        ui = nu.LoraSVD(u.in_dirs[i], u.s[i], u.out_dirs[i])
+        _check_svd(ui, a[i], b[i], scale[i], rtol=2e-5)
+
+
+def test_lora_svd_beyond_the_dtype_is_refused():
+    rng = np.random.default_rng(32)
+    a, b = _factors(rng, (2,), 8, 2, 5)
+    with pytest.raises(
+        InputError,
+        match=r"nu\.lora_svd: the largest singular value of scale \* lora_a @ lora_b at batch "
+        r"index \(1,\) is outside the range of float32",
+    ):
+        nu.lora_svd(
+            a * np.float32(1e20), b * np.float32(1e20), np.asarray([1e-30, 1.0], np.float32)
+        )
+    with pytest.raises(InputError, match=r"outside the range of float32"):
+        nu.lora_svd(a * np.float32(1e-10), b * np.float32(1e-10), np.float32(1e-25))
+    with jax.enable_x64(True):  # float64 holds 1e40
+        a64, b64 = a.astype(np.float64) * 1e20, b.astype(np.float64) * 1e20
+        _check_svd(nu.lora_svd(a64, b64, 1.0), a64, b64, np.ones(2), rtol=1e-12)
+
+
+# Finiteness
+
+
+@pytest.mark.parametrize("which", ["lora_a", "lora_b", "scale"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_lora_svd_nonfinite_input_names_array_count_and_batch(which, value):
+    rng = np.random.default_rng(33)
+    a, b = _factors(rng, (2, 3), 8, 2, 5)
+    scale = np.ones((2, 3), np.float32)
+    x = {"lora_a": a, "lora_b": b, "scale": scale}[which]
+    x[1, 2, ...] = value  # every entry of batch element (1, 2)
+    n = x[1, 2].size
+    shape = re.escape(str(x.shape))
+    with pytest.raises(
+        InputError,
+        match=rf"nu\.lora_svd: {which} {shape} has {n} non-finite entr(y|ies) \(NaN or Inf\) "
+        r"at batch index \(1, 2\),",
+    ):
+        nu.lora_svd(a, b, scale)
+
+
+def test_lora_svd_float64_entry_beyond_float32():
+    a = np.ones((6, 2))
+    a[0, 0] = 1e50
+    with pytest.raises(InputError, match=r"lora_a \(6, 2\) has 1 non-finite entry .* float32"):
+        nu.lora_svd(a, np.ones((2, 4)))
+
+
+@pytest.mark.parametrize(
+    "scale, err, match",
+    [
+        ("2.0", InputTypeError, r"scale='2\.0' \(str\); expected a real number"),
+        (1j, InputTypeError, r"scale=1j \(complex\)"),
+        (True, InputTypeError, r"scale=True \(bool\)"),
+        (
+            np.ones(3),
+            InputError,
+            r"scale of shape \(3,\) does not broadcast to the batch axes \(2,\)",
+        ),
+    ],
+)
+def test_lora_svd_bad_scale(scale, err, match):
+    rng = np.random.default_rng(34)
+    a, b = _factors(rng, (2,), 8, 2, 5)
+    with pytest.raises(err, match=rf"nu\.lora_svd: {match}"):
+        nu.lora_svd(a, b, scale)
+    with pytest.raises(InputTypeError, match=r"checked='yes' \(str\); expected True or False"):
+        nu.lora_svd(a, b, checked="yes")
+
+
+def test_lora_svd_under_jit_nan_and_checkify():
+    """Under jit: a NaN input gives NaN for that batch element (the others are exact); with
+    checked=True under checkify.checkify the condition is reported."""
+    rng = np.random.default_rng(35)
+    a, b = _factors(rng, (2,), 8, 2, 5)
+    a[1, 0, 0] = np.nan
+    u = jax.jit(lambda x, y: nu.lora_svd(x, y))(a, b)
+    assert np.isnan(np.asarray(u.s[1])).all() and np.isnan(np.asarray(u.in_dirs[1])).all()
+    _check_svd(nu.LoraSVD(u.in_dirs[0], u.s[0], u.out_dirs[0]), a[0], b[0], 1.0, rtol=1e-5)
+    f = checkify.checkify(jax.jit(lambda x, y: nu.lora_svd(x, y, checked=True)))
+    err, _ = f(a, b)
+    assert err.get().startswith("nu.lora_svd: lora_a has 1 non-finite entries (NaN or Inf).")
+    err, _ = f(a[:1], b[:1])
+    assert err.get() is None
 
 
 def test_strict_promotion_float32():

@@ -121,3 +121,49 @@ def test_cholesky_pass_falls_back_to_identity_when_not_positive_definite():
     np.testing.assert_array_equal(np.asarray(m[0]), np.eye(2))
     np.testing.assert_array_equal(np.asarray(r[0]), np.eye(2))
     np.testing.assert_allclose(np.asarray(r[1]).T @ np.asarray(r[1]), np.asarray(g[1]), atol=1e-6)
+
+
+# Exact power-of-two scaling (the scale safety of scoring rests on it)
+
+
+def test_pow2_is_exact_over_the_normal_range():
+    k = np.arange(-126, 128)
+    np.testing.assert_array_equal(np.asarray(L.pow2(jnp.asarray(k), jnp.float32)), np.ldexp(1.0, k))
+    with jax.enable_x64(True):
+        k = np.arange(-1022, 1024)
+        got = np.asarray(L.pow2(jnp.asarray(k), jnp.float64))
+        np.testing.assert_array_equal(got, np.ldexp(1.0, k))
+
+
+@pytest.mark.parametrize("k", [-380, -300, -200, -149, -126, -1, 0, 1, 127, 200, 300, 380])
+def test_mul_pow2_matches_numpy_ldexp(k):
+    """x * 2**k exactly where the result is a normal float32 (2**k itself need not be), inf or 0
+    beyond: what float64 gives, rounded to float32."""
+    rng = np.random.default_rng(abs(k))
+    # normal float32 inputs (XLA:CPU reads subnormal inputs as 0)
+    x = (rng.uniform(1, 10, size=200) * 10.0 ** rng.uniform(-37, 37, size=200)).astype(np.float32)
+    x[::2] *= -1
+    got = np.asarray(L.mul_pow2(jnp.asarray(x), jnp.asarray(k)), np.float64)
+    with np.errstate(over="ignore"):
+        want = np.ldexp(x.astype(np.float64), k).astype(np.float32).astype(np.float64)
+    normal = np.abs(want) >= np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(got[normal], want[normal])
+    assert np.all(np.abs(got[~normal]) <= np.finfo(np.float32).tiny)  # flushed, as XLA:CPU does
+
+
+def test_pow2_normalise_is_exact_and_counts_nonfinite():
+    rng = np.random.default_rng(2)
+    x = rng.uniform(-1, 1, size=(4, 5, 3)) * np.asarray([1e-30, 1.0, 1e30, 3.3e38])[:, None, None]
+    x = x.astype(np.float32)
+    x[3, 0, 0] = np.finfo(np.float32).max
+    x[1, 2, 2] = np.nan
+    x[2, 0, 1] = -np.inf
+    y, e, n_bad = (np.asarray(v) for v in L.pow2_normalise(jnp.asarray(x), (-2, -1)))
+    np.testing.assert_array_equal(n_bad, [0, 1, 1, 0])
+    ok = np.isfinite(x)
+    assert np.all(y[~ok] == 0)
+    top = np.abs(y).max((-2, -1))
+    assert np.all((top >= 0.5) & (top < 1)), top
+    np.testing.assert_array_equal(np.ldexp(y.astype(np.float64), e[:, None, None])[ok], x[ok])
+    z, ez, nz = L.pow2_normalise(jnp.zeros((2, 3), jnp.float32), (-1,))
+    assert np.all(np.asarray(z) == 0) and np.all(np.asarray(ez) == 0) and not np.asarray(nz).any()

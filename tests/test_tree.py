@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -327,3 +329,73 @@ def test_validation_runs_in_task_energies_and_heterogeneity():
         nu.task_energies(ads)
     with pytest.raises(ValueError, match=r"nu\.heterogeneity: module names differ"):
         nu.heterogeneity(ads)
+
+
+def test_cyclic_and_too_deep_adapters_are_refused():
+    a = np.ones((4, 1), np.float32)
+    cyc: dict = {"m": {"lora_a": a, "lora_b": np.ones((1, 3), np.float32)}}
+    cyc["again"] = cyc
+    with pytest.raises(nu.InputError, match=r"nu\.score: adapter 0 contains itself at 'again'"):
+        nu.score([cyc])
+    deep: dict = {}
+    node = deep
+    for _ in range(5000):
+        node["k"] = {}
+        node = node["k"]
+    with pytest.raises(nu.InputError, match=r"adapter 0 is nested more than 64 levels deep"):
+        nu.score([deep])
+
+
+@pytest.mark.parametrize(
+    "scale, err, match",
+    [
+        ("2.0", nu.InputTypeError, r"is '2\.0' \(str\); expected a real number"),
+        (b"2", nu.InputTypeError, r"is b'2' \(bytes\)"),
+        (np.bool_(True), nu.InputTypeError, r"is np\.True_ \(bool, dtype bool\)"),
+        (np.complex64(1), nu.InputTypeError, r"\(complex64, dtype complex64\)"),
+        ({"v": 1.0}, nu.InputTypeError, r"is \{'v': 1\.0\} \(dict\)"),
+        (np.float32(np.nan), nu.InputError, r"\(lora_a \(8, 3\), lora_b \(3, 6\)\), is nan"),
+        (np.zeros((1, 1), np.float32), nu.InputError, r"has shape \(1, 1\); expected a scalar"),
+    ],
+)
+def test_scale_must_be_a_finite_real_scalar(scale, err, match):
+    """Collected adapters (score, heterogeneity, and the merge side) refuse a scale that is not a
+    real number with an error naming module and task; before, a string gave a raw TypeError."""
+    rng = np.random.default_rng(20)
+    ads = [{"m": _mod(rng)}, {"m": _mod(rng, scale=scale)}]
+    with pytest.raises(err, match=r"nu\.score: scale of module 'm', task 1.*" + match):
+        nu.score(ads)
+
+
+def test_message_helpers_stay_short():
+    t = importlib.import_module("netutility_jax._tree")
+    assert t._few(["a"]) == "module 'a'"
+    assert t._few([f"m{i}" for i in range(2000)]) == "modules 'm0', 'm1', 'm2' and 1997 more"
+    assert len(t._few(["x" * 10**6] * 5)) < 400
+    assert t.short("y" * 1000) == "y" * 40 + "..." + "y" * 37
+    assert t.brief("z" * 10**6).startswith("'zzz") and len(t.brief("z" * 10**6)) < 80
+    assert t.brief(np.zeros((3, 4))) == "<ndarray of shape (3, 4), dtype float64>"
+    assert len(t.brief(list(range(10**5)))) < 80
+
+
+@pytest.mark.parametrize(
+    "x, ok",
+    [
+        (1, True),
+        (2.5, True),
+        (np.float32(1), True),
+        (np.int8(3), True),
+        (np.asarray(2.0), True),
+        (jnp.asarray(1.5), True),
+        (True, False),
+        (np.bool_(False), False),
+        (1j, False),
+        ("1", False),
+        (None, False),
+        (np.ones(2), False),
+        (np.asarray("a"), False),
+    ],
+)
+def test_is_real_scalar(x, ok):
+    t = importlib.import_module("netutility_jax._tree")
+    assert t.is_real_scalar(x) is ok

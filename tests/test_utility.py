@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import warnings
 
 import hypothesis
@@ -21,14 +22,17 @@ from _reference import (
     flat_modules,
     make_adapters,
     paper_objective,
+    ref_allocate,
     ref_heterogeneity,
     ref_scores,
     ref_task_energies,
     rich_adapters,
     rich_reference,
 )
+from jax.experimental import checkify
 
 import netutility_jax as nu
+from netutility_jax import InputError, InputTypeError
 
 utility_mod = importlib.import_module("netutility_jax.utility")
 
@@ -556,6 +560,18 @@ def test_alpha_auto_follows_heterogeneity(scale1, expected_alpha):
     assert_scores_match(sc, ref_scores(ads, alpha=expected_alpha), RTOL32)
 
 
+def test_alpha_auto_under_jit():
+    """Under a trace the heterogeneity rule is data (before: a ConcretizationTypeError)."""
+    rng = np.random.default_rng(10)
+    ads = [
+        {"m": {**_mod(rng, rng.normal(size=(12, 3)).astype(np.float32), 9), "scale": c}}
+        for c in (np.float32(1.0), np.float32(np.e**2))
+    ]
+    sc = jax.jit(lambda a: nu.score(a, alpha="auto"))(ads)
+    assert float(sc.alpha) == 0.0
+    assert_scores_match(sc, ref_scores(ads, alpha=0.0), RTOL32)
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input handled in nu.score
 # ------------------------------------------------------------------------------------------------
@@ -563,70 +579,558 @@ def test_alpha_auto_follows_heterogeneity(scale1, expected_alpha):
 
 @pytest.mark.parametrize("factor", ["lora_a", "lora_b"])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
-def test_nonfinite_factor_names_module_task_and_shapes(factor, value):
+def test_nonfinite_factor_names_module_task_array_and_count(factor, value):
     ads = [dict(ad) for ad in rich_adapters(3)]
     name = "layers/1/mlp/up"
     mod = dict(_get(ads[2], name))
     bad = np.array(mod[factor], copy=True)
     bad[1, 1] = value
+    bad[2, 3] = value
     mod[factor] = bad
     ads[2] = _set(ads[2], name, mod)
     msg = (
         r"nu\.score: module 'layers/1/mlp/up', task 2 \(lora_a \(10, 4\), lora_b \(4, 20\)\): "
         + factor
-        + " has NaN or Inf"
+        + r" has 2 non-finite entries \(NaN or Inf\) of "
+        + ("40" if factor == "lora_a" else "80")
+        + r"\. Fix or retrain that adapter\.$"
     )
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(InputError, match=msg):
         nu.score(ads)
+    for fn in (nu.heterogeneity, nu.task_energies):
+        with pytest.raises(InputError, match=rf"{fn.__name__}: module 'layers/1/mlp/up', task 2"):
+            fn(ads)
 
 
-def test_overflowing_factors_are_reported():
-    rng = np.random.default_rng(13)
-    big = {"lora_a": np.full((8, 3), 1e25, np.float32), "lora_b": np.ones((3, 6), np.float32)}
-    ads = [{"m": _mod(rng, rng.normal(size=(8, 3)).astype(np.float32), 6)}, {"m": big}]
+def test_nonfinite_count_names_every_affected_pair():
+    """NaN in two modules of two tasks: the first is detailed, the others counted."""
+    ads = [dict(ad) for ad in rich_adapters(3)]
+    for j, name in ((0, "layers/0/attn/query"), (1, "layers/1/mlp/up")):
+        mod = dict(_get(ads[j], name))
+        mod["lora_b"] = np.full_like(mod["lora_b"], np.nan)
+        ads[j] = _set(ads[j], name, mod)
     with pytest.raises(
-        ValueError, match=r"module 'm', task 1 \(lora_a \(8, 3\), lora_b \(3, 6\)\).*overflow"
+        InputError,
+        match=r"module 'layers/0/attn/query', task 0 .*lora_b has 48 non-finite entries.* In all, "
+        r"2 \(module, task\) pairs have such entries, in modules 'layers/0/attn/query', "
+        r"'layers/1/mlp/up'\.",
     ):
         nu.score(ads)
 
 
-@pytest.mark.parametrize("lam", ["auto", 0.5])
-def test_no_candidates_at_all_is_an_error(lam):
+def test_float64_factor_beyond_float32_range_is_named():
+    """A float64 entry of 1e50 is finite but not a float32: the message says so (x64 keeps it)."""
+    rng = np.random.default_rng(21)
+    a = rng.normal(size=(8, 2))
+    a[3, 1] = 1e50
+    ads = [{"m": {"lora_a": a, "lora_b": rng.normal(size=(2, 5))}}, {"m": _mod(rng, a[:, :1], 5)}]
+    ads[1]["m"]["lora_a"] = rng.normal(size=(8, 1)).astype(np.float32)
+    with pytest.raises(
+        InputError,
+        match=r"module 'm', task 0 .*lora_a has 1 entry \(largest \|lora_a\| = 1e\+50\) beyond the "
+        r"range of float32\. Enable x64",
+    ):
+        nu.score(ads)
+    with pytest.raises(InputError, match=r"scale = 1e\+50 is beyond the range of float32"):
+        nu.score([{"m": {**_mod(rng, a[:, :1] * 0 + 1, 5), "scale": 1e50}}])
+    with jax.enable_x64(True):  # float64: representable, and the scores are the reference's
+        a[3, 1] = 1e50 / 3
+        ads64 = [
+            {"m": {"lora_a": a, "lora_b": rng.normal(size=(2, 5))}},
+            {"m": {"lora_a": a * 1e-50, "lora_b": rng.normal(size=(2, 5))}},
+        ]
+        assert_scores_match(nu.score(ads64), ref_scores(ads64, eps=F64_EPS), 1e-9)
+
+
+def test_tasks_of_very_different_size_are_refused_with_the_reason():
+    """Interference scales as (s_j / s_i)^2: 1e25 between tasks is 1e50, beyond float32. Before,
+    the float32 Grams overflowed and the scores were silently zero/NaN."""
+    rng = np.random.default_rng(13)
+    big = {"lora_a": np.full((8, 3), 1e25, np.float32), "lora_b": np.ones((3, 6), np.float32)}
+    big["lora_a"][:, 1:] += rng.normal(size=(8, 2)).astype(np.float32) * 1e25
+    ads = [{"m": _mod(rng, rng.normal(size=(8, 3)).astype(np.float32), 6)}, {"m": big}]
+    ref = ref_scores(ads)  # float64: well defined, but beyond float32
+    assert ref.modules["m"].interference.max() > 1e40
+    with pytest.raises(
+        InputError,
+        match=r"nu\.score: module 'm': task 1's interference, which grows as the square of the "
+        r"ratio of two tasks' update sizes, is beyond the range of float32 .*largest singular "
+        r"value about 1e\+2[67] in task 1 \(scale 1\) and 1e\+[01] in task 0 \(scale 1\)\)\. A "
+        r"LoRA scale .*enable x64",
+    ):
+        nu.score(ads)
+    with jax.enable_x64(True):
+        ads64 = jax.tree.map(lambda x: np.asarray(x, np.float64), ads)
+        assert_scores_match(nu.score(ads64), ref_scores(ads64, eps=F64_EPS), 1e-9)
+
+
+def test_lora_alpha_1e30_in_one_task_is_refused_not_zero():
+    """The issue's case: one task's scale is 1e30 (lora_alpha 1e30 in its PEFT config)."""
+    ads = make_adapters(30, 3, SMALL_SPEC)
+    ads[0]["q"] = dict(ads[0]["q"], scale=np.float32(1e30))
+    with pytest.raises(InputError, match=r"module 'q': task 0's interference.*\(scale 1e\+30\)"):
+        nu.score(ads)
+    with pytest.raises(InputError, match=r"nu\.score: module 'q'"):
+        nu.score(ads, lam=0.5)
+
+
+@pytest.mark.parametrize("log_scale", [-30, -20, -10, 0, 10, 20, 30])
+@pytest.mark.parametrize("alpha", [1.0, 0.0])
+def test_any_common_scale_gives_the_float64_result(log_scale, alpha):
+    """Every task and module scaled by 10**k: scores equal the float64 reference for k in
+    -30..30 (before: the Grams overflowed beyond ~1e19 and underflowed below ~1e-19)."""
+    ads = make_adapters(31, 3)
+    for ad in ads:
+        for name, mod in flat_modules(ad).items():
+            if mod is not None:
+                _get(ad, name.rsplit("/", 1)[0])[name.rsplit("/", 1)[1]] = dict(
+                    mod, scale=np.asarray(mod["scale"] * 10.0**log_scale, np.float32)
+                )
+    ref = ref_scores(ads, alpha=alpha)
+    assert_scores_match(nu.score(ads, alpha=alpha), ref, RTOL32)
+
+
+def test_large_factor_entries_give_the_float64_result():
+    """Factors with entries ~1e20 (and ~1e-20 on the other side): the normalisation is per
+    factor, so a, b and scale may each be extreme as long as the update is representable."""
+    ads = make_adapters(32, 3, SMALL_SPEC)
+    for j, ad in enumerate(ads):
+        m = ad["q"]
+        ad["q"] = dict(
+            m,
+            lora_a=np.asarray(m["lora_a"] * 1e20, np.float32),
+            lora_b=np.asarray(m["lora_b"] * 1e-18, np.float32),
+            scale=np.asarray(m["scale"] * (10.0 ** (j - 1)), np.float32),
+        )
+    ref = ref_scores(ads)
+    assert_scores_match(nu.score(ads), ref, RTOL32)
+    assert_rel_close(nu.task_energies(ads), ref_task_energies(ads), 1e-5, what="energies")
+    assert float(nu.heterogeneity(ads)) == pytest.approx(ref_heterogeneity(ads), rel=1e-4)
+    # under jit the exact route is chosen at run time (lax.cond), with the same result
+    assert_scores_match(jax.jit(lambda a: nu.score(a))(ads), ref, RTOL32)
+
+
+def test_tiny_update_is_refused_not_zero():
+    """An update whose singular values are below float32's normal range (1e-40) would be scored
+    as if it were absent: refused, naming the task."""
+    ads = make_adapters(33, 2, SMALL_SPEC)
+    ads[1]["q"] = dict(ads[1]["q"], scale=np.float32(1e-25))
+    ads[1]["q"]["lora_a"] = np.asarray(ads[1]["q"]["lora_a"] * 1e-18, np.float32)
+    assert ref_scores(ads).modules["q"].sigma[1].max() < 1e-38
+    with pytest.raises(
+        InputError, match=r"module 'q', task 1: the update's singular values \(largest about 1e-4"
+    ):
+        nu.score(ads, lam=1.0)
+
+
+def test_heterogeneity_of_energies_beyond_float32():
+    """Energies of 1e60 and more overflow float32, their logs do not: h is exact, and
+    nu.task_energies refuses (instead of returning inf)."""
+    ads = make_adapters(34, 3, SMALL_SPEC)
+    for j, c in enumerate((1e30, 1e25, 1e-20)):
+        ads[j]["q"] = dict(ads[j]["q"], scale=np.float32(c))
+    logs = np.log(ref_task_energies(ads))
+    assert float(nu.heterogeneity(ads)) == pytest.approx(float(np.var(logs)), rel=1e-5)
+    with pytest.raises(InputError, match=r"nu\.task_energies: task 0's energy .* about 1e\+6"):
+        nu.task_energies(ads)
+
+
+# Scale safety, property: random per-task scales 10**U(-30, 30)
+
+_PROP_SPEC = (("q", 12, 9, (3, 4, 2)), ("v", 10, 6, (2, 3, 3)))
+_F32 = np.finfo(np.float32)
+
+
+def _representable(ref):
+    """+1: every returned float64 quantity is comfortably a normal float32; -1: one clearly is
+    not; 0: borderline (either outcome is right)."""
+    tiny, fmax = float(_F32.tiny), float(_F32.max)
+    vals = [ref.lam] if ref.lam > 0 else []
+    for name, m in ref.modules.items():
+        c = m.candidate
+        if c.any():
+            vals += [float(m.sigma[c].min()), float(m.sigma[c].max())]
+            vals += [float(m.interference[c].max()), float(np.abs(ref.utility[name][c]).max())]
+    # log10 distance of each value inside the normal range (> 0) or outside it (< 0)
+    depth = min(min(np.log10(fmax / v), np.log10(v / tiny)) for v in vals if v > 0)
+    if depth < -0.05:
+        return -1
+    return 1 if depth > 0.05 else 0
+
+
+def _assert_rows_close(lib, ref_mod, ref_u, lam, rtol):
+    """Per (module, task) row: sigma and interference relative to the row's largest value (rows
+    of different tasks differ by up to 1e60); utility per entry, relative to |b| + lam I."""
+    for field in ("sigma", "interference"):
+        x = np.asarray(getattr(lib, field), np.float64)
+        y = getattr(ref_mod, field)
+        for j in range(y.shape[0]):
+            top = np.abs(y[j]).max()
+            if top > _F32.tiny * 1e3:  # rows below float32's normal range flush to zero
+                assert np.abs(x[j] - y[j]).max() <= rtol * top, (field, j, x[j], y[j])
+    u = np.asarray(lib.utility, np.float64)
+    c = ref_mod.candidate
+    np.testing.assert_array_equal(np.isfinite(u), c)
+    tol = rtol * (ref_mod.benefit + lam * ref_mod.interference) + lam * _F32.tiny
+    assert np.all(np.abs(u[c] - ref_u[c]) <= tol[c]), (u[c], ref_u[c])
+
+
+def _decided_global(ref_u, scale, k, positive_only, rtol=1e-3):
+    """Is the reference's global top-k (with the > 0 rule) decided by more than rounding?"""
+    vals = np.concatenate([u[np.isfinite(u)] for u in ref_u.values()])
+    err = np.concatenate(
+        [s[np.isfinite(u)] for u, s in zip(ref_u.values(), scale.values(), strict=True)]
+    )
+    order = np.argsort(-vals, kind="stable")
+    v, e = vals[order], err[order] * rtol
+    if 0 < k < v.size and v[k - 1] - v[k] <= e[k - 1] + e[k]:
+        return False
+    if positive_only:
+        near = np.abs(v[: k + 1]) <= e[: k + 1]
+        return not near.any()
+    return True
+
+
+@hypothesis.settings(max_examples=10, deadline=None)
+@hypothesis.given(
+    seed=st.integers(0, 2**16),
+    log_scales=st.one_of(
+        st.lists(st.floats(-30, 30), min_size=3, max_size=3),
+        st.tuples(st.floats(-30, 30), st.lists(st.floats(-4, 4), min_size=3, max_size=3)).map(
+            lambda t: [t[0] + x for x in t[1]]
+        ),
+    ),
+    log_factor=st.one_of(st.just(0.0), st.floats(-20, 20)),
+    alpha=st.sampled_from([1.0, 0.0]),
+    positive_only=st.booleans(),
+)
+def test_scale_safety_property(seed, log_scales, log_factor, alpha, positive_only):
+    """Per-task scales 10**U(-30, 30) (independent, or around a common random level), and factors
+    moved by 10**U(-20, 20) between lora_a and lora_b: the float32 scores equal the float64
+    reference (dense numpy SVDs) to float32 rounding whenever every returned quantity is a normal
+    float32, and nu.score refuses with InputError when one is not; nu.allocate keeps the
+    reference's set wherever the reference's decision exceeds rounding. Where float32 cannot
+    hold the result, x64 with float64 factors (the remedy the message names) matches to 1e-8."""
+    budget = 2  # a static argument of allocate's kernel: one value, one compile
+    ads = make_adapters(seed, 3, _PROP_SPEC)
+    c = 10.0**log_factor
+    for j, ad in enumerate(ads):
+        for name, mod in ad.items():
+            ad[name] = dict(
+                mod,
+                lora_a=np.asarray(mod["lora_a"] * c, np.float32),
+                lora_b=np.asarray(mod["lora_b"] / c, np.float32),
+                scale=np.asarray(mod["scale"] * 10.0 ** log_scales[j], np.float32),
+            )
+    ref = ref_scores(ads, alpha=alpha)
+    verdict = _representable(ref)
+    try:
+        sc = nu.score(ads, alpha=alpha)
+    except InputError as e:
+        assert verdict <= 0, "refused a representable input"
+        assert re.match(r"nu\.score: .*(beyond|outside) the range of float32", str(e)), str(e)
+    else:
+        assert verdict >= 0, "returned a result that float32 cannot hold"
+        assert float(sc.lam) == pytest.approx(ref.lam, rel=1e-4)
+        for name in ref.modules:
+            _assert_rows_close(
+                sc.modules[name], ref.modules[name], ref.utility[name], ref.lam, 1e-4
+            )
+        masks = {
+            k: np.asarray(v)
+            for k, v in nu.allocate(sc, budget, positive_only=positive_only).items()
+        }
+        terms = {k: m.benefit + ref.lam * m.interference for k, m in ref.modules.items()}
+        if _decided_global(ref.utility, terms, budget * len(ref.modules), positive_only):
+            expect = ref_allocate(
+                ref.utility,
+                {k: m.sigma for k, m in ref.modules.items()},
+                budget,
+                scope="global",
+                positive_only=positive_only,
+            )
+            for k in expect:
+                np.testing.assert_array_equal(masks[k], expect[k], err_msg=k)
+    if verdict > 0:
+        return
+    with jax.enable_x64(True):  # the remedy the refusal suggests: float64 holds every case
+        ads64 = jax.tree.map(lambda x: np.asarray(x, np.float64), ads)
+        ref64 = ref_scores(ads64, alpha=alpha, eps=F64_EPS)
+        sc64 = nu.score(ads64, alpha=alpha)
+        assert float(sc64.lam) == pytest.approx(ref64.lam, rel=1e-8)
+        for name in ref64.modules:
+            _assert_rows_close(
+                sc64.modules[name], ref64.modules[name], ref64.utility[name], ref64.lam, 1e-8
+            )
+
+
+# Degenerate shapes
+
+
+def _rank0(d_in=6, d_out=4):
+    return {"lora_a": np.zeros((d_in, 0), np.float32), "lora_b": np.zeros((0, d_out), np.float32)}
+
+
+def test_all_rank_zero_adapters():
+    """Rank-0 factors are a zero update: no candidates. lam='auto' is then undefined (clear
+    error, before: ZeroDivisionError); a given lam gives -inf utilities, nothing is kept."""
+    ads = [{"q": _rank0(), "v": _rank0(5, 3)} for _ in range(3)]
+    with pytest.raises(
+        InputError, match=r"nu\.score: no candidate directions.*lam='auto'.*undefined.*lam="
+    ):
+        nu.score(ads)
+    sc = nu.score(ads, lam=0.5)
+    assert float(sc.lam) == 0.5
+    for ms in sc.modules.values():
+        assert ms.utility.shape == (3, 0) and ms.sigma.shape == (3, 0)
+    for scope in ("global", "local", "uniform"):
+        masks = nu.allocate(sc, 2, scope=scope)
+        assert all(m.shape == (3, 0) for m in masks.values())
+    with pytest.raises(InputError, match=r"nu\.heterogeneity: task 0 has a zero update"):
+        nu.heterogeneity(ads)
+    np.testing.assert_array_equal(np.asarray(nu.task_energies(ads)), np.zeros(3))
+
+
+def test_rank_zero_task_next_to_real_ones():
+    """A task with rank 0 in one module is like a zero update there; a module of rank 0 in every
+    task sits next to scored modules."""
+    ads = make_adapters(35, 3, SMALL_SPEC)
+    ads[1]["q"] = _rank0(12, 9)
+    for ad in ads:
+        ad["dead"] = _rank0()
+        # d_in = 0: an empty update whatever the rank
+        ad["no_inputs"] = {
+            "lora_a": np.zeros((0, 2), np.float32),
+            "lora_b": np.ones((2, 3), np.float32),
+        }
+    sc = nu.score(ads)
+    assert np.all(np.asarray(sc.modules["no_inputs"].utility) == -np.inf)
+    assert sc.modules["no_inputs"].utility.shape == (3, 2)
+    ref = ref_scores([{"q": ad["q"]} for ad in ads])
+    assert np.all(np.asarray(sc.modules["q"].utility)[1] == -np.inf)
+    assert_scores_match(nu.Scores({"q": sc.modules["q"]}, sc.lam, sc.alpha), ref, RTOL32)
+    assert sc.modules["dead"].utility.shape == (3, 0)
+    masks = nu.allocate(sc, 2, scope="local", positive_only=False)
+    assert int(np.asarray(masks["q"]).sum()) == 2 and masks["dead"].shape == (3, 0)
+
+
+def test_no_candidates_with_lam_given_keeps_nothing():
     zero = {"lora_a": np.ones((8, 3), np.float32), "lora_b": np.zeros((3, 6), np.float32)}
     ads = [{"m": zero, "n": zero}, {"m": zero, "n": None}]
-    with pytest.raises(ValueError, match=r"nu\.score: no candidate directions"):
-        nu.score(ads, lam=lam)
+    with pytest.raises(InputError, match=r"nu\.score: no candidate directions"):
+        nu.score(ads)
+    sc = nu.score(ads, lam=0.5)
+    for ms in sc.modules.values():
+        assert np.all(np.asarray(ms.utility) == -np.inf) and np.all(np.asarray(ms.sigma) == 0)
+    for scope in ("global", "local", "uniform"):
+        for pos in (True, False):
+            assert not any(
+                np.asarray(m).any()
+                for m in nu.allocate(sc, 3, scope=scope, positive_only=pos).values()
+            )
 
 
-@pytest.mark.parametrize("alpha", [-0.5, -1e-9, np.nan, np.inf])
-def test_bad_alpha(alpha):
-    with pytest.raises(ValueError, match=r"nu\.score: alpha=.*expected a finite scalar >= 0"):
+# Options: types and values
+
+
+@pytest.mark.parametrize("alpha", [-0.5, -1e-9, np.nan, np.inf, -np.inf])
+def test_bad_alpha_value(alpha):
+    with pytest.raises(
+        InputError, match=r"nu\.score: alpha=.*; expected a finite number >= 0 .* or 'auto'\.$"
+    ):
+        nu.score(rich_adapters(3), alpha=alpha)
+
+
+@pytest.mark.parametrize(
+    "alpha, shown",
+    [
+        (True, r"True \(bool\)"),
+        (1j, r"1j \(complex\)"),
+        (None, r"None \(NoneType\)"),
+        ([1.0], r"\[1\.0\] \(list\)"),
+        (np.ones(2), r"<ndarray of shape \(2,\), dtype float64> \(ndarray\)"),
+    ],
+)
+def test_alpha_of_the_wrong_type(alpha, shown):
+    with pytest.raises(
+        InputTypeError, match=rf"nu\.score: alpha={shown}; expected a finite number"
+    ):
         nu.score(rich_adapters(3), alpha=alpha)
 
 
 def test_unknown_alpha_string():
-    with pytest.raises(
-        ValueError, match=r"nu\.score: alpha='gram'; expected a float >= 0 or 'auto'"
-    ):
+    with pytest.raises(InputError, match=r"nu\.score: alpha='gram'; expected a finite number >= 0"):
         nu.score(rich_adapters(3), alpha="gram")
 
 
 @pytest.mark.parametrize("lam", ["median", "AUTO", ""])
 def test_unknown_lam_string(lam):
-    with pytest.raises(ValueError, match=rf"nu\.score: lam='{lam}'; expected 'auto' or a float"):
+    with pytest.raises(
+        InputError,
+        match=rf"nu\.score: lam='{lam}'; expected a finite number >= 0 \(the "
+        r"interference weight\) or 'auto'\.$",
+    ):
         nu.score(rich_adapters(3), lam=lam)
 
 
-@pytest.mark.parametrize("lam", [np.nan, np.inf])
-def test_nonfinite_lam(lam):
-    with pytest.raises(ValueError, match=r"nu\.score: lam=.*expected a finite float or 'auto'"):
+@pytest.mark.parametrize("lam", [np.nan, np.inf, -1, -1e-9, np.float32(-2)])
+def test_bad_lam_value(lam):
+    """lam < 0 rewards interference: refused, as the CLI does (before: accepted)."""
+    with pytest.raises(InputError, match=r"nu\.score: lam=.*; expected a finite number >= 0"):
         nu.score(rich_adapters(3), lam=lam)
 
 
-@pytest.mark.parametrize("rtol", [-0.1, 1.0, 2.0])
+@pytest.mark.parametrize("lam", [True, 1 + 0j, None, "0.5 ", [0.5]])
+def test_lam_of_the_wrong_type(lam):
+    err = InputError if isinstance(lam, str) else InputTypeError
+    with pytest.raises(err, match=r"nu\.score: lam="):
+        nu.score(rich_adapters(3), lam=lam)
+
+
+@pytest.mark.parametrize("lam", [0, 2, np.float32(0.25), np.int64(1), np.asarray(0.5)])
+def test_lam_of_any_real_type(lam):
+    ads = rich_adapters(3)
+    assert_scores_match(nu.score(ads, lam=lam), ref_scores(ads, lam=float(lam)), RTOL32)
+
+
+@pytest.mark.parametrize("rtol", [-0.1, 1.0, 2.0, np.nan])
 def test_bad_rtol(rtol):
-    with pytest.raises(ValueError, match=r"nu\.score: rtol=.*expected 0 <= rtol < 1"):
+    with pytest.raises(InputError, match=r"nu\.score: rtol=.*expected 0 <= rtol < 1"):
         nu.score(rich_adapters(3), rtol=rtol)
+
+
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        ({"rtol": "0.1"}, InputTypeError, r"rtol='0\.1' \(str\); expected None or a number"),
+        ({"h_threshold": np.nan}, InputError, r"h_threshold=nan; expected a finite number"),
+        ({"h_threshold": "1"}, InputTypeError, r"h_threshold='1' \(str\); expected a finite"),
+        ({"checked": "no"}, InputTypeError, r"checked='no' \(str\); expected True or False"),
+        ({"checked": 1}, InputTypeError, r"checked=1 \(int\); expected True or False"),
+    ],
+)
+def test_other_options_are_checked(kw, err, match):
+    with pytest.raises(err, match=rf"nu\.score: {match}"):
+        nu.score(rich_adapters(3), **kw)
+    if "checked" in kw:
+        for fn in (nu.heterogeneity, nu.task_energies):
+            with pytest.raises(err, match=match):
+                fn(rich_adapters(3), **kw)
+
+
+@pytest.mark.parametrize(
+    "scale, err, match",
+    [
+        ("2.0", InputTypeError, r"scale of module 'q', task 1, is '2\.0' \(str\); expected a real"),
+        (True, InputTypeError, r"scale of module 'q', task 1, is True \(bool\); expected a real"),
+        (2j, InputTypeError, r"scale of module 'q', task 1, is 2j \(complex\); expected a real"),
+        (None, InputTypeError, r"scale of module 'q', task 1, is None \(NoneType\)"),
+        (np.asarray("2"), InputTypeError, r"scale of module 'q', task 1, is .*dtype <U1"),
+    ],
+)
+def test_scale_of_the_wrong_type_names_module_and_task(scale, err, match):
+    ads = make_adapters(36, 2, SMALL_SPEC)
+    ads[1]["q"] = dict(ads[1]["q"], scale=scale)
+    for fn in (nu.score, nu.heterogeneity, nu.task_energies):
+        with pytest.raises(err, match=rf"nu\.{fn.__name__}: {match}"):
+            fn(ads)
+
+
+@pytest.mark.parametrize("scale", [2, np.int32(3), np.float16(0.5), jnp.asarray(1.5)])
+def test_scale_of_any_real_type(scale):
+    ads = make_adapters(37, 2, SMALL_SPEC)
+    ads[1]["q"] = dict(ads[1]["q"], scale=scale)
+    assert_scores_match(nu.score(ads), ref_scores(ads), RTOL32)
+
+
+def _many(n, lora_b, prefix="layer"):
+    rng = np.random.default_rng(38)
+    a = rng.normal(size=(4, 1)).astype(np.float32)
+    return {f"{prefix}{i:04d}": {"lora_a": a, "lora_b": lora_b} for i in range(n)}
+
+
+def test_messages_stay_short_with_2000_bad_modules():
+    """Every one of 2,000 modules is bad: messages show a few names and a count. (Errors found
+    by the kernel are checked with 200 modules: compiling 2,000 modules takes half a minute.)"""
+    b = np.ones((1, 3), np.float32)
+    nan_b = np.full((1, 3), np.nan, np.float32)
+    cases = [
+        (lambda: nu.score([_many(2000, b), _many(2000, b, "other")]), r"and 1997 more that task"),
+        (
+            lambda: nu.score([_many(200, b), _many(200, nan_b)]),
+            r"In all, 200 \(module, task\) pairs have such entries, in modules 'layer0000', "
+            r"'layer0001', 'layer0002' and 197 more\.$",
+        ),
+        (lambda: nu.heterogeneity([_many(200, nan_b), _many(200, b)]), r"and 197 more\.$"),
+    ]
+    for call, match in cases:
+        with pytest.raises(InputError, match=match) as info:
+            call()
+        assert len(str(info.value)) < 600, len(str(info.value))
+    long_name = "x" * 50_000
+    a = np.ones((4, 1), np.float32)
+    with pytest.raises(InputTypeError, match=r"module 'xxx.*\.\.\.xxx+', task 0") as info:
+        nu.score([{long_name: {"lora_a": a, "lora_b": b, "scale": "1"}}])
+    assert len(str(info.value)) < 400
+    with pytest.raises(
+        InputError,
+        match=r"lacks module 'x{40}\.\.\.x{37}' that task 0 has; task 1 has module 'y{40}\.\.\.",
+    ) as info:
+        nu.score(
+            [{long_name: {"lora_a": a, "lora_b": b}}, {"y" * 50_000: {"lora_a": a, "lora_b": b}}]
+        )
+    assert len(str(info.value)) < 600
+
+
+# Checks under jit: checkify
+
+
+_TWO_SPEC = (("q", 12, 9, (3, 4, 2)), ("v", 10, 6, (2, 3, 3)))
+
+
+def _nan_adapters():
+    ads = jax.tree.map(jnp.asarray, make_adapters(39, 3, _TWO_SPEC))
+    ads[2]["v"] = dict(ads[2]["v"], lora_a=ads[2]["v"]["lora_a"].at[0, 1].set(jnp.nan))
+    return ads
+
+
+def test_traced_scores_of_nan_input_are_nan_not_plausible():
+    """Under jit nothing can raise: the module with the NaN input is NaN, and lam='auto' too;
+    the other modules are scored normally."""
+    ads = _nan_adapters()
+    sc = jax.jit(lambda a: nu.score(a))(ads)
+    assert np.isnan(float(sc.lam))
+    assert np.all(np.isnan(np.asarray(sc.modules["v"].utility)))
+    sc = jax.jit(lambda a: nu.score(a, lam=0.5))(ads)
+    assert np.all(np.isnan(np.asarray(sc.modules["v"].utility)))
+    ref = ref_scores([{"q": jax.tree.map(np.asarray, ad["q"])} for ad in ads], lam=0.5)
+    assert_scores_match(nu.Scores({"q": sc.modules["q"]}, sc.lam, sc.alpha), ref, RTOL32)
+    assert np.isnan(float(jax.jit(nu.heterogeneity)(ads)))
+
+
+def test_checked_score_under_checkify_and_jit():
+    ads = _nan_adapters()
+    f = checkify.checkify(jax.jit(lambda a: nu.score(a, checked=True)))
+    err, _ = f(ads)
+    assert re.search(
+        r"nu\.score: lora_a of task 2 in module #1 \(its position in the adapters' module "
+        r"order\) has 1 non-finite entries",
+        err.get(),
+    )
+    with pytest.raises(checkify.JaxRuntimeError, match=r"nu\.score: lora_a of task 2"):
+        err.throw()
+    err, _ = f(jax.tree.map(jnp.asarray, make_adapters(39, 3, _TWO_SPEC)))
+    assert err.get() is None
+    # unrepresentable results are reported too
+    big = jax.tree.map(jnp.asarray, make_adapters(40, 3, SMALL_SPEC))
+    big[0]["q"] = dict(big[0]["q"], scale=jnp.float32(1e30))
+    err, _ = checkify.checkify(jax.jit(lambda a: nu.score(a, checked=True)))(big)
+    assert re.search(r"nu\.score: the interference of task 0 in module #0", err.get())
+    err, _ = checkify.checkify(jax.jit(lambda a: nu.heterogeneity(a, checked=True)))(ads)
+    assert "nu.heterogeneity: a factor or scale has 1 non-finite entries" in err.get()
+    # without checked=True the traced call does not check (nothing to functionalize)
+    err, _ = checkify.checkify(jax.jit(lambda a: nu.score(a)))(ads)
+    assert err.get() is None
 
 
 # ------------------------------------------------------------------------------------------------
