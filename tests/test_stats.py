@@ -129,3 +129,17 @@ def test_docstring_examples():
 
     res = doctest.testmod(st)
     assert res.attempted >= 3 and res.failed == 0
+
+
+def test_normalized_skips_resamples_where_the_own_lora_gets_nothing_right():
+    # 3 texts in task 1, the own LoRA right on one: some resamples draw it 0 times; those have
+    # no normalized accuracy (NaN, skipped), never inf (inf - inf warned and broke the delta)
+    task = np.array([0] * 20 + [1] * 3)
+    single = np.ones((1, 23), bool)
+    single[0, 20:22] = False
+    merged = single.copy()
+    bs = st.Bootstrap(task, n_boot=400, seed=1)
+    a = bs.normalized(merged, single)
+    assert np.isnan(a.boot).any() and not np.isinf(a.boot).any()
+    d = bs.delta(a, bs.normalized(merged, single))
+    assert d.pooled.estimate == 0.0 and d.pooled.low == 0.0 and d.pooled.high == 0.0

@@ -130,7 +130,10 @@ class Bootstrap:
         obs_s, boot_s = self.accuracies(single)
         with np.errstate(divide="ignore", invalid="ignore"):
             per_obs = 100.0 * obs_c / obs_s
-            per_boot = 100.0 * boot_c / boot_s
+        # a resample in which a task's own LoRA gets nothing right (tiny test sets) has no
+        # normalized accuracy: NaN, which the percentiles skip (an inf would give inf - inf)
+        pos = boot_s > 0
+        per_boot = np.where(pos, 100.0 * boot_c / np.where(pos, boot_s, 1.0), np.nan)
         return NormalizedDraws(per_obs.mean(-1), per_boot.mean(-1), per_obs)
 
     def interval(self, draws: NormalizedDraws) -> Summary:
