@@ -246,6 +246,53 @@ def _progress_bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, mininterval=1.0, dynamic_ncols=True)
 
 
+class EncoderSuite:
+    """The built-in encoder suite: MiniLM with frozen zero-shot heads (the default suite).
+
+    A **suite** is what :func:`run_experiment` needs from a model: its task heads, its
+    validation and test sets, its training, its evaluator and what determines an evaluation
+    (for the job cache key). ``language.LanguageSuite`` is the decoder's.
+
+    Args:
+      backbone: the base model (default :class:`evaluate.Backbone`, the pretrained MiniLM).
+    """
+
+    name = "encoder"
+
+    def __init__(self, backbone: ev.Backbone | None = None):
+        self.backbone = ev.Backbone() if backbone is None else backbone
+
+    def heads(self, tasks: Sequence[Any]) -> list[ev.Head]:
+        return ev.zero_shot_heads(self.backbone, tasks)
+
+    def eval_sets(self, tasks: Sequence[Any], heads: Any, config: Any) -> tuple[Any, Any]:
+        names = [t.name for t in tasks]
+        val = ev.make_eval_set(names, [t.val for t in tasks])
+        return val, ev.make_eval_set(names, [t.test for t in tasks])
+
+    def train_tasks(self, tasks, heads, config, *, cache_dir, progress, log) -> list[Any]:
+        return tr.train_tasks(
+            tasks, heads, config, cache_dir=cache_dir, backbone=self.backbone,
+            progress=progress, log=log,
+        )  # fmt: skip
+
+    def evaluator(self, trained, heads, val, test, *, cache_dir) -> ev.Evaluator:
+        return ev.Evaluator(self.backbone, [t.adapter for t in trained], heads, val, test)
+
+    def eval_key(self, config: Any) -> dict[str, Any]:
+        return {"row_len": ev.ROW_LEN, "rows": ev.ROWS, "temperature": ev.TEMPERATURE}
+
+    def timing(self) -> dict[str, Any]:
+        b = self.backbone
+        return {
+            "passes": b.passes,
+            "tokens": b.tokens,
+            "slot_tokens": b.slot_tokens,
+            "seconds": b.seconds,
+            "tokens_per_second": b.tokens_per_second,
+        }
+
+
 def run_experiment(
     task_list: Sequence[Any],
     preset: gr.Preset,
@@ -256,6 +303,7 @@ def run_experiment(
     log: Callable[[str], None] = print,
     backbone: ev.Backbone | None = None,
     alpha: float | str = "auto",
+    suite: Any = None,
 ) -> Run:
     """Train (or load) the task LoRAs for every seed, run the grid, keep every prediction.
 
@@ -267,9 +315,12 @@ def run_experiment(
         jobs go to its ``merges/`` folder.
       progress: show tqdm bars.
       log: where one-line status messages go.
-      backbone: the base model (default :class:`evaluate.Backbone`, the pretrained MiniLM).
+      backbone: the base model of the default :class:`EncoderSuite` (default
+        :class:`evaluate.Backbone`, the pretrained MiniLM).
       alpha: scoring geometry: ``"auto"`` (the paper's heterogeneity rule), ``1.0`` (Gram) or
         ``0.0`` (row space).
+      suite: the model, heads, training and evaluation (default :class:`EncoderSuite`); a suite
+        other than the encoder's caches under ``<cache_dir>/<suite.name>``.
     """
     import jax
 
@@ -278,13 +329,16 @@ def run_experiment(
     t_start = time.perf_counter()
     seeds = list(preset.seeds if seeds is None else seeds)
     cache = pathlib.Path(cache_dir) if cache_dir is not None else tr.default_cache_dir()
+    if suite is None:
+        suite = EncoderSuite(backbone)
+    elif backbone is not None:
+        raise InputError("run_experiment: pass a backbone or a suite, not both.")
+    if suite.name != EncoderSuite.name:
+        cache = cache / suite.name
     jobs_cache = JobCache(cache / "merges")
-    names = [t.name for t in task_list]
     m_tasks = len(task_list)
-    backbone = ev.Backbone() if backbone is None else backbone
-    heads = ev.zero_shot_heads(backbone, task_list)
-    val = ev.make_eval_set(names, [t.val for t in task_list])
-    test = ev.make_eval_set(names, [t.test for t in task_list])
+    heads = suite.heads(task_list)
+    val, test = suite.eval_sets(task_list, heads, preset.train)
     fingerprint = {"val": _fingerprint(val), "test": _fingerprint(test)}
     jobs = gr.grid_jobs(preset.grid, full_capacity=m_tasks * preset.train.lora_rank)
     results: list[SeedResult] = []
@@ -294,7 +348,7 @@ def run_experiment(
             results.append(
                 _run_seed(
                     seed, task_list, heads, preset, jobs, val, test, fingerprint,
-                    cache=cache, jobs_cache=jobs_cache, backbone=backbone, alpha=alpha,
+                    cache=cache, jobs_cache=jobs_cache, suite=suite, alpha=alpha,
                     progress=progress, log=log, bar=bar,
                 )
             )  # fmt: skip
@@ -312,21 +366,13 @@ def run_experiment(
             "training": sum(r.seconds["training"] for r in results),
             "grid": sum(r.seconds["grid"] for r in results),
         },
-        backbone={
-            "passes": backbone.passes,
-            "tokens": backbone.tokens,
-            "slot_tokens": backbone.slot_tokens,
-            "seconds": backbone.seconds,
-            "tokens_per_second": backbone.tokens_per_second,
-            "jax": jax.__version__,
-            "nu": nu.__version__,
-        },
+        backbone={**suite.timing(), "jax": jax.__version__, "nu": nu.__version__},
     )
 
 
 def _run_seed(
     seed, task_list, heads, preset, jobs, val, test, fingerprint, *,
-    cache, jobs_cache, backbone, alpha, progress, log, bar,
+    cache, jobs_cache, suite, alpha, progress, log, bar,
 ) -> SeedResult:  # fmt: skip
     import jax
 
@@ -334,13 +380,11 @@ def _run_seed(
 
     tcfg = dataclasses.replace(preset.train, seed=seed)
     t0 = time.perf_counter()
-    trained = tr.train_tasks(
-        task_list, heads, tcfg, cache_dir=cache, backbone=backbone, progress=progress, log=log
-    )
+    trained = suite.train_tasks(task_list, heads, tcfg, cache_dir=cache, progress=progress, log=log)
     train_wall = time.perf_counter() - t0
     adapters = [t.adapter for t in trained]
     t0 = time.perf_counter()
-    evaluator = ev.Evaluator(backbone, adapters, heads, val, test)
+    evaluator = suite.evaluator(trained, heads, val, test, cache_dir=cache)
     single_wall = time.perf_counter() - t0
     names = evaluator.task_names
     log(
@@ -357,12 +401,7 @@ def _run_seed(
         "code_version": CODE_VERSION,
         "adapters": [t.info["cache_key"] for t in trained],
         "alpha": alpha,
-        "eval": {
-            "row_len": ev.ROW_LEN,
-            "rows": ev.ROWS,
-            "temperature": ev.TEMPERATURE,
-            **fingerprint,
-        },
+        "eval": {**suite.eval_key(preset.train), **fingerprint},
     }
     records: dict[str, dict[str, Any]] = {}
     correct: dict[str, np.ndarray] = {}
@@ -384,7 +423,7 @@ def _run_seed(
             ts = time.perf_counter()
             merged, fields = _merge(adapters, job, seed=seed, alpha=alpha, scores=scores)
             tm = time.perf_counter() - ts
-            passes0 = backbone.passes
+            passes0 = suite.timing()["passes"]
             res = evaluator.evaluate(
                 merged,
                 start=start,
@@ -412,7 +451,7 @@ def _run_seed(
                 "normalized": res.test_normalized.mean,
                 "merge_seconds": tm,
                 "eval_seconds": time.perf_counter() - ts - tm,
-                "val_passes": backbone.passes - passes0 - 1,
+                "val_passes": suite.timing()["passes"] - passes0 - 1,
                 "cache_hit": False,
             }
             jobs_cache.store(path, rec, ok)
