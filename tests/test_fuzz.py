@@ -1,0 +1,778 @@
+"""Property/fuzz suite over the public API (issue 12, "Tests that keep it this way").
+
+Every case ends in either a result checked against a float64 numpy computation
+(``tests/_reference.py``) or one of the library's documented error types
+(``netutility_jax.errors``); any other exception, a NaN where a number is due, or a hang fails.
+Each test runs under a hard wall-clock limit (``SIGALRM``, the :func:`_wall_limit` fixture) on
+top of Hypothesis' per-example ``deadline``.
+
+The default profile keeps ``max_examples`` small (the file runs in well under 2 minutes); the
+``slow``-marked variants run the same properties with more examples: ``pytest -m slow
+tests/test_fuzz.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import signal
+
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from _reference import assert_scores_match, default_rtol, flat_modules, ref_scores
+
+import netutility_jax as nu
+from netutility_jax.errors import InputError, InputTypeError
+
+# a compile of a new shape takes ~1 s on the CI box; an example that takes this long hangs
+DEADLINE = datetime.timedelta(seconds=30)
+WALL_SECONDS = 120  # hard per-test limit: a hang fails the test instead of the suite
+SLOW_WALL_SECONDS = 900
+FAST = {"max_examples": 20, "deadline": DEADLINE}
+SLOW = {"max_examples": 150, "deadline": DEADLINE}
+
+# float32 library vs float64 reference, relative to each quantity's largest entry: the scores are
+# float32 r x r eigen/SVD work on normalised Grams, ~1e-6 relative; 1e-4 is the margin the other
+# score tests use (tests/test_utility.py RTOL32)
+RTOL32 = 1e-4
+F32_TINY = 1e-36  # float32 smallest normal is 1.2e-38: a decade of slack for the library's checks
+F32_HUGE = 1e36  # float32 largest is 3.4e38
+
+
+class _Hang(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _wall_limit(request):
+    """Fail (not hang) when a test runs longer than ``WALL_SECONDS`` (``SLOW_WALL_SECONDS`` for
+    the slow profile)."""
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+    limit = SLOW_WALL_SECONDS if request.node.get_closest_marker("slow") else WALL_SECONDS
+
+    def on_alarm(signum, frame):
+        raise _Hang(f"test still running after {limit} s: a call hangs")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random small adapters
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def adapters_st(draw, *, max_tasks=4, max_modules=3, allow_missing=True, extreme=True):
+    """Adapters of M tasks, modules of random ``(d_in, d_out)`` in 2..12, ranks 0..5 per
+    task and module (rank 0: factors of shape ``(d, 0)``), some modules ``None`` for some tasks,
+    float32 or float64 numpy factors, scales ``10**U(-20, 20)`` (or order one)."""
+    m = draw(st.integers(1, max_tasks))
+    n_mod = draw(st.integers(1, max_modules))
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    ads = [{} for _ in range(m)]
+    for mi in range(n_mod):
+        d_in = draw(st.integers(2, 12))
+        d_out = draw(st.integers(2, 12))
+        for j in range(m):
+            if allow_missing and m > 1 and j > 0 and draw(st.integers(0, 5)) == 0:
+                ads[j][f"m{mi}"] = None
+                continue
+            r = draw(st.integers(0, 5))
+            if extreme:
+                log_scale = draw(st.floats(-20, 20))
+            else:
+                log_scale = draw(st.floats(-1, 1))
+            sign = draw(st.sampled_from([1.0, -1.0]))
+            scale_kind = draw(st.sampled_from(["float", "np32", "np64", "absent"]))
+            mod = {
+                "lora_a": rng.normal(size=(d_in, r)).astype(dtype),
+                "lora_b": rng.normal(size=(r, d_out)).astype(dtype),
+            }
+            sc = sign * 10.0**log_scale
+            if scale_kind == "float":
+                mod["scale"] = sc
+            elif scale_kind == "np32":
+                mod["scale"] = np.float32(sc)
+            elif scale_kind == "np64":
+                mod["scale"] = np.float64(sc)
+            ads[j][f"m{mi}"] = mod
+    # task 0 has every module (a module missing in every task has no shape to score)
+    return ads
+
+
+def _ref_values(ref):
+    for name, rm in ref.modules.items():
+        for arr in (rm.sigma, rm.benefit, rm.interference):
+            yield from np.abs(arr[rm.candidate]).ravel()
+        u = ref.utility[name]
+        yield from np.abs(u[np.isfinite(u)]).ravel()
+    yield abs(ref.lam)
+
+
+def _representable32(ref) -> bool:
+    """Every nonzero reference quantity a normal float32 number (with a decade of slack)."""
+    vals = np.asarray(list(_ref_values(ref)), np.float64)
+    vals = vals[vals > 0]
+    return bool(np.all((vals >= F32_TINY) & (vals <= F32_HUGE)))
+
+
+def _near_cut(ads) -> bool:
+    """A singular value within a factor 4 of the candidate cut ``rtol * s_max`` (float32 round-off
+    could put it on either side: such draws are not decided by the reference)."""
+    flats = [flat_modules(ad) for ad in ads]
+    for name in flats[0]:
+        mods = [f[name] for f in flats]
+        r_max = max(0 if mm is None else np.asarray(mm["lora_a"]).shape[1] for mm in mods)
+        rtol = default_rtol(max(r_max, 1))
+        for mm in mods:
+            if mm is None or np.asarray(mm["lora_a"]).shape[1] == 0:
+                continue
+            a = np.asarray(mm["lora_a"], np.float64)
+            b = np.asarray(mm["lora_b"], np.float64)
+            s = np.linalg.svd(a @ b, compute_uv=False)[: a.shape[1]]  # scale-free ratios
+            if s[0] == 0:
+                continue
+            rel = s / s[0]
+            if np.any((rel > rtol / 4) & (rel < rtol * 4)):
+                return True
+    return False
+
+
+def _check_scores(ads):
+    ref = ref_scores(ads)
+    try:
+        sc = nu.score(ads)
+    except InputError as e:
+        # refusal is documented only where a returned quantity is not a normal float32 number
+        assert not _representable32(ref), f"refused a representable input: {e}"
+        hypothesis.event("refused (outside float32)")
+        return
+    hypothesis.event("scored")
+    for name, ms in sc.modules.items():
+        u = np.asarray(ms.utility, np.float64)
+        assert not np.any(np.isnan(u)), f"{name}: NaN utility"
+        assert not np.any(u == np.inf), f"{name}: +inf utility"
+    if _near_cut(ads):
+        hypothesis.event("near the candidate cut: not compared")
+        return
+    assert_scores_match(sc, ref, RTOL32)
+
+
+def _score_property(ads):
+    flats = [flat_modules(ad) for ad in ads]
+    if all(
+        mm is None or np.asarray(mm["lora_a"]).shape[1] == 0 for f in flats for mm in f.values()
+    ):
+        # no candidate anywhere: either a well-defined empty result or the documented error
+        try:
+            sc = nu.score(ads)
+        except InputError:
+            hypothesis.event("all rank 0: refused")
+            return
+        for ms in sc.modules.values():
+            assert np.all(np.asarray(ms.utility) == -np.inf)
+        hypothesis.event("all rank 0: empty scores")
+        return
+    _check_scores(ads)
+
+
+@hypothesis.settings(**FAST)
+@hypothesis.given(ads=adapters_st())
+def test_score_random_adapters_match_float64(ads):
+    _score_property(ads)
+
+
+@pytest.mark.slow
+@hypothesis.settings(**SLOW)
+@hypothesis.given(ads=adapters_st())
+def test_score_random_adapters_match_float64_slow(ads):
+    _score_property(ads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Garbage values: always the documented error, naming the module
+# ---------------------------------------------------------------------------------------------
+
+GARBAGE_NAMES = ("layers/0/attn/query", "layers/1/mlp/up")
+
+
+def _clean_adapters(m, seed):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "layers": {
+                "0": {"attn": {"query": _mod(rng, 6, 2, 5)}},
+                "1": {"mlp": {"up": _mod(rng, 4, 3, 7)}},
+            }
+        }
+        for _ in range(m)
+    ]
+
+
+def _mod(rng, d_in, r, d_out):
+    return {
+        "lora_a": rng.normal(size=(d_in, r)).astype(np.float32),
+        "lora_b": rng.normal(size=(r, d_out)).astype(np.float32),
+        "scale": 1.5,
+    }
+
+
+def _node(ad, name):
+    node = ad
+    for p in name.split("/"):
+        node = node[p]
+    return node
+
+
+NONFINITE = [np.nan, np.inf, -np.inf]
+# (garbage for the scale, error type)
+SCALE_GARBAGE = [
+    ("1.0", InputTypeError),
+    ("", InputTypeError),
+    (1 + 2j, InputTypeError),
+    (np.complex64(1), InputTypeError),
+    (True, InputTypeError),
+    (np.bool_(False), InputTypeError),
+    (None, InputTypeError),
+    ([1.0], InputTypeError),
+    ({"x": 1}, InputTypeError),
+    (np.nan, InputError),
+    (np.inf, InputError),
+    (-np.inf, InputError),
+    (np.float32(np.nan), InputError),
+    (np.ones(2, np.float32), InputError),
+    (1e300, InputError),  # finite float64 that is inf in float32 (x64 off)
+]
+# (garbage for a factor, error type); shapes of the clean factors are (d_in, 2|3) and (2|3, d_out)
+FACTOR_GARBAGE = [
+    ("x", InputTypeError),
+    (None, InputTypeError),
+    (3.0, InputTypeError),
+    (lambda a: a.astype(np.complex64), InputTypeError),
+    (lambda a: a.astype(bool), InputTypeError),
+    (lambda a: a.astype(np.int32), InputTypeError),
+    ("unchain", InputError),  # one rank slot fewer: the factors do not chain
+    (lambda a: a[None], InputError),  # 3-d
+    (lambda a: a.ravel(), InputError),  # 1-d
+]
+
+
+@st.composite
+def garbage_case_st(draw):
+    m = draw(st.integers(1, 4))
+    seed = draw(st.integers(0, 2**16))
+    ads = _clean_adapters(m, seed)
+    name = draw(st.sampled_from(GARBAGE_NAMES))
+    task = draw(st.integers(0, m - 1))
+    mod = _node(ads[task], name)
+    kind = draw(st.sampled_from(["nonfinite_entry", "scale", "factor"]))
+    if kind == "nonfinite_entry":
+        which = draw(st.sampled_from(["lora_a", "lora_b"]))
+        arr = mod[which].copy()
+        i = draw(st.integers(0, arr.shape[0] - 1))
+        k = draw(st.integers(0, arr.shape[1] - 1))
+        arr[i, k] = draw(st.sampled_from(NONFINITE))
+        mod[which] = arr
+        err = InputError
+    elif kind == "scale":
+        val, err = draw(st.sampled_from(SCALE_GARBAGE))
+        mod["scale"] = val
+    else:
+        which = draw(st.sampled_from(["lora_a", "lora_b"]))
+        val, err = draw(st.sampled_from(FACTOR_GARBAGE))
+        if val == "unchain":  # drop the rank axis' last slot of one factor
+            val = (lambda a: a[:, :-1]) if which == "lora_a" else (lambda a: a[:-1])
+        mod[which] = val(mod[which]) if callable(val) else val
+    return ads, name, task, err
+
+
+def _garbage_property(case):
+    ads, name, task, err = case
+    with pytest.raises((InputError, InputTypeError)) as info:
+        nu.score(ads)
+    assert isinstance(info.value, err), (type(info.value), str(info.value))
+    msg = str(info.value)
+    assert f"'{name}'" in msg, msg
+    assert f"task {task}" in msg, msg
+    # lora_svd on the same module's factors: the documented error type too
+    mod = _node(ads[task], name)
+    with pytest.raises((InputError, InputTypeError)):
+        nu.lora_svd(mod["lora_a"], mod["lora_b"], mod["scale"])
+
+
+@hypothesis.settings(**FAST)
+@hypothesis.given(case=garbage_case_st())
+def test_garbage_values_give_documented_errors_naming_module(case):
+    _garbage_property(case)
+
+
+@pytest.mark.slow
+@hypothesis.settings(**SLOW)
+@hypothesis.given(case=garbage_case_st())
+def test_garbage_values_give_documented_errors_naming_module_slow(case):
+    _garbage_property(case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Allocation: random budgets and scopes
+# ---------------------------------------------------------------------------------------------
+
+BAD_BUDGETS = [
+    (0, InputError),
+    (-1, InputError),
+    (-(2**63), InputError),
+    (1.5, InputTypeError),
+    (2.0, InputTypeError),
+    ("3", InputTypeError),
+    (True, InputTypeError),
+    (None, InputTypeError),
+    (3 + 0j, InputTypeError),
+    (np.float32(2), InputTypeError),
+]
+BAD_SCOPES = [
+    ("everywhere", InputError),
+    ("", InputError),
+    (None, InputTypeError),
+    (1, InputTypeError),
+]
+
+
+def _check_masks(sc, masks, budget, scope, positive_only):
+    assert list(masks) == list(sc.modules)
+    n_mod = len(sc.modules)
+    utils = {n: np.asarray(ms.utility, np.float64) for n, ms in sc.modules.items()}
+    sig = {n: np.asarray(ms.sigma, np.float64) for n, ms in sc.modules.items()}
+    mk = {n: np.asarray(masks[n]) for n in masks}
+    for n in mk:
+        assert mk[n].dtype == np.bool_ and mk[n].shape == utils[n].shape
+        assert not np.any(mk[n] & ~np.isfinite(utils[n])), f"{n}: a non-candidate kept"
+    if scope == "uniform":
+        for n, u in utils.items():
+            cand = np.isfinite(u)
+            assert mk[n].sum() == min(budget, int(cand.sum())), n
+            for j in range(u.shape[0]):  # each task keeps a prefix of its largest sigmas
+                kept = int(mk[n][j].sum())
+                assert mk[n][j, :kept].all(), (n, j)
+                if kept:
+                    assert np.all(np.diff(sig[n][j, :kept]) <= 0)
+        return
+    groups = (
+        [
+            (
+                np.concatenate([u.ravel() for u in utils.values()]),
+                np.concatenate([mk[n].ravel() for n in utils]),
+                budget * n_mod,
+            )
+        ]
+        if scope == "global"
+        else [(utils[n].ravel(), mk[n].ravel(), budget) for n in utils]
+    )
+    for u, k, cap in groups:
+        eligible = u > 0 if positive_only else np.isfinite(u)
+        assert k.sum() == min(cap, int(eligible.sum())), (k.sum(), cap, eligible.sum())
+        assert np.all(eligible[k])
+        dropped = eligible & ~k
+        if k.any() and dropped.any():
+            assert u[k].min() >= u[dropped].max()
+
+
+@st.composite
+def allocate_case_st(draw):
+    ads = draw(adapters_st(max_tasks=3, max_modules=3, extreme=False))
+    bad = draw(st.integers(0, 3))  # 0: bad budget, 1: bad scope, else valid
+    good_budget = st.one_of(
+        st.integers(1, 12),
+        st.integers(1, 12).map(np.int64),
+        st.integers(2**31 - 3, 2**31 + 3),
+        st.integers(2**62, 2**63 - 1),
+        st.just(2**63 - 1),
+    )
+    budget = draw(st.sampled_from(BAD_BUDGETS) if bad == 0 else good_budget)
+    scope = draw(
+        st.sampled_from(BAD_SCOPES) if bad == 1 else st.sampled_from(["global", "local", "uniform"])
+    )
+    positive_only = draw(st.booleans())
+    return ads, budget, scope, positive_only
+
+
+def _allocate_property(case):
+    ads, budget, scope, positive_only = case
+    try:
+        sc = nu.score(ads)
+    except InputError:
+        hypothesis.event("score refused (all rank 0)")
+        return
+    err = None
+    if isinstance(budget, tuple):
+        budget, err = budget
+    if isinstance(scope, tuple):
+        scope, err = scope if err is None else (scope[0], err)
+    if err is not None:
+        with pytest.raises((InputError, InputTypeError)) as info:
+            nu.allocate(sc, budget, scope=scope, positive_only=positive_only)
+        hypothesis.event("refused")
+        assert "nu.allocate" in str(info.value)
+        return
+    # a valid budget: every scope and both positive_only settings on the same scores (one score
+    # compile per draw; the drawn scope only decides the refusals above)
+    for scope in ("global", "local", "uniform"):
+        for positive_only in (True, False):
+            masks = nu.allocate(sc, budget, scope=scope, positive_only=positive_only)
+            _check_masks(sc, masks, int(budget), scope, positive_only)
+    hypothesis.event("allocated (all scopes)")
+
+
+@hypothesis.settings(**FAST)
+@hypothesis.given(case=allocate_case_st())
+def test_allocate_random_budgets_and_scopes(case):
+    _allocate_property(case)
+
+
+@pytest.mark.slow
+@hypothesis.settings(**SLOW)
+@hypothesis.given(case=allocate_case_st())
+def test_allocate_random_budgets_and_scopes_slow(case):
+    _allocate_property(case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Merge against the dense float64 references (few examples: merge compiles are slow; one shape)
+# ---------------------------------------------------------------------------------------------
+
+
+def _merge_property(seed, ranks, method, coef):
+    import _merge_reference as mref
+
+    rng = np.random.default_rng(seed)
+    d_in, d_out = 8, 6
+    ads = []
+    for r in ranks:
+        mod = None if r is None else _mod(rng, d_in, r, d_out)
+        ads.append({"q": mod})
+    mods = [ad["q"] for ad in ads]
+    xs = mref.kept_updates(mods, d_in, d_out)
+    want = getattr(mref, method)(xs, coef=coef)
+    got = nu.merge(ads, method=method, coef=coef)
+    got_dense = mref.dense(got["q"])
+    scale = max(float(np.abs(want).max()), 1e-30)
+    err = float(np.abs(got_dense - want).max())
+    # float32 QR/SVD of order-one factors: ~1e-6 relative; 1e-4 leaves room for the r x r SVDs
+    assert err <= 1e-4 * scale, (err, scale)
+
+
+@hypothesis.settings(max_examples=6, deadline=DEADLINE)
+@hypothesis.given(
+    seed=st.integers(0, 2**16),
+    ranks=st.tuples(st.integers(1, 2), st.one_of(st.none(), st.integers(1, 2))),
+    method=st.sampled_from(["ta", "tsv", "iso_c"]),
+    coef=st.sampled_from([1.0, 0.5, -2.0]),
+)
+def test_merge_random_adapters_match_float64(seed, ranks, method, coef):
+    _merge_property(seed, ranks, method, coef)
+
+
+@pytest.mark.slow
+@hypothesis.settings(max_examples=40, deadline=DEADLINE)
+@hypothesis.given(
+    seed=st.integers(0, 2**16),
+    ranks=st.tuples(st.integers(1, 2), st.one_of(st.none(), st.integers(1, 2))),
+    method=st.sampled_from(["ta", "tsv", "iso_c"]),
+    coef=st.floats(-3, 3).filter(lambda c: abs(c) > 1e-3),
+)
+def test_merge_random_adapters_match_float64_slow(seed, ranks, method, coef):
+    _merge_property(seed, ranks, method, coef)
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT loader: truncated/garbled safetensors and JSON, hostile configs
+# ---------------------------------------------------------------------------------------------
+
+_PEFT_PREFIX = "base_model.model."
+_PEFT_NAMES = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj")
+_PEFT_SHAPE = (6, 5, 2)  # d_in, d_out, r
+_VALID_CONFIG = {
+    "r": 2,
+    "lora_alpha": 4,
+    "target_modules": ["q_proj", "v_proj"],
+    "peft_type": "LORA",
+}
+_HOSTILE = r"(\w|.)+\d"
+
+
+def _peft_tensors():
+    rng = np.random.default_rng(5)
+    d_in, d_out, r = _PEFT_SHAPE
+    out = {}
+    for name in _PEFT_NAMES:
+        out[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = rng.normal(size=(r, d_in)).astype(np.float32)
+        out[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = rng.normal(size=(d_out, r)).astype(np.float32)
+    return out
+
+
+def _write_peft(d, config_text, weights: bytes):
+    import pathlib
+
+    d = pathlib.Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "adapter_config.json").write_text(config_text)
+    (d / "adapter_model.safetensors").write_bytes(weights)
+    return d
+
+
+def _valid_weights() -> bytes:
+    from safetensors.numpy import save
+
+    return save(_peft_tensors())
+
+
+_CONFIG_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.lists(st.text(max_size=4), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(-3, 3), max_size=2),
+    st.just(_HOSTILE),
+    st.just({_HOSTILE: 2}),
+    st.just({"q_proj": 0}),
+    st.just({"v_proj(": 2}),
+)
+
+
+@st.composite
+def peft_case_st(draw):
+    weights = _valid_weights()
+    config = json.dumps(_VALID_CONFIG)
+    kind = draw(
+        st.sampled_from(
+            ["valid", "truncate", "garble_header", "huge_header", "json_cut", "json_field"]
+        )
+    )
+    exact = kind == "valid"
+    if kind == "truncate":
+        cut = draw(st.integers(0, len(weights) - 1))
+        weights = weights[:cut]
+    elif kind == "garble_header":
+        n_header = 8 + int.from_bytes(weights[:8], "little")
+        pos = draw(st.integers(0, n_header - 1))
+        byte = draw(st.integers(0, 255))
+        weights = weights[:pos] + bytes([byte]) + weights[pos + 1 :]
+    elif kind == "huge_header":
+        size = draw(st.sampled_from([2**64 - 1, 2**63, 2**40, len(weights), len(weights) - 7]))
+        weights = size.to_bytes(8, "little") + weights[8:]
+    elif kind == "json_cut":
+        config = config[: draw(st.integers(0, len(config) - 1))]
+    elif kind == "json_field":
+        field = draw(
+            st.sampled_from(
+                ["r", "lora_alpha", "target_modules", "rank_pattern", "alpha_pattern", "use_rslora"]
+            )
+        )
+        cfg = dict(_VALID_CONFIG)
+        cfg[field] = draw(_CONFIG_VALUES)
+        config = json.dumps(cfg)  # NaN/Infinity are written as Python's json does
+    return kind, exact, config, weights
+
+
+def _peft_property(tmp_path_factory, case):
+    from netutility_jax import peft as nu_peft
+    from netutility_jax.errors import NetUtilityError
+
+    kind, exact, config, weights = case
+    d = _write_peft(tmp_path_factory.mktemp("peft"), config, weights)
+    try:
+        ad = nu_peft.load_adapter(d)
+    except NetUtilityError as e:
+        hypothesis.event(f"{kind}: refused ({type(e).__name__})")
+        assert str(e).strip()
+        assert kind != "valid", str(e)
+        return
+    hypothesis.event(f"{kind}: loaded")
+    tensors = _peft_tensors()
+    if kind in ("truncate", "huge_header", "json_cut"):
+        pytest.fail(f"{kind}: a corrupt file loaded: {sorted(ad)}")
+    if set(ad) != set(_PEFT_NAMES):
+        assert kind == "garble_header", sorted(ad)  # a garbled key byte renames a module
+        return
+    for name in _PEFT_NAMES:
+        a = tensors[f"{_PEFT_PREFIX}{name}.lora_A.weight"]
+        b = tensors[f"{_PEFT_PREFIX}{name}.lora_B.weight"]
+        np.testing.assert_array_equal(np.asarray(ad[name]["lora_a"]), a.T)
+        np.testing.assert_array_equal(np.asarray(ad[name]["lora_b"]), b.T)
+        scale = float(np.asarray(ad[name].get("scale", 1.0), np.float64))
+        assert math.isfinite(scale), (name, scale)
+        if exact:
+            assert scale == 2.0
+
+
+@hypothesis.settings(max_examples=40, deadline=DEADLINE)
+@hypothesis.given(case=peft_case_st())
+def test_peft_loader_corrupt_files(tmp_path_factory, case):
+    _peft_property(tmp_path_factory, case)
+
+
+@pytest.mark.slow
+@hypothesis.settings(max_examples=400, deadline=DEADLINE)
+@hypothesis.given(case=peft_case_st())
+def test_peft_loader_corrupt_files_slow(tmp_path_factory, case):
+    _peft_property(tmp_path_factory, case)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI: random garbage flag values for `netutility merge`
+# ---------------------------------------------------------------------------------------------
+
+_GARBAGE_TEXT = st.one_of(
+    st.text(max_size=8),
+    st.integers(-(2**70), 2**70).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["", "nan", "inf", "-0", "0x10", "1e400", "(1+2j)", "auto", "1e-320", "é"]),
+)
+_CLI_FLAGS = {  # flag: a valid value (the rest of the time the value is garbage)
+    "--budget": "2",
+    "--coef": "0.5",
+    "--lam": "auto",
+    "--alpha": "1",
+    "--seed": "3",
+    "--density": "0.5",
+    "--p": "0.2",
+}
+
+
+@pytest.fixture(scope="module")
+def cli_adapters(tmp_path_factory):
+    from safetensors.numpy import save
+
+    root = tmp_path_factory.mktemp("cli_adapters")
+    dirs = []
+    for i in range(2):
+        rng = np.random.default_rng(100 + i)
+        d_in, d_out, r = _PEFT_SHAPE
+        tensors = {}
+        for name in _PEFT_NAMES:
+            tensors[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = rng.normal(size=(r, d_in)).astype(
+                np.float32
+            )
+            tensors[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = rng.normal(size=(d_out, r)).astype(
+                np.float32
+            )
+        dirs.append(str(_write_peft(root / f"t{i}", json.dumps(_VALID_CONFIG), save(tensors))))
+    return root, dirs
+
+
+@st.composite
+def cli_case_st(draw):
+    method = draw(st.sampled_from(["ta", "ties", "dare"]))
+    flags = []
+    n_garbage = 0
+    for flag, good in _CLI_FLAGS.items():
+        if flag == "--budget" or draw(st.booleans()):
+            garbage = draw(st.integers(0, 2)) == 0
+            n_garbage += garbage
+            flags.append(f"{flag}={draw(_GARBAGE_TEXT) if garbage else good}")
+    out_kind = draw(st.sampled_from(["new", "new", "empty", "existing_dir", "under_file", "file"]))
+    return method, flags, out_kind, n_garbage
+
+
+def _cli_property(cli_adapters, capsys, case, counter):
+    from netutility_jax import cli
+
+    root, dirs = cli_adapters
+    method, flags, out_kind, n_garbage = case
+    counter[0] += 1
+    base = root / f"run{counter[0]}"
+    base.mkdir()
+    (base / "f").write_text("x")
+    out = {
+        "new": base / "out",
+        "empty": "",
+        "existing_dir": base,
+        "under_file": base / "f" / "out",
+        "file": base / "f",
+    }[out_kind]
+    if out_kind == "new" and n_garbage == 0:
+        hypothesis.event("valid combination: not run here (merges are slow)")
+        return
+    argv = ["merge", *dirs, "--out", str(out), "--method", method, "--no-plots", "--quiet", *flags]
+    capsys.readouterr()
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code in (0, 2), (argv, code, err)  # never 1 (a bug) and never an escaping exception
+    if code == 2:
+        lines = err.strip().splitlines()
+        assert lines and lines[-1].startswith("netutility merge: error"), err
+        assert "Traceback" not in err, err
+        assert not (base / "out").exists() or out_kind != "new", "a refused merge wrote output"
+        hypothesis.event(f"exit 2 ({out_kind})")
+    else:
+        # garbage text can be a valid value (e.g. "1"): then the merge must have written its output
+        assert out_kind == "new", (argv, err)
+        assert (base / "out" / "adapter_model.safetensors").is_file()
+        hypothesis.event("exit 0")
+
+
+@hypothesis.settings(
+    max_examples=25,
+    deadline=DEADLINE,
+    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+)
+@hypothesis.given(case=cli_case_st())
+def test_cli_merge_garbage_flags_exit_2(cli_adapters, capsys, case):
+    _cli_property(cli_adapters, capsys, case, _CLI_COUNTER)
+
+
+@pytest.mark.slow
+@hypothesis.settings(
+    max_examples=150,
+    deadline=DEADLINE,
+    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+)
+@hypothesis.given(case=cli_case_st())
+def test_cli_merge_garbage_flags_exit_2_slow(cli_adapters, capsys, case):
+    _cli_property(cli_adapters, capsys, case, _CLI_COUNTER)
+
+
+_CLI_COUNTER = [0]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--method", "ta", "--budget", "2", "--coef", "0.5"],
+        ["--method", "tsv", "--budget", "3", "--lam", "0.1", "--alpha", "0"],
+    ],
+)
+def test_cli_merge_valid_combos_exit_0(cli_adapters, capsys, tmp_path, flags):
+    from netutility_jax import cli
+    from netutility_jax import peft as nu_peft
+
+    _, dirs = cli_adapters
+    out = tmp_path / "merged"
+    code = cli.main(["merge", *dirs, "--out", str(out), "--no-plots", "--quiet", *flags])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    merged = nu_peft.load_adapter(out)
+    assert set(merged) == set(_PEFT_NAMES)
+    # the merged updates are finite and not all zero (issue 12: never a zero adapter with exit 0)
+    for name, mod in merged.items():
+        a = np.asarray(mod["lora_a"], np.float64)
+        b = np.asarray(mod["lora_b"], np.float64)
+        dk = float(np.asarray(mod.get("scale", 1.0))) * a @ b
+        assert np.all(np.isfinite(dk)) and np.any(dk), name
