@@ -11,7 +11,13 @@ one module's ``M`` dense task updates are alive at a time (:func:`to_lora` trunc
 Each bucket is merged a piece at a time (at most ``_PIECE_BYTES`` of stacked factors) in the
 reduced coordinates of its stacked factors (:class:`spaces.Reduced`): the ``d``-sized work of a
 low-rank merge is two Grams and two products per side, everything else is ``(M r)``-sized, and
-only the live columns are mapped back.
+only the live columns are mapped back. Factors and scales are normalised by powers of two first
+and each module is merged in a unit of its own (:mod:`netutility_jax.spaces`, "Scale safety"), so
+extreme scales neither overflow a Gram nor flush a weak task to zero.
+
+Checks are eager, at the public boundary: options (types and ranges), masks, the inputs'
+finiteness (counted by the first stage) and the range of every merged module (reported by the
+last); the jitted stages themselves check nothing.
 
 :func:`merge_adapters` is the one-call pipeline: score, allocate, merge, report.
 """
@@ -32,6 +38,7 @@ from . import _tree
 from . import methods as _m
 from . import spaces as _s
 from ._linalg import mm as _mm
+from ._linalg import mul_pow2
 from ._linalg import t as _t
 from .allocate import allocate
 from .analysis import budget_spent, kept_per_task, non_prefix_fraction
@@ -67,65 +74,150 @@ _FN = "nu.merge"
 # ---------------------------------------------------------------------------------------------
 
 
-def _resolve_options(fn: str, method: str, space: str, options: Mapping[str, Any]) -> dict:
-    if method not in METHODS:
-        raise InputError(f"{fn}: unknown method {method!r}; expected one of {METHODS}.")
-    if space not in _s.SPACES:
-        raise InputError(f"{fn}: unknown space {space!r}; expected one of {_s.SPACES}.")
+def _given(x: Any) -> str:
+    """What the user passed, for a message: a short repr and its type."""
+    return f"{_tree.brief(x)} ({type(x).__name__})"
+
+
+def _check_choice(fn: str, name: str, value: Any, choices: Sequence[str], why: str = "") -> str:
+    """A string option from a fixed set."""
+    if not isinstance(value, str):
+        raise InputTypeError(
+            f"{fn}: {name}={_given(value)}; expected one of {tuple(choices)}{why}."
+        )
+    if value not in choices:
+        raise InputError(f"{fn}: {name}={_given(value)}; expected one of {tuple(choices)}{why}.")
+    return value
+
+
+def _check_bool(fn: str, name: str, value: Any) -> bool:
+    """A real ``bool`` (numpy's too): a string or number is not taken by its truthiness."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise InputTypeError(f"{fn}: {name}={_given(value)}; expected True or False.")
+
+
+def _check_real(
+    fn: str, name: str, value: Any, expected: str, ok=None, *, traced: bool = True
+) -> Any:
+    """A finite real scalar (Python/numpy int or float, or a 0-d real array; not bool, complex or
+    str) for which ``ok(float)`` holds; returned as a float (a tracer as it is, if ``traced``)."""
+    if not _tree.is_real_scalar(value):
+        raise InputTypeError(f"{fn}: {name}={_given(value)}; expected {expected}.")
+    if isinstance(value, jax.core.Tracer):
+        if traced:
+            return value
+        raise InputTypeError(
+            f"{fn}: {name} is traced (inside jax.jit); it must be a concrete number, since it "
+            f"sets a count on the host: pass {expected} as a static Python value."
+        )
+    v = float(np.asarray(value, np.float64))
+    if not np.isfinite(v) or (ok is not None and not ok(v)):
+        raise InputError(f"{fn}: {name}={_given(value)}; expected {expected}.")
+    return v
+
+
+def _check_auto(fn: str, name: str, value: Any, expected: str) -> Any:
+    """``"auto"`` or a finite real number >= 0 (``alpha``, ``lam``)."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise InputError(f"{fn}: {name}={_given(value)}; expected {expected}.")
+        return value
+    return _check_real(fn, name, value, expected, lambda v: v >= 0)
+
+
+_EXPECT = {
+    "density": "a number in [0, 1] (the fraction of entries each task keeps, e.g. 0.2)",
+    "p": "a number in [0, 1) (the drop rate, e.g. 0.5)",
+    "common_fraction": "a number in [0, 1] (the common share of the TA sum's rank, e.g. 0.8)",
+}
+_IN_RANGE = {
+    "density": lambda v: 0 <= v <= 1,
+    "p": lambda v: 0 <= v < 1,
+    "common_fraction": lambda v: 0 <= v <= 1,
+}
+
+
+def _resolve_options(fn: str, method: Any, space: Any, options: Mapping[str, Any]) -> dict:
+    """Every option checked for type and range, with the defaults filled in."""
+    _check_choice(fn, "method", method, METHODS)
+    _check_choice(fn, "space", space, _s.SPACES)
     takes = {**METHOD_OPTIONS[method], **SPACE_OPTIONS[space]}
-    extra = sorted(set(options) - set(takes))
+    extra = sorted(set(options) - set(takes), key=str)
     if extra:
         which = ", ".join(repr(k) for k in takes) or "no options"
         raise InputError(
-            f"{fn}: method={method!r} in space={space!r} does not take {', '.join(map(repr, extra))}; "
+            f"{fn}: method={method!r} in space={space!r} does not take "
+            f"{', '.join(_tree.brief(k) for k in extra[:4])}{' ...' if len(extra) > 4 else ''}; "
             f"it takes {which}."
         )
     opts = {**takes, **options}
-    for name in ("density", "p"):
+    for name in ("density", "p", "common_fraction"):
         if name not in takes:
             continue
-        v = opts[name]
-        if v is None:
-            raise InputError(
-                f"{fn}: method={method!r} needs {name}= (the drop rate in [0, 1), e.g. p=0.5)."
-            )
-        hi_ok = name == "density"
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, numbers.Real)
-            or not np.isfinite(v)
-            or not (0 <= v < 1 or (hi_ok and v == 1))
-        ):
-            rng = "[0, 1]" if hi_ok else "[0, 1)"
-            raise InputError(f"{fn}: {name}={v!r}; expected a number in {rng}.")
-        opts[name] = float(v)
-    if method == "ties" and opts["scope"] not in ("module", "model"):
-        raise InputError(
-            f"{fn}: TIES scope={opts['scope']!r}; expected 'module' (per-module top-k, default) "
-            "or 'model' (top-k over the whole model, as the original KnOTS)."
+        if opts[name] is None:
+            raise InputError(f"{fn}: method={method!r} needs {name}= ({_EXPECT[name]}).")
+        # density sets a count on the host (methods.topk_count): it must be concrete
+        opts[name] = _check_real(
+            fn, name, opts[name], _EXPECT[name], _IN_RANGE[name], traced=name != "density"
         )
-    if method == "iso_cts":
-        cf = opts["common_fraction"]
-        if isinstance(cf, bool) or not isinstance(cf, numbers.Real) or not 0 <= cf <= 1:
-            raise InputError(f"{fn}: common_fraction={cf!r}; expected a number in [0, 1].")
-        opts["common_fraction"] = float(cf)
-    if space == "knots" and opts["variant"] not in _s.KNOTS_VARIANTS:
-        raise InputError(
-            f"{fn}: KnOTS variant={opts['variant']!r}; expected one of {_s.KNOTS_VARIANTS} "
-            "('core_space': unscaled blocks V_i, default; 'original': scaled blocks S V_i)."
+    if "scope" in takes:
+        _check_choice(
+            fn,
+            "scope",
+            opts["scope"],
+            ("module", "model"),
+            " ('module': per-module top-k, default; 'model': top-k over the whole model, as the "
+            "original KnOTS)",
         )
-    for name in ("isotropize",):
-        if name in opts:
-            opts[name] = bool(opts[name])
+    if "variant" in takes:
+        _check_choice(
+            fn,
+            "variant",
+            opts["variant"],
+            _s.KNOTS_VARIANTS,
+            " ('core_space': unscaled blocks V_i, default; 'original': scaled blocks S V_i)",
+        )
+    if "isotropize" in takes:
+        opts["isotropize"] = _check_bool(fn, "isotropize", opts["isotropize"])
     return opts
 
 
 def _check_coef(fn: str, coef: Any) -> None:
-    if isinstance(coef, jax.core.Tracer):
+    _check_real(fn, "coef", coef, "a finite real number (the merged update's coefficient)")
+
+
+def _is_key(key: Any) -> bool:
+    """A ``jax.random`` key: a typed key (``jax.random.key(0)``, shape ``()``) or a legacy raw
+    threefry key (``jax.random.PRNGKey(0)``: ``uint32 (2,)``)."""
+    dt, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    if dt is None or shape is None:
+        return False
+    try:
+        if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+            return tuple(shape) == ()
+        return np.dtype(dt) == np.uint32 and tuple(shape) == (2,)
+    except TypeError:
+        return False
+
+
+def _check_key(fn: str, key: Any, method: str) -> None:
+    hint = (
+        f"method={method!r} draws its drop mask from key=, a jax.random key: pass "
+        "jax.random.key(0) (any seed), not a plain integer"
+    )
+    if key is None:
+        raise InputError(f"{fn}: {hint}.")
+    if _is_key(key):
         return
-    c = np.asarray(coef)
-    if c.shape != () or not np.issubdtype(c.dtype, np.number) or not np.isfinite(c):
-        raise InputError(f"{fn}: coef={coef!r}; expected a finite scalar.")
+    dt = getattr(key, "dtype", None)
+    what = (
+        _given(key)
+        if dt is None
+        else f"{type(key).__name__} of dtype {str(dt)[:40]} and shape "
+        f"{_tree.brief(getattr(key, 'shape', None))}"
+    )
+    raise InputTypeError(f"{fn}: key={what}; {hint}.")
 
 
 def _check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) -> dict:
@@ -158,7 +250,9 @@ def _check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) -
                 )
             dt = np.dtype(getattr(m, "dtype", np.asarray(m).dtype))
             if dt != np.bool_:
-                raise InputTypeError(f"{fn}: mask of module {name!r} has dtype {dt}; expected bool.")
+                raise InputTypeError(
+                    f"{fn}: mask of module {name!r} has dtype {dt}; expected bool."
+                )
             out[name] = m
     return out
 
@@ -168,7 +262,10 @@ def _check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) -
 # ---------------------------------------------------------------------------------------------
 
 
-NUMERIC_OPTIONS = ("density", "p", "common_fraction")  # traced: new values do not recompile
+# traced: new values do not recompile. TIES's density is static: it only sets the kept counts,
+# which are made on the host (methods.topk_count) and passed as data, so it reaches no compiled
+# function and a new density does not recompile either.
+NUMERIC_OPTIONS = ("p", "common_fraction")
 
 
 def _split(opts: dict, dtype) -> tuple[tuple, dict]:
@@ -186,12 +283,12 @@ def _elementwise(x, keys, *, method, coef, opts, k_top=None):
     return jax.vmap(lambda xx, kk: fn(xx, kk, coef=coef, p=opts["p"]))(x, keys)
 
 
-def _coords(k, a, b, *, space, opts, rtol):
+def _coords(k, a, b, ts, *, space, opts, rtol):
     if space == "full":
         return _s.full_coords(k)
     if space == "core":
-        return _s.core_coords(k, a, b, rtol=rtol)
-    return _s.knots_coords(k, rtol=rtol, variant=opts["variant"])
+        return _s.core_coords(k, a, b, rtol=rtol, a_exp=ts.a_exp, b_exp=ts.b_exp)
+    return _s.knots_coords(k, rtol=rtol, variant=opts["variant"], block_exp=_s.HEADROOM)
 
 
 def _low_rank(c, *, method, coef, opts, rtol, is_svd):
@@ -208,24 +305,72 @@ def _low_rank(c, *, method, coef, opts, rtol, is_svd):
 
 # The bucket pipeline is a few jitted stages (reduce, space transform, method, decode, map back) so
 # that compiled stages are shared between methods and spaces; each is pure and batched over modules.
+#
+# Scale safety: the stacked factors and scales are split into powers of two and normalised numbers
+# per task (spaces.normalise_tasks) before any Gram, and each module is merged in units of 2**unit
+# (spaces.module_unit), multiplied back by the last stage. Every method is positively homogeneous
+# of degree one and a power of two rounds nothing, so results are those of the unscaled
+# computation wherever that one does not over- or underflow. The last stage also reports, per
+# module, whether the result is representable (a range check): merge raises instead of returning
+# an infinite or flushed-to-zero module.
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _stage_stack(leaves, *, cfg):
-    """Zero-padded stacked factors of a bucket (see ``_tree.stack_bucket``)."""
+    """Zero-padded stacked factors of a bucket (see ``_tree.stack_bucket``), as given."""
     d_in, d_out, r_max, dtype = cfg
     a, b, s = leaves
     return _tree.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
+def _stage_keep(a, b, s, r, *, cfg):
+    """Every candidate of a stacked bucket ``(n, M, r_max)`` (``allocation="all"``)."""
+    (r_max,) = cfg
+    a, b, ts, _ = _s.normalise_tasks(a, b, s, a_axes=(2, 3), b_axes=(2, 3))
+    mask = jnp.ones((*ts.mant.shape, r_max), bool)
+    k = _s.kept_components(a, b, ts.mant, r, mask, cand_rtol=default_rtol(r_max, a.dtype))
+    return k.keep
+
+
+@jax.jit
+def _stage_scales(a, b, s):
+    """Per module the unit (:func:`spaces.module_unit`), per task the :class:`spaces.TaskScales`
+    and the non-finite counts ``(n, M, 3)`` of stacked factors ``a (n, M, d_in, r)``, ``b``."""
+    _, _, ts, bad = _s.normalise_tasks(a, b, s, a_axes=(2, 3), b_axes=(2, 3))
+    return ts, _s.module_unit(ts), bad
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def _stage_reduce(leaves, *, cfg):
-    """A bucket's factors in the bases of their own spans (:class:`spaces.Reduced`), its scales
-    and ranks: the only ``d``-sized work before the map back (two Grams, one product per side)."""
+    """A bucket's factors, normalised per task by powers of two, in the bases of their own spans
+    (:class:`spaces.Reduced`); their :class:`spaces.TaskScales`, ranks, non-finite counts
+    ``(n, M, 3)`` and units ``(n,)``. The only ``d``-sized work before the map back (two Grams,
+    one product per side, and one read of the factors for their sizes)."""
     d_in, d_out, r_max, dtype, m_tasks = cfg
     a, b, s = leaves
-    xa, yb, S, R = _tree.stack_bucket_cat(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
-    return _s.reduce_factors(xa, yb, m_tasks), S, R
+    ts, bad = _s.leaf_scales(a, b, s, dtype)
+    mant = tuple(tuple(ts.mant[j, i] for i in range(m_tasks)) for j in range(len(a)))
+
+    def reduce(a, b):
+        xa, yb, _, R = _tree.stack_bucket_cat(
+            a, b, mant, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype
+        )
+        return _s.reduce_factors(xa, yb, m_tasks), R
+
+    def plain():  # factors of moderate size: their Grams are safe, normalise the small R's
+        red, R = reduce(a, b)
+        ra = mul_pow2(red.a, -ts.a_exp[..., None, None])
+        rb = mul_pow2(red.b, -ts.b_exp[..., None, None])
+        return red._replace(a=ra, b=rb), R
+
+    def scaled():  # extreme (or non-finite) factors: normalise them before any Gram
+        return reduce(*_s.scale_leaves(a, b, ts, dtype))
+
+    # 2**+-24 of the largest entry: no Gram of such factors can leave float32's range
+    moderate = (jnp.abs(ts.a_exp) <= 24) & (jnp.abs(ts.b_exp) <= 24)
+    red, R = jax.lax.cond(jnp.all(moderate) & ~jnp.any(bad), plain, scaled)
+    return red, ts, R, bad, _s.module_unit(ts)
 
 
 def _expand_in(qa, x):
@@ -235,8 +380,9 @@ def _expand_in(qa, x):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_coords(red, S, R, mask, *, cfg):
-    """Kept components of a bucket in a space's coordinates (:class:`spaces.Coords`).
+def _stage_coords(red, ts, R, mask, unit, *, cfg):
+    """Kept components of a bucket in a space's coordinates (:class:`spaces.Coords`), in units
+    of ``2**unit`` (``unit (n,)``: each task's singular values get ``2**(exp_i - unit)``).
 
     Computed in the reduced coordinates of :class:`spaces.Reduced`; with ``ambient_in`` (KnOTS
     with an elementwise method, whose input side is entry-wise in ``d_in``) the input side is
@@ -244,9 +390,15 @@ def _stage_coords(red, S, R, mask, *, cfg):
     """
     space, variant, rtol, ambient_in = cfg
     k = _s.kept_components(
-        red.a, red.b, S, R, mask, cand_rtol=default_rtol(red.a.shape[-1], red.a.dtype)
+        red.a,
+        red.b,
+        ts.mant,
+        R,
+        mask,
+        cand_rtol=default_rtol(red.a.shape[-1], red.a.dtype),
+        scale_exp=ts.exp - unit[:, None],
     )
-    c = _coords(k, red.a, red.b, space=space, opts={"variant": variant}, rtol=rtol)
+    c = _coords(k, red.a, red.b, ts, space=space, opts={"variant": variant}, rtol=rtol)
     if ambient_in:
         c = c._replace(a=_expand_in(red.qa, c.a))
     return c
@@ -262,26 +414,84 @@ def _stage_low_rank(ca, cb, coef, nums, *, cfg):
     )
 
 
+def _range_status(w, y, unit, axes):
+    """Whether ``y = w 2**unit`` (per module, over ``axes``) is representable: ``(code (n,) int32,
+    log2 (n,) float32)``; code 0 fine, 1 not finite, 2 underflow (``w`` is not zero but the
+    largest ``|y|`` is below the dtype's smallest normal number: at best a few bits are left);
+    ``log2`` is ``log2`` of the largest ``|y|`` that exact arithmetic would give."""
+    wmax = jnp.max(jnp.abs(w), axis=axes, initial=0)
+    finite = jnp.all(jnp.isfinite(y), axis=axes)
+    log2 = jnp.log2(wmax).astype(jnp.float32) + unit.astype(jnp.float32)
+    under = (wmax > 0) & (log2 < jnp.finfo(w.dtype).minexp)
+    code = jnp.where(finite, jnp.where(under, 2, 0), 1).astype(jnp.int32)
+    return code, log2
+
+
+def _log2_norm(x, axis):
+    """``log2`` of the largest column norm of ``x (n, p, k)`` over ``axis`` (-2: columns, -1:
+    rows), scale-safely; ``-inf`` for an all-zero module. An entry of ``Q x`` (``Q`` with
+    orthonormal columns) is at most its column's norm, and at least one is ``norm / sqrt(p)``."""
+    cols = _m._column_norms(x if axis == -2 else _t(x))
+    return jnp.log2(jnp.max(cols, axis=-1, initial=0)).astype(jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_map_back(la, lb, qa, qb, *, cfg):
+def _stage_map_back(la, lb, qa, qb, unit, *, cfg):
+    """Reduced results in units of ``2**unit`` to ``(lora_a (n, d_in, width), lora_b (n, width,
+    d_out))`` of their true size, and per module ``(code, log2)``: code 0 representable, 1 not
+    finite, 2 underflow (the largest ``lora_a`` entry below the smallest normal number)."""
     width, expand_in = cfg
     la, lb = la[..., :width], lb[..., :width, :]
+    fi = jnp.finfo(la.dtype)
+    # Bounds of the mapped-back entries from the small sides (no d-sized pass): the module's unit
+    # goes to the input side; where that side alone could overflow (the product need not: KnOTS
+    # blocks carry S on the output side) it is split between both sides.
+    hi_a = _log2_norm(la, -2) if expand_in else jnp.log2(jnp.max(jnp.abs(la), (1, 2), initial=0))
+    hi_b = _log2_norm(lb, -1)
+    hi_a, hi_b = hi_a.astype(jnp.float32), hi_b.astype(jnp.float32)
+    u = unit.astype(jnp.float32)
+    split = hi_a + u >= fi.maxexp - 1
+    d = u + hi_a - hi_b
+    half = jnp.where(split & jnp.isfinite(d), jnp.floor(d / 2), 0).astype(jnp.int32)
+    sa, sb = unit - half, half
+    la = mul_pow2(la, sa[:, None, None])
+    lb = mul_pow2(lb, sb[:, None, None])
     if expand_in:
         la = _expand_in(qa, la)
-    return la, qb.times_qt(lb)
+    lb = qb.times_qt(lb)
+    hi_a, hi_b = hi_a + sa.astype(jnp.float32), hi_b + sb.astype(jnp.float32)
+    lo_a = hi_a - 0.5 * float(np.log2(la.shape[-2]))  # some entry is at least this large
+    surely_fine = (
+        (hi_a < fi.maxexp - 1) & (hi_b < fi.maxexp - 1) & ((lo_a >= fi.minexp) | (hi_a == -jnp.inf))
+    )
+
+    def exact(la, lb):  # one pass over the outputs, only where the bounds cannot decide
+        ma = jnp.max(jnp.abs(la), axis=(1, 2), initial=0)
+        mb = jnp.max(jnp.abs(lb), axis=(1, 2), initial=0)
+        finite = jnp.isfinite(ma) & jnp.isfinite(mb)
+        under = (hi_a > -jnp.inf) & (ma < fi.tiny)
+        code = jnp.where(finite, jnp.where(under, 2, 0), 1).astype(jnp.int32)
+        return code, (jnp.log2(ma) + jnp.log2(mb)).astype(jnp.float32)
+
+    def bounded(la, lb):
+        return jnp.zeros(unit.shape, jnp.int32), hi_a + hi_b
+
+    check = jax.lax.cond(jnp.all(surely_fine), bounded, exact, la, lb)
+    return la, lb, check
 
 
-def _map_back(la, lb, live, qa, qb, expand_in):
-    """Reduced results ``la (n, K|d_in, k)``, ``lb (n, k, K)`` (live columns first) to ``d_in`` /
-    ``d_out``: only the bucket's largest live count of columns, rounded up to a multiple of 16
-    (few compiled widths), are mapped back and returned."""
+def _map_back(la, lb, live, qa, qb, expand_in, unit):
+    """Reduced results ``la (n, K|d_in, k)``, ``lb (n, k, K)`` (live columns first) in units of
+    ``2**unit`` to ``d_in`` / ``d_out``: only the bucket's largest live count of columns, rounded
+    up to a multiple of 16 (few compiled widths), are mapped back and returned, with the
+    :func:`_range_status` of each module."""
     if isinstance(live, jax.core.Tracer):
         width = live.shape[-1]
     else:
         most = int(np.asarray(live.sum(-1)).max(initial=0))
         width = min(live.shape[-1], -(-most // 16) * 16)
-    la, lb = _stage_map_back(la, lb, qa, qb, cfg=(width, expand_in))
-    return la, lb, live[..., :width]
+    la, lb, check = _stage_map_back(la, lb, qa, qb, unit, cfg=(width, expand_in))
+    return la, lb, live[..., :width], check
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -290,24 +500,53 @@ def _stage_decode(coords, am, bm, *, cfg):
     return _s.decode_factored(coords, am, bm, rtol=rtol, compact=compact)
 
 
-def _real_entries(c):
-    """Entries of each module's dense coordinates ``(p, q)`` that its bases span (live columns of
-    ``left`` times those of ``right``; ``p`` without ``left``): TIES's ``n`` in core / KnOTS."""
+def _entry_counts(c):
+    """Per module the live rows and columns of its dense coordinates ``(p, q)``: columns of
+    ``left`` (``p`` itself without ``left``) and of ``right`` that its bases span."""
     live_q = (jnp.abs(c.right).sum(-2) > 0).sum(-1, dtype=jnp.int32)
     if c.left is None:
-        return c.a.shape[-2] * live_q
-    return (jnp.abs(c.left).sum(-2) > 0).sum(-1, dtype=jnp.int32) * live_q
+        return jnp.full_like(live_q, c.a.shape[-2]), live_q
+    return (jnp.abs(c.left).sum(-2) > 0).sum(-1, dtype=jnp.int32), live_q
+
+
+def _real_entries(c):
+    """TIES's ``n`` in core / KnOTS: entries of each module's dense coordinates that its bases
+    span (the bases may be smaller than ``D``); int64 on the host."""
+    rows, cols = _entry_counts(c)
+    return np.asarray(rows, np.int64) * np.asarray(cols, np.int64)
+
+
+@functools.lru_cache(maxsize=32)
+def _count_table_np(density: float, p: int, q: int, has_left: bool) -> np.ndarray:
+    rows = np.arange(p + 1, dtype=np.int64) if has_left else np.array([p], np.int64)
+    n = rows[:, None] * np.arange(q + 1, dtype=np.int64)[None, :]
+    return _m.topk_count(density, n).astype(np.int32)
+
+
+def _count_table(density: float, c) -> jax.Array:
+    """TIES's kept count for every ``n`` a bucket's coordinates can have, made on the host by
+    :func:`methods.topk_count` (PEFT's rule, exact): ``table[rows, cols] = int(density * rows *
+    cols)`` over the live rows (``0..p``; one row, ``p``, without a ``left`` basis) and columns
+    (``0..q``) of :func:`_entry_counts`. A traced stage looks its counts up: no count is ever
+    computed in a traced (float32) dtype."""
+    p, q = c.a.shape[-2], c.b.shape[-2]
+    return jnp.asarray(_count_table_np(float(density), p, q, c.left is not None))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _stage_split(coords, keys, density, *, cfg):
+def _stage_split(coords, keys, table, *, cfg):
     """A bucket's coordinates cut into chunks of whole modules for :func:`_stage_elementwise`:
     ``[(a, b, keys, k_top)]`` per chunk. TIES keeps ``k_top = int(density * n)`` of the ``n``
-    real entries of a module's coordinates (the bases may be smaller than ``D``)."""
+    real entries of a module's coordinates, looked up in the host-made ``table``
+    (:func:`_count_table`); ``table=None`` (DARE) gives zeros."""
     (chunk,) = cfg
     c = coords
     n = c.a.shape[0]
-    k_top = jnp.broadcast_to(_m.topk_count(density, _real_entries(c)), (n,))
+    if table is None:
+        k_top = jnp.zeros((n,), jnp.int32)
+    else:
+        rows, cols = _entry_counts(c)
+        k_top = table[rows if c.left is not None else 0, cols]
     return [tuple(x[j0 : j0 + chunk] for x in (c.a, c.b, keys, k_top)) for j0 in range(0, n, chunk)]
 
 
@@ -327,28 +566,29 @@ def _stage_decode_chunks(coords, xms, *, cfg):
     return _s.decode_dense(coords, xm, rtol=rtol, compact=coords.left is not None)
 
 
-def _elementwise_bucket(coords, coef, keys, nums, *, cfg):
+def _elementwise_bucket(coords, coef, keys, nums, table, *, cfg):
     """TIES / DARE on a bucket, a chunk of whole modules per call (at most one chunk's dense
     tasks alive), then decoded. A Python loop rather than ``lax.map``: XLA:CPU writes a mapped
     output through an in-place update that it emits as scalar code, ~4 ms per KnOTS module."""
     method, rtol, chunk = cfg
-    density = nums.get("density", jnp.zeros((), coef.dtype))
     xms = [
         _stage_elementwise(a, b, kk, kt, coef, nums, cfg=(method,))
-        for a, b, kk, kt in _stage_split(coords, keys, density, cfg=(chunk,))
+        for a, b, kk, kt in _stage_split(coords, keys, table, cfg=(chunk,))
     ]
     return _stage_decode_chunks(coords, xms, cfg=(rtol,))
 
 
 def _bucket_merge(leaves, mask, coef, keys, nums, *, cfg):
-    """One bucket, every method except elementwise-in-full: ``(lora_a, lora_b, live)`` padded.
+    """One bucket, every method except elementwise-in-full: ``(lora_a, lora_b, live, check,
+    bad)``, the factors padded, ``check`` the :func:`_range_status` of each module and ``bad``
+    the inputs' non-finite counts ``(n, M, 3)``.
 
     Composes the jitted stages (traceable as a whole, e.g. by ``jax.make_jaxpr``).
     """
     method, space, opts, d_in, d_out, r_max, dtype, chunk = cfg
     opts = dict(opts)
     m_tasks = len(leaves[0][0])
-    red, S, R = _stage_reduce(leaves, cfg=(d_in, d_out, r_max, dtype, m_tasks))
+    red, ts, R, bad, unit = _stage_reduce(leaves, cfg=(d_in, d_out, r_max, dtype, m_tasks))
     rtol = _m.rank_rtol((d_in, d_out, m_tasks * r_max), dtype)
     elementwise = method in ELEMENTWISE_METHODS
     ambient_in = elementwise and space == "knots"
@@ -357,45 +597,72 @@ def _bucket_merge(leaves, mask, coef, keys, nums, *, cfg):
     # bases up to a rotation), so Core Space's bases and core matrices would change nothing:
     # core-space TA / TSV / Iso-C / Iso-CTS run in the reduced coordinates directly.
     cspace = "full" if space == "core" and not elementwise else space
-    c = _stage_coords(red, S, R, mask, cfg=(cspace, opts.get("variant"), rtol, ambient_in))
+    c = _stage_coords(red, ts, R, mask, unit, cfg=(cspace, opts.get("variant"), rtol, ambient_in))
     if elementwise:
-        la, lb, live = _elementwise_bucket(c, coef, keys, nums, cfg=(method, rtol, chunk))
-        return _map_back(la, lb, live, red.qa, red.qb, not ambient_in)
+        table = _count_table(opts["density"], c) if method == "ties" else None
+        la, lb, live = _elementwise_bucket(c, coef, keys, nums, table, cfg=(method, rtol, chunk))
+        return (*_map_back(la, lb, live, red.qa, red.qb, not ambient_in, unit), bad)
     mopts = tuple((k, v) for k, v in sorted(opts.items()) if k != "variant")
     am, bm = _stage_low_rank(c.a, c.b, coef, nums, cfg=(method, mopts, rtol, cspace == "full"))
     # the result's factors are exact as they come (live columns = the nonzero ones)
     la, lb, live = _stage_decode(c, am, bm, cfg=(rtol, False))
-    return _map_back(la, lb, live, red.qa, red.qb, True)
+    return (*_map_back(la, lb, live, red.qa, red.qb, True, unit), bad)
+
+
+def _dense_kept(a, b, s, r, mask, unit, *, r_max):
+    """One module's kept dense task updates ``(1, M, d_in, d_out)`` in units of ``2**unit`` (the
+    module's own unit if None) and that unit; ``a (M, d_in, r)``, ``b (M, r, d_out)``, ``s (M,)``
+    as stacked (normalised here)."""
+    a, b, ts, _ = _s.normalise_tasks(a[None], b[None], s[None], a_axes=(2, 3), b_axes=(2, 3))
+    if unit is None:
+        unit = _s.module_unit(ts)[0]
+    k = _s.kept_components(
+        a,
+        b,
+        ts.mant,
+        r[None],
+        mask[None],
+        cand_rtol=default_rtol(r_max, a.dtype),
+        scale_exp=ts.exp - unit,
+    )
+    return _s.dense_tasks(_s.full_coords(k)), unit
+
+
+def _scale_dense(x, unit):
+    """A dense merged update ``x (d_in, d_out)`` in units of ``2**unit`` back to its size, and
+    its :func:`_range_status` (one module)."""
+    y = mul_pow2(x, unit)
+    code, log2 = _range_status(x[None], y[None], unit[None], (1, 2))
+    return y, (code, log2)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, cfg):
-    """One module, elementwise method in full space: dense ``(d_in, d_out)`` merged update."""
+    """One module, elementwise method in full space: dense ``(d_in, d_out)`` merged update and
+    its :func:`_range_status`."""
     method, r_max = cfg
-    k = _s.kept_components(
-        a[None], b[None], s[None], r[None], mask[None], cand_rtol=default_rtol(r_max, a.dtype)
-    )
-    x = _s.dense_tasks(_s.full_coords(k))  # (1, M, d_in, d_out)
-    return _elementwise(x, key[None], method=method, coef=coef, opts=dict(nums), k_top=k_top[None])[
-        0
-    ]
+    x, unit = _dense_kept(a, b, s, r, mask, None, r_max=r_max)
+    xm = _elementwise(x, key[None], method=method, coef=coef, opts=dict(nums), k_top=k_top[None])
+    return _scale_dense(xm[0], unit)
 
 
 # TIES with scope="model": each task keeps its int(density * N) largest entries over the whole
 # model (N = entries of all modules in the space's coordinates), as the original TIES and KnOTS.
 # The per-task threshold is found by radix selection over the magnitudes' bit patterns, 16 bits
 # per pass, each pass streaming the modules (full space) or chunks of modules (core, KnOTS) with
-# only the counts kept: memory stays at one unit's dense tasks, like scope="module".
+# only the counts kept: memory stays at one unit's dense tasks, like scope="module". Magnitudes
+# are compared across modules, so every module is merged in one common unit (the largest).
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _module_tasks(a, b, s, r, mask, *, cfg):
-    """One module's kept dense task updates, full space: ``(1, M, d_in, d_out)``."""
+def _module_tasks(a, b, s, r, mask, unit, *, cfg):
+    """One module's kept dense task updates, full space, in units of ``2**unit``:
+    ``(1, M, d_in, d_out)``."""
     (r_max,) = cfg
-    k = _s.kept_components(
-        a[None], b[None], s[None], r[None], mask[None], cand_rtol=default_rtol(r_max, a.dtype)
-    )
-    return _s.dense_tasks(_s.full_coords(k))
+    return _dense_kept(a, b, s, r, mask, unit, r_max=r_max)[0]
+
+
+_stage_scale_dense = jax.jit(_scale_dense)
 
 
 @jax.jit
@@ -449,61 +716,87 @@ def _radix_threshold(units, m_tasks: int, k: int, dtype) -> tuple[np.ndarray, ..
     return hi.astype(ut), k - above, at
 
 
-def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) -> dict:
-    """TIES over the whole model (see the comment above); returns ``{name: module}``."""
-    units = []  # (produce dense tasks, finish with the merged dense coordinates)
-    n_total = 0
-    results: dict[str, Any] = {}
-    for bk, mk in zip(buckets, mks, strict=True):
+def _ties_model(fn, buckets, mks, *, space, variant, density, coef, dtype, m_tasks, checks) -> dict:
+    """TIES over the whole model (see the comment above); returns ``{name: module}`` and appends
+    each module's :func:`_range_status` to ``checks``."""
+    # first the inputs (checked) and the common unit: the largest over the live modules
+    staged = []
+    units = []
+    for bk in buckets:
         leaves = _tree.bucket_arrays(bk)
         if space == "full":
-            stacked = _stage_stack(leaves, cfg=(bk.d_in, bk.d_out, bk.r_max, dtype))
+            st = _stage_stack(leaves, cfg=(bk.d_in, bk.d_out, bk.r_max, dtype))
+            ts, unit, bad = _stage_scales(*st[:3])
+        else:
+            st = _stage_reduce(leaves, cfg=(bk.d_in, bk.d_out, bk.r_max, dtype, m_tasks))
+            ts, bad, unit = st[1], st[3], st[4]
+        _raise_nonfinite(fn, [bk], [bad], dtype)
+        live = np.asarray(ts.mant).any(-1)
+        units.extend(np.asarray(unit)[live].tolist())
+        staged.append(st)
+    unit = jnp.asarray(max(units, default=0), jnp.int32)
+    work = []  # (produce dense tasks, finish with the merged dense coordinates)
+    n_total = 0
+    results: dict[str, Any] = {}
+    for bk, mk, st in zip(buckets, mks, staged, strict=True):
+        if space == "full":
             for j, nm in enumerate(bk.names):
                 n_total += bk.d_in * bk.d_out
 
-                def produce(j=j, st=stacked, mk=mk, r_max=bk.r_max):
+                def produce(j=j, st=st, mk=mk, r_max=bk.r_max):
                     a, b, s, r = st
-                    return _module_tasks(a[j], b[j], s[j], r[j], mk[j], cfg=(r_max,))
+                    return _module_tasks(a[j], b[j], s[j], r[j], mk[j], unit, cfg=(r_max,))
 
                 def finish(xm, nm=nm):
-                    results[nm] = {"delta": jax.block_until_ready(xm[0])}
+                    delta, check = _stage_scale_dense(xm[0], unit)
+                    results[nm] = {"delta": jax.block_until_ready(delta)}
+                    checks.append(((nm,), check))
 
-                units.append((produce, finish))
+                work.append((produce, finish))
             continue
+        red, ts, R = st[0], st[1], st[2]
         rtol = _m.rank_rtol((bk.d_in, bk.d_out, m_tasks * bk.r_max), dtype)
-        red, S, R = _stage_reduce(leaves, cfg=(bk.d_in, bk.d_out, bk.r_max, dtype, m_tasks))
         ambient_in = space == "knots"
+        units_b = jnp.full((len(bk.names),), unit)
         c = jax.block_until_ready(
-            _stage_coords(red, S, R, mk, cfg=(space, variant, rtol, ambient_in))
+            _stage_coords(red, ts, R, mk, units_b, cfg=(space, variant, rtol, ambient_in))
         )
         qa, qb = red.qa, red.qb
         del red
-        n_total += int(np.asarray(_real_entries(c), np.int64).sum())
+        n_total += int(_real_entries(c).sum())
         p, q = c.a.shape[-2], c.b.shape[-2]
         chunk = _chunk(m_tasks, p, q, jnp.dtype(dtype).itemsize, len(bk.names))
         for j0 in range(0, len(bk.names), chunk):
-            sl, sqa, sqb = jax.tree.map(lambda x, j0=j0, n=chunk: x[j0 : j0 + n], (c, qa, qb))
+            sl, sqa, sqb, su = jax.tree.map(
+                lambda x, j0=j0, n=chunk: x[j0 : j0 + n], (c, qa, qb, units_b)
+            )
 
             def produce(sl=sl):
                 return _coords_tasks(sl.a, sl.b)
 
-            def finish(xm, sl=sl, sqa=sqa, sqb=sqb, j0=j0, bk=bk, rtol=rtol, ex=not ambient_in):
-                la, lb, live = _map_back(*_stage_decode_chunks(sl, [xm], cfg=(rtol,)), sqa, sqb, ex)
+            def finish(
+                xm, sl=sl, sqa=sqa, sqb=sqb, su=su, j0=j0, bk=bk, rtol=rtol, ex=not ambient_in
+            ):
+                la, lb, live, check = _map_back(
+                    *_stage_decode_chunks(sl, [xm], cfg=(rtol,)), sqa, sqb, ex, su
+                )
+                names = bk.names[j0 : j0 + len(live)]
+                checks.append((names, check))
                 ranks = np.asarray(live.sum(-1))
                 for jj, rk in enumerate(ranks):
                     rk = int(rk)
-                    results[bk.names[j0 + jj]] = {
+                    results[names[jj]] = {
                         "lora_a": la[jj, :, :rk],
                         "lora_b": lb[jj, :rk, :],
                         "scale": 1.0,
                     }
 
-            units.append((produce, finish))
-    k = int(np.floor(density * n_total * (1 + 8 * np.finfo(np.float64).eps)))
-    t, room, at = _radix_threshold(units, m_tasks, k, dtype)
+            work.append((produce, finish))
+    k = _m.topk_count(density, n_total)
+    t, room, at = _radix_threshold(work, m_tasks, k, dtype)
     flat_ties = bool(np.any(at > room))  # otherwise every entry at a threshold is kept
     t = jnp.asarray(t)
-    for produce, finish in units:
+    for produce, finish in work:
         xm, used = _ties_apply(
             produce(),
             t,
@@ -514,6 +807,73 @@ def _ties_model(buckets, mks, *, space, variant, density, coef, dtype, m_tasks) 
         room = room - np.asarray(used, np.int64)
         finish(xm)
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Range and finiteness checks (eager, at the public boundary)
+# ---------------------------------------------------------------------------------------------
+
+
+_X64 = (
+    "enable x64 (jax.config.update('jax_enable_x64', True)) and pass float64 factors, or rescale "
+    "the adapters"
+)
+
+
+def _check_scale_range(fn: str, buckets: Sequence[_tree.Bucket], dtype) -> None:
+    """Scales beyond the compute dtype's range (``lora_alpha = 1e40`` with float32 factors)
+    would become ``inf`` when cast: refused here, before anything is computed."""
+    fi = np.finfo(dtype)
+    for bk in buckets:
+        for name, mods in zip(bk.names, bk.modules, strict=True):
+            for i, m in enumerate(mods):
+                if m is None or isinstance(m.scale, jax.core.Tracer):
+                    continue
+                v = abs(float(np.asarray(m.scale, np.float64)))
+                if v > float(fi.max) or 0 < v < float(fi.tiny):
+                    raise InputError(
+                        f"{fn}: scale of module {_tree.short(name)!r}, task {i}, is {v:.3g}, "
+                        f"outside the range of {np.dtype(dtype).name} (normal numbers "
+                        f"{fi.tiny:.3g} to {fi.max:.3g}); {_X64}."
+                    )
+
+
+def _raise_nonfinite(fn: str, buckets, bads, dtype) -> None:
+    """The inputs' non-finite counts (from the stages) as :class:`InputError` (eager only)."""
+    if any(isinstance(b, jax.core.Tracer) for b in bads):
+        return
+    _tree.raise_nonfinite(fn, buckets, [np.asarray(b) for b in bads], dtype=dtype)
+
+
+def _raise_range(fn: str, checks, dtype) -> None:
+    """Merged modules that over- or underflow the compute dtype (:func:`_range_status`)."""
+    over: list[tuple[str, float]] = []
+    under: list[tuple[str, float]] = []
+    for names, (code, log2) in checks:
+        if isinstance(code, jax.core.Tracer):
+            return
+        for nm, c, lg in zip(names, np.asarray(code), np.asarray(log2), strict=True):
+            if c:
+                (over if c == 1 else under).append((nm, float(lg)))
+    name = np.dtype(dtype).name
+    fi = np.finfo(dtype)
+    for bad, what, limit in (
+        (over, "overflows", f"at most {fi.max:.3g}"),
+        (under, "underflows", f"normal numbers from {fi.tiny:.3g}"),
+    ):
+        if not bad:
+            continue
+        sizes = [lg for _, lg in bad if np.isfinite(lg)]
+        if sizes:  # the inputs are finite (checked), so a result is beyond the range, not NaN
+            top = max(sizes, key=abs)
+            size = f"its entries reach about 2**{top:.0f} (1e{np.log10(2) * top:+.0f})"
+        else:  # beyond the range on the way: only an extreme coef can do that
+            size = "its values leave the range on the way (check coef)"
+        raise InputError(
+            f"{fn}: the merged update of {_tree._few([n for n, _ in bad])} {what} {name}: "
+            f"{size} where {name} holds {limit}. The tasks' scales (lora_alpha / r) or factors "
+            f"are too extreme for {name}: {_X64}."
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,7 +939,11 @@ def merge(
     * ``"iso_cts"``: Iso-CTS (``common_fraction=0.8`` of the TA sum's rank is common).
     * ``"ties"``: per task keep exactly ``int(density * n)`` largest-magnitude entries (``density``,
       default 0.2; ``scope="module"``), elect signs (sign of the sum, 0 -> +), disjoint mean,
-      times ``coef``.
+      times ``coef``. ``n`` is the exact number of entries (full space ``d_in d_out``; core and
+      KnOTS the entries their bases span; ``scope="model"`` the sum over modules) and the count
+      is PEFT's ``int(density * n)`` in binary64, made on the host (:func:`methods.topk_count`):
+      0.3 of 96 x 25 entries keeps 720. Entries of equal magnitude are taken in flat row-major
+      order (modules in order for ``scope="model"``), lower index first.
     * ``"dare"``: drop entries with probability ``p``, rescale by ``1/(1-p)``, sum, times ``coef``;
       a fresh mask per call from ``key`` (folded with the module index). ``"dare_ties"``: the
       same drop, then TIES sign election and disjoint mean.
@@ -597,7 +961,22 @@ def merge(
     columns are the merge's (nonzero) directions, so a module's rank is its number of live
     columns (TA: the kept components; TSV in full and core space: orthonormal ``lora_b`` rows).
     KnOTS elementwise merges keep the merged ``(d_in, k)`` block as ``lora_a`` (rank ``k`` but for
-    zero columns). Use :func:`to_lora` for a truncated SVD of any module.
+    zero columns), up to a power of two moved between the factors. Use :func:`to_lora` for a
+    truncated SVD of any module.
+
+    Numerics: each task's factors and scale are split into powers of two and normalised numbers
+    and each module is merged in a unit of its own (:mod:`netutility_jax.spaces`), so an extreme
+    but finite scale (``lora_alpha = 1e30`` in one task, float32) gives the merge of the same
+    inputs in float64, rounded to the dtype. A merge that cannot be held in the dtype is refused
+    (``InputError`` naming the modules), never returned as ``inf``, NaN or zeros: a dense result
+    beyond its range, factors that overflow even when balanced, or a result whose largest entry is
+    below its smallest normal number. Low-rank results are factors: finite factors whose product
+    would overflow the dtype are returned (:func:`fold` and :func:`module_update` check the
+    product). Elementwise selections are exact on the numbers computed: an entry within rounding
+    of a task's threshold (or of a zero sum in the sign election) can be selected differently in
+    float32 and float64, and Iso-CTS and TSV give every kept direction unit weight in their polar
+    factors, so there tasks of very different sizes make the result depend on each precision's
+    rank cut.
 
     Args:
       adapters: M adapters (one per task) with the same module names, as for :func:`nu.score`.
@@ -605,10 +984,14 @@ def merge(
       method: one of ``"ta"``, ``"tsv"``, ``"iso_c"``, ``"iso_cts"``, ``"ties"``, ``"dare"``,
         ``"dare_ties"``.
       space: ``"full"``, ``"core"`` or ``"knots"``.
-      coef: finite scaling coefficient of the merged update.
-      key: ``jax.random`` key, required by ``"dare"`` and ``"dare_ties"``.
-      **options: method options (``density``, ``scope``, ``p``, ``isotropize``,
-        ``common_fraction``) and space options (``variant`` for KnOTS).
+      coef: finite real scaling coefficient of the merged update (may be traced).
+      key: ``jax.random`` key (``jax.random.key(0)``, or a raw ``PRNGKey``), required by
+        ``"dare"`` and ``"dare_ties"``.
+      **options: method options (``density`` in ``[0, 1]``, a concrete number; ``scope``
+        ``"module"`` or ``"model"``; ``p`` in ``[0, 1)``; ``isotropize`` a bool;
+        ``common_fraction`` in ``[0, 1]``) and space options (``variant`` for KnOTS:
+        ``"core_space"`` or ``"original"``). Booleans must be bools and numbers real numbers
+        (numpy scalars are fine); nothing is taken by its truthiness.
 
     Returns:
       An adapter with the first adapter's tree and module names; each module is
@@ -616,9 +999,12 @@ def merge(
       0 if nothing is kept) or, for TIES/DARE in full space, ``{"delta": (d_in, d_out)}``.
 
     Raises:
-      ValueError: unknown method, space or option; density/p out of range; DARE without a key;
-        non-finite coef; masks whose names or shapes do not match the adapters; bad adapters.
-      TypeError: masks not a dict of bool arrays.
+      InputError: (a ``ValueError``) unknown method, space or option value; density, p or
+        common_fraction out of range; DARE without a key; non-finite coef; masks whose names or
+        shapes do not match the adapters; bad adapters (NaN or inf factors, a scale outside the
+        dtype's normal range); a merged module beyond the dtype's range.
+      InputTypeError: (a ``TypeError``) an option of the wrong type (a string for a bool, a
+        complex coef, an int key); masks not a dict of bool arrays.
 
     Example:
       >>> import numpy as np, netutility_jax as nu
@@ -638,27 +1024,29 @@ def merge(
     fn = _FN
     opts = _resolve_options(fn, method, space, options)
     _check_coef(fn, coef)
-    if method in ("dare", "dare_ties") and key is None:
-        raise InputError(
-            f"{fn}: method={method!r} needs key= (a jax.random key, e.g. jax.random.key(0)); the "
-            "drop mask is drawn fresh from it on every call."
-        )
+    if method in ("dare", "dare_ties"):
+        _check_key(fn, key, method)
     names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     if masks is not None:
         masks = _check_masks(fn, masks, names, buckets, m_tasks)
     dtype = _tree.compute_dtype(buckets)
+    _check_scale_range(fn, buckets, dtype)
+    if method in ELEMENTWISE_METHODS:
+        _check_entry_count(fn, space, buckets, m_tasks)
     coef_arr = jnp.asarray(coef, dtype)
     index = {n: i for i, n in enumerate(names)}
     if method == "ta" and opts["isotropize"]:  # the same operator: share one compiled kernel
         method, opts = "iso_c", {k: v for k, v in opts.items() if k != "isotropize"}
     static_opts, nums = _split(opts, dtype)
     results: dict[str, Any] = {}
+    checks: list = []  # (module names, _range_status), checked once every bucket is dispatched
     # buckets are merged a piece at a time: peak memory stays near one piece's stacked factors
     itemsize = jnp.dtype(dtype).itemsize
     buckets = [sub for bk in buckets for sub in _tree.split_bucket(bk, _PIECE_BYTES, itemsize)]
     if method == "ties" and opts["scope"] == "model":
         mks = [_bucket_mask(masks, bk, m_tasks) for bk in buckets]
         results = _ties_model(
+            fn,
             buckets,
             mks,
             space=space,
@@ -667,8 +1055,11 @@ def merge(
             coef=coef_arr,
             dtype=dtype,
             m_tasks=m_tasks,
+            checks=checks,
         )
+        _raise_range(fn, checks, dtype)
         return _rebuild(adapters[0], results)
+    bads: list = []
     for bk in buckets:
         n = len(bk.names)
         mk = _bucket_mask(masks, bk, m_tasks)
@@ -678,9 +1069,12 @@ def merge(
         if space == "full" and method in ELEMENTWISE_METHODS:
             # module by module: at most one module's M dense task updates are alive
             A, B, S, R = _stage_stack(leaves, cfg=(bk.d_in, bk.d_out, bk.r_max, dtype))
-            k_top = jnp.asarray(int(opts.get("density", 0.0) * bk.d_in * bk.d_out), jnp.int32)
+            _raise_nonfinite(fn, [bk], [_stage_scales(A, B, S)[2]], dtype)
+            k_top = jnp.asarray(
+                _m.topk_count(opts.get("density", 0.0), bk.d_in * bk.d_out), jnp.int32
+            )
             for j, nm in enumerate(bk.names):
-                delta = _module_dense(
+                delta, check = _module_dense(
                     A[j],
                     B[j],
                     S[j],
@@ -695,6 +1089,7 @@ def merge(
                 # one module's executable at a time: bounded memory, and no two LAPACK calls in
                 # flight together (see netutility_jax._linalg)
                 results[nm] = {"delta": jax.block_until_ready(delta)}
+                checks.append(((nm,), check))
             del A, B, S, R
             continue
         if space == "knots":
@@ -703,12 +1098,143 @@ def merge(
             p = q = m_tasks * bk.r_max
         chunk = _chunk(m_tasks, p, q, jnp.dtype(dtype).itemsize, len(bk.names))
         cfg = (method, space, static_opts, bk.d_in, bk.d_out, bk.r_max, dtype, chunk)
-        la, lb, live = _bucket_merge(leaves, mk, coef_arr, keys, nums, cfg=cfg)
+        la, lb, live, check, bad = _bucket_merge(leaves, mk, coef_arr, keys, nums, cfg=cfg)
+        bads.append((bk, bad))
+        checks.append((bk.names, check))
         ranks = np.asarray(live.sum(-1))
         for j, nm in enumerate(bk.names):
             rk = int(ranks[j])
             results[nm] = {"lora_a": la[j, :, :rk], "lora_b": lb[j, :rk, :], "scale": 1.0}
+    if bads:
+        _raise_nonfinite(fn, [bk for bk, _ in bads], [bad for _, bad in bads], dtype)
+    _raise_range(fn, checks, dtype)
     return _rebuild(adapters[0], results)
+
+
+def _check_entry_count(fn: str, space: str, buckets, m_tasks: int) -> None:
+    """Elementwise methods index a task's dense coordinates with int32: at most 2**31 - 1
+    entries per task and module (a full-space 65536 x 32768 module would need 8 GiB per task)."""
+    big = []
+    for bk in buckets:
+        p, q = {
+            "full": (bk.d_in, bk.d_out),
+            "core": (m_tasks * bk.r_max,) * 2,
+            "knots": (bk.d_in, m_tasks * bk.r_max),
+        }[space]
+        if p * q > 2**31 - 1:
+            big.extend((nm, p, q) for nm in bk.names)
+    if big:
+        _, p, q = big[0]
+        raise InputError(
+            f"{fn}: TIES / DARE in space={space!r} work on each task's dense ({p}, {q}) "
+            f"coordinates of {_tree._few([b[0] for b in big])}: {p * q} entries, more than "
+            "2**31 - 1. Use space='core' (its coordinates are (M r, M r)) or a low-rank method."
+        )
+
+
+def _nonfinite_count(x: Any) -> int:
+    """Non-finite entries of a concrete array (0 under a trace: checks are eager only)."""
+    if isinstance(x, jax.core.Tracer):
+        return 0
+    if isinstance(x, jax.Array):
+        return int(jnp.sum(~jnp.isfinite(x)))
+    return int(np.sum(~np.isfinite(np.asarray(x))))
+
+
+def _module_array(fn: str, where: str, label: str, x: Any) -> Any:
+    """A module's 2-D real array (``delta``, ``lora_a``, ``lora_b``), checked eagerly: finite."""
+    x = _tree._unwrap(x)
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        try:
+            x = np.asarray(x)
+        except Exception:  # ragged lists and such: not an array at all
+            x = None
+    try:
+        real = x is not None and bool(
+            jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)
+        )
+    except TypeError:
+        real = False
+    if not real:
+        what = f"has dtype {x.dtype}" if x is not None else "is not an array"
+        raise InputTypeError(f"{fn}: {where}{label} {what}; expected a real (floating) array.")
+    if len(x.shape) != 2:
+        want = {"lora_a": "d_in, r", "lora_b": "r, d_out"}.get(label, "d_in, d_out")
+        raise InputError(f"{fn}: {where}{label} has shape {tuple(x.shape)}; expected 2-D ({want}).")
+    n = _nonfinite_count(x)
+    if n:
+        raise InputError(
+            f"{fn}: {where}{label} {tuple(x.shape)} has {n} non-finite "
+            f"{'entry' if n == 1 else 'entries'} (NaN or inf) of {int(np.prod(x.shape))}; "
+            "expected finite values."
+        )
+    return x
+
+
+def _module_arrays(fn: str, module: Any, name: str | None, *, bare_ok: bool) -> tuple:
+    """A merged (or input) module checked eagerly (shapes, dtypes, finite values):
+    ``("delta", x)`` or ``("lora", a, b, scale)``."""
+    where = f"module {_tree.short(name)!r}: " if name is not None else ""
+    if _tree._is_mapping(module):
+        keys = set(module.keys())
+        if keys & {"lora_a", "lora_b"}:
+            missing = sorted({"lora_a", "lora_b"} - keys)
+            if missing:
+                raise InputError(
+                    f"{fn}: {where}the module has no {missing[0]!r}; a LoRA module needs both "
+                    "'lora_a' (d_in, r) and 'lora_b' (r, d_out)."
+                )
+            a = _module_array(fn, where, "lora_a", module["lora_a"])
+            b = _module_array(fn, where, "lora_b", module["lora_b"])
+            if a.shape[1] != b.shape[0]:
+                raise InputError(
+                    f"{fn}: {where}lora_a {tuple(a.shape)} and lora_b {tuple(b.shape)} do not "
+                    "chain; expected (d_in, r) and (r, d_out) (dK = lora_a @ lora_b)."
+                )
+            scale = _tree._unwrap(module["scale"]) if "scale" in keys else 1.0
+            _check_real(fn, f"{where}scale", scale, "a finite real number (the LoRA scale)")
+            return "lora", a, b, scale
+        if "delta" not in keys:
+            raise InputError(
+                f"{fn}: {where}expected {{'delta': (d_in, d_out)}} or a LoRA module {{'lora_a', "
+                f"'lora_b'[, 'scale']}}; got keys {_tree.brief(sorted(map(str, keys)))}."
+            )
+        return "delta", _module_array(fn, where, "delta", module["delta"])
+    if bare_ok:
+        return "delta", _module_array(fn, where, "delta", module)
+    raise InputTypeError(
+        f"{fn}: {where}module is {_given(module)}; expected {{'delta': (d_in, d_out)}} or a LoRA "
+        "module {'lora_a', 'lora_b'[, 'scale']}."
+    )
+
+
+@jax.jit
+def _lora_product(a, b, mant, exp):
+    """``mant 2**exp a b`` without over- or underflow on the way: the factors are normalised by
+    powers of two (exact) and the power comes back once, at the end."""
+    a, ea, _, _ = _s.split_pow2(a, (0, 1))
+    b, eb, _, _ = _s.split_pow2(b, (0, 1))
+    return mul_pow2(mant * jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST), ea + eb + exp)
+
+
+def _split_scale(scale: Any, dtype) -> tuple[jax.Array, jax.Array]:
+    """``scale = mant 2**exp`` with ``|mant|`` in ``[0.5, 1)``; on the host in float64 for a
+    concrete scale (so a scale beyond ``dtype``'s range still works), else traced."""
+    if isinstance(scale, jax.core.Tracer):
+        m, e = jnp.frexp(jnp.asarray(scale, dtype))
+        return m, e.astype(jnp.int32)
+    m, e = np.frexp(np.float64(np.asarray(scale, np.float64)))
+    return jnp.asarray(m, dtype), jnp.asarray(e, jnp.int32)
+
+
+def _update(kind: str, *arrs: Any) -> jax.Array:
+    """The dense update of a checked module (:func:`_module_arrays`)."""
+    if kind == "delta":
+        return jnp.asarray(arrs[0])
+    a, b, scale = arrs
+    dt = _float_at_least32(a.dtype, b.dtype)
+    m, e = _split_scale(scale, dt)
+    return _lora_product(jnp.asarray(a, dt), jnp.asarray(b, dt), m, e)
 
 
 def to_lora(module: Mapping[str, Any] | Any, rank: int) -> dict[str, Any]:
@@ -722,6 +1248,11 @@ def to_lora(module: Mapping[str, Any] | Any, rank: int) -> dict[str, Any]:
     Returns:
       ``{"lora_a": (d_in, k), "lora_b": (k, d_out), "scale": 1.0}`` with ``lora_a = U_k S_k``.
 
+    Raises:
+      InputError: rank negative; arrays that are not 2-D or do not chain; a NaN or inf in any
+        array or the scale (checked eagerly); a result beyond the dtype's range.
+      InputTypeError: rank not an integer; an array of a non-real dtype.
+
     Example:
       >>> import numpy as np, netutility_jax as nu
       >>> d = np.outer(np.arange(1.0, 5.0), np.ones(3))
@@ -729,22 +1260,38 @@ def to_lora(module: Mapping[str, Any] | Any, rank: int) -> dict[str, Any]:
       >>> bool(np.allclose(m["lora_a"] @ m["lora_b"], d, atol=1e-4)), m["lora_a"].shape
       (True, (4, 2))
     """
-    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0:
-        raise InputError(f"nu.to_lora: rank={rank!r}; expected an integer >= 0.")
-    if isinstance(module, Mapping) and "lora_a" in module:
-        u = lora_svd(module["lora_a"], module["lora_b"], module.get("scale", 1.0))
+    fn = "nu.to_lora"
+    if isinstance(rank, (bool, np.bool_)) or not isinstance(rank, numbers.Integral):
+        raise InputTypeError(f"{fn}: rank={_given(rank)}; expected an integer >= 0.")
+    if rank < 0:
+        raise InputError(f"{fn}: rank={_given(rank)}; expected an integer >= 0.")
+    kind, *arrs = _module_arrays(fn, module, None, bare_ok=True)
+    if kind == "lora":
+        a, b, scale = arrs
+        u = lora_svd(a, b, scale)  # scale-safe, and raises if s leaves the dtype's range
         k = min(int(rank), u.s.shape[-1])
         return {"lora_a": u.in_dirs[:, :k] * u.s[:k], "lora_b": u.out_dirs[:, :k].T, "scale": 1.0}
-    x = module["delta"] if isinstance(module, Mapping) else module
-    if not hasattr(x, "shape") or len(x.shape) != 2:
-        raise InputError(
-            "nu.to_lora: expected {'delta': (d_in, d_out)}, a 2-D array or a LoRA module; got "
-            f"{type(x).__name__} with shape {getattr(x, 'shape', None)}."
-        )
+    (x,) = arrs
     x = jnp.asarray(x, _float_at_least32(x.dtype))
-    u, s, vt = jnp.linalg.svd(x, full_matrices=False)
-    k = min(int(rank), s.shape[0])
-    return {"lora_a": u[:, :k] * s[:k], "lora_b": vt[:k], "scale": 1.0}
+    k = min(int(rank), min(x.shape))
+    la, lb, code = _truncated_svd(x, k)
+    if not isinstance(code, jax.core.Tracer) and int(code):
+        raise InputError(
+            f"{fn}: U_k S_k of the {tuple(x.shape)} update is beyond the range of "
+            f"{x.dtype.name} (its largest singular value exceeds {np.finfo(x.dtype).max:.3g}); "
+            f"{_X64}."
+        )
+    return {"lora_a": la, "lora_b": lb, "scale": 1.0}
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _truncated_svd(x, k):
+    """``(U_k S_k, V_k^T, not finite)`` of ``x``, computed on ``x`` normalised by a power of
+    two (exact) so that no singular value overflows on the way."""
+    y, e, _, _ = _s.split_pow2(x, (0, 1))
+    u, s, vt = jnp.linalg.svd(y, full_matrices=False)
+    la = mul_pow2(u[:, :k] * s[:k], e)
+    return la, vt[:k], ~jnp.all(jnp.isfinite(la))
 
 
 def _float_at_least32(*dts) -> np.dtype:
@@ -755,14 +1302,16 @@ def _float_at_least32(*dts) -> np.dtype:
 
 
 def module_update(module: Mapping[str, Any]) -> jax.Array:
-    """Dense ``(d_in, d_out)`` update of a merged (or input) module: ``delta`` or ``scale a b``."""
-    if "delta" in module:
-        return jnp.asarray(module["delta"])
-    a, b = jnp.asarray(module["lora_a"]), jnp.asarray(module["lora_b"])
-    dt = _float_at_least32(a.dtype, b.dtype)
-    return jnp.asarray(module.get("scale", 1.0), dt) * jnp.matmul(
-        a.astype(dt), b.astype(dt), precision=jax.lax.Precision.HIGHEST
-    )
+    """Dense ``(d_in, d_out)`` update of a merged (or input) module: ``delta`` or ``scale a b``.
+
+    ``scale a b`` is formed on factors normalised by powers of two (exact), so an extreme but
+    finite scale or factor gives the right product wherever the product itself is representable.
+
+    Raises:
+      InputError: arrays that are not 2-D or do not chain, or hold a NaN or inf (eager check).
+      InputTypeError: not a module, or an array of a non-real dtype.
+    """
+    return _update(*_module_arrays("nu.module_update", module, None, bare_ok=False))
 
 
 def fold(params: Any, merged: Any, *, kernel: str = "kernel", coef: float = 1.0) -> Any:
@@ -775,8 +1324,11 @@ def fold(params: Any, merged: Any, *, kernel: str = "kernel", coef: float = 1.0)
     result keeps each kernel's dtype.
 
     Raises:
-      ValueError: a module path missing from ``params``, or a kernel whose shape differs from the
-        module's ``(d_in, d_out)``.
+      InputError: a module path missing from ``params``, a kernel whose shape differs from the
+        module's ``(d_in, d_out)``, a NaN or inf in a module, its scale or its base kernel, a
+        non-finite ``coef``, or a folded kernel beyond its dtype's range (all checked eagerly).
+      InputTypeError: ``coef`` not a real number, ``kernel`` not a string, arrays of a non-real
+        dtype.
 
     Example:
       >>> import numpy as np, netutility_jax as nu
@@ -786,12 +1338,18 @@ def fold(params: Any, merged: Any, *, kernel: str = "kernel", coef: float = 1.0)
       24.0
     """
     fn = "nu.fold"
+    if not isinstance(kernel, str):
+        raise InputTypeError(
+            f"{fn}: kernel={_given(kernel)}; expected a string (the key of the base kernel in "
+            "each module's params, e.g. 'kernel')."
+        )
+    coef = _check_real(fn, "coef", coef, "a finite real number (the merged update's coefficient)")
     mods: dict[str, Mapping[str, Any]] = {}
 
     def walk(node, path):
         if node is None:
             return
-        if _tree._is_mapping(node) and ({"lora_a", "delta"} & set(node.keys())):
+        if _tree._is_mapping(node) and ({"lora_a", "lora_b", "delta"} & set(node.keys())):
             mods["/".join(path)] = node
             return
         if _tree._is_mapping(node):
@@ -803,29 +1361,41 @@ def fold(params: Any, merged: Any, *, kernel: str = "kernel", coef: float = 1.0)
         raise InputError(f"{fn}: merged adapter has no modules ('lora_a'/'lora_b' or 'delta').")
 
     def add(target, name, mod):
-        w = _tree._unwrap(target)
-        d = module_update(mod)
+        d = _update(*_module_arrays(fn, mod, name, bare_ok=False))
+        w = _module_array(fn, f"module {_tree.short(name)!r}: ", "base kernel", target)
         if tuple(w.shape) != tuple(d.shape):
             raise InputError(
-                f"{fn}: module {name!r}: base kernel has shape {tuple(w.shape)} but the update is "
-                f"(d_in, d_out) = {tuple(d.shape)}; kernels use the flax layout (d_in, d_out)."
+                f"{fn}: module {_tree.short(name)!r}: base kernel has shape {tuple(w.shape)} but "
+                f"the update is (d_in, d_out) = {tuple(d.shape)}; kernels use the flax layout "
+                "(d_in, d_out)."
             )
         w = jnp.asarray(w)
-        return w + (coef * d).astype(w.dtype)
+        out = w + (coef * d).astype(w.dtype)
+        if _nonfinite_count(out):
+            big = float(jnp.max(jnp.abs(d), initial=0)) * abs(float(coef))
+            raise InputError(
+                f"{fn}: module {_tree.short(name)!r}: W + coef * dK is not finite in "
+                f"{w.dtype.name} (|coef * dK| reaches {big:.3g}; {w.dtype.name} holds at most "
+                f"{float(jnp.finfo(w.dtype).max):.3g}); use a smaller coef or a wider kernel "
+                "dtype."
+            )
+        return out
 
     def put(node, path, name, mod):
         if not path:
             if _tree._is_mapping(node):
                 if kernel not in node.keys():
-                    raise InputError(f"{fn}: params at {name!r} has no {kernel!r} entry.")
+                    raise InputError(
+                        f"{fn}: params at {_tree.short(name)!r} has no {_tree.brief(kernel)} entry."
+                    )
                 out = dict(node)
                 out[kernel] = add(node[kernel], name, mod)
                 return out
             return add(node, name, mod)
         if not _tree._is_mapping(node) or path[0] not in node.keys():
             raise InputError(
-                f"{fn}: module {name!r} has no counterpart in params (missing key {path[0]!r}); "
-                "params must mirror the adapter's module paths."
+                f"{fn}: module {_tree.short(name)!r} has no counterpart in params (missing key "
+                f"{_tree.brief(path[0])}); params must mirror the adapter's module paths."
             )
         out = dict(node)
         out[path[0]] = put(node[path[0]], path[1:], name, mod)
@@ -901,7 +1471,7 @@ def merge_adapters(
 
     Args:
       adapters: M adapters, as for :func:`merge`.
-      budget: R, average directions per module (positive integer).
+      budget: R, average directions per module (a positive Python or numpy int).
       method, space, coef, key, **options: as for :func:`merge`.
       allocation: ``"net_utility"``, ``"uniform"`` or ``"all"``.
       scope: ``"global"`` or ``"local"`` for net utility; None picks the paper's default.
@@ -911,7 +1481,11 @@ def merge_adapters(
       ``(merged_adapter, Report)``.
 
     Raises:
-      ValueError: unknown allocation or scope, plus everything :func:`merge` raises.
+      InputError: unknown allocation or scope, budget <= 0, ``lam`` or ``alpha`` negative or not
+        finite (they are ``"auto"`` or a finite number >= 0), plus everything :func:`merge` and
+        :func:`nu.score` raise.
+      InputTypeError: an option of the wrong type (``positive_only`` not a bool, ``budget`` not
+        an int, a complex ``lam``, an int ``key``).
 
     Example:
       >>> import numpy as np, netutility_jax as nu
@@ -924,14 +1498,31 @@ def merge_adapters(
     """
     fn = "nu.merge_adapters"
     _resolve_options(fn, method, space, options)
-    if allocation not in ALLOCATIONS:
-        raise InputError(f"{fn}: unknown allocation {allocation!r}; expected one of {ALLOCATIONS}.")
+    _check_choice(fn, "allocation", allocation, ALLOCATIONS)
+    if scope is not None:
+        _check_choice(
+            fn, "scope", scope, ("global", "local"), " or None (the paper's choice per method)"
+        )
     if scope is None:
         scope = "local" if method in ELEMENTWISE_METHODS else "global"
-    if allocation == "net_utility" and scope not in ("global", "local"):
-        raise InputError(f"{fn}: scope={scope!r}; expected 'global', 'local' or None.")
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget <= 0:
-        raise InputError(f"{fn}: budget={budget!r}; expected a positive integer R.")
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, numbers.Integral):
+        raise InputTypeError(
+            f"{fn}: budget={_given(budget)}; expected a positive integer R (directions per "
+            "module on average)."
+        )
+    if budget <= 0:
+        raise InputError(
+            f"{fn}: budget={_given(budget)}; expected a positive integer R (directions per "
+            "module on average)."
+        )
+    _check_auto(
+        fn, "alpha", alpha, "a finite number >= 0 (1.0 Gram geometry, 0.0 row space) or 'auto'"
+    )
+    _check_auto(fn, "lam", lam, "a finite number >= 0 (the interference weight) or 'auto'")
+    positive_only = _check_bool(fn, "positive_only", positive_only)
+    _check_coef(fn, coef)
+    if method in ("dare", "dare_ties"):
+        _check_key(fn, key, method)
     names, buckets, _m_tasks = _tree.collect(adapters, fn=fn)
     lam_used = alpha_used = None
     sc = None
@@ -939,20 +1530,13 @@ def merge_adapters(
         masks = None
         kept_masks = {}
         dtype = _tree.compute_dtype(buckets)
+        _check_scale_range(fn, buckets, dtype)
         for bk in buckets:
-            a, b, s = _tree.bucket_arrays(bk)
-            A, B, S, R = _tree.stack_bucket(
-                a, b, s, d_in=bk.d_in, d_out=bk.d_out, r_max=bk.r_max, dtype=dtype
+            stacked = _stage_stack(
+                _tree.bucket_arrays(bk), cfg=(bk.d_in, bk.d_out, bk.r_max, dtype)
             )
-            k = _s.kept_components(
-                A,
-                B,
-                S,
-                R,
-                jnp.ones((*A.shape[:2], bk.r_max), bool),
-                cand_rtol=default_rtol(bk.r_max, dtype),
-            )
-            keep = jax.block_until_ready(k.keep)  # one LAPACK-using computation at a time
+            # one LAPACK-using computation at a time
+            keep = jax.block_until_ready(_stage_keep(*stacked, cfg=(bk.r_max,)))
             for j, nm in enumerate(bk.names):
                 kept_masks[nm] = keep[j]
         kept_masks = {nm: kept_masks[nm] for nm in names}

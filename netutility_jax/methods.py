@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._linalg import mm as _mm
+from ._linalg import mul_pow2, orth_qr_lazy_many, pow2_normalise, svd_many
 from ._linalg import orth_qr as orth_qr
-from ._linalg import orth_qr_lazy_many, svd_many
 from ._linalg import t as _t
 
 
@@ -56,6 +56,20 @@ def above_rtol(s: jax.Array, rtol: float) -> jax.Array:
     return (s > rtol * s[..., :1]) & (s > 0)
 
 
+def qr_equilibrated(xs: list[jax.Array], *, rtol: float = 0.0):
+    """:func:`_linalg.orth_qr_lazy_many` of each ``x (..., d, K)`` with its columns divided by
+    powers of two first (exact): ``x = Q (R 2**e)`` column-wise. Returns ``(qrs, es)``, ``e
+    (..., K)`` int32. A Gram of columns whose sizes differ by ``1e30`` (a task with an extreme
+    LoRA scale next to ordinary ones) would under- or overflow in float32; these do not, and
+    nothing else changes (a power of two rounds nothing; the first pass equilibrates anyway)."""
+    ys, es = [], []
+    for x in xs:
+        y, e, _ = pow2_normalise(x, (-2,))
+        ys.append(y)
+        es.append(e)
+    return orth_qr_lazy_many(ys, rtol=rtol), es
+
+
 def factored_svd(a: jax.Array, b: jax.Array, *, rtol: float) -> FactoredSVD:
     """Thin SVD of ``a @ b^T`` from QR of ``a (..., p, K)`` and ``b (..., q, K)`` (MATH.md 1).
 
@@ -71,8 +85,9 @@ def factored_svd(a: jax.Array, b: jax.Array, *, rtol: float) -> FactoredSVD:
         return FactoredSVD(
             jnp.where(keep[..., None, :], u, 0), s, jnp.where(keep[..., None, :], _t(vt), 0), keep
         )
-    fa, fb = orth_qr_lazy_many([a, b], rtol=rtol)
-    w, s, zt = jnp.linalg.svd(_mm(fa.r, _t(fb.r)), full_matrices=False)
+    (fa, fb), (ea, eb) = qr_equilibrated([a, b], rtol=rtol)
+    core = _mm(mul_pow2(fa.r, (ea + eb)[..., None, :]), _t(fb.r))
+    w, s, zt = jnp.linalg.svd(core, full_matrices=False)
     keep = above_rtol(s, rtol)
     s = jnp.where(keep, s, 0)
     u = fa.q_times(jnp.where(keep[..., None, :], w, 0))
@@ -119,6 +134,15 @@ def _flatten(s: jax.Array, keep: jax.Array) -> jax.Array:
     return jnp.where(keep, mean, 0)
 
 
+def _column_norms(a: jax.Array) -> jax.Array:
+    """Euclidean norms of the columns of ``a (..., p, k)`` without under- or overflow in the
+    squares: each column is divided by its largest ``|entry|`` first (a column of tiny but
+    nonzero entries has a tiny nonzero norm, not 0)."""
+    m = jnp.max(jnp.abs(a), axis=-2, keepdims=True, initial=0)
+    safe = jnp.where(m > 0, m, 1)
+    return (m * jnp.linalg.norm(a / safe, axis=-2, keepdims=True))[..., 0, :]
+
+
 def ta(a: jax.Array, b: jax.Array, *, coef) -> tuple[jax.Array, jax.Array]:
     """Task Arithmetic ``coef * sum_i X_i`` on factored tasks: the factors side by side.
 
@@ -150,7 +174,7 @@ def tsv(
     ``A_i = U_i diag(s_i)``, ``B_i = V_i`` with orthonormal kept columns (skips the per-task SVD).
     """
     if is_svd:
-        s = jnp.linalg.norm(a, axis=-2)
+        s = _column_norms(a)
         keep = s > 0
         u = a / jnp.where(keep, s, 1)[..., None, :]
         v = b
@@ -293,25 +317,50 @@ def _kth_pattern(xi: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.lax.fori_loop(0, -(-bits // 2), body, init)
 
 
-def topk_count(density, n) -> jax.Array:
-    """``int(density * n)`` with ``density`` and ``n`` possibly traced (TIES's kept count).
+def topk_count(density, n):
+    """TIES's kept-entry count for ``n`` entries: ``int(float(density) * n)``, PEFT's rule, exactly.
 
-    The product is nudged up by a few ulps so that an exact integer product (``0.3 * 10``) is not
-    floored one below by rounding.
+    The rule (PEFT's ``magnitude_based_pruning``: ``k = int(density * tensor.numel())`` with a
+    Python float ``density``): the density as a binary64 number (a float32 or any other real is
+    converted to it first, exactly where it can be), the integer ``n`` converted to binary64, one
+    correctly rounded binary64 product, then truncated. ``n`` is an exact integer computed first
+    (never a product of floats): ``0.3`` of ``96 x 25`` entries is ``int(0.3 * 2400) = 720``,
+    while the left-to-right ``0.3 * 96 * 25`` gives 719. Computed on the host (Python or numpy
+    binary64 arithmetic, identical by IEEE 754), never in a traced dtype: a float32 density or
+    product would give other counts. Traced code receives counts made here (see
+    :func:`nu.merge`).
+
+    Args:
+      density: a real number in ``[0, 1]``.
+      n: a non-negative integer, or an integer array (one count per entry).
+
+    Returns:
+      ``k`` as a Python int, or an int64 numpy array of ``n``'s shape.
     """
-    dens = jnp.asarray(density)
-    dt = dens.dtype if jnp.issubdtype(dens.dtype, jnp.floating) else jnp.dtype(jnp.float32)
-    prod = dens.astype(dt) * jnp.asarray(n).astype(dt)
-    return jnp.floor(prod * (1 + 8 * jnp.finfo(dt).eps)).astype(jnp.int32)
+    d = float(density)
+    if isinstance(n, (int, np.integer)):
+        return int(d * int(n))
+    n = np.asarray(n)
+    if not np.issubdtype(n.dtype, np.integer):
+        raise TypeError(f"topk_count: n has dtype {n.dtype}; expected integers.")
+    return np.floor(np.float64(d) * n.astype(np.int64).astype(np.float64)).astype(np.int64)
 
 
 def trim_topk(x: jax.Array, k: jax.Array | int) -> jax.Array:
     """Keep exactly ``k`` largest-magnitude entries of each task ``x (..., M, p, q)``.
 
     ``k`` is a scalar or ``(...)`` (one count per leading index, shared by the M tasks); TIES uses
-    ``k = int(density * n)`` over the ``n`` real entries (:func:`topk_count`). Ties at the threshold
-    are broken towards the lower flat index, so exactly ``k`` are kept (PEFT's ``magnitude`` prune).
-    ``k = 0`` keeps nothing.
+    ``k = int(density * n)`` over the ``n`` real entries (:func:`topk_count`). ``k = 0`` keeps
+    nothing.
+
+    Selection rule (deterministic, the same in every dtype and batch layout): entries are ranked by
+    ``|x|`` as computed (bit patterns of the magnitudes, so ``-0.0 == 0.0``), and entries of equal
+    magnitude by their flat row-major index over ``(p, q)``, lower first; the first ``k`` are kept.
+    So exactly ``k`` entries are kept, as PEFT's ``magnitude`` prune does (``torch.topk``, whose
+    order among equal values is unspecified). The rule is exact on the numbers it is given: two
+    entries whose magnitudes differ by less than the rounding error of the computation that
+    produced them (e.g. float32 KnOTS coordinates against float64 ones) may still be ordered
+    differently in two precisions.
     """
     shape = x.shape
     flat = x.reshape(*shape[:-2], -1)
@@ -390,8 +439,9 @@ def trim_at(x: jax.Array, t: jax.Array, room: jax.Array) -> tuple[jax.Array, jax
 def disjoint_mean(x: jax.Array) -> jax.Array:
     """TIES sign election and disjoint mean over the task axis ``-3`` of ``x (..., M, p, q)``.
 
-    Elected sign: sign of the sum over tasks (zero -> +). Each entry is the mean of the tasks'
-    nonzero values that agree with it (zero if none).
+    Elected sign: sign of the sum over tasks, added in task order (zero -> +, as PEFT). Each entry
+    is the mean of the tasks' nonzero values that agree with it (zero if none). Where the sum is
+    within rounding of zero the elected sign (and so the entry) can differ between precisions.
     """
     # a loop over the (few) tasks: XLA:CPU reduces over a non-minor axis ~100x slower than it
     # runs the same arithmetic elementwise
@@ -415,8 +465,9 @@ def _task_sum(xs: list[jax.Array]) -> jax.Array:
 
 
 def ties(x: jax.Array, *, coef, k) -> jax.Array:
-    """TIES-Merging: trim each task to its ``k`` largest entries (``k = int(density * n)``), elect
-    signs, disjoint mean, times ``coef``."""
+    """TIES-Merging: trim each task to its ``k`` largest entries (``k = int(density * n)``, ties in
+    flat order: :func:`trim_topk`), elect signs (:func:`disjoint_mean`), disjoint mean, times
+    ``coef``."""
     return coef * disjoint_mean(trim_topk(x, k))
 
 

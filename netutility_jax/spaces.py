@@ -37,6 +37,15 @@ Components: task ``i``'s thin SVD from :func:`nu.lora_svd`; slot ``k`` is its k-
 direction. A slot is kept where the mask says so and it is a candidate (inside the task's rank and
 ``s > rtol_cand * s_max``, the rule of :func:`nu.score`).
 
+Scale safety (:class:`TaskScales`): every task's factors and scale are split into powers of two and
+normalised numbers (:func:`normalise_tasks`) before any Gram or norm is formed, each module is
+merged in units of ``2**unit`` (:func:`module_unit`) that :func:`nu.merge` multiplies back at the
+end, and every QR equilibrates its columns by powers of two (:func:`methods.qr_equilibrated`).
+Every method is positively homogeneous of degree one in the updates and multiplying by a power of
+two rounds nothing, so this changes no result; it keeps every intermediate within the dtype's
+range whatever ``lora_alpha`` or the factors' size (a scale of ``1e30`` in float32 would otherwise
+overflow the Grams), and tasks far weaker than the strongest nonzero.
+
 References:
   Panariello et al., "Accurate and Efficient Low-Rank Model Merging in Core Space", 2025.
   Stoica et al., "Model merging with SVD to tie the KnOTS", 2024.
@@ -50,7 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from . import methods as _m
-from ._linalg import LazyQR, orth_qr_lazy_many, svd_many
+from ._linalg import LazyQR, mul_pow2, orth_qr_lazy_many, svd_many
 from ._linalg import mm as _mm
 from ._linalg import t as _t
 
@@ -93,6 +102,135 @@ def reduce_factors(xa: jax.Array, yb: jax.Array, m_tasks: int) -> Reduced:
     return Reduced(a, b, fa, fb)
 
 
+class TaskScales(NamedTuple):
+    """Each task's update split into powers of two: ``scale_i a_i b_i = mant_i 2**exp_i a_i' b_i'``.
+
+    ``a_i' = a_i 2**-a_exp_i`` and ``b_i' = b_i 2**-b_exp_i`` have their largest ``|entry|`` in
+    ``[0.5, 1)`` (exact: a power of two rounds nothing), ``mant_i`` is the scale's mantissa, in
+    ``[0.5, 1)`` up to sign, and ``exp_i = a_exp_i + b_exp_i +`` the scale's exponent. A task whose
+    update is zero (a zero factor or scale, or no module) has ``mant_i = 0``.
+
+    Attributes:
+      mant: ``(n, M)``; exp, a_exp, b_exp: ``(n, M)`` int32.
+    """
+
+    mant: jax.Array
+    exp: jax.Array
+    a_exp: jax.Array
+    b_exp: jax.Array
+
+
+def split_pow2(x: jax.Array, axes: tuple[int, ...]):
+    """``x = y 2**e`` per slice over ``axes`` with the slice's largest ``|y|`` in ``[0.5, 1)``.
+
+    Returns ``(y, e, nonzero, bad)``: ``e`` int32 (0 for an all-zero slice), ``nonzero`` bool and
+    ``bad`` (count of non-finite entries, set to 0 in ``y``) with ``axes`` reduced.
+    """
+    ok = jnp.isfinite(x)
+    x = jnp.where(ok, x, jnp.zeros((), x.dtype))
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0)
+    e = jnp.where(amax > 0, jnp.frexp(amax)[1], 0).astype(jnp.int32)
+    y = mul_pow2(x, -e)
+    bad = jnp.sum(~ok, axis=axes, dtype=jnp.int32)
+    return y, jnp.squeeze(e, axes), jnp.squeeze(amax > 0, axes), bad
+
+
+def _combine(ea, eb, nza, nzb, scale):
+    """:class:`TaskScales` and the scale's non-finite flag from the factors' exponents."""
+    ok = jnp.isfinite(scale)
+    mant, es = jnp.frexp(jnp.where(ok, scale, jnp.zeros((), scale.dtype)))
+    live = nza & nzb & (mant != 0)
+    mant = jnp.where(live, mant, jnp.zeros((), mant.dtype))
+    exp = jnp.where(live, es.astype(jnp.int32) + ea + eb, 0)
+    return TaskScales(mant, exp, ea, eb), (~ok).astype(jnp.int32)
+
+
+def normalise_tasks(
+    a, b, scale, *, a_axes, b_axes
+) -> tuple[jax.Array, jax.Array, TaskScales, jax.Array]:
+    """Power-of-two normalisation of a bucket's stacked factors, per (module, task).
+
+    Args:
+      a, b: stacked factors of any layout; reducing ``a`` over ``a_axes`` (``b`` over ``b_axes``)
+        leaves ``(n, M)``: one slice per module and task.
+      scale: ``(n, M)``.
+
+    Returns:
+      ``(a', b', TaskScales, bad)``; ``bad (n, M, 3)`` int32 counts the non-finite entries of
+      ``lora_a``, ``lora_b`` and ``scale`` of each module and task (zeroed in the outputs).
+    """
+    a, ea, nza, bad_a = split_pow2(a, a_axes)
+    b, eb, nzb, bad_b = split_pow2(b, b_axes)
+    ts, bad_s = _combine(ea, eb, nza, nzb, scale)
+    return a, b, ts, jnp.stack([bad_a, bad_b, bad_s], -1)
+
+
+def leaf_scales(a, b, s, dtype) -> tuple[TaskScales, jax.Array]:
+    """:func:`normalise_tasks`'s exponents from a bucket's leaves (``_tree.bucket_arrays``: per
+    module a tuple of per-task factors, None where a task lacks the module), one read of each
+    leaf, nothing scaled yet (:func:`scale_leaves`): ``(TaskScales (n, M), bad (n, M, 3))``."""
+    zero_i = jnp.zeros((), jnp.int32)
+    rows = []
+    for row_a, row_b, row_s in zip(a, b, s, strict=True):
+        cols = []
+        for x, y, sc in zip(row_a, row_b, row_s, strict=True):
+            if x is None:
+                cols.append((jnp.zeros((), dtype), zero_i, zero_i, zero_i, zero_i, zero_i, zero_i))
+                continue
+            ea, nza, bad_a = _leaf_exponent(jnp.asarray(x, dtype))
+            eb, nzb, bad_b = _leaf_exponent(jnp.asarray(y, dtype))
+            ts, bad_s = _combine(ea, eb, nza, nzb, jnp.asarray(sc, dtype))
+            cols.append((*ts, bad_a, bad_b, bad_s))
+        rows.append(cols)
+    f = [jnp.stack([jnp.stack([c[k] for c in row]) for row in rows]) for k in range(7)]
+    return TaskScales(*f[:4]), jnp.stack(f[4:], -1)
+
+
+def _leaf_exponent(x):
+    ok = jnp.isfinite(x)
+    amax = jnp.max(jnp.where(ok, jnp.abs(x), 0), initial=0)
+    e = jnp.where(amax > 0, jnp.frexp(amax)[1], 0).astype(jnp.int32)
+    return e, amax > 0, jnp.sum(~ok, dtype=jnp.int32)
+
+
+def scale_leaves(a, b, ts: TaskScales, dtype) -> tuple[tuple, tuple]:
+    """The leaves divided by their powers of two (:func:`leaf_scales`), non-finite entries
+    zeroed: what :func:`normalise_tasks` gives, before stacking."""
+
+    def scale(x, e):
+        if x is None:
+            return None
+        x = jnp.asarray(x, dtype)
+        return mul_pow2(jnp.where(jnp.isfinite(x), x, jnp.zeros((), dtype)), -e)
+
+    out_a = tuple(
+        tuple(scale(x, ts.a_exp[j, i]) for i, x in enumerate(row)) for j, row in enumerate(a)
+    )
+    out_b = tuple(
+        tuple(scale(y, ts.b_exp[j, i]) for i, y in enumerate(row)) for j, row in enumerate(b)
+    )
+    return out_a, out_b
+
+
+HEADROOM = 64  # a module's strongest task sits at about 2**HEADROOM in its working units
+
+
+def module_unit(ts: TaskScales, axis: int | tuple[int, ...] = -1) -> jax.Array:
+    """The exponent ``unit`` a module is merged in: the largest ``exp_i`` of its live tasks minus
+    :data:`HEADROOM` (0 if none is live).
+
+    In units of ``2**unit`` the strongest task's singular values are ``2**HEADROOM`` times its
+    normalised ones (at most ``r sqrt(d_in d_out)``), which leaves room above for sums over tasks
+    and ``coef`` even in float32, and keeps tasks down to about ``2**-(HEADROOM + 126)`` of the
+    strongest normal numbers: their entries stay nonzero, which TIES's disjoint mean counts.
+    Nothing squares working values outside LAPACK (every Gram is of equilibrated columns:
+    :func:`methods.qr_equilibrated`).
+    """
+    lo = jnp.iinfo(jnp.int32).min
+    u = jnp.max(jnp.where(ts.mant != 0, ts.exp, lo), axis=axis)
+    return jnp.where(u == lo, 0, u - HEADROOM).astype(jnp.int32)
+
+
 class Kept(NamedTuple):
     """Kept components of a bucket, zero where not kept.
 
@@ -109,12 +247,15 @@ class Kept(NamedTuple):
     keep: jax.Array
 
 
-def kept_components(a, b, scale, rank, mask, *, cand_rtol) -> Kept:
+def kept_components(a, b, scale, rank, mask, *, cand_rtol, scale_exp=None) -> Kept:
     """Thin SVD of every task's update and the kept slots (mask & candidate).
 
     Args:
       a: ``(n, M, d_in, r)``, b: ``(n, M, r, d_out)``, scale: ``(n, M)``, rank: ``(n, M)`` int,
       mask: ``(n, M, r)`` bool. cand_rtol: relative cut of candidates.
+      scale_exp: ``(n, M)`` int, or None: task ``i``'s update is ``scale_i 2**scale_exp_i a_i b_i``
+        (:class:`TaskScales` relative to a module's unit); the power of two is applied to the
+        singular values after the SVD, so the SVD sees normalised numbers.
     """
     u = _factor_svd(a, b, scale)
     r = a.shape[-1]
@@ -125,8 +266,9 @@ def kept_components(a, b, scale, rank, mask, *, cand_rtol) -> Kept:
         & (u.s > cand_rtol * smax)
         & (smax > 0)
     )
+    s = u.s if scale_exp is None else mul_pow2(u.s, jnp.asarray(scale_exp)[..., None])
     kf = keep.astype(u.s.dtype)
-    return Kept(u.in_dirs * kf[..., None, :], u.s * kf, u.out_dirs * kf[..., None, :], keep)
+    return Kept(u.in_dirs * kf[..., None, :], s * kf, u.out_dirs * kf[..., None, :], keep)
 
 
 def _factor_svd(a, b, scale):
@@ -136,8 +278,8 @@ def _factor_svd(a, b, scale):
     ``r x r`` core) with both QRs from one :func:`_linalg.orth_qr_lazy_many` (Gram route: ``d``-sized
     work is matmuls, and the two sides share their LAPACK calls).
     """
-    fa, fb = orth_qr_lazy_many([a, _t(b)])
-    core = scale[..., None, None] * _mm(fa.r, _t(fb.r))
+    (fa, fb), (ea, eb) = _m.qr_equilibrated([a, _t(b)])
+    core = scale[..., None, None] * _mm(mul_pow2(fa.r, (ea + eb)[..., None, :]), _t(fb.r))
     w, s, zt = jnp.linalg.svd(core, full_matrices=False)
     return _SVD(fa.q_times(w), s, fb.q_times(_t(zt)))
 
@@ -170,9 +312,10 @@ def _bases(xs: list[jax.Array], rtol: float) -> list[jax.Array]:
 
     All inputs (same ``K``) share their LAPACK calls.
     """
-    qrs = orth_qr_lazy_many(xs, rtol=rtol)
+    qrs, es = _m.qr_equilibrated(xs, rtol=rtol)
+    rs = [mul_pow2(f.r, e[..., None, :]) for f, e in zip(qrs, es, strict=True)]
     out = []
-    for f, (w, s, _) in zip(qrs, svd_many([f.r for f in qrs]), strict=True):
+    for f, (w, s, _) in zip(qrs, svd_many(rs), strict=True):
         keep = _m.above_rtol(s, rtol)
         out.append(f.q_times(jnp.where(keep[..., None, :], w, 0)))
     return out
@@ -183,14 +326,30 @@ def full_coords(k: Kept) -> Coords:
     return Coords(k.in_dirs * k.s[..., None, :], k.out_dirs, None, None, None)
 
 
-def core_coords(k: Kept, a: jax.Array, b: jax.Array, *, rtol: float, basis: str = "svd") -> Coords:
+def core_coords(
+    k: Kept,
+    a: jax.Array,
+    b: jax.Array,
+    *,
+    rtol: float,
+    basis: str = "svd",
+    a_exp: jax.Array | None = None,
+    b_exp: jax.Array | None = None,
+) -> Coords:
     """Core Space bases and ``(D, D)`` core coordinates from the (kept-projected) factors.
 
     ``basis="svd"`` uses the left singular vectors (Core Space's reference bases; elementwise
     methods depend on them). ``basis="qr"`` uses any orthonormal basis of the same spans (one QR
     each, no SVD): the core matrices differ by rotations on both sides, which spectral methods
     (TA, TSV, Iso-C, Iso-CTS) are invariant to, so they give the same merged update cheaper.
+    ``a_exp``, ``b_exp`` ``(n, M)``: the factors' power-of-two exponents (:class:`TaskScales`)
+    when ``a``, ``b`` are normalised per task: the SVD bases depend on the factors' relative
+    sizes, which are restored (relative to the largest, so nothing overflows).
     """
+    if a_exp is not None:
+        a = mul_pow2(a, _relative(a_exp, k.keep)[..., None, None])
+    if b_exp is not None:
+        b = mul_pow2(b, _relative(b_exp, k.keep)[..., None, None])
     # a_i' = P_i (P_i^T a_i): the input factor restricted to the kept input directions.
     a_p = _mm(k.in_dirs, _mm(_t(k.in_dirs), a))  # (n, M, d_in, r)
     b_p = _mm(k.out_dirs, _mm(_t(k.out_dirs), _t(b)))  # (n, M, d_out, r)
@@ -204,11 +363,27 @@ def core_coords(k: Kept, a: jax.Array, b: jax.Array, *, rtol: float, basis: str 
     return Coords(ca, cb, left, right, None)
 
 
-def knots_coords(k: Kept, *, rtol: float, variant: str = "core_space") -> Coords:
-    """KnOTS shared output basis ``U`` from ``Z = [Q_i diag(s_i)]`` and per-task blocks."""
+def _relative(e: jax.Array, keep: jax.Array) -> jax.Array:
+    """``e (n, M)`` minus its largest value over the tasks with a kept slot (``<= 0`` there)."""
+    live = keep.any(-1)
+    top = jnp.max(jnp.where(live, e, jnp.iinfo(jnp.int32).min), axis=-1, keepdims=True)
+    return jnp.where(live, e - top, 0)
+
+
+def knots_coords(
+    k: Kept, *, rtol: float, variant: str = "core_space", block_exp: int = 0
+) -> Coords:
+    """KnOTS shared output basis ``U`` from ``Z = [Q_i diag(s_i)]`` and per-task blocks.
+
+    ``block_exp``: the unscaled blocks (``variant="core_space"``) are returned times
+    ``2**block_exp`` and ``right_scale`` divided by it, which leaves every product the same.
+    The blocks ``V_i`` are dimensionless (the strongest task's are of order one), so a task
+    ``2**120`` weaker has blocks near float32's smallest normal number; :func:`nu.merge` passes
+    :data:`HEADROOM`, which keeps them as far from it as the scaled blocks are in working units.
+    """
     z = _m._concat_tasks(k.out_dirs * k.s[..., None, :])  # (n, d_out, M r)
-    (fz,) = orth_qr_lazy_many([z], rtol=rtol)
-    rz = fz.r
+    (fz,), (ez,) = _m.qr_equilibrated([z], rtol=rtol)
+    rz = mul_pow2(fz.r, ez[..., None, :])
     w, s, _ = jnp.linalg.svd(rz, full_matrices=False)  # rz: (n, M r, M r)
     keep = _m.above_rtol(s, rtol)
     s = jnp.where(keep, s, 0)
@@ -220,8 +395,11 @@ def knots_coords(k: Kept, *, rtol: float, variant: str = "core_space") -> Coords
     if variant == "original":
         cb, rs = proj, None
     else:
-        inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0)
-        cb, rs = proj * inv[:, None, :, None], s
+        # blocks times 2**block_exp, divided back out of right_scale (exact): 1 / S is taken
+        # of S 2**-block_exp so no weak task's block is formed below the normal range first
+        rs = mul_pow2(s, -block_exp) if block_exp else s
+        inv = jnp.where(keep, 1 / jnp.where(keep, rs, 1), 0)
+        cb = proj * inv[:, None, :, None]
     # X_i = in_dirs_i (U^T Q_i diag(s_i) [S^-1])^T: the task's kept in_dirs times a (k, r) block
     return Coords(k.in_dirs, cb, None, u, rs)
 

@@ -189,13 +189,18 @@ def in_core(method, mods, xs, d_in, d_out, **kw):
 
 
 def knots_blocks(xs, variant="core_space"):
-    """KnOTS: SVD of [dW_1 .. dW_M] (paper layout); per-task blocks, in kernel layout."""
+    """KnOTS: SVD of [dW_1 .. dW_M] (paper layout); per-task blocks, in kernel layout.
+
+    The blocks are ``V_i = S^-1 U^T dW_i``, computed by that projection rather than read off
+    the rows of the SVD's ``V^T``: both are the same matrix, but the rows' rounding error is
+    relative to the largest task, the projection's to each task's own size (a task 1e30 times
+    weaker than another would otherwise have blocks of pure rounding noise).
+    """
     cat = np.concatenate([x.T for x in xs], 1)  # (d_out, M d_in)
-    u, s, vt = np.linalg.svd(cat, full_matrices=False)
+    u, s, _ = np.linalg.svd(cat, full_matrices=False)
     k = s > TOL * s[0]
-    u, s, vt = u[:, k], s[k], vt[k]
-    d_in = xs[0].shape[0]
-    blocks = [vt[:, i * d_in : (i + 1) * d_in] for i in range(len(xs))]  # V_i (k, d_in)
+    u, s = u[:, k], s[k]
+    blocks = [(u.T @ x.T) / s[:, None] for x in xs]  # V_i (k, d_in)
     if variant == "original":
         blocks = [s[:, None] * v for v in blocks]
         back = u

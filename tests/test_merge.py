@@ -369,9 +369,14 @@ def test_fold_and_to_lora():
 def test_errors():
     ads = _adapters(0, True)
     masks = _masks(ads, 0)
-    with pytest.raises(ValueError, match=r"nu.merge: unknown method 'foo'; expected one of"):
+    with pytest.raises(
+        ValueError, match=r"nu.merge: method='foo' \(str\); expected one of \('ta', 'ties'"
+    ):
         nu.merge(ads, method="foo")
-    with pytest.raises(ValueError, match=r"nu.merge: unknown space 'bar'"):
+    with pytest.raises(
+        ValueError,
+        match=r"nu.merge: space='bar' \(str\); expected one of \('full', 'core', 'knots'\)",
+    ):
         nu.merge(ads, space="bar")
     with pytest.raises(
         ValueError,
@@ -382,19 +387,28 @@ def test_errors():
         ValueError, match=r"method='iso_c' in space='full' does not take 'p'; it takes no options"
     ):
         nu.merge(ads, method="iso_c", p=0.3)
-    with pytest.raises(ValueError, match=r"nu.merge: density=1.5; expected a number in \[0, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"nu.merge: density=1.5 \(float\); expected a number in \[0, 1\]"
+    ):
         nu.merge(ads, method="ties", density=1.5)
-    with pytest.raises(ValueError, match=r"nu.merge: p=1.0; expected a number in \[0, 1\)"):
+    with pytest.raises(
+        ValueError, match=r"nu.merge: p=1.0 \(float\); expected a number in \[0, 1\)"
+    ):
         nu.merge(ads, method="dare", p=1.0, key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"nu.merge: p=-0.1"):
+    with pytest.raises(ValueError, match=r"nu.merge: p=-0.1 \(float\)"):
         nu.merge(ads, method="dare", p=-0.1, key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"method='dare' needs key="):
+    with pytest.raises(
+        ValueError,
+        match=r"method='dare' draws its drop mask from key=, a jax.random key: pass jax.random.key\(0\)",
+    ):
         nu.merge(ads, method="dare", p=0.5)
     with pytest.raises(ValueError, match=r"method='dare_ties' needs p="):
         nu.merge(ads, method="dare_ties", key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"nu.merge: coef=nan; expected a finite scalar"):
+    with pytest.raises(
+        ValueError, match=r"nu.merge: coef=nan \(float\); expected a finite real number"
+    ):
         nu.merge(ads, coef=float("nan"))
-    with pytest.raises(ValueError, match=r"nu.merge: coef=inf"):
+    with pytest.raises(ValueError, match=r"nu.merge: coef=inf \(float\)"):
         nu.merge(ads, coef=np.inf)
     bad = dict(masks)
     del bad["mlp/up"]
@@ -418,17 +432,26 @@ def test_errors():
         nu.merge(ads, bad)
     with pytest.raises(TypeError, match=r"masks is a list"):
         nu.merge(ads, [masks])
-    with pytest.raises(ValueError, match=r"KnOTS variant='x'"):
+    with pytest.raises(
+        ValueError,
+        match=r"nu.merge: variant='x' \(str\); expected one of \('core_space', 'original'\)",
+    ):
         nu.merge(ads, space="knots", variant="x")
     with pytest.raises(ValueError, match=r"does not take 'variant'"):
         nu.merge(ads, space="core", variant="original")
-    with pytest.raises(ValueError, match=r"TIES scope='layer'"):
+    with pytest.raises(
+        ValueError, match=r"nu.merge: scope='layer' \(str\); expected one of \('module', 'model'\)"
+    ):
         nu.merge(ads, method="ties", scope="layer")
-    with pytest.raises(ValueError, match=r"unknown allocation 'topk'"):
+    with pytest.raises(
+        ValueError, match=r"nu.merge_adapters: allocation='topk' \(str\); expected one of"
+    ):
         nu.merge_adapters(ads, budget=4, allocation="topk")
-    with pytest.raises(ValueError, match=r"budget=0"):
+    with pytest.raises(
+        ValueError, match=r"nu.merge_adapters: budget=0 \(int\); expected a positive integer"
+    ):
         nu.merge_adapters(ads, budget=0)
-    with pytest.raises(ValueError, match=r"nu.to_lora: rank=-1"):
+    with pytest.raises(ValueError, match=r"nu.to_lora: rank=-1 \(int\); expected an integer >= 0"):
         nu.to_lora({"delta": np.ones((3, 3))}, -1)
 
 
@@ -679,3 +702,450 @@ def test_float32_merge_of_tasks_sharing_their_a_init():
             got = ref.dense(out)
             assert np.asarray(out["lora_a"]).dtype == np.float32
             assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5, space
+
+
+# ----------------------------------------------------------------- TIES's kept count = PEFT's
+
+
+def _peft_prune(x, density):
+    """PEFT's magnitude prune of a float64 array (its own function, through torch)."""
+    import torch
+    from peft.utils.merge_utils import magnitude_based_pruning
+
+    return magnitude_based_pruning(torch.from_numpy(np.array(x, np.float64)), density).numpy()
+
+
+def _sweep(n, extra=()):
+    """Densities 0.01 .. 0.99 (every 0.07), 0.3, and binary64 ulps around k / n (adversarial)."""
+    out = [round(0.01 + 0.07 * i, 2) for i in range(15)] + [0.3, *extra]
+    for k in (n // 3, (3 * n) // 10):
+        for step in (-3, -1, 1):
+            d = k / n
+            for _ in range(abs(step)):
+                d = np.nextafter(d, 0.0 if step < 0 else 1.0)
+            out.append(float(d))
+    return out
+
+
+@pytest.mark.parametrize(("d_in", "d_out"), [(96, 25), (25, 96), (30, 31)])
+def test_ties_full_space_keeps_peft_count(d_in, d_out):
+    """One task, full space: TIES is the magnitude prune itself (sign election and mean of one
+    task change nothing), so the result must be PEFT's prune of the dense update, entry for entry,
+    for every density of the sweep (96 x 25 at 0.3: 720 entries, not 719)."""
+    rng = np.random.default_rng(d_in)
+    ad = {"m": {"lora_a": rng.normal(size=(d_in, 3)), "lora_b": rng.normal(size=(3, d_out))}}
+    x = ref.dense(ad["m"])
+    for density in _sweep(d_in * d_out):
+        got = ref.dense(nu.merge([ad], method="ties", density=density)["m"])
+        want = _peft_prune(x, density)
+        assert (got != 0).sum() == (want != 0).sum() == int(density * x.size), density
+        np.testing.assert_allclose(got, want, atol=1e-12, err_msg=str(density))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_ties_traced_knots_count_is_peft_count(dtype):
+    """KnOTS, one task of rank r: TIES trims the (d_in, r) block, which the result keeps as its
+    lora_a; its nonzero count must be PEFT's count for n = d_in r, for every density, when the
+    count is made for a traced stage (float32 compute too: a float32 density or product would
+    miss the adversarial densities by one)."""
+    d_in, r = 96, 25
+    rng = np.random.default_rng(1)
+    ad = {
+        "m": {
+            "lora_a": rng.normal(size=(d_in, r)).astype(dtype),
+            "lora_b": rng.normal(size=(r, 30)).astype(dtype),
+        }
+    }
+    n = d_in * r
+    for density in _sweep(n, extra=(0.7, 0.9)):
+        out = nu.merge([ad], method="ties", space="knots", density=density)["m"]
+        assert out["lora_a"].dtype == dtype
+        want = int((_peft_prune(np.arange(1.0, n + 1), density) != 0).sum())
+        assert int((np.asarray(out["lora_a"]) != 0).sum()) == want, density
+
+
+def test_count_table_is_peft_count_for_every_live_shape():
+    """The traced per-module path looks its count up in a host-made table indexed by the live
+    rows and columns of the coordinates (core: both bases; KnOTS: d_in rows): every entry is
+    PEFT's count for n = rows * cols; and _stage_split reads the right entry per module."""
+    from netutility_jax import spaces as sp
+
+    for density in (0.3, 0.7, float(np.nextafter(0.3, 0.0)), 1 / 3):
+        for has_left in (True, False):
+            p, q = (20, 24) if has_left else (96, 25)
+            table = np.asarray(merge_mod._count_table_np(density, p, q, has_left))
+            rows = range(p + 1) if has_left else [p]
+            for i, nr in enumerate(rows):
+                for nc in range(q + 1):
+                    n = nr * nc
+                    want = int((_peft_prune(np.arange(1.0, n + 1), density) != 0).sum()) if n else 0
+                    assert table[i, nc] == want, (density, nr, nc)
+    # modules with 20, 7 and 0 live columns on the left and 24, 13, 5 on the right
+    n_mod, p, q = 3, 20, 24
+    left = np.zeros((n_mod, 30, p))
+    right = np.zeros((n_mod, 40, q))
+    for j, (nl, nr) in enumerate(((20, 24), (7, 13), (0, 5))):
+        left[j, :nl, :nl] = np.eye(nl)
+        right[j, :nr, :nr] = np.eye(nr)
+    c = sp.Coords(
+        jnp.zeros((n_mod, 1, p, 2)), jnp.zeros((n_mod, 1, q, 2)), jnp.asarray(left),
+        jnp.asarray(right), None,
+    )  # fmt: skip
+    (chunk,) = merge_mod._stage_split(
+        c, jnp.zeros((n_mod,), jnp.uint32), merge_mod._count_table(0.3, c), cfg=(n_mod,)
+    )
+    assert np.asarray(chunk[3]).tolist() == [int(0.3 * 480), int(0.3 * 91), 0]
+
+
+def test_ties_model_scope_keeps_peft_count():
+    """scope="model", one task: TIES is PEFT's prune of the task's whole model flattened (module
+    order, row-major), for n = the sum of the modules' entries (exact)."""
+    ads = [{n: ad[n] for n in ("layers/0/q", "mlp/up")} for ad in _adapters(3, True)][:1]
+    x = [ref.dense(ads[0][n]) for n in ads[0]]
+    flat = np.concatenate([v.ravel() for v in x])
+    for density in _sweep(flat.size):
+        out = nu.merge(ads, method="ties", scope="model", density=density)
+        got = np.concatenate([ref.dense(out[n]).ravel() for n in ads[0]])
+        want = _peft_prune(flat, density)
+        assert (got != 0).sum() == (want != 0).sum() == int(density * flat.size), density
+        np.testing.assert_allclose(got, want, atol=1e-12, err_msg=str(density))
+
+
+# ----------------------------------------------------------------- KnOTS: float32 against float64
+
+
+def _to64(ads):
+    return [
+        {n: None if m is None else {k: np.asarray(v, np.float64) for k, v in m.items()}
+         for n, m in ad.items()}
+        for ad in ads
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["core_space", "original"])
+@pytest.mark.parametrize("method", ["ties", "dare_ties"])
+def test_knots_float32_matches_float64_away_from_genuine_near_ties(method, variant):
+    """Float32 against float64 TIES / DARE-TIES in KnOTS space, on random inputs.
+
+    The selection rule is deterministic on the numbers it is given (methods.trim_topk: ties in
+    flat order; disjoint_mean: sum added in task order, zero elects +), but the float32 KnOTS
+    coordinates differ from the float64 ones by their rounding (about 1e-5 of the largest entry
+    here, from the basis's SVD). Two entries whose magnitudes differ by less than that, one each
+    side of a task's k-th largest, may swap places between the precisions, and an entry whose
+    sum over tasks is within that of zero may elect the other sign: each such entry then differs
+    by up to its own size, a genuine near-tie that no rule can settle the same way in both
+    precisions. So the bound is taken in the float64 reference coordinates (numpy SVD), over the
+    entries that are not within DELTA (100 times the float32 rounding) of a threshold or of a
+    zero sum; those must agree to float32 accuracy, and they must be nearly all entries.
+    """
+    delta = 1e-3
+    spec = (("m", 64, 40, (4, 3, 5)),)
+    key = jax.random.key(5)
+    kw = {"density": 0.3} if method == "ties" else {"p": 0.4, "key": key}
+    worst, ambiguous, total = 0.0, 0, 0
+    for seed in range(4):
+        ads = ref.make_adapters(seed, 3, spec, dtype=np.float32)
+        out32 = nu.merge(ads, method=method, space="knots", variant=variant, **kw)["m"]
+        out64 = nu.merge(_to64(ads), method=method, space="knots", variant=variant, **kw)["m"]
+        assert np.asarray(out32["lora_a"]).dtype == np.float32
+        xs = ref.kept_updates([ad["m"] for ad in _to64(ads)], 64, 40)
+        blocks, back = ref.knots_blocks(xs, variant)
+        to_coords = back / (back * back).sum(0)  # dK @ to_coords = X (back's columns orthogonal)
+        x32 = ref.dense(out32) @ to_coords
+        x64 = ref.dense(out64) @ to_coords
+        t = np.stack(blocks)  # (M, d_in, k) reference coordinates
+        scale = np.abs(t).max(axis=(1, 2), keepdims=True)
+        if method == "ties":
+            k = int(0.3 * t[0].size)
+            mags = np.abs(t).reshape(len(t), -1)
+            thr = -np.sort(-mags, axis=1)[:, k - 1].reshape(-1, 1, 1)
+            near = (np.abs(np.abs(t) - thr) <= delta * scale).any(0)
+            kept = np.abs(t) >= thr
+            want = ref.ties(list(t), 1.0, 0.3)
+        else:  # the documented drop mask: bernoulli from key folded with the module index
+            q = 3 * 5  # M r_max columns of the library's coordinates, live ones first
+            keep = np.asarray(
+                jax.random.bernoulli(jax.random.fold_in(key, 0), 1 - np.float32(0.4), (3, 64, q))
+            )[..., : t.shape[-1]]
+            kept = keep
+            near = np.zeros(t.shape[1:], bool)
+            want = None
+        trimmed = np.where(kept, t, 0) / (1 if method == "ties" else 0.6)
+        near |= (np.abs(trimmed.sum(0)) <= delta * scale.max()) & (trimmed != 0).any(0)
+        if want is None:
+            sign = np.where(trimmed.sum(0) >= 0, 1.0, -1.0)
+            agree = (trimmed != 0) & (np.sign(trimmed) == sign)
+            want = np.where(agree, trimmed, 0).sum(0) / np.maximum(agree.sum(0), 1)
+        # the float64 library result is the reference (no near-tie can matter at 1e-13)
+        np.testing.assert_allclose(x64 / scale.max(), want / scale.max(), atol=1e-9)
+        worst = max(worst, float(np.abs(x32 - x64)[~near].max() / np.abs(x64).max()))
+        ambiguous += int(near.sum())
+        total += near.size
+    assert worst < 2e-4, worst
+    assert ambiguous <= 0.02 * total, (ambiguous, total)
+
+
+# ----------------------------------------------------------------- extreme but finite scales
+
+
+EXTREME_CASES = [
+    ("ta", "knots", {}),
+    ("tsv", "full", {}),
+    ("tsv", "knots", {}),
+    ("iso_c", "core", {}),
+    ("ties", "full", {"density": 0.3}),
+    ("ties", "core", {"density": 0.3}),
+    ("ties", "knots", {"density": 0.3}),
+    ("ties", "knots", {"density": 0.3, "scope": "model"}),
+    ("dare_ties", "knots", {"p": 0.3}),
+]
+
+
+@pytest.mark.parametrize("big", [1e30, 1e38])
+@pytest.mark.parametrize(("method", "space", "opts"), EXTREME_CASES)
+def test_float32_merge_with_one_task_scaled_1e30(method, space, opts, big):
+    """One task's LoRA scale is 1e30 (or 1e38, near float32's largest): the Grams of its factors
+    and its s**2 would overflow float32, and the other tasks are 2**100 (2**126) below it. The
+    float32 merge equals the float64 merge of the same inputs, which equals the dense float64
+    reference; never zeros or NaN."""
+    ads = [dict(ad) for ad in ref.make_adapters(20, M, SPEC, dtype=np.float32)]
+    ads[0] = {n: {**m, "scale": big} for n, m in ads[0].items()}
+    kw = {**opts, "key": jax.random.key(0)} if method == "dare_ties" else opts
+    out32 = nu.merge(ads, method=method, space=space, **kw)
+    out64 = nu.merge(_to64(ads), method=method, space=space, **kw)
+    for n in ads[0]:
+        got, want = ref.dense(out32[n]), ref.dense(out64[n])
+        assert np.all(np.isfinite(got)) and np.abs(want).max() > 0.1 * big
+        np.testing.assert_allclose(got / big, want / big, atol=2e-5, err_msg=n)
+    if method == "ties" and opts.get("scope") != "model":  # and the float64 one is right
+        sp = space if space != "knots" else "knots"
+        _check(out64, _ref_in_space(sp, lambda xs: ref.ties(xs, 1.0, 0.3), _to64(ads)), ads, None)
+
+
+def test_merge_beyond_float32_is_refused_not_returned():
+    """Updates whose merge is beyond float32 (three tasks at 3e38: the sum is ~1e39) are an
+    InputError naming the modules, never an infinite or zero result; scales outside float32's
+    normal range are refused before any work."""
+    ads = [
+        {n: {**m, "scale": 3e38} for n, m in ad.items() if m is not None}
+        for ad in ref.make_adapters(21, M, SPEC[:2], dtype=np.float32)
+    ]
+    with pytest.raises(
+        nu.errors.InputError,
+        match=r"nu.merge: the merged update of modules 'layers/0/q', 'layers/0/v' overflows "
+        r"float32: its entries reach about 2\*\*1\d\d \(1e\+39\) where float32 holds at most "
+        r"3.4e\+38\. .*x64",
+    ):
+        nu.merge(ads, method="ties", space="full", density=0.5)
+    # low-rank results are factors: finite factors of a product beyond float32 are returned
+    out = nu.merge(ads, method="ta", space="core")
+    for n in out:
+        assert all(np.all(np.isfinite(np.asarray(out[n][k]))) for k in ("lora_a", "lora_b"))
+        np.testing.assert_allclose(
+            ref.dense(out[n]) / 1e39,
+            sum(ref.dense(ad[n]) for ad in _to64(ads)) / 1e39,
+            atol=1e-5,
+        )
+    tiny = [{n: {**m, "scale": 1e-44} for n, m in ad.items()} for ad in ads]
+    with pytest.raises(
+        nu.errors.InputError,
+        match=r"scale of module 'layers/0/q', task 0, is 1e-44, outside the range of float32 "
+        r"\(normal numbers 1.18e-38 to 3.4e\+38\)",
+    ):
+        nu.merge(tiny, method="ta")
+    with pytest.raises(nu.errors.InputError, match=r"is 1e\+39, outside the range of float32"):
+        nu.merge([{n: {**m, "scale": 1e39} for n, m in ad.items()} for ad in ads])
+
+
+# ----------------------------------------------------------------- options: types and ranges
+
+IE, ITE = nu.errors.InputError, nu.errors.InputTypeError
+_KEY = jax.random.key(0)
+
+OPTION_ERRORS = [
+    # (function, kwargs, error, message): every message names the option, what was given (repr
+    # and type) and the allowed values
+    ("merge", {"isotropize": "no"}, ITE, r"nu.merge: isotropize='no' \(str\); expected True or False"),
+    ("merge", {"isotropize": 1}, ITE, r"isotropize=1 \(int\); expected True or False"),
+    ("merge", {"coef": 1 + 2j}, ITE, r"nu.merge: coef=\(1\+2j\) \(complex\); expected a finite real number"),
+    ("merge", {"coef": "1"}, ITE, r"coef='1' \(str\); expected a finite real number"),
+    ("merge", {"coef": True}, ITE, r"coef=True \(bool\); expected a finite real number"),
+    ("merge", {"coef": np.float32("nan")}, IE, r"coef=np.float32\(nan\) \(float32\); expected a finite real number"),
+    ("merge", {"coef": -np.inf}, IE, r"coef=-inf \(float\)"),
+    ("merge", {"method": None}, ITE, r"nu.merge: method=None \(NoneType\); expected one of \('ta', 'ties', 'dare'"),
+    ("merge", {"method": "TA"}, IE, r"method='TA' \(str\); expected one of"),
+    ("merge", {"space": 3}, ITE, r"space=3 \(int\); expected one of \('full', 'core', 'knots'\)"),
+    ("merge", {"method": "ties", "density": "0.3"}, ITE, r"density='0.3' \(str\); expected a number in \[0, 1\] \(the fraction of entries each task keeps"),
+    ("merge", {"method": "ties", "density": float("nan")}, IE, r"density=nan \(float\); expected a number in \[0, 1\]"),
+    ("merge", {"method": "ties", "density": -0.1}, IE, r"density=-0.1 \(float\)"),
+    ("merge", {"method": "ties", "density": True}, ITE, r"density=True \(bool\)"),
+    ("merge", {"method": "ties", "scope": 1}, ITE, r"scope=1 \(int\); expected one of \('module', 'model'\)"),
+    ("merge", {"method": "dare", "p": 1.5, "key": _KEY}, IE, r"p=1.5 \(float\); expected a number in \[0, 1\) \(the drop rate"),
+    ("merge", {"method": "dare", "key": _KEY}, IE, r"method='dare' needs p= \(a number in \[0, 1\)"),
+    ("merge", {"method": "iso_cts", "common_fraction": 2}, IE, r"common_fraction=2 \(int\); expected a number in \[0, 1\]"),
+    ("merge", {"space": "knots", "variant": 1}, ITE, r"variant=1 \(int\); expected one of \('core_space', 'original'\)"),
+    ("merge", {"method": "dare", "p": 0.5, "key": 0}, ITE, r"key=0 \(int\); method='dare' draws its drop mask from key=, a jax.random key: pass jax.random.key\(0\)"),
+    ("merge", {"method": "dare_ties", "p": 0.5, "key": np.zeros(3, np.uint32)}, ITE, r"key=ndarray of dtype uint32 and shape \(3,\); .*pass jax.random.key\(0\)"),
+    ("merge", {"method": "dare", "p": 0.5}, IE, r"method='dare' draws its drop mask from key=, .*pass jax.random.key\(0\)"),
+    ("merge_adapters", {"lam": -1}, IE, r"nu.merge_adapters: lam=-1 \(int\); expected a finite number >= 0 \(the interference weight\) or 'auto'"),
+    ("merge_adapters", {"lam": "max"}, IE, r"lam='max' \(str\); expected a finite number >= 0"),
+    ("merge_adapters", {"lam": float("inf")}, IE, r"lam=inf \(float\)"),
+    ("merge_adapters", {"alpha": 1j}, ITE, r"alpha=1j \(complex\); expected a finite number >= 0"),
+    ("merge_adapters", {"positive_only": "no"}, ITE, r"positive_only='no' \(str\); expected True or False"),
+    ("merge_adapters", {"budget": 2.0}, ITE, r"budget=2.0 \(float\); expected a positive integer R"),
+    ("merge_adapters", {"budget": True}, ITE, r"budget=True \(bool\); expected a positive integer"),
+    ("merge_adapters", {"budget": -3}, IE, r"budget=-3 \(int\); expected a positive integer"),
+    ("merge_adapters", {"allocation": None}, ITE, r"allocation=None \(NoneType\); expected one of \('net_utility', 'uniform', 'all'\)"),
+    ("merge_adapters", {"scope": "both"}, IE, r"scope='both' \(str\); expected one of \('global', 'local'\) or None"),
+    ("merge_adapters", {"coef": float("nan")}, IE, r"nu.merge_adapters: coef=nan \(float\)"),
+    ("merge_adapters", {"method": "dare_ties", "p": 0.2, "key": 7}, ITE, r"nu.merge_adapters: key=7 \(int\); .*pass jax.random.key\(0\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fn", "kw", "err", "msg"), OPTION_ERRORS)
+def test_option_errors_name_the_option_value_type_and_allowed_values(fn, kw, err, msg):
+    ads = _adapters(0)
+    if fn == "merge_adapters":
+        kw = {"budget": 2, **kw}
+    with pytest.raises(err, match=msg):
+        getattr(nu, fn)(ads, **kw)
+
+
+def test_options_of_the_right_kind_are_accepted():
+    """numpy scalars, numpy bools and legacy raw keys are real options; results as for the
+    Python values."""
+    ads = [{"q": ad["layers/0/q"]} for ad in _adapters(0)]
+    a = nu.merge(ads, method="ties", density=np.float32(0.5), coef=np.float64(0.5))["q"]
+    b = nu.merge(ads, method="ties", density=float(np.float32(0.5)), coef=0.5)["q"]
+    np.testing.assert_array_equal(a["delta"], b["delta"])
+    a = nu.merge(ads, method="tsv", isotropize=np.bool_(True))
+    b = nu.merge(ads, method="tsv", isotropize=True)
+    np.testing.assert_array_equal(ref.dense(a["q"]), ref.dense(b["q"]))
+    raw = nu.merge(ads, method="dare", p=0.3, key=jax.random.PRNGKey(1))
+    assert np.all(np.isfinite(ref.dense(raw["q"])))
+    _, rep = nu.merge_adapters(
+        ads, budget=np.int64(3), lam=np.float32(0.5), positive_only=np.bool_(False)
+    )
+    assert rep.budget == 3 and rep.lam == 0.5
+
+
+def test_long_module_lists_are_cut_in_messages():
+    """An error about many modules names the first few and counts the rest."""
+    rng = np.random.default_rng(0)
+    ads = [
+        {f"model.layers.{i}.self_attn.q_proj": {"lora_a": rng.normal(size=(4, 1)), "lora_b": rng.normal(size=(1, 3))}
+         for i in range(40)}
+        for _ in range(2)
+    ]  # fmt: skip
+    with pytest.raises(
+        IE, match=r"no mask for modules 'model.layers.0.self_attn.q_proj', .* and 37 more"
+    ) as e:
+        nu.merge(ads, {})
+    assert len(str(e.value)) < 400
+    big = [{n: {**m, "scale": 3e38} for n, m in ad.items()} for ad in ads]
+    with jax.enable_x64(False):
+        f32 = [
+            {
+                n: {k: np.asarray(v, np.float32) if k != "scale" else v for k, v in m.items()}
+                for n, m in ad.items()
+            }
+            for ad in big
+        ]
+        with pytest.raises(
+            IE,
+            match=r"the merged update of modules '.*', '.*', '.*' and \d\d more overflows float32",
+        ) as e:
+            nu.merge(f32 + f32, method="ties", density=1.0)
+    assert len(str(e.value)) < 600
+
+
+# ----------------------------------------------------------------- fold, to_lora: eager checks
+
+
+def test_fold_to_lora_module_update_refuse_non_finite_and_overflow():
+    lo = {"lora_a": np.ones((4, 2)), "lora_b": np.ones((2, 3)), "scale": 2.0}
+    params = {"q": {"kernel": np.zeros((4, 3))}}
+    with pytest.raises(IE, match=r"nu.fold: coef=nan \(float\); expected a finite real number"):
+        nu.fold(params, {"q": lo}, coef=float("nan"))
+    with pytest.raises(ITE, match=r"nu.fold: coef=1j \(complex\)"):
+        nu.fold(params, {"q": lo}, coef=1j)
+    with pytest.raises(ITE, match=r"nu.fold: kernel=3 \(int\); expected a string"):
+        nu.fold(params, {"q": lo}, kernel=3)
+    bad = {**lo, "lora_b": np.array([[1.0, np.nan, 0], [0, 0, np.inf]])}
+    with pytest.raises(
+        IE,
+        match=r"nu.fold: module 'q': lora_b \(2, 3\) has 2 non-finite entries \(NaN or inf\) of 6",
+    ):
+        nu.fold(params, {"q": bad})
+    with pytest.raises(
+        IE, match=r"nu.fold: module 'q': scale=inf \(float\); expected a finite real number"
+    ):
+        nu.fold(params, {"q": {**lo, "scale": float("inf")}})
+    nan_kernel = np.zeros((4, 3))
+    nan_kernel[1, 2] = np.nan
+    with pytest.raises(
+        IE, match=r"nu.fold: module 'q': base kernel \(4, 3\) has 1 non-finite entry"
+    ):
+        nu.fold({"q": {"kernel": nan_kernel}}, {"q": lo})
+    f16 = {"q": {"kernel": jnp.zeros((4, 3), jnp.float16)}}
+    with pytest.raises(
+        IE,
+        match=r"nu.fold: module 'q': W \+ coef \* dK is not finite in float16 \(\|coef \* dK\| reaches 1e\+05",
+    ):
+        nu.fold(f16, {"q": {**lo, "scale": 5e4}}, coef=1.0)
+    with pytest.raises(
+        IE, match=r"nu.to_lora: delta \(3, 3\) has 1 non-finite entry \(NaN or inf\) of 9"
+    ):
+        nu.to_lora({"delta": np.diag([1.0, np.nan, 2.0])}, 2)
+    with pytest.raises(IE, match=r"nu.to_lora: lora_a \(4, 2\) has 8 non-finite entries"):
+        nu.to_lora({**lo, "lora_a": np.full((4, 2), np.inf)}, 1)
+    with pytest.raises(ITE, match=r"nu.to_lora: rank=1.5 \(float\); expected an integer >= 0"):
+        nu.to_lora(lo, 1.5)
+    with pytest.raises(ITE, match=r"nu.to_lora: scale='2' \(str\); expected a finite real number"):
+        nu.to_lora({**lo, "scale": "2"}, 1)
+    with pytest.raises(IE, match=r"nu.module_update: lora_a \(4, 2\) has 1 non-finite entry"):
+        nu.module_update({**lo, "lora_a": np.where(np.eye(4, 2, k=1) > 0, np.nan, 1.0)})
+
+
+def test_module_update_fold_and_to_lora_are_scale_safe():
+    """scale 1e38 with factors of 1e-19 (float32): the product is representable though the scale
+    times either factor's Gram is not; a scale beyond float32 (1e45) with tiny factors too."""
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(size=(6, 2)), rng.normal(size=(2, 5))
+    want = a @ b * 1e38 * 1e-19 * 1e-19
+    with jax.enable_x64(False):
+        mod = {
+            "lora_a": (a * 1e-19).astype(np.float32),
+            "lora_b": (b * 1e-19).astype(np.float32),
+            "scale": 1e38,
+        }
+        np.testing.assert_allclose(np.asarray(nu.module_update(mod)), want, rtol=1e-5)
+        mod45 = {**mod, "lora_a": (a * 1e-26).astype(np.float32), "scale": 1e45}
+        np.testing.assert_allclose(np.asarray(nu.module_update(mod45)), want, rtol=1e-5)
+        out = nu.fold({"m": np.zeros((6, 5), np.float32)}, {"m": mod}, coef=0.5)
+        np.testing.assert_allclose(np.asarray(out["m"]), 0.5 * want, rtol=1e-5)
+        big = np.outer(rng.normal(size=6), rng.normal(size=5)) * 1e37
+        low = nu.to_lora({"delta": big.astype(np.float32)}, 1)
+        np.testing.assert_allclose(ref.dense(low), big, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("method", "space"), [("ta", "core"), ("tsv", "full"), ("ties", "knots")])
+def test_float32_merge_with_extreme_factors(method, space):
+    """Factors of 1e25 and 1e-25 (their product, and every scale, ordinary), modules taller than
+    the Householder cut so that the reduction runs on Grams (which 1e25 entries would overflow
+    and 1e-25 ones flush to zero in float32): the float32 merge equals the float64 one."""
+    from netutility_jax import _linalg
+
+    d_in = _linalg._SMALL + 8
+    ads = [
+        dict(ad) for ad in ref.make_adapters(22, M, (("m", d_in, 24, (3, 2, 3)),), dtype=np.float32)
+    ]
+    for i, f in ((0, 1e25), (1, 1e-25)):
+        m = ads[i]["m"]
+        ads[i] = {"m": {**m, "lora_a": (m["lora_a"] * f).astype(np.float32),
+                        "lora_b": (m["lora_b"] / f).astype(np.float32)}}  # fmt: skip
+    kw = {"density": 0.3} if method == "ties" else {}
+    got = ref.dense(nu.merge(ads, method=method, space=space, **kw)["m"])
+    want = ref.dense(nu.merge(_to64(ads), method=method, space=space, **kw)["m"])
+    # float32 accuracy (KnOTS coordinates carry about 1e-5 of rounding: see the near-tie test)
+    np.testing.assert_allclose(got / np.abs(want).max(), want / np.abs(want).max(), atol=1e-4)

@@ -160,3 +160,103 @@ def test_dare_properties():
     nz = dropped != 0
     np.testing.assert_allclose(dropped[nz], np.stack(xs)[nz] / 0.6, rtol=1e-12)
     assert 0.45 < nz.mean() < 0.75
+
+
+# ------------------------------------------------------------------ TIES's kept count (PEFT's rule)
+
+
+def _peft_count(n, density):
+    """How many entries PEFT's magnitude prune keeps of n distinct nonzero values."""
+    import torch
+    from peft.utils.merge_utils import magnitude_based_pruning
+
+    x = torch.arange(1, n + 1, dtype=torch.float64)  # distinct magnitudes: no ties
+    return int((magnitude_based_pruning(x, density) != 0).sum())
+
+
+def _densities(n):
+    """0.01 .. 0.99, PEFT-style round ones, and adversarial ones: k / n and a few binary64 ulps
+    either side of it (where a product rounded before the floor differs from one nudged up)."""
+    out = [round(0.01 * i, 2) for i in range(1, 100)] + [0.0, 1.0, 0.1 + 0.2, 2 / 3]
+    for k in (1, n // 7, n // 3, (3 * n) // 10, n // 2, n - 1):
+        d = k / n
+        for _ in range(4):
+            d = np.nextafter(d, 0.0)
+            out.append(float(d))
+        d = k / n
+        for _ in range(4):
+            d = np.nextafter(d, 1.0)
+            out.append(float(d))
+    return [d for d in out if 0 <= d <= 1]
+
+
+SHAPES = [(96, 25), (25, 96), (7, 13), (100, 30), (48, 50), (1, 1), (3, 1000), (640, 77), (10, 10)]
+
+
+def test_topk_count_matches_peft_over_shapes_and_densities():
+    """m.topk_count is PEFT's int(density * numel) with numel an exact integer, for every shape
+    and density of the sweep (scalar and vectorised forms alike)."""
+    for d_in, d_out in SHAPES:
+        n = d_in * d_out
+        for d in _densities(n):
+            want = _peft_count(n, d) if d > 0 else 0
+            vec = m.topk_count(d, np.asarray([n, 2 * n], np.int32))  # vectorised form
+            assert m.topk_count(d, n) == want == int(vec[0]), (d_in, d_out, d)
+            assert int(vec[1]) == int(d * (2 * n))
+    # the case of the issue: the left-to-right float product keeps one entry fewer than PEFT
+    assert int(0.3 * 96 * 25) == 719
+    assert m.topk_count(0.3, 96 * 25) == _peft_count(96 * 25, 0.3) == 720
+    # a float32 density is its exact binary64 value (PEFT computes with a Python float)
+    d32 = np.float32(0.3)
+    assert m.topk_count(d32, 2400) == _peft_count(2400, float(d32)) == int(float(d32) * 2400)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_trim_topk_breaks_ties_by_flat_index_in_every_dtype(dtype):
+    """Exactly k kept; among equal magnitudes the lower flat index first (stable argsort of -|x|);
+    the same entries in float32 and float64, batched with one k per module, eager and jitted."""
+    rng = np.random.default_rng(7)
+    for trial in range(8):
+        n_mod, m_tasks, (p, q) = 3, 2, ((1, 7), (6, 5))[trial % 2]  # two compiled shapes
+        x = rng.integers(-3, 4, size=(n_mod, m_tasks, p, q)).astype(dtype)  # mostly ties
+        x[x == 0] = -0.0 if trial % 2 else 0.0
+        k = rng.integers(0, p * q + 1, size=n_mod)
+        got = np.asarray(jax.jit(m.trim_topk)(jnp.asarray(x), jnp.asarray(k, jnp.int32)))
+        got_other = np.asarray(
+            m.trim_topk(jnp.asarray(x.astype(np.float64 if dtype == np.float32 else np.float32)), k)
+        )
+        for j in range(n_mod):
+            for i in range(m_tasks):
+                flat = x[j, i].ravel()
+                keep = np.zeros(flat.size, bool)
+                keep[np.argsort(-np.abs(flat), kind="stable")[: k[j]]] = True
+                want = np.where(keep, flat, 0).reshape(p, q)
+                np.testing.assert_array_equal(got[j, i], want, err_msg=f"{trial} {j} {i}")
+                np.testing.assert_array_equal(got_other[j, i], want, err_msg=f"{trial} {j} {i}")
+
+
+# ------------------------------------------------------------------ scale safety
+
+
+def test_column_norms_and_qr_of_columns_1e30_apart_in_float32():
+    """Columns whose sizes differ by 2**200 (a task scaled by 1e30 next to one scaled by 1e-30):
+    the norms are not flushed to zero and Q R reproduces every column to float32 accuracy, on
+    the Cholesky route too (its Grams of the raw columns would under- and overflow)."""
+    from netutility_jax import _linalg
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 600, 6))
+    x[..., :2] *= 1e30
+    x[..., 4:] *= 1e-30
+    norms = np.asarray(m._column_norms(jnp.asarray(x, jnp.float32)))
+    np.testing.assert_allclose(norms, np.linalg.norm(x, axis=-2), rtol=1e-5)
+    assert x.shape[-2] > _linalg._SMALL  # the Cholesky (Gram) route
+    (f,), (e,) = m.qr_equilibrated([jnp.asarray(x, jnp.float32)])
+    q = np.asarray(f.q, np.float64)
+    r = np.asarray(f.r, np.float64) * 2.0 ** np.asarray(e)[..., None, :]
+    np.testing.assert_allclose(
+        np.swapaxes(q, -1, -2) @ q, np.broadcast_to(np.eye(6), (2, 6, 6)), atol=1e-5
+    )
+    rebuilt = q @ r
+    col = np.linalg.norm(x, axis=-2, keepdims=True)
+    np.testing.assert_allclose(rebuilt / col, x / col, atol=1e-5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import _merge_reference as ref
 import jax
 import jax.numpy as jnp
@@ -127,3 +129,94 @@ def test_no_candidates_is_zero():
     assert np.all(np.isfinite(np.asarray(c.a))) and not np.any(np.asarray(c.a)[0])
     c = sp.knots_coords(k, rtol=RT)
     assert np.all(np.isfinite(np.asarray(c.b))) and not np.any(np.asarray(c.b)[0])
+
+
+# ------------------------------------------------------------------ scale safety
+
+
+def test_normalise_tasks_is_exact_and_counts_non_finite():
+    """scale_i a_i b_i = mant_i 2**exp_i a_i' b_i' exactly, largest |a_i'|, |b_i'| in [0.5, 1),
+    mant 0 for a task whose update is zero, non-finite entries counted per array."""
+    rng = np.random.default_rng(0)
+    n, m_tasks, d_in, r, d_out = 2, 4, 7, 3, 5
+    a = rng.normal(size=(n, m_tasks, d_in, r)) * np.array([1e30, 1, 1e-30, 1])[:, None, None]
+    b = rng.normal(size=(n, m_tasks, r, d_out))
+    b[1, 3] = 0  # a zero factor: a zero update, whatever its scale
+    scale = np.array([[2.0, -3e20, 1e-20, 0.0], [0.5, 1.0, 7.0, 1e30]])
+    an, bn, ts, bad = sp.normalise_tasks(
+        jnp.asarray(a), jnp.asarray(b), jnp.asarray(scale), a_axes=(2, 3), b_axes=(2, 3)
+    )
+    an, bn = np.asarray(an), np.asarray(bn)
+    mant, exp = np.asarray(ts.mant), np.asarray(ts.exp)
+    assert not np.asarray(bad).any()
+    for j in range(n):
+        for i in range(m_tasks):
+            want = scale[j, i] * a[j, i] @ b[j, i]
+            got = np.ldexp(mant[j, i] * (an[j, i] @ bn[j, i]), exp[j, i])
+            np.testing.assert_allclose(got, want, rtol=1e-14, atol=0)
+            if want.any():
+                assert 0.5 <= np.abs(an[j, i]).max() < 1 and 0.5 <= np.abs(bn[j, i]).max() < 1
+            else:
+                assert mant[j, i] == 0
+    a[0, 1, 2, 0] = np.nan
+    b[1, 2, 0, :2] = np.inf
+    scale[0, 3] = np.inf
+    *_, bad = sp.normalise_tasks(
+        jnp.asarray(a), jnp.asarray(b), jnp.asarray(scale), a_axes=(2, 3), b_axes=(2, 3)
+    )
+    want = np.zeros((n, m_tasks, 3), int)
+    want[0, 1, 0], want[1, 2, 1], want[0, 3, 2] = 1, 2, 1
+    np.testing.assert_array_equal(np.asarray(bad), want)
+
+
+def test_kept_components_scale_exp_is_exact():
+    """Singular values times 2**scale_exp, directions unchanged (a power of two rounds nothing)."""
+    a, b, *_ = _bucket(5)
+    scale = jnp.asarray(np.random.default_rng(1).uniform(0.5, 2, size=(2, 3)))
+    e = np.array([[0, -40, 300], [-1000, 5, 0]], np.int32)
+    args = (jnp.asarray(a), jnp.asarray(b), scale, jnp.full((2, 3), 4), jnp.ones((2, 3, 4), bool))
+    k0 = sp.kept_components(*args, cand_rtol=1e-8)
+    k1 = sp.kept_components(*args, cand_rtol=1e-8, scale_exp=jnp.asarray(e))
+    np.testing.assert_array_equal(np.asarray(k1.s), np.ldexp(np.asarray(k0.s), e[..., None]))
+    np.testing.assert_array_equal(np.asarray(k1.in_dirs), np.asarray(k0.in_dirs))
+
+
+@pytest.mark.parametrize("space", ["core", "knots"])
+def test_float32_coords_of_tasks_2e160_apart(space):
+    """Float32, task 0 scaled by 2**100 and task 2 by 2**-60 (in units of the module, as
+    nu.merge runs them; spaces.module_unit keeps tasks down to 2**-190 of the strongest): every
+    task's coordinates match float64 ones relative to that task's own size, so a weak task is
+    neither flushed to zero nor swamped by the strong one's rounding."""
+    rng = np.random.default_rng(2)
+    m_tasks, d_in, d_out, r = 3, 20, 14, 4
+    a = rng.normal(size=(1, m_tasks, d_in, r))
+    b = rng.normal(size=(1, m_tasks, r, d_out))
+    scale = np.array([[2.0**100, 1.0, 2.0**-60]])
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def coords_jit(dtype):
+        return coords(dtype)
+
+    def coords(dtype):
+        an, bn, ts, _ = sp.normalise_tasks(
+            jnp.asarray(a, dtype), jnp.asarray(b, dtype), jnp.asarray(scale, dtype),
+            a_axes=(2, 3), b_axes=(2, 3),
+        )  # fmt: skip
+        unit = sp.module_unit(ts)
+        k = sp.kept_components(
+            an, bn, ts.mant, jnp.full((1, m_tasks), r), jnp.ones((1, m_tasks, r), bool),
+            cand_rtol=1e-4, scale_exp=ts.exp - unit[:, None],
+        )  # fmt: skip
+        rtol = 100 * float(np.finfo(dtype).eps)
+        if space == "core":
+            c = sp.core_coords(k, an, bn, rtol=rtol, a_exp=ts.a_exp, b_exp=ts.b_exp)
+        else:
+            c = sp.knots_coords(k, rtol=rtol, block_exp=sp.HEADROOM)
+        return sp.dense_tasks(c)[0]
+
+    x32, x64 = (np.asarray(coords_jit(dt), np.float64) for dt in (jnp.float32, jnp.float64))
+    for i in range(m_tasks):
+        size = np.abs(x64[i]).max()
+        assert size > 0 and np.isfinite(x32[i]).all()
+        # bases agree up to column signs: compare magnitudes entry by entry, relative to the task
+        np.testing.assert_allclose(np.abs(x32[i]) / size, np.abs(x64[i]) / size, atol=1e-4)
