@@ -424,6 +424,9 @@ def test_grid_jobs():
 # ---------------------------------------------------------------------------------- end to end
 
 
+# 38 s: the end-to-end path it covers also runs in CI as `netutility demo --quick` (.ci/run);
+# slow keeps the default suite under 10 minutes
+@pytest.mark.slow
 @needs_weights
 def test_run_experiment_and_its_job_cache(
     trained, tiny_tasks, cache_dir, backbone, monkeypatch, tmp_path
