@@ -22,6 +22,9 @@ Full-space TIES/DARE (dense modules) and the dense baseline (the reference codeb
 updates, per-module dense SVDs) run on a few modules and are scaled to the whole model by module
 count; the JSON says so (``"scaled_from"``).
 
+Timing, memory counters, machine and code info, the JSON writer and the subprocess per case come
+from ``_harness.py`` (shared with ``scoring.py``).
+
 Usage:
   python benchmarks/merging.py [--quick] [--out benchmarks/results/merging.json] [--repeat 3]
       [--only tsv:full,ta:core] [--timeout 900]
@@ -32,11 +35,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 
+# This checkout's library, not whichever one is installed (a second worktree measures its own code).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _harness as h
 import numpy as np
+
+__all__ = ["cases", "dense_baseline", "main", "make_adapters", "merge_case", "run_case"]
 
 SHAPES = {"q": (2560, 4096), "k": (2560, 1024), "v": (2560, 1024), "o": (4096, 2560)}
 M, R, BUDGET = 6, 16, 16
@@ -44,7 +51,7 @@ M, R, BUDGET = 6, 16, 16
 LOW_RANK = [("ta", {}), ("tsv", {}), ("iso_c", {}), ("tsv", {"isotropize": True}), ("iso_cts", {})]
 ELEMENTWISE = [
     ("ties", {"density": 0.2}),
-    ("ties", {"density": 0.2, "scope": "model"}),
+    ("ties", {"density": 0.2, "trim_scope": "model"}),
     ("dare", {"p": 0.5}),
     ("dare_ties", {"p": 0.5}),
 ]
@@ -69,76 +76,6 @@ def make_adapters(layers: int, seed: int = 0):
                 }
         ads.append(ad)
     return ads
-
-
-def adapter_bytes(ads) -> int:
-    return sum(m["lora_a"].nbytes + m["lora_b"].nbytes for ad in ads for m in ad.values())
-
-
-def _rss_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _trim_heap() -> None:
-    """Return freed heap memory to the OS (glibc), so that RSS counts live memory only."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _block(tree):
-    import jax
-
-    for x in jax.tree.leaves(tree):
-        if hasattr(x, "block_until_ready"):
-            x.block_until_ready()
-
-
-def _timed(fn, repeat: int, floor=None) -> dict:
-    """First call, then ``repeat`` steady calls; ``floor`` (irreducible work) interleaved."""
-    t0 = time.perf_counter()
-    _block(fn())
-    first = time.perf_counter() - t0
-    if floor is not None:
-        _block(floor())  # compile it outside the timings
-    times, floors = [], []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        _block(fn())
-        times.append(time.perf_counter() - t0)
-        if floor is not None:
-            t0 = time.perf_counter()
-            _block(floor())
-            floors.append(time.perf_counter() - t0)
-    steady = float(np.median(times))
-    out = {
-        "first_s": first,
-        "steady_s": steady,
-        "compile_s": max(first - steady, 0.0),
-        "steady_all_s": times,
-    }
-    if floors:
-        out["irreducible_s"] = float(np.median(floors))
-        out["steady_over_irreducible"] = steady / out["irreducible_s"]
-    return out
 
 
 def _irreducible(ads):
@@ -171,73 +108,81 @@ def _irreducible(ads):
     return lambda: grams(leaves)
 
 
-def run_case(spec: dict) -> dict:
+def _timings(m: h.Measurement) -> dict:
+    """The JSON fields of one measured merge (and of its irreducible reference, if timed)."""
+    steady = m.main.median_s
+    out = {
+        "first_s": m.main.first_s,
+        "steady_s": steady,
+        "compile_s": max(m.main.compile_s, 0.0),
+        "steady_all_s": m.main.all_s,
+    }
+    if "irreducible" in m.refs:
+        irr = m.refs["irreducible"]
+        out["irreducible_s"] = irr.median_s
+        out["irreducible_first_s"] = irr.first_s
+        out["steady_over_irreducible"] = steady / irr.median_s
+    return out
+
+
+def merge_case(spec: dict) -> dict:
+    """One method x space: score + allocate, timed merges, then the working memory of one merge."""
     import jax
     import jax.numpy as jnp
 
     import netutility_jax as nu
 
-    layers = spec["layers"]
-    kind = spec["kind"]
-    out = {**spec}
-    if kind == "merge":
-        ads = make_adapters(layers)
-        ads = [
-            {k: {kk: jnp.asarray(vv) for kk, vv in m.items()} for k, m in ad.items()} for ad in ads
+    ads = [
+        {k: {kk: jnp.asarray(vv) for kk, vv in m.items()} for k, m in ad.items()}
+        for ad in make_adapters(spec["layers"])
+    ]
+    size = h.adapter_bytes(ads)
+    method, space, opts = spec["method"], spec["space"], spec["options"]
+    scope = nu.registry.METHODS[method].budget_scope
+    masks, sw = h.timed(lambda: nu.allocate(nu.score(ads), BUDGET, scope=scope))
+    out = {"score_allocate_s": sw.total}
+    sub = spec.get("subset")
+    if sub:  # dense full-space methods: a few modules, scaled by module count
+        names = [
+            n for n in ads[0] if any(n.endswith(f"{m}_proj") for m in sub) and ".layers.0." in n
         ]
-        size = adapter_bytes(ads)
-        method, space, opts = spec["method"], spec["space"], spec["options"]
-        scope = "local" if method in ("ties", "dare", "dare_ties") else "global"
-        t0 = time.perf_counter()
-        masks = nu.allocate(nu.score(ads), BUDGET, scope=scope)
-        _block(masks)
-        out["score_allocate_s"] = time.perf_counter() - t0
-        sub = spec.get("subset")
-        if sub:  # dense full-space methods: a few modules, scaled by module count
-            names = [
-                n for n in ads[0] if any(n.endswith(f"{m}_proj") for m in sub) and ".layers.0." in n
-            ]
-            ads = [{n: ad[n] for n in names} for ad in ads]
-            masks = {n: masks[n] for n in names}
-        key = jax.random.key(0)
-        base = _rss_kb("VmRSS")
-        reset = _reset_peak()
+        ads = [{n: ad[n] for n in names} for ad in ads]
+        masks = {n: masks[n] for n in names}
+    key = jax.random.key(0)
+    base = h.rss_mb()
+    reset = h.reset_peak()
 
-        def call():
-            return nu.merge(ads, masks, method=method, space=space, key=key, **opts)
+    def call():
+        return nu.merge(ads, masks, method=method, space=space, key=key, **opts)
 
-        floor = None if sub else _irreducible(ads)
-        out.update(_timed(call, spec["repeat"], floor))
-        del floor
-        peak_all = _rss_kb("VmHWM")
-        _trim_heap()
-        base_steady = _rss_kb("VmRSS")
-        if _reset_peak():
-            res = call()
-            _block(res)
-            inc = (_rss_kb("VmHWM") - base_steady) / 1024
-            out["steady_peak_increase_mb"] = inc
-            out["steady_increase_over_adapters"] = inc * 2**20 / size
-        else:
-            res = call()
-        ranks = [m["lora_a"].shape[1] for m in res.values() if "lora_a" in m]
-        out["mean_rank"] = float(np.mean(ranks)) if ranks else None
-        out["dense_modules"] = sum("delta" in m for m in res.values())
-    else:  # dense baseline: one module per distinct shape, reference route
-        size = None
-        out.update(dense_baseline(spec))
-        base = _rss_kb("VmRSS")
-        reset = False
-    peak = _rss_kb("VmHWM")
-    if kind == "merge":  # the larger of the two windows (timed calls, then one steady call)
-        peak = max(peak, peak_all)
-    out["rss_before_mb"] = base / 1024
-    out["peak_rss_mb"] = peak / 1024
-    out["peak_increase_mb"] = (peak - base) / 1024 if reset else None
-    if size:
-        out["adapter_mb"] = size / 2**20
-        out["peak_over_adapters"] = peak * 1024 / size
-        out["increase_over_adapters"] = (peak - base) * 1024 / size if reset else None
+    refs = None if sub else (lambda: {"irreducible": _irreducible(ads)})
+    out.update(_timings(h.measure(call, repeats=spec["repeat"], references=refs)))
+    peak_all = h.hwm_mb()
+    res, inc = h.working_memory(call)
+    if inc is not None:
+        out["steady_peak_increase_mb"] = inc
+        out["steady_increase_over_adapters"] = inc * 2**20 / size
+    ranks = [m["lora_a"].shape[1] for m in res.values() if "lora_a" in m]
+    out["mean_rank"] = float(np.mean(ranks)) if ranks else None
+    out["dense_modules"] = sum("delta" in m for m in res.values())
+    peak = max(h.hwm_mb(), peak_all)  # the larger of the two windows (timed calls, steady call)
+    out["rss_before_mb"] = base
+    out["peak_rss_mb"] = peak
+    out["peak_increase_mb"] = peak - base if reset else None
+    out["adapter_mb"] = size / 2**20
+    out["peak_over_adapters"] = peak * 2**20 / size
+    out["increase_over_adapters"] = (peak - base) * 2**20 / size if reset else None
+    return out
+
+
+def run_case(spec: dict) -> dict:
+    """The record of one case (a merge, or the dense baseline), in this process."""
+    if spec["kind"] == "merge":
+        return {**spec, **merge_case(spec)}
+    out = {**spec, **dense_baseline(spec)}  # one module per distinct shape, reference route
+    out["rss_before_mb"] = h.rss_mb()
+    out["peak_rss_mb"] = h.hwm_mb()
+    out["peak_increase_mb"] = None
     return out
 
 
@@ -285,8 +230,8 @@ def dense_baseline(spec: dict) -> dict:
         b = jnp.asarray(rng.standard_normal((M, R, d_out), dtype=np.float32))
         for name, fn in (("ta", ta), ("iso_c", iso_c), ("tsv", tsv), ("knots_basis", knots)):
             reps = 1 if (shape_key == "q" and name in ("tsv", "knots_basis")) else spec["repeat"]
-            t = _timed(lambda fn=fn, a=a, b=b: fn(a, b), reps)
-            res[f"{name}_{shape_key}_steady_s"] = t["steady_s"]
+            t = h.measure(lambda fn=fn, a=a, b=b: fn(a, b), repeats=reps)
+            res[f"{name}_{shape_key}_steady_s"] = t.main.median_s
     for name in ("ta", "iso_c", "tsv", "knots_basis"):
         res[f"{name}_model_s_scaled"] = sum(
             res[f"{name}_{k}_steady_s"] * c for k, c in counts.items()
@@ -317,6 +262,43 @@ def cases(args) -> list[dict]:
     return out
 
 
+def _tag(spec: dict) -> str:
+    """The case's name as printed and as ``--only`` takes it (``method:space[+iso][+model]``)."""
+    tag = f"{spec.get('method', spec['kind'])}:{spec.get('space', '-')}"
+    if spec.get("options", {}).get("isotropize"):
+        tag += "+iso"
+    opts = spec.get("options", {})
+    if opts.get("trim_scope", opts.get("scope")) == "model":  # "scope" in older results
+        tag += "+model"
+    return tag
+
+
+def run_isolated(spec: dict, tag: str, timeout: float) -> dict:
+    """One case in a fresh interpreter (its own peak RSS, cold caches); failures as records."""
+    load = h.load_average()
+    w = h.run_worker(
+        __file__, ["--case", json.dumps(spec)], record_flag="--record", timeout=timeout
+    )
+    if w.timed_out:
+        print(f"{tag}: TIMEOUT after {timeout} s", file=sys.stderr)
+        return {**spec, "tag": tag, "error": f"timeout after {timeout} s"}
+    if w.record is None:
+        print(f"{tag}: FAILED\n{w.stderr[-2000:]}", file=sys.stderr)
+        return {**spec, "tag": tag, "error": w.stderr[-2000:]}
+    r = w.record
+    r["tag"] = tag
+    r["load_average_at_start"] = load
+    if r.get("subset"):  # one q and one k module measured: 72 q/o- and 72 k/v-shaped modules
+        r["model_steady_s_scaled"] = 72 * r["steady_s"]
+    show = {
+        k: (round(v, 3) if isinstance(v, float) else v)
+        for k, v in r.items()
+        if k.endswith(("_s", "_mb", "scaled", "_adapters")) or k.startswith("peak")
+    }
+    print(tag, json.dumps(show), flush=True)
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4 layers instead of 36")
@@ -324,51 +306,29 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/merging.json")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per case")
     ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--record", help=argparse.SUPPRESS)  # with --case: write its record there
     ap.add_argument("--only", help="comma list of method:space to run")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
     if args.case:
-        print(json.dumps(run_case(json.loads(args.case))))
+        rec = run_case(json.loads(args.case))
+        if args.record:
+            h.write_json(args.record, rec)
+        else:
+            print(json.dumps(rec))
         return
     results = []
     only = set(args.only.split(",")) if args.only else None
     for spec in cases(args):
-        tag = f"{spec.get('method', spec['kind'])}:{spec.get('space', '-')}"
-        if spec.get("options", {}).get("isotropize"):
-            tag += "+iso"
-        if spec.get("options", {}).get("scope") == "model":
-            tag += "+model"
+        tag = _tag(spec)
         if only and tag not in only:
             continue
-        load = os.getloadavg()
-        try:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--case", json.dumps(spec)],
-                capture_output=True,
-                text=True,
-                timeout=args.timeout,
-            )
-        except subprocess.TimeoutExpired:
-            print(f"{tag}: TIMEOUT after {args.timeout} s", file=sys.stderr)
-            results.append({**spec, "tag": tag, "error": f"timeout after {args.timeout} s"})
-            continue
-        if proc.returncode != 0:
-            print(f"{tag}: FAILED\n{proc.stderr[-2000:]}", file=sys.stderr)
-            results.append({**spec, "error": proc.stderr[-2000:]})
-            continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
-        r["tag"] = tag
-        r["load_average_at_start"] = load
-        if r.get("subset"):  # one q and one k module measured: 72 q/o- and 72 k/v-shaped modules
-            r["model_steady_s_scaled"] = 72 * r["steady_s"]
-        results.append(r)
-        show = {
-            k: (round(v, 3) if isinstance(v, float) else v)
-            for k, v in r.items()
-            if k.endswith(("_s", "_mb", "scaled", "_adapters")) or k.startswith("peak")
-        }
-        print(tag, json.dumps(show), flush=True)
-        doc = {
-            "machine": _machine(),
+        results.append(run_isolated(spec, tag, args.timeout))
+        code = h.code_info()
+        doc = {  # machine: the fields this benchmark wrote before the harness, then the rest
+            "machine": {"cpus": os.cpu_count(), "git_head": code["git_head"], **h.machine_info()},
+            "code": code,
             "shapes": SHAPES,
             "tasks": M,
             "rank": R,
@@ -376,31 +336,7 @@ def main() -> None:
             "layers": 4 if args.quick else 36,
             "results": results,
         }
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:  # after every case: partial results survive a timeout
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, args.out)
-
-
-def _machine() -> dict:
-    import platform
-
-    import jax
-
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        head = None
-    return {
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "git_head": head,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+        h.write_json(args.out, doc)  # after every case: partial results survive a timeout
 
 
 if __name__ == "__main__":

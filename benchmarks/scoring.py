@@ -23,33 +23,46 @@ Each case runs in a fresh subprocess (``--no-isolate`` to run in-process), so it
 cold and its peak RSS is its own. A score + allocate call that makes no progress for ``--watchdog``
 seconds is a hang (jaxlib 0.10's batched eigh can deadlock XLA:CPU's thread pool, see
 :func:`serialize_eigh`): its traceback is kept and the case is rerun with the eigh calls serialized.
-See ``benchmarks/README.md`` for the meaning of every column.
+See ``benchmarks/README.md`` for the meaning of every column. Timing, memory counters, machine and
+code info, the JSON writer and the subprocess per case come from ``_harness.py`` (shared with
+``merging.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import faulthandler
 import functools
 import importlib
-import json
 import os
-import platform
-import resource
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from typing import Any
 
+# This checkout's library, not whichever one is installed (a second worktree measures its own code).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _harness as h
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import netutility_jax as nu
+
+__all__ = [
+    "CASES",
+    "Case",
+    "aot_times",
+    "buckets_of",
+    "dense_baseline",
+    "format_table",
+    "irreducible_calls",
+    "irreducible_gflop",
+    "library_call",
+    "main",
+    "make_adapters",
+    "run_case",
+    "serialize_eigh",
+]
 
 # The package re-exports the function `allocate` under the module's name: import the modules.
 nu_allocate = importlib.import_module("netutility_jax.allocate")
@@ -169,10 +182,6 @@ def make_adapters(case: Case, seed: int = 0) -> list[dict[str, dict[str, Any]]]:
     return adapters
 
 
-def adapter_bytes(adapters) -> int:
-    return sum(m["lora_a"].nbytes + m["lora_b"].nbytes for ad in adapters for m in ad.values())
-
-
 def buckets_of(case: Case) -> dict[tuple[int, int], list[str]]:
     """Module names grouped by ``(d_in, d_out)``, as the library buckets them (equal rank here)."""
     out: dict[tuple[int, int], list[str]] = {}
@@ -184,25 +193,15 @@ def buckets_of(case: Case) -> dict[tuple[int, int], list[str]]:
 # ----------------------------------------------------------------------------- library
 
 
-def run_library(adapters, *, alpha: float, budget: int, watchdog: float | None = None):
-    """One ``nu.score`` + global ``nu.allocate``, blocked on every output.
+def library_call(adapters, *, alpha: float, budget: int):
+    """One ``nu.score`` + global ``nu.allocate`` as a callable of a stopwatch (see
+    ``_harness.timed``): laps ``nu.score`` once its scores are ready, returns ``(scores, masks)``."""
 
-    Returns ``(scores, masks, score_s, total_s)``. With ``watchdog`` (seconds), a call that has not
-    returned by then dumps every thread's Python traceback to stderr and exits the process (status
-    1): a hung XLA computation cannot be interrupted from Python.
-    """
-    if watchdog:
-        faulthandler.dump_traceback_later(watchdog, exit=True)
-    t0 = time.perf_counter()
-    scores = nu.score(adapters, alpha=alpha, lam="auto")
-    jax.block_until_ready(scores)
-    t1 = time.perf_counter()
-    masks = nu.allocate(scores, budget, scope="global")
-    jax.block_until_ready(masks)
-    t2 = time.perf_counter()
-    if watchdog:
-        faulthandler.cancel_dump_traceback_later()
-    return scores, masks, t1 - t0, t2 - t0
+    def call(sw: h.Stopwatch):
+        scores = sw.lap(nu.score(adapters, alpha=alpha, lam="auto"))
+        return scores, nu.allocate(scores, budget, scope="global")
+
+    return call
 
 
 def aot_times(adapters, scores, *, alpha: float, budget: int) -> dict[str, float]:
@@ -211,36 +210,32 @@ def aot_times(adapters, scores, *, alpha: float, budget: int) -> dict[str, float
     Rebuilds the exact arguments ``nu.score`` / ``nu.allocate`` pass to ``_score_impl`` /
     ``_allocate_impl`` (private helpers of the library; this is a benchmark of its internals).
     """
-    from netutility_jax import _tree
+    from netutility_jax import _buckets, _tree
 
     jax.clear_caches()
     _, buckets, _ = _tree.collect(adapters, fn="benchmark")
     dtype = _tree.compute_dtype(buckets)
     meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
     rtols = tuple(jnp.asarray(nu_utility.default_rtol(bk.r_max, dtype), dtype) for bk in buckets)
-    inputs = tuple(_tree.bucket_arrays(bk) for bk in buckets)
-    t0 = time.perf_counter()
-    lowered = nu_utility._score_impl.lower(
-        inputs, jnp.asarray(alpha, dtype), 0.0, rtols, meta=meta, lam_is_auto=True
+    inputs = tuple(_buckets.bucket_arrays(bk) for bk in buckets)
+    sw = h.Stopwatch()
+    lowered = sw.lap(
+        nu_utility._score_impl.lower(
+            inputs, jnp.asarray(alpha, dtype), 0.0, rtols, meta=meta, lam_is_auto=True
+        )
     )
-    t1 = time.perf_counter()
-    lowered.compile()
-    t2 = time.perf_counter()
+    sw.lap(lowered.compile())
     names = list(scores.modules)
     utils = tuple(scores.modules[k].utility for k in names)
     sigmas = tuple(scores.modules[k].sigma for k in names)
-    lowered_a = nu_allocate._allocate_impl.lower(
-        utils, sigmas, budget=budget, scope="global", positive_only=True
+    lowered_a = sw.lap(
+        nu_allocate._allocate_impl.lower(
+            utils, sigmas, budget=budget, scope="global", positive_only=True
+        )
     )
-    t3 = time.perf_counter()
-    lowered_a.compile()
-    t4 = time.perf_counter()
-    return {
-        "score_lower_s": t1 - t0,
-        "score_compile_s": t2 - t1,
-        "allocate_lower_s": t3 - t2,
-        "allocate_compile_s": t4 - t3,
-    }
+    sw.lap(lowered_a.compile())
+    keys = ("score_lower_s", "score_compile_s", "allocate_lower_s", "allocate_compile_s")
+    return dict(zip(keys, sw.laps, strict=True))
 
 
 # ----------------------------------------------------------------------------- irreducible work
@@ -269,12 +264,6 @@ def _grams_prestacked(xs, bs):
         )
         for x, b in zip(xs, bs, strict=True)
     ]
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - t0
 
 
 def irreducible_calls(case: Case, adapters) -> dict[str, Any]:
@@ -327,11 +316,13 @@ def dense_baseline(case: Case, adapters, *, per_shape: int) -> dict[str, Any]:
             for n in picked
             for ad in adapters
         ]
-        t0 = time.perf_counter()
-        for a, b, s in factors:
-            dw = s * (a @ b)
-            np.linalg.svd(dw, full_matrices=False)
-        dt = time.perf_counter() - t0
+
+        def svds(factors=factors):
+            for a, b, s in factors:
+                dw = s * (a @ b)
+                np.linalg.svd(dw, full_matrices=False)
+
+        dt = h.timed(svds)[1].total
         per_svd[f"{d_in}x{d_out}"] = dt / len(factors)
         est += dt / len(picked) * len(names)
         timed += len(factors)
@@ -341,39 +332,8 @@ def dense_baseline(case: Case, adapters, *, per_shape: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- one case
 
 
-def _rss_mb() -> float | None:
-    """Current resident set size (Linux ``/proc``), MB."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError):
-        return None
-
-
-def _peak_rss_mb() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB else
-
-
-def _load() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def run_case(
-    case: Case,
-    *,
-    repeats: int,
-    warmup: int,
-    dense_per_shape: int,
-    alpha: float,
-    watchdog: float | None = None,
-) -> dict:
-    """All the figures of one case (see the module docstring), as a JSON-ready dict."""
-    log = functools.partial(print, f"[{case.name}]", file=sys.stderr, flush=True)
-    rec: dict[str, Any] = {
+def _case_header(case: Case, *, repeats: int, warmup: int, alpha: float) -> dict[str, Any]:
+    return {
         "case": case.name,
         "title": case.title,
         "status": "ok",
@@ -389,94 +349,103 @@ def run_case(
         "warmup": warmup,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "workaround": "serialize-eigh" if _EIGH_SERIALIZED else None,
-        "code_sha256": code_info()["sources_sha256"],
-        "load_avg_start": _load(),
+        "code_sha256": h.code_info()["sources_sha256"],
+        "load_avg_start": h.load_average(),
     }
-    t0 = time.perf_counter()
-    adapters = make_adapters(case)
-    rec["adapters_mb"] = adapter_bytes(adapters) / 2**20
-    rec["rss_after_adapters_mb"] = _rss_mb()
-    log(
-        f"adapters {rec['adapters_mb']:.0f} MB in {time.perf_counter() - t0:.1f} s; "
-        f"workaround {rec['workaround']}"
+
+
+def _timing_fields(case: Case, m: h.Measurement) -> dict[str, Any]:
+    """The JSON fields of the library's and the irreducible work's series."""
+    lib, lists, pre = m.main, m.refs["lists"], m.refs["prestacked"]
+    scores, masks = m.result
+    med = lib.median_s
+    n_dirs = case.n_modules * case.tasks * case.rank
+    return dict(
+        first_call_s=lib.first_s,
+        first_call_score_s=lib.first_laps[0],
+        compile_est_s=lib.compile_s,
+        steady_s=med,
+        steady_min_s=lib.min_s,
+        steady_all_s=lib.all_s,
+        steady_score_s=lib.lap_median_s(0),
+        steady_allocate_s=lib.lap_median_s(1),
+        directions=n_dirs,
+        directions_per_s=n_dirs / med,
+        kept_directions=int(sum(int(x.sum()) for x in masks.values())),
+        lam_used=float(scores.lam),
+        irreducible_lists_s=lists.median_s,
+        irreducible_lists_min_s=lists.min_s,
+        irreducible_lists_first_s=lists.first_s,
+        irreducible_prestacked_s=pre.median_s,
+        irreducible_prestacked_min_s=pre.min_s,
+        irreducible_prestacked_first_s=pre.first_s,
+        irreducible_gflop=irreducible_gflop(case),
+        ratio_lists=med / lists.median_s,
+        ratio_prestacked=med / pre.median_s,
+        ratio_lists_min=lib.min_s / lists.min_s,
+        ratio_prestacked_min=lib.min_s / pre.min_s,
     )
 
-    lib = functools.partial(
-        run_library, adapters, alpha=alpha, budget=case.budget, watchdog=watchdog
-    )
-    _, _, first_score, first = lib()
-    log(f"first call {first:.2f} s")
-    for _ in range(warmup):
-        scores, masks, _, _ = lib()
-    rec["peak_rss_library_mb"] = _peak_rss_mb()
+
+def run_case(
+    case: Case,
+    *,
+    repeats: int,
+    warmup: int,
+    dense_per_shape: int,
+    alpha: float,
+    watchdog: float | None = None,
+) -> dict:
+    """All the figures of one case (see the module docstring), as a JSON-ready dict."""
+    log = functools.partial(print, f"[{case.name}]", file=sys.stderr, flush=True)
+    rec = _case_header(case, repeats=repeats, warmup=warmup, alpha=alpha)
+    sw = h.Stopwatch()
+    adapters = sw.lap(make_adapters(case))
+    rec["adapters_mb"] = h.adapter_bytes(adapters) / 2**20
+    rec["rss_after_adapters_mb"] = h.rss_mb()
+    log(f"adapters {rec['adapters_mb']:.0f} MB in {sw.total:.1f} s; workaround {rec['workaround']}")
+
+    def references():
+        # After the library's first and warm-up calls: adapters + library, before the copies.
+        rec["peak_rss_library_mb"] = h.peak_rss_mb()
+        return irreducible_calls(case, adapters)
 
     # The irreducible work is timed interleaved with the library, repetition by repetition, so
     # that load from other processes hits both alike.
-    irr = irreducible_calls(case, adapters)
-    irr_first = {k: _timed(irr[k]) for k in ("lists", "prestacked")}
-    for _ in range(warmup):
-        for k in ("lists", "prestacked"):
-            _timed(irr[k])
-    steady, steady_score = [], []
-    t_irr: dict[str, list[float]] = {"lists": [], "prestacked": []}
-    for _ in range(repeats):
-        scores, masks, ts, tt = lib()
-        steady.append(tt)
-        steady_score.append(ts)
-        for k in t_irr:
-            t_irr[k].append(_timed(irr[k]))
-    del irr
-    kept = int(sum(int(m.sum()) for m in masks.values()))
-    med = statistics.median(steady)
-    n_dirs = case.n_modules * case.tasks * case.rank
-    rec.update(
-        first_call_s=first,
-        first_call_score_s=first_score,
-        compile_est_s=first - med,
-        steady_s=med,
-        steady_min_s=min(steady),
-        steady_all_s=steady,
-        steady_score_s=statistics.median(steady_score),
-        steady_allocate_s=statistics.median(
-            t - s for t, s in zip(steady, steady_score, strict=True)
-        ),
-        directions=n_dirs,
-        directions_per_s=n_dirs / med,
-        kept_directions=kept,
-        lam_used=float(scores.lam),
-        irreducible_lists_s=statistics.median(t_irr["lists"]),
-        irreducible_lists_min_s=min(t_irr["lists"]),
-        irreducible_lists_first_s=irr_first["lists"],
-        irreducible_prestacked_s=statistics.median(t_irr["prestacked"]),
-        irreducible_prestacked_min_s=min(t_irr["prestacked"]),
-        irreducible_prestacked_first_s=irr_first["prestacked"],
-        irreducible_gflop=irreducible_gflop(case),
+    m = h.measure(
+        library_call(adapters, alpha=alpha, budget=case.budget),
+        repeats=repeats,
+        warmup=warmup,
+        references=references,
+        laps=True,
+        keep_output=True,
+        watchdog_s=watchdog,
     )
-    rec["ratio_lists"] = med / rec["irreducible_lists_s"]
-    rec["ratio_prestacked"] = med / rec["irreducible_prestacked_s"]
-    rec["ratio_lists_min"] = min(steady) / rec["irreducible_lists_min_s"]
-    rec["ratio_prestacked_min"] = min(steady) / rec["irreducible_prestacked_min_s"]
+    rec.update(_timing_fields(case, m))
+    scores, _ = m.result
+    del m
+    med = rec["steady_s"]
     log(
-        f"steady {med:.4f} s (min {min(steady):.4f} s); irreducible "
-        f"{rec['irreducible_lists_s']:.4f} s (lists), {rec['irreducible_prestacked_s']:.4f} s "
-        "(pre-stacked)"
+        f"first call {rec['first_call_s']:.2f} s; steady {med:.4f} s (min "
+        f"{rec['steady_min_s']:.4f} s); irreducible {rec['irreducible_lists_s']:.4f} s (lists), "
+        f"{rec['irreducible_prestacked_s']:.4f} s (pre-stacked)"
     )
 
     rec.update(aot_times(adapters, scores, alpha=alpha, budget=case.budget))
     rec["compile_aot_s"] = rec["score_compile_s"] + rec["allocate_compile_s"]
     log(f"AOT score: lower {rec['score_lower_s']:.2f} s, compile {rec['score_compile_s']:.2f} s")
-    del scores, masks
+    del scores
 
     if dense_per_shape > 0:
-        t0 = time.perf_counter()
-        rec.update(dense_baseline(case, adapters, per_shape=dense_per_shape))
+        sw = h.Stopwatch()
+        rec.update(sw.lap(dense_baseline(case, adapters, per_shape=dense_per_shape)))
         rec["speedup_dense"] = rec["dense_est_s"] / med
         log(
             f"dense baseline {rec['dense_est_s']:.1f} s est. ({rec['dense_timed_svds']} SVDs "
-            f"timed in {time.perf_counter() - t0:.1f} s)"
+            f"timed in {sw.total:.1f} s)"
         )
-    rec["peak_rss_mb"] = _peak_rss_mb()
-    rec["load_avg_end"] = _load()
+    rec["peak_rss_mb"] = h.peak_rss_mb()
+    rec["load_avg_end"] = h.load_average()
     rec["targets"] = {
         "ratio": TARGET_RATIO,
         "ratio_floor": TARGET_RATIO_FLOOR,
@@ -488,63 +457,6 @@ def run_case(
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def machine_info() -> dict[str, Any]:
-    import jaxlib
-
-    try:
-        cpus_usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus_usable = os.cpu_count()
-    return {
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "numpy": np.__version__,
-        "netutility_jax": nu.__version__,
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "cpu_count": os.cpu_count(),
-        "cpu_usable": cpus_usable,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "mem_total_gib": _mem_total_gib(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-
-
-def code_info() -> dict[str, Any]:
-    """The library code measured: git HEAD, uncommitted changes, and a hash of its sources."""
-    import hashlib
-
-    pkg = os.path.dirname(os.path.abspath(nu.__file__))
-    digest = hashlib.sha256()
-    for name in sorted(os.listdir(pkg)):
-        if name.endswith(".py"):
-            with open(os.path.join(pkg, name), "rb") as f:
-                digest.update(name.encode() + f.read())
-    info: dict[str, Any] = {"package_dir": pkg, "sources_sha256": digest.hexdigest()[:16]}
-    for key, cmd in (
-        ("git_head", ["git", "rev-parse", "--short", "HEAD"]),
-        ("git_dirty", ["git", "status", "--porcelain", "--", "."]),
-    ):
-        try:
-            out = subprocess.run(cmd, cwd=pkg, capture_output=True, text=True, timeout=10)
-            info[key] = out.stdout.strip() if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            info[key] = None
-    if info.get("git_dirty") is not None:
-        info["git_dirty"] = info["git_dirty"].splitlines()
-    return info
-
-
-def _mem_total_gib() -> float | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _mark(ok: bool) -> str:
@@ -566,8 +478,8 @@ def _check(r: dict) -> str:
     return f"{r['case']}: " + ", ".join(parts)
 
 
-def format_table(records: list[dict]) -> str:
-    """Metrics as rows, cases as columns, the issue's targets in the last column."""
+def _table_rows(records: list[dict]) -> list[tuple[str, list[str], str]]:
+    """``(metric, one cell per case, target)`` for every row of :func:`format_table`."""
 
     def col(key, spec):
         return [("-" if r.get(key) is None else format(r[key], spec)) for r in records]
@@ -628,8 +540,13 @@ def format_table(records: list[dict]) -> str:
         ("peak RSS whole case (MB)", col("peak_rss_mb", ".0f"), ""),
         ("load average at start", [str(r.get("load_avg_start", "-")) for r in records], ""),
     ]
+    return rows
+
+
+def format_table(records: list[dict]) -> str:
+    """Metrics as rows, cases as columns, the issue's targets in the last column."""
     head = ["metric", *[r["case"] for r in records], "target (issue: Qwen3-4B case)"]
-    table = [head, *[[name, *vals, tgt] for name, vals, tgt in rows]]
+    table = [head, *[[name, *vals, tgt] for name, vals, tgt in _table_rows(records)]]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = []
     for k, row in enumerate(table):
@@ -652,22 +569,6 @@ def format_table(records: list[dict]) -> str:
                 "Traceback in the JSON (hang_as_is)."
             )
     return "\n".join(lines)
-
-
-def write_json(path: str, payload: dict) -> None:
-    """Atomic write: a temp file in the target directory, then ``os.replace``."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".scoring-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 _EIGH_SERIALIZED = False
@@ -705,43 +606,13 @@ def serialize_eigh() -> None:
     jnp.linalg.eigh = eigh
 
 
-def _worker(name: str, args, xla_flags: str, *, workaround: bool) -> tuple[int, str, dict | None]:
-    """Run one case in a fresh interpreter; returns (exit status, stderr, record or None)."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "case.json")
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--worker",
-            name,
-            "--out",
-            out,
-            "--repeats",
-            str(args.repeats),
-            "--warmup",
-            str(args.warmup),
-            "--dense-per-shape",
-            str(args.dense_per_shape),
-            "--alpha",
-            str(args.alpha),
-            "--watchdog",
-            str(args.watchdog),
-        ]
-        if workaround:
-            cmd.append("--serialize-eigh")
-        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-        lines = []
-        for line in proc.stderr:  # echo progress live, keep it for the record
-            sys.stderr.write(line)
-            lines.append(line)
-        status = proc.wait()
-        rec = None
-        if status == 0:
-            with open(out) as f:
-                rec = json.load(f)
-        return status, "".join(lines), rec
+def _worker(name: str, args, xla_flags: str, *, workaround: bool) -> h.WorkerResult:
+    """Run one case in a fresh interpreter, its progress echoed live and kept for the record."""
+    argv = ["--worker", name, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    argv += ["--dense-per-shape", str(args.dense_per_shape), "--alpha", str(args.alpha)]
+    argv += ["--watchdog", str(args.watchdog)] + (["--serialize-eigh"] if workaround else [])
+    env = {**os.environ, "XLA_FLAGS": xla_flags}
+    return h.run_worker(__file__, argv, record_flag="--out", env=env, echo=True)
 
 
 def _run_isolated(name: str, args) -> dict:
@@ -749,15 +620,16 @@ def _run_isolated(name: str, args) -> dict:
     :func:`serialize_eigh` and keep the hang's traceback in ``hang_as_is``."""
     flags = " ".join(x for x in (os.environ.get("XLA_FLAGS", ""), args.xla_flags) if x)
     workaround = args.serialize_eigh
-    status, err, rec = _worker(name, args, flags, workaround=workaround)
-    if rec is not None:
-        return rec
-    hung = "Timeout (" in err
+    w = _worker(name, args, flags, workaround=workaround)
+    if w.record is not None:
+        return w.record
+    status = w.status
+    hung = "Timeout (" in w.stderr
     failure = {
         "workaround": "serialize-eigh" if workaround else None,
         "exit_status": status,
         "watchdog_s": args.watchdog,
-        "stderr_tail": err.splitlines()[-40:],
+        "stderr_tail": w.stderr.splitlines()[-40:],
     }
     if hung and args.on_hang == "retry" and not workaround:
         print(
@@ -765,14 +637,15 @@ def _run_isolated(name: str, args) -> dict:
             file=sys.stderr,
             flush=True,
         )
-        status, err2, rec = _worker(name, args, flags, workaround=True)
-        if rec is not None:
-            rec["hang_as_is"] = failure
-            return rec
+        w = _worker(name, args, flags, workaround=True)
+        if w.record is not None:
+            w.record["hang_as_is"] = failure
+            return w.record
+        status = w.status
         failure = {
             "first": failure,
             "retry_exit_status": status,
-            "retry_stderr_tail": err2.splitlines()[-40:],
+            "retry_stderr_tail": w.stderr.splitlines()[-40:],
         }
     case = CASES[name]
     return {
@@ -788,7 +661,7 @@ def _run_isolated(name: str, args) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--cases",
@@ -837,6 +710,11 @@ def main(argv: list[str] | None = None) -> None:
         "retry on a hang)",
     )
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = _parser()
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -852,7 +730,7 @@ def main(argv: list[str] | None = None) -> None:
             alpha=args.alpha,
             watchdog=args.watchdog or None,
         )
-        write_json(args.out, rec)
+        h.write_json(args.out, rec, indent=2)
         return
 
     names = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -878,13 +756,13 @@ def main(argv: list[str] | None = None) -> None:
             records.append(_run_isolated(name, args))
     payload = {
         "benchmark": "scoring",
-        "machine": machine_info(),
-        "code": code_info(),
+        "machine": h.machine_info(),
+        "code": h.code_info(),
         "isolated": not args.no_isolate,
         "argv": sys.argv[1:] if argv is None else argv,
         "cases": records,
     }
-    write_json(args.out, payload)
+    h.write_json(args.out, payload, indent=2)
     print(format_table(records))
     print(f"\nwrote {args.out}")
 

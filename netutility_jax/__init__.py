@@ -3,11 +3,13 @@
 The numerical core (scoring, allocation, merging) is imported eagerly. The interop and tooling
 submodules are imported on first use, so ``import netutility_jax`` stays light: ``nu.peft``
 (PEFT checkpoints), ``nu.nnx`` (Flax nnx models), ``nu.checkpoint`` (orbax), ``nu.plots``
-(matplotlib) and ``nu.experiments`` (the built-in MiniLM experiment).
+(matplotlib) and ``nu.experiments`` (the built-in MiniLM experiment). ``nu.registry`` declares
+the merge methods and spaces (their options, the spaces they run in, their kernels).
 """
 
 import importlib as _importlib
 
+from . import registry as registry
 from ._tree import extract_lora as extract_lora
 from .allocate import allocate as allocate
 from .analysis import budget_spent as budget_spent
@@ -26,6 +28,7 @@ from .merging import merge as merge
 from .merging import merge_adapters as merge_adapters
 from .merging import module_update as module_update
 from .merging import to_lora as to_lora
+from .streaming import merge_adapters_streaming as merge_adapters_streaming
 from .utility import ModuleScores as ModuleScores
 from .utility import Scores as Scores
 from .utility import heterogeneity as heterogeneity
@@ -69,11 +72,13 @@ __all__ = [
     "lora_svd",
     "merge",
     "merge_adapters",
+    "merge_adapters_streaming",
     "module_update",
     "nnx",
     "non_prefix_fraction",
     "peft",
     "plots",
+    "registry",
     "retention_by_rank",
     "score",
     "task_energies",

@@ -1,24 +1,49 @@
-"""Shared linear-algebra helpers, written so that no two LAPACK calls can run at once.
+"""Shared linear-algebra helpers, written so that no two LAPACK calls can run at once on CPU.
 
 jaxlib 0.10's CPU LAPACK kernels (``eigh``, ``qr``, ``svd``) fan their batch out into the intra-op
 thread pool they run on and block on it, so two of them running at once deadlock a 2-thread pool.
 XLA's thunk executor runs independent custom calls concurrently and drops optimization barriers.
 So every helper here issues ONE call per stage for all of its inputs (the A and B sides of a
 factored matrix, the buckets of a model), and each stage depends on the data of the previous one.
-Code that calls LAPACK several times must chain the calls through data (see :func:`after`), and
-eager wrappers block on their results before returning.
+
+The workaround is CPU-only, behind two helpers that do nothing on other backends (GPU and TPU
+solvers do not share a blocking thread pool, and there asynchronous dispatch is worth keeping):
+
+* :func:`after` chains one value to others through data, inside a traced function;
+* :func:`settle` blocks on an eager result, so one LAPACK-using executable is in flight.
+
+Both decide by :func:`lapack_serial`, the default backend at the time of the call (at trace time
+for :func:`after`): code jitted for a CPU device on a GPU host keeps the chains only if the CPU is
+the default backend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .errors import InputError
+
+__all__ = [
+    "HI",
+    "LazyQR",
+    "after",
+    "eigh_batched",
+    "exponent",
+    "lapack_serial",
+    "mm",
+    "mul_pow2",
+    "orth_qr_lazy_many",
+    "pow2",
+    "pow2_normalise",
+    "settle",
+    "svd_many",
+    "t",
+]
 
 HI = jax.lax.Precision.HIGHEST
 
@@ -33,8 +58,16 @@ def t(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, -1, -2)
 
 
+def lapack_serial() -> bool:
+    """Whether LAPACK calls must run one at a time: on the CPU backend (see the module doc)."""
+    return jax.default_backend() == "cpu"
+
+
 def after(x: jax.Array, *deps: jax.Array) -> jax.Array:
-    """``x`` made data-dependent on ``deps`` (adds ``0 * dep[0...]``), to order LAPACK calls."""
+    """``x`` made data-dependent on ``deps`` (adds ``0 * dep[0...]``), to order LAPACK calls on
+    CPU; ``x`` itself on other backends."""
+    if not lapack_serial():
+        return x
     for d in deps:
         x = x + jnp.zeros((), x.dtype) * d.reshape(-1)[0].astype(x.dtype)
     return x
@@ -333,18 +366,8 @@ def orth_qr_lazy_many(
     return jax.lax.cond(lost, lambda: _householder_many(xs, rows, k), cholesky_route)
 
 
-def orth_qr_many(
-    xs: Sequence[jax.Array], *, rtol: float = 0.0
-) -> list[tuple[jax.Array, jax.Array]]:
-    """:func:`orth_qr_lazy_many` with ``Q`` formed: ``[(Q, R)]``."""
-    return [(f.q, f.r) for f in orth_qr_lazy_many(xs, rtol=rtol)]
-
-
-def orth_qr(x: jax.Array, *, rtol: float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """:func:`orth_qr_many` of one matrix."""
-    return orth_qr_many([x], rtol=rtol)[0]
-
-
-def block(tree):
-    """``block_until_ready`` on every array leaf (eager wrappers: one executable in flight)."""
-    return jax.block_until_ready(tree)
+def settle(tree: Any) -> Any:
+    """``tree`` after its arrays are computed, on CPU (``jax.block_until_ready``: one LAPACK-using
+    executable in flight, and bounded memory in loops over modules); ``tree`` as it is, still
+    being computed, on other backends."""
+    return jax.block_until_ready(tree) if lapack_serial() else tree

@@ -1,8 +1,12 @@
-"""Adapter pytrees: finding LoRA modules, validating them, and grouping them into buckets.
+"""Adapter pytrees: walking them, finding LoRA modules, validating them, grouping them into
+buckets, and the compute dtype.
 
 An adapter is a pytree of nested mappings whose LoRA modules are mappings with the keys
 ``lora_a`` ``(d_in, r)``, ``lora_b`` ``(r, d_out)`` and an optional ``scale``. A module's name is
 its "/"-joined key path. A task that lacks a module says so explicitly with ``None`` at that path.
+
+Every walk over such a tree goes through :func:`walk_modules` (or :func:`map_modules` to rebuild
+one); :func:`float_dtype` is the one rule for the dtype computations run in.
 
 Everything here is host-side bookkeeping on shapes: no array is read, so it is cheap and runs the
 same under an outer ``jit``.
@@ -11,19 +15,51 @@ same under an outer ``jit``.
 from __future__ import annotations
 
 import dataclasses
-import numbers
-import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._checks import brief as brief
+from ._checks import check_bool as check_bool
+from ._checks import check_real as check_real
+from ._checks import few as _few
+from ._checks import is_real_dtype as _is_real_dtype
+from ._checks import is_real_scalar as is_real_scalar
+from ._checks import real_value as real_value
+from ._checks import short as short
 from .errors import InputError, InputTypeError
 
+__all__ = [
+    "MAX_DEPTH",
+    "MODULE_KEYS",
+    "NONFINITE_ARRAYS",
+    "UPDATE_KEYS",
+    "Bucket",
+    "KeyPath",
+    "Module",
+    "collect",
+    "compute_dtype",
+    "extract_lora",
+    "flatten_modules",
+    "float_dtype",
+    "has_factor",
+    "has_update",
+    "is_mapping",
+    "map_modules",
+    "name_mismatch",
+    "raise_nonfinite",
+    "unwrap",
+    "walk_modules",
+]
+# Also importable, for older call sites: brief, short, _few, check_bool, check_real, real_value,
+# is_real_scalar, _is_real_dtype (from ._checks), and _unwrap / _is_mapping (aliases).
+
 MODULE_KEYS = frozenset({"lora_a", "lora_b", "scale"})
-MAX_DEPTH = 64  # deeper nesting is not an adapter (and would exhaust Python's recursion limit)
+UPDATE_KEYS = frozenset({"lora_a", "lora_b", "delta"})  # a merged module, low rank or dense
+MAX_DEPTH = 64  # deeper nesting is not an adapter (and recursive code would hit Python's limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +100,9 @@ class Bucket:
     modules: tuple[tuple[Module | None, ...], ...]
 
 
-def _unwrap(x: Any) -> Any:
-    # flax.nnx Variables (Param, LoRAParam) hold their array; `get_value` is the current accessor.
+def unwrap(x: Any) -> Any:
+    """A leaf's array: ``flax.nnx`` Variables (``Param``, ``LoRAParam``) give their value
+    (``get_value``, or ``value`` on older flax); anything else is returned as it is."""
     if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float)):
         return x
     if hasattr(x, "get_value"):
@@ -75,8 +112,144 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
-def _is_mapping(x: Any) -> bool:
+def is_mapping(x: Any) -> bool:
+    """A node the walkers enter: a ``Mapping`` (dict, ``flax.nnx.State``) or anything with
+    ``keys`` and ``__getitem__``."""
     return isinstance(x, Mapping) or (hasattr(x, "keys") and hasattr(x, "__getitem__"))
+
+
+_unwrap = unwrap  # the names merging.py and peft.py use
+_is_mapping = is_mapping
+
+
+def has_factor(node: Any) -> bool:
+    """An input LoRA module: a mapping with ``lora_a`` or ``lora_b`` (one missing is an error the
+    validator reports, not a reason to look inside)."""
+    keys = node.keys()
+    return "lora_a" in keys or "lora_b" in keys
+
+
+def has_update(node: Any) -> bool:
+    """A merged module: low rank (``lora_a`` / ``lora_b``) or dense (``delta``)."""
+    return bool(UPDATE_KEYS & set(node.keys()))
+
+
+KeyPath = tuple[str, ...]  # a node's keys as strings; "/".join gives the module name
+
+
+def _too_deep(path: KeyPath, max_depth: int) -> Exception:
+    return InputError(
+        f"the tree is nested more than {max_depth} levels deep at {short('/'.join(path))!r}."
+    )
+
+
+def _cycle(path: KeyPath) -> Exception:
+    return InputError(
+        f"the tree contains itself at {short('/'.join(path))!r} (a cycle of mappings)."
+    )
+
+
+def _nodes(
+    tree: Any,
+    is_module: Callable[[Any], bool],
+    max_depth: int | None,
+    too_deep: Callable[[KeyPath], Exception] | None,
+    cycle: Callable[[KeyPath], Exception] | None,
+) -> Iterator[tuple[tuple[Any, ...], KeyPath, Any, bool]]:
+    """Every node, depth first in key order: ``(keys, path, node, stop)``; ``keys`` are the
+    mapping keys as they are, ``path`` the same as strings, ``stop`` False for an entered mapping."""
+    # an explicit stack: no recursion limit, and the ancestors of each node for cycle detection
+    stack: list[tuple[tuple[Any, ...], KeyPath, Any, tuple[int, ...]]] = [((), (), tree, ())]
+    while stack:
+        keys, path, node, ancestors = stack.pop()
+        if max_depth is not None and len(path) > max_depth:
+            raise too_deep(path) if too_deep else _too_deep(path, max_depth)
+        if not is_mapping(node) or is_module(node):
+            yield keys, path, node, True
+            continue
+        yield keys, path, node, False
+        if id(node) in ancestors:
+            raise cycle(path) if cycle else _cycle(path)
+        up = (*ancestors, id(node))
+        stack.extend(
+            ((*keys, k), (*path, str(k)), node[k], up) for k in reversed(list(node.keys()))
+        )
+
+
+def walk_modules(
+    tree: Any,
+    *,
+    is_module: Callable[[Any], bool] = has_factor,
+    max_depth: int | None = MAX_DEPTH,
+    inner: bool = False,
+    too_deep: Callable[[KeyPath], Exception] | None = None,
+    cycle: Callable[[KeyPath], Exception] | None = None,
+) -> Iterator[tuple[KeyPath, Any]]:
+    """The modules of a tree of nested mappings: the one walker of adapter pytrees.
+
+    Depth first, in each mapping's key order, yields ``(path, node)`` for every node where the
+    walk stops: a mapping for which ``is_module(node)`` holds (a module: not entered), ``None``
+    (a task's placeholder for a module it lacks) and any other non-mapping leaf. Every other
+    mapping (see :func:`is_mapping`: dicts, ``flax.nnx.State``) is entered. ``path`` is the tuple
+    of keys as strings (``"/".join(path)`` is the module name, ``()`` the root); nodes are yielded
+    as they are (:func:`unwrap` gives a Variable's array).
+
+    Args:
+      tree: the root; itself a module, None or a leaf if so (yielded with path ``()``).
+      is_module: called on mappings only; default :func:`has_factor` (input modules);
+        :func:`has_update` for merged ones.
+      max_depth: refuse paths longer than this (checked before the node is yielded); None: no
+        limit.
+      inner: also yield each mapping that is entered, before its children, so a caller can check
+        every name (a caller tells them apart with ``is_mapping(node) and not is_module(node)``).
+      too_deep, cycle: ``path -> exception`` raised for a path longer than ``max_depth`` / for a
+        mapping that contains itself (checked after it is yielded with ``inner``, before it is
+        entered); default an :class:`InputError` naming the path.
+    """
+    for _, path, node, stop in _nodes(tree, is_module, max_depth, too_deep, cycle):
+        if stop or inner:
+            yield path, node
+
+
+def map_modules(
+    tree: Any,
+    fn: Callable[[KeyPath, Any], Any],
+    *,
+    is_module: Callable[[Any], bool] = has_factor,
+    max_depth: int | None = MAX_DEPTH,
+) -> Any:
+    """The tree rebuilt as nested dicts (same keys, same order) with every node where
+    :func:`walk_modules` stops (module, None, leaf) replaced by ``fn(path, node)``."""
+    root: Any = None
+    built: dict[tuple[Any, ...], dict] = {}
+    for keys, path, node, stop in _nodes(tree, is_module, max_depth, None, None):
+        value = fn(path, node) if stop else {}
+        if not stop:
+            built[keys] = value
+        if keys:
+            built[keys[:-1]][keys[-1]] = value
+        else:
+            root = value
+    return root
+
+
+def _as_module(fn: str, task: int, name: str, node: Any) -> Module:
+    """An input module's mapping as a :class:`Module` (factors and scale unwrapped)."""
+    keys = set(node.keys())
+    missing = {"lora_a", "lora_b"} - keys
+    extra = keys - MODULE_KEYS
+    if missing:
+        raise InputError(
+            f"{fn}: module {short(name)!r} of task {task} has no {sorted(missing)[0]!r}; a LoRA "
+            "module needs both 'lora_a' (d_in, r) and 'lora_b' (r, d_out)."
+        )
+    if extra:
+        raise InputError(
+            f"{fn}: module {short(name)!r} of task {task} has keys "
+            f"{brief(sorted(map(str, extra)))} besides 'lora_a', 'lora_b', 'scale'; pass only the "
+            "LoRA part of the parameters (nu.extract_lora(tree) keeps it)."
+        )
+    return Module(unwrap(node["lora_a"]), unwrap(node["lora_b"]), unwrap(node.get("scale", 1.0)))
 
 
 def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | None]:
@@ -88,74 +261,50 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
         modules of the same name, a cycle, or nesting deeper than :data:`MAX_DEPTH`. Names in
         messages are cut to 80 characters.
     """
-    if not _is_mapping(adapter):
+    if not is_mapping(adapter):
         raise InputTypeError(
             f"{fn}: adapter {task} is a {type(adapter).__name__}; expected a mapping (nested dicts) "
             "whose LoRA modules are dicts with 'lora_a' (d_in, r) and 'lora_b' (r, d_out)."
         )
-    out: dict[str, Module | None] = {}
-    ancestors: list[int] = []  # ids of the mappings on the current path (cycle detection)
 
-    def walk(node: Any, path: tuple[str, ...]) -> None:
+    def too_deep(path: KeyPath) -> Exception:
+        return InputError(
+            f"{fn}: adapter {task} is nested more than {MAX_DEPTH} levels deep at "
+            f"{short('/'.join(path))!r}; an adapter is a shallow tree of dicts whose LoRA modules "
+            "are {'lora_a', 'lora_b'[, 'scale']} dicts."
+        )
+
+    def cycle(path: KeyPath) -> Exception:
+        return InputError(
+            f"{fn}: adapter {task} contains itself at {short('/'.join(path))!r} (a cycle of "
+            "dicts); pass a tree of LoRA modules."
+        )
+
+    out: dict[str, Module | None] = {}
+    for path, node in walk_modules(adapter, inner=True, too_deep=too_deep, cycle=cycle):
         name = "/".join(path)
-        if len(path) > MAX_DEPTH:
-            raise InputError(
-                f"{fn}: adapter {task} is nested more than {MAX_DEPTH} levels deep at "
-                f"{short(name)!r}; an adapter is a shallow tree of dicts whose LoRA modules are "
-                "{'lora_a', 'lora_b'[, 'scale']} dicts."
-            )
         if name in out:
             raise InputError(
                 f"{fn}: adapter {task} has two modules named {short(name)!r} (a flat key containing "
                 "'/' and a nested path spell the same name); rename one of them."
             )
         if node is None:
-            if not path:
-                raise InputError(f"{fn}: adapter {task} is None.")
             out[name] = None
-            return
-        if _is_mapping(node):
-            keys = set(node.keys())
-            if "lora_a" in keys or "lora_b" in keys:
-                missing = {"lora_a", "lora_b"} - keys
-                extra = keys - MODULE_KEYS
-                if missing:
-                    raise InputError(
-                        f"{fn}: module {short(name)!r} of task {task} has no "
-                        f"{sorted(missing)[0]!r}; a LoRA module needs both 'lora_a' (d_in, r) and "
-                        "'lora_b' (r, d_out)."
-                    )
-                if extra:
-                    raise InputError(
-                        f"{fn}: module {short(name)!r} of task {task} has keys "
-                        f"{brief(sorted(map(str, extra)))} besides "
-                        "'lora_a', 'lora_b', 'scale'; pass only the LoRA part of the parameters "
-                        "(nu.extract_lora(tree) keeps it)."
-                    )
-                out[name] = Module(
-                    _unwrap(node["lora_a"]),
-                    _unwrap(node["lora_b"]),
-                    _unwrap(node.get("scale", 1.0)),
-                )
-                return
-            if id(node) in ancestors:
-                raise InputError(
-                    f"{fn}: adapter {task} contains itself at {short(name)!r} (a cycle of "
-                    "dicts); pass a tree of LoRA modules."
-                )
-            ancestors.append(id(node))
-            for k in node.keys():
-                walk(node[k], (*path, str(k)))
-            ancestors.pop()
-            return
-        raise InputError(
-            f"{fn}: adapter {task} has a leaf at {short(name)!r} ({type(node).__name__}) that is "
-            "not part of a LoRA module; pass only LoRA modules (nu.extract_lora(tree) keeps them), "
-            "or None for a module the task lacks."
-        )
-
-    walk(adapter, ())
+        elif is_mapping(node):
+            if has_factor(node):
+                out[name] = _as_module(fn, task, name, node)
+        else:
+            raise InputError(
+                f"{fn}: adapter {task} has a leaf at {short(name)!r} ({type(node).__name__}) that "
+                "is not part of a LoRA module; pass only LoRA modules (nu.extract_lora(tree) keeps "
+                "them), or None for a module the task lacks."
+            )
     return out
+
+
+def _both_factors(node: Any) -> bool:
+    keys = node.keys()
+    return "lora_a" in keys and "lora_b" in keys
 
 
 def extract_lora(tree: Any) -> dict[str, Any]:
@@ -176,65 +325,40 @@ def extract_lora(tree: Any) -> dict[str, Any]:
       >>> list(nu.extract_lora(tree))
       ['q']
     """
+
+    def cycle(path: KeyPath) -> Exception:
+        return InputError(
+            f"nu.extract_lora: the tree contains itself at {short('/'.join(path))!r} (a cycle of "
+            "dicts); pass a tree of parameters."
+        )
+
     out: dict[str, Any] = {}
-
-    def walk(node: Any, path: tuple[str, ...]) -> None:
-        if _is_mapping(node):
-            if "lora_a" in node.keys() and "lora_b" in node.keys():
-                mod = {"lora_a": _unwrap(node["lora_a"]), "lora_b": _unwrap(node["lora_b"])}
-                if "scale" in node.keys():
-                    mod["scale"] = _unwrap(node["scale"])
-                out["/".join(path)] = mod
-                return
-            for k in node.keys():
-                walk(node[k], (*path, str(k)))
-
-    walk(tree, ())
+    for path, node in walk_modules(tree, is_module=_both_factors, max_depth=None, cycle=cycle):
+        if is_mapping(node):  # a module; other leaves (kernels, biases) are dropped
+            mod = {"lora_a": unwrap(node["lora_a"]), "lora_b": unwrap(node["lora_b"])}
+            if "scale" in node.keys():
+                mod["scale"] = unwrap(node["scale"])
+            out["/".join(path)] = mod
     return out
 
 
-def _is_real_dtype(dt: Any) -> bool:
-    """Integer or floating (not bool, complex, string or object)."""
-    try:
-        dt = np.dtype(dt)
-    except TypeError:
-        return False
-    return bool(jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer))
-
-
-def is_real_scalar(x: Any) -> bool:
-    """A real number: a Python/numpy int or float (not bool, complex or str), or a 0-d array of
-    integer or floating dtype (a tracer too)."""
-    if isinstance(x, (bool, np.bool_)):
-        return False
-    if isinstance(x, numbers.Real) and not isinstance(x, np.ndarray):
-        return True
-    return (
-        hasattr(x, "shape")
-        and hasattr(x, "dtype")
-        and tuple(x.shape) == ()
-        and _is_real_dtype(x.dtype)
-    )
-
-
-def check_real(fn: str, name: str, x: Any, expected: str) -> None:
-    """An option that must be a real number (see :func:`is_real_scalar`): else
-    :class:`InputTypeError` naming the option, the value and its type."""
-    if not is_real_scalar(x):
-        raise InputTypeError(f"{fn}: {name}={brief(x)} ({type(x).__name__}); expected {expected}.")
-
-
-def real_value(x: Any) -> float | None:
-    """The float value of a real scalar option, or None under a trace."""
-    return None if isinstance(x, jax.core.Tracer) else float(np.asarray(x, np.float64))
-
-
-def check_bool(fn: str, name: str, x: Any) -> bool:
-    """A real ``bool`` (numpy's too); anything else (``"no"``, 0, None) is an
-    :class:`InputTypeError`: options are never taken by truthiness."""
-    if isinstance(x, (bool, np.bool_)):
-        return bool(x)
-    raise InputTypeError(f"{fn}: {name}={brief(x)} ({type(x).__name__}); expected True or False.")
+def name_mismatch(
+    want: Iterable[str],
+    have: Iterable[str],
+    *,
+    missing: Callable[[list[str]], str],
+    extra: Callable[[list[str]], str],
+) -> str:
+    """How two sets of module names differ, for a message: ``""`` if they agree, else
+    ``missing(sorted names of want not in have)`` and ``extra(sorted names of have not in
+    want)``, each only if non-empty, joined by ``"; "``."""
+    want, have = set(want), set(have)
+    parts = [
+        describe(names)
+        for describe, names in ((missing, sorted(want - have)), (extra, sorted(have - want)))
+        if names
+    ]
+    return "; ".join(parts)
 
 
 def _check_module(fn: str, name: str, task: int, m: Module) -> None:
@@ -317,16 +441,15 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
         raise InputError(f"{fn}: adapter 0 has no LoRA modules ('lora_a'/'lora_b' dicts).")
     ref = set(names)
     for i, f in enumerate(flat[1:], start=1):
-        if set(f) != ref:
-            missing = sorted(ref - set(f))
-            extra = sorted(set(f) - ref)
-            parts = []
-            if missing:
-                parts.append(f"task {i} lacks {_few(missing)} that task 0 has")
-            if extra:
-                parts.append(f"task {i} has {_few(extra)} that task 0 lacks")
+        diff = name_mismatch(
+            ref,
+            f,
+            missing=lambda x, i=i: f"task {i} lacks {_few(x)} that task 0 has",
+            extra=lambda x, i=i: f"task {i} has {_few(x)} that task 0 lacks",
+        )
+        if diff:
             raise InputError(
-                f"{fn}: module names differ between adapters: {'; '.join(parts)}. Adapters must "
+                f"{fn}: module names differ between adapters: {diff}. Adapters must "
                 "come from the same base model with the same target modules; where a task really "
                 "lacks a module, put None at that name."
             )
@@ -364,36 +487,6 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
         for k, items in groups.items()
     ]
     return names, buckets, m_tasks
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
-
-
-def brief(x: Any) -> str:
-    """``repr(x)`` cut to a few dozen characters (user values can be huge, hostile, or both)."""
-    try:
-        shape = getattr(x, "shape", None)
-        if shape is not None and hasattr(x, "dtype") and len(shape) > 0:
-            return f"<{type(x).__name__} of shape {tuple(shape)}, dtype {x.dtype}>"
-        return _REPR.repr(x)
-    except Exception:  # a repr that fails is still reported, by its type
-        return f"<{type(x).__name__}>"
-
-
-def short(name: str, n: int = 80) -> str:
-    """A module name cut to ``n`` characters (keys come from user files)."""
-    name = str(name)
-    return name if len(name) <= n else f"{name[: n // 2]}...{name[-(n // 2 - 3) :]}"
-
-
-def _few(xs: Sequence[str], n: int = 3) -> str:
-    """``module 'a'`` / ``modules 'a', 'b', 'c' and 17 more``: error messages stay short."""
-    xs = list(xs)
-    shown = ", ".join(repr(short(x)) for x in xs[:n])
-    more = f" and {len(xs) - n} more" if len(xs) > n else ""
-    return f"module{'s' if len(xs) > 1 else ''} {shown}{more}"
 
 
 NONFINITE_ARRAYS = ("lora_a", "lora_b", "scale")
@@ -455,10 +548,23 @@ def raise_nonfinite(
 
 
 def float_dtype(*dtypes: Any) -> np.dtype:
-    """float64 if any input is float64 and x64 is enabled, else float32 (bf16/fp16 upcast).
+    """The package's one dtype rule: the dtype computations on inputs of these dtypes run in.
+
+    float64 if any of ``dtypes`` is float64 and x64 is enabled; else float32. So bf16 and fp16
+    are upcast to float32, float32 stays float32, and float64 without x64 is float32 (what JAX
+    would make of it anyway). Integer dtypes never ask for float64.
 
     Decided on canonicalized dtypes, so float64 numpy inputs without x64 give float32 without a
     truncation warning, and no implicit promotion happens (safe under strict dtype promotion).
+
+    Args:
+      *dtypes: dtypes (``x.dtype``, not arrays); none gives float32.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp
+      >>> from netutility_jax._tree import float_dtype
+      >>> float_dtype(jnp.bfloat16, np.float16).name
+      'float32'
     """
     f64 = any(jax.dtypes.canonicalize_dtype(d) == np.float64 for d in dtypes)
     return np.dtype(np.float64 if f64 else np.float32)
@@ -476,93 +582,3 @@ def compute_dtype(buckets: Sequence[Bucket]) -> np.dtype:
             for d in (m.lora_a.dtype, m.lora_b.dtype)
         )
     )
-
-
-def bucket_arrays(bucket: Bucket) -> tuple[Any, Any, Any]:
-    """The raw per-(module, task) leaves of a bucket, as nested tuples for a jitted stack."""
-    a = tuple(tuple(None if m is None else m.lora_a for m in mods) for mods in bucket.modules)
-    b = tuple(tuple(None if m is None else m.lora_b for m in mods) for mods in bucket.modules)
-    s = tuple(tuple(0.0 if m is None else m.scale for m in mods) for mods in bucket.modules)
-    return a, b, s
-
-
-def _padders(d_in: int, d_out: int, r_max: int, dtype: Any):
-    """Zero-padding of one ``lora_a`` to ``(d_in, r_max)`` and one ``lora_b`` to ``(r_max, d_out)``
-    (None, a task lacking the module, gives zeros)."""
-
-    def pad_a(x):
-        if x is None:
-            return jnp.zeros((d_in, r_max), dtype)
-        return jnp.pad(jnp.asarray(x, dtype), ((0, 0), (0, r_max - x.shape[1])))
-
-    def pad_b(x):
-        if x is None:
-            return jnp.zeros((r_max, d_out), dtype)
-        return jnp.pad(jnp.asarray(x, dtype), ((0, r_max - x.shape[0]), (0, 0)))
-
-    return pad_a, pad_b
-
-
-def _scales_ranks(a: Any, s: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """``scale (n, M)`` and ``rank (n, M)`` int32 (0 where a task lacks the module)."""
-    S = jnp.stack([jnp.stack([jnp.asarray(x, dtype) for x in row]) for row in s])
-    R = np.array([[0 if x is None else x.shape[1] for x in row] for row in a], np.int32)
-    return S, jnp.asarray(R)
-
-
-def stack_bucket(
-    a: Any, b: Any, s: Any, *, d_in: int, d_out: int, r_max: int, dtype: Any
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Stack (and zero-pad to r_max) the leaves of :func:`bucket_arrays` (traceable).
-
-    Returns:
-      ``a (n, M, d_in, r_max)``, ``b (n, M, r_max, d_out)``, ``scale (n, M)``, ``rank (n, M)``
-      (int32, 0 where a task lacks the module).
-    """
-
-    pad_a, pad_b = _padders(d_in, d_out, r_max, dtype)
-    A = jnp.stack([jnp.stack([pad_a(x) for x in row]) for row in a])
-    B = jnp.stack([jnp.stack([pad_b(x) for x in row]) for row in b])
-    S, R = _scales_ranks(a, s, dtype)
-    return A, B, S, R
-
-
-def stack_bucket_cat(
-    a: Any, b: Any, s: Any, *, d_in: int, d_out: int, r_max: int, dtype: Any
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """:func:`stack_bucket` with the tasks side by side, in the factors' own layouts (traceable).
-
-    Returns:
-      ``xa (n, d_in, M r_max)`` = ``[a_1 .. a_M]``, ``yb (n, M r_max, d_out)`` = ``[b_1; ..; b_M]``
-      (task ``i`` in columns / rows ``i r_max .. (i + 1) r_max``, zero-padded), ``scale (n, M)`` and
-      ``rank (n, M)`` as :func:`stack_bucket`. No transposes: one copy of every factor.
-    """
-
-    pad_a, pad_b = _padders(d_in, d_out, r_max, dtype)
-    xa = jnp.stack([jnp.concatenate([pad_a(x) for x in row], 1) for row in a])
-    # one flat concatenation (a plain copy per factor), then a free reshape
-    yb = jnp.concatenate([pad_b(x) for row in b for x in row], 0).reshape(len(b), -1, d_out)
-    S, R = _scales_ranks(a, s, dtype)
-    return xa, yb, S, R
-
-
-def split_bucket(bucket: Bucket, max_bytes: int, itemsize: int = 4) -> list[Bucket]:
-    """A bucket as consecutive sub-buckets of equal size whose stacked factors fit ``max_bytes``.
-
-    The size divides the bucket's module count (one compiled shape per bucket), so sub-buckets
-    hold between 1 and ``n`` modules. Per-bucket kernels are free of global state, so merging a
-    bucket piece by piece gives the same result with peak memory bounded by ``max_bytes``.
-    """
-    n = len(bucket.names)
-    m_tasks = len(bucket.modules[0]) if n else 0
-    per = max(1, m_tasks * bucket.r_max * (bucket.d_in + bucket.d_out) * itemsize)
-    cap = max(1, min(n, max_bytes // per))
-    size = max(d for d in range(1, cap + 1) if n % d == 0) if n else 1
-    if size >= n:
-        return [bucket]
-    return [
-        dataclasses.replace(
-            bucket, names=bucket.names[i : i + size], modules=bucket.modules[i : i + size]
-        )
-        for i in range(0, n, size)
-    ]

@@ -15,9 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _tree
+from ._checks import few
 from .errors import InputError, InputTypeError
 from .utility import Scores
+
+__all__ = [
+    "budget_spent",
+    "kept_per_module",
+    "kept_per_task",
+    "non_prefix_fraction",
+    "retention_by_rank",
+]
 
 
 def _np(fn: str, masks: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
@@ -53,13 +61,13 @@ def _np(fn: str, masks: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
         first = masks[bad_type[0]]
         what = getattr(first, "dtype", type(first).__name__)
         raise InputTypeError(
-            f"{fn}: the masks of {_tree._few([str(k) for k in bad_type])} are not concrete bool arrays (the first "
+            f"{fn}: the masks of {few(bad_type)} are not concrete bool arrays (the first "
             f"is {what}); expected the {{name: bool (M, r_max)}} masks returned by nu.allocate "
             "(cast 0/1 arrays with .astype(bool))."
         )
     if bad_shape:
         raise InputError(
-            f"{fn}: the masks of {_tree._few([str(k) for k in bad_shape])} are not 2-D (the first has shape "
+            f"{fn}: the masks of {few(bad_shape)} are not 2-D (the first has shape "
             f"{tuple(masks[bad_shape[0]].shape)}); expected (M, r_max) per module."
         )
     return out
@@ -137,7 +145,7 @@ def retention_by_rank(masks: Mapping[str, jax.Array], scores: Scores) -> jax.Arr
     missing = [k for k in m if k not in scores.modules]
     if missing:
         raise InputError(
-            f"{fn}: scores have no entry for {_tree._few(missing)} of the masks; pass the masks "
+            f"{fn}: scores have no entry for {few(missing)} of the masks; pass the masks "
             "and scores of one nu.score / nu.allocate run."
         )
     wrong = [
@@ -146,7 +154,7 @@ def retention_by_rank(masks: Mapping[str, jax.Array], scores: Scores) -> jax.Arr
     if wrong:
         k = wrong[0]
         raise InputError(
-            f"{fn}: masks and scores differ in shape for {_tree._few(wrong)} (first: mask "
+            f"{fn}: masks and scores differ in shape for {few(wrong)} (first: mask "
             f"{tuple(m[k].shape)}, utility {tuple(np.shape(scores.modules[k].utility))}); pass "
             "the masks and scores of one nu.score / nu.allocate run."
         )

@@ -32,6 +32,8 @@ from .errors import InputError, InputTypeError
 from .merging import Report
 from .utility import ModuleScores, Scores
 
+__all__ = ["DATACLASSES", "FORMAT", "NAMED_TUPLES", "VERSION", "restore", "save"]
+
 FORMAT = "netutility-jax"
 VERSION = 1
 # Types restored by name: a checkpoint never names an arbitrary class to import.
@@ -84,7 +86,7 @@ def _encode(x: Any, arrays: list, where: str) -> dict[str, Any]:
     if isinstance(x, (list, tuple)):
         items = [_encode(v, arrays, f"{where}[{i}]") for i, v in enumerate(x)]
         return {"t": type(x).__name__, "items": items}
-    if _tree._is_mapping(x):  # dicts, flax.nnx.State
+    if _tree.is_mapping(x):  # dicts, flax.nnx.State
         items = []
         for k in x.keys():
             if isinstance(k, bool) or not isinstance(k, (str, int)):
@@ -163,22 +165,14 @@ def save(path: str | os.PathLike, obj: Any) -> None:
         ckpt.save(path, ocp.args.Composite(**items))
 
 
+def _is_array_spec(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("t") == "array"
+
+
 def _array_specs(spec: Any) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            if node.get("t") == "array":
-                out.append(node)
-                return
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(spec)
-    return out
+    """The array entries of a saved structure (plain JSON: dicts and lists, walked by jax.tree)."""
+    leaves = jax.tree.leaves(spec, is_leaf=_is_array_spec)
+    return [x for x in leaves if _is_array_spec(x)]
 
 
 def _decode(spec: dict[str, Any], arrays: Mapping[str, Any]) -> Any:

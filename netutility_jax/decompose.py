@@ -9,10 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from . import _tree
+from ._checks import check_bool, given, is_real_dtype, is_real_scalar
 from ._linalg import mul_pow2, pow2_normalise
 from ._tree import float_dtype
 from .errors import InputError, InputTypeError
+
+__all__ = ["LoraSVD", "lora_svd"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -42,11 +44,7 @@ def _float_dtype(**xs: ArrayLike) -> np.dtype:
             except Exception:  # ragged lists and such: not an array at all
                 dt = None
         if dt is None or not _is_floating(dt):
-            what = (
-                f"has dtype {dt}"
-                if dt is not None
-                else f"is {_tree.brief(x)} ({type(x).__name__}), not an array"
-            )
+            what = f"has dtype {dt}" if dt is not None else f"is {given(x)}, not an array"
             raise InputTypeError(
                 f"nu.lora_svd: {label} {what}; expected a floating dtype (bf16/fp16 are upcast "
                 "to float32)."
@@ -183,11 +181,7 @@ def lora_svd(
     References:
       Amballa et al., "Not All Ranks Are Equal: Budget-Aware LoRA Merging Across Tasks", App. A.5.
     """
-    if not isinstance(checked, (bool, np.bool_)):
-        raise InputTypeError(
-            f"nu.lora_svd: checked={_tree.brief(checked)} ({type(checked).__name__}); expected "
-            "True or False."
-        )
+    checked = check_bool("nu.lora_svd", "checked", checked)
     dt = _float_dtype(lora_a=lora_a, lora_b=lora_b)
     with np.errstate(over="ignore"):  # values beyond the dtype become inf: reported below
         a = jnp.asarray(lora_a, dt)
@@ -199,12 +193,11 @@ def lora_svd(
             "checkpoint stores lora_A (r, d_in) and lora_B (d_out, r): transpose both."
         )
     if isinstance(scale, (bool, np.bool_, str, bytes, complex)) or not (
-        _tree.is_real_scalar(scale)
-        or (hasattr(scale, "dtype") and _tree._is_real_dtype(scale.dtype))
+        is_real_scalar(scale) or (hasattr(scale, "dtype") and is_real_dtype(scale.dtype))
     ):
         raise InputTypeError(
-            f"nu.lora_svd: scale={_tree.brief(scale)} ({type(scale).__name__}); expected a real "
-            "number or a real array broadcastable to the batch axes (the LoRA scale)."
+            f"nu.lora_svd: scale={given(scale)}; expected a real number or a real array "
+            "broadcastable to the batch axes (the LoRA scale)."
         )
     try:
         with np.errstate(over="ignore"):

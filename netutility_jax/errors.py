@@ -15,6 +15,7 @@ __all__ = [
     "InputTypeError",
     "MissingFileError",
     "NetUtilityError",
+    "one_line",
 ]
 
 
@@ -41,3 +42,14 @@ class MissingFileError(NetUtilityError, FileNotFoundError):
 
 class FileAccessError(NetUtilityError, PermissionError):
     """A file or folder the user named exists but cannot be read or written (permissions)."""
+
+
+def one_line(e: BaseException, limit: int = 2000) -> str:
+    """The message of ``e`` on one line, cut after ``limit`` characters (a last line of defence
+    for command-line output: messages name a few items and a count, never every module)."""
+    import re
+
+    text = re.sub(r"\s*[\r\n]\s*", " ", str(e).strip()) or type(e).__name__
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit} more characters)"
+    return text

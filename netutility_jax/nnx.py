@@ -33,6 +33,8 @@ from . import _tree
 from .errors import InputError, InputTypeError
 from .merging import module_update
 
+__all__ = ["MODES", "apply_adapter", "extract_adapter"]
+
 MODES = ("fold", "lora")
 
 
@@ -70,7 +72,7 @@ def _lora_layers(model: Any, fn: str) -> dict[str, _Layer]:
 
 
 def _scalar(fn: str, name: str, x: Any, what: str) -> float | jax.Array:
-    x = _tree._unwrap(x)
+    x = _tree.unwrap(x)
     if isinstance(x, jax.core.Tracer):
         return x
     arr = np.asarray(x)
@@ -152,29 +154,20 @@ def extract_adapter(
 
 
 def _merged_modules(fn: str, merged: Any) -> dict[str, Mapping[str, Any] | None]:
-    if not _tree._is_mapping(merged):
+    if not _tree.is_mapping(merged):
         raise InputTypeError(
             f"{fn}: merged is a {type(merged).__name__}; expected the adapter returned by "
             "nu.merge / nu.merge_adapters ({name: module})."
         )
     out: dict[str, Mapping[str, Any] | None] = {}
-
-    def walk(node, path):
+    for path, node in _tree.walk_modules(merged, is_module=_tree.has_update, max_depth=None):
         name = "/".join(path)
-        if node is None:
-            out[name] = None
-        elif _tree._is_mapping(node) and ({"lora_a", "lora_b", "delta"} & set(node.keys())):
-            out[name] = node
-        elif _tree._is_mapping(node):
-            for k in node.keys():
-                walk(node[k], (*path, str(k)))
-        else:
+        if node is not None and not _tree.is_mapping(node):
             raise InputError(
                 f"{fn}: merged has a leaf at {name!r} ({type(node).__name__}) outside any module; "
                 "expected {name: {'lora_a', 'lora_b', 'scale'}} or {name: {'delta'}}."
             )
-
-    walk(merged, ())
+        out[name] = node  # a module, or None (no update)
     return out
 
 
@@ -240,15 +233,15 @@ def apply_adapter(
         raise InputError(f"{fn}: unknown mode {mode!r}; expected one of {MODES}.")
     layers = _lora_layers(model, fn)
     mods = _merged_modules(fn, merged)
-    if set(mods) != set(layers):
-        missing, extra = sorted(set(layers) - set(mods)), sorted(set(mods) - set(layers))
-        parts = []
-        if missing:
-            parts.append(f"the model's LoRA layers {missing[:3]} have no merged module")
-        if extra:
-            parts.append(f"merged modules {extra[:3]} are not LoRA layers of the model")
+    diff = _tree.name_mismatch(
+        layers,
+        mods,
+        missing=lambda x: f"the model's LoRA layers {x[:3]} have no merged module",
+        extra=lambda x: f"merged modules {x[:3]} are not LoRA layers of the model",
+    )
+    if diff:
         raise InputError(
-            f"{fn}: merged module names do not match the model: {'; '.join(parts)}. Merge "
+            f"{fn}: merged module names do not match the model: {diff}. Merge "
             "adapters extracted from this model architecture (nu.nnx.extract_adapter); its "
             f"LoRA layers are {list(layers)[:5]}{' ...' if len(layers) > 5 else ''}."
         )

@@ -14,16 +14,24 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ._io import atomic_file
 from .analysis import non_prefix_fraction, retention_by_rank
 from .errors import InputError, InputTypeError
 from .merging import Report
 from .utility import Scores
+
+__all__ = [
+    "budget_heatmap",
+    "kept_per_task",
+    "parse_module_name",
+    "prefix_retention",
+    "utility_distribution",
+]
 
 _INSTALL = "pip install netutility-jax[plots]"
 
@@ -60,20 +68,9 @@ def _check_free(fn: str, path: Any) -> None:
 def _finish(fn: str, fig: Any, path: Any) -> Any:
     if path is None:
         return fig
-    path = os.fspath(path)
     _check_free(fn, path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(
-        dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp.png"
-    )
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=150)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(os.fspath(path), "wb") as f:
+        fig.savefig(f, format="png", dpi=150)
     return fig
 
 
@@ -121,15 +118,27 @@ def _task_labels(fn: str, task_names: Sequence[str] | None, m_tasks: int) -> lis
     return names
 
 
-def _check_scores(fn: str, scores: Any, names: Sequence[str] | None = None) -> None:
+def _check_scores(fn: str, scores: Any, masks: Mapping[str, np.ndarray] | None = None) -> None:
+    """``scores`` is a :class:`nu.Scores`; with ``masks``, of the same modules and shapes."""
     if not isinstance(scores, Scores):
-        raise InputTypeError(f"{fn}: expected the nu.Scores returned by nu.score, got {type(scores)}.")
-    if names is not None and set(names) != set(scores.modules):
-        diff = sorted(set(names) ^ set(scores.modules))
+        raise InputTypeError(
+            f"{fn}: expected the nu.Scores returned by nu.score, got {type(scores)}."
+        )
+    if masks is None:
+        return
+    if set(masks) != set(scores.modules):
+        diff = sorted(set(masks) ^ set(scores.modules))
         raise InputError(
             f"{fn}: masks and scores name different modules (e.g. {diff[:3]}); pass the masks "
             "nu.allocate returned for these scores."
         )
+    for name, v in masks.items():
+        shape = tuple(np.shape(scores.modules[name].utility))
+        if v.shape != shape:
+            raise InputError(
+                f"{fn}: mask of module {name!r} has shape {v.shape} but its scores {shape}; pass "
+                "the masks nu.allocate returned for these scores."
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,14 +340,7 @@ def prefix_retention(
     """
     fn = "nu.plots.prefix_retention"
     m = _masks(fn, masks)
-    _check_scores(fn, scores, list(m))
-    for name, v in m.items():
-        shape = tuple(np.shape(scores.modules[name].utility))
-        if v.shape != shape:
-            raise InputError(
-                f"{fn}: mask of module {name!r} has shape {v.shape} but its scores {shape}; pass "
-                "the masks nu.allocate returned for these scores."
-            )
+    _check_scores(fn, scores, m)
     observed = np.asarray(retention_by_rank(m, scores))
     rule = np.asarray(retention_by_rank(_prefix_masks(m, scores), scores))
     k = np.arange(1, observed.shape[0] + 1)
@@ -458,13 +460,7 @@ def utility_distribution(
     m = None
     if masks is not None:
         m = _masks(fn, masks)
-        _check_scores(fn, scores, list(m))
-        for name, v in m.items():
-            if v.shape != utils[name].shape:
-                raise InputError(
-                    f"{fn}: mask of module {name!r} has shape {v.shape} but its scores "
-                    f"{utils[name].shape}; pass the masks nu.allocate returned for these scores."
-                )
+        _check_scores(fn, scores, m)
     labels = _task_labels(fn, task_names, m_tasks)
     values, kept = [], []
     for j in range(m_tasks):

@@ -63,6 +63,29 @@ from ._linalg import LazyQR, mul_pow2, orth_qr_lazy_many, svd_many
 from ._linalg import mm as _mm
 from ._linalg import t as _t
 
+__all__ = [
+    "HEADROOM",
+    "KNOTS_VARIANTS",
+    "SPACES",
+    "Coords",
+    "Kept",
+    "Reduced",
+    "TaskScales",
+    "core_coords",
+    "decode_dense",
+    "decode_factored",
+    "dense_tasks",
+    "full_coords",
+    "kept_components",
+    "knots_coords",
+    "leaf_scales",
+    "module_unit",
+    "normalise_tasks",
+    "reduce_factors",
+    "scale_leaves",
+    "split_pow2",
+]
+
 SPACES = ("full", "core", "knots")
 KNOTS_VARIANTS = ("core_space", "original")
 
@@ -93,7 +116,7 @@ class Reduced(NamedTuple):
 
 def reduce_factors(xa: jax.Array, yb: jax.Array, m_tasks: int) -> Reduced:
     """:class:`Reduced` from ``xa (n, d_in, M r)`` and ``yb (n, M r, d_out)`` (see
-    :func:`_tree.stack_bucket_cat`); both QRs share their LAPACK calls."""
+    :func:`_buckets.stack_bucket_cat`); both QRs share their LAPACK calls."""
     fa, fb = orth_qr_lazy_many([xa, yb], rows=[False, True], exact=True)
     n, k = fa.r.shape[0], fa.r.shape[-2]
     r = xa.shape[-1] // m_tasks
@@ -166,7 +189,7 @@ def normalise_tasks(
 
 
 def leaf_scales(a, b, s, dtype) -> tuple[TaskScales, jax.Array]:
-    """:func:`normalise_tasks`'s exponents from a bucket's leaves (``_tree.bucket_arrays``: per
+    """:func:`normalise_tasks`'s exponents from a bucket's leaves (``_buckets.bucket_arrays``: per
     module a tuple of per-task factors, None where a task lacks the module), one read of each
     leaf, nothing scaled yet (:func:`scale_leaves`): ``(TaskScales (n, M), bad (n, M, 3))``."""
     zero_i = jnp.zeros((), jnp.int32)

@@ -44,10 +44,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _tree
+from . import _buckets, _tree
+from ._checks import brief, check_auto, check_bool, check_real, real_option, real_value
+from ._grams import PER_TASK, ROUTES, Grams, grams, safe_grams
 from ._linalg import eigh_batched as eigh_batched
-from ._linalg import exponent, mul_pow2, pow2, pow2_normalise
+from ._linalg import mul_pow2
+from ._score_errors import X64_HINT, checkify_score, raise_unrepresentable, range_text
 from .errors import InputError
+
+__all__ = [
+    "ROUTES",
+    "BucketStats",
+    "ModuleScores",
+    "Scores",
+    "default_rtol",
+    "heterogeneity",
+    "lam_auto",
+    "score",
+    "score_buckets",
+    "task_energies",
+    "unstack",
+]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -104,123 +121,7 @@ def _safe_div(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.where(ok, x / jnp.where(ok, y, 1), 0)
 
 
-# Largest |log2| of a task-module's largest factor entry for which the Grams of the raw factors
-# are exact up to rounding: entries at most 2^40 square to at most d 2^80 (no overflow), and a
-# product that underflows (< 2^-126) is below 2^-46 of the largest entry squared (>= 2^-80).
-_RAW_GRAM_RANGE = 40
-
-
-class _Grams(NamedTuple):
-    """Grams of the factors divided by powers of two (largest entry in ``[0.5, 1)``), and the
-    scale likewise: the update is ``2^exp * scale a' b'`` (see :func:`_grams`)."""
-
-    g: jax.Array  # (n, M, r, M, r) = a'_i^T a'_j blocks
-    gii: jax.Array  # (n, M, r, r)
-    h: jax.Array  # (n, M, r, r) = b'_i b'_i^T
-    scale: jax.Array  # (n, M), |scale'| in [0.5, 1) (or 0)
-    exp: jax.Array  # (n, M) int32
-    nonfinite: jax.Array  # (n, M, 3) int32: NaN/Inf entries of lora_a, lora_b, scale (read as 0)
-    raw_ok: jax.Array  # () bool: see _safe_grams
-
-
-class _GramKind(NamedTuple):
-    """How a kernel forms the Gram of the input factors ``a (n, M, d_in, r)``."""
-
-    gram: Any  # a -> Gram
-    diag: Any  # Gram -> (n, M, r) squared column norms
-    rescale: Any  # (Gram, ea (n, M)) -> Gram of a * 2^-ea, for |ea| <= _RAW_GRAM_RANGE + 1
-
-
-# rescale: exponents are within +-(_RAW_GRAM_RANGE + 1) there, so one power of two is exact
-_CROSS = _GramKind(  # all task pairs: (n, M, r, M, r)
-    lambda a: jnp.einsum("nidk,njdl->nikjl", a, a, precision=_HI),
-    lambda g: jnp.einsum("nikik->nik", g),
-    lambda g, e: g * pow2(-(e[:, :, None, None, None] + e[:, None, None, :, None]), g.dtype),
-)
-_PER_TASK = _GramKind(  # each task alone: (n, M, r, r)
-    lambda a: jnp.einsum("nidk,nidl->nikl", a, a, precision=_HI),
-    lambda g: jnp.einsum("nikk->nik", g),
-    lambda g, e: g * pow2(-2 * e[..., None, None], g.dtype),
-)
-
-
-def _b_gram(b: jax.Array) -> jax.Array:
-    return jnp.einsum("nikd,nild->nikl", b, b, precision=_HI)
-
-
-ROUTES = ("raw", "normalise", "cond")
-
-
-def _safe_grams(
-    a: jax.Array, b: jax.Array, scale: jax.Array, kind: _GramKind, route: str
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Grams of ``a`` and ``b`` divided by powers of two, and the scale likewise (scale-safe).
-
-    Each task-module's ``lora_a``, ``lora_b`` and ``scale`` are divided by the power of two that
-    brings their largest entry into ``[0.5, 1)``. ``route`` says how, for the factors:
-
-    * ``"raw"``: on the Grams of the raw factors (exact, ``(M r)``-sized, one max-reduction over
-      the factors as the only extra work). Exact only when every largest entry is finite and
-      within ``2^+-40``, which the returned ``raw_ok`` says; otherwise the result is to be
-      discarded and the call repeated with ``"normalise"`` (eager callers do this).
-    * ``"normalise"``: on the factors themselves, before the Grams (one more pass over the
-      factors); non-finite entries are zeroed and counted. Exact for any input.
-    * ``"cond"``: ``"raw"`` when ``raw_ok``, else ``"normalise"``, chosen at run time by
-      ``lax.cond`` (for traced calls, where the eager retry is impossible).
-
-    Returns:
-      ``(ga, h, scale', exp, nonfinite, raw_ok)``: ``h = b' b'^T (n, M, r, r)``, ``scale' (n, M)``,
-      ``exp (n, M)`` int32 with ``scale a b = 2^exp scale' a' b'``, ``nonfinite (n, M, 3)`` int32
-      (NaN/Inf entries of lora_a, lora_b, scale, read as 0; 0 on the raw route, whose inputs are
-      finite when ``raw_ok``), and the scalar bool ``raw_ok``.
-    """
-    s, es, ns = pow2_normalise(scale, ())
-
-    def normalised():
-        a2, ea, na = pow2_normalise(a, (-2, -1))
-        b2, eb, nb = pow2_normalise(b, (-2, -1))
-        return kind.gram(a2), _b_gram(b2), ea + eb, jnp.stack([na, nb], -1)
-
-    if route == "normalise":
-        gs, hs, e_ab, bad = normalised()
-        raw_ok = jnp.ones((), bool)
-    else:
-        amax = jnp.max(jnp.abs(a), axis=(-2, -1), initial=0.0)
-        bmax = jnp.max(jnp.abs(b), axis=(-2, -1), initial=0.0)
-        ga, h = kind.gram(a), _b_gram(b)
-        lo, hi = 2.0**-_RAW_GRAM_RANGE, 2.0**_RAW_GRAM_RANGE
-
-        def in_range(x):
-            return (x == 0) | ((x >= lo) & (x <= hi))
-
-        # a max-reduction may skip NaN; the Gram diagonals (sums of squares) never do
-        raw_ok = (
-            jnp.isfinite(kind.diag(ga)).all(-1)
-            & jnp.isfinite(jnp.einsum("nikk->nik", h)).all(-1)
-            & in_range(amax)
-            & in_range(bmax)
-        ).all()
-
-        def from_raw():
-            ea, eb = exponent(amax), exponent(bmax)
-            hs = h * pow2(-2 * eb[..., None, None], h.dtype)
-            return kind.rescale(ga, ea), hs, ea + eb, jnp.zeros((*ea.shape, 2), jnp.int32)
-
-        if route == "raw":
-            gs, hs, e_ab, bad = from_raw()
-        else:
-            gs, hs, e_ab, bad = jax.lax.cond(raw_ok, from_raw, normalised)
-    return gs, hs, s, e_ab + es, jnp.concatenate([bad, ns[..., None]], -1), raw_ok
-
-
-def _grams(a: jax.Array, b: jax.Array, scale: jax.Array, route: str) -> _Grams:
-    """Stage 1: the only d-sized work, two Grams per module, scale-safe (see
-    :func:`_safe_grams`)."""
-    g, h, s, e, nonfinite, raw_ok = _safe_grams(a, b, scale, _CROSS, route)
-    return _Grams(g, jnp.einsum("nikil->nikl", g), h, s, e, nonfinite, raw_ok)
-
-
-def _cores(gr: _Grams, phi: jax.Array, f: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _cores(gr: Grams, phi: jax.Array, f: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Stage 2: ``R_b^T = F Phi^(1/2)`` (r, K) from ``eigh(H)``, and the (K, K) cores."""
     r = gr.h.shape[-1]
     rbt = f[..., :r, :] * jnp.sqrt(jnp.clip(phi, 0))[..., None, :]
@@ -231,7 +132,7 @@ def _cores(gr: _Grams, phi: jax.Array, f: jax.Array) -> tuple[jax.Array, jax.Arr
 
 
 def _finish(
-    gr: _Grams,
+    gr: Grams,
     rbt: jax.Array,
     ev: jax.Array,
     z: jax.Array,
@@ -311,20 +212,20 @@ def score_buckets(
     calls (see :func:`eigh_batched`); everything else is per bucket. Free of global state: lambda
     and utilities are computed across buckets by the caller, so buckets can be streamed or sharded.
 
-    ``route`` picks how the factors are normalised (see :func:`_safe_grams`): the default
+    ``route`` picks how the factors are normalised (see :func:`safe_grams`): the default
     ``"cond"`` is exact for any input; ``"raw"`` is the fastest and exact unless
     ``BucketStats.raw_ok`` is False, in which case the call must be repeated with ``"normalise"``.
 
     Returns:
       one :class:`BucketStats` per bucket, arrays ``(n, M, r)``.
     """
-    grams = [_grams(a, b, s, route) for a, b, s, _ in buckets]
-    eig_h = eigh_batched([gr.h for gr in grams])
-    cores = [_cores(gr, phi, f) for gr, (phi, f) in zip(grams, eig_h, strict=True)]
+    grs = [grams(a, b, s, route) for a, b, s, _ in buckets]
+    eig_h = eigh_batched([gr.h for gr in grs])
+    cores = [_cores(gr, phi, f) for gr, (phi, f) in zip(grs, eig_h, strict=True)]
     eig_c = eigh_batched([c for _, c in cores])
     return [
         _finish(gr, rbt, ev, z, bk[3], alpha, rtol)
-        for gr, (rbt, _), (ev, z), bk, rtol in zip(grams, cores, eig_c, buckets, rtols, strict=True)
+        for gr, (rbt, _), (ev, z), bk, rtol in zip(grs, cores, eig_c, buckets, rtols, strict=True)
     ]
 
 
@@ -346,10 +247,10 @@ def lam_auto(benefit: jax.Array, interference: jax.Array, candidate: jax.Array) 
 @functools.partial(jax.jit, static_argnames=("meta", "lam_is_auto", "route"))
 def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw"):
     """The jitted scoring of :func:`score`; with ``route="raw"`` the caller must redo the call
-    with ``route="normalise"`` when the returned ``raw_ok`` is False (see :func:`_safe_grams`)."""
+    with ``route="normalise"`` when the returned ``raw_ok`` is False (see :func:`safe_grams`)."""
     dtype = meta[0]
     stacked = [
-        _tree.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
+        _buckets.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
         for (a, b, s), (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True)
     ]
     stats = score_buckets(stacked, alpha=alpha, rtols=rtols, route=route)
@@ -403,140 +304,6 @@ def unstack(x: jax.Array) -> list[jax.Array]:
     return jax.device_put([h[i] for i in range(h.shape[0])], x.sharding)
 
 
-_X64_HINT = (
-    "enable x64 (jax.config.update('jax_enable_x64', True)) and pass float64 factors, whose "
-    "range is far wider"
-)
-
-
-def _range_text(dtype: Any) -> str:
-    fi = np.finfo(np.dtype(dtype))
-    return f"the range of {np.dtype(dtype).name} (normal numbers {fi.tiny:.1e} to {fi.max:.1e})"
-
-
-def _spread(bk: _tree.Bucket, n: int, l10: np.ndarray) -> str:
-    """How much the tasks' updates differ in size in module ``n`` of ``bk``."""
-    live = np.flatnonzero(np.isfinite(l10))
-    hi = int(live[np.argmax(l10[live])])
-    lo = int(live[np.argmin(l10[live])])
-
-    def sc(i: int) -> str:
-        return f"{float(np.asarray(bk.modules[n][i].scale, np.float64)):.3g}"
-
-    return (
-        f"largest singular value about 1e{l10[hi]:+.0f} in task {hi} (scale {sc(hi)}) and "
-        f"1e{l10[lo]:+.0f} in task {lo} (scale {sc(lo)})"
-    )
-
-
-def _raise_unrepresentable(
-    fn: str,
-    buckets: Sequence[_tree.Bucket],
-    outs: Sequence[Any],
-    lam: Any,
-    lam_bad: Any,
-    *,
-    dtype: Any,
-    lam_is_auto: bool,
-) -> None:
-    """Refuse results that the compute dtype cannot hold (see the module docstring)."""
-    hits = []
-    for bk, (_, _, ranges, l10) in zip(buckets, outs, strict=True):
-        r = np.asarray(ranges)
-        if r.any():
-            hits.append((bk, r, np.asarray(l10, np.float64)))
-    rng = _range_text(dtype)
-    if hits:
-        bk, r, l10 = hits[0]
-        n = int(np.flatnonzero(r.any((1, 2)))[0])
-        kind = int(np.flatnonzero(r[n].any(0))[0])
-        i = int(np.flatnonzero(r[n, :, kind])[0])
-        nm = _tree.short(bk.names[n])
-        if kind == 0:
-            head = (
-                f"module {nm!r}, task {i}: the update's singular values (largest about "
-                f"1e{l10[n, i]:+.0f}) fall outside {rng}. Check that task's scale (lora_alpha / "
-                f"r, here {float(np.asarray(bk.modules[n][i].scale, np.float64)):.3g}) and "
-                f"factors, or {_X64_HINT}."
-            )
-        else:
-            what = (
-                f"task {i}'s interference, which grows as the square of the ratio of two tasks' "
-                "update sizes,"
-                if kind == 1
-                else f"lam * interference of task {i} (lam = {float(np.asarray(lam)):.3g})"
-            )
-            head = (
-                f"module {nm!r}: {what} is beyond {rng}: the tasks' updates differ too much in "
-                f"size ({_spread(bk, n, l10[n])}). A LoRA scale (lora_alpha / r) this different "
-                "between tasks is usually a configuration error: check the scales"
-                f"{', or pass a smaller lam' if kind == 2 and not lam_is_auto else ''}, or "
-                f"{_X64_HINT}."
-            )
-        pairs = sum(int(r2.any(-1).sum()) for _, r2, _ in hits)
-        names = [
-            nm2 for bk2, r2, _ in hits for nm2, row in zip(bk2.names, r2, strict=True) if row.any()
-        ]
-        more = (
-            f" In all, {pairs} (module, task) pairs are affected, in {_tree._few(names)}."
-            if pairs > 1
-            else ""
-        )
-        raise InputError(f"{fn}: {head}{more}")
-    if bool(np.asarray(lam_bad)):
-        raise InputError(
-            f"{fn}: lam='auto' (median benefit / median interference) is "
-            f"{float(np.asarray(lam)):.3g}, outside {rng}: the interferences are too large for "
-            "the benefits (the tasks' updates differ greatly in size). Check the LoRA scales, pass "
-            f"lam= explicitly, or {_X64_HINT}."
-        )
-
-
-def _checkify_score(
-    fn: str, names: Sequence[str], buckets: Sequence[_tree.Bucket], outs: Any, lam_bad: Any
-) -> None:
-    """Under a trace with ``checked=True``: the eager checks as ``checkify`` checks."""
-    from jax.experimental import checkify
-
-    index = {nm: k for k, nm in enumerate(names)}
-    # inputs first (checkify reports the first failed check): a NaN input also makes results NaN
-    for bk, (_, nonfinite, _, _) in zip(buckets, outs, strict=True):
-        pos = jnp.asarray([index[nm] for nm in bk.names], jnp.int32)
-        m_tasks = nonfinite.shape[1]
-        for k, label in enumerate(_tree.NONFINITE_ARRAYS):
-            c = nonfinite[..., k].reshape(-1)
-            first = jnp.argmax(c > 0)
-            checkify.check(
-                ~(c > 0).any(),
-                f"{fn}: {label} of task {{task}} in module #{{module}} (its position in the "
-                "adapters' module order) has {count} non-finite entries (NaN or Inf).",
-                task=first % m_tasks,
-                module=pos[first // m_tasks],
-                count=c[first],
-            )
-    for bk, (_, _, ranges, _) in zip(buckets, outs, strict=True):
-        pos = jnp.asarray([index[nm] for nm in bk.names], jnp.int32)
-        m_tasks = ranges.shape[1]
-        for k, what in enumerate(
-            ("singular values", "interference", "utility (lam * interference)")
-        ):
-            c = ranges[..., k].reshape(-1)
-            first = jnp.argmax(c)
-            checkify.check(
-                ~c.any(),
-                f"{fn}: the {what} of task {{task}} in module #{{module}} (its position in the "
-                "adapters' module order) is beyond the range of the compute dtype; the tasks' "
-                "update sizes (LoRA scales) differ too much, or enable x64.",
-                task=first % m_tasks,
-                module=pos[first // m_tasks],
-            )
-    checkify.check(
-        ~lam_bad,
-        f"{fn}: lam='auto' is beyond the range of the compute dtype (the tasks' update sizes "
-        "differ too much); pass lam= explicitly.",
-    )
-
-
 _ALPHA_EXPECTED = (
     "a finite number >= 0 (1.0 Gram geometry, 0.0 row-space heuristic, values in between allowed) "
     "or 'auto'"
@@ -544,40 +311,18 @@ _ALPHA_EXPECTED = (
 _LAM_EXPECTED = "a finite number >= 0 (the interference weight) or 'auto'"
 
 
-def _check_alpha(fn: str, alpha: Any) -> None:
-    if isinstance(alpha, str):
-        if alpha != "auto":
-            raise InputError(f"{fn}: alpha={_tree.brief(alpha)}; expected {_ALPHA_EXPECTED}.")
-        return
-    _tree.check_real(fn, "alpha", alpha, _ALPHA_EXPECTED)
-    v = _tree.real_value(alpha)
-    if v is not None and not (np.isfinite(v) and v >= 0):
-        raise InputError(f"{fn}: alpha={_tree.brief(alpha)}; expected {_ALPHA_EXPECTED}.")
-
-
-def _check_lam(fn: str, lam: Any) -> None:
-    if isinstance(lam, str):
-        if lam != "auto":
-            raise InputError(f"{fn}: lam={_tree.brief(lam)}; expected {_LAM_EXPECTED}.")
-        return
-    _tree.check_real(fn, "lam", lam, _LAM_EXPECTED)
-    v = _tree.real_value(lam)
-    if v is not None and not (np.isfinite(v) and v >= 0):
-        raise InputError(f"{fn}: lam={_tree.brief(lam)}; expected {_LAM_EXPECTED}.")
-
-
 def _check_options(fn: str, alpha: Any, lam: Any, rtol: Any, h_threshold: Any) -> None:
-    _check_alpha(fn, alpha)
-    _check_lam(fn, lam)
+    for name, value, expected in (("alpha", alpha, _ALPHA_EXPECTED), ("lam", lam, _LAM_EXPECTED)):
+        if isinstance(value, str) and value != "auto":  # messages without the type: tests pin them
+            raise InputError(f"{fn}: {name}={brief(value)}; expected {expected}.")
+        check_auto(fn, name, value, expected)
     if rtol is not None:
-        _tree.check_real(fn, "rtol", rtol, "None or a number with 0 <= rtol < 1")
-        v = _tree.real_value(rtol)
-        if v is not None and not (0 <= v < 1):
-            raise InputError(f"{fn}: rtol={_tree.brief(rtol)}; expected 0 <= rtol < 1.")
-    _tree.check_real(fn, "h_threshold", h_threshold, "a finite number")
-    v = _tree.real_value(h_threshold)
+        check_real(fn, "rtol", rtol, "None or a number with 0 <= rtol < 1")
+        real_option(fn, "rtol", rtol, "0 <= rtol < 1", lambda v: 0 <= v < 1)
+    check_real(fn, "h_threshold", h_threshold, "a finite number")
+    v = real_value(h_threshold)  # None under a trace
     if v is not None and not np.isfinite(v):
-        raise InputError(f"{fn}: h_threshold={_tree.brief(h_threshold)}; expected a finite number.")
+        raise InputError(f"{fn}: h_threshold={brief(h_threshold)}; expected a finite number.")
 
 
 def _traced(*trees: Any) -> bool:
@@ -676,7 +421,7 @@ def score(
       True
     """
     fn = "nu.score"
-    checked = _tree.check_bool(fn, "checked", checked)
+    checked = check_bool(fn, "checked", checked)
     _check_options(fn, alpha, lam, rtol, h_threshold)
     names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     if isinstance(alpha, str):
@@ -703,7 +448,7 @@ def score(
             jnp.asarray(default_rtol(bk.r_max, dtype) if rtol is None else rtol, dtype)
             for bk in live
         )
-        inputs = tuple(_tree.bucket_arrays(bk) for bk in live)
+        inputs = tuple(_buckets.bucket_arrays(bk) for bk in live)
         traced = _traced(inputs, alpha, lam_val)
         kw = {"meta": meta, "lam_is_auto": lam_is_auto}
         # float64 values beyond float32 become inf when cast: counted and reported below
@@ -724,11 +469,11 @@ def score(
         # jaxlib's CPU thread pool (see eigh_batched).
         jax.block_until_ready((outs, lam_used))
         _tree.raise_nonfinite(fn, live, [o[1] for o in outs], dtype=dtype)
-        _raise_unrepresentable(
+        raise_unrepresentable(
             fn, live, outs, lam_used, lam_bad, dtype=dtype, lam_is_auto=lam_is_auto
         )
     elif checked:
-        _checkify_score(fn, names, live, outs, lam_bad)
+        checkify_score(fn, names, live, outs, lam_bad)
     for bk, (mods, *_) in zip(live, outs, strict=True):
         per_module = zip(*(unstack(f) for f in mods), strict=True)
         by_name.update(zip(bk.names, (ModuleScores(*f) for f in per_module), strict=True))
@@ -752,7 +497,7 @@ def _log_energy_impl(inputs, *, meta, route="raw"):
     """Per task ``||dW_i||_F^2 = t_i 2^k_i`` summed over modules, scale-safe.
 
     Returns ``(k (M,) int32, t (M,))``, per bucket the ``(n, M, 3)`` non-finite counts, and
-    ``raw_ok`` (see :func:`_safe_grams`: False means redo with ``route="normalise"``). Each
+    ``raw_ok`` (see :func:`safe_grams`: False means redo with ``route="normalise"``). Each
     module's energy ``s^2 sum((a^T a) * (b b^T))`` is computed from normalised factors as a
     mantissa and a power of two, and the sum over modules is taken relative to the task's
     largest power, so nothing overflows whatever the scales.
@@ -760,8 +505,10 @@ def _log_energy_impl(inputs, *, meta, route="raw"):
     dtype = meta[0]
     mant, expo, bads, oks = [], [], [], []
     for (a, b, s), (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True):
-        A, B, S, _ = _tree.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
-        gaa, gbb, s2, e, nonfinite, raw_ok = _safe_grams(A, B, S, _PER_TASK, route)
+        A, B, S, _ = _buckets.stack_bucket(
+            a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype
+        )
+        gaa, gbb, s2, e, nonfinite, raw_ok = safe_grams(A, B, S, PER_TASK, route)
         oks.append(raw_ok)
         mant.append(((s2**2)[..., None, None] * gaa * gbb).sum((2, 3)))  # (n, M)
         expo.append(2 * e)
@@ -786,7 +533,7 @@ def _log_energies(adapters: Sequence[Any], fn: str, checked: bool):
     if not live:
         return jnp.zeros((m_tasks,), jnp.int32), jnp.zeros((m_tasks,), dtype), dtype
     meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in live))
-    inputs = tuple(_tree.bucket_arrays(bk) for bk in live)
+    inputs = tuple(_buckets.bucket_arrays(bk) for bk in live)
     traced = _traced(inputs)
     with np.errstate(over="ignore"):  # values beyond the dtype: counted and reported below
         k, t, bads, raw_ok = _log_energy_impl(inputs, meta=meta, route="cond" if traced else "raw")
@@ -825,7 +572,7 @@ def task_energies(
       InputError: NaN/Inf in a factor or scale; an energy outside the compute dtype's range.
       InputTypeError: as :func:`score`.
     """
-    checked = _tree.check_bool(_fn, "checked", checked)
+    checked = check_bool(_fn, "checked", checked)
     k, t, dtype = _log_energies(adapters, _fn, checked)
     e = mul_pow2(t, k)
     if not isinstance(e, jax.core.Tracer):
@@ -837,7 +584,7 @@ def task_energies(
             l10 = (float(np.asarray(k)[i]) + float(np.log2(t_np[i]))) * np.log10(2.0)
             raise InputError(
                 f"{_fn}: task {i}'s energy ||dW||_F^2 is about 1e{l10:+.0f}, outside "
-                f"{_range_text(dtype)}. Check its LoRA scales (lora_alpha / r), or {_X64_HINT}; "
+                f"{range_text(dtype)}. Check its LoRA scales (lora_alpha / r), or {X64_HINT}; "
                 "nu.heterogeneity works with log-energies and is defined."
             )
     return e
@@ -878,7 +625,7 @@ def heterogeneity(
       >>> round(float(nu.heterogeneity(ads)), 4)  # energies ~1e60 overflow float32; h does not
       1.0
     """
-    checked = _tree.check_bool(_fn, "checked", checked)
+    checked = check_bool(_fn, "checked", checked)
     k, t, dtype = _log_energies(adapters, _fn, checked)
     if not isinstance(t, jax.core.Tracer):
         zero = np.flatnonzero(np.asarray(t) <= 0)

@@ -31,7 +31,7 @@ def make_adapters(seed, m_tasks, spec, *, dtype=np.float64, scale=True):
                 "lora_b": (rng.normal(size=(r, d_out)) / np.sqrt(d_out)).astype(dtype),
             }
             if scale:
-                # float32-representable: _tree.bucket_arrays stores scales as float32
+                # float32-representable: _buckets.bucket_arrays stores scales as float32
                 mod["scale"] = float(np.float32(rng.uniform(0.5, 2.0)))
             ad[name] = mod
         ads.append(ad)

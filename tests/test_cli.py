@@ -257,7 +257,10 @@ def test_only_library_errors_are_user_errors(folders, tmp_path, capsys, monkeypa
 
     monkeypatch.setattr(allocate, "_allocate_impl", boom)
     out = tmp_path / "out"
-    argv = ["merge", *folders, "--budget", "2", "--out", str(out), "--quiet", "--no-plots"]
+    # (in memory: the traceback checked below names nu.merge_adapters; streaming, the default,
+    # reaches the same allocation through nu.merge_adapters_streaming)
+    argv = ["merge", *folders, "--budget", "2", "--out", str(out), "--quiet", "--no-plots",
+            "--in-memory"]  # fmt: skip
     rc, stdout, err = _run(capsys, *argv)
     assert rc == code and not stdout
     assert not out.exists() and not list(tmp_path.iterdir())  # nothing written, no staging left
@@ -848,3 +851,86 @@ def test_skip_non_lora(folders, tmp_path, capsys):
     assert set(got) == set(NAMES)
     for n in NAMES:
         np.testing.assert_allclose(_dense(got[n]), _dense(want[n]), atol=1e-5, err_msg=n)
+
+
+def test_model_wide_ties_from_the_command_line(folders, tmp_path, capsys):
+    """--trim-scope model reaches TIES (the budget's --scope is a different option): the written
+    adapter is nu.merge_adapters' model-wide TIES, and differs from the per-module one."""
+    outs = {}
+    for trim in ("model", "module"):
+        out = tmp_path / trim
+        rc, _, err = _run(
+            capsys, "merge", *folders, "--budget", "3", "--method", "ties", "--space", "core",
+            "--trim-scope", trim, "--density", "0.3", "--out", str(out), "--no-plots", "--quiet",
+        )  # fmt: skip
+        assert rc == 0, err
+        outs[trim] = nu.peft.load_adapter(out)
+        report = json.loads((out / "netutility_report.json").read_text())
+        assert report["options"]["trim_scope"] == trim
+    loaded = [nu.peft.load_adapter(f) for f in folders]
+    want, _ = nu.merge_adapters(
+        loaded, budget=3, method="ties", space="core", trim_scope="model", density=0.3
+    )
+    for n in NAMES:
+        np.testing.assert_allclose(
+            _dense(outs["model"][n]), _dense(want[n]), atol=1e-5 * np.abs(_dense(want[n])).max()
+        )
+    assert any(not np.allclose(_dense(outs["model"][n]), _dense(outs["module"][n])) for n in NAMES)
+
+
+def test_compile_cache_is_used_and_changes_nothing(folders, tmp_path):
+    """The persistent compilation cache: filled by a first run, reused by a second with the same
+    output; --no-compile-cache leaves it alone (NETUTILITY_COMPILE_CACHE=off is what the
+    in-process CLI tests run under, see conftest.py)."""
+    cache = tmp_path / "cache"
+
+    def run(out, *extra, env_cache=str(cache)):
+        env = {**os.environ, "NETUTILITY_COMPILE_CACHE": env_cache}
+        proc = subprocess.run(
+            [sys.executable, "-m", "netutility_jax.cli", "merge", *folders, "--budget", "3",
+             "--method", "tsv", "--space", "core", "--out", str(tmp_path / out), "--no-plots",
+             "--quiet", *extra],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return nu.peft.load_adapter(tmp_path / out)
+
+    off = run("off", "--no-compile-cache")
+    assert not cache.exists()
+    first = run("first")
+    entries = set(os.listdir(cache))
+    assert entries  # compiled kernels were stored
+    second = run("second")
+    assert set(os.listdir(cache)) == entries  # the same kernels: nothing new to compile
+    for n in NAMES:
+        np.testing.assert_array_equal(_dense(first[n]), _dense(second[n]))
+        np.testing.assert_array_equal(_dense(first[n]), _dense(off[n]))
+
+
+def test_streaming_is_the_default_and_matches_in_memory(folders, tmp_path, capsys, monkeypatch):
+    """The default merge streams (nu.merge_adapters is never called) and writes what --in-memory
+    writes; dense results (--rank) are truncated per chunk exactly as save_adapter would."""
+    import netutility_jax.merging as merging_mod
+
+    for method, space, extra in (("tsv", "core", []), ("ties", "full", ["--rank", "3"])):
+        outs, reports = {}, {}
+        for mode in ("stream", "memory"):
+            out = tmp_path / f"{method}-{mode}"
+            argv = ["merge", *folders, "--budget", "3", "--method", method, "--space", space,
+                    "--out", str(out), "--no-plots", "--quiet", "--chunk-mb", "0.001", *extra]  # fmt: skip
+            with monkeypatch.context() as m:
+                if mode == "stream":
+                    m.setattr(merging_mod, "merge_adapters", lambda *a, **k: pytest.fail("loaded"))
+                else:
+                    argv.append("--in-memory")
+                rc, _, err = _run(capsys, *argv)
+            assert rc == 0, err
+            outs[mode] = nu.peft.load_adapter(out)
+            reports[mode] = json.loads((out / "netutility_report.json").read_text())
+        assert reports["stream"]["kept_per_task"] == reports["memory"]["kept_per_task"]
+        assert reports["stream"]["options"]["chunk_mb"] == 0.001
+        for n in NAMES:
+            want = _dense(outs["memory"][n])
+            np.testing.assert_allclose(
+                _dense(outs["stream"][n]), want, atol=1e-5 * max(np.abs(want).max(), 1e-30)
+            )

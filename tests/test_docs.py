@@ -17,6 +17,9 @@ MODULES = [
     "allocate",
     "analysis",
     "merging",
+    "_module_ops",
+    "registry",
+    "streaming",
     "peft",
     "cli",
     "nnx",
@@ -25,7 +28,7 @@ MODULES = [
     "experiments.evaluate",
     "experiments.demo",
     "experiments.stats",
-    "experiments.report",
+    "experiments.report_markdown",
 ]
 
 

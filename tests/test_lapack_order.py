@@ -17,8 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import netutility_jax as nu
-from netutility_jax import _linalg
-from netutility_jax import merging as merge_mod
+from netutility_jax import _linalg, _plan, _stages, registry
 
 LAPACK = {
     "eigh",
@@ -105,12 +104,12 @@ def test_bucket_merge_lapack_calls_are_ordered(method, space, route):
     d_in, d_out, r = 37, 53, 3
     ads = ref.make_adapters(0, 4, (("m", d_in, d_out, (3, 3, 3, 3)),))
     _names, buckets, m_tasks = nu._tree.collect(ads, fn="t")
-    opts = merge_mod._resolve_options("t", method, space, {"p": 0.2} if method == "dare" else {})
-    static, nums = merge_mod._split(opts, jnp.float32)
-    cfg = (method, space, static, d_in, d_out, r, jnp.float32, 1)
+    res = registry.resolve_options("t", method, space, {"p": 0.2} if method == "dare" else {})
+    cfg = _plan.bucket_config(res, buckets[0], m_tasks, jnp.float32, chunk=1)
+    nums = {k: jnp.asarray(v, jnp.float32) for k, v in _plan.numeric_options(res).items()}
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(1))
-    jaxpr = jax.make_jaxpr(functools.partial(merge_mod._bucket_merge, cfg=cfg))(
-        nu._tree.bucket_arrays(buckets[0]),
+    jaxpr = jax.make_jaxpr(functools.partial(_stages.bucket_merge, cfg=cfg))(
+        nu._buckets.bucket_arrays(buckets[0]),
         jnp.ones((1, m_tasks, r), bool),
         jnp.asarray(1.0),
         keys,
@@ -135,10 +134,10 @@ def test_full_space_elementwise_module_lapack_calls_are_ordered(route):
     ads = ref.make_adapters(1, 3, (("m", d_in, d_out, (3, 2, 3)),))
     _names, buckets, _m_tasks = nu._tree.collect(ads, fn="t")
     bk = buckets[0]
-    a, b, s, rk = merge_mod._stage_stack(
-        nu._tree.bucket_arrays(bk), cfg=(d_in, d_out, r, jnp.float32)
+    a, b, s, rk = _stages.stage_stack(
+        nu._buckets.bucket_arrays(bk), cfg=_stages.StackConfig(d_in, d_out, r, jnp.float32)
     )
-    jaxpr = jax.make_jaxpr(functools.partial(merge_mod._module_dense, cfg=("ties", r)))(
+    jaxpr = jax.make_jaxpr(functools.partial(_stages.module_dense, method="ties", r_max=r))(
         a[0],
         b[0],
         s[0],

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import netutility_jax as nu
-from netutility_jax import merging as merge_mod
+from netutility_jax import _plan, _select, _stages, _ties_model, registry
 
 # one bucket (keeps compiles few), ragged ranks, a module task 1 lacks; SPEC2 adds a second shape
 SPEC = (
@@ -479,12 +479,12 @@ def test_low_rank_paths_never_form_dense_update(space, method):
     ads = ref.make_adapters(0, 4, (("m", d_in, d_out, (3, 3, 3, 3)),))
     _names, buckets, m_tasks = nu._tree.collect(ads, fn="t")
     bk = buckets[0]
-    opts = merge_mod._resolve_options("t", method, space, {"p": 0.2} if method == "dare" else {})
-    static, nums = merge_mod._split(opts, jnp.float64)
-    cfg = (method, space, static, d_in, d_out, r, jnp.float64, 1)
+    res = registry.resolve_options("t", method, space, {"p": 0.2} if method == "dare" else {})
+    cfg = _plan.bucket_config(res, buckets[0], m_tasks, jnp.float64, chunk=1)
+    nums = {k: jnp.asarray(v, jnp.float64) for k, v in _plan.numeric_options(res).items()}
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(1))
-    jaxpr = jax.make_jaxpr(functools.partial(merge_mod._bucket_merge, cfg=cfg))(
-        nu._tree.bucket_arrays(bk), jnp.ones((1, m_tasks, r), bool), jnp.asarray(1.0), keys, nums
+    jaxpr = jax.make_jaxpr(functools.partial(_stages.bucket_merge, cfg=cfg))(
+        nu._buckets.bucket_arrays(bk), jnp.ones((1, m_tasks, r), bool), jnp.asarray(1.0), keys, nums
     )
     shapes = list(_all_shapes(jaxpr.jaxpr))
     assert shapes, "empty jaxpr"
@@ -495,11 +495,11 @@ def test_low_rank_paths_never_form_dense_update(space, method):
 def test_second_call_does_not_recompile():
     ads = _adapters(13)
     stages = [
-        merge_mod._stage_reduce,
-        merge_mod._stage_coords,
-        merge_mod._stage_low_rank,
-        merge_mod._stage_decode,
-        merge_mod._stage_elementwise,
+        _stages.stage_reduce,
+        _stages.stage_coords,
+        _stages.stage_low_rank,
+        _stages.stage_decode,
+        _stages.stage_elementwise,
     ]
     nu.merge(ads, method="tsv", space="knots")
     nu.merge(ads, method="ties", space="core", density=0.2)
@@ -529,7 +529,9 @@ def test_ties_model_scope_matches_dense_reference(space):
             coords.append([left.T @ x @ right for x in kept[n]])
             back.append(lambda x, left=left, right=right: left @ x @ right.T)
     want = ref.ties_model(coords, coef=0.7, density=0.3)
-    out = nu.merge(ads, masks, method="ties", space=space, scope="model", density=0.3, coef=0.7)
+    out = nu.merge(
+        ads, masks, method="ties", space=space, trim_scope="model", density=0.3, coef=0.7
+    )
     for n, w, bk in zip(names, want, back, strict=True):
         np.testing.assert_allclose(ref.dense(out[n]), bk(w), atol=1e-9, err_msg=n)
     # and it differs from the per-module top-k (the scopes are not the same operator)
@@ -540,17 +542,17 @@ def test_ties_model_scope_matches_dense_reference(space):
 @pytest.mark.parametrize("space", ["full", "core", "knots"])
 def test_ties_model_scope_one_module_equals_module_scope(space):
     ads = [{"q": ad["layers/0/q"]} for ad in _adapters(3)]
-    a = nu.merge(ads, method="ties", space=space, scope="model", density=0.4)
-    b = nu.merge(ads, method="ties", space=space, scope="module", density=0.4)
+    a = nu.merge(ads, method="ties", space=space, trim_scope="model", density=0.4)
+    b = nu.merge(ads, method="ties", space=space, trim_scope="module", density=0.4)
     np.testing.assert_allclose(ref.dense(a["q"]), ref.dense(b["q"]), atol=1e-10)
 
 
 def test_ties_model_scope_density_edges():
     ads = _adapters(4, True)
-    zero = nu.merge(ads, method="ties", scope="model", density=0.0)
+    zero = nu.merge(ads, method="ties", trim_scope="model", density=0.0)
     assert all(not np.any(ref.dense(m)) for m in zero.values())
-    full = nu.merge(ads, method="ties", scope="model", density=1.0)
-    mod = nu.merge(ads, method="ties", scope="module", density=1.0)
+    full = nu.merge(ads, method="ties", trim_scope="model", density=1.0)
+    mod = nu.merge(ads, method="ties", trim_scope="module", density=1.0)
     for n in ads[0]:
         np.testing.assert_allclose(ref.dense(full[n]), ref.dense(mod[n]), atol=1e-12)
 
@@ -572,7 +574,7 @@ def test_radix_threshold_keeps_exactly_k_with_ties(dtype):
     uint = np.uint32 if dtype == np.float32 else np.uint64
     for k in (0, 1, 7, 23, 60, flat[0].size):
         units = [(lambda x=x: jnp.asarray(x), None) for x in units_np]
-        t, room, at = merge_mod._radix_threshold(units, 2, k, np.dtype(dtype))
+        t, room, at = _select.radix_threshold(units, 2, k, np.dtype(dtype))
         want = []
         for i in range(2):
             w = np.zeros(flat[i].size, bool)
@@ -596,7 +598,7 @@ def test_radix_threshold_keeps_exactly_k_with_ties(dtype):
                 tr = np.moveaxis(np.asarray(tr), 1, 0)
                 for i in range(2):
                     kept[i].append(tr[i].ravel() != 0)
-                xm, used = merge_mod._ties_apply(
+                xm, used = _ties_model.ties_apply(
                     jnp.asarray(x),
                     jnp.asarray(t),
                     jnp.asarray(np.minimum(r2, 2**31 - 1), jnp.int32),
@@ -623,7 +625,7 @@ def test_split_bucket_sizes_divide_and_fit():
         n = len(bk.names)
         per = M * bk.r_max * (bk.d_in + bk.d_out) * 8
         for cap in (1, per, 2 * per, 10**9):
-            pieces = nu._tree.split_bucket(bk, cap, 8)
+            pieces = nu._buckets.split_bucket(bk, cap, 8)
             assert [nm for p in pieces for nm in p.names] == list(bk.names)
             assert len({len(p.names) for p in pieces}) == 1  # one compiled shape
             assert n % len(pieces[0].names) == 0
@@ -637,7 +639,7 @@ def test_split_bucket_sizes_divide_and_fit():
         ("tsv", "knots", {}),
         ("iso_cts", "full", {}),
         ("ties", "knots", {"density": 0.3}),
-        ("ties", "core", {"density": 0.3, "scope": "model"}),
+        ("ties", "core", {"density": 0.3, "trim_scope": "model"}),
         ("dare", "core", {"p": 0.3}),
     ],
 )
@@ -647,7 +649,7 @@ def test_pieces_give_the_same_merge(monkeypatch, method, space, opts):
     masks = _masks(ads, 4)
     key = jax.random.key(3)
     whole = nu.merge(ads, masks, method=method, space=space, key=key, **opts)
-    monkeypatch.setattr(merge_mod, "_PIECE_BYTES", 1)
+    monkeypatch.setattr(_plan, "PIECE_BYTES", 1)
     pieces = nu.merge(ads, masks, method=method, space=space, key=key, **opts)
     for n in ads[0]:
         np.testing.assert_allclose(ref.dense(pieces[n]), ref.dense(whole[n]), atol=1e-10)
@@ -669,7 +671,7 @@ def test_elementwise_chunks_give_the_same_merge(monkeypatch, method, space, opts
     key = jax.random.key(4)
     whole = nu.merge(ads, masks, method=method, space=space, key=key, **opts)
     calls = []
-    monkeypatch.setattr(merge_mod, "_chunk", lambda *a, **k: calls.append(a) or 1)
+    monkeypatch.setattr(_plan, "chunk_size", lambda *a, **k: calls.append(a) or 1)
     chunked = nu.merge(ads, masks, method=method, space=space, key=key, **opts)
     assert calls
     for n in ads[0]:
@@ -773,7 +775,7 @@ def test_count_table_is_peft_count_for_every_live_shape():
     for density in (0.3, 0.7, float(np.nextafter(0.3, 0.0)), 1 / 3):
         for has_left in (True, False):
             p, q = (20, 24) if has_left else (96, 25)
-            table = np.asarray(merge_mod._count_table_np(density, p, q, has_left))
+            table = np.asarray(_select.count_table_np(density, p, q, has_left))
             rows = range(p + 1) if has_left else [p]
             for i, nr in enumerate(rows):
                 for nc in range(q + 1):
@@ -791,20 +793,20 @@ def test_count_table_is_peft_count_for_every_live_shape():
         jnp.zeros((n_mod, 1, p, 2)), jnp.zeros((n_mod, 1, q, 2)), jnp.asarray(left),
         jnp.asarray(right), None,
     )  # fmt: skip
-    (chunk,) = merge_mod._stage_split(
-        c, jnp.zeros((n_mod,), jnp.uint32), merge_mod._count_table(0.3, c), cfg=(n_mod,)
+    (chunk,) = _stages.stage_split(
+        c, jnp.zeros((n_mod,), jnp.uint32), _select.count_table(0.3, c), chunk=n_mod
     )
     assert np.asarray(chunk[3]).tolist() == [int(0.3 * 480), int(0.3 * 91), 0]
 
 
 def test_ties_model_scope_keeps_peft_count():
-    """scope="model", one task: TIES is PEFT's prune of the task's whole model flattened (module
+    """trim_scope="model", one task: TIES is PEFT's prune of the task's whole model flattened (module
     order, row-major), for n = the sum of the modules' entries (exact)."""
     ads = [{n: ad[n] for n in ("layers/0/q", "mlp/up")} for ad in _adapters(3, True)][:1]
     x = [ref.dense(ads[0][n]) for n in ads[0]]
     flat = np.concatenate([v.ravel() for v in x])
     for density in _sweep(flat.size):
-        out = nu.merge(ads, method="ties", scope="model", density=density)
+        out = nu.merge(ads, method="ties", trim_scope="model", density=density)
         got = np.concatenate([ref.dense(out[n]).ravel() for n in ads[0]])
         want = _peft_prune(flat, density)
         assert (got != 0).sum() == (want != 0).sum() == int(density * flat.size), density
@@ -896,7 +898,7 @@ EXTREME_CASES = [
     ("ties", "full", {"density": 0.3}),
     ("ties", "core", {"density": 0.3}),
     ("ties", "knots", {"density": 0.3}),
-    ("ties", "knots", {"density": 0.3, "scope": "model"}),
+    ("ties", "knots", {"density": 0.3, "trim_scope": "model"}),
     ("dare_ties", "knots", {"p": 0.3}),
 ]
 
@@ -917,7 +919,7 @@ def test_float32_merge_with_one_task_scaled_1e30(method, space, opts, big):
         got, want = ref.dense(out32[n]), ref.dense(out64[n])
         assert np.all(np.isfinite(got)) and np.abs(want).max() > 0.1 * big
         np.testing.assert_allclose(got / big, want / big, atol=2e-5, err_msg=n)
-    if method == "ties" and opts.get("scope") != "model":  # and the float64 one is right
+    if method == "ties" and opts.get("trim_scope") != "model":  # and the float64 one is right
         sp = space if space != "knots" else "knots"
         _check(out64, _ref_in_space(sp, lambda xs: ref.ties(xs, 1.0, 0.3), _to64(ads)), ads, None)
 

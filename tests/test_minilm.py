@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import netutility_jax as nu
-from netutility_jax.experiments import minilm
+from netutility_jax.experiments import minilm, minilm_model
 
 HAVE_WEIGHTS = importlib.util.find_spec(minilm.PACKAGE) is not None
 needs_weights = pytest.mark.skipif(
@@ -387,4 +387,7 @@ def test_load_lora_needs_rngs():
 @needs_weights
 def test_docstring_examples():
     res = doctest.testmod(minilm, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert res.attempted > 0 and res.failed == 0
+    # the network's own examples (LoRALinear) moved with it to minilm_model
+    res = doctest.testmod(minilm_model, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert res.attempted > 0 and res.failed == 0

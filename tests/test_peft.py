@@ -712,6 +712,33 @@ def test_peft_dense_ties_saved_with_rank(llama, tmp_path):
 
 
 @HF_WARNINGS
+def test_peft_serving_export_uniform_rank(llama, tmp_path):
+    """serving_ranks: one rank for every module (vLLM's smallest allowed one at least the
+    largest merged rank), no patterns, PEFT's scale 1, and PEFT applies exactly the merge."""
+    _torch, peft, base, dirs, _ = llama
+    ads, base_cfg = nu_peft.load_adapters(dirs)
+    merged, report = nu.merge_adapters(ads, budget=3, method="tsv")
+    top = max(report.ranks.values())
+    want_r = min(r for r in nu_peft.VLLM_RANKS if r >= top)
+    cfg = nu_peft.save_adapter(merged, tmp_path / "srv", base_config=base_cfg, serving_ranks="vllm")
+    assert cfg["r"] == cfg["lora_alpha"] == want_r
+    assert cfg["rank_pattern"] == {} and cfg["alpha_pattern"] == {}
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "srv")).eval()
+    layers = _lora_layers(pm)
+    assert set(layers) == set(merged)
+    for name, layer in layers.items():
+        assert layer.r["default"] == want_r and layer.scaling["default"] == 1.0
+        _assert_close(_peft_delta(layer), _dense(merged[name]), 1e-6, name)
+    # a rank list that cannot hold the largest module is refused, naming it
+    with pytest.raises(InputError, match=rf"has rank {top}, above every allowed serving rank"):
+        nu_peft.save_adapter(merged, tmp_path / "no", serving_ranks=[top - 1])
+    assert not (tmp_path / "no").exists()
+    for bad in ("sglang", [], [0, 8], [True], 8):
+        with pytest.raises(InputError, match=r"serving_ranks="):
+            nu_peft.save_adapter(merged, tmp_path / "no", serving_ranks=bad)
+
+
+@HF_WARNINGS
 def test_peft_gpt2_fan_in_fan_out_round_trip(tmp_path):
     torch, transformers, peft = _torch_stack()
     cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32)
@@ -992,7 +1019,7 @@ def test_unreadable_files_are_access_errors(tmp_path, monkeypatch):
                         raise PermissionError(13, "Permission denied", str(path))
                     return _open(path, *args, **kwargs)
 
-                monkeypatch.setattr(nu_peft, "open", fake_open, raising=False)
+                monkeypatch.setattr(nu_peft._read, "open", fake_open, raising=False)
             with pytest.raises(
                 FileAccessError,
                 match=rf"{re.escape(fname)}' exists but cannot be read \(permission denied\); make "

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from netutility_jax.experiments import task_sources
 from netutility_jax.experiments import tasks as T
 
 
@@ -396,7 +397,7 @@ def test_read_r_lazyload(tmp_path, compressed) -> None:
 )
 def test_reader_matches_rdata() -> None:
     rdata = pytest.importorskip("rdata")
-    base = Path(T._r_data_base("word_sentiment", "tidytext", T.R_LIBRARY_DIRS))
+    base = Path(task_sources._r_data_base("word_sentiment", "tidytext", T.R_LIBRARY_DIRS))
     ours = T.read_r_lazyload(base, "stop_words")
     with open(base.with_suffix(".rdx"), "rb") as f:
         offsets = T.read_r_serialized(gzip.decompress(f.read()))["variables"]["stop_words"]

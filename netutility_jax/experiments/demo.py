@@ -36,10 +36,31 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import NetUtilityError
+from ..errors import NetUtilityError, one_line
 from . import grid as gr
 from . import tasks as tk
 from . import train as tr
+
+__all__ = [
+    "DEFAULT_OUT",
+    "FULL",
+    "METHODS",
+    "PAPER",
+    "PROG",
+    "QUICK",
+    "DemoError",
+    "add_arguments",
+    "check_cache_dir",
+    "check_data",
+    "check_out",
+    "check_task_files",
+    "check_weights",
+    "load_tasks",
+    "main",
+    "preset_of",
+    "run",
+    "task_args",
+]
 
 PROG = "netutility demo"
 DEFAULT_OUT = "netutility-demo"
@@ -362,12 +383,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``netutility demo`` with parsed arguments; returns the exit code."""
-    from ..cli import _one_line
-
     try:
         return _run(args)
     except NetUtilityError as e:  # DemoError, and the library's errors on bad input
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return e.code if isinstance(e, DemoError) else 2
 
 
@@ -453,25 +472,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-__all__ = [
-    "DEFAULT_OUT",
-    "FULL",
-    "METHODS",
-    "PAPER",
-    "PROG",
-    "QUICK",
-    "DemoError",
-    "add_arguments",
-    "check_cache_dir",
-    "check_data",
-    "check_out",
-    "check_task_files",
-    "check_weights",
-    "load_tasks",
-    "main",
-    "preset_of",
-    "run",
-    "task_args",
-]

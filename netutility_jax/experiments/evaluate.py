@@ -40,6 +40,34 @@ import numpy as np
 
 from ..errors import InputError
 from . import minilm
+from .passes import PassCounter, TaskSet
+
+__all__ = [
+    "MAX_TEXTS",
+    "ROWS",
+    "ROW_LEN",
+    "TEMPERATURE",
+    "Backbone",
+    "Batch",
+    "CoefSearch",
+    "EvalSet",
+    "Evaluator",
+    "Head",
+    "MergeEval",
+    "Normalized",
+    "accuracies",
+    "balanced_subset",
+    "correct",
+    "encode",
+    "logits",
+    "make_eval_set",
+    "module_delta",
+    "normalized_accuracy",
+    "packed_batches",
+    "predict",
+    "select_coef",
+    "zero_shot_heads",
+]
 
 #: Tokens per packed row, and the truncation length of every text ([CLS] and [SEP] included).
 ROW_LEN = 32
@@ -100,8 +128,9 @@ def _fill(x: np.ndarray, rows: int, value: int) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class EvalSet:
-    """Texts of one or more tasks, tokenized and packed once.
+class EvalSet(TaskSet):
+    """Texts of one or more tasks, tokenized and packed once (``__len__``, ``tokens``,
+    ``slot_tokens``, ``rows``: :class:`passes.TaskSet`).
 
     Attributes:
       task_names: the tasks, in the order of the ``task`` indices.
@@ -118,27 +147,9 @@ class EvalSet:
     batches: tuple[Batch, ...]
     ids: np.ndarray = dataclasses.field(repr=False)
 
-    def __len__(self) -> int:
-        return int(self.task.shape[0])
-
-    @property
-    def tokens(self) -> int:
-        """Real tokens in one pass (the work a pass has to do)."""
-        return int(self.lengths.sum())
-
-    @property
-    def slot_tokens(self) -> int:
-        """Tokens one pass computes, padding included (the work a pass does)."""
-        return int(sum(b.ids.size for b in self.batches))
-
-    def rows(self, task: int | str) -> np.ndarray:
-        """Indices of the texts of one task."""
-        i = self.task_names.index(task) if isinstance(task, str) else int(task)
-        return np.flatnonzero(self.task == i)
-
     def only(self, task: int | str) -> EvalSet:
         """The texts of one task as an EvalSet of its own (the task keeps its name)."""
-        i = self.task_names.index(task) if isinstance(task, str) else int(task)
+        i = self.task_index(task)
         r = self.rows(i)
         return _build(
             (self.task_names[i],), self.ids[r], self.lengths[r], np.zeros(len(r)), self.labels[r]
@@ -199,7 +210,8 @@ def balanced_subset(split: Any, n: int | None) -> Any:
 # ------------------------------------------------------------------------------------ backbone
 
 
-def _module_delta(mod: Mapping[str, Any]) -> np.ndarray:
+def module_delta(mod: Mapping[str, Any]) -> np.ndarray:
+    """A module's dense update in kernel layout, ``scale * lora_a @ lora_b`` or ``delta``."""
     if "delta" in mod:
         return np.asarray(mod["delta"], np.float32)
     a = np.asarray(mod["lora_a"], np.float32)
@@ -207,7 +219,7 @@ def _module_delta(mod: Mapping[str, Any]) -> np.ndarray:
     return np.float32(mod.get("scale", 1.0)) * (a @ b)
 
 
-class Backbone:
+class Backbone(PassCounter):
     """The frozen base MiniLM, evaluated packed with a merged adapter folded into its kernels.
 
     ``embed(es, adapter, coef)`` returns the normalised sentence embedding of every text of
@@ -247,10 +259,6 @@ class Backbone:
             return e * jax.lax.rsqrt(jnp.sum(e * e, axis=-1, keepdims=True) + 1e-24)
 
         self._pool = jax.jit(pool)
-        self.passes = 0
-        self.tokens = 0
-        self.slot_tokens = 0
-        self.seconds = 0.0
 
     def deltas(self, adapter: Mapping[str, Any] | None) -> jax.Array:
         """``(modules, d, d)`` dense updates of ``adapter`` in :attr:`module_names` order.
@@ -269,7 +277,7 @@ class Backbone:
         for k, name in enumerate(self.module_names):
             mod = adapter.get(name)
             if mod is not None:
-                out[k] = _module_delta(mod)
+                out[k] = module_delta(mod)
         return jnp.asarray(out)
 
     def embed(
@@ -292,20 +300,7 @@ class Backbone:
             (b.text, self._pool(self.state, dk, c, b.ids, b.segment_ids, b.position_ids))
             for b in es.batches
         ]
-        out = np.zeros((len(es), self.model.config.hidden_size), np.float32)
-        for text, e in pending:
-            e = np.asarray(e)
-            keep = text >= 0
-            out[text[keep]] = e[keep]
-        self.passes += 1
-        self.tokens += es.tokens
-        self.slot_tokens += es.slot_tokens
-        self.seconds += time.perf_counter() - t0
-        return out
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else float("nan")
+        return self.gather(pending, (len(es), self.model.config.hidden_size), es, t0)
 
 
 # --------------------------------------------------------------------------------------- heads

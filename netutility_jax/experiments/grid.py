@@ -6,8 +6,11 @@ Utility. The **controls** show what the budget does: every direction (no budget)
 allocation that keeps as many directions per module as Net Utility but picks them at random,
 the zero-shot model and the weight average (TA with coefficient ``1 / M``, every direction).
 
-Merges that the library documents as identical are run once and reported for every space they
-stand for (TA in every space; TSV, Iso-C and Iso-C + TSV in full and Core space).
+Merges that the library documents as identical (``registry.MethodSpec.same_spaces``) are run
+once and reported for every space they stand for (TA in every space; TSV, Iso-C and Iso-C + TSV
+in full and Core space). Labels and identical spaces come from the library's method registry
+(:mod:`netutility_jax.registry`); what is the experiment's own is here: the option values, the
+coefficients the searches start from, and the "Iso-C + TSV" row.
 """
 
 from __future__ import annotations
@@ -15,9 +18,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .. import registry
 from . import train as tr
 
-SPACE_LABELS = {"full": "Full", "core": "Core", "knots": "KnOTS"}
+__all__ = [
+    "ALLOCATIONS",
+    "DEFAULT_TASKS",
+    "FULL",
+    "METHODS",
+    "PAPER",
+    "PRESETS",
+    "QUICK",
+    "SPACE_LABELS",
+    "GridConfig",
+    "Job",
+    "MethodSpec",
+    "Preset",
+    "Row",
+    "grid_jobs",
+]
+
+SPACE_LABELS = {name: space.label for name, space in registry.SPACES.items()}
 ALLOCATIONS = ("uniform", "net_utility")
 
 
@@ -52,20 +73,29 @@ class MethodSpec:
         return space
 
 
-_FULL_CORE = (("full", "core"), ("knots",))
+def _method(
+    method: str, options: tuple[tuple[str, Any], ...] = (), *, start: float = 1.0, label: str = ""
+) -> MethodSpec:
+    """The grid's entry for ``nu.merge`` method ``method``: its label (unless ``label``) and
+    identical spaces from the library's registry, with the grid's options and start."""
+    spec = registry.METHODS[method]
+    return MethodSpec(label or spec.label, method, options, start, spec.same_spaces)
+
+
 #: The grid's methods. TA and DARE sum 7 task updates (DARE after a random drop with rescaling),
 #: so their search starts at 0.3; the others renormalize or average (start at 1). DARE: drop
 #: rate p = 0.5 (LoRA updates are low rank and dense; the p = 0.9 used on full fine-tunes wipes
 #: them out), a key from the seed. TIES: density 0.2 (the TIES paper's top 20%, the library
-#: default). Allocation scope is the paper's: local (per module) for TIES and DARE, global
+#: default). Iso-C + TSV: TSV with its spectrum flattened. Allocation scope is the paper's
+#: (``registry.MethodSpec.budget_scope``): local (per module) for TIES and DARE, global
 #: otherwise.
 METHODS: dict[str, MethodSpec] = {
-    "ta": MethodSpec("TA", "ta", start=0.3, same_spaces=(("full", "core", "knots"),)),
-    "tsv": MethodSpec("TSV", "tsv", same_spaces=_FULL_CORE),
-    "ties": MethodSpec("TIES", "ties", (("density", 0.2),)),
-    "dare": MethodSpec("DARE", "dare", (("p", 0.5),), start=0.3),
-    "iso_c": MethodSpec("Iso-C", "iso_c", same_spaces=_FULL_CORE),
-    "iso_c_tsv": MethodSpec("Iso-C + TSV", "tsv", (("isotropize", True),), same_spaces=_FULL_CORE),
+    "ta": _method("ta", start=0.3),
+    "tsv": _method("tsv"),
+    "ties": _method("ties", (("density", 0.2),)),
+    "dare": _method("dare", (("p", 0.5),), start=0.3),
+    "iso_c": _method("iso_c"),
+    "iso_c_tsv": _method("tsv", (("isotropize", True),), label="Iso-C + TSV"),
 }
 
 

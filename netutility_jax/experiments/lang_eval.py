@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import pathlib
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,10 +36,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .. import _io
 from ..errors import InputError
 from . import evaluate as ev
 from . import lang_tasks as lt
 from . import llama
+from .evaluate import module_delta as module_delta
+from .passes import PassCounter
+
+__all__ = [
+    "CODE_VERSION",
+    "Evaluator",
+    "Scorer",
+    "cached_correct",
+    "model_fingerprint",
+    "module_delta",
+    "zero_shot_accuracy",
+    "zero_shot_correct",
+]
 
 #: Bump when a change here changes what an evaluation produces: invalidates cached correctness.
 CODE_VERSION = 1
@@ -55,15 +68,6 @@ def _target_filter(targets: Sequence[str]) -> Callable[[tuple, Any], bool]:
     return is_target
 
 
-def module_delta(mod: Mapping[str, Any]) -> np.ndarray:
-    """A module's dense update in kernel layout, ``scale * lora_a @ lora_b`` or ``delta``."""
-    if "delta" in mod:
-        return np.asarray(mod["delta"], np.float32)
-    a = np.asarray(mod["lora_a"], np.float32)
-    b = np.asarray(mod["lora_b"], np.float32)
-    return np.float32(mod.get("scale", 1.0)) * (a @ b)
-
-
 def model_fingerprint(model: llama.Llama) -> str:
     """sha256 of the model's config and every weight (names, shapes, dtypes and bytes)."""
     h = hashlib.sha256(repr(model.config).encode())
@@ -74,7 +78,7 @@ def model_fingerprint(model: llama.Llama) -> str:
     return h.hexdigest()
 
 
-class Scorer:
+class Scorer(PassCounter):
     """The frozen base decoder, scoring prompt sets with a merged adapter folded into its kernels.
 
     Args:
@@ -119,10 +123,6 @@ class Scorer:
 
         self._fold = jax.jit(fold)
         self._score = jax.jit(score)
-        self.passes = 0
-        self.tokens = 0
-        self.slot_tokens = 0
-        self.seconds = 0.0
 
     def _name(self, name: str) -> str:
         if name in self._index:
@@ -188,34 +188,11 @@ class Scorer:
         pending = [
             (b.index, self._score(kernels, self.rest, b.ids, b.mask, tok)) for b in ps.batches
         ]
-        out = np.zeros((len(ps), len(ps.token_ids)), np.float32)
-        for index, z in pending:
-            z = np.asarray(z)
-            keep = index >= 0
-            out[index[keep]] = z[keep]
-        self.passes += 1
-        self.tokens += ps.tokens
-        self.slot_tokens += ps.slot_tokens
-        self.seconds += time.perf_counter() - t0
-        return out
+        return self.gather(pending, (len(ps), len(ps.token_ids)), ps, t0)
 
     def correct(self, ps: lt.PromptSet, adapter=None, coef: float = 1.0, **kw) -> np.ndarray:
         """``(N,)`` bool: each prompt answered right (argmax over its task's label tokens)."""
         return ps.predict(self.logits(ps, adapter, coef, **kw)) == ps.labels
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else float("nan")
-
-    def timing(self) -> dict[str, float]:
-        """``passes``, ``tokens``, ``slot_tokens``, ``seconds``, ``tokens_per_second``."""
-        return {
-            "passes": self.passes,
-            "tokens": self.tokens,
-            "slot_tokens": self.slot_tokens,
-            "seconds": self.seconds,
-            "tokens_per_second": self.tokens_per_second,
-        }
 
 
 # ------------------------------------------------------------------------------------ caching
@@ -242,14 +219,8 @@ def cached_correct(
             pass
     ok = np.asarray(compute(), bool)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".npz.tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, correct=np.packbits(ok), n=np.asarray(len(ok)))
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+    with _io.atomic_file(path, "wb") as f:
+        np.savez(f, correct=np.packbits(ok), n=np.asarray(len(ok)))
     return ok, False
 
 

@@ -37,6 +37,27 @@ import numpy as np
 
 from ..errors import InputError, InputTypeError
 from . import tasks as tk
+from .passes import TaskSet
+
+__all__ = [
+    "BUCKET",
+    "CUE",
+    "DEFAULT_TASKS",
+    "EVAL_ROWS",
+    "PROMPTS",
+    "PromptBatch",
+    "PromptHead",
+    "PromptSet",
+    "PromptSpec",
+    "batches",
+    "bucket",
+    "encode_prompts",
+    "format_prompt",
+    "make_head",
+    "make_prompt_set",
+    "pad_id",
+    "prompt_spec",
+]
 
 #: Prompts are padded to a multiple of this many tokens (one compiled shape per multiple).
 BUCKET = 8
@@ -301,7 +322,7 @@ def batches(
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class PromptSet:
+class PromptSet(TaskSet):
     """The prompts of one split of several tasks, tokenized and batched once.
 
     The attributes :mod:`runner`, :mod:`report` and :mod:`stats` read from an
@@ -337,32 +358,14 @@ class PromptSet:
     pad_id: int = 0
     rows_per_batch: int = EVAL_ROWS
 
-    def __len__(self) -> int:
-        return int(self.task.shape[0])
-
-    @property
-    def tokens(self) -> int:
-        """Prompt tokens in one pass (the work a pass has to do)."""
-        return int(self.lengths.sum())
-
-    @property
-    def slot_tokens(self) -> int:
-        """Tokens one pass computes, padding and filler rows included."""
-        return int(sum(b.ids.size for b in self.batches))
-
     @property
     def shapes(self) -> tuple[tuple[int, int], ...]:
         """The distinct batch shapes (one compilation each)."""
         return tuple(sorted({b.ids.shape for b in self.batches}))
 
-    def rows(self, task: int | str) -> np.ndarray:
-        """Indices of the prompts of one task."""
-        i = self.task_names.index(task) if isinstance(task, str) else int(task)
-        return np.flatnonzero(self.task == i)
-
     def only(self, task: int | str) -> PromptSet:
         """The prompts of one task as a PromptSet of its own."""
-        i = self.task_names.index(task) if isinstance(task, str) else int(task)
+        i = self.task_index(task)
         r = self.rows(i)
         return _assemble(
             (self.heads[i],),

@@ -7,11 +7,12 @@ prompt's label among the task's label words: the LM head's logits of the words' 
 the last prompt position (``llama.last_token_logits`` with ``token_ids``), the same restricted
 head the evaluation scores with (:mod:`lang_eval`), so training optimises what is measured.
 
-Optimisation, as the encoder experiment (:mod:`train`): AdamW (optax) with a linear warmup over
-``warmup_fraction`` of ``max_steps`` and a cosine decay to 0 at ``max_steps``; validation
-accuracy every ``eval_every`` steps (the adapter folded into the kernels, :class:`lang_eval.Scorer`);
-the best adapter (validation accuracy, then loss) is kept; training stops after ``patience``
-evaluations without a better one. The curves are returned in ``info``.
+Optimisation, as the encoder experiment (:mod:`train`; the loop is
+:func:`fitting.fit_early_stopping`): AdamW (optax) with a linear warmup over ``warmup_fraction``
+of ``max_steps`` and a cosine decay to 0 at ``max_steps``; validation accuracy every
+``eval_every`` steps (the adapter folded into the kernels, :class:`lang_eval.Scorer`); the best
+adapter (validation accuracy, then loss) is kept; training stops after ``patience`` evaluations
+without a better one. The curves are returned in ``info``.
 
 Batches: ``rows`` prompts a step, right padded to a multiple of :data:`lang_tasks.BUCKET`
 tokens (one compiled step per bucket). Each epoch is a permutation of the training prompts;
@@ -23,8 +24,8 @@ Deterministic from ``LanguageTrainConfig.seed``: the ``A`` factors are drawn fro
 ``(seed, crc32(task name), 1, epoch)``.
 
 Caching (:func:`train_task`): the trained adapter is stored with ``nu.checkpoint`` (through
-:func:`train.store`, atomically) under ``cache_dir/<task>-<key>``; the key hashes the task
-(:func:`train.task_fingerprint`), the tokenized training and validation prompts and label
+:func:`fitting.store`, atomically) under ``cache_dir/<task>-<key>``; the key hashes the task
+(:func:`fitting.task_fingerprint`), the tokenized training and validation prompts and label
 tokens (so the prompt spec and the tokenizer), the :class:`LanguageTrainConfig` with its seed,
 the model's weights (:func:`lang_eval.model_fingerprint`) and :data:`CODE_VERSION`.
 
@@ -36,12 +37,12 @@ Export (:func:`export_peft`): a trained adapter is written as a PEFT folder with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import pathlib
 import time
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -52,74 +53,52 @@ import optax
 from flax import nnx
 
 from ..errors import InputError
+from . import fitting as ft
 from . import lang_eval as le
 from . import lang_tasks as lt
 from . import llama
-from . import train as tr
+
+__all__ = [
+    "CODE_VERSION",
+    "SORT_GROUPS",
+    "LanguageTrainConfig",
+    "Trainer",
+    "cache_key",
+    "epoch_batches",
+    "export_peft",
+    "lora_adapter",
+    "train_task",
+    "train_tasks",
+]
 
 #: Bump when a change to this module changes what training produces: invalidates every cache.
 CODE_VERSION = 1
 #: Batches whose prompts are sorted by length together (less padding, still shuffled).
 SORT_GROUPS = 4
-_LABEL_PAD = 8
-_MASKED_LOGIT = -1e9
 
 
 @dataclasses.dataclass(frozen=True)
-class LanguageTrainConfig:
+class LanguageTrainConfig(ft.TrainConfigBase):
     """Everything that determines a trained adapter besides the task, its prompts and the model.
 
-    The field names follow :class:`train.TrainConfig` (``rows``, ``row_len``, ...) so that the
-    experiment's report reads both.
+    The fields of :class:`fitting.TrainConfigBase` (LoRA rank and alpha, AdamW and its
+    schedule, validation and patience; the names of :class:`train.TrainConfig`, so that the
+    experiment's report reads both), and:
 
     Attributes:
-      lora_rank, lora_alpha: LoRA ``r`` and alpha (update scaled by ``alpha / r``).
       rows: prompts per step.
       row_len: most tokens a prompt may have (texts are cut to fit; evaluation prompts too).
-      learning_rate: AdamW peak learning rate.
-      weight_decay: AdamW decoupled weight decay.
-      warmup_fraction: fraction of ``max_steps`` with a linear warmup from 0.
-      max_steps: the schedule's length (cosine decay to 0 there) and the most steps run.
-      eval_every: steps between validation evaluations (and one at the end).
-      patience: stop after this many evaluations without a better validation accuracy.
       chat: prompts use the model's chat template (:func:`lang_tasks.format_prompt`).
       seed: data order and initialization.
     """
 
-    lora_rank: int = 16
-    lora_alpha: float = 16.0
     rows: int = 16
     row_len: int = 40
     learning_rate: float = 1e-3
-    weight_decay: float = 0.01
     warmup_fraction: float = 0.1
     max_steps: int = 300
-    eval_every: int = 25
-    patience: int = 4
     chat: bool = False
     seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("lora_rank", "rows", "row_len", "max_steps", "eval_every", "patience"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InputError(f"LanguageTrainConfig: {name}={v!r}; expected an integer >= 1.")
-
-    def schedule(self) -> optax.Schedule:
-        """Linear warmup to ``learning_rate``, then cosine decay to 0 at ``max_steps``.
-
-        The step count is cast to float32 (strict dtype promotion refuses optax mixing an
-        integer count with float constants).
-        """
-        warm = max(round(self.warmup_fraction * self.max_steps), 1)
-        sched = optax.warmup_cosine_decay_schedule(
-            0.0, self.learning_rate, warm, max(self.max_steps, warm + 1), end_value=0.0
-        )
-        return lambda step: sched(jnp.asarray(step, jnp.float32))
-
-
-def _task_seed(config: LanguageTrainConfig, name: str, *more: int) -> np.random.SeedSequence:
-    return np.random.SeedSequence([config.seed, zlib.crc32(name.encode()), *more])
 
 
 def epoch_batches(
@@ -145,14 +124,7 @@ def lora_adapter(model: llama.Llama) -> dict[str, dict[str, Any]]:
     """The model's LoRA factors as float32 numpy modules, ``nu.nnx.extract_adapter`` names."""
     import netutility_jax as nu
 
-    return {
-        name: {
-            "lora_a": np.asarray(m["lora_a"], np.float32),
-            "lora_b": np.asarray(m["lora_b"], np.float32),
-            "scale": float(m["scale"]),
-        }
-        for name, m in nu.nnx.extract_adapter(model).items()
-    }
+    return ft.host_adapter(nu.nnx.extract_adapter(model))
 
 
 class Trainer:
@@ -190,7 +162,7 @@ class Trainer:
         def loss_fn(lora, base, ids, mask, token_ids, n_labels, labels, valid):
             m = nnx.merge(graphdef, lora, base)
             z = llama.last_token_logits(m, ids, mask, token_ids=token_ids)
-            z = jnp.where(jnp.arange(z.shape[-1]) < n_labels, z, _MASKED_LOGIT)
+            z = jnp.where(jnp.arange(z.shape[-1]) < n_labels, z, ft.MASKED_LOGIT)
             ce = optax.softmax_cross_entropy_with_integer_labels(z, labels)
             w = valid.astype(ce.dtype)
             return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
@@ -212,7 +184,7 @@ class Trainer:
 
     def init(self, name: str) -> Any:
         """Fresh LoRA factors for task ``name`` (``A`` from the task's seed, ``B = 0``)."""
-        seed = int(_task_seed(self.config, name).generate_state(1)[0])
+        seed = int(ft.task_seed(self.config, name).generate_state(1)[0])
         m = llama.add_lora(self.model, self.lora, rngs=nnx.Rngs(seed))
         return jax.tree.map(jnp.array, nnx.state(m, nnx.LoRAParam))  # own buffers: donated
 
@@ -235,7 +207,7 @@ class Trainer:
     def token_ids(self, head: lt.PromptHead) -> tuple[jax.Array, jax.Array]:
         """The head's label tokens padded to a fixed width, and their number."""
         k = len(head.token_ids)
-        width = max(_LABEL_PAD, -(-k // _LABEL_PAD) * _LABEL_PAD)
+        width = ft.label_width(k)
         pad = np.zeros(width, np.int32)
         pad[:k] = head.token_ids
         return jnp.asarray(pad), jnp.asarray(k, jnp.int32)
@@ -262,7 +234,7 @@ class Trainer:
         *,
         val: lt.PromptSet | None = None,
         progress: Callable[[int, dict], None] | None = None,
-    ) -> tr.TrainedTask:
+    ) -> ft.TrainedTask:
         """Train ``task`` (a ``tasks.Task``) with its prompt ``head``; no caching.
 
         Args:
@@ -286,77 +258,38 @@ class Trainer:
             val = lt.make_prompt_set(
                 self.tokenizer, [head], [task.val], max_len=cfg.row_len, chat=cfg.chat
             )
-        lora = self.init(task.name)
-        opt_state = self._tx.init(lora)
-        sched = cfg.schedule()
-
-        history: list[dict[str, Any]] = []
-        best = (-1.0, np.inf)
-        best_step, best_lora = 0, jax.device_get(lora)
-        since_best, step, epoch, losses, seen = 0, 0, 0, [], 0
-        stopped_early = False
-        t_steps, n_timed, tok_timed, slot_timed = 0.0, 0, 0, 0
+        clock = ft.StepClock()
         shapes: set[tuple[int, int]] = set()
-        while step < cfg.max_steps and not stopped_early:
-            plan = epoch_batches(lengths, rows=cfg.rows, seed=_task_seed(cfg, task.name, 1, epoch))
-            epoch += 1
-            for chosen in plan:
-                b_ids, b_mask, b_lab, b_valid = self.batch(ids, lengths, labels, chosen)
-                ts = time.perf_counter()
-                lora, opt_state, loss = self.step(
-                    lora, opt_state, head, b_ids, b_mask, b_lab, b_valid
-                )
-                loss = float(loss)
-                if b_ids.shape in shapes:  # a new shape compiles: not timed
-                    t_steps += time.perf_counter() - ts
-                    n_timed += 1
-                    tok_timed += int(lengths[chosen].sum())
-                    slot_timed += b_ids.size
-                shapes.add(b_ids.shape)
-                losses.append(loss)
-                seen += len(chosen)
-                step += 1
-                stats: dict[str, Any] = {"loss": loss}
-                if step % cfg.eval_every == 0 or step == cfg.max_steps:
-                    acc, vloss = self._val(self.adapter(lora), val)
-                    history.append(
-                        {
-                            "step": step,
-                            "train_loss": float(np.mean(losses)),
-                            "val_loss": vloss,
-                            "val_accuracy": acc,
-                            "lr": float(sched(step)),
-                        }
-                    )
-                    losses = []
-                    stats["val_accuracy"] = acc
-                    if (acc, -vloss) > (best[0], -best[1]):
-                        best, best_step, best_lora = (acc, vloss), step, jax.device_get(lora)
-                        since_best = 0
-                    else:
-                        since_best += 1
-                        stopped_early = since_best >= cfg.patience and step < cfg.max_steps
-                if progress is not None:
-                    progress(step, stats)
-                if stopped_early or step >= cfg.max_steps:
-                    break
+
+        def plan(epoch: int) -> list[np.ndarray]:
+            seed = ft.task_seed(cfg, task.name, 1, epoch)
+            return epoch_batches(lengths, rows=cfg.rows, seed=seed)
+
+        def step(lora, opt_state, chosen, done):
+            b_ids, b_mask, b_lab, b_valid = self.batch(ids, lengths, labels, chosen)
+            ts = time.perf_counter()
+            lora, opt_state, loss = self.step(lora, opt_state, head, b_ids, b_mask, b_lab, b_valid)
+            loss = float(loss)
+            if b_ids.shape in shapes:  # a new shape compiles: not timed
+                clock.add(time.perf_counter() - ts, int(lengths[chosen].sum()), b_ids.size)
+            shapes.add(b_ids.shape)
+            return lora, opt_state, loss
+
+        def validate(lora) -> tuple[float, float]:
+            return self._val(self.adapter(lora), val)
+
+        lora = self.init(task.name)
+        fit = ft.fit_early_stopping(
+            cfg, lora, self._tx.init(lora), plan=plan, step=step, validate=validate,
+            progress=progress,
+        )  # fmt: skip
         info = {
-            "best_step": best_step,
-            "best_val_accuracy": best[0],
-            "best_val_loss": best[1],
-            "steps": step,
-            "max_steps": cfg.max_steps,
-            "stopped_early": stopped_early,
-            "epochs": epoch,
-            "texts_seen": seen,
-            "history": history,
+            **fit.info,
             "train_seconds": time.perf_counter() - t0,
-            "steps_per_second": n_timed / t_steps if t_steps > 0 else float("nan"),
-            "tokens_per_second": tok_timed / t_steps if t_steps > 0 else float("nan"),
-            "slot_tokens_per_second": slot_timed / t_steps if t_steps > 0 else float("nan"),
+            **clock.rates(slots=True),
             "shapes": sorted(shapes),
         }
-        return tr.TrainedTask(task.name, tuple(task.labels), self.adapter(best_lora), info)
+        return ft.TrainedTask(task.name, tuple(task.labels), self.adapter(fit.best_lora), info)
 
 
 # ------------------------------------------------------------------------------------ caching
@@ -382,7 +315,7 @@ def cache_key(
     what = {
         "code_version": CODE_VERSION,
         "suite": "language",
-        "task": tr.task_fingerprint(task),
+        "task": ft.task_fingerprint(task),
         "prompts": _prompts_fingerprint(tokenizer, task, head, config),
         "spec": dataclasses.asdict(head.spec),
         "config": dataclasses.asdict(config),
@@ -401,7 +334,7 @@ def train_task(
     cache_dir: str | os.PathLike | None = None,
     trainer: Trainer | Callable[[], Trainer] | None = None,
     progress: Callable[[int, dict], None] | None = None,
-) -> tr.TrainedTask:
+) -> ft.TrainedTask:
     """Train ``task`` with ``config``, or load the result from the cache if it is there.
 
     Args:
@@ -410,38 +343,35 @@ def train_task(
       config: hyperparameters and seed.
       tokenizer: the model's tokenizer (the prompts' tokens are in the cache key).
       weights: the model's fingerprint (:func:`lang_eval.model_fingerprint`).
-      cache_dir: cache directory (default :func:`train.default_cache_dir` ``/ "language"``).
+      cache_dir: cache directory (default :func:`fitting.default_cache_dir` ``/ "language"``).
       trainer: a :class:`Trainer` for ``config`` (or a callable making one, called only on a
         cache miss).
       progress: ``progress(step, stats)`` after each training step.
 
     Returns:
-      ``train.TrainedTask``; ``info["cache_hit"]`` says whether it came from the cache.
+      ``fitting.TrainedTask``; ``info["cache_hit"]`` says whether it came from the cache.
     """
     cache_dir = (
-        tr.default_cache_dir() / "language" if cache_dir is None else pathlib.Path(cache_dir)
+        ft.default_cache_dir() / "language" if cache_dir is None else pathlib.Path(cache_dir)
     )
     key, what = cache_key(task, head, config, tokenizer=tokenizer, weights=weights)
-    path = tr.cache_path(cache_dir, task, key)
-    hit = tr.load_cached(path)
-    if hit is not None:
-        return hit._replace(info={**hit.info, "cache_key": key, "cache_hit": True})
-    if trainer is None:
-        raise InputError(
-            f"lang_train.train_task: {task.name!r} is not in the cache {cache_dir}; pass a "
-            "trainer to train it."
-        )
-    if not isinstance(trainer, Trainer):
-        trainer = trainer()
-    if trainer.config != config:
-        raise InputError(
-            f"lang_train.train_task: the trainer was built for {trainer.config} but config is "
-            f"{config}; pass a Trainer(config, ...)."
-        )
-    trained = trainer.fit(task, head, progress=progress)
-    trained = trained._replace(info={**trained.info, "cache_key": key})
-    tr.store(path, trained, {**what, "task_name": task.name, "key": key})
-    return trained._replace(info={**trained.info, "cache_hit": False})
+
+    def fit() -> ft.TrainedTask:
+        if trainer is None:
+            raise InputError(
+                f"lang_train.train_task: {task.name!r} is not in the cache {cache_dir}; pass a "
+                "trainer to train it."
+            )
+        made = trainer if isinstance(trainer, Trainer) else trainer()
+        if made.config != config:
+            raise InputError(
+                f"lang_train.train_task: the trainer was built for {made.config} but config is "
+                f"{config}; pass a Trainer(config, ...)."
+            )
+        return made.fit(task, head, progress=progress)
+
+    path = ft.cache_path(cache_dir, task, key)
+    return ft.cached_or_trained(path, key, {**what, "task_name": task.name, "key": key}, fit)
 
 
 def train_tasks(
@@ -456,69 +386,28 @@ def train_tasks(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
-) -> list[tr.TrainedTask]:
+) -> list[ft.TrainedTask]:
     """Train (or load from the cache) every task, with a tqdm bar per task.
 
     One :class:`Trainer` is made on the first cache miss and shared by all tasks. ``log`` gets
     one line per task when it is done.
     """
-    from tqdm import tqdm
+    trainer = functools.cache(lambda: Trainer(config, model, tokenizer, scorer=scorer))
 
-    made: list[Trainer] = []
+    def one(task: Any, head: lt.PromptHead, tick: Callable[[int, dict], None]) -> ft.TrainedTask:
+        return train_task(
+            task, head, config, tokenizer=tokenizer, weights=weights, cache_dir=cache_dir,
+            trainer=trainer, progress=tick,
+        )  # fmt: skip
 
-    def get_trainer() -> Trainer:
-        if not made:
-            made.append(Trainer(config, model, tokenizer, scorer=scorer))
-        return made[0]
-
-    out = []
-    for task, head in zip(tasks, heads, strict=True):
-        bar = tqdm(
-            total=config.max_steps,
-            desc=f"train {task.name} (seed {config.seed})",
-            disable=not progress,
-            leave=False,
-            mininterval=1.0,
-            dynamic_ncols=True,
-        )
-
-        def tick(step, stats, bar=bar):
-            bar.update(1)
-            if "val_accuracy" in stats:
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", val=f"{stats['val_accuracy']:.3f}")
-
-        with bar:
-            t = train_task(
-                task,
-                head,
-                config,
-                tokenizer=tokenizer,
-                weights=weights,
-                cache_dir=cache_dir,
-                trainer=get_trainer,
-                progress=tick,
-            )
-        if log is not None:
-            i = t.info
-            how = (
-                "cached"
-                if i["cache_hit"]
-                else f"trained {i['steps']} steps in {i['train_seconds']:.0f} s "
-                f"({i['tokens_per_second']:.0f} tokens/s)"
-            )
-            log(
-                f"{task.name} (seed {config.seed}): {how}; best validation accuracy "
-                f"{i['best_val_accuracy']:.3f} at step {i['best_step']}"
-            )
-        out.append(t)
-    return out
+    return ft.train_each(tasks, heads, config, one, progress=progress, log=log)
 
 
 # ------------------------------------------------------------------------------------- export
 
 
 def export_peft(
-    adapter: Mapping[str, Any] | tr.TrainedTask,
+    adapter: Mapping[str, Any] | ft.TrainedTask,
     path: str | os.PathLike,
     **config: Any,
 ) -> dict[str, Any]:
@@ -533,7 +422,7 @@ def export_peft(
     """
     import netutility_jax as nu
 
-    if isinstance(adapter, tr.TrainedTask):
+    if isinstance(adapter, ft.TrainedTask):
         adapter = adapter.adapter
     return nu.peft.save_adapter(
         llama.peft_names(adapter), path, **{"task_type": "CAUSAL_LM", **config}

@@ -29,21 +29,35 @@ On a GPU with the paper's model on disk: ``LanguageSuite(*llama.from_pretrained(
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from ..errors import InputError
+from . import fitting as ft
 from . import grid as gr
 from . import lang_eval as le
 from . import lang_tasks as lt
 from . import lang_train as ltr
 from . import llama
-from . import train as tr
+from .report_markdown import SuiteReport
+
+__all__ = [
+    "CODE_VERSION",
+    "FULL",
+    "PRESETS",
+    "QUICK",
+    "SUITE",
+    "LanguageReport",
+    "LanguageRun",
+    "LanguageSuite",
+    "export_adapters",
+    "render",
+    "run",
+    "run_experiment",
+    "zero_shot",
+]
 
 #: Bump when a change here changes what a merge job produces: invalidates the job caches.
 CODE_VERSION = 1
@@ -167,7 +181,7 @@ class LanguageSuite:
         cache_dir: str | os.PathLike,
         progress: bool = True,
         log: Callable[[str], None] | None = None,
-    ) -> list[tr.TrainedTask]:
+    ) -> list[ft.TrainedTask]:
         """Train (or load) every task's LoRA (:func:`lang_train.train_tasks`)."""
         return ltr.train_tasks(
             tasks,
@@ -184,7 +198,7 @@ class LanguageSuite:
 
     def evaluator(
         self,
-        trained: Sequence[tr.TrainedTask],
+        trained: Sequence[ft.TrainedTask],
         heads: Sequence[lt.PromptHead],
         val: lt.PromptSet,
         test: lt.PromptSet,
@@ -257,7 +271,7 @@ def run_experiment(
       suite: the :class:`LanguageSuite`.
       seeds: training seeds (default the preset's).
       cache_dir: adapters, single/zero-shot correctness and merge jobs are cached under
-        ``<cache_dir>/language`` (default :func:`train.default_cache_dir`).
+        ``<cache_dir>/language`` (default :func:`fitting.default_cache_dir`).
       progress, log, alpha: as for ``runner.run_experiment``.
 
     Returns:
@@ -287,64 +301,66 @@ class LanguageRun(NamedTuple):
     written: list[str]
 
 
-def _intro(results: dict[str, Any], suite: LanguageSuite) -> str:
-    names = [t["name"] for t in results["tasks"]]
-    tc, evl = results["train_config"], results["evaluation"]
-    m_r = len(names) * tc["lora_rank"]
-    sc = results["scoring"]
-    lams = [v["lam"] for v in sc.values()]
-    alphas = sorted({v["alpha"] for v in sc.values()})
-    hs = [v["heterogeneity"] for v in sc.values()]
-    seeds = results["seeds"]
-    return (
-        f"{len(names)} tasks: {', '.join(names)}. Language suite: {suite.description}; each task "
-        f"is a prompt of at most {tc['row_len']} tokens answered by a label word, scored by the "
-        "model's own LM head restricted to the label words' first tokens at the last position; "
-        f"only the LoRA trains (r={tc['lora_rank']}, alpha={tc['lora_alpha']:g} on q, k, v, o of "
-        f"every layer; full capacity M r = {m_r}). {len(seeds)} training seed(s) "
-        f"({', '.join(map(str, seeds))}); the same data splits for every seed. Test: "
-        f"{evl['test_texts']} prompts ({', '.join(str(t['test']) for t in results['tasks'])} per "
-        f"task); validation: {evl['val_texts']} prompts (coefficient search, early stopping). "
-        f"Geometry: h = {np.mean(hs):.2f} -> alpha = {', '.join(f'{a:g}' for a in alphas)}; "
-        f"lambda = {np.mean(lams):.3g} (median rule; per seed {', '.join(f'{x:.3g}' for x in lams)})."
-    )
+class LanguageReport(SuiteReport):
+    """The report's wording and fields for the language suite (``report.SuiteReport`` is the
+    encoder's): the decoder and its prompts in place of MiniLM and its zero-shot heads.
+
+    Args:
+      description: the model (:attr:`LanguageSuite.description`).
+      run: the run (its prompt heads and training settings are described).
+    """
+
+    unit = "prompts"
+    layers = "every layer"
+    zero_shot_model = "base model"
+
+    def __init__(self, description: str, run: Any):
+        self.description = description
+        tc = run.preset.train
+        chat = " (in the chat template)" if getattr(tc, "chat", False) else ""
+        self.prompts = "; ".join(
+            f"{h.task}: {h.spec.template + chr(10) + lt.CUE!r}{chat} -> " + ", ".join(h.spec.words)
+            for h in run.heads
+        )
+
+    def evaluation(self, run: Any, common: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **common,
+            "suite": SUITE,
+            "model": self.description,
+            "max_prompt_tokens": run.preset.train.row_len,
+            "rows": lt.EVAL_ROWS,
+            "scoring": "LM head restricted to the label words' first tokens, last position",
+        }
+
+    def fields(self, run: Any) -> dict[str, Any]:
+        return {"suite": SUITE}
+
+    def title(self, results: Mapping[str, Any]) -> str:
+        return f"# netutility demo --suite language ({results['preset']})"
+
+    def model(self, results: Mapping[str, Any]) -> str:
+        return (
+            f"Language suite: {self.description}; each task is a prompt of at most "
+            f"{results['train_config']['row_len']} tokens answered by a label word, scored by the "
+            "model's own LM head restricted to the label words' first tokens at the last position"
+        )
+
+    def heads(self, results: Mapping[str, Any]) -> str:
+        return f"Prompts and label words: {self.prompts}."
+
+    def step(self, train_config: Mapping[str, Any]) -> str:
+        return (
+            f"a step has {train_config['rows']} prompts of at most {train_config['row_len']} tokens"
+        )
 
 
 def render(run_: Any, suite: LanguageSuite) -> Any:
-    """``report.render`` of a language run, its MiniLM-specific wording replaced."""
+    """``report.render`` of a language run, in the language suite's wording
+    (:class:`LanguageReport`)."""
     from . import report
 
-    exp = report.render(run_)
-    res = exp.results
-    res["suite"] = SUITE
-    res["evaluation"] = {
-        **{k: v for k, v in res["evaluation"].items() if k not in ("row_len", "temperature")},
-        "suite": SUITE,
-        "model": suite.description,
-        "max_prompt_tokens": run_.preset.train.row_len,
-        "rows": lt.EVAL_ROWS,
-        "scoring": "LM head restricted to the label words' first tokens, last position",
-    }
-    tc = run_.preset.train
-    chat = " (in the chat template)" if getattr(tc, "chat", False) else ""
-    prompts = "; ".join(
-        f"{h.task}: {h.spec.template + chr(10) + lt.CUE!r}{chat} -> " + ", ".join(h.spec.words)
-        for h in run_.heads
-    )
-    lines = exp.markdown.split("\n")
-    if lines and lines[0].startswith("# netutility demo"):
-        lines[0] = f"# netutility demo --suite language ({run_.preset.name})"
-    for i, line in enumerate(lines):
-        if i < 5 and "MiniLM" in line:  # the encoder's intro paragraph
-            line = _intro(res, suite)
-        elif line.startswith("Zero-shot heads (label descriptions):"):
-            line = f"Prompts and label words: {prompts}."
-        line = line.replace("(frozen heads, no adapter)", "(base model, no adapter)")
-        lines[i] = line.replace(
-            f"a step packs {tc.rows} x {tc.row_len} tokens",
-            f"a step has {tc.rows} prompts of at most {tc.row_len} tokens",
-        )
-    return dataclasses.replace(exp, markdown="\n".join(lines))
+    return report.render(run_, LanguageReport(suite.description, run_))
 
 
 def zero_shot(
@@ -367,7 +383,7 @@ def zero_shot(
     heads = suite.heads(task_list)
     val, test = suite.eval_sets(task_list, heads, p.train)
     ps = {"val": val, "test": test}[split]
-    base = pathlib.Path(cache_dir) if cache_dir is not None else tr.default_cache_dir()
+    base = pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()
     return le.zero_shot_accuracy(suite.scorer, ps, cache_dir=base / SUITE, weights=suite.weights)
 
 
@@ -382,12 +398,12 @@ def export_adapters(
     Raises:
       InputError: an adapter is no longer in the cache.
     """
-    base = pathlib.Path(cache_dir) if cache_dir is not None else tr.default_cache_dir()
+    base = pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()
     written = []
     for s in run_.seeds:
         for task in run_.tasks:
             key = s.training[task.name]["cache_key"]
-            trained = tr.load_cached(tr.cache_path(base / SUITE, task, key))
+            trained = ft.load_cached(ft.cache_path(base / SUITE, task, key))
             if trained is None:
                 raise InputError(
                     f"language.export_adapters: the adapter of {task.name!r} (seed {s.seed}) is "
@@ -420,7 +436,7 @@ def run(
       preset: ``"quick"``, ``"full"`` or a ``grid.Preset``.
       out: write ``results.json``, ``results.md``, ``predictions.npz`` and the figures here
         (``report.write_outputs``); None: write nothing.
-      cache_dir: the cache (default :func:`train.default_cache_dir`); everything goes to its
+      cache_dir: the cache (default :func:`fitting.default_cache_dir`); everything goes to its
         ``language/`` folder.
       tasks: built-in task names (default the preset's).
       seeds: training seeds (default the preset's).

@@ -24,17 +24,28 @@ import hashlib
 import json
 import os
 import pathlib
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from .. import _io, registry
 from ..errors import InputError
 from . import evaluate as ev
 from . import grid as gr
 from . import train as tr
+
+__all__ = [
+    "CODE_VERSION",
+    "SPLIT_SEED",
+    "EncoderSuite",
+    "JobCache",
+    "Run",
+    "SeedResult",
+    "random_allocation",
+    "run_experiment",
+]
 
 #: Bump when a change here or in evaluate.py changes what a job produces: invalidates job caches.
 CODE_VERSION = 1
@@ -78,12 +89,6 @@ def random_allocation(
     return {name: out[name] for name in reference}
 
 
-def _elementwise(method: str) -> bool:
-    from .. import merging
-
-    return method in merging.ELEMENTWISE_METHODS
-
-
 def _fingerprint(es: ev.EvalSet) -> str:
     h = hashlib.sha256()
     for x in (es.ids, es.lengths, es.task, es.labels):
@@ -119,31 +124,13 @@ class JobCache:
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".npz.tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(
-                    f,
-                    record=np.frombuffer(json.dumps(_jsonable(record)).encode(), np.uint8),
-                    correct=np.packbits(np.asarray(correct, bool)),
-                    n=np.asarray(len(correct)),
-                )
-            os.replace(tmp, path)
-        except BaseException:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-            raise
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    return x
+        with _io.atomic_file(path, "wb") as f:
+            np.savez(
+                f,
+                record=np.frombuffer(json.dumps(_io.to_jsonable(record)).encode(), np.uint8),
+                correct=np.packbits(np.asarray(correct, bool)),
+                n=np.asarray(len(correct)),
+            )
 
 
 @dataclasses.dataclass
@@ -201,8 +188,9 @@ def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
     import netutility_jax as nu
 
     spec = gr.METHODS[job.method]
+    method = registry.METHODS[spec.method]
     opts = dict(spec.options)
-    key = jax.random.key(seed) if spec.method in ("dare", "dare_ties") else None
+    key = jax.random.key(seed) if method.needs_key else None
     m_tasks = len(adapters)
     rank = max(int(np.asarray(m["lora_a"]).shape[1]) for m in adapters[0].values())
     if job.allocation in ("uniform", "net_utility", "all"):
@@ -226,7 +214,7 @@ def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
             "kept_per_task": [int(x) for x in np.asarray(report.kept_per_task)],
         }
     elif job.allocation == "random":
-        scope = "local" if _elementwise(spec.method) else "global"
+        scope = method.budget_scope  # the paper's: local for TIES and DARE, global otherwise
         ref = nu.allocate(scores, job.budget, scope=scope, positive_only=True)
         masks = random_allocation(ref, scores, seed=(seed, job.draw, job.budget))
         merged = nu.merge(adapters, masks, method=spec.method, space=job.space, key=key, **opts)
@@ -283,14 +271,7 @@ class EncoderSuite:
         return {"row_len": ev.ROW_LEN, "rows": ev.ROWS, "temperature": ev.TEMPERATURE}
 
     def timing(self) -> dict[str, Any]:
-        b = self.backbone
-        return {
-            "passes": b.passes,
-            "tokens": b.tokens,
-            "slot_tokens": b.slot_tokens,
-            "seconds": b.seconds,
-            "tokens_per_second": b.tokens_per_second,
-        }
+        return self.backbone.timing()
 
 
 def run_experiment(
@@ -370,6 +351,82 @@ def run_experiment(
     )
 
 
+@dataclasses.dataclass
+class _SeedJobs:
+    """What every job of one seed shares: the adapters, their scores, the evaluator, the caches."""
+
+    seed: int
+    adapters: list[Any]
+    scores: Any
+    evaluator: Any
+    suite: Any
+    alpha: Any
+    jobs_cache: JobCache
+    base_key: dict[str, Any]
+    last_coef: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+
+    def run(self, job: gr.Job) -> tuple[dict[str, Any], np.ndarray]:
+        """``(record, test correctness)`` of ``job``: from the job cache, else merged and
+        evaluated (and cached). Its coefficient search starts from the coefficient chosen last
+        for the same method and space."""
+        spec = gr.METHODS[job.method]
+        start = self.last_coef.get((job.method, job.space), spec.start)
+        what = {**self.base_key, "job": dataclasses.asdict(job) | {"spaces": None}}
+        what |= {"options": dict(spec.options), "start": start, "seed": self.seed}
+        key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+        path = self.jobs_cache.path(self.seed, job, key)
+        hit = self.jobs_cache.load(path)
+        if hit is not None:
+            rec, ok = hit
+            rec = {**rec, "cache_hit": True}
+        else:
+            rec, ok = self._compute(job, spec, start)
+            self.jobs_cache.store(path, rec, ok)
+        rec["spaces"] = list(job.spaces)
+        self.last_coef[(job.method, job.space)] = rec["coef"]
+        return rec, ok
+
+    def _compute(
+        self, job: gr.Job, spec: gr.MethodSpec, start: float
+    ) -> tuple[dict[str, Any], np.ndarray]:
+        ts = time.perf_counter()
+        merged, fields = _merge(
+            self.adapters, job, seed=self.seed, alpha=self.alpha, scores=self.scores
+        )
+        tm = time.perf_counter() - ts
+        passes0 = self.suite.timing()["passes"]
+        res = self.evaluator.evaluate(
+            merged,
+            start=start,
+            coef=1.0 / len(self.adapters) if job.allocation == "average" else None,
+        )
+        rec = {
+            "key": job.key,
+            "seed": self.seed,
+            "method": job.method,
+            "label": spec.label,
+            "space": job.space,
+            "spaces": list(job.spaces),
+            "budget": job.budget,
+            "allocation": job.allocation,
+            "draw": job.draw,
+            "options": dict(spec.options),
+            **fields,
+            "coef": res.coef,
+            "coef_start": start,
+            "val_scores": {f"{c:g}": s for c, s in res.val_scores.items()},
+            "val_normalized": res.val_normalized,
+            "test_accuracy": res.test_accuracy,
+            "test_normalized": res.test_normalized.per_task,
+            "normalized": res.test_normalized.mean,
+            "merge_seconds": tm,
+            "eval_seconds": time.perf_counter() - ts - tm,
+            "val_passes": self.suite.timing()["passes"] - passes0 - 1,
+            "cache_hit": False,
+        }
+        return rec, res.test_correct
+
+
 def _run_seed(
     seed, task_list, heads, preset, jobs, val, test, fingerprint, *,
     cache, jobs_cache, suite, alpha, progress, log, bar,
@@ -395,70 +452,21 @@ def _run_seed(
         )
     )
     scores = jax.block_until_ready(nu.score(adapters, alpha=alpha, lam="auto"))
-    top = max(preset.grid.budgets)
-    masks = jax.block_until_ready(nu.allocate(scores, top))
+    masks = jax.block_until_ready(nu.allocate(scores, max(preset.grid.budgets)))
     base_key = {
         "code_version": CODE_VERSION,
         "adapters": [t.info["cache_key"] for t in trained],
         "alpha": alpha,
         "eval": {**suite.eval_key(preset.train), **fingerprint},
     }
+    runs = _SeedJobs(seed, adapters, scores, evaluator, suite, alpha, jobs_cache, base_key)
     records: dict[str, dict[str, Any]] = {}
     correct: dict[str, np.ndarray] = {}
-    last_coef: dict[tuple[str, str], float] = {}
     t0 = time.perf_counter()
     for job in jobs:
-        spec = gr.METHODS[job.method]
-        start = last_coef.get((job.method, job.space), spec.start)
-        what = {**base_key, "job": dataclasses.asdict(job) | {"spaces": None}}
-        what |= {"options": dict(spec.options), "start": start, "seed": seed}
-        key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
-        path = jobs_cache.path(seed, job, key)
         bar.set_postfix_str(f"seed {seed} {job.key}")
-        hit = jobs_cache.load(path)
-        if hit is not None:
-            rec, ok = hit
-            rec = {**rec, "cache_hit": True}
-        else:
-            ts = time.perf_counter()
-            merged, fields = _merge(adapters, job, seed=seed, alpha=alpha, scores=scores)
-            tm = time.perf_counter() - ts
-            passes0 = suite.timing()["passes"]
-            res = evaluator.evaluate(
-                merged,
-                start=start,
-                coef=1.0 / len(adapters) if job.allocation == "average" else None,
-            )
-            ok = res.test_correct
-            rec = {
-                "key": job.key,
-                "seed": seed,
-                "method": job.method,
-                "label": spec.label,
-                "space": job.space,
-                "spaces": list(job.spaces),
-                "budget": job.budget,
-                "allocation": job.allocation,
-                "draw": job.draw,
-                "options": dict(spec.options),
-                **fields,
-                "coef": res.coef,
-                "coef_start": start,
-                "val_scores": {f"{c:g}": s for c, s in res.val_scores.items()},
-                "val_normalized": res.val_normalized,
-                "test_accuracy": res.test_accuracy,
-                "test_normalized": res.test_normalized.per_task,
-                "normalized": res.test_normalized.mean,
-                "merge_seconds": tm,
-                "eval_seconds": time.perf_counter() - ts - tm,
-                "val_passes": suite.timing()["passes"] - passes0 - 1,
-                "cache_hit": False,
-            }
-            jobs_cache.store(path, rec, ok)
-        rec["spaces"] = list(job.spaces)
-        records[job.key] = rec
-        correct[job.key] = ok
-        last_coef[(job.method, job.space)] = rec["coef"]
+        rec, ok = runs.run(job)
+        records[job.key], correct[job.key] = rec, ok
         bar.update(1)
         if not progress:
             log(

@@ -37,6 +37,18 @@ import numpy as np
 
 from ..errors import InputError
 
+__all__ = [
+    "Bootstrap",
+    "Correlation",
+    "Interval",
+    "NormalizedDraws",
+    "Summary",
+    "pearson",
+    "seed_interval",
+    "summarize",
+    "t975",
+]
+
 #: Two-sided 97.5% Student t quantiles for 1..30 degrees of freedom (then the normal's 1.96).
 _T975 = (
     12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,

@@ -8,11 +8,10 @@ every built-in task is built from data that Debian packages ship. Install them w
         r-cran-modeldata r-cran-tidytext wordnet-base
 
 The R packages keep their data sets in R lazy-load databases
-(``<R library>/<package>/data/Rdata.rdx`` + ``Rdata.rdb``). This module reads them
-with a small reader of R's XDR serialization format written here: it only decodes
-vectors, lists and attributes (no code is ever evaluated and nothing is unpickled),
-and is several times faster than a general-purpose parser (0.7 s instead of 4 s for
-the 208k-row ``parts_of_speech`` table). The WordNet task reads ``/usr/share/wordnet/data.noun``.
+(``<R library>/<package>/data/Rdata.rdx`` + ``Rdata.rdb``), read by a small reader of R's
+XDR serialization format (:mod:`rdata_reader`: no code is ever evaluated and nothing is
+unpickled); the WordNet tasks read ``/usr/share/wordnet/data.*``. :mod:`task_sources`
+declares the built-in tasks and reads their rows; this module cleans, splits and loads them.
 
 Built-in tasks (sizes for the defaults ``max_train=2000, n_val=200, n_test=1000``)
 ======================================================================================
@@ -76,25 +75,29 @@ per label in proportion (stratified), not balanced.
 
 from __future__ import annotations
 
-import bz2
 import csv
-import datetime as _dt
 import functools
-import gzip
-import html
-import lzma
 import re
-import struct
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 import numpy as np
 
-from ..errors import InputError, MissingFileError
+from ..errors import InputError
+from .rdata_reader import read_r_lazyload as read_r_lazyload
+from .rdata_reader import read_r_serialized as read_r_serialized
+from .task_sources import APT_INSTALL_COMMAND as APT_INSTALL_COMMAND
+from .task_sources import APT_PACKAGES as APT_PACKAGES
+from .task_sources import BUILTIN_TASKS as BUILTIN_TASKS
+from .task_sources import PAIR_SEP as PAIR_SEP
+from .task_sources import TASK_INFO as TASK_INFO
+from .task_sources import TaskDataMissingError as TaskDataMissingError
+from .task_sources import TaskInfo as TaskInfo
+from .task_sources import clean, task_info
+from .task_sources import describe as describe
 
 __all__ = [
     "APT_INSTALL_COMMAND",
@@ -103,6 +106,7 @@ __all__ = [
     "DEFAULT_MAX_TRAIN",
     "DEFAULT_N_TEST",
     "DEFAULT_N_VAL",
+    "PAIR_SEP",
     "TASK_INFO",
     "Split",
     "Task",
@@ -120,15 +124,6 @@ __all__ = [
     "read_r_serialized",
 ]
 
-APT_PACKAGES: tuple[str, ...] = (
-    "r-cran-dslabs",
-    "r-cran-janeaustenr",
-    "r-cran-modeldata",
-    "r-cran-tidytext",
-    "wordnet-base",
-)
-APT_INSTALL_COMMAND = "apt-get install -y --no-install-recommends " + " ".join(APT_PACKAGES)
-
 #: Directories searched, in order, for ``<package>/data/Rdata.rdx``.
 R_LIBRARY_DIRS: tuple[str, ...] = (
     "/usr/lib/R/site-library",
@@ -145,645 +140,6 @@ DEFAULT_N_TEST = 1000
 
 class TaskDataError(InputError):
     """A task's data or arguments cannot make a usable task (bad CSV, bad sizes)."""
-
-
-class TaskDataMissingError(MissingFileError):
-    """A built-in task's Debian data files are not installed.
-
-    ``install_command`` is the ``apt-get`` line that installs them.
-    """
-
-    def __init__(self, task: str, package: str, looked_for: Sequence[Path]) -> None:
-        self.task = task
-        self.package = package
-        self.looked_for = tuple(looked_for)
-        self.install_command = f"apt-get install -y --no-install-recommends {package}"
-        tried = ", ".join(str(p) for p in self.looked_for)
-        super().__init__(
-            f"data for task {task!r} is missing: no {tried}. It comes from the Debian "
-            f"package {package}; install it with `{self.install_command}` "
-            f"(all built-in tasks: `{APT_INSTALL_COMMAND}`)"
-        )
-
-
-# --------------------------------------------------------------------------------------
-# A minimal reader of R's serialization format (XDR, versions 2 and 3).
-# --------------------------------------------------------------------------------------
-
-_NILVALUE, _REFSXP = 254, 255
-_SINGLETONS = frozenset({253, 252, 251, 250, 242, 241})  # global/base/empty env, markers
-_PAIRLISTS = frozenset({2, 6, 239, 240})  # LISTSXP, LANGSXP, ATTRLISTSXP, ATTRLANGSXP
-_ALTREP = 238
-
-
-class _RReader:
-    """Decodes the subset of R objects data sets use; anything else raises ``ValueError``.
-
-    Vectors of numbers become numpy arrays (NA integers stay R's ``-2**31``), character
-    vectors lists of ``str`` (``None`` for NA), factors lists of their level strings,
-    named lists (data frames) ``dict``s, pairlists ``dict``s or lists of pairs.
-    """
-
-    def __init__(self, data: bytes) -> None:
-        self.buf = memoryview(data)
-        self.pos = 0
-        self.refs: list[Any] = []
-
-    def _int(self) -> int:
-        (value,) = struct.unpack_from(">i", self.buf, self.pos)
-        self.pos += 4
-        return value
-
-    def _length(self) -> int:
-        n = self._int()
-        if n == -1:
-            hi, lo = self._int(), self._int()
-            n = (hi << 32) + lo
-        if n < 0 or n > len(self.buf):
-            raise InputError(f"corrupt R serialization: vector length {n}")
-        return n
-
-    def read(self) -> Any:
-        if bytes(self.buf[:2]) != b"X\n":
-            raise InputError("not an R serialization in XDR format (expected 'X\\n')")
-        self.pos = 2
-        version = self._int()
-        self._int()  # R version that wrote it
-        self._int()  # minimal R version to read it
-        if version == 3:
-            encoding_length = self._int()
-            self.pos += encoding_length  # skip the native encoding's name
-        elif version != 2:
-            raise InputError(f"unsupported R serialization version {version}")
-        return self._item()
-
-    def _array(self, dtype: str, size: int) -> np.ndarray:
-        n = self._length()
-        out = np.frombuffer(self.buf, dtype, n, self.pos).astype(dtype[1:])
-        self.pos += size * n
-        return out
-
-    def _item(self) -> Any:
-        flags = self._int()
-        kind = flags & 0xFF
-        if kind == _NILVALUE or kind in _SINGLETONS:
-            return None
-        if kind == _REFSXP:
-            index = flags >> 8 or self._int()
-            return self.refs[index - 1]
-        if kind == 1:  # SYMSXP: a CHARSXP follows
-            name = self._item()
-            self.refs.append(name)
-            return name
-        if kind in _PAIRLISTS:
-            return self._pairlist(flags)
-        if kind == 9:  # CHARSXP
-            n = self._int()
-            if n == -1:
-                return None
-            raw = bytes(self.buf[self.pos : self.pos + n])
-            self.pos += n
-            latin1 = (flags >> 12) & 4
-            return raw.decode("latin-1" if latin1 else "utf-8", errors="replace")
-        if kind == _ALTREP:
-            return self._altrep()
-        if kind in (10, 13):  # LGLSXP, INTSXP
-            value: Any = self._array(">i4", 4)
-        elif kind == 14:  # REALSXP
-            value = self._array(">f8", 8)
-        elif kind == 15:  # CPLXSXP
-            value = self._array(">c16", 16)
-        elif kind in (16, 19, 20):  # STRSXP, VECSXP, EXPRSXP
-            value = [self._item() for _ in range(self._length())]
-        elif kind == 24:  # RAWSXP
-            n = self._length()
-            value = bytes(self.buf[self.pos : self.pos + n])
-            self.pos += n
-        else:
-            raise InputError(f"unsupported R object type {kind} in serialized data")
-        attrs = self._item() if flags & (1 << 9) else None
-        return self._with_attributes(kind, value, attrs)
-
-    @staticmethod
-    def _with_attributes(kind: int, value: Any, attrs: Any) -> Any:
-        if not isinstance(attrs, dict):
-            return value
-        if kind in (19, 20) and attrs.get("names") is not None:
-            return dict(zip(attrs["names"], value, strict=True))
-        if kind == 13 and attrs.get("levels") is not None:  # factor
-            levels = attrs["levels"]
-            return [levels[c - 1] if 0 < c <= len(levels) else None for c in value.tolist()]
-        return value
-
-    def _pairlist(self, flags: int) -> Any:
-        items: list[tuple[Any, Any]] = []
-        while True:
-            if flags & (1 << 9):
-                self._item()  # attributes of the cell: unused
-            tag = self._item() if flags & (1 << 10) else None
-            items.append((tag, self._item()))
-            flags = self._int()
-            if flags & 0xFF not in _PAIRLISTS:
-                self.pos -= 4
-                self._item()  # the tail, R_NilValue for a proper list
-                break
-        if all(isinstance(tag, str) for tag, _ in items):
-            return dict(items)
-        return items
-
-    def _altrep(self) -> Any:
-        info = self._item()
-        state = self._item()
-        attrs = self._item()
-        name = info[0][1] if isinstance(info, list) and info else None
-        if name in ("compact_intseq", "compact_realseq"):
-            n, start, step = (float(x) for x in state[:3])
-            dtype = np.int32 if name == "compact_intseq" else np.float64
-            value: Any = (start + step * np.arange(int(n))).astype(dtype)
-            kind = 13 if name == "compact_intseq" else 14
-        elif isinstance(name, str) and name.startswith("wrap_"):
-            value, kind = state[0], 19 if isinstance(state[0], list) else 13
-        elif name == "deferred_string":
-            source = state[0][1] if isinstance(state, list) else next(iter(state.values()))
-            value, kind = [str(x) for x in np.asarray(source).tolist()], 16
-        else:
-            raise InputError(f"unsupported R ALTREP class {name!r} in serialized data")
-        return self._with_attributes(kind, value, attrs)
-
-
-def read_r_serialized(data: bytes) -> Any:
-    """Decode one R object serialized in XDR format (an uncompressed ``.rds`` body)."""
-    return _RReader(data).read()
-
-
-def _decompress_lazyload_entry(blob: bytes, compressed: int) -> bytes:
-    if len(blob) < 5:
-        raise InputError("corrupt lazy-load entry")
-    (size,) = struct.unpack_from(">I", blob, 0)
-    if compressed in (2, 3):  # a one-byte type follows the length (R_decompress2/3)
-        kind, body = blob[4:5], blob[5:]
-        if kind == b"Z":  # R's raw LZMA2 stream, preset 6
-            out = lzma.decompress(
-                body, format=lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA2, "preset": 6}]
-            )
-        elif kind == b"2":
-            out = bz2.decompress(body)
-        elif kind == b"1":
-            out = zlib.decompress(body)
-        elif kind == b"0":
-            out = body
-        else:
-            raise InputError(f"unknown lazy-load compression type {kind!r}")
-    else:
-        out = zlib.decompress(blob[4:])
-    if len(out) != size:
-        raise InputError("corrupt lazy-load entry: wrong decompressed length")
-    return out
-
-
-def read_r_lazyload(base: str | Path, name: str) -> Any:
-    """Read object ``name`` from the R lazy-load database ``base``.rdx/``base``.rdb.
-
-    ``base`` is e.g. ``/usr/lib/R/site-library/dslabs/data/Rdata``. The ``.rdx`` index
-    is a gzip-compressed serialized list whose ``variables`` maps each name to an
-    (offset, length) pair into the ``.rdb`` file.
-    """
-    base = Path(base)
-    with open(f"{base}.rdx", "rb") as f:
-        raw = f.read()
-    index = read_r_serialized(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
-    variables = index["variables"]
-    if name not in variables:
-        raise KeyError(f"{name!r} is not in {base}.rdx (it holds {sorted(variables)})")
-    offset, length = (int(x) for x in variables[name])
-    compressed = int(np.asarray(index.get("compressed", [1])).ravel()[0])
-    with open(f"{base}.rdb", "rb") as f:
-        f.seek(offset)
-        blob = f.read(length)
-    return read_r_serialized(_decompress_lazyload_entry(blob, compressed))
-
-
-# --------------------------------------------------------------------------------------
-# Locating the Debian data.
-# --------------------------------------------------------------------------------------
-
-
-def _r_data_base(task: str, package: str, r_dirs: Sequence[str]) -> Path:
-    candidates = [Path(d) / package / "data" / "Rdata.rdx" for d in r_dirs]
-    for rdx in candidates:
-        if rdx.is_file() and rdx.with_suffix(".rdb").is_file():
-            return rdx.with_suffix("")
-    raise TaskDataMissingError(task, f"r-cran-{package.lower()}", candidates)
-
-
-def _wordnet_file(task: str, name: str, wn_dirs: Sequence[str]) -> Path:
-    candidates = [Path(d) / name for d in wn_dirs]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise TaskDataMissingError(task, "wordnet-base", candidates)
-
-
-def _clean(text: str | None) -> str:
-    return " ".join(text.split()) if text else ""
-
-
-# --------------------------------------------------------------------------------------
-# The built-in tasks' source rows.
-# --------------------------------------------------------------------------------------
-
-_Rows = list[tuple[str, str]]
-
-_AUSTEN = (
-    ("emma", "Emma"),
-    ("mansfieldpark", "Mansfield Park"),
-    ("northangerabbey", "Northanger Abbey"),
-    ("persuasion", "Persuasion"),
-    ("prideprejudice", "Pride and Prejudice"),
-    ("sensesensibility", "Sense and Sensibility"),
-)
-
-
-def _austen_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
-    base = _r_data_base("austen_novel", "janeaustenr", r_dirs)
-    rows: _Rows = []
-    for obj, title in _AUSTEN:
-        lines = read_r_lazyload(base, obj)
-        paragraph: list[str] = []
-        for line in [*lines, ""]:
-            line = _clean(line)
-            if line:
-                paragraph.append(line)
-                continue
-            for i in range(0, len(paragraph) - 1, 2):
-                passage = f"{paragraph[i]} {paragraph[i + 1]}"
-                if len(passage.split()) >= 8:
-                    rows.append((passage, title))
-            paragraph = []
-    return rows
-
-
-_CAMPAIGN = (
-    _dt.datetime(2015, 6, 16, tzinfo=_dt.UTC).timestamp(),
-    _dt.datetime(2016, 11, 9, tzinfo=_dt.UTC).timestamp(),
-)
-_TWEET_SOURCES = {"Twitter for Android": "Android", "Twitter for iPhone": "iPhone"}
-
-
-def _tweet_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
-    tweets = read_r_lazyload(_r_data_base("tweet_source", "dslabs", r_dirs), "trump_tweets")
-    rows: _Rows = []
-    for text, source, when in zip(
-        tweets["text"], tweets["source"], tweets["created_at"].tolist(), strict=True
-    ):
-        if source in _TWEET_SOURCES and _CAMPAIGN[0] <= when < _CAMPAIGN[1]:
-            rows.append((html.unescape(text or ""), _TWEET_SOURCES[source]))
-    return rows
-
-
-def _sentiment_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
-    lexicon = read_r_lazyload(_r_data_base("word_sentiment", "tidytext", r_dirs), "sentiments")
-    return list(zip(lexicon["word"], lexicon["sentiment"], strict=True))
-
-
-_COARSE_POS = {
-    "Noun": "noun",
-    "Plural": "noun",
-    "Verb (usu participle)": "verb",
-    "Verb (transitive)": "verb",
-    "Verb (intransitive)": "verb",
-    "Adjective": "adjective",
-    "Adverb": "adverb",
-}
-_LOWER_WORD = re.compile(r"[a-z]+(?:[-'][a-z]+)*")
-
-
-def _pos_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
-    table = read_r_lazyload(_r_data_base("word_pos", "tidytext", r_dirs), "parts_of_speech")
-    classes: dict[str, set[str | None]] = {}
-    for word, pos in zip(table["word"], table["pos"], strict=True):
-        if word and _LOWER_WORD.fullmatch(word):
-            classes.setdefault(word, set()).add(_COARSE_POS.get(pos))
-    return [(w, c.pop()) for w, c in classes.items() if len(c) == 1 and None not in c]
-
-
-_GENRES = ("Action", "Comedy", "Documentary", "Drama", "Horror")
-_TRAILING_ARTICLE = re.compile(r"^(.*), (The|A|An)$")
-
-
-def _movie_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
-    ratings = read_r_lazyload(_r_data_base("movie_genre", "dslabs", r_dirs), "movielens")
-    pairs = zip(ratings["title"], ratings["genres"], strict=True)
-    movies = dict(zip(ratings["movieId"].tolist(), pairs, strict=True))
-    rows: _Rows = []
-    for title, genres in movies.values():
-        hits = [g for g in (genres or "").split("|") if g in _GENRES]
-        if title and len(hits) == 1:
-            rows.append((_TRAILING_ARTICLE.sub(r"\2 \1", title.strip()), hits[0]))
-    return rows
-
-
-_BR = re.compile(r"<br\s*/?>", re.IGNORECASE)
-
-
-def _review_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
-    base = _r_data_base("review_sentiment", "modeldata", r_dirs)
-    rows: _Rows = []
-    for obj in ("training_data", "testing_data"):
-        frame = read_r_lazyload(base, obj)
-        for review, score in zip(frame["review"], frame["score"], strict=True):
-            rows.append((html.unescape(_BR.sub(" ", review or "")), score))
-    return rows
-
-
-_LEXNAMES = {5: "animal", 6: "artifact", 13: "food", 15: "location", 18: "person", 20: "plant"}
-_EXAMPLE = re.compile(r';?\s*"')
-
-
-def _wordnet_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
-    path = _wordnet_file("wordnet_supersense", "data.noun", wn_dirs)
-    rows: _Rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.startswith(" ") or " | " not in line:  # the licence header
-                continue
-            fields, gloss = line.split(" | ", 1)
-            label = _LEXNAMES.get(int(fields.split()[1]))
-            if label is not None:
-                rows.append((_EXAMPLE.split(gloss, maxsplit=1)[0].strip(" ;"), label))
-    return rows
-
-
-_VERB_LEXNAMES = {
-    30: "change",
-    32: "communication",
-    35: "contact",
-    38: "motion",
-    40: "possession",
-    41: "social",
-}
-
-
-def _verb_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
-    path = _wordnet_file("verb_supersense", "data.verb", wn_dirs)
-    rows: _Rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.startswith(" ") or " | " not in line:
-                continue
-            fields, gloss = line.split(" | ", 1)
-            label = _VERB_LEXNAMES.get(int(fields.split()[1]))
-            if label is not None:
-                rows.append((_EXAMPLE.split(gloss, maxsplit=1)[0].strip(" ;"), label))
-    return rows
-
-
-#: Separator of the two words of a pair task's text (``"wheel ; car"``); WordNet lemmas never
-#: contain it, and a prompt builder splits on it.
-PAIR_SEP = " ; "
-_ADJ_MARKER = re.compile(r"\((?:a|p|ip)\)$")
-_ONE_WORD = re.compile(r"[a-z]+(?:-[a-z]+)*")
-
-
-class _Synset:
-    __slots__ = ("lemmas", "pointers")
-
-    def __init__(self, lemmas: list[str], pointers: list[tuple[str, str, str, int, int]]):
-        self.lemmas = lemmas
-        self.pointers = pointers
-
-
-def _read_synsets(path: Path, pos: str) -> dict[tuple[str, str], _Synset]:
-    """WordNet ``data.<pos>`` as ``{(pos letter, offset): synset}`` (lemmas, pointers)."""
-    out: dict[tuple[str, str], _Synset] = {}
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if line.startswith(" ") or " | " not in line:
-                continue
-            fields = line.split(" | ", 1)[0].split()
-            offset, ss_type = fields[0], fields[2]
-            n_words = int(fields[3], 16)
-            lemmas = [
-                _ADJ_MARKER.sub("", fields[4 + 2 * k]).replace("_", " ").lower()
-                for k in range(n_words)
-            ]
-            i = 4 + 2 * n_words
-            n_ptr = int(fields[i])
-            i += 1
-            pointers = []
-            for _ in range(n_ptr):
-                sym, target, tpos, st = fields[i : i + 4]
-                i += 4
-                pointers.append(
-                    (sym, target, "a" if tpos == "s" else tpos, int(st[:2], 16), int(st[2:], 16))
-                )
-            out[("a" if ss_type == "s" else ss_type, offset)] = _Synset(lemmas, pointers)
-    return out
-
-
-def _relation_rows(r_dirs: Sequence[str], wn_dirs: Sequence[str]) -> _Rows:
-    """Pairs of one-word WordNet lemmas and their relation (the pair-input task).
-
-    ``synonym``: the first two one-word lemmas of a synset; ``antonym``: a lexical ``!``
-    pointer (any part of speech); ``hypernym``: a noun or verb and the first lemma of its
-    direct hypernym (``@``), ``"dog ; canine"``; ``part``: a part and its whole (a noun's
-    ``%p`` part meronym), ``"wheel ; car"``. Order matters for hypernym and part.
-    """
-    synsets: dict[tuple[str, str], _Synset] = {}
-    for pos in ("noun", "verb", "adj", "adv"):
-        synsets.update(_read_synsets(_wordnet_file("word_relation", f"data.{pos}", wn_dirs), pos))
-
-    def word(s: _Synset, k: int = 0) -> str | None:
-        if k < 0:
-            return next((w for w in s.lemmas if _ONE_WORD.fullmatch(w)), None)
-        w = s.lemmas[k] if k < len(s.lemmas) else ""
-        return w if _ONE_WORD.fullmatch(w) else None
-
-    rows: _Rows = []
-    for (pos, _), syn in synsets.items():
-        ones = [w for w in dict.fromkeys(syn.lemmas) if _ONE_WORD.fullmatch(w)]
-        if len(ones) >= 2:
-            rows.append((ones[0] + PAIR_SEP + ones[1], "synonym"))
-        for sym, target, tpos, src, dst in syn.pointers:
-            other = synsets.get((tpos, target))
-            if other is None:
-                continue
-            if sym == "!" and src and dst:
-                a, b = word(syn, src - 1), word(other, dst - 1)
-                if a and b and a < b:  # each antonym pair is listed from both sides: keep one
-                    rows.append((a + PAIR_SEP + b, "antonym"))
-            elif sym == "@" and pos in ("n", "v"):
-                a, b = word(syn, -1), word(other, -1)
-                if a and b and a != b:
-                    rows.append((a + PAIR_SEP + b, "hypernym"))
-            elif sym == "%p":
-                a, b = word(other, -1), word(syn, -1)
-                if a and b and a != b:
-                    rows.append((a + PAIR_SEP + b, "part"))
-    return rows
-
-
-@dataclass(frozen=True)
-class TaskInfo:
-    """What a built-in task is made of; no data is read to make one.
-
-    ``label_texts[i]`` is the short description of ``labels[i]`` whose base-model embedding is the
-    task's frozen zero-shot head (the analogue of CLIP's ``"a photo of a {label}"`` text heads).
-    ``pair`` tasks hold two words joined by :data:`PAIR_SEP` in each text.
-    """
-
-    name: str
-    labels: tuple[str, ...]
-    apt_package: str
-    source: str
-    text: str
-    label: str
-    label_texts: tuple[str, ...]
-    #: (train, val, test) sizes for the default ``max_train``/``n_val``/``n_test``.
-    default_sizes: tuple[int, int, int]
-    rows: Callable[[Sequence[str], Sequence[str]], _Rows] = field(repr=False, compare=False)
-    pair: bool = False
-
-    def __post_init__(self) -> None:
-        if len(self.label_texts) != len(self.labels):
-            raise InputError(f"task {self.name!r}: one label text per label")
-
-
-TASK_INFO: Mapping[str, TaskInfo] = MappingProxyType(
-    {
-        info.name: info
-        for info in (
-            TaskInfo(
-                "austen_novel",
-                tuple(title for _, title in _AUSTEN),
-                "r-cran-janeaustenr",
-                "janeaustenr data/Rdata.rdb: " + ", ".join(obj for obj, _ in _AUSTEN),
-                "two consecutive lines of one paragraph (>= 8 words)",
-                "the novel the passage comes from",
-                tuple(f"a passage from Jane Austen's novel {title}" for _, title in _AUSTEN),
-                (1998, 204, 1002),
-                _austen_rows,
-            ),
-            TaskInfo(
-                "tweet_source",
-                ("Android", "iPhone"),
-                "r-cran-dslabs",
-                "dslabs data/Rdata.rdb: trump_tweets",
-                "a @realDonaldTrump tweet of 2015-06-16..2016-11-08",
-                "the client it was posted from (Twitter for Android / for iPhone)",
-                ("a tweet posted from an Android phone", "a tweet posted from an iPhone"),
-                (2000, 200, 1000),
-                _tweet_rows,
-            ),
-            TaskInfo(
-                "word_sentiment",
-                ("negative", "positive"),
-                "r-cran-tidytext",
-                "tidytext data/Rdata.rdb: sentiments (Bing Liu lexicon)",
-                "one English word",
-                "its sentiment in the Bing lexicon",
-                ("a negative word", "a positive word"),
-                (2000, 200, 1000),
-                _sentiment_rows,
-            ),
-            TaskInfo(
-                "word_pos",
-                ("adjective", "adverb", "noun", "verb"),
-                "r-cran-tidytext",
-                "tidytext data/Rdata.rdb: parts_of_speech (Moby)",
-                "one lower-case English word with a single coarse part of speech",
-                "that coarse part of speech",
-                ("an adjective", "an adverb", "a noun", "a verb"),
-                (2000, 200, 1000),
-                _pos_rows,
-            ),
-            TaskInfo(
-                "movie_genre",
-                _GENRES,
-                "r-cran-dslabs",
-                "dslabs data/Rdata.rdb: movielens",
-                "a film title",
-                "the one of its MovieLens genres that is among the labels",
-                (
-                    "an action movie",
-                    "a comedy movie",
-                    "a documentary film",
-                    "a drama film",
-                    "a horror movie",
-                ),
-                (865, 200, 1000),
-                _movie_rows,
-            ),
-            TaskInfo(
-                "review_sentiment",
-                ("great", "other"),
-                "r-cran-modeldata",
-                "modeldata data/Rdata.rdb: training_data + testing_data (small_fine_foods)",
-                "an Amazon fine-food review",
-                "great = 5-star rating, other = 1-4 stars",
-                ("a glowing five-star review", "a mixed or negative review"),
-                (2000, 200, 1000),
-                _review_rows,
-            ),
-            TaskInfo(
-                "wordnet_supersense",
-                tuple(sorted(_LEXNAMES.values())),
-                "wordnet-base",
-                "wordnet-base /usr/share/wordnet/data.noun",
-                "the definition of a WordNet 3.0 noun synset",
-                "its lexicographer file (noun.animal, noun.artifact, ...)",
-                (
-                    "an animal",
-                    "a man-made object",
-                    "food or drink",
-                    "a place",
-                    "a person",
-                    "a plant",
-                ),
-                (1998, 204, 1002),
-                _wordnet_rows,
-            ),
-            TaskInfo(
-                "verb_supersense",
-                tuple(sorted(_VERB_LEXNAMES.values())),
-                "wordnet-base",
-                "wordnet-base /usr/share/wordnet/data.verb",
-                "the definition of a WordNet 3.0 verb synset",
-                "its lexicographer file (verb.change, verb.communication, ...)",
-                (
-                    "to change or become different",
-                    "to talk, write or communicate",
-                    "to touch, hit or hold something",
-                    "to move or travel",
-                    "to own, give, buy or take something",
-                    "to meet, work or deal with other people",
-                ),
-                (1998, 204, 1002),
-                _verb_rows,
-            ),
-            TaskInfo(
-                "word_relation",
-                ("antonym", "hypernym", "part", "synonym"),
-                "wordnet-base",
-                "wordnet-base /usr/share/wordnet/data.{noun,verb,adj,adv}: pointers and synsets",
-                "two one-word WordNet lemmas, 'first ; second'",
-                "how they relate: antonym (!), hypernym (second is the first's direct @), part "
-                "(first is a %p part of second), synonym (same synset)",
-                (
-                    "two words with opposite meanings",
-                    "a word and a more general category it belongs to",
-                    "a part and the whole it belongs to",
-                    "two words with the same meaning",
-                ),
-                (2000, 200, 1000),
-                _relation_rows,
-                pair=True,
-            ),
-        )
-    }
-)
-
-BUILTIN_TASKS: tuple[str, ...] = tuple(TASK_INFO)
 
 
 # --------------------------------------------------------------------------------------
@@ -861,34 +217,6 @@ class Task:
         return "\n".join(lines)
 
 
-def describe(name: str | None = None) -> str:
-    """A table of the built-in tasks (or one of them), without reading any data."""
-    names = BUILTIN_TASKS if name is None else (_info(name).name,)
-    out = []
-    for n in names:
-        info = TASK_INFO[n]
-        heads = "; ".join(
-            f"{lab}: {t!r}" for lab, t in zip(info.labels, info.label_texts, strict=True)
-        )
-        out.append(
-            f"{n}: {info.text} -> {info.label}\n"
-            f"  labels: {', '.join(info.labels)}\n"
-            f"  zero-shot head texts: {heads}\n"
-            f"  source: {info.source} (Debian package {info.apt_package})"
-        )
-    return "\n".join(out)
-
-
-def _info(name: str) -> TaskInfo:
-    try:
-        return TASK_INFO[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown task {name!r}; built-in tasks are {', '.join(BUILTIN_TASKS)} "
-            "(or give NAME=PATH.csv for a task of your own)"
-        ) from None
-
-
 def _permutation(n: int, seed: int, *keys: int) -> np.ndarray:
     """A permutation of ``range(n)`` that is the same on every machine and numpy version."""
     bits = np.random.PCG64(np.random.SeedSequence([seed, *keys])).random_raw(n)
@@ -912,7 +240,7 @@ def _dedupe(rows: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
     """Clean texts, drop empty and ambiguous ones; texts per label, each sorted."""
     seen: dict[str, str | None] = {}
     for text, label in rows:
-        text = _clean(text)
+        text = clean(text)
         if text and label is not None:
             label = str(label)
             seen[text] = label if seen.get(text, label) == label else None
@@ -973,15 +301,29 @@ def _balanced_split(
             f"task {name!r}: the rarest label has {fewest} examples, too few for "
             f"{val_per} validation + {test_per} test + 1 train example per label"
         )
+    parts = _pick(name, labels, by_label, [(val_per, test_per, train_per)] * k, seed)
+    return _assemble(name, labels, parts, seed, source, label_texts, pair)
+
+
+def _pick(
+    name: str,
+    labels: tuple[str, ...],
+    by_label: Mapping[str, Sequence[str]],
+    sizes: Sequence[tuple[int, int, int]],
+    seed: int,
+) -> dict[str, list[tuple[str, int]]]:
+    """``(text, label index)`` per split: label ``i`` gives ``sizes[i]`` = (val, test, train)
+    texts, in that order, of its seed-determined permutation."""
     parts: dict[str, list[tuple[str, int]]] = {"train": [], "val": [], "test": []}
     for index, label in enumerate(labels):
+        val, test, train = sizes[index]
         texts = by_label[label]
         order = _permutation(len(texts), seed, _name_key(name), index)
-        picked = [(texts[j], index) for j in order[: val_per + test_per + train_per]]
-        parts["val"] += picked[:val_per]
-        parts["test"] += picked[val_per : val_per + test_per]
-        parts["train"] += picked[val_per + test_per :]
-    return _assemble(name, labels, parts, seed, source, label_texts, pair)
+        picked = [(texts[j], index) for j in order[: val + test + train]]
+        parts["val"] += picked[:val]
+        parts["test"] += picked[val : val + test]
+        parts["train"] += picked[val + test :]
+    return parts
 
 
 @functools.lru_cache(maxsize=16)
@@ -999,7 +341,7 @@ def _cached_rows(
 
 def data_available(name: str) -> bool:
     """Whether the Debian data that built-in task ``name`` needs is installed."""
-    info = _info(name)
+    info = task_info(name)
     if info.apt_package == "wordnet-base":
         return any((Path(d) / "data.noun").is_file() for d in WORDNET_DIRS)
     package = info.apt_package.removeprefix("r-cran-")
@@ -1025,7 +367,7 @@ def load_task(
     runs out. Raises :class:`TaskDataMissingError` (naming the ``apt-get install`` line) when
     the Debian data is not installed, ``KeyError`` for an unknown name.
     """
-    info = _info(name)
+    info = task_info(name)
     _check_sizes(seed, max_train, n_val, n_test)
     by_label = _cached_rows(name, tuple(R_LIBRARY_DIRS), tuple(WORDNET_DIRS))
     return _balanced_split(
@@ -1193,7 +535,7 @@ def _read_csv_rows(name: str, path: Path) -> list[tuple[str, str | None]]:
                     if row:
                         text = row[i_text] if i_text < len(row) else ""
                         label = row[i_label] if i_label < len(row) else ""
-                        rows.append((text or "", _clean(label) or None))
+                        rows.append((text or "", clean(label) or None))
                     start = reader.line_num + 1
             except csv.Error as e:
                 raise TaskDataError(
@@ -1230,14 +572,5 @@ def _stratified_split(
         counts[lab] = (val, test, n - val - test)
     train_total = sum(c[2] for c in counts.values())
     scale = min(1.0, max_train / train_total)
-    parts: dict[str, list[tuple[str, int]]] = {"train": [], "val": [], "test": []}
-    for index, lab in enumerate(labels):
-        val, test, train = counts[lab]
-        train = max(1, int(train * scale))
-        texts = by_label[lab]
-        order = _permutation(len(texts), seed, _name_key(name), index)
-        picked = [(texts[j], index) for j in order[: val + test + train]]
-        parts["val"] += picked[:val]
-        parts["test"] += picked[val : val + test]
-        parts["train"] += picked[val + test :]
-    return _assemble(name, labels, parts, seed, source)
+    sizes = [(val, test, max(1, int(train * scale))) for val, test, train in counts.values()]
+    return _assemble(name, labels, _pick(name, labels, by_label, sizes, seed), seed, source)

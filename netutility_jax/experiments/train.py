@@ -21,7 +21,7 @@ size of the split (a split smaller than a step is one step per epoch).
 
 Deterministic from ``TrainConfig.seed``: the ``A`` factors are drawn from
 ``nnx.Rngs(SeedSequence([seed, crc32(task name)]))``, each epoch's order from a PCG64 stream of
-``(seed, crc32(task name), epoch)``.
+``(seed, crc32(task name), 1, epoch)``; the loop, the cache and the bars are :mod:`fitting`'s.
 
 Caching (:func:`train_task`): the trained adapter is stored with ``nu.checkpoint`` under
 ``cache_dir/<task>-<key>``; the key hashes everything that determines the result (the task's
@@ -33,16 +33,14 @@ temporary directory and renamed into place, so a reader never sees half of one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 import time
-import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,106 +49,71 @@ import optax
 
 from ..errors import InputError
 from . import evaluate as ev
+from . import fitting as ft
 from . import minilm
+
+# what both suites' training shares lives in fitting; these names were train's and stay reachable
+from .fitting import CACHE_ENV as CACHE_ENV
+from .fitting import DEFAULT_CACHE_DIR as DEFAULT_CACHE_DIR
+from .fitting import TrainedTask as TrainedTask
+from .fitting import cache_path as cache_path
+from .fitting import default_cache_dir as default_cache_dir
+from .fitting import load_cached as load_cached
+from .fitting import store as store
+from .fitting import task_fingerprint as task_fingerprint
+
+__all__ = [
+    "CACHE_ENV",
+    "CODE_VERSION",
+    "DEFAULT_CACHE_DIR",
+    "TrainConfig",
+    "TrainedTask",
+    "Trainer",
+    "cache_key",
+    "cache_path",
+    "default_cache_dir",
+    "epoch_steps",
+    "load_cached",
+    "store",
+    "task_fingerprint",
+    "train_task",
+    "train_tasks",
+    "weights_fingerprint",
+]
 
 #: Bump when a change to this module changes what training produces: invalidates every cache.
 CODE_VERSION = 2
-CACHE_ENV = "NETUTILITY_CACHE"
-DEFAULT_CACHE_DIR = pathlib.Path("~/.cache/netutility-jax/demo")
-_LABEL_PAD = 8
-_MASKED_LOGIT = -1e9
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(ft.TrainConfigBase):
     """Everything that determines a trained adapter besides the task data and the model files.
 
+    The fields of :class:`fitting.TrainConfigBase` (LoRA rank and alpha, AdamW and its
+    schedule, validation and patience), and:
+
     Attributes:
-      lora_rank, lora_alpha: LoRA ``r`` and alpha (update scaled by ``alpha / r``).
       rows, row_len: a step packs texts into ``rows`` rows of ``row_len`` tokens (texts are
         truncated to ``row_len``).
-      learning_rate: AdamW peak learning rate.
-      weight_decay: AdamW decoupled weight decay.
-      warmup_fraction: fraction of ``max_steps`` with a linear warmup from 0.
-      max_steps: the schedule's length (cosine decay to 0 there) and the most steps run.
-      eval_every: steps between validation evaluations (and one at the end).
-      patience: stop after this many evaluations without a better validation accuracy.
       temperature: of the zero-shot heads' logits.
       seed: data order and initialization.
     """
 
-    lora_rank: int = 16
-    lora_alpha: float = 16.0
     rows: int = 8
     row_len: int = ev.ROW_LEN
     learning_rate: float = 2e-3
-    weight_decay: float = 0.01
     warmup_fraction: float = 0.05
     max_steps: int = 600
-    eval_every: int = 25
-    patience: int = 4
     temperature: float = ev.TEMPERATURE
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("lora_rank", "rows", "row_len", "max_steps", "eval_every", "patience"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InputError(f"TrainConfig: {name}={v!r}; expected an integer >= 1.")
+        super().__post_init__()
         if self.row_len < 3:
             raise InputError(f"TrainConfig: row_len={self.row_len}; a text needs >= 3 tokens.")
 
-    def schedule(self) -> optax.Schedule:
-        """Linear warmup to ``learning_rate``, then cosine decay to 0 at ``max_steps``.
-
-        The step count is cast to float32 first (optax mixes it with float constants, which
-        strict dtype promotion refuses for an integer count).
-        """
-        warm = max(round(self.warmup_fraction * self.max_steps), 1)
-        sched = optax.warmup_cosine_decay_schedule(
-            0.0, self.learning_rate, warm, max(self.max_steps, warm + 1), end_value=0.0
-        )
-        return lambda step: sched(jnp.asarray(step, jnp.float32))
-
-
-class TrainedTask(NamedTuple):
-    """A trained task: its LoRA adapter and what happened.
-
-    Attributes:
-      name: task name.
-      labels: label names.
-      adapter: ``{module: {"lora_a" (d_in, r), "lora_b" (r, d_out), "scale"}}`` (float32 numpy),
-        module names ``layers/{i}/attention/{query,key,value,output}``.
-      info: ``best_step``, ``best_val_accuracy``, ``best_val_loss``, ``steps``,
-        ``stopped_early``, ``epochs``, ``texts_seen``, ``history``
-        (``[{"step", "train_loss", "val_loss", "val_accuracy", "lr"}]``), ``train_seconds``,
-        ``steps_per_second`` and ``tokens_per_second`` (compiling steps left out),
-        ``cache_key``, ``cache_hit``.
-    """
-
-    name: str
-    labels: tuple[str, ...]
-    adapter: dict[str, dict[str, Any]]
-    info: dict[str, Any]
-
 
 # ------------------------------------------------------------------------------------ caching
-
-
-def default_cache_dir() -> pathlib.Path:
-    """``$NETUTILITY_CACHE`` if set, else ``~/.cache/netutility-jax/demo``."""
-    env = os.environ.get(CACHE_ENV)
-    return pathlib.Path(env).expanduser() if env else DEFAULT_CACHE_DIR.expanduser()
-
-
-def task_fingerprint(task: Any) -> str:
-    """sha256 of a task's name, labels, label texts, and the texts and labels of every split."""
-    h = hashlib.sha256()
-    h.update(json.dumps([task.name, list(task.labels), list(task.label_texts)]).encode())
-    for split in (task.train, task.val, task.test):
-        h.update(json.dumps(list(split.texts), ensure_ascii=False).encode())
-        h.update(np.asarray(split.labels, np.int64).tobytes())
-    return h.hexdigest()
 
 
 def weights_fingerprint(path: str | os.PathLike | None = None) -> dict[str, list[int]]:
@@ -174,69 +137,7 @@ def cache_key(task: Any, config: TrainConfig, *, weights: dict | None = None) ->
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
-def _to_checkpoint(t: TrainedTask) -> dict[str, Any]:
-    return {
-        "name": t.name,
-        "labels": list(t.labels),
-        "adapter": t.adapter,
-        "info": {k: v for k, v in t.info.items() if k != "cache_hit"},
-    }
-
-
-def _from_checkpoint(obj: dict[str, Any]) -> TrainedTask:
-    adapter = {
-        name: {
-            "lora_a": np.asarray(m["lora_a"], np.float32),
-            "lora_b": np.asarray(m["lora_b"], np.float32),
-            "scale": float(m["scale"]),
-        }
-        for name, m in obj["adapter"].items()
-    }
-    return TrainedTask(obj["name"], tuple(obj["labels"]), adapter, dict(obj["info"]))
-
-
-def cache_path(cache_dir: str | os.PathLike, task: Any, key: str) -> pathlib.Path:
-    return pathlib.Path(cache_dir) / f"{task.name}-{key[:20]}"
-
-
-def load_cached(path: pathlib.Path) -> TrainedTask | None:
-    """The trained task stored at ``path``, or None if there is none (or it is unreadable)."""
-    from .. import checkpoint
-
-    ckpt = path / "checkpoint"
-    if not ckpt.exists():
-        return None
-    try:
-        return _from_checkpoint(checkpoint.restore(ckpt))
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def store(path: pathlib.Path, trained: TrainedTask, key_doc: dict[str, Any]) -> None:
-    """Write ``trained`` to ``path`` atomically: a temporary directory renamed into place."""
-    from .. import checkpoint
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        checkpoint.save(tmp / "checkpoint", _to_checkpoint(trained))
-        (tmp / "key.json").write_text(json.dumps(key_doc, indent=1, sort_keys=True) + "\n")
-        if path.exists():  # an unreadable old entry (a readable one is never retrained)
-            shutil.rmtree(path)
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process stored the same key first: theirs is as good
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 # ----------------------------------------------------------------------------------- training
-
-
-def _task_seed(config: TrainConfig, name: str, *more: int) -> np.random.SeedSequence:
-    return np.random.SeedSequence([config.seed, zlib.crc32(name.encode()), *more])
 
 
 def epoch_steps(
@@ -275,10 +176,6 @@ def epoch_steps(
     return steps
 
 
-def _pad_labels(n: int) -> int:
-    return max(_LABEL_PAD, -(-n // _LABEL_PAD) * _LABEL_PAD)
-
-
 class Trainer:
     """Trains task LoRAs on one shared MiniLM; the jitted step compiles once for all tasks.
 
@@ -314,7 +211,7 @@ class Trainer:
             # an empty slot's embedding is 0: a norm with a finite gradient there
             e = e * jax.lax.rsqrt(jnp.sum(e * e, axis=-1, keepdims=True) + 1e-24)
             z = jnp.einsum("rsd,cd->rsc", e, head) * inv_t
-            z = jnp.where(jnp.arange(z.shape[-1]) < n_labels, z, _MASKED_LOGIT)
+            z = jnp.where(jnp.arange(z.shape[-1]) < n_labels, z, ft.MASKED_LOGIT)
             ce = optax.softmax_cross_entropy_with_integer_labels(z, labels)
             n = jnp.sum(valid.astype(ce.dtype))
             return jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(n, 1.0)
@@ -336,7 +233,7 @@ class Trainer:
     def _init(self, name: str) -> Any:
         from flax import nnx
 
-        seed = int(_task_seed(self.config, name).generate_state(1)[0])
+        seed = int(ft.task_seed(self.config, name).generate_state(1)[0])
         model = minilm.add_lora(
             self.backbone.model,
             rank=self.config.lora_rank,
@@ -348,15 +245,7 @@ class Trainer:
     def _adapter(self, lora: Any) -> dict[str, dict[str, Any]]:
         from flax import nnx
 
-        model = nnx.merge(self.graphdef, lora, self.base_state)
-        return {
-            name: {
-                "lora_a": np.asarray(m["lora_a"], np.float32),
-                "lora_b": np.asarray(m["lora_b"], np.float32),
-                "scale": float(m["scale"]),
-            }
-            for name, m in minilm.lora_adapter(model).items()
-        }
+        return ft.host_adapter(minilm.lora_adapter(nnx.merge(self.graphdef, lora, self.base_state)))
 
     def _val(self, adapter, head: ev.Head, val: ev.EvalSet, n_labels: int) -> tuple[float, float]:
         emb = self.backbone.embed(val, adapter)
@@ -386,96 +275,45 @@ class Trainer:
         ids, lengths = ev.encode(task.train.texts, max_len=cfg.row_len)
         labels = np.asarray(task.train.labels, np.int32)
         val = ev.make_eval_set([task.name], [task.val])
-        hpad = np.zeros((_pad_labels(n_labels), head.vectors.shape[1]), np.float32)
+        hpad = np.zeros((ft.label_width(n_labels), head.vectors.shape[1]), np.float32)
         hpad[:n_labels] = head.vectors
         hpad = jnp.asarray(hpad)
-        lora = self._init(task.name)
-        opt_state = self._tx.init(lora)
         nl = jnp.asarray(n_labels, jnp.int32)
-        sched = cfg.schedule()
+        clock = ft.StepClock()
 
-        history: list[dict[str, Any]] = []
-        best = (-1.0, np.inf)
-        best_step, best_lora = 0, jax.device_get(lora)
-        since_best, step, epoch, losses, seen = 0, 0, 0, [], 0
-        stopped_early = False
-        t_steps, n_timed, tok_timed = 0.0, 0, 0
-        while step < cfg.max_steps and not stopped_early:
-            steps = epoch_steps(
-                lengths,
-                rows=cfg.rows,
-                row_len=cfg.row_len,
-                seed=_task_seed(cfg, task.name, 1, epoch),
+        def plan(epoch: int) -> list[list[int]]:
+            seed = ft.task_seed(cfg, task.name, 1, epoch)
+            return epoch_steps(lengths, rows=cfg.rows, row_len=cfg.row_len, seed=seed)
+
+        def step(lora, opt_state, chosen, done):
+            rows = np.asarray(chosen)
+            # the same first fit, in the same order, as epoch_steps: one batch of cfg.rows
+            (b,) = ev.packed_batches(
+                ids[rows], lengths[rows], rows=cfg.rows, row_len=cfg.row_len, decreasing=False
             )
-            epoch += 1
-            for chosen in steps:
-                rows = np.asarray(chosen)
-                # the same first fit, in the same order, as epoch_steps: one batch of cfg.rows
-                (b,) = ev.packed_batches(
-                    ids[rows], lengths[rows], rows=cfg.rows, row_len=cfg.row_len, decreasing=False
-                )
-                slot = b.text
-                lab = np.where(slot >= 0, labels[rows][np.maximum(slot, 0)], 0).astype(np.int32)
-                ts = time.perf_counter()
-                lora, opt_state, loss = self._step(
-                    lora,
-                    opt_state,
-                    self.base_state,
-                    b.ids,
-                    b.segment_ids,
-                    b.position_ids,
-                    hpad,
-                    lab,
-                    slot >= 0,
-                    nl,
-                )
-                loss = float(loss)
-                if step > 0:  # the first step compiles
-                    t_steps += time.perf_counter() - ts
-                    n_timed += 1
-                    tok_timed += int(np.minimum(lengths[rows], cfg.row_len).sum())
-                losses.append(loss)
-                seen += len(rows)
-                step += 1
-                stats: dict[str, Any] = {"loss": loss}
-                if step % cfg.eval_every == 0 or step == cfg.max_steps:
-                    acc, vloss = self._val(self._adapter(lora), head, val, n_labels)
-                    history.append(
-                        {
-                            "step": step,
-                            "train_loss": float(np.mean(losses)),
-                            "val_loss": vloss,
-                            "val_accuracy": acc,
-                            "lr": float(sched(step)),
-                        }
-                    )
-                    losses = []
-                    stats["val_accuracy"] = acc
-                    if (acc, -vloss) > (best[0], -best[1]):
-                        best, best_step, best_lora = (acc, vloss), step, jax.device_get(lora)
-                        since_best = 0
-                    else:
-                        since_best += 1
-                        stopped_early = since_best >= cfg.patience and step < cfg.max_steps
-                if progress is not None:
-                    progress(step, stats)
-                if stopped_early or step >= cfg.max_steps:
-                    break
-        info = {
-            "best_step": best_step,
-            "best_val_accuracy": best[0],
-            "best_val_loss": best[1],
-            "steps": step,
-            "max_steps": cfg.max_steps,
-            "stopped_early": stopped_early,
-            "epochs": epoch,
-            "texts_seen": seen,
-            "history": history,
-            "train_seconds": time.perf_counter() - t0,
-            "steps_per_second": n_timed / t_steps if t_steps > 0 else float("nan"),
-            "tokens_per_second": tok_timed / t_steps if t_steps > 0 else float("nan"),
-        }
-        return TrainedTask(task.name, tuple(task.labels), self._adapter(best_lora), info)
+            slot = b.text
+            lab = np.where(slot >= 0, labels[rows][np.maximum(slot, 0)], 0).astype(np.int32)
+            ts = time.perf_counter()
+            lora, opt_state, loss = self._step(
+                lora, opt_state, self.base_state, b.ids, b.segment_ids, b.position_ids, hpad,
+                lab, slot >= 0, nl,
+            )  # fmt: skip
+            loss = float(loss)
+            if done > 0:  # the first step compiles
+                tokens = int(np.minimum(lengths[rows], cfg.row_len).sum())
+                clock.add(time.perf_counter() - ts, tokens)
+            return lora, opt_state, loss
+
+        def validate(lora) -> tuple[float, float]:
+            return self._val(self._adapter(lora), head, val, n_labels)
+
+        lora = self._init(task.name)
+        fit = ft.fit_early_stopping(
+            cfg, lora, self._tx.init(lora), plan=plan, step=step, validate=validate,
+            progress=progress,
+        )  # fmt: skip
+        info = {**fit.info, "train_seconds": time.perf_counter() - t0, **clock.rates()}
+        return TrainedTask(task.name, tuple(task.labels), self._adapter(fit.best_lora), info)
 
 
 def train_task(
@@ -505,21 +343,6 @@ def train_task(
     cache_dir = default_cache_dir() if cache_dir is None else pathlib.Path(cache_dir)
     weights = weights_fingerprint()
     key = cache_key(task, config, weights=weights)
-    path = cache_path(cache_dir, task, key)
-    hit = load_cached(path)
-    if hit is not None:
-        return hit._replace(info={**hit.info, "cache_key": key, "cache_hit": True})
-    if trainer is None:
-        trainer = Trainer(config)
-    elif not isinstance(trainer, Trainer):
-        trainer = trainer()
-    if trainer.config != config:
-        raise InputError(
-            f"train_task: the trainer was built for {trainer.config} but config is {config}; pass "
-            "a Trainer(config)."
-        )
-    trained = trainer.fit(task, head, progress=progress)
-    trained = trained._replace(info={**trained.info, "cache_key": key})
     key_doc = {
         "code_version": CODE_VERSION,
         "task": task.name,
@@ -528,8 +351,18 @@ def train_task(
         "weights": weights,
         "key": key,
     }
-    store(path, trained, key_doc)
-    return trained._replace(info={**trained.info, "cache_hit": False})
+
+    def fit() -> TrainedTask:
+        made = Trainer(config) if trainer is None else trainer
+        made = made if isinstance(made, Trainer) else made()
+        if made.config != config:
+            raise InputError(
+                f"train_task: the trainer was built for {made.config} but config is {config}; "
+                "pass a Trainer(config)."
+            )
+        return made.fit(task, head, progress=progress)
+
+    return ft.cached_or_trained(cache_path(cache_dir, task, key), key, key_doc, fit)
 
 
 def train_tasks(
@@ -547,46 +380,9 @@ def train_tasks(
     One :class:`Trainer` is made on the first cache miss and shared by all tasks. ``log`` gets
     one line per task when it is done.
     """
-    from tqdm import tqdm
+    trainer = functools.cache(lambda: Trainer(config, backbone))
 
-    made: list[Trainer] = []
+    def one(task: Any, head: ev.Head, tick: Callable[[int, dict], None]) -> TrainedTask:
+        return train_task(task, head, config, cache_dir=cache_dir, trainer=trainer, progress=tick)
 
-    def get_trainer() -> Trainer:
-        if not made:
-            made.append(Trainer(config, backbone))
-        return made[0]
-
-    out = []
-    for task, head in zip(tasks, heads, strict=True):
-        bar = tqdm(
-            total=config.max_steps,
-            desc=f"train {task.name} (seed {config.seed})",
-            disable=not progress,
-            leave=False,
-            mininterval=1.0,
-            dynamic_ncols=True,
-        )
-
-        def tick(step, stats, bar=bar):
-            bar.update(1)
-            if "val_accuracy" in stats:
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", val=f"{stats['val_accuracy']:.3f}")
-
-        with bar:
-            t = train_task(
-                task, head, config, cache_dir=cache_dir, trainer=get_trainer, progress=tick
-            )
-        if log is not None:
-            i = t.info
-            how = (
-                "cached"
-                if i["cache_hit"]
-                else f"trained {i['steps']} steps in {i['train_seconds']:.0f} s "
-                f"({i['tokens_per_second']:.0f} tokens/s)"
-            )
-            log(
-                f"{task.name} (seed {config.seed}): {how}; best validation accuracy "
-                f"{i['best_val_accuracy']:.3f} at step {i['best_step']}"
-            )
-        out.append(t)
-    return out
+    return ft.train_each(tasks, heads, config, one, progress=progress, log=log)

@@ -1,0 +1,293 @@
+"""Scale benchmark: merging PEFT folders from disk, in memory against streamed (issue 14).
+
+A synthetic set of PEFT adapter folders is written (default: Llama-3-8B-shaped, 32 layers of
+q 4096->4096, k, v 4096->1024, o 4096->4096, gate, up 4096->14336, down 14336->4096; r = 16,
+float32, 16 tasks: about 2.7 GB of factors), then each case runs in a fresh interpreter:
+
+* ``floor``: every file read once with ``safe_open``, tensor by tensor (nothing kept): the
+  irreducible I/O of any merge;
+* ``in_memory``: ``nu.peft.load_adapters`` + ``nu.merge_adapters`` (TA in core space);
+* ``stream_ta``, ``stream_tsv``: ``nu.peft.open_adapters`` + ``merge_adapters_streaming`` (TA and
+  TSV in core space, ``--chunk-mb`` per chunk).
+
+Reported per case: wall time of the child process and its peak RSS from ``os.wait4`` (the
+kernel's ``ru_maxrss`` of the child, whatever it allocated), plus the child's own timings (open or
+load, merge) and, for the merges, ``lam``, ``budget_spent``, the total merged rank and a digest of
+the masks, so that the in-memory and streamed TA merges can be compared at full size. The files
+are in the page cache after being written (the times are not disk-bound); the peak RSS of the
+floor includes the file pages mapped while they are read.
+
+Timing, machine and code info and the JSON writer come from ``_harness.py``.
+
+Usage:
+  python benchmarks/scale.py [--layers 32] [--tasks 16] [--rank 16] [--dtype float32]
+      [--budget 16] [--chunk-mb 256] [--data DIR] [--only floor,in_memory,stream_ta,stream_tsv]
+      [--timeout 7200] [--out benchmarks/results/scale.json]
+
+A quick check: ``python benchmarks/scale.py --layers 2 --tasks 4``. ``--data DIR`` keeps the
+folders there and reuses them when they match the flags; by default they go to a temporary
+folder, removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+# This checkout's library, not whichever one is installed (a second worktree measures its own code).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _harness as h
+import numpy as np
+
+__all__ = ["CASES", "SHAPES", "main", "run_case", "spawn", "write_adapters"]
+
+SHAPES = {  # Llama-3-8B: module -> (d_in, d_out)
+    "self_attn.q_proj": (4096, 4096),
+    "self_attn.k_proj": (4096, 1024),
+    "self_attn.v_proj": (4096, 1024),
+    "self_attn.o_proj": (4096, 4096),
+    "mlp.gate_proj": (4096, 14336),
+    "mlp.up_proj": (4096, 14336),
+    "mlp.down_proj": (14336, 4096),
+}
+CASES = ("floor", "in_memory", "stream_ta", "stream_tsv")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _manifest(args) -> dict:
+    return {
+        "layers": args.layers,
+        "tasks": args.tasks,
+        "rank": args.rank,
+        "dtype": args.dtype,
+        "shapes": SHAPES,
+        "seed": 0,
+    }
+
+
+def write_adapters(folder: str, spec: dict) -> list[str]:
+    """PEFT folders ``task0 .. task{M-1}`` in ``folder`` (reused if its manifest matches):
+    random factors with a decaying spectrum, ``lora_alpha = 2 r``; returns their paths."""
+    import safetensors.numpy
+    from ml_dtypes import bfloat16
+
+    from netutility_jax import peft
+
+    paths = [os.path.join(folder, f"task{i}") for i in range(spec["tasks"])]
+    manifest = os.path.join(folder, "manifest.json")
+    if os.path.exists(manifest):
+        with open(manifest) as f:
+            if json.load(f) == json.loads(json.dumps(spec)):
+                return paths
+    r = spec["rank"]
+    store = {"float32": np.float32, "bfloat16": bfloat16, "float16": np.float16}[spec["dtype"]]
+    decay = (0.85 ** np.arange(r)).astype(np.float32)
+    for i, p in enumerate(paths):
+        rng = np.random.default_rng([spec["seed"], i])
+        tensors = {}
+        for layer in range(spec["layers"]):
+            for mod, (d_in, d_out) in SHAPES.items():
+                key = f"{peft.PREFIX}model.layers.{layer}.{mod}"
+                a = rng.standard_normal((r, d_in), dtype=np.float32) / np.sqrt(d_in)
+                b = rng.standard_normal((d_out, r), dtype=np.float32) * (0.01 * decay)
+                tensors[f"{key}.lora_A.weight"] = a.astype(store)
+                tensors[f"{key}.lora_B.weight"] = b.astype(store)
+        os.makedirs(p, exist_ok=True)
+        safetensors.numpy.save_file(tensors, os.path.join(p, peft.WEIGHTS_NAME))
+        del tensors
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": "synthetic/llama-3-8b",
+            "r": r,
+            "lora_alpha": 2 * r,
+            "target_modules": sorted({m.split(".")[-1] for m in SHAPES}),
+        }
+        with open(os.path.join(p, peft.CONFIG_NAME), "w") as f:
+            json.dump(config, f)
+        print(f"scale: wrote {p}", file=sys.stderr, flush=True)
+    h.write_json(manifest, spec)
+    return paths
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _floor(paths: list[str]) -> dict:
+    import safetensors
+
+    from netutility_jax import peft
+
+    n = 0
+    sw = h.Stopwatch()
+    for p in paths:
+        with safetensors.safe_open(os.path.join(p, peft.WEIGHTS_NAME), framework="numpy") as fh:
+            for k in fh.keys():
+                n += fh.get_tensor(k).nbytes
+    sw.lap(None)
+    return {"read_s": sw.total, "bytes": n}
+
+
+def _merge_summary(merged, report) -> dict:
+    digest = hashlib.sha256()
+    for name in sorted(report.masks):
+        digest.update(name.encode() + np.packbits(np.asarray(report.masks[name])).tobytes())
+    ranks = [r for r in report.ranks.values() if r is not None]
+    return {
+        "lam": report.lam,
+        "alpha": report.alpha,
+        "budget_spent": report.budget_spent,
+        "rank_total": int(sum(ranks)),
+        "modules": len(merged),
+        "masks_sha256": digest.hexdigest()[:16],
+    }
+
+
+def run_case(case: str, paths: list[str], budget: int, chunk_bytes: int) -> dict:
+    """One case in this process: its timings and, for merges, a summary of the result."""
+    import netutility_jax as nu
+    from netutility_jax import peft
+    from netutility_jax.streaming import merge_adapters_streaming
+
+    if case == "floor":
+        return _floor(paths)
+    sw = h.Stopwatch()
+    if case == "in_memory":
+        loaded = sw.lap(peft.load_adapters(paths))
+        merged, report = sw.lap(
+            nu.merge_adapters(loaded.adapters, budget=budget, method="ta", space="core")
+        )
+    else:
+        method = {"stream_ta": "ta", "stream_tsv": "tsv"}[case]
+        source = sw.lap(peft.open_adapters(paths))
+        merged, report = sw.lap(
+            merge_adapters_streaming(
+                source, budget=budget, method=method, space="core", chunk_bytes=chunk_bytes
+            )
+        )
+    return {
+        "open_or_load_s": sw.laps[0],
+        "merge_s": sw.laps[1],
+        "vm_hwm_mb": h.hwm_mb(),
+        **_merge_summary(merged, report),
+    }
+
+
+def spawn(argv: list[str], timeout: float | None) -> dict:
+    """Run ``python THIS_SCRIPT *argv`` and wait for it with ``os.wait4``: its exit status,
+    wall time and peak RSS (``ru_maxrss``, the child's own, in MB); killed after ``timeout``."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv])
+    timer = threading.Timer(timeout, proc.kill) if timeout else None
+    if timer is not None:
+        timer.start()
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    return {
+        "status": proc.returncode,
+        "wall_s": wall,
+        "peak_rss_mb": usage.ru_maxrss / 1024,  # KiB on Linux
+        "user_s": usage.ru_utime,
+        "sys_s": usage.ru_stime,
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--tasks", type=int, default=16)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--chunk-mb", type=float, default=256, help="streamed chunk size, MiB")
+    ap.add_argument("--data", help="keep the adapter folders here (reused if they match)")
+    ap.add_argument("--only", help=f"comma list of cases ({', '.join(CASES)})")
+    ap.add_argument("--timeout", type=float, default=7200, help="seconds per case")
+    ap.add_argument("--out", default="benchmarks/results/scale.json")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # in a child: run this case
+    ap.add_argument("--paths", help=argparse.SUPPRESS)  # with --case: JSON list of folders
+    ap.add_argument("--record", help=argparse.SUPPRESS)  # with --case: write its record there
+    return ap.parse_args()
+
+
+def _run_all(args, paths: list[str]) -> list[dict]:
+    cases = args.only.split(",") if args.only else list(CASES)
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        raise SystemExit(f"scale: unknown case(s) {unknown}; choose from {CASES}")
+    results = []
+    for case in cases:
+        with tempfile.TemporaryDirectory() as d:
+            rec_path = os.path.join(d, "case.json")
+            argv = [
+                "--case", case, "--paths", json.dumps(paths), "--record", rec_path,
+                "--budget", str(args.budget), "--chunk-mb", str(args.chunk_mb),
+            ]  # fmt: skip
+            run = spawn(argv, args.timeout)
+            rec = None
+            if run["status"] == 0 and os.path.exists(rec_path):
+                with open(rec_path) as f:
+                    rec = json.load(f)
+        results.append({"case": case, **run, "record": rec})
+        print(
+            f"scale: {case:>10}: {run['wall_s']:8.1f} s, peak RSS {run['peak_rss_mb']:8.0f} MB"
+            + ("" if run["status"] == 0 else f" (exit status {run['status']})"),
+            file=sys.stderr,
+            flush=True,
+        )
+    return results
+
+
+def main() -> None:
+    args = _args()
+    if args.case:
+        rec = run_case(args.case, json.loads(args.paths), args.budget, int(args.chunk_mb * 2**20))
+        h.write_json(args.record, rec)
+        return
+    spec = _manifest(args)
+    folder = args.data or tempfile.mkdtemp(prefix="netutility-scale-")
+    try:
+        paths = write_adapters(folder, spec)
+        from netutility_jax import peft
+
+        nbytes = peft.open_adapters(paths).nbytes
+        results = _run_all(args, paths)
+    finally:
+        if not args.data:
+            shutil.rmtree(folder, ignore_errors=True)
+    by = {r["case"]: r for r in results}
+    mem, ta = by.get("in_memory", {}).get("record"), by.get("stream_ta", {}).get("record")
+    doc = {
+        "machine": h.machine_info(),
+        "code": h.code_info(),
+        "settings": {**spec, "budget": args.budget, "chunk_mb": args.chunk_mb},
+        "adapter_bytes": nbytes,
+        "results": results,
+        # the streamed TA merge must keep what the in-memory one keeps
+        "ta_masks_agree": None if not (mem and ta) else mem["masks_sha256"] == ta["masks_sha256"],
+    }
+    h.write_json(args.out, doc)
+    print(f"scale: wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

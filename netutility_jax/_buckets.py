@@ -1,0 +1,110 @@
+"""A bucket's arrays: stacking its modules' factors for one batched call, and cutting it in pieces.
+
+A :class:`_tree.Bucket` holds modules of equal ``(d_in, d_out, r_max)``. The jitted kernels take
+its factors stacked with a leading module axis and a task axis, zero-padded to ``r_max`` (a task
+lacking a module is all zeros, with rank 0). Host-side bookkeeping on shapes, plus the traced
+stacking the kernels call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._tree import Bucket
+
+__all__ = ["bucket_arrays", "split_bucket", "stack_bucket", "stack_bucket_cat"]
+
+
+def bucket_arrays(bucket: Bucket) -> tuple[Any, Any, Any]:
+    """The raw per-(module, task) leaves of a bucket, as nested tuples for a jitted stack."""
+    a = tuple(tuple(None if m is None else m.lora_a for m in mods) for mods in bucket.modules)
+    b = tuple(tuple(None if m is None else m.lora_b for m in mods) for mods in bucket.modules)
+    s = tuple(tuple(0.0 if m is None else m.scale for m in mods) for mods in bucket.modules)
+    return a, b, s
+
+
+def _padders(d_in: int, d_out: int, r_max: int, dtype: Any):
+    """Zero-padding of one ``lora_a`` to ``(d_in, r_max)`` and one ``lora_b`` to ``(r_max, d_out)``
+    (None, a task lacking the module, gives zeros)."""
+
+    def pad_a(x):
+        if x is None:
+            return jnp.zeros((d_in, r_max), dtype)
+        return jnp.pad(jnp.asarray(x, dtype), ((0, 0), (0, r_max - x.shape[1])))
+
+    def pad_b(x):
+        if x is None:
+            return jnp.zeros((r_max, d_out), dtype)
+        return jnp.pad(jnp.asarray(x, dtype), ((0, r_max - x.shape[0]), (0, 0)))
+
+    return pad_a, pad_b
+
+
+def _scales_ranks(a: Any, s: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """``scale (n, M)`` and ``rank (n, M)`` int32 (0 where a task lacks the module)."""
+    S = jnp.stack([jnp.stack([jnp.asarray(x, dtype) for x in row]) for row in s])
+    R = np.array([[0 if x is None else x.shape[1] for x in row] for row in a], np.int32)
+    return S, jnp.asarray(R)
+
+
+def stack_bucket(
+    a: Any, b: Any, s: Any, *, d_in: int, d_out: int, r_max: int, dtype: Any
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Stack (and zero-pad to r_max) the leaves of :func:`bucket_arrays` (traceable).
+
+    Returns:
+      ``a (n, M, d_in, r_max)``, ``b (n, M, r_max, d_out)``, ``scale (n, M)``, ``rank (n, M)``
+      (int32, 0 where a task lacks the module).
+    """
+
+    pad_a, pad_b = _padders(d_in, d_out, r_max, dtype)
+    A = jnp.stack([jnp.stack([pad_a(x) for x in row]) for row in a])
+    B = jnp.stack([jnp.stack([pad_b(x) for x in row]) for row in b])
+    S, R = _scales_ranks(a, s, dtype)
+    return A, B, S, R
+
+
+def stack_bucket_cat(
+    a: Any, b: Any, s: Any, *, d_in: int, d_out: int, r_max: int, dtype: Any
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`stack_bucket` with the tasks side by side, in the factors' own layouts (traceable).
+
+    Returns:
+      ``xa (n, d_in, M r_max)`` = ``[a_1 .. a_M]``, ``yb (n, M r_max, d_out)`` = ``[b_1; ..; b_M]``
+      (task ``i`` in columns / rows ``i r_max .. (i + 1) r_max``, zero-padded), ``scale (n, M)`` and
+      ``rank (n, M)`` as :func:`stack_bucket`. No transposes: one copy of every factor.
+    """
+
+    pad_a, pad_b = _padders(d_in, d_out, r_max, dtype)
+    xa = jnp.stack([jnp.concatenate([pad_a(x) for x in row], 1) for row in a])
+    # one flat concatenation (a plain copy per factor), then a free reshape
+    yb = jnp.concatenate([pad_b(x) for row in b for x in row], 0).reshape(len(b), -1, d_out)
+    S, R = _scales_ranks(a, s, dtype)
+    return xa, yb, S, R
+
+
+def split_bucket(bucket: Bucket, max_bytes: int, itemsize: int = 4) -> list[Bucket]:
+    """A bucket as consecutive sub-buckets of equal size whose stacked factors fit ``max_bytes``.
+
+    The size divides the bucket's module count (one compiled shape per bucket), so sub-buckets
+    hold between 1 and ``n`` modules. Per-bucket kernels are free of global state, so merging a
+    bucket piece by piece gives the same result with peak memory bounded by ``max_bytes``.
+    """
+    n = len(bucket.names)
+    m_tasks = len(bucket.modules[0]) if n else 0
+    per = max(1, m_tasks * bucket.r_max * (bucket.d_in + bucket.d_out) * itemsize)
+    cap = max(1, min(n, max_bytes // per))
+    size = max(d for d in range(1, cap + 1) if n % d == 0) if n else 1
+    if size >= n:
+        return [bucket]
+    return [
+        dataclasses.replace(
+            bucket, names=bucket.names[i : i + size], modules=bucket.modules[i : i + size]
+        )
+        for i in range(0, n, size)
+    ]

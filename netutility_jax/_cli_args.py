@@ -1,0 +1,372 @@
+"""The ``netutility`` command's argument types and flag groups.
+
+Each argparse type refuses a bad value with a message naming the range and the value given. The
+flags of the merge methods and spaces are not listed here: :func:`_add_method_options` derives
+one flag per option of :mod:`netutility_jax.registry` (its type, range and help), and
+:func:`_method_options` turns the parsed flags back into the options of
+:func:`netutility_jax.merge_adapters`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from ._cli_common import UsageError, _shown
+
+# (the underscored helpers are private to the command's modules, which share them)
+__all__ = [
+    "MAX_BUDGET",
+    "SEED_BOUND",
+    "_add_compile_cache",
+    "_add_loading",
+    "_add_merge_method",
+    "_add_merge_output",
+    "_add_merge_tuning",
+    "_add_method_options",
+    "_add_scoring",
+    "_bounded_float",
+    "_coef",
+    "_method_options",
+    "_options_by_flag",
+    "_positive_int",
+    "_seed",
+    "_serving_ranks",
+    "float_or_auto",
+]
+
+MAX_BUDGET = 2**31 - 1
+"""Largest ``--budget`` (and ``--rank``): a budget at or above the number of candidate
+directions keeps them all, so a larger one would change nothing."""
+SEED_BOUND = 2**32
+"""``--seed`` is in ``[0, SEED_BOUND)``: ``jax.random.key`` keeps 32 bits of the seed (without
+x64), so larger seeds would repeat smaller ones."""
+
+
+# -------------------------------------------------------------------------------------- types
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def float_or_auto(text: str) -> float | str:
+    """argparse type: ``'auto'`` or a finite number >= 0."""
+    if text == "auto":
+        return text
+    v = _number(text)
+    if v is None:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {_shown(text)}")
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number >= 0 or 'auto', got {_shown(text)}"
+        )
+    return v
+
+
+def _bounded_float(low: float, high: float, *, low_open: bool, high_open: bool, what: str):
+    """argparse type: a finite number in the interval ``low``..``high`` (open where asked)."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def parse(text: str) -> float:
+        v = _number(text)
+        if (
+            v is None
+            or not math.isfinite(v)
+            or v < low
+            or v > high
+            or (low_open and v == low)
+            or (high_open and v == high)
+        ):
+            raise argparse.ArgumentTypeError(
+                f"expected a finite number in {interval} ({what}), got {_shown(text)}"
+            )
+        return v
+
+    parse.__name__ = f"number in {interval}"
+    return parse
+
+
+def _serving_ranks(text: str) -> str | tuple[int, ...]:
+    """argparse type of ``--serving-ranks``: ``vllm`` or a comma list of positive ranks."""
+    if text == "vllm":
+        return text
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isdigit() and 0 < int(p) <= MAX_BUDGET for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected 'vllm' or a comma list of positive ranks (e.g. 8,16,32,64), got "
+            f"{_shown(text)}"
+        )
+    return tuple(int(p) for p in parts)
+
+
+def _coef(text: str) -> float:
+    """argparse type of ``--coef``: a finite nonzero number."""
+    v = _number(text)
+    if v is None or not math.isfinite(v) or v == 0:
+        raise argparse.ArgumentTypeError(
+            "expected a finite nonzero number (the merged update is multiplied by it; a negative "
+            f"one subtracts it), got {_shown(text)}"
+        )
+    return v
+
+
+def _int_in(text: str, low: int, high: int, expected: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = None
+    if v is None or not low <= v <= high:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {_shown(text)}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of ``--budget`` and ``--rank``: an integer in ``[1, MAX_BUDGET]``."""
+    return _int_in(
+        text,
+        1,
+        MAX_BUDGET,
+        f"a positive integer up to {MAX_BUDGET} (2**31 - 1; a budget at or above the number "
+        "of candidate directions keeps them all)",
+    )
+
+
+def _seed(text: str) -> int:
+    """argparse type of ``--seed``: an integer in ``[0, SEED_BOUND)``."""
+    return _int_in(
+        text,
+        0,
+        SEED_BOUND - 1,
+        f"an integer in [0, 2**32) = [0, {SEED_BOUND - 1}] (jax.random.key keeps 32 bits)",
+    )
+
+
+# -------------------------------------------------------------------------------- flag groups
+
+
+def _add_scoring(p: argparse.ArgumentParser) -> None:
+    """``--alpha`` and ``--lam`` of the scoring (``merge`` and ``inspect``)."""
+    p.add_argument(
+        "--alpha",
+        type=float_or_auto,
+        default="auto",
+        help="geometry exponent of the interference: 1 = Gram geometry (singular-value weighted), "
+        "0 = row-space geometry, 'auto' = the paper's rule from the task heterogeneity h "
+        "(h > 1: 0, else 1). Default: auto.",
+    )
+    p.add_argument(
+        "--lam",
+        type=float_or_auto,
+        default="auto",
+        help="interference weight lambda in utility = benefit - lambda * interference; 'auto' = "
+        "median(benefit) / median(interference) over all candidates (data-free). Default: auto.",
+    )
+
+
+def _add_loading(p: argparse.ArgumentParser) -> None:
+    """The loading flags (``merge`` and ``inspect``): targets, base model, non-LoRA tensors."""
+    p.add_argument(
+        "--strict-targets",
+        action="store_true",
+        help="refuse adapters whose target modules differ. By default the union of their "
+        "modules is used: a task contributes nothing where it has no LoRA module, and the "
+        "per-module task coverage is printed (and written to the merge report).",
+    )
+    p.add_argument(
+        "--allow-different-base",
+        action="store_true",
+        help="merge adapters whose base_model_name_or_path differ (refused by default: LoRA "
+        "updates of different base models do not add up). Module shapes must still agree.",
+    )
+    p.add_argument(
+        "--skip-non-lora",
+        action="store_true",
+        help="skip tensors that are not LoRA factors (modules_to_save copies, trainable tokens) "
+        "instead of refusing the adapter; a warning says how many were skipped. The merged "
+        "adapter does not carry them.",
+    )
+
+
+def _add_compile_cache(p: argparse.ArgumentParser) -> None:
+    """``--no-compile-cache`` (``merge`` and ``inspect``)."""
+    p.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not use JAX's persistent compilation cache (by default compiled kernels are "
+        "kept in ~/.cache/netutility-jax/jax, or $NETUTILITY_COMPILE_CACHE ('off' turns it "
+        "off), so that a second run with the same shapes skips most compiling)",
+    )
+
+
+def _add_merge_method(m: argparse.ArgumentParser) -> None:
+    """``merge``: the method, the space it runs in, and which directions are kept."""
+    from . import registry
+
+    m.add_argument(
+        "--method",
+        default="ta",
+        choices=tuple(registry.METHODS),
+        help="merge method: "
+        + "; ".join(f"{n} ({s.summary})" for n, s in registry.METHODS.items())
+        + ". Default: ta.",
+    )
+    m.add_argument(
+        "--space",
+        default="full",
+        choices=tuple(registry.SPACES),
+        help="space the method runs in: "
+        + ", ".join(f"{n} ({s.summary})" for n, s in registry.SPACES.items())
+        + ". Default: full.",
+    )
+    m.add_argument(
+        "--allocation",
+        default="net_utility",
+        choices=registry.ALLOCATIONS,
+        help="which directions to keep: net_utility (this method), uniform (each task keeps its "
+        "top budget/M directions per module, the baseline), all (no budget). Default: "
+        "net_utility.",
+    )
+    m.add_argument(
+        "--scope",
+        choices=("global", "local"),
+        default=None,
+        help="net_utility budget scope: global (top budget x modules over the whole model) or "
+        "local (top budget per module). Default: the paper's choice, global for ta/tsv/iso, "
+        "local for ties/dare.",
+    )
+
+
+def _add_merge_tuning(m: argparse.ArgumentParser) -> None:
+    """``merge``: admission of non-positive directions, the coefficient, the seed, and the
+    methods' and spaces' own options (from the registry)."""
+    m.add_argument(
+        "--keep-nonpositive",
+        action="store_true",
+        help="also admit directions with utility <= 0 (by default they are dropped, so the "
+        "budget need not be spent)",
+    )
+    m.add_argument(
+        "--coef",
+        type=_coef,
+        default=1.0,
+        help="scaling of the merged update, a finite nonzero number. Default: 1.",
+    )
+    m.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        help="dare/dare_ties: random seed of the drop masks, in [0, 2**32). Default: 0.",
+    )
+    _add_method_options(m)
+
+
+def _add_merge_output(m: argparse.ArgumentParser) -> None:
+    """``merge``: how the result is written (rank of dense results, dtype, serving ranks), plots
+    and progress bars."""
+    m.add_argument(
+        "--rank",
+        type=_positive_int,
+        default=None,
+        help="rank to which dense results (ties/dare in full space) are truncated by SVD when "
+        "written as a PEFT adapter; required for those, ignored otherwise",
+    )
+    m.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="dtype of the written adapter weights. Default: float32.",
+    )
+    m.add_argument(
+        "--serving-ranks",
+        type=_serving_ranks,
+        default=None,
+        metavar="vllm|R1,R2,...",
+        help="write every module at one uniform rank (zero-padded, scale folded in, no "
+        "rank_pattern) for serving stacks that accept only some LoRA ranks: 'vllm' (1, 8, 16, "
+        "32, 64, 128, 256, 320, 512) or a comma list; the smallest one at least the largest "
+        "merged rank is used. Default: each module at its own rank.",
+    )
+    m.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="load every adapter into memory at once (nu.merge_adapters) instead of streaming "
+        "them from disk a chunk of modules at a time (the default; model-wide TIES always "
+        "loads everything)",
+    )
+    m.add_argument(
+        "--chunk-mb",
+        type=_bounded_float(0, 2**20, low_open=True, high_open=False, what="megabytes"),
+        default=256.0,
+        help="streaming: the factors of all tasks read at once, in MB (a chunk holds whole "
+        "modules of one shape; default 256)",
+    )
+    m.add_argument("--no-plots", action="store_true", help="do not write plots")
+    m.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+# -------------------------------------------------------------------- options of the registry
+
+
+def _options_by_flag() -> dict[str, Any]:
+    """Every method and space option of the registry, once each, by name."""
+    from . import registry
+
+    out: dict[str, Any] = {}
+    for spec in (*registry.METHODS.values(), *registry.SPACES.values()):
+        for opt in spec.options:
+            out.setdefault(opt.name, opt)
+    return out
+
+
+def _add_method_options(m: argparse.ArgumentParser) -> None:
+    """One flag per method / space option of the registry (its type, range and help)."""
+    for opt in _options_by_flag().values():
+        dest = opt.name
+        if opt.kind == "bool":
+            m.add_argument(opt.cli_flag, dest=dest, action="store_true", help=opt.help)
+        elif opt.kind == "choice":
+            m.add_argument(
+                opt.cli_flag, dest=dest, choices=opt.choices, default=None, help=opt.help
+            )
+        else:
+            low_open = opt.low_open if opt.cli_low_open is None else opt.cli_low_open
+            parse = _bounded_float(
+                opt.low, opt.high, low_open=low_open, high_open=opt.high_open,
+                what=opt.cli_what or opt.what,
+            )  # fmt: skip
+            m.add_argument(opt.cli_flag, dest=dest, type=parse, default=None, help=opt.help)
+
+
+def _method_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``**options`` of :func:`nu.merge_adapters` from the flags, refusing (before any
+    loading) a flag the method and space do not take, and a missing required one."""
+    from . import registry
+
+    everything = _options_by_flag()
+    options: dict[str, Any] = {}
+    for name in everything:
+        value = getattr(args, name, None)
+        if value is not None and value is not False:
+            options[name] = value
+    spec = registry.METHODS[args.method]
+    takes = {o.name: o for o in (*spec.options, *registry.SPACES[args.space].options)}
+    for name in options:
+        if name not in takes:
+            flags = [o.cli_flag for o in takes.values()]
+            raise UsageError(
+                f"{everything[name].cli_flag} does not apply to method {args.method} in "
+                f"{args.space} space; it takes "
+                f"{', '.join(flags) if flags else 'none of the method options'}."
+            )
+    for name, opt in takes.items():
+        if opt.required and name not in options:
+            raise UsageError(
+                f"method {args.method} needs {opt.cli_flag} ({opt.what} in "
+                f"{opt.interval(cli=True)}, e.g. {opt.cli_flag} {opt.example})."
+            )
+    return options

@@ -1,0 +1,334 @@
+"""The file-system side of ``netutility merge`` and ``inspect``.
+
+Everything here runs before any adapter is loaded: the ``ADAPTER_DIR`` folders and ``--out`` are
+checked (:func:`check_adapter_dir`, :func:`_check_out`), the output's size is estimated from the
+inputs' safetensors headers (:func:`estimate_out_bytes`) and held against the free space
+(:func:`_check_space`). The merge is assembled in a staging folder beside ``--out``
+(:func:`staging_name`); a merge killed while writing leaves one behind, and the next merge into
+the same parent folder removes those whose process is gone (:func:`clean_stale_staging`).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import secrets
+import shutil
+import socket
+import stat
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from ._cli_common import UsageError, _shown
+from .errors import FileAccessError, InputError, MissingFileError
+
+# (the underscored helpers are private to the command's modules, which share them)
+__all__ = [
+    "OUT_MARGIN",
+    "STAGING_TAG",
+    "_FACTOR_KEY",
+    "SizeEstimate",
+    "_check_out",
+    "_check_space",
+    "_host_tag",
+    "_stat",
+    "_write_error",
+    "check_adapter_dir",
+    "clean_stale_staging",
+    "estimate_out_bytes",
+    "staging_dir",
+    "staging_name",
+    "weight_shapes",
+]
+
+STAGING_TAG = "netutility-staging"
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------------- user paths
+
+
+def _user_path(text: str, what: str) -> pathlib.Path:
+    if not text.strip():  # (pathlib would read "" as ".")
+        raise UsageError(f"{what} is an empty path; give a folder")
+    if "\0" in text:
+        raise UsageError(f"{what} {_shown(text)} contains a NUL character")
+    return pathlib.Path(text)
+
+
+def _stat(path: pathlib.Path, what: str, *, follow: bool = True) -> os.stat_result | None:
+    """``os.stat(path)``; None if nothing is there; other failures as the library's errors."""
+    try:
+        return os.stat(path, follow_symlinks=follow)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except PermissionError:
+        raise FileAccessError(
+            f"{what}: cannot look at {path} (permission denied on a folder above it)"
+        ) from None
+    except OSError as e:
+        raise InputError(f"{what}: cannot use {path} ({e.strerror or e})") from None
+
+
+def _resolve(path: pathlib.Path, what: str) -> pathlib.Path:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as e:  # (RuntimeError: a symlink loop, Python < 3.13)
+        raise InputError(f"{what}: cannot resolve {path} ({e})") from None
+
+
+def _nearest_existing(path: pathlib.Path, what: str) -> tuple[pathlib.Path, os.stat_result]:
+    """``path`` or its nearest ancestor that exists, with its stat."""
+    while True:
+        st = _stat(path, what)
+        if st is not None or path == path.parent:
+            return path, st  # type: ignore[return-value]  # ("/" and "." exist)
+        path = path.parent
+
+
+def check_adapter_dir(text: str) -> pathlib.Path:
+    """Refuse an ``ADAPTER_DIR`` argument that cannot be a readable PEFT adapter folder.
+
+    Raises:
+      MissingFileError: nothing at ``text``; a file where the folder is expected, or a folder
+        where one of its files is expected; a missing ``adapter_config.json`` or
+        ``adapter_model.safetensors`` (a folder with only the pickled ``adapter_model.bin`` is
+        left to the loader, which says why it is never read).
+      FileAccessError: the folder or one of its files cannot be read.
+      UsageError, InputError: an empty path or one the system cannot use (too long, a loop).
+    """
+    from . import peft
+
+    what = f"adapter folder {text}"
+    expected = (
+        f"a PEFT adapter folder holding {peft.CONFIG_NAME} and {peft.WEIGHTS_NAME} (as "
+        "PeftModel.save_pretrained writes)"
+    )
+    path = _user_path(text, "ADAPTER_DIR")
+    st = _stat(path, what)
+    if st is None:
+        anc, ast = _nearest_existing(path.parent, what)
+        if ast is not None and not stat.S_ISDIR(ast.st_mode):
+            raise MissingFileError(f"{what} does not exist ({anc} is a file); expected {expected}")
+        raise MissingFileError(f"{what} does not exist; expected {expected}")
+    if not stat.S_ISDIR(st.st_mode):
+        hint = ""
+        if path.name in (peft.CONFIG_NAME, peft.WEIGHTS_NAME, peft.PICKLE_NAME):
+            hint = f"; pass the folder that holds it, {path.parent}"
+        raise MissingFileError(f"{what} is a file, not a folder; expected {expected}{hint}")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise FileAccessError(f"{what} cannot be read (permission denied); expected {expected}")
+    for name in (peft.WEIGHTS_NAME, peft.CONFIG_NAME):
+        f = path / name
+        fst = _stat(f, what)
+        if fst is None:
+            if name == peft.WEIGHTS_NAME and _stat(path / peft.PICKLE_NAME, what) is not None:
+                continue  # the loader explains why a pickle is never unpickled
+            raise MissingFileError(f"{what} has no {name}; expected {expected}")
+        if stat.S_ISDIR(fst.st_mode):
+            raise MissingFileError(f"{f} is a folder; expected the file {name} of {expected}")
+        if not os.access(f, os.R_OK):
+            raise FileAccessError(f"{f} cannot be read (permission denied)")
+    return path
+
+
+def _check_out(out: str, inputs: Sequence[str]) -> tuple[pathlib.Path, pathlib.Path]:
+    """Refuse an ``--out`` that cannot receive the merge, before anything is loaded.
+
+    Returns:
+      ``(out as a path, its nearest existing ancestor folder)``.
+    """
+    path = _user_path(out, "--out")
+    if _stat(path, f"--out {out}", follow=False) is not None:
+        raise UsageError(
+            f"--out {out}: already exists; choose a new folder (nothing is overwritten)."
+        )
+    res = _resolve(path, f"--out {out}")
+    for inp in inputs:
+        ri = _resolve(pathlib.Path(inp), f"adapter folder {inp}")
+        if res == ri or ri in res.parents:
+            raise UsageError(f"--out {out}: inside input adapter {inp}; write the merge elsewhere.")
+    anc, st = _nearest_existing(path.parent, f"--out {out}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"--out {out}: {anc} is a file, not a folder; choose a path in a folder.")
+    # (root passes this check for any folder: root may write anywhere)
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise FileAccessError(
+            f"--out {out}: cannot write in {anc} (permission denied); choose a writable folder."
+        )
+    return path, anc
+
+
+class SizeEstimate(NamedTuple):
+    """An upper estimate of what ``netutility merge`` writes (see :func:`estimate_out_bytes`)."""
+
+    bytes: int
+    modules: int
+    rank: int
+
+
+OUT_MARGIN = 16 << 20
+"""Bytes added to the adapter's estimated size for the report, the plots and file headers."""
+
+
+def weight_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """Names and shapes of the tensors in ``folder/adapter_model.safetensors``, from its header
+    only (no tensor is read); None if there is no readable header (the loader then says why)."""
+    from . import peft
+
+    try:
+        import safetensors
+    except ImportError:
+        return None
+    try:
+        with safetensors.safe_open(
+            str(pathlib.Path(folder) / peft.WEIGHTS_NAME), framework="numpy"
+        ) as fh:
+            return {k: tuple(int(n) for n in fh.get_slice(k).get_shape()) for k in fh.keys()}
+    except (OSError, ValueError, safetensors.SafetensorError):
+        return None
+
+
+_FACTOR_KEY = re.compile(r"\.lora_([AB])(?:\.[^.]+)?\.weight$")
+
+
+def estimate_out_bytes(
+    shapes: Sequence[Mapping[str, Sequence[int]]], *, rank: int | None, dtype: str
+) -> SizeEstimate:
+    """Estimate the size of the merged adapter from the input adapters' tensor shapes.
+
+    A merge of LoRA updates of ranks ``r_1..r_M`` has rank at most ``min(sum r_i, d_in,
+    d_out)`` per module; a dense result is written at rank ``rank``. The estimate takes the
+    larger of the two per module, at the output ``dtype``, plus ``OUT_MARGIN``.
+
+    Example:
+      >>> shapes = [{"m.q.lora_A.weight": (4, 100), "m.q.lora_B.weight": (50, 4)}] * 3
+      >>> estimate_out_bytes(shapes, rank=None, dtype="float32").bytes - OUT_MARGIN
+      7712
+    """
+    modules: dict[str, list[int]] = {}  # name -> [sum of ranks, d_in, d_out]
+    for sh in shapes:
+        for key, shape in sh.items():
+            m = _FACTOR_KEY.search(key)
+            if m is None or len(shape) != 2:
+                continue
+            slot = modules.setdefault(key[: m.start()], [0, 0, 0])
+            if m[1] == "A":  # (r, d_in)
+                slot[0] += shape[0]
+                slot[1] = max(slot[1], shape[1])
+            else:  # (d_out, r)
+                slot[2] = max(slot[2], shape[0])
+    itemsize = 4 if dtype == "float32" else 2
+    total, top = OUT_MARGIN, 0
+    for r_sum, d_in, d_out in modules.values():
+        r = max(1, min(r_sum, d_in, d_out), rank or 0)
+        top = max(top, r)
+        total += r * (d_in + d_out) * itemsize + 512  # (+ two tensors' header entries)
+    return SizeEstimate(total, len(modules), top)
+
+
+def _check_space(out: str, folder: pathlib.Path, est: SizeEstimate, dtype: str) -> None:
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:  # (no statvfs here: nothing to check)
+        return
+    if est.bytes > free:
+        raise UsageError(
+            f"--out {out}: not enough free space in {folder}: the merge needs about "
+            f"{_size(est.bytes)} (estimated from the inputs: {est.modules} modules at rank up to "
+            f"{est.rank} in {dtype}, plus the report and plots) but {_size(free)} is free; free "
+            "some space or choose another --out."
+        )
+
+
+# ------------------------------------------------------------------------------------ staging
+
+_STAGING = re.compile(
+    rf"\.(?P<name>.+)\.{STAGING_TAG}-(?P<host>[A-Za-z0-9]+)-(?P<pid>[1-9][0-9]*)-[0-9a-f]{{8}}"
+)
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
+
+def staging_name(out: pathlib.Path) -> pathlib.Path:
+    """A fresh path beside ``out`` to assemble the merge in:
+    ``.<name>.netutility-staging-<host>-<pid>-<8 hex digits>`` (not created)."""
+    name = out.name
+    while len(os.fsencode(name)) > 100:  # (room for the suffix within 255 bytes)
+        name = name[:-1]
+    prefix = f".{name}.{STAGING_TAG}-{_host_tag()}-{os.getpid()}-"
+    while True:
+        path = out.parent / f"{prefix}{secrets.token_hex(4)}"
+        if not os.path.lexists(path):
+            return path
+
+
+def staging_dir(out: pathlib.Path) -> pathlib.Path:
+    """Create the folder the merge is assembled in, beside ``out`` (:func:`staging_name`)."""
+    while True:
+        path = staging_name(out)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # someone else's process, or no way to tell: keep
+        return True
+    return True
+
+
+def clean_stale_staging(folder: pathlib.Path) -> list[pathlib.Path]:
+    """Remove the staging folders that killed merges left in ``folder``; return them.
+
+    Only folders (not symlinks) whose name matches the staging pattern exactly, made on this host
+    by a process that no longer exists, owned by the current user, are removed. A live process's
+    folder is never touched (a reused pid keeps a stale folder, never the reverse).
+    """
+    host, me = _host_tag(), os.getpid()
+    removed: list[pathlib.Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _STAGING.fullmatch(entry.name)
+        if m is None or m["host"] != host:
+            continue
+        pid = int(m["pid"])
+        if pid == me or _alive(pid):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            shutil.rmtree(entry.path)
+        except OSError:
+            continue
+        removed.append(pathlib.Path(entry.path))
+    return removed
+
+
+def _write_error(out: str, e: OSError) -> FileAccessError:
+    """A failed write of ``--out`` as the library's error (exit code 2), naming the file."""
+    where = f" at {e.filename}" if getattr(e, "filename", None) else ""
+    return FileAccessError(
+        f"--out {out}: writing the result failed{where} ({e.strerror or e}); nothing was written. "
+        "Check the free space and permissions, or choose another --out."
+    )

@@ -1,0 +1,137 @@
+"""Grams of a bucket's factors, scale-safely: the only ``d``-sized work of scoring.
+
+:func:`grams` gives, per module, the Gram of the task-stacked input factors ``a' ^T a'`` (all task
+pairs, or each task alone) and each task's ``b' b'^T``, on factors divided by powers of two so that
+neither overflows nor flushes to zero, with the exponents and the scale kept apart exactly
+(docs/math.md §8, §10). Three routes (:data:`ROUTES`) trade speed for range; see
+:func:`safe_grams`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ._linalg import exponent, pow2, pow2_normalise
+
+__all__ = ["CROSS", "PER_TASK", "ROUTES", "GramKind", "Grams", "grams", "safe_grams"]
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+# Largest |log2| of a task-module's largest factor entry for which the Grams of the raw factors
+# are exact up to rounding: entries at most 2^40 square to at most d 2^80 (no overflow), and a
+# product that underflows (< 2^-126) is below 2^-46 of the largest entry squared (>= 2^-80).
+_RAW_GRAM_RANGE = 40
+
+
+class Grams(NamedTuple):
+    """Grams of the factors divided by powers of two (largest entry in ``[0.5, 1)``), and the
+    scale likewise: the update is ``2^exp * scale a' b'`` (see :func:`grams`)."""
+
+    g: jax.Array  # (n, M, r, M, r) = a'_i^T a'_j blocks
+    gii: jax.Array  # (n, M, r, r)
+    h: jax.Array  # (n, M, r, r) = b'_i b'_i^T
+    scale: jax.Array  # (n, M), |scale'| in [0.5, 1) (or 0)
+    exp: jax.Array  # (n, M) int32
+    nonfinite: jax.Array  # (n, M, 3) int32: NaN/Inf entries of lora_a, lora_b, scale (read as 0)
+    raw_ok: jax.Array  # () bool: see safe_grams
+
+
+class GramKind(NamedTuple):
+    """How a kernel forms the Gram of the input factors ``a (n, M, d_in, r)``."""
+
+    gram: Any  # a -> Gram
+    diag: Any  # Gram -> (n, M, r) squared column norms
+    rescale: Any  # (Gram, ea (n, M)) -> Gram of a * 2^-ea, for |ea| <= _RAW_GRAM_RANGE + 1
+
+
+# rescale: exponents are within +-(_RAW_GRAM_RANGE + 1) there, so one power of two is exact
+CROSS = GramKind(  # all task pairs: (n, M, r, M, r)
+    lambda a: jnp.einsum("nidk,njdl->nikjl", a, a, precision=_HI),
+    lambda g: jnp.einsum("nikik->nik", g),
+    lambda g, e: g * pow2(-(e[:, :, None, None, None] + e[:, None, None, :, None]), g.dtype),
+)
+PER_TASK = GramKind(  # each task alone: (n, M, r, r)
+    lambda a: jnp.einsum("nidk,nidl->nikl", a, a, precision=_HI),
+    lambda g: jnp.einsum("nikk->nik", g),
+    lambda g, e: g * pow2(-2 * e[..., None, None], g.dtype),
+)
+
+
+def _b_gram(b: jax.Array) -> jax.Array:
+    return jnp.einsum("nikd,nild->nikl", b, b, precision=_HI)
+
+
+ROUTES = ("raw", "normalise", "cond")
+
+
+def safe_grams(
+    a: jax.Array, b: jax.Array, scale: jax.Array, kind: GramKind, route: str
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Grams of ``a`` and ``b`` divided by powers of two, and the scale likewise (scale-safe).
+
+    Each task-module's ``lora_a``, ``lora_b`` and ``scale`` are divided by the power of two that
+    brings their largest entry into ``[0.5, 1)``. ``route`` says how, for the factors:
+
+    * ``"raw"``: on the Grams of the raw factors (exact, ``(M r)``-sized, one max-reduction over
+      the factors as the only extra work). Exact only when every largest entry is finite and
+      within ``2^+-40``, which the returned ``raw_ok`` says; otherwise the result is to be
+      discarded and the call repeated with ``"normalise"`` (eager callers do this).
+    * ``"normalise"``: on the factors themselves, before the Grams (one more pass over the
+      factors); non-finite entries are zeroed and counted. Exact for any input.
+    * ``"cond"``: ``"raw"`` when ``raw_ok``, else ``"normalise"``, chosen at run time by
+      ``lax.cond`` (for traced calls, where the eager retry is impossible).
+
+    Returns:
+      ``(ga, h, scale', exp, nonfinite, raw_ok)``: ``h = b' b'^T (n, M, r, r)``, ``scale' (n, M)``,
+      ``exp (n, M)`` int32 with ``scale a b = 2^exp scale' a' b'``, ``nonfinite (n, M, 3)`` int32
+      (NaN/Inf entries of lora_a, lora_b, scale, read as 0; 0 on the raw route, whose inputs are
+      finite when ``raw_ok``), and the scalar bool ``raw_ok``.
+    """
+    s, es, ns = pow2_normalise(scale, ())
+
+    def normalised():
+        a2, ea, na = pow2_normalise(a, (-2, -1))
+        b2, eb, nb = pow2_normalise(b, (-2, -1))
+        return kind.gram(a2), _b_gram(b2), ea + eb, jnp.stack([na, nb], -1)
+
+    if route == "normalise":
+        gs, hs, e_ab, bad = normalised()
+        raw_ok = jnp.ones((), bool)
+    else:
+        amax = jnp.max(jnp.abs(a), axis=(-2, -1), initial=0.0)
+        bmax = jnp.max(jnp.abs(b), axis=(-2, -1), initial=0.0)
+        ga, h = kind.gram(a), _b_gram(b)
+        lo, hi = 2.0**-_RAW_GRAM_RANGE, 2.0**_RAW_GRAM_RANGE
+
+        def in_range(x):
+            return (x == 0) | ((x >= lo) & (x <= hi))
+
+        # a max-reduction may skip NaN; the Gram diagonals (sums of squares) never do
+        raw_ok = (
+            jnp.isfinite(kind.diag(ga)).all(-1)
+            & jnp.isfinite(jnp.einsum("nikk->nik", h)).all(-1)
+            & in_range(amax)
+            & in_range(bmax)
+        ).all()
+
+        def from_raw():
+            ea, eb = exponent(amax), exponent(bmax)
+            hs = h * pow2(-2 * eb[..., None, None], h.dtype)
+            return kind.rescale(ga, ea), hs, ea + eb, jnp.zeros((*ea.shape, 2), jnp.int32)
+
+        if route == "raw":
+            gs, hs, e_ab, bad = from_raw()
+        else:
+            gs, hs, e_ab, bad = jax.lax.cond(raw_ok, from_raw, normalised)
+    return gs, hs, s, e_ab + es, jnp.concatenate([bad, ns[..., None]], -1), raw_ok
+
+
+def grams(a: jax.Array, b: jax.Array, scale: jax.Array, route: str) -> Grams:
+    """Stage 1: the only d-sized work, two Grams per module, scale-safe (see
+    :func:`safe_grams`)."""
+    g, h, s, e, nonfinite, raw_ok = safe_grams(a, b, scale, CROSS, route)
+    return Grams(g, jnp.einsum("nikil->nikl", g), h, s, e, nonfinite, raw_ok)

@@ -1,0 +1,97 @@
+"""Running a merge plan: the bucket loop, its result checks, and the merged adapter's tree.
+
+:func:`run` takes a :class:`_plan.MergePlan` and merges each job with the stages of
+:mod:`netutility_jax._stages` (a piece of a bucket at once, or module by module for elementwise
+methods in full space), or hands a model-wide selection to :mod:`netutility_jax._ties_model`.
+The inputs' finiteness (counted by the first stage) and every merged module's range (reported by
+the last) are checked here, eagerly, once every bucket is dispatched: the jitted stages check
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _buckets, _stages
+from ._linalg import settle
+from ._plan import Job, MergePlan
+from ._results import raise_nonfinite, raise_range
+from ._select import topk_count
+from ._ties_model import ties_model
+
+__all__ = ["run"]
+
+
+def _keys_for(key: jax.Array, idx: Sequence[int]) -> jax.Array:
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(np.asarray(idx, np.int32)))
+
+
+def _dense_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks) -> None:
+    """An elementwise method in full space, module by module: at most one module's M dense task
+    updates are alive."""
+    bk, cfg = job.bucket, job.cfg
+    leaves = _buckets.bucket_arrays(bk)
+    A, B, S, R = _stages.stage_stack(
+        leaves, cfg=_stages.StackConfig(bk.d_in, bk.d_out, bk.r_max, plan.dtype)
+    )
+    raise_nonfinite(plan.fn, [bk], [_stages.stage_scales(A, B, S)[2]], plan.dtype)
+    spec = plan.resolved.spec
+    density = plan.resolved.options.get(spec.keeps_top, 0.0) if spec.keeps_top else 0.0
+    k_top = jnp.asarray(topk_count(density, bk.d_in * bk.d_out), jnp.int32)
+    for j, nm in enumerate(bk.names):
+        delta, check = _stages.module_dense(
+            A[j], B[j], S[j], R[j], mk[j], coef, keys[j], nums, k_top,
+            method=cfg.method, r_max=bk.r_max,
+        )  # fmt: skip
+        # one module's executable at a time on CPU: bounded memory, and no two LAPACK calls in
+        # flight together (see netutility_jax._linalg.settle)
+        results[nm] = {"delta": settle(delta)}
+        checks.append(((nm,), check))
+
+
+def _bucket_job(job: Job, mk, coef, keys, nums, results, checks, bads) -> None:
+    bk = job.bucket
+    la, lb, live, check, bad = _stages.bucket_merge(
+        _buckets.bucket_arrays(bk), mk, coef, keys, nums, cfg=job.cfg
+    )
+    bads.append((bk, bad))
+    checks.append((bk.names, check))
+    ranks = np.asarray(live.sum(-1))
+    for j, nm in enumerate(bk.names):
+        rk = int(ranks[j])
+        results[nm] = {"lora_a": la[j, :, :rk], "lora_b": lb[j, :rk, :], "scale": 1.0}
+
+
+def run(plan: MergePlan, *, coef: Any, key: Any) -> dict[str, Any]:
+    """Merge every job of ``plan``: ``{name: module}`` (checked: finite inputs, results in the
+    dtype's range)."""
+    coef_arr = jnp.asarray(coef, plan.dtype)
+    nums = {k: jnp.asarray(v, plan.dtype) for k, v in plan.numeric.items()}
+    results: dict[str, Any] = {}
+    checks: list = []  # (module names, range status), checked once every bucket is dispatched
+    if plan.model_wide:
+        results = ties_model(plan, coef=coef_arr, checks=checks)
+        raise_range(plan.fn, checks, plan.dtype)
+        return results
+    bads: list = []
+    for job in plan.jobs:
+        bk = job.bucket
+        mk = _stages.stack_masks(plan.masks, bk, plan.m_tasks)
+        keys = (
+            _keys_for(key, job.index)
+            if key is not None
+            else jnp.zeros((len(bk.names),), jnp.uint32)
+        )
+        if job.route == "dense":
+            _dense_job(plan, job, mk, coef_arr, keys, nums, results, checks)
+        else:
+            _bucket_job(job, mk, coef_arr, keys, nums, results, checks, bads)
+    if bads:
+        raise_nonfinite(plan.fn, [bk for bk, _ in bads], [bad for _, bad in bads], plan.dtype)
+    raise_range(plan.fn, checks, plan.dtype)
+    return results

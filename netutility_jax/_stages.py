@@ -1,0 +1,499 @@
+"""The per-bucket pipeline stages of :func:`nu.merge`: pure jitted functions, static configs.
+
+A bucket is a group of modules of equal ``(d_in, d_out, r_max)`` (:class:`_tree.Bucket`); the
+stages take its arrays and a frozen configuration (a ``NamedTuple`` or plain static keywords) and
+nothing global, so that the layers that stream buckets from disk or shard them over devices wrap
+them unchanged. The stages are shared between methods and spaces so that compiled executables are
+too: reduce (the factors in the bases of their spans), coordinates (a space), the method (the
+registry's kernel), decode, map back. :func:`bucket_merge` composes them (traceable as a whole).
+
+Scale safety: the stacked factors and scales are split into powers of two and normalised numbers
+per task (:func:`spaces.normalise_tasks`) before any Gram, and each module is merged in units of
+``2**unit`` (:func:`spaces.module_unit`), multiplied back by the last stage. Every method is
+positively homogeneous of degree one and a power of two rounds nothing, so results are those of
+the unscaled computation wherever that one does not over- or underflow. The last stage also
+reports, per module, whether the result is representable (:func:`range_status`): the caller
+raises instead of returning an infinite or flushed-to-zero module.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _buckets, _select, _tree, registry
+from . import methods as _m
+from . import spaces as _s
+from ._linalg import mm as _mm
+from ._linalg import mul_pow2
+from ._linalg import t as _t
+from .utility import default_rtol
+
+__all__ = [
+    "BucketConfig",
+    "CoordsConfig",
+    "LowRankConfig",
+    "MapBackConfig",
+    "ReduceConfig",
+    "StackConfig",
+    "bucket_merge",
+    "coords_tasks",
+    "elementwise",
+    "entry_counts",
+    "map_back",
+    "module_dense",
+    "module_tasks",
+    "range_status",
+    "real_entries",
+    "stack_masks",
+    "stage_coords",
+    "stage_decode",
+    "stage_decode_chunks",
+    "stage_elementwise",
+    "stage_keep",
+    "stage_low_rank",
+    "stage_map_back",
+    "stage_reduce",
+    "stage_scale_dense",
+    "stage_scales",
+    "stage_split",
+    "stage_stack",
+]
+
+
+class StackConfig(NamedTuple):
+    """Static shape of a bucket's stacked factors (:func:`stage_stack`)."""
+
+    d_in: int
+    d_out: int
+    r_max: int
+    dtype: Any
+
+
+class ReduceConfig(NamedTuple):
+    """:func:`stage_reduce`: the bucket's shapes, dtype and number of tasks."""
+
+    d_in: int
+    d_out: int
+    r_max: int
+    dtype: Any
+    m_tasks: int
+
+
+class CoordsConfig(NamedTuple):
+    """:func:`stage_coords`: the space (``"full"`` for spectral methods in Core space, see
+    :func:`bucket_merge`), KnOTS's variant, the rank tolerance, and whether the input side is
+    mapped back to ``d_in`` (KnOTS with an elementwise method)."""
+
+    space: str
+    variant: str | None
+    rtol: float
+    ambient_in: bool
+
+
+class LowRankConfig(NamedTuple):
+    """:func:`stage_low_rank`: the registry's method, its static options ``((name, value),
+    ...)``, the rank tolerance, and whether the tasks are already in SVD form."""
+
+    method: str
+    options: tuple[tuple[str, Any], ...]
+    rtol: float
+    is_svd: bool
+
+
+class MapBackConfig(NamedTuple):
+    """:func:`stage_map_back`: the result width mapped back, and whether the input side is
+    still in reduced coordinates."""
+
+    width: int
+    expand_in: bool
+
+
+class BucketConfig(NamedTuple):
+    """One bucket's merge (:func:`bucket_merge`).
+
+    Attributes:
+      method: the registry method that runs (after :attr:`registry.Resolved.kernel_method`).
+      space: ``"full"``, ``"core"`` or ``"knots"``.
+      options: the method's static options ``((name, value), ...)``, sorted.
+      variant: KnOTS's variant (None in other spaces).
+      d_in, d_out, r_max, dtype: the bucket's shapes and compute dtype.
+      chunk: modules per chunk of dense work (elementwise methods).
+    """
+
+    method: str
+    space: str
+    options: tuple[tuple[str, Any], ...]
+    variant: str | None
+    d_in: int
+    d_out: int
+    r_max: int
+    dtype: Any
+    chunk: int
+
+
+def _coords(k, a, b, ts, *, space, variant, rtol):
+    if space == "full":
+        return _s.full_coords(k)
+    if space == "core":
+        return _s.core_coords(k, a, b, rtol=rtol, a_exp=ts.a_exp, b_exp=ts.b_exp)
+    return _s.knots_coords(k, rtol=rtol, variant=variant, block_exp=_s.HEADROOM)
+
+
+# The bucket pipeline is a few jitted stages (reduce, space transform, method, decode, map back) so
+# that compiled stages are shared between methods and spaces; each is pure and batched over modules.
+#
+# Scale safety: the stacked factors and scales are split into powers of two and normalised numbers
+# per task (spaces.normalise_tasks) before any Gram, and each module is merged in units of 2**unit
+# (spaces.module_unit), multiplied back by the last stage. Every method is positively homogeneous
+# of degree one and a power of two rounds nothing, so results are those of the unscaled
+# computation wherever that one does not over- or underflow. The last stage also reports, per
+# module, whether the result is representable (a range check): merge raises instead of returning
+# an infinite or flushed-to-zero module.
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def stage_stack(leaves, *, cfg: StackConfig):
+    """Zero-padded stacked factors of a bucket (see ``_buckets.stack_bucket``), as given."""
+    d_in, d_out, r_max, dtype = cfg
+    a, b, s = leaves
+    return _buckets.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("r_max",))
+def stage_keep(a, b, s, r, *, r_max: int):
+    """Every candidate of a stacked bucket ``(n, M, r_max)`` (``allocation="all"``)."""
+    a, b, ts, _ = _s.normalise_tasks(a, b, s, a_axes=(2, 3), b_axes=(2, 3))
+    mask = jnp.ones((*ts.mant.shape, r_max), bool)
+    k = _s.kept_components(a, b, ts.mant, r, mask, cand_rtol=default_rtol(r_max, a.dtype))
+    return k.keep
+
+
+@jax.jit
+def stage_scales(a, b, s):
+    """Per module the unit (:func:`spaces.module_unit`), per task the :class:`spaces.TaskScales`
+    and the non-finite counts ``(n, M, 3)`` of stacked factors ``a (n, M, d_in, r)``, ``b``."""
+    _, _, ts, bad = _s.normalise_tasks(a, b, s, a_axes=(2, 3), b_axes=(2, 3))
+    return ts, _s.module_unit(ts), bad
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def stage_reduce(leaves, *, cfg: ReduceConfig):
+    """A bucket's factors, normalised per task by powers of two, in the bases of their own spans
+    (:class:`spaces.Reduced`); their :class:`spaces.TaskScales`, ranks, non-finite counts
+    ``(n, M, 3)`` and units ``(n,)``. The only ``d``-sized work before the map back (two Grams,
+    one product per side, and one read of the factors for their sizes)."""
+    d_in, d_out, r_max, dtype, m_tasks = cfg
+    a, b, s = leaves
+    ts, bad = _s.leaf_scales(a, b, s, dtype)
+    mant = tuple(tuple(ts.mant[j, i] for i in range(m_tasks)) for j in range(len(a)))
+
+    def reduce(a, b):
+        xa, yb, _, R = _buckets.stack_bucket_cat(
+            a, b, mant, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype
+        )
+        return _s.reduce_factors(xa, yb, m_tasks), R
+
+    def plain():  # factors of moderate size: their Grams are safe, normalise the small R's
+        red, R = reduce(a, b)
+        ra = mul_pow2(red.a, -ts.a_exp[..., None, None])
+        rb = mul_pow2(red.b, -ts.b_exp[..., None, None])
+        return red._replace(a=ra, b=rb), R
+
+    def scaled():  # extreme (or non-finite) factors: normalise them before any Gram
+        return reduce(*_s.scale_leaves(a, b, ts, dtype))
+
+    # 2**+-24 of the largest entry: no Gram of such factors can leave float32's range
+    moderate = (jnp.abs(ts.a_exp) <= 24) & (jnp.abs(ts.b_exp) <= 24)
+    red, R = jax.lax.cond(jnp.all(moderate) & ~jnp.any(bad), plain, scaled)
+    return red, ts, R, bad, _s.module_unit(ts)
+
+
+def _expand_in(qa, x):
+    """Reduced input-side columns ``x (n, [M,] K, k)`` to ``d_in``: ``Q_a x``."""
+    q1, m = (qa.q1, qa.m) if x.ndim == 3 else (qa.q1[:, None], qa.m[:, None])
+    return _mm(q1, _mm(m, x))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def stage_coords(red, ts, R, mask, unit, *, cfg: CoordsConfig):
+    """Kept components of a bucket in a space's coordinates (:class:`spaces.Coords`), in units
+    of ``2**unit`` (``unit (n,)``: each task's singular values get ``2**(exp_i - unit)``).
+
+    Computed in the reduced coordinates of :class:`spaces.Reduced`; with ``ambient_in`` (KnOTS
+    with an elementwise method, whose input side is entry-wise in ``d_in``) the input side is
+    mapped back to ``d_in``.
+    """
+    space, variant, rtol, ambient_in = cfg
+    k = _s.kept_components(
+        red.a,
+        red.b,
+        ts.mant,
+        R,
+        mask,
+        cand_rtol=default_rtol(red.a.shape[-1], red.a.dtype),
+        scale_exp=ts.exp - unit[:, None],
+    )
+    c = _coords(k, red.a, red.b, ts, space=space, variant=variant, rtol=rtol)
+    if ambient_in:
+        c = c._replace(a=_expand_in(red.qa, c.a))
+    return c
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def stage_low_rank(ca, cb, coef, nums, *, cfg: LowRankConfig):
+    """A spectral method (TA, TSV, Iso-C, Iso-CTS: the registry's kernel of ``cfg.method``) on
+    factored coordinates; ``nums`` holds its traced options."""
+    kernel = registry.METHODS[cfg.method].kernel
+    return kernel(ca, cb, coef=coef, rtol=cfg.rtol, is_svd=cfg.is_svd, **dict(cfg.options), **nums)
+
+
+def range_status(w, y, unit, axes):
+    """Whether ``y = w 2**unit`` (per module, over ``axes``) is representable: ``(code (n,) int32,
+    log2 (n,) float32)``; code 0 fine, 1 not finite, 2 underflow (``w`` is not zero but the
+    largest ``|y|`` is below the dtype's smallest normal number: at best a few bits are left);
+    ``log2`` is ``log2`` of the largest ``|y|`` that exact arithmetic would give."""
+    wmax = jnp.max(jnp.abs(w), axis=axes, initial=0)
+    finite = jnp.all(jnp.isfinite(y), axis=axes)
+    log2 = jnp.log2(wmax).astype(jnp.float32) + unit.astype(jnp.float32)
+    under = (wmax > 0) & (log2 < jnp.finfo(w.dtype).minexp)
+    code = jnp.where(finite, jnp.where(under, 2, 0), 1).astype(jnp.int32)
+    return code, log2
+
+
+def _log2_norm(x, axis):
+    """``log2`` of the largest column norm of ``x (n, p, k)`` over ``axis`` (-2: columns, -1:
+    rows), scale-safely; ``-inf`` for an all-zero module. An entry of ``Q x`` (``Q`` with
+    orthonormal columns) is at most its column's norm, and at least one is ``norm / sqrt(p)``."""
+    cols = _m._column_norms(x if axis == -2 else _t(x))
+    return jnp.log2(jnp.max(cols, axis=-1, initial=0)).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def stage_map_back(la, lb, qa, qb, unit, *, cfg: MapBackConfig):
+    """Reduced results in units of ``2**unit`` to ``(lora_a (n, d_in, width), lora_b (n, width,
+    d_out))`` of their true size, and per module ``(code, log2)``: code 0 representable, 1 not
+    finite, 2 underflow (the largest ``lora_a`` entry below the smallest normal number)."""
+    width, expand_in = cfg
+    la, lb = la[..., :width], lb[..., :width, :]
+    fi = jnp.finfo(la.dtype)
+    # Bounds of the mapped-back entries from the small sides (no d-sized pass): the module's unit
+    # goes to the input side; where that side alone could overflow (the product need not: KnOTS
+    # blocks carry S on the output side) it is split between both sides.
+    hi_a = _log2_norm(la, -2) if expand_in else jnp.log2(jnp.max(jnp.abs(la), (1, 2), initial=0))
+    hi_b = _log2_norm(lb, -1)
+    hi_a, hi_b = hi_a.astype(jnp.float32), hi_b.astype(jnp.float32)
+    u = unit.astype(jnp.float32)
+    split = hi_a + u >= fi.maxexp - 1
+    d = u + hi_a - hi_b
+    half = jnp.where(split & jnp.isfinite(d), jnp.floor(d / 2), 0).astype(jnp.int32)
+    sa, sb = unit - half, half
+    la = mul_pow2(la, sa[:, None, None])
+    lb = mul_pow2(lb, sb[:, None, None])
+    if expand_in:
+        la = _expand_in(qa, la)
+    lb = qb.times_qt(lb)
+    hi_a, hi_b = hi_a + sa.astype(jnp.float32), hi_b + sb.astype(jnp.float32)
+    lo_a = hi_a - 0.5 * float(np.log2(la.shape[-2]))  # some entry is at least this large
+    surely_fine = (
+        (hi_a < fi.maxexp - 1) & (hi_b < fi.maxexp - 1) & ((lo_a >= fi.minexp) | (hi_a == -jnp.inf))
+    )
+
+    def exact(la, lb):  # one pass over the outputs, only where the bounds cannot decide
+        ma = jnp.max(jnp.abs(la), axis=(1, 2), initial=0)
+        mb = jnp.max(jnp.abs(lb), axis=(1, 2), initial=0)
+        finite = jnp.isfinite(ma) & jnp.isfinite(mb)
+        under = (hi_a > -jnp.inf) & (ma < fi.tiny)
+        code = jnp.where(finite, jnp.where(under, 2, 0), 1).astype(jnp.int32)
+        return code, (jnp.log2(ma) + jnp.log2(mb)).astype(jnp.float32)
+
+    def bounded(la, lb):
+        return jnp.zeros(unit.shape, jnp.int32), hi_a + hi_b
+
+    check = jax.lax.cond(jnp.all(surely_fine), bounded, exact, la, lb)
+    return la, lb, check
+
+
+def map_back(la, lb, live, qa, qb, expand_in, unit):
+    """Reduced results ``la (n, K|d_in, k)``, ``lb (n, k, K)`` (live columns first) in units of
+    ``2**unit`` to ``d_in`` / ``d_out``: only the bucket's largest live count of columns, rounded
+    up to a multiple of 16 (few compiled widths), are mapped back and returned, with the
+    :func:`range_status` of each module."""
+    if isinstance(live, jax.core.Tracer):
+        width = live.shape[-1]
+    else:
+        most = int(np.asarray(live.sum(-1)).max(initial=0))
+        width = min(live.shape[-1], -(-most // 16) * 16)
+    la, lb, check = stage_map_back(la, lb, qa, qb, unit, cfg=MapBackConfig(width, expand_in))
+    return la, lb, live[..., :width], check
+
+
+@functools.partial(jax.jit, static_argnames=("rtol", "compact"))
+def stage_decode(coords, am, bm, *, rtol: float, compact: bool):
+    """A low-rank method's merged factors back to LoRA form (:func:`spaces.decode_factored`)."""
+    return _s.decode_factored(coords, am, bm, rtol=rtol, compact=compact)
+
+
+def entry_counts(c):
+    """Per module the live rows and columns of its dense coordinates ``(p, q)``: columns of
+    ``left`` (``p`` itself without ``left``) and of ``right`` that its bases span."""
+    live_q = (jnp.abs(c.right).sum(-2) > 0).sum(-1, dtype=jnp.int32)
+    if c.left is None:
+        return jnp.full_like(live_q, c.a.shape[-2]), live_q
+    return (jnp.abs(c.left).sum(-2) > 0).sum(-1, dtype=jnp.int32), live_q
+
+
+def real_entries(c):
+    """TIES's ``n`` in core / KnOTS: entries of each module's dense coordinates that its bases
+    span (the bases may be smaller than ``D``); int64 on the host."""
+    rows, cols = entry_counts(c)
+    return np.asarray(rows, np.int64) * np.asarray(cols, np.int64)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk",))
+def stage_split(coords, keys, table, *, chunk: int):
+    """A bucket's coordinates cut into chunks of whole modules for :func:`stage_elementwise`:
+    ``[(a, b, keys, k_top)]`` per chunk. TIES keeps ``k_top = int(density * n)`` of the ``n``
+    real entries of a module's coordinates, looked up in the host-made ``table``
+    (:func:`_select.count_table`); ``table=None`` (DARE) gives zeros."""
+    c = coords
+    n = c.a.shape[0]
+    if table is None:
+        k_top = jnp.zeros((n,), jnp.int32)
+    else:
+        rows, cols = entry_counts(c)
+        k_top = table[rows if c.left is not None else 0, cols]
+    return [tuple(x[j0 : j0 + chunk] for x in (c.a, c.b, keys, k_top)) for j0 in range(0, n, chunk)]
+
+
+@functools.partial(jax.jit, static_argnames=("method",))
+def stage_elementwise(a, b, keys, k_top, coef, nums, *, method: str):
+    """TIES / DARE on a chunk of modules' dense core or KnOTS coordinates ``a b^T``."""
+    return elementwise(_mm(a, _t(b)), keys, method=method, coef=coef, nums=nums, k_top=k_top)
+
+
+@functools.partial(jax.jit, static_argnames=("rtol",))
+def stage_decode_chunks(coords, xms, *, rtol: float):
+    """The merged chunks back to LoRA form: KnOTS blocks ``(d_in, k)`` are kept as the input
+    factor, core matrices are re-factored by SVD."""
+    xm = jnp.concatenate(xms) if len(xms) > 1 else xms[0]
+    return _s.decode_dense(coords, xm, rtol=rtol, compact=coords.left is not None)
+
+
+def _elementwise_bucket(coords, coef, keys, nums, table, *, method, rtol, chunk):
+    """TIES / DARE on a bucket, a chunk of whole modules per call (at most one chunk's dense
+    tasks alive), then decoded. A Python loop rather than ``lax.map``: XLA:CPU writes a mapped
+    output through an in-place update that it emits as scalar code, ~4 ms per KnOTS module."""
+    xms = [
+        stage_elementwise(a, b, kk, kt, coef, nums, method=method)
+        for a, b, kk, kt in stage_split(coords, keys, table, chunk=chunk)
+    ]
+    return stage_decode_chunks(coords, xms, rtol=rtol)
+
+
+def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
+    """One bucket, every method except elementwise-in-full: ``(lora_a, lora_b, live, check,
+    bad)``, the factors padded, ``check`` the :func:`range_status` of each module and ``bad``
+    the inputs' non-finite counts ``(n, M, 3)``.
+
+    Composes the jitted stages (traceable as a whole, e.g. by ``jax.make_jaxpr``).
+    """
+    spec = registry.METHODS[cfg.method]
+    m_tasks = len(leaves[0][0])
+    red, ts, R, bad, unit = stage_reduce(
+        leaves, cfg=ReduceConfig(cfg.d_in, cfg.d_out, cfg.r_max, cfg.dtype, m_tasks)
+    )
+    rtol = _m.rank_rtol((cfg.d_in, cfg.d_out, m_tasks * cfg.r_max), cfg.dtype)
+    elementwise = spec.kind == "elementwise"
+    ambient_in = elementwise and cfg.space == "knots"
+    # Spectral methods are invariant to the orthonormal bases they run in, as long as the bases
+    # span the kept components; the reduced coordinates are such bases (Core Space's reference
+    # bases up to a rotation), so Core Space's bases and core matrices would change nothing:
+    # core-space TA / TSV / Iso-C / Iso-CTS run in the reduced coordinates directly.
+    cspace = "full" if cfg.space == "core" and not elementwise else cfg.space
+    c = stage_coords(
+        red, ts, R, mask, unit, cfg=CoordsConfig(cspace, cfg.variant, rtol, ambient_in)
+    )
+    if elementwise:
+        opts = dict(cfg.options)
+        table = _select.count_table(opts[spec.keeps_top], c) if spec.keeps_top else None
+        la, lb, live = _elementwise_bucket(
+            c, coef, keys, nums, table, method=cfg.method, rtol=rtol, chunk=cfg.chunk
+        )
+        return (*map_back(la, lb, live, red.qa, red.qb, not ambient_in, unit), bad)
+    am, bm = stage_low_rank(
+        c.a, c.b, coef, nums, cfg=LowRankConfig(cfg.method, cfg.options, rtol, cspace == "full")
+    )
+    # the result's factors are exact as they come (live columns = the nonzero ones)
+    la, lb, live = stage_decode(c, am, bm, rtol=rtol, compact=False)
+    return (*map_back(la, lb, live, red.qa, red.qb, True, unit), bad)
+
+
+def elementwise(x, keys, *, method, coef, nums, k_top):
+    """An elementwise method (the registry's kernel) on a batch of modules: ``x (n, M, p, q)``,
+    ``keys (n,)``, ``k_top (n,)``, traced options ``nums``."""
+    return registry.METHODS[method].kernel(x, keys, coef=coef, k_top=k_top, **nums)
+
+
+def _dense_kept(a, b, s, r, mask, unit, *, r_max):
+    """One module's kept dense task updates ``(1, M, d_in, d_out)`` in units of ``2**unit`` (the
+    module's own unit if None) and that unit; ``a (M, d_in, r)``, ``b (M, r, d_out)``, ``s (M,)``
+    as stacked (normalised here)."""
+    a, b, ts, _ = _s.normalise_tasks(a[None], b[None], s[None], a_axes=(2, 3), b_axes=(2, 3))
+    if unit is None:
+        unit = _s.module_unit(ts)[0]
+    k = _s.kept_components(
+        a,
+        b,
+        ts.mant,
+        r[None],
+        mask[None],
+        cand_rtol=default_rtol(r_max, a.dtype),
+        scale_exp=ts.exp - unit,
+    )
+    return _s.dense_tasks(_s.full_coords(k)), unit
+
+
+def _scale_dense(x, unit):
+    """A dense merged update ``x (d_in, d_out)`` in units of ``2**unit`` back to its size, and
+    its :func:`range_status` (one module)."""
+    y = mul_pow2(x, unit)
+    code, log2 = range_status(x[None], y[None], unit[None], (1, 2))
+    return y, (code, log2)
+
+
+@functools.partial(jax.jit, static_argnames=("method", "r_max"))
+def module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max: int):
+    """One module, elementwise method in full space: dense ``(d_in, d_out)`` merged update and
+    its :func:`range_status`."""
+    x, unit = _dense_kept(a, b, s, r, mask, None, r_max=r_max)
+    xm = elementwise(x, key[None], method=method, coef=coef, nums=nums, k_top=k_top[None])
+    return _scale_dense(xm[0], unit)
+
+
+@functools.partial(jax.jit, static_argnames=("r_max",))
+def module_tasks(a, b, s, r, mask, unit, *, r_max: int):
+    """One module's kept dense task updates, full space, in units of ``2**unit``:
+    ``(1, M, d_in, d_out)``."""
+    return _dense_kept(a, b, s, r, mask, unit, r_max=r_max)[0]
+
+
+#: A dense merged update back to its size, and its range status (model-wide TIES).
+stage_scale_dense = jax.jit(_scale_dense)
+
+
+@jax.jit
+def coords_tasks(ca, cb):
+    """Dense task coordinates ``a b^T`` of a chunk of modules (model-wide TIES)."""
+    return _mm(ca, _t(cb))
+
+
+def stack_masks(masks, bk: _tree.Bucket, m_tasks: int) -> jax.Array:
+    """A bucket's stacked masks ``(n, M, r_max)`` (all True without masks)."""
+    if masks is None:
+        return jnp.ones((len(bk.names), m_tasks, bk.r_max), bool)
+    return jnp.stack([jnp.asarray(masks[nm], bool) for nm in bk.names])

@@ -1,0 +1,159 @@
+"""TIES with ``trim_scope="model"``: one top-k over the whole model, streamed.
+
+Each task keeps its ``int(density * N)`` largest entries over the whole model (``N`` = entries of
+all modules in the space's coordinates), as the original TIES and KnOTS. The per-task threshold is
+found by radix selection over the magnitudes' bit patterns (:func:`_select.radix_threshold`), 16
+bits per pass, each pass streaming the modules (full space) or chunks of modules (core, KnOTS)
+with only the counts kept: memory stays at one unit's dense tasks, like the per-module scope.
+Magnitudes are compared across modules, so every module is merged in one common unit (the
+largest).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _buckets, _plan, _stages
+from . import methods as _m
+from ._linalg import settle
+from ._plan import MergePlan
+from ._results import raise_nonfinite
+from ._select import radix_threshold, topk_count, trim_at
+
+__all__ = ["ties_apply", "ties_model"]
+
+
+@functools.partial(jax.jit, static_argnames=("flat_ties",))
+def ties_apply(x, t, room, coef, *, flat_ties):
+    """Trim at the thresholds ``t`` and take the disjoint mean. Without ``flat_ties`` every entry
+    at a task's threshold is known to fit (``room`` = their count), so the running count that
+    breaks ties in flat order (a slow scan on CPU) is skipped."""
+    if flat_ties:
+        trimmed, used = trim_at(x, t, room)
+    else:
+        xt = jnp.moveaxis(x, -3, 0)
+        bits = jax.lax.bitcast_convert_type(jnp.abs(xt), t.dtype)
+        keep = bits >= t.reshape(-1, *([1] * (bits.ndim - 1)))
+        trimmed, used = jnp.moveaxis(jnp.where(keep, xt, 0), 0, -3), room
+    return coef * _m.disjoint_mean(trimmed), used
+
+
+def _stage_inputs(plan: MergePlan, space: str) -> tuple[list, jax.Array]:
+    """Every piece's first stage (inputs checked), and the common unit: the largest over the
+    live modules."""
+    staged, units = [], []
+    dtype, m_tasks = plan.dtype, plan.m_tasks
+    for job in plan.jobs:
+        bk = job.bucket
+        leaves = _buckets.bucket_arrays(bk)
+        if space == "full":
+            st = _stages.stage_stack(
+                leaves, cfg=_stages.StackConfig(bk.d_in, bk.d_out, bk.r_max, dtype)
+            )
+            ts, unit, bad = _stages.stage_scales(*st[:3])
+        else:
+            st = _stages.stage_reduce(
+                leaves, cfg=_stages.ReduceConfig(bk.d_in, bk.d_out, bk.r_max, dtype, m_tasks)
+            )
+            ts, bad, unit = st[1], st[3], st[4]
+        raise_nonfinite(plan.fn, [bk], [bad], dtype)
+        live = np.asarray(ts.mant).any(-1)
+        units.extend(np.asarray(unit)[live].tolist())
+        staged.append(st)
+    return staged, jnp.asarray(max(units, default=0), jnp.int32)
+
+
+def _full_units(bk, mk, st, unit, results, checks):
+    """Full space: one unit per module, ``(produce dense tasks, finish with the merge)``."""
+    work = []
+    for j, nm in enumerate(bk.names):
+
+        def produce(j=j, st=st, mk=mk, r_max=bk.r_max):
+            a, b, s, r = st
+            return _stages.module_tasks(a[j], b[j], s[j], r[j], mk[j], unit, r_max=r_max)
+
+        def finish(xm, nm=nm):
+            delta, check = _stages.stage_scale_dense(xm[0], unit)
+            results[nm] = {"delta": settle(delta)}
+            checks.append(((nm,), check))
+
+        work.append((produce, finish))
+    return work, len(bk.names) * bk.d_in * bk.d_out
+
+
+def _coord_units(plan: MergePlan, bk, mk, st, unit, results, checks):
+    """Core / KnOTS: chunks of modules' dense coordinates as units."""
+    space, m_tasks = plan.resolved.space, plan.m_tasks
+    red, ts, R = st[0], st[1], st[2]
+    rtol = _m.rank_rtol((bk.d_in, bk.d_out, m_tasks * bk.r_max), plan.dtype)
+    ambient_in = space == "knots"
+    units_b = jnp.full((len(bk.names),), unit)
+    variant = plan.resolved.options.get("variant")
+    c = settle(
+        _stages.stage_coords(
+            red, ts, R, mk, units_b, cfg=_stages.CoordsConfig(space, variant, rtol, ambient_in)
+        )
+    )
+    qa, qb = red.qa, red.qb
+    del red
+    n = int(_stages.real_entries(c).sum())
+    p, q = c.a.shape[-2], c.b.shape[-2]
+    chunk = _plan.chunk_size(m_tasks, p, q, jnp.dtype(plan.dtype).itemsize, len(bk.names))
+    work = []
+    for j0 in range(0, len(bk.names), chunk):
+        sl, sqa, sqb, su = jax.tree.map(lambda x, j0=j0: x[j0 : j0 + chunk], (c, qa, qb, units_b))
+
+        def produce(sl=sl):
+            return _stages.coords_tasks(sl.a, sl.b)
+
+        def finish(xm, sl=sl, sqa=sqa, sqb=sqb, su=su, j0=j0):
+            la, lb, live, check = _stages.map_back(
+                *_stages.stage_decode_chunks(sl, [xm], rtol=rtol), sqa, sqb, not ambient_in, su
+            )
+            names = bk.names[j0 : j0 + len(live)]
+            checks.append((names, check))
+            for jj, rk in enumerate(np.asarray(live.sum(-1))):
+                rk = int(rk)
+                results[names[jj]] = {
+                    "lora_a": la[jj, :, :rk],
+                    "lora_b": lb[jj, :rk, :],
+                    "scale": 1.0,
+                }
+
+        work.append((produce, finish))
+    return work, n
+
+
+def ties_model(plan: MergePlan, *, coef: jax.Array, checks: list) -> dict[str, Any]:
+    """TIES over the whole model (see the module docstring); returns ``{name: module}`` and
+    appends each module's :func:`_stages.range_status` to ``checks``."""
+    space, m_tasks = plan.resolved.space, plan.m_tasks
+    staged, unit = _stage_inputs(plan, space)
+    work = []  # (produce dense tasks, finish with the merged dense coordinates)
+    n_total = 0
+    results: dict[str, Any] = {}
+    for job, st in zip(plan.jobs, staged, strict=True):
+        mk = _stages.stack_masks(plan.masks, job.bucket, m_tasks)
+        if space == "full":
+            w, n = _full_units(job.bucket, mk, st, unit, results, checks)
+        else:
+            w, n = _coord_units(plan, job.bucket, mk, st, unit, results, checks)
+        work.extend(w)
+        n_total += n
+    k = topk_count(plan.resolved.options["density"], n_total)
+    t, room, at = radix_threshold(work, m_tasks, k, plan.dtype)
+    flat_ties = bool(np.any(at > room))  # otherwise every entry at a threshold is kept
+    t = jnp.asarray(t)
+    for produce, finish in work:
+        xm, used = ties_apply(
+            produce(), t, jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32), coef,
+            flat_ties=flat_ties,
+        )  # fmt: skip
+        room = room - np.asarray(used, np.int64)
+        finish(xm)
+    return results

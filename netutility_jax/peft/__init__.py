@@ -1,0 +1,94 @@
+"""PEFT interop: load LoRA adapters saved by Hugging Face PEFT, save merges PEFT can load.
+
+A PEFT LoRA checkpoint is a directory with ``adapter_config.json`` and
+``adapter_model.safetensors``. The weights of module ``<module>`` (its dotted name in the base
+``transformers`` model, e.g. ``model.layers.0.self_attn.q_proj``) are
+
+* ``base_model.model.<module>.lora_A.weight``, shape ``(r, d_in)``, and
+* ``base_model.model.<module>.lora_B.weight``, shape ``(d_out, r)``,
+
+and PEFT adds ``scale * B A`` (``(d_out, d_in)``, the torch ``Linear`` layout) to the base weight,
+with ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``). The per-module
+``r`` and ``lora_alpha`` come from ``rank_pattern`` / ``alpha_pattern`` when a key matches
+(:func:`pattern_key`). In this library's kernel layout the same update is
+``dK = scale * lora_a @ lora_b`` with ``lora_a = A^T`` ``(d_in, r)`` and ``lora_b = B^T``
+``(r, d_out)``.
+
+``fan_in_fan_out`` (GPT-2's ``Conv1D``, whose weight is stored ``(d_in, d_out)``) changes only how
+PEFT adds the update to the stored base weight; the LoRA factors are ordinary ``Linear`` layers with
+the shapes above either way, so they load and save the same. ``dK`` is then exactly the update of
+the ``Conv1D`` weight as stored.
+
+Files are read and written with the ``safetensors`` package (its numpy and flax routes, so bf16
+works); torch and PEFT are never imported, and pickled ``adapter_model.bin`` files are never
+opened. The regular expressions a config may hold (``rank_pattern`` / ``alpha_pattern`` keys, a
+string ``target_modules`` / ``exclude_modules``, ``layers_pattern``) follow PEFT's rules exactly
+and never hang: plain name patterns are matched directly, any other is run by Python's ``re`` in
+a short-lived helper process with a time limit, and one that does not finish is an error.
+
+The package is laid out by step: :mod:`._read` (paths, the JSON config, safetensors keys and
+shapes), :mod:`._config` (what the config means: refused settings, per-module ``r`` /
+``lora_alpha``, target modules, carried fields), :mod:`._regex` (PEFT's regex rules, bounded),
+:mod:`._convert` (PEFT tensors <-> modules, scales), :mod:`._load` (:func:`load_adapter`,
+:func:`load_adapters`) and :mod:`._write` (:func:`save_adapter`).
+"""
+
+from __future__ import annotations
+
+from ._common import CONFIG_NAME as CONFIG_NAME
+from ._common import PICKLE_NAME as PICKLE_NAME
+from ._common import PREFIX as PREFIX
+from ._common import WEIGHTS_NAME as WEIGHTS_NAME
+from ._common import _natural as _natural
+from ._config import CARRIED_FIELDS as CARRIED_FIELDS
+from ._config import _targeted as _targeted
+from ._config import _untargeted as _untargeted
+from ._lazy import AdapterSet as AdapterSet
+from ._lazy import open_adapters as open_adapters
+from ._load import LoadedAdapters as LoadedAdapters
+from ._load import check_compatible as check_compatible
+from ._load import load_adapter as load_adapter
+from ._load import load_adapters as load_adapters
+from ._read import load_config as load_config
+from ._regex import _glob as _glob
+from ._regex import _glob_full as _glob_full
+from ._regex import _glob_suffix as _glob_suffix
+from ._regex import _Regexes as _Regexes
+from ._regex import pattern_key as pattern_key
+from ._write import VLLM_RANKS as VLLM_RANKS
+from ._write import save_adapter as save_adapter
+
+__all__ = [
+    "CARRIED_FIELDS",
+    "CONFIG_NAME",
+    "VLLM_RANKS",
+    "WEIGHTS_NAME",
+    "AdapterSet",
+    "LoadedAdapters",
+    "check_compatible",
+    "load_adapter",
+    "load_adapters",
+    "load_config",
+    "open_adapters",
+    "pattern_key",
+    "save_adapter",
+]
+# Also importable: PICKLE_NAME and PREFIX (the CLI and tests use them), and for the tests
+# _natural, _Regexes, _glob, _glob_full, _glob_suffix, _targeted,
+# _untargeted.
+
+# The public functions and LoadedAdapters are documented, pickled and doctested as
+# nu.peft.<name>, where they have always lived.
+for _obj in (
+    AdapterSet,
+    open_adapters,
+    LoadedAdapters,
+    check_compatible,
+    load_adapter,
+    load_adapters,
+    load_config,
+    pattern_key,
+    save_adapter,
+):
+    _obj.__module__ = __name__
+del _obj

@@ -1,0 +1,47 @@
+"""What every part of :mod:`netutility_jax.peft` shares: the checkpoint's file and key names, the
+order of module names, and how values from files are quoted in messages."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputTypeError
+
+__all__ = ["CONFIG_NAME", "PICKLE_NAME", "PREFIX", "WEIGHTS_NAME"]
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_NAME = "adapter_model.bin"
+PREFIX = "base_model.model."
+
+
+def _safetensors():
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "nu.peft needs the 'safetensors' package (no torch needed): pip install safetensors, "
+            "or pip install 'netutility-jax[peft]'."
+        ) from e
+    return safetensors
+
+
+def _clip(x: Any, n: int = 120) -> str:
+    """``repr(x)``, cut to about ``n`` characters (values from files can be arbitrarily long)."""
+    s = repr(x)
+    return s if len(s) <= n else f"{s[: n - 10]}...' ({len(s)} characters)"
+
+
+def _natural(name: str) -> list[Any]:
+    # "layers.2" before "layers.10"
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name)]
+
+
+def _check_bool(value: Any, name: str, *, fn: str) -> None:
+    # not _checks.check_bool: the tests pin this message, which quotes the value without its type
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputTypeError(f"{fn}: {name}={_clip(value)}; expected True or False.")

@@ -1,0 +1,296 @@
+"""Reading a PEFT adapter directory: its paths, ``adapter_config.json`` as JSON, and the keys,
+shapes and tensors of ``adapter_model.safetensors`` (which keys are LoRA factors of which module).
+
+Every file of a checkpoint is read here, and only here; a pickled ``adapter_model.bin`` is never
+opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import stat
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import FileAccessError, InputError, InputTypeError, MissingFileError
+from ._common import CONFIG_NAME, PICKLE_NAME, PREFIX, WEIGHTS_NAME, _clip, _safetensors
+
+__all__ = ["load_config"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths
+# ---------------------------------------------------------------------------------------------
+
+
+def _kind(p: pathlib.Path, *, fn: str) -> str:
+    """``"missing"``, ``"dir"``, ``"file"`` or ``"other"`` (a pipe, a device ...) for path ``p``."""
+    try:
+        st = p.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except PermissionError as e:
+        raise FileAccessError(
+            f"{fn}: cannot look at {str(p)!r} (permission denied): a folder on its path is not "
+            "accessible to this user. Fix the permissions (chmod) or run as a user who can read "
+            "it."
+        ) from e
+    except OSError as e:  # a symlink loop, a name too long ...
+        raise MissingFileError(f"{fn}: cannot use the path {str(p)!r} ({e.strerror or e}).") from e
+    if stat.S_ISDIR(st.st_mode):
+        return "dir"
+    return "file" if stat.S_ISREG(st.st_mode) else "other"
+
+
+def _readable_file(f: pathlib.Path, what: str, *, fn: str) -> None:
+    """Refuse ``f`` unless it is a regular file this process can read."""
+    kind = _kind(f, fn=fn)
+    if kind == "missing":
+        raise MissingFileError(
+            f"{fn}: {str(f)!r} does not exist; a PEFT LoRA adapter directory holds {WEIGHTS_NAME} "
+            f"and {CONFIG_NAME} (PeftModel.save_pretrained writes both)."
+        )
+    if kind == "dir":
+        raise MissingFileError(
+            f"{fn}: {str(f)!r} is a folder, expected {what} (a file); the adapter directory is "
+            "malformed: save the adapter again with PEFT's save_pretrained."
+        )
+    if kind == "other":
+        raise InputError(
+            f"{fn}: {str(f)!r} is not a regular file (a pipe, socket or device), expected {what}."
+        )
+    try:
+        with open(f, "rb"):
+            pass
+    except PermissionError as e:
+        raise FileAccessError(
+            f"{fn}: {str(f)!r} exists but cannot be read (permission denied); make it readable "
+            "(chmod a+r) or run as a user who can read it."
+        ) from e
+
+
+def _directory(path: Any, *, fn: str) -> pathlib.Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputTypeError(
+            f"{fn}: an adapter path is a {type(path).__name__} ({_clip(path)}); expected a str or "
+            "os.PathLike naming the adapter directory."
+        )
+    p = pathlib.Path(os.fspath(path))
+    kind = _kind(p, fn=fn)
+    if kind == "missing":
+        raise MissingFileError(
+            f"{fn}: no such directory {str(p)!r}. Pass the local directory PEFT's save_pretrained "
+            f"wrote (it holds {CONFIG_NAME} and {WEIGHTS_NAME}); for a Hugging Face Hub id, "
+            "download it first with huggingface_hub.snapshot_download(repo_id)."
+        )
+    if kind != "dir":
+        raise MissingFileError(
+            f"{fn}: {str(p)!r} is a file, expected an adapter folder containing {CONFIG_NAME} and "
+            f"{WEIGHTS_NAME}; pass its folder (here: {str(p.parent)!r})."
+        )
+    return p
+
+
+def load_config(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a PEFT adapter's ``adapter_config.json``.
+
+    Args:
+      path: the adapter directory.
+
+    Returns:
+      The config as a dict, as written (fields PEFT fills with defaults may be absent). Pass it as
+      ``base_config`` to :func:`save_adapter` to carry over the base model, task type and target
+      modules.
+
+    Raises:
+      FileNotFoundError: (:class:`MissingFileError`) no such directory, no
+        ``adapter_config.json`` in it, ``path`` is a file, or ``adapter_config.json`` is a folder.
+      PermissionError: (:class:`FileAccessError`) the file exists but cannot be read.
+      ValueError: (:class:`InputError`) the file is not valid JSON or not a JSON object.
+
+    Example:
+      >>> import json, pathlib, tempfile
+      >>> from netutility_jax import peft
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> d = pathlib.Path(tmp.name)
+      >>> _ = (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+      >>> peft.load_config(d)["r"]
+      4
+      >>> tmp.cleanup()
+    """
+    fn = "nu.peft.load_config"
+    d = _directory(path, fn=fn)
+    f = d / CONFIG_NAME
+    _readable_file(f, f"the JSON file {CONFIG_NAME}", fn=fn)
+    try:
+        with open(f, encoding="utf-8") as fh:
+            cfg = json.loads(fh.read())
+    except PermissionError as e:
+        raise FileAccessError(
+            f"{fn}: {str(f)!r} exists but cannot be read (permission denied); make it readable "
+            "(chmod a+r) or run as a user who can read it."
+        ) from e
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(
+            f"{fn}: {str(f)!r} is not valid JSON ({_clip(str(e), 200)}); the file is corrupt or "
+            "truncated: re-save the adapter with PEFT's save_pretrained."
+        ) from e
+    if not isinstance(cfg, dict):
+        raise InputError(
+            f"{fn}: {str(f)!r} holds a JSON {type(cfg).__name__}, expected an object with the "
+            "LoraConfig fields (peft_type, r, lora_alpha, target_modules, ...)."
+        )
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: the LoRA factors' keys and shapes
+# ---------------------------------------------------------------------------------------------
+
+
+def _weights_file(d: pathlib.Path, *, fn: str) -> pathlib.Path:
+    """``d/adapter_model.safetensors``, readable; a folder with only the pickle is refused."""
+    wf = d / WEIGHTS_NAME
+    if _kind(wf, fn=fn) == "missing" and _kind(d / PICKLE_NAME, fn=fn) == "file":
+        raise InputError(
+            f"{fn}: {str(d)!r} holds only the pickled {PICKLE_NAME}, which is never unpickled "
+            "here (loading a pickle can run arbitrary code). Convert it once with PEFT: "
+            "PeftModel.from_pretrained(base_model, dir).save_pretrained(out, "
+            f"safe_serialization=True), which writes {WEIGHTS_NAME}."
+        )
+    _readable_file(wf, f"the safetensors file {WEIGHTS_NAME}", fn=fn)
+    return wf
+
+
+def _open_weights(f: pathlib.Path, *, fn: str):
+    st = _safetensors()
+    try:
+        return st.safe_open(str(f), framework="flax")
+    except st.SafetensorError as e:
+        raise InputError(
+            f"{fn}: {str(f)!r} is not a readable safetensors file ({_clip(str(e), 200)}); it is "
+            "corrupt or truncated (an interrupted download or copy): download or save it again."
+        ) from e
+    except FileNotFoundError as e:  # safetensors reports any failure to open this way
+        _readable_file(f, f"the safetensors file {WEIGHTS_NAME}", fn=fn)
+        raise MissingFileError(f"{fn}: could not open {str(f)!r} ({e}).") from e
+
+
+def _read_shapes(fh: Any, wf: pathlib.Path, *, fn: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the open file ``fh``, from its header, in the file's key order."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    try:
+        for k in list(fh.keys()):
+            shapes[k] = tuple(fh.get_slice(k).get_shape())
+    except _safetensors().SafetensorError as e:
+        raise InputError(
+            f"{fn}: {str(wf)!r} is not a readable safetensors file ({_clip(str(e), 200)}); it "
+            "is corrupt or truncated: download or save it again."
+        ) from e
+    return shapes
+
+
+def _split_key(key: str) -> tuple[str, str | None, str | None, str]:
+    """``(module, kind, adapter_name, param)``; kind None for a tensor that is not a LoRA part."""
+    body = key.removeprefix(PREFIX)
+    parts = body.split(".")
+    for i, p in enumerate(parts):
+        if p.startswith("lora_"):
+            rest = parts[i + 1 :]
+            param = rest[-1] if rest and rest[-1] in ("weight", "bias") else ""
+            names = rest[:-1] if param else rest
+            adapter = names[0] if len(names) == 1 else None
+            if len(names) > 1:
+                return ".".join(parts[:i]), None, None, ""
+            return ".".join(parts[:i]), p, adapter, param
+    return body, None, None, ""
+
+
+def _factor_keys(
+    shapes: Mapping[str, tuple[int, ...]], wf: pathlib.Path, *, strict: bool, fn: str
+) -> dict[str, dict[str, str]]:
+    """``{module: {"lora_A": key, "lora_B": key}}`` (either may be missing) for the keys of one
+    adapter; other tensors are refused (``strict``) or skipped, and non-LoRA parts refused."""
+    factors: dict[str, dict[str, str]] = {}
+    adapter_names: set[str] = set()
+    for k in shapes:
+        module, kind, adapter_name, param = _split_key(k)
+        if kind is None:
+            if strict:
+                raise InputError(
+                    f"{fn}: {str(wf)!r} holds {_clip(k)} {shapes[k]}, which is not a LoRA "
+                    "factor (a modules_to_save copy, trainable tokens or a trained bias). A "
+                    "merge of LoRA updates cannot carry it; pass strict=False (CLI: "
+                    "--skip-non-lora) to skip such tensors."
+                )
+            continue
+        _check_part(k, module, kind, param, wf, fn=fn)
+        if adapter_name is not None:
+            adapter_names.add(adapter_name)
+        slot = factors.setdefault(module, {})
+        if kind in slot:
+            raise InputError(
+                f"{fn}: {str(wf)!r} holds two {kind} tensors for module {_clip(module)} "
+                f"({_clip(slot[kind])} and {_clip(k)}); keep one adapter per directory."
+            )
+        slot[kind] = k
+    if len(adapter_names) > 1:
+        names = sorted(adapter_names)
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        raise InputError(
+            f"{fn}: {str(wf)!r} holds several adapters "
+            f"([{', '.join(_clip(n) for n in names[:3])}{more}]); save each with PEFT's "
+            "save_pretrained(..., selected_adapters=[name]) and load them one by one."
+        )
+    if not factors:
+        raise InputError(
+            f"{fn}: {str(wf)!r} holds no LoRA factors (no '...lora_A.weight' / "
+            "'...lora_B.weight' keys); it is not a LoRA adapter."
+        )
+    return factors
+
+
+def _check_part(k: str, module: str, kind: str, param: str, wf: pathlib.Path, *, fn: str) -> None:
+    """Refuse LoRA-named tensors that are not a plain ``lora_A`` / ``lora_B`` weight."""
+    if kind == "lora_magnitude_vector":
+        raise InputError(
+            f"{fn}: {str(wf)!r} holds the DoRA magnitude {_clip(k)}: DoRA adapters are "
+            "not scale * B A updates and cannot be merged as LoRA."
+        )
+    if kind in ("lora_embedding_A", "lora_embedding_B"):
+        raise InputError(
+            f"{fn}: {str(wf)!r} holds {_clip(k)}: LoRA on an embedding layer "
+            f"({_clip(module)}) is not supported; train the adapter without embedding "
+            "layers in target_modules."
+        )
+    if kind not in ("lora_A", "lora_B"):
+        raise InputError(
+            f"{fn}: {str(wf)!r} holds {_clip(k)} ({_clip(kind)}), which is not part of a "
+            "LoRA adapter (lora_A / lora_B); was it saved by another PEFT method?"
+        )
+    if param == "bias":
+        raise InputError(
+            f"{fn}: {str(wf)!r} holds the bias {_clip(k)}: an adapter trained with "
+            "lora_bias=true is not a pure scale * B A update and cannot be merged as LoRA."
+        )
+
+
+def _factor_pair(
+    module: str,
+    slot: Mapping[str, str],
+    shapes: Mapping[str, tuple[int, ...]],
+    wf: pathlib.Path,
+    *,
+    fn: str,
+) -> tuple[str, str]:
+    """The ``(lora_A, lora_B)`` keys of ``module``; a factor without its partner is refused."""
+    for have, need in (("lora_A", "lora_B"), ("lora_B", "lora_A")):
+        if have in slot and need not in slot:
+            raise InputError(
+                f"{fn}: {str(wf)!r} has {_clip(slot[have])} {shapes[slot[have]]} but no "
+                f"{need} for module {_clip(module)}; the file is incomplete: save the "
+                "adapter again."
+            )
+    return slot["lora_A"], slot["lora_B"]

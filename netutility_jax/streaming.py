@@ -1,0 +1,421 @@
+"""Merging adapters streamed from disk: memory bounded by a chunk, whatever the tasks and modules.
+
+:func:`nu.merge_adapters` holds every task's factors at once. Net Utility needs a global view of
+the model, but only of small per-direction statistics: lambda is a median over every candidate
+direction of every module, the budget a global top-K over the utilities, and ``alpha="auto"`` a
+variance of the tasks' energies summed over modules. So :func:`merge_adapters_streaming` reads
+the adapters (:class:`nu.peft.AdapterSet`) a chunk of modules at a time, in passes:
+
+0. ``alpha="auto"`` only: each task's energy ``||dW_i||_F^2``, summed chunk by chunk as a
+   mantissa and a power of two (scale-safe, as :func:`nu.heterogeneity`), gives ``h`` and alpha.
+1. Each chunk is scored (:func:`nu.score`) with that alpha and ``lam=0`` (or the given lam):
+   ``sigma``, ``benefit``, ``interference`` and the candidates, ``4 M r_max`` numbers per module;
+   the factors are dropped. Then lambda (:func:`utility.lam_auto` over every candidate of every
+   module), the utilities, a full :class:`nu.Scores` and the masks (:func:`nu.allocate`), as in
+   memory.
+2. Each chunk is read again and merged (:func:`_plan.plan_merge` with each module's position in
+   the whole model, so that DARE draws the masks it draws in memory; :func:`_pipeline.run`).
+   Only the merged modules are kept.
+
+``allocation="all"`` needs no pass 1. The energies for :attr:`Report.heterogeneity` are summed in
+the first pass that reads everything. A chunk is a run of modules of equal ``(d_in, d_out,
+r_max)`` in natural order whose factors (every task, in the compute dtype) fit ``chunk_bytes``
+(:func:`plan_chunks`), so every pass reads each module once and holds one chunk at a time.
+
+Peak memory: one chunk and its working memory, plus the statistics, plus the merged result
+(rank about ``budget`` per module for the low-rank methods). Dense results (TIES, DARE and
+DARE-TIES in full space) are ``d_in x d_out`` per module: pass ``on_chunk`` to truncate them
+chunk by chunk (:func:`nu.to_lora`).
+
+The result is :func:`nu.merge_adapters`'s on the same adapters (``nu.peft.load_adapters``),
+the same arithmetic per module, grouped differently: the in-memory scorer runs every bucket in
+one jitted call (their small eigenproblems in one batched, padded ``eigh``) and sums the task
+energies over all modules at once, the streamed one a chunk at a time. Scores, lambda and ``h``
+therefore agree to float32 rounding (about 1e-7 relative), so the masks are the same unless two
+utilities at the budget's cut are that close; the merged modules of the same masks agree exactly
+or to rounding (a piece's batch size can change the last bit of a batched kernel).
+
+Model-wide TIES (``trim_scope="model"``) is refused: each task keeps its ``int(density * N)``
+largest entries over the whole model, a threshold over every entry of every module in the
+space's coordinates, not a statistic of directions. A streamed version is possible and would
+follow :mod:`netutility_jax._ties_model`: per task, a 65536-bin histogram of the top 16 bits of
+the magnitudes' bit patterns, summed over the pieces of one read of the model, locates the
+threshold's bin; a second read histograms the low 16 bits inside that bin, giving the exact
+threshold and how many entries equal to it fit (ties are taken in flat module order, so a
+per-module count of those entries is kept too); a third read merges each piece at those
+thresholds. Memory: ``M x 65536`` counts and one piece; cost: three reads of every factor and
+three decompositions into the space's coordinates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import numbers
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _buckets, _checks, _pipeline, _plan, _results, _tree, merging, registry, utility
+from .allocate import allocate
+from .errors import InputError, InputTypeError
+
+if TYPE_CHECKING:  # the peft package is imported on first use (nu.peft), not by the core
+    from .peft._lazy import AdapterSet
+
+__all__ = ["CHUNK_BYTES", "merge_adapters_streaming", "plan_chunks"]
+
+CHUNK_BYTES = 256 << 20  # every task's factors of one chunk, in the compute dtype
+
+_H_THRESHOLD = inspect.signature(utility.score).parameters["h_threshold"].default
+
+
+def plan_chunks(
+    shapes: Mapping[str, tuple[int, int, int]], m_tasks: int, *, chunk_bytes: int, itemsize: int
+) -> list[tuple[str, ...]]:
+    """The chunks of a streamed merge: module names grouped by ``(d_in, d_out, r_max)`` (groups
+    in order of first appearance, names in their order), each group cut into runs of equal
+    length whose stacked factors (``M r_max (d_in + d_out) itemsize`` bytes per module) fit
+    ``chunk_bytes``: :func:`_buckets.split_bucket`'s rule (one length per group, so one compiled
+    shape), or one module where a single module is larger."""
+    groups: dict[tuple[int, int, int], list[str]] = {}
+    for name, shape in shapes.items():
+        groups.setdefault(tuple(shape), []).append(name)
+    chunks: list[tuple[str, ...]] = []
+    for (d_in, d_out, r_max), names in groups.items():
+        # a bucket of shapes only: split_bucket reads the names, shapes and task count
+        shell = _tree.Bucket(tuple(names), d_in, d_out, r_max, ((None,) * m_tasks,) * len(names))
+        chunks.extend(p.names for p in _buckets.split_bucket(shell, chunk_bytes, itemsize))
+    return chunks
+
+
+@dataclasses.dataclass
+class _Energies:
+    """Per-task energies summed over chunks, each chunk's as ``t 2^k`` (``utility``'s form)."""
+
+    parts: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    failed: bool = False
+
+    def add(self, adapters: Sequence[Any], fn: str, *, strict: bool) -> None:
+        try:
+            k, t, _ = utility._log_energies(adapters, fn, False)
+        except ValueError:
+            if strict:
+                raise
+            self.failed = True  # as nu.merge_adapters' report: h is then NaN
+            return
+        self.parts.append((np.asarray(k, np.int64), np.asarray(t, np.float64)))
+
+    def heterogeneity(self, dtype: Any, fn: str, *, strict: bool) -> float:
+        """``h = Var_i log ||dW_i||_F^2`` (paper Eq. h), as :func:`nu.heterogeneity` computes
+        it; a task zero everywhere raises (``strict``) or gives NaN."""
+        if self.failed:
+            return float("nan")
+        k = np.stack([p[0] for p in self.parts])  # (chunks, M)
+        t = np.stack([p[1] for p in self.parts])
+        live = t > 0
+        kmax = np.where(live, k, np.iinfo(np.int64).min).max(0)
+        kmax = np.where(live.any(0), kmax, 0)
+        total = np.where(live, t * np.exp2(np.where(live, k - kmax, 0)), 0.0).sum(0)
+        zero = np.flatnonzero(total <= 0)
+        if zero.size:
+            if not strict:
+                return float("nan")
+            raise InputError(
+                f"{fn}: task {int(zero[0])} has a zero update in every module; its log-energy "
+                "is undefined. Drop that adapter or pass alpha= explicitly."
+            )
+        rel = jnp.asarray(kmax - kmax[0], dtype) + jnp.log2(jnp.asarray(total, dtype))
+        return float(jnp.var(rel * np.log(2.0).astype(dtype)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stream:
+    """What every pass shares: the source, its chunks and the merge's compute dtype."""
+
+    fn: str
+    source: AdapterSet
+    chunks: tuple[tuple[str, ...], ...]
+    dtype: np.dtype
+
+    def read(self) -> Iterator[tuple[tuple[str, ...], list[dict[str, Any]]]]:
+        """Each chunk's adapters, read from disk, in the compute dtype (float32 factors become
+        float64 when another task's are float64 and x64 is on, as in memory)."""
+        for names in self.chunks:
+            adapters = self.source.read(names)
+            if self.dtype == np.float64:
+                adapters = [{n: _as(m, self.dtype) for n, m in ad.items()} for ad in adapters]
+            yield names, adapters
+
+
+def _as(m: dict[str, Any] | None, dtype: Any) -> dict[str, Any] | None:
+    if m is None:
+        return None
+    return {
+        **m,
+        "lora_a": jnp.asarray(m["lora_a"], dtype),
+        "lora_b": jnp.asarray(m["lora_b"], dtype),
+    }
+
+
+@jax.jit
+def _utilities(stats: dict[str, utility.ModuleScores], lam: jax.Array) -> dict[str, jax.Array]:
+    """``benefit - lam * interference`` on candidates (where the ``lam=0`` utility is finite),
+    ``-inf`` elsewhere: :func:`nu.score`'s expression."""
+    return {
+        n: jnp.where(s.utility > -jnp.inf, s.benefit - lam * s.interference, -jnp.inf)
+        for n, s in stats.items()
+    }
+
+
+def _global_scores(
+    fn: str, stats: dict[str, utility.ModuleScores], lam: Any, alpha: float, dtype: Any
+) -> utility.Scores:
+    """The whole model's :class:`nu.Scores` from the chunks' ``lam=0`` statistics and ``lam``
+    (``"auto"``: the median ratio over every candidate, :func:`utility.lam_auto`)."""
+    if not isinstance(lam, str):
+        return utility.Scores(stats, jnp.asarray(lam, dtype), jnp.asarray(alpha, dtype))
+    cand = {n: np.asarray(s.utility) > -np.inf for n, s in stats.items()}
+    if not any(c.any() for c in cand.values()):
+        raise InputError(
+            f"{fn}: no candidate directions: the update of every task is zero (or below rtol, or "
+            f"of rank 0) in all {len(stats)} modules, so lam='auto' (a median over candidates) is "
+            "undefined. Check that the adapters are trained (lora_b is zero at initialisation) "
+            "and loaded correctly, or pass lam= explicitly (nu.allocate then keeps nothing)."
+        )
+    lam_v = jnp.asarray(
+        utility.lam_auto(
+            jnp.concatenate([s.benefit.ravel() for s in stats.values()]),
+            jnp.concatenate([s.interference.ravel() for s in stats.values()]),
+            jnp.concatenate([jnp.asarray(c).ravel() for c in cand.values()]),
+        ),
+        dtype,
+    )
+    utils = _utilities(stats, lam_v)
+    fi = np.finfo(dtype)
+    lam_f = float(lam_v)
+    interfering = any((cand[n] & (np.asarray(s.interference) > 0)).any() for n, s in stats.items())
+    if interfering and not fi.tiny <= lam_f <= fi.max:
+        raise InputError(
+            f"{fn}: lam='auto' (median benefit / median interference) is {lam_f:.3g}, outside "
+            f"the normal range of {np.dtype(dtype).name}: the tasks' updates differ greatly in "
+            "size. Check the LoRA scales (lora_alpha / r) or pass lam= explicitly."
+        )
+    bad = [n for n in stats if (cand[n] & ~np.isfinite(np.asarray(utils[n]))).any()]
+    if bad:
+        raise InputError(
+            f"{fn}: lam * interference (lam = {lam_f:.3g}) is beyond the range of "
+            f"{np.dtype(dtype).name} in {_checks.few(bad)}: the tasks' updates differ too much "
+            "in size. Check the LoRA scales (lora_alpha / r), pass a smaller lam, or use float64."
+        )
+    modules = {n: s._replace(utility=utils[n]) for n, s in stats.items()}
+    return utility.Scores(modules, lam_v, jnp.asarray(alpha, dtype))
+
+
+def _score_pass(
+    st: _Stream, *, alpha: float, lam: Any, energies: _Energies | None
+) -> dict[str, utility.ModuleScores]:
+    """Pass 1: every module's scores with ``lam=0`` (``lam`` if a number; :func:`nu.score`'s
+    checks and messages); the energies too when ``energies`` is given."""
+    stats: dict[str, utility.ModuleScores] = {}
+    for _, adapters in st.read():
+        sc = utility.score(adapters, alpha=alpha, lam=0.0 if isinstance(lam, str) else lam)
+        stats.update(sc.modules)
+        if energies is not None:
+            energies.add(adapters, "nu.heterogeneity", strict=False)
+    return {n: stats[n] for n in st.source.names}
+
+
+def _merge_pass(
+    st: _Stream,
+    call: Mapping[str, Any],
+    masks: Mapping[str, Any] | None,
+    *,
+    on_chunk: Callable[[dict[str, Any]], Mapping[str, Any]] | None,
+    energies: _Energies | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Pass 2: ``(merged, kept masks)`` chunk by chunk; ``masks=None`` keeps every candidate
+    (the kept masks are then computed here, as :func:`nu.merge_adapters` does)."""
+    fn, names_all = st.fn, st.source.names
+    index = {n: i for i, n in enumerate(names_all)}
+    merged: dict[str, Any] = {}
+    kept: dict[str, Any] = {} if masks is None else dict(masks)
+    for names, adapters in st.read():
+        if masks is None:
+            _, buckets, _ = _tree.collect(adapters, fn=fn)
+            kept.update(merging._all_candidates(fn, list(names), buckets))
+        part = None if masks is None else {n: masks[n] for n in names}
+        plan = _plan.plan_merge(fn, adapters, part, **call, module_index=index)
+        results = _pipeline.run(plan, coef=call["coef"], key=call["key"])
+        out = _results.rebuild(adapters[0], results)
+        if on_chunk is not None:
+            out = _on_chunk(fn, on_chunk, out)
+        merged.update(out)
+        if energies is not None:
+            energies.add(adapters, "nu.heterogeneity", strict=False)
+    return {n: merged[n] for n in names_all}, {n: kept[n] for n in names_all}
+
+
+def _on_chunk(fn: str, on_chunk: Callable, out: dict[str, Any]) -> Mapping[str, Any]:
+    kept = on_chunk(out)
+    if not isinstance(kept, Mapping) or list(kept) != list(out):
+        raise InputError(
+            f"{fn}: on_chunk returned {type(kept).__name__} "
+            f"{_checks.few(list(kept)) if isinstance(kept, Mapping) else ''}; expected a dict "
+            f"with the chunk's modules {_checks.few(list(out))}, in that order."
+        )
+    return kept
+
+
+def _check_source(fn: str, source: Any, chunk_bytes: Any, on_chunk: Any) -> None:
+    if not all(hasattr(source, a) for a in ("names", "shapes", "paths", "stored_dtypes", "read")):
+        raise InputTypeError(
+            f"{fn}: source is a {type(source).__name__}; expected the nu.peft.AdapterSet that "
+            "nu.peft.open_adapters(paths) returns. For adapters already in memory use "
+            "nu.merge_adapters."
+        )
+    if isinstance(chunk_bytes, (bool, np.bool_)) or not isinstance(chunk_bytes, numbers.Integral):
+        raise InputTypeError(
+            f"{fn}: chunk_bytes={_checks.given(chunk_bytes)}; expected a positive integer (bytes "
+            "of factors read at once)."
+        )
+    if chunk_bytes <= 0:
+        raise InputError(
+            f"{fn}: chunk_bytes={chunk_bytes}; expected a positive integer (bytes of factors "
+            "read at once)."
+        )
+    if on_chunk is not None and not callable(on_chunk):
+        raise InputTypeError(
+            f"{fn}: on_chunk is a {type(on_chunk).__name__}; expected None or a function of a "
+            "chunk's merged modules {name: module}."
+        )
+
+
+def _refuse_model_wide(fn: str, res: registry.Resolved) -> None:
+    if res.model_wide:
+        opt, value = res.spec.model_wide
+        raise InputError(
+            f"{fn}: method={res.spec.name!r} with {opt}={value!r} keeps each task's largest "
+            "entries over the whole model, a threshold over every entry of every module that a "
+            "merge streamed chunk by chunk does not have. Merge in memory instead: "
+            "nu.merge_adapters(nu.peft.load_adapters(paths).adapters, ...) (CLI: --in-memory), "
+            f"or use {opt}='module'."
+        )
+
+
+def _stream(fn: str, source: AdapterSet, chunk_bytes: int) -> _Stream:
+    codes = source.stored_dtypes
+    dtype = _tree.float_dtype(*(np.float64 if c == "F64" else np.float32 for c in codes))
+    chunks = plan_chunks(
+        source.shapes, len(source.paths), chunk_bytes=chunk_bytes, itemsize=dtype.itemsize
+    )
+    return _Stream(fn, source, tuple(chunks), dtype)
+
+
+def merge_adapters_streaming(
+    source: AdapterSet,
+    *,
+    budget: int,
+    method: str = "ta",
+    space: str = "full",
+    allocation: str = "net_utility",
+    scope: str | None = None,
+    alpha: float | str = 1.0,
+    lam: float | str = "auto",
+    positive_only: bool = True,
+    coef: float = 1.0,
+    key: jax.Array | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    on_chunk: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None,
+    **options: Any,
+) -> tuple[dict[str, Any], merging.Report]:
+    """:func:`nu.merge_adapters` on adapters read from disk a chunk at a time (see the module
+    docstring: the passes, the memory, what agrees with the in-memory merge).
+
+    Args:
+      source: the adapters, from :func:`nu.peft.open_adapters`.
+      budget, method, space, allocation, scope, alpha, lam, positive_only, coef, key, **options:
+        as for :func:`nu.merge_adapters`.
+      chunk_bytes: every task's factors read at once, in bytes of the compute dtype (a module
+        larger than that is read alone).
+      on_chunk: called with each chunk's merged modules ``{name: module}``; what it returns is
+        kept instead (e.g. dense modules truncated with :func:`nu.to_lora`, so that a dense
+        method holds only low-rank results). :attr:`Report.ranks` describes what it returns.
+
+    Returns:
+      ``(merged, Report)``, what :func:`nu.merge_adapters` returns for
+      ``nu.peft.load_adapters(source.paths).adapters``: a flat adapter keyed by the module names,
+      in :attr:`AdapterSet.names` order.
+
+    Raises:
+      InputError: as :func:`nu.merge_adapters`; model-wide TIES (``trim_scope="model"``), whose
+        threshold is global over entries (see the module docstring): merge in memory instead;
+        ``chunk_bytes`` not positive.
+      InputTypeError: as :func:`nu.merge_adapters`; a source that is not an ``AdapterSet``.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> import numpy as np, netutility_jax as nu
+      >>> from netutility_jax.streaming import merge_adapters_streaming
+      >>> rng = np.random.default_rng(0)
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> paths = [pathlib.Path(tmp.name) / f"task{i}" for i in range(3)]
+      >>> for p in paths:
+      ...     ad = {f"model.layers.{l}.q_proj": {"lora_a": rng.normal(size=(32, 4)),
+      ...           "lora_b": rng.normal(size=(4, 16))} for l in range(4)}
+      ...     _ = nu.peft.save_adapter(ad, p)
+      >>> out, rep = merge_adapters_streaming(nu.peft.open_adapters(paths), budget=4,
+      ...                                     space="core", chunk_bytes=4096)  # a module a chunk
+      >>> ref, ref_rep = nu.merge_adapters(nu.peft.load_adapters(paths).adapters, budget=4,
+      ...                                  space="core")
+      >>> rep.ranks == ref_rep.ranks, rep.budget_spent
+      (True, 4.0)
+      >>> n = "model.layers.3.q_proj"
+      >>> bool(np.allclose(nu.module_update(out[n]), nu.module_update(ref[n]), atol=1e-5))
+      True
+      >>> tmp.cleanup()
+    """
+    fn = "nu.merge_adapters_streaming"
+    res = registry.resolve_options(fn, method, space, options)
+    scope = merging._check_budget_args(
+        fn, res, allocation, scope, budget, alpha, lam, positive_only
+    )
+    _plan.check_coef(fn, coef)
+    if res.spec.needs_key:
+        _plan.check_key(fn, key, res.spec.name)
+    _refuse_model_wide(fn, res)
+    _check_source(fn, source, chunk_bytes, on_chunk)
+    st = _stream(fn, source, chunk_bytes)
+    energies = _Energies()
+    sc = masks = None
+    if allocation != "all":
+        alpha_v = alpha
+        if isinstance(alpha, str):  # pass 0
+            auto = f"{fn} (alpha='auto')"
+            for _, adapters in st.read():
+                energies.add(adapters, auto, strict=True)
+            h = energies.heterogeneity(st.dtype, auto, strict=True)
+            alpha_v = 0.0 if h > float(_H_THRESHOLD) else 1.0
+        stats = _score_pass(
+            st, alpha=alpha_v, lam=lam, energies=None if isinstance(alpha, str) else energies
+        )
+        sc = _global_scores(fn, stats, lam, alpha_v, st.dtype)
+        masks = allocate(
+            sc,
+            budget,
+            scope="uniform" if allocation == "uniform" else scope,
+            positive_only=_checks.check_bool(fn, "positive_only", positive_only),
+        )
+    call = {"method": method, "space": space, "coef": coef, "key": key, "options": res.options}
+    merged, kept = _merge_pass(
+        st, call, masks, on_chunk=on_chunk, energies=energies if masks is None else None
+    )
+    settings = {"budget": budget, "method": method, "space": space, "allocation": allocation}
+    h = energies.heterogeneity(st.dtype, "nu.heterogeneity", strict=False)
+    report = merging._report(
+        None, merged, list(source.names), kept, sc, h=h, scope=scope, **settings
+    )
+    return merged, report
