@@ -105,7 +105,9 @@ def _case(tag: str, paths: list[str], work: str, repeat: int, env: dict[str, str
     def merge(*extra):
         nonlocal n
         n += 1
-        return run([*cli, "--out", os.path.join(work, f"out-{n}"), *extra], env)
+        return run(
+            [*cli, "--out", os.path.join(work, f"out-{tag.replace(':', '-')}-{n}"), *extra], env
+        )
 
     out["no_cache"] = merge("--no-compile-cache")
     out["cold"] = merge()
