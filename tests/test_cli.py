@@ -880,8 +880,7 @@ def test_model_wide_ties_from_the_command_line(folders, tmp_path, capsys):
 
 def test_compile_cache_is_used_and_changes_nothing(folders, tmp_path):
     """The persistent compilation cache: filled by a first run, reused by a second with the same
-    output; --no-compile-cache leaves it alone (NETUTILITY_COMPILE_CACHE=off is what the
-    in-process CLI tests run under, see conftest.py)."""
+    output; --no-compile-cache leaves it alone and writes the same adapter."""
     cache = tmp_path / "cache"
 
     def run(out, *extra, env_cache=str(cache)):
@@ -895,13 +894,22 @@ def test_compile_cache_is_used_and_changes_nothing(folders, tmp_path):
         assert proc.returncode == 0, proc.stderr
         return nu.peft.load_adapter(tmp_path / out)
 
-    off = run("off", "--no-compile-cache")
-    assert not cache.exists()
     first = run("first")
     entries = set(os.listdir(cache))
     assert entries  # compiled kernels were stored
     second = run("second")
     assert set(os.listdir(cache)) == entries  # the same kernels: nothing new to compile
+    # --no-compile-cache (in process: nothing here turns the cache on) writes the same adapter
+    off_cache = tmp_path / "cache-unused"
+    os.environ["NETUTILITY_COMPILE_CACHE"] = str(off_cache)
+    try:
+        rc = cli.main(["merge", *folders, "--budget", "3", "--method", "tsv", "--space", "core",
+                       "--out", str(tmp_path / "off"), "--no-plots", "--quiet",
+                       "--no-compile-cache"])  # fmt: skip
+    finally:
+        os.environ["NETUTILITY_COMPILE_CACHE"] = "off"
+    assert rc == 0 and not off_cache.exists()
+    off = nu.peft.load_adapter(tmp_path / "off")
     for n in NAMES:
         np.testing.assert_array_equal(_dense(first[n]), _dense(second[n]))
         np.testing.assert_array_equal(_dense(first[n]), _dense(off[n]))

@@ -38,8 +38,12 @@ def _opts(spec: registry.MethodSpec) -> dict:
 
 @pytest.mark.parametrize(
     "name",
-    # dare_ties shares DARE's drop and TIES's election, both checked here: slow profile only
-    [pytest.param(n, marks=pytest.mark.slow) if n == "dare_ties" else n for n in registry.METHODS],
+    # the default suite checks one method of each kind and TIES (model-wide option, counts);
+    # the others, each also checked against float64 in test_merge.py, run with -m slow
+    [
+        n if n in ("ta", "tsv", "ties") else pytest.param(n, marks=pytest.mark.slow)
+        for n in registry.METHODS
+    ],
 )
 def test_every_method_returns_the_declared_form_in_every_space(name):
     """The declared result form per space, and ``same_spaces`` (what the experiment relies on to

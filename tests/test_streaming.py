@@ -285,13 +285,13 @@ def test_alpha_auto_picks_what_in_memory_picks(loaded):
     "method, space, options",
     [
         pytest.param("ta", "full", {}, marks=pytest.mark.slow),
-        ("ta", "knots", {}),
+        pytest.param("ta", "knots", {}, marks=pytest.mark.slow),
         pytest.param("tsv", "full", {}, marks=pytest.mark.slow),
         ("tsv", "core", {}),
         pytest.param("tsv", "knots", {}, marks=pytest.mark.slow),
         ("ties", "core", {"density": 0.4}),
         pytest.param("dare", "core", {"p": 0.3}, marks=pytest.mark.slow),
-        ("dare", "full", {"p": 0.3}),
+        pytest.param("dare", "full", {"p": 0.3}, marks=pytest.mark.slow),
     ],
 )
 def test_methods_match_in_memory(paths, loaded, method, space, options):
@@ -304,7 +304,11 @@ def test_methods_match_in_memory(paths, loaded, method, space, options):
 
 @pytest.mark.parametrize(
     "allocation, alpha, passes",
-    [("net_utility", "auto", 3), ("uniform", 1.0, 2), ("all", 1.0, 1)],
+    [
+        ("net_utility", "auto", 3),
+        pytest.param("uniform", 1.0, 2, marks=pytest.mark.slow),
+        pytest.param("all", 1.0, 1, marks=pytest.mark.slow),
+    ],
 )
 def test_reads_one_chunk_at_a_time_each_module_once_per_pass(
     paths, loaded, allocation, alpha, passes
@@ -380,6 +384,7 @@ def test_refusals(paths):
         merge_adapters_streaming(source, budget=3, method="dare", p=0.5)  # no key
 
 
+@pytest.mark.slow
 def test_bad_inputs_fail_as_in_memory(tmp_path):
     """A NaN factor and an all-zero task: the same errors (and NaN h) as in memory."""
     cfg = {"r": 2, "lora_alpha": 2}
