@@ -227,6 +227,7 @@ def test_training_learns(trained, tiny_tasks, heads, backbone):
         assert set(t.adapter) == set(backbone.module_names)
 
 
+@pytest.mark.slow  # 8 s: an edge case of the training loop (fitting.py), run with -m slow
 @needs_weights
 def test_training_a_split_smaller_than_a_step_terminates(tmp_path, backbone):
     """The old loop dropped short batches and never advanced on a 20-row CSV (issue 12)."""

@@ -191,7 +191,10 @@ def test_tsv_direction_blocks_orthonormal():
             np.testing.assert_allclose(g, np.diag(np.diag(g)), atol=1e-9)
 
 
-@pytest.mark.parametrize("space", ["full", "core", "knots"])
+@pytest.mark.parametrize(
+    "space",
+    ["full", pytest.param("core", marks=pytest.mark.slow), "knots"],  # core: 6 s
+)
 def test_ties_single_task_density_one_returns_task(space):
     ads = _adapters(4)[:1]
     out = nu.merge(ads, method="ties", space=space, density=1.0, coef=1.0)

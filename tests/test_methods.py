@@ -99,7 +99,10 @@ def test_kth_largest_exact(dtype):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float32, pytest.param(np.float64, marks=pytest.mark.slow)],  # 7 s each
+)
 def test_kth_largest_count_exact_on_hard_data(dtype):
     """Ties, zeros, subnormals, 60 decades, lengths not a multiple of the count blocks, one k
     per row: the threshold and the number of entries at or above it, against a sort."""
