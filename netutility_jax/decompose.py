@@ -10,7 +10,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from ._checks import check_bool, given, is_real_dtype, is_real_scalar
-from ._linalg import mul_pow2, pow2_normalise
+from ._linalg import mul_pow2, pow2_normalise, settle
 from ._tree import float_dtype
 from .errors import InputError, InputTypeError
 
@@ -209,8 +209,8 @@ def lora_svd(
         ) from None
     out, issues = _lora_svd(a, b, s)
     if not isinstance(out.s, jax.core.Tracer):
-        # one LAPACK-using executable in flight at a time (see utility.eigh_batched)
-        jax.block_until_ready(out)
+        # one LAPACK-using executable in flight at a time on CPU (see _linalg.settle)
+        settle(out)
         shapes = {"lora_a": tuple(a.shape), "lora_b": tuple(b.shape), "scale": tuple(s.shape)}
         _raise_bad(np.asarray(issues), shapes, np.dtype(dt))
     elif checked:

@@ -48,7 +48,7 @@ from . import _buckets, _tree
 from ._checks import brief, check_auto, check_bool, check_real, real_option, real_value
 from ._grams import PER_TASK, ROUTES, Grams, grams, safe_grams
 from ._linalg import eigh_batched as eigh_batched
-from ._linalg import mul_pow2
+from ._linalg import mul_pow2, settle
 from ._score_errors import X64_HINT, checkify_score, raise_unrepresentable, range_text
 from .errors import InputError
 
@@ -459,15 +459,15 @@ def score(
             )
             # extreme or non-finite factors: the exact route (after the first call is done: one
             # LAPACK-using executable in flight at a time, see eigh_batched)
-            if not traced and not bool(jax.block_until_ready((outs, raw_ok))[1]):
+            if not traced and not bool(settle((outs, raw_ok))[1]):
                 outs, lam_used, lam_bad, _ = _score_impl(*args, **kw, route="normalise")
     else:
         outs, lam_used, lam_bad = (), jnp.asarray(lam_val, dtype), jnp.asarray(False)
         traced = _traced(alpha, lam_val)
     if not traced:
-        # Finish before returning: two LAPACK-using executables in flight at once can deadlock
-        # jaxlib's CPU thread pool (see eigh_batched).
-        jax.block_until_ready((outs, lam_used))
+        # Finish before returning on CPU: two LAPACK-using executables in flight at once can
+        # deadlock jaxlib's CPU thread pool (see _linalg.settle).
+        settle((outs, lam_used))
         _tree.raise_nonfinite(fn, live, [o[1] for o in outs], dtype=dtype)
         raise_unrepresentable(
             fn, live, outs, lam_used, lam_bad, dtype=dtype, lam_is_auto=lam_is_auto
