@@ -299,20 +299,23 @@ def _merge(adapters: Sequence[Any], args: argparse.Namespace, key, options: dict
     """The merging step: :func:`nu.merge_adapters` with the flags; ``(merged, report)``."""
     import netutility_jax as nu
 
-    return nu.merge_adapters(
-        adapters,
-        budget=args.budget,
-        method=args.method,
-        space=args.space,
-        allocation=args.allocation,
-        scope=args.scope,
-        alpha=args.alpha,
-        lam=args.lam,
-        positive_only=not args.keep_nonpositive,
-        coef=args.coef,
-        key=key,
-        **options,
-    )
+    return nu.merge_adapters(adapters, **_merge_settings(args, key), **options)
+
+
+def _merge_settings(args: argparse.Namespace, key) -> dict[str, Any]:
+    """The flags as :func:`nu.merge_adapters`' (and the streamed merge's) keyword arguments."""
+    return {
+        "budget": args.budget,
+        "method": args.method,
+        "space": args.space,
+        "allocation": args.allocation,
+        "scope": args.scope,
+        "alpha": args.alpha,
+        "lam": args.lam,
+        "positive_only": not args.keep_nonpositive,
+        "coef": args.coef,
+        "key": key,
+    }
 
 
 def _streams(args: argparse.Namespace, options: dict[str, Any]) -> bool:
@@ -372,16 +375,7 @@ def _merge_streaming(source: Any, args: argparse.Namespace, key, options: dict[s
         on_chunk = functools.partial(_truncate_dense, rank=args.rank)
     return nu.merge_adapters_streaming(
         source,
-        budget=args.budget,
-        method=args.method,
-        space=args.space,
-        allocation=args.allocation,
-        scope=args.scope,
-        alpha=args.alpha,
-        lam=args.lam,
-        positive_only=not args.keep_nonpositive,
-        coef=args.coef,
-        key=key,
+        **_merge_settings(args, key),
         chunk_bytes=max(1, int(args.chunk_mb * 2**20)),
         on_chunk=on_chunk,
         **options,
