@@ -650,6 +650,10 @@ _CLI_FLAGS = {  # flag: a valid value (the rest of the time the value is garbage
     "--seed": "3",
     "--density": "0.5",
     "--p": "0.2",
+    "--trim-scope": "module",
+    "--common-fraction": "0.8",
+    "--serving-ranks": "vllm",
+    "--chunk-mb": "1",
 }
 
 
