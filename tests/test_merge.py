@@ -828,7 +828,10 @@ def _to64(ads):
 
 
 @pytest.mark.parametrize("variant", ["core_space", "original"])
-@pytest.mark.parametrize("method", ["ties", "dare_ties"])
+@pytest.mark.parametrize(
+    "method",
+    ["ties", pytest.param("dare_ties", marks=pytest.mark.slow)],  # 5-6 s per variant
+)
 def test_knots_float32_matches_float64_away_from_genuine_near_ties(method, variant):
     """Float32 against float64 TIES / DARE-TIES in KnOTS space, on random inputs.
 

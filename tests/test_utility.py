@@ -1049,6 +1049,7 @@ def _many(n, lora_b, prefix="layer"):
     return {f"{prefix}{i:04d}": {"lora_a": a, "lora_b": lora_b} for i in range(n)}
 
 
+@pytest.mark.slow  # 6 s; test_fuzz and test_cli check short messages on smaller sets
 def test_messages_stay_short_with_2000_bad_modules():
     """Every one of 2,000 modules is bad: messages show a few names and a count. (Errors found
     by the kernel are checked with 200 modules: compiling 2,000 modules takes half a minute.)"""
