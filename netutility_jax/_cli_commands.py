@@ -74,14 +74,13 @@ def _step(bar, done: str, next_step: str = "") -> None:
 # ------------------------------------------------------------------------- loading, summaries
 
 
-def _load(paths: Sequence[str], args: argparse.Namespace, command: str):
-    """Check and load the adapters with the loading flags; say what the terminal should know."""
-    from . import peft
-
+def _read_adapters(reader, paths: Sequence[str], args: argparse.Namespace):
+    """``reader(paths, **loading flags)`` (``peft.load_adapters`` or ``peft.open_adapters``)
+    after the path checks, with files that change under us mapped to the library's errors."""
     for p in paths:
         check_adapter_dir(p)
     try:
-        loaded = peft.load_adapters(
+        return reader(
             list(paths),
             strict=not args.skip_non_lora,
             strict_targets=args.strict_targets,
@@ -93,13 +92,26 @@ def _load(paths: Sequence[str], args: argparse.Namespace, command: str):
         raise MissingFileError(f"cannot read the adapters: {e}") from e
     except PermissionError as e:
         raise FileAccessError(f"cannot read the adapters: {e}") from e
+
+
+def _notes(command: str, paths: Sequence[str], args, coverage, present) -> None:
+    """The --skip-non-lora warning and the coverage notes (``present``: per task, its modules
+    with None where it lacks one)."""
     if args.skip_non_lora:
-        line = skipped_summary(paths, loaded.adapters)
+        line = skipped_summary(paths, present)
         if line:
             _say(command, "warning", line)
     verb = "merged" if command == "merge" else "scored"
-    for line in coverage_summary(loaded.coverage, len(paths), labels=paths, verb=verb):
+    for line in coverage_summary(coverage, len(paths), labels=paths, verb=verb):
         _say(command, "note", line)
+
+
+def _load(paths: Sequence[str], args: argparse.Namespace, command: str):
+    """Check and load the adapters with the loading flags; say what the terminal should know."""
+    from . import peft
+
+    loaded = _read_adapters(peft.load_adapters, paths, args)
+    _notes(command, paths, args, loaded.coverage, loaded.adapters)
     return loaded
 
 
@@ -334,31 +346,11 @@ def _open(paths: Sequence[str], args: argparse.Namespace):
     checked, nothing read yet), with the same notes as :func:`_load`."""
     from . import peft
 
-    for p in paths:
-        check_adapter_dir(p)
-    try:
-        source = peft.open_adapters(
-            list(paths),
-            strict=not args.skip_non_lora,
-            strict_targets=args.strict_targets,
-            allow_different_base=args.allow_different_base,
-        )
-    except NetUtilityError:
-        raise
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
-        raise MissingFileError(f"cannot read the adapters: {e}") from e
-    except PermissionError as e:
-        raise FileAccessError(f"cannot read the adapters: {e}") from e
-    if args.skip_non_lora:
-        present = [
-            {n: (i in tasks or None) for n, tasks in source.coverage.items()}
-            for i in range(len(paths))
-        ]
-        line = skipped_summary(paths, present)
-        if line:
-            _say("merge", "warning", line)
-    for line in coverage_summary(source.coverage, len(paths), labels=paths, verb="merged"):
-        _say("merge", "note", line)
+    source = _read_adapters(peft.open_adapters, paths, args)
+    present = [
+        {n: (i in tasks or None) for n, tasks in source.coverage.items()} for i in range(len(paths))
+    ]
+    _notes("merge", paths, args, source.coverage, present)
     return source
 
 
