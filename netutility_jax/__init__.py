@@ -10,6 +10,7 @@ the merge methods and spaces (their options, the spaces they run in, their kerne
 import importlib as _importlib
 
 from . import registry as registry
+from ._mesh import module_mesh as module_mesh
 from ._tree import extract_lora as extract_lora
 from .allocate import allocate as allocate
 from .analysis import budget_spent as budget_spent
@@ -73,6 +74,7 @@ __all__ = [
     "merge",
     "merge_adapters",
     "merge_adapters_streaming",
+    "module_mesh",
     "module_update",
     "nnx",
     "non_prefix_fraction",

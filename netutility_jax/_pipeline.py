@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _buckets, _stages
+from . import _buckets, _mesh, _stages
 from ._linalg import settle
 from ._plan import Job, MergePlan
 from ._results import raise_nonfinite, raise_range
@@ -54,14 +54,26 @@ def _dense_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks)
         checks.append(((nm,), check))
 
 
-def _bucket_job(job: Job, mk, coef, keys, nums, results, checks, bads) -> None:
+def _sharded(plan: MergePlan, bk, mk, keys):
+    """A piece's factors, masks and keys stacked on the host, padded to a whole number of
+    modules per device and sharded over ``plan.mesh`` (:mod:`netutility_jax._mesh`)."""
+    n_pad = _mesh.padded(len(bk.names), plan.mesh)
+    stacked = _mesh.host_stack(bk, plan.dtype, n_pad)
+    return _mesh.shard((stacked, _mesh.pad_rows(mk, n_pad), _mesh.pad_rows(keys, n_pad)), plan.mesh)
+
+
+def _bucket_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks, bads) -> None:
     bk = job.bucket
-    la, lb, live, check, bad = _stages.bucket_merge(
-        _buckets.bucket_arrays(bk), mk, coef, keys, nums, cfg=job.cfg
-    )
+    if plan.mesh is None:
+        leaves = _buckets.bucket_arrays(bk)
+    else:
+        leaves, mk, keys = _sharded(plan, bk, mk, keys)
+    la, lb, live, check, bad = _stages.bucket_merge(leaves, mk, coef, keys, nums, cfg=job.cfg)
+    n = len(bk.names)  # without the mesh's padding modules
+    bad, check = jax.tree.map(lambda x: x[:n], (bad, check))
     bads.append((bk, bad))
     checks.append((bk.names, check))
-    ranks = np.asarray(live.sum(-1))
+    ranks = np.asarray(live[:n].sum(-1))
     for j, nm in enumerate(bk.names):
         rk = int(ranks[j])
         results[nm] = {"lora_a": la[j, :, :rk], "lora_b": lb[j, :rk, :], "scale": 1.0}
@@ -90,7 +102,7 @@ def run(plan: MergePlan, *, coef: Any, key: Any) -> dict[str, Any]:
         if job.route == "dense":
             _dense_job(plan, job, mk, coef_arr, keys, nums, results, checks)
         else:
-            _bucket_job(job, mk, coef_arr, keys, nums, results, checks, bads)
+            _bucket_job(plan, job, mk, coef_arr, keys, nums, results, checks, bads)
     if bads:
         raise_nonfinite(plan.fn, [bk for bk, _ in bads], [bad for _, bad in bads], plan.dtype)
     raise_range(plan.fn, checks, plan.dtype)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from . import _buckets, _checks, _tree, registry
+from . import _buckets, _checks, _mesh, _tree, registry
 from ._stages import BucketConfig
 from .errors import InputError, InputTypeError
 
@@ -75,6 +75,7 @@ class MergePlan:
       jobs: the pieces, in adapter order.
       model_wide: one selection over the whole model (TIES with ``trim_scope="model"``).
       masks: the checked masks, or None (every candidate).
+      mesh: the one-axis mesh each piece's modules are sharded over (:mod:`_mesh`), or None.
     """
 
     fn: str
@@ -86,6 +87,7 @@ class MergePlan:
     jobs: tuple[Job, ...]
     model_wide: bool
     masks: dict[str, Any] | None
+    mesh: Any = None
 
 
 def check_coef(fn: str, coef: Any) -> None:
@@ -222,17 +224,29 @@ def numeric_options(res: registry.Resolved) -> dict[str, Any]:
     return {k: v for k, v in res.kernel_options.items() if k in traced}
 
 
+def _n_pad(bk: _tree.Bucket, mesh: Any) -> int:
+    return len(bk.names) if mesh is None else _mesh.padded(len(bk.names), mesh)
+
+
 def bucket_config(
-    res: registry.Resolved, bk: _tree.Bucket, m_tasks: int, dtype, *, chunk: int | None = None
+    res: registry.Resolved,
+    bk: _tree.Bucket,
+    m_tasks: int,
+    dtype,
+    *,
+    chunk: int | None = None,
+    n_pad: int | None = None,
 ) -> BucketConfig:
     """The stages' static configuration of a bucket (``chunk``: modules per chunk of dense
-    work, default within 64 MiB)."""
+    work, default within 64 MiB, dividing ``n_pad``: the modules the stages see, default the
+    bucket's)."""
     if chunk is None:
         if res.space == "knots":
             p, q = _dense_shape(res.space, bk, m_tasks)
         else:
             p = q = m_tasks * bk.r_max
-        chunk = chunk_size(m_tasks, p, q, np.dtype(dtype).itemsize, len(bk.names))
+        n = len(bk.names) if n_pad is None else n_pad
+        chunk = chunk_size(m_tasks, p, q, np.dtype(dtype).itemsize, n)
     numeric = numeric_options(res)
     static = tuple(sorted((k, v) for k, v in res.kernel_options.items() if k not in numeric))
     return BucketConfig(
@@ -259,17 +273,21 @@ def plan_merge(
     key: Any,
     options: Mapping[str, Any],
     module_index: Mapping[str, int] | None = None,
+    mesh: Any = None,
 ) -> MergePlan:
     """Check a :func:`nu.merge` call and plan it (see the module docstring).
 
     ``module_index``: each module's position in the whole model, when ``adapters`` hold only a
     part of it (a streamed chunk): DARE folds it into its keys, so a model merged part by part
     draws the same masks as merged at once. Default: the position among ``adapters``' modules.
+    ``mesh``: shard each piece's modules over its devices (:mod:`netutility_jax._mesh`; pieces
+    ``mesh.size`` times larger).
     """
     res = registry.resolve_options(fn, method, space, options)
     check_coef(fn, coef)
     if res.spec.needs_key:
         check_key(fn, key, res.spec.name)
+    mesh = _mesh.check_mesh(fn, mesh)
     names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     if masks is not None:
         masks = _check_masks(fn, masks, names, buckets, m_tasks)
@@ -282,17 +300,18 @@ def plan_merge(
     if missing:
         raise InputError(f"{fn}: module_index lacks {_checks.few(missing)}.")
     itemsize = np.dtype(dtype).itemsize
-    pieces = [sub for bk in buckets for sub in _buckets.split_bucket(bk, PIECE_BYTES, itemsize)]
+    piece_bytes = PIECE_BYTES * (1 if mesh is None else mesh.size)  # PIECE_BYTES per device
+    pieces = [sub for bk in buckets for sub in _buckets.split_bucket(bk, piece_bytes, itemsize)]
     dense = res.spec.kind == "elementwise" and res.space == "full"
     jobs = tuple(
         Job(
             bk,
             "dense" if dense else "bucket",
-            bucket_config(res, bk, m_tasks, dtype),
+            bucket_config(res, bk, m_tasks, dtype, n_pad=_n_pad(bk, mesh)),
             tuple(index[nm] for nm in bk.names),
         )
         for bk in pieces
     )
     return MergePlan(
-        fn, res, names, m_tasks, dtype, numeric_options(res), jobs, res.model_wide, masks
+        fn, res, names, m_tasks, dtype, numeric_options(res), jobs, res.model_wide, masks, mesh
     )

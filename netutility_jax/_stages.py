@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _buckets, _select, _tree, registry
+from . import _buckets, _mesh, _select, _tree, registry
 from . import methods as _m
 from . import spaces as _s
 from ._linalg import mm as _mm
@@ -187,6 +187,8 @@ def stage_reduce(leaves, *, cfg: ReduceConfig):
     (:class:`spaces.Reduced`); their :class:`spaces.TaskScales`, ranks, non-finite counts
     ``(n, M, 3)`` and units ``(n,)``. The only ``d``-sized work before the map back (two Grams,
     one product per side, and one read of the factors for their sizes)."""
+    if isinstance(leaves, _mesh.Stacked):
+        return _reduce_stacked(leaves, m_tasks=cfg.m_tasks)
     d_in, d_out, r_max, dtype, m_tasks = cfg
     a, b, s = leaves
     ts, bad = _s.leaf_scales(a, b, s, dtype)
@@ -210,6 +212,31 @@ def stage_reduce(leaves, *, cfg: ReduceConfig):
     # 2**+-24 of the largest entry: no Gram of such factors can leave float32's range
     moderate = (jnp.abs(ts.a_exp) <= 24) & (jnp.abs(ts.b_exp) <= 24)
     red, R = jax.lax.cond(jnp.all(moderate) & ~jnp.any(bad), plain, scaled)
+    return red, ts, R, bad, _s.module_unit(ts)
+
+
+def _reduce_stacked(st: _mesh.Stacked, *, m_tasks: int):
+    """:func:`stage_reduce` of factors stacked on the host (:func:`_mesh.host_stack`, e.g.
+    sharded over a mesh): the same arithmetic on the same values, from ``(n, M, ...)`` arrays."""
+    A, B, S, R = st
+    a_n, b_n, ts, bad = _s.normalise_tasks(A, B, S, a_axes=(2, 3), b_axes=(2, 3))
+
+    def reduce(a, b):  # the tasks side by side, as _buckets.stack_bucket_cat lays them out
+        n, _, d_in, r = a.shape
+        xa = jnp.moveaxis(a, 1, 2).reshape(n, d_in, m_tasks * r)
+        return _s.reduce_factors(xa, b.reshape(n, m_tasks * r, b.shape[-1]), m_tasks)
+
+    def plain():
+        red = reduce(A, B)
+        ra = mul_pow2(red.a, -ts.a_exp[..., None, None])
+        rb = mul_pow2(red.b, -ts.b_exp[..., None, None])
+        return red._replace(a=ra, b=rb)
+
+    def scaled():
+        return reduce(a_n, b_n)
+
+    moderate = (jnp.abs(ts.a_exp) <= 24) & (jnp.abs(ts.b_exp) <= 24)
+    red = jax.lax.cond(jnp.all(moderate) & ~jnp.any(bad), plain, scaled)
     return red, ts, R, bad, _s.module_unit(ts)
 
 
@@ -403,7 +430,7 @@ def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
     Composes the jitted stages (traceable as a whole, e.g. by ``jax.make_jaxpr``).
     """
     spec = registry.METHODS[cfg.method]
-    m_tasks = len(leaves[0][0])
+    m_tasks = leaves.a.shape[1] if isinstance(leaves, _mesh.Stacked) else len(leaves[0][0])
     red, ts, R, bad, unit = stage_reduce(
         leaves, cfg=ReduceConfig(cfg.d_in, cfg.d_out, cfg.r_max, cfg.dtype, m_tasks)
     )

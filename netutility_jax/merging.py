@@ -79,6 +79,7 @@ def merge(
     space: str = "full",
     coef: float = 1.0,
     key: jax.Array | None = None,
+    mesh: Any = None,
     **options: Any,
 ) -> Any:
     """Merge the kept components of M adapters in a space with a method (paper, Algorithm 1).
@@ -142,6 +143,9 @@ def merge(
       coef: finite real scaling coefficient of the merged update (may be traced).
       key: ``jax.random`` key (``jax.random.key(0)``, or a raw ``PRNGKey``), required by
         ``"dare"`` and ``"dare_ties"``.
+      mesh: a one-axis :class:`jax.sharding.Mesh` (:func:`nu.module_mesh`): each bucket's
+        modules are sharded over its devices (:mod:`netutility_jax._mesh`; elementwise methods
+        in full space and model-wide TIES run module by module on one device). None: one device.
       **options: method options (``density`` in ``[0, 1]``, a concrete number; ``trim_scope``
         ``"module"`` or ``"model"``, formerly ``scope``, which still works with a
         ``DeprecationWarning``; ``p`` in ``[0, 1)``; ``isotropize`` a bool;
@@ -182,8 +186,9 @@ def merge(
     """
     fn = "nu.merge"
     plan = _plan.plan_merge(
-        fn, adapters, masks, method=method, space=space, coef=coef, key=key, options=options
-    )
+        fn, adapters, masks, method=method, space=space, coef=coef, key=key, options=options,
+        mesh=mesh,
+    )  # fmt: skip
     return _results.rebuild(adapters[0], _pipeline.run(plan, coef=coef, key=key))
 
 
@@ -236,6 +241,7 @@ def merge_adapters(
     positive_only: bool = True,
     coef: float = 1.0,
     key: jax.Array | None = None,
+    mesh: Any = None,
     **options: Any,
 ) -> tuple[Any, Report]:
     """Score, allocate a budget, merge and report, in one call (paper, Algorithm 1).
@@ -248,7 +254,7 @@ def merge_adapters(
     Args:
       adapters: M adapters, as for :func:`merge`.
       budget: R, average directions per module (a positive Python or numpy int).
-      method, space, coef, key, **options: as for :func:`merge` (model-wide TIES:
+      method, space, coef, key, mesh, **options: as for :func:`merge` (model-wide TIES:
         ``trim_scope="model"``; ``scope`` here is the budget's scope).
       allocation: ``"net_utility"``, ``"uniform"`` or ``"all"``.
       scope: ``"global"`` or ``"local"`` for net utility; None picks the paper's default.
@@ -285,7 +291,7 @@ def merge_adapters(
         masks = None
         kept_masks = _all_candidates(fn, names, buckets)
     else:
-        sc = score(adapters, alpha=alpha, lam=lam)
+        sc = score(adapters, alpha=alpha, lam=lam, mesh=mesh)
         alloc_scope = "uniform" if allocation == "uniform" else scope
         masks = allocate(
             sc,
@@ -294,7 +300,9 @@ def merge_adapters(
             positive_only=_checks.check_bool(fn, "positive_only", positive_only),
         )
         kept_masks = masks
-    merged = merge(adapters, masks, method=method, space=space, coef=coef, key=key, **options)
+    merged = merge(
+        adapters, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
+    )
     report = _report(
         adapters, merged, names, kept_masks, sc, budget=budget, method=method, space=space,
         allocation=allocation, scope=scope,

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _buckets, _tree
+from . import _buckets, _mesh, _tree
 from ._checks import brief, check_auto, check_bool, check_real, real_option, real_value
 from ._grams import PER_TASK, ROUTES, Grams, grams, safe_grams
 from ._linalg import eigh_batched as eigh_batched
@@ -250,8 +250,10 @@ def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw"):
     with ``route="normalise"`` when the returned ``raw_ok`` is False (see :func:`safe_grams`)."""
     dtype = meta[0]
     stacked = [
-        _buckets.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
-        for (a, b, s), (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True)
+        tuple(x)
+        if isinstance(x, _mesh.Stacked)  # stacked on the host, sharded over a mesh
+        else _buckets.stack_bucket(*x, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
+        for x, (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True)
     ]
     stats = score_buckets(stacked, alpha=alpha, rtols=rtols, route=route)
     # Traced calls cannot raise: a module with a NaN/Inf input gets NaN scores, and lam="auto"
@@ -335,6 +337,24 @@ def _dead(bk: _tree.Bucket) -> bool:
     return bk.r_max == 0 or bk.d_in == 0 or bk.d_out == 0
 
 
+def _score_inputs(fn: str, live: Sequence[_tree.Bucket], dtype: Any, mesh: Any) -> tuple:
+    """The live buckets' inputs of :func:`_score_impl`: their leaves, or with a mesh their
+    factors stacked on the host and sharded over it (:mod:`netutility_jax._mesh`)."""
+    leaves = tuple(_buckets.bucket_arrays(bk) for bk in live)
+    if _mesh.check_mesh(fn, mesh) is None:
+        return leaves
+    if _traced(leaves):
+        raise InputError(
+            f"{fn}: mesh= stacks the factors on the host, so it needs concrete arrays, not "
+            "traced ones (a call inside jax.jit or vmap): call it outside the transformation, "
+            "or shard the inputs of the jitted function yourself and leave mesh=None."
+        )
+    return tuple(
+        _mesh.shard(_mesh.host_stack(bk, dtype, _mesh.padded(len(bk.names), mesh)), mesh)
+        for bk in live
+    )
+
+
 def score(
     adapters: Sequence[Any],
     *,
@@ -343,6 +363,7 @@ def score(
     rtol: float | None = None,
     h_threshold: float = 1.0,
     checked: bool = False,
+    mesh: Any = None,
 ) -> Scores:
     """Net utility of every singular direction of every module and task (paper Eq. net-utility).
 
@@ -387,6 +408,9 @@ def score(
       checked: under a trace, emit :mod:`jax.experimental.checkify` checks for the conditions the
         eager call raises on (the caller must functionalize them with ``checkify.checkify``).
         Ignored on concrete inputs, which are always checked.
+      mesh: a one-axis :class:`jax.sharding.Mesh` (:func:`nu.module_mesh`) to shard each
+        bucket's modules over its devices (see :mod:`netutility_jax._mesh`); None: one device.
+        The scores are those of one device. Concrete inputs only.
 
     Returns:
       :class:`Scores` with ``modules[name]`` fields ``sigma``, ``benefit``, ``interference``,
@@ -448,7 +472,7 @@ def score(
             jnp.asarray(default_rtol(bk.r_max, dtype) if rtol is None else rtol, dtype)
             for bk in live
         )
-        inputs = tuple(_buckets.bucket_arrays(bk) for bk in live)
+        inputs = _score_inputs(fn, live, dtype, mesh)
         traced = _traced(inputs, alpha, lam_val)
         kw = {"meta": meta, "lam_is_auto": lam_is_auto}
         # float64 values beyond float32 become inf when cast: counted and reported below
@@ -464,6 +488,11 @@ def score(
     else:
         outs, lam_used, lam_bad = (), jnp.asarray(lam_val, dtype), jnp.asarray(False)
         traced = _traced(alpha, lam_val)
+    if mesh is not None and live:  # drop the padding modules of each bucket
+        sizes = [len(bk.names) for bk in live]
+        outs = tuple(
+            jax.tree.map(lambda x, n=n: x[:n], o) for o, n in zip(outs, sizes, strict=True)
+        )
     if not traced:
         # Finish before returning on CPU: two LAPACK-using executables in flight at once can
         # deadlock jaxlib's CPU thread pool (see _linalg.settle).

@@ -1,0 +1,137 @@
+"""Buckets sharded over a device mesh: each device scores and merges its own modules.
+
+Every per-bucket kernel is batched over a leading module axis and computes each module on its
+own, so a bucket shards along that axis with no communication: with ``mesh=`` (a one-axis
+:class:`jax.sharding.Mesh`, :func:`module_mesh`), :func:`nu.score`, :func:`nu.merge`,
+:func:`nu.merge_adapters` and :func:`nu.merge_adapters_streaming` stack each bucket's factors on
+the host, zero-padded to a whole number of modules per device (padding modules have rank 0: no
+candidates, nothing merged, dropped from the results), and place them with a
+``NamedSharding(mesh, P("modules"))``: each device receives only its modules' factors, and the
+jitted stages, compiled as SPMD programs, run on every device at once (XLA partitions the
+batched QR, ``eigh`` and SVD calls along the batch without gathering). The global steps, lambda
+(a median over every direction) and the top-K selection, run on the small per-direction
+statistics, as arrays spread over the mesh.
+
+On one device (``mesh=None``) nothing changes. The results are those of one device: every
+module's arithmetic is the same, only the batch a kernel sees differs (see the tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .errors import InputError, InputTypeError
+
+__all__ = [
+    "AXIS",
+    "Stacked",
+    "check_mesh",
+    "host_stack",
+    "module_mesh",
+    "pad_rows",
+    "padded",
+    "shard",
+]
+
+AXIS = "modules"
+
+
+class Stacked(NamedTuple):
+    """A bucket's factors stacked on the host (see :func:`host_stack`), in place of its leaves."""
+
+    a: Any  # (n, M, d_in, r_max)
+    b: Any  # (n, M, r_max, d_out)
+    scale: Any  # (n, M)
+    rank: Any  # (n, M) int32
+
+
+def module_mesh(devices: Any = None) -> Mesh:
+    """A one-axis mesh (axis ``"modules"``) of ``devices`` (default: every device of this
+    process, :func:`jax.local_devices`), to pass as ``mesh=``.
+
+    Example:
+      >>> import netutility_jax as nu
+      >>> nu.module_mesh().axis_names
+      ('modules',)
+    """
+    devs = jax.local_devices() if devices is None else list(devices)
+    if not devs:
+        raise InputError("nu.module_mesh: no devices given; pass None (every local device).")
+    return Mesh(np.array(devs), (AXIS,))
+
+
+def check_mesh(fn: str, mesh: Any) -> Mesh | None:
+    """``mesh`` checked: None, or a one-axis :class:`jax.sharding.Mesh` of this process's
+    devices."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mesh):
+        raise InputTypeError(
+            f"{fn}: mesh is a {type(mesh).__name__}; expected None or a jax.sharding.Mesh with "
+            "one axis (nu.module_mesh() makes one of every local device)."
+        )
+    if len(mesh.axis_names) != 1:
+        raise InputError(
+            f"{fn}: mesh has axes {mesh.axis_names} (shape {dict(mesh.shape)}); expected one axis, "
+            "over which the modules are sharded: nu.module_mesh(devices)."
+        )
+    local = set(jax.local_devices())
+    foreign = [d for d in mesh.devices.flat if d not in local]
+    if foreign:
+        raise InputError(
+            f"{fn}: mesh holds {len(foreign)} device(s) of other processes (e.g. {foreign[0]}); "
+            "each process shards its own modules over its own devices: build the mesh from "
+            "jax.local_devices() (nu.module_mesh())."
+        )
+    return mesh
+
+
+def padded(n: int, mesh: Mesh) -> int:
+    """``n`` rounded up to a whole number of modules per device."""
+    d = mesh.size
+    return -(-n // d) * d
+
+
+def host_stack(bucket: Any, dtype: Any, n_pad: int) -> Stacked:
+    """A bucket's factors stacked on the host (numpy), zero-padded to ``r_max`` and to ``n_pad``
+    modules (padding modules and tasks lacking a module: zeros, rank 0): what
+    :func:`_buckets.stack_bucket` makes inside a jitted stage, without sending each leaf to every
+    device."""
+    m = len(bucket.modules[0])
+    d_in, d_out, r_max = bucket.d_in, bucket.d_out, bucket.r_max
+    A = np.zeros((n_pad, m, d_in, r_max), dtype)
+    B = np.zeros((n_pad, m, r_max, d_out), dtype)
+    S = np.zeros((n_pad, m), dtype)
+    R = np.zeros((n_pad, m), np.int32)
+    for j, mods in enumerate(bucket.modules):
+        for i, mod in enumerate(mods):
+            if mod is None:
+                continue
+            r = np.shape(mod.lora_a)[1]
+            A[j, i, :, :r] = np.asarray(mod.lora_a, dtype)
+            B[j, i, :r, :] = np.asarray(mod.lora_b, dtype)
+            S[j, i] = np.asarray(mod.scale, dtype)
+            R[j, i] = r
+    return Stacked(A, B, S, R)
+
+
+def pad_rows(x: Any, n_pad: int) -> Any:
+    """``x`` with its leading axis padded to ``n_pad``: zeros (False), or copies of the first
+    row for ``jax.random`` key arrays (which have no zero)."""
+    extra = n_pad - x.shape[0]
+    if extra == 0:
+        return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jnp.concatenate([x, jnp.repeat(x[:1], extra, axis=0)])
+    return jnp.pad(jnp.asarray(x), ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+
+
+def shard(tree: Any, mesh: Mesh) -> Any:
+    """Every array of ``tree`` placed with its leading (module) axis split over ``mesh``."""
+    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    return jax.device_put(tree, sharding)

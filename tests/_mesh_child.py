@@ -1,0 +1,107 @@
+"""Run by tests/test_mesh.py in a fresh process with 8 forced CPU devices (XLA_FLAGS): scores
+and merges of one device against the same calls with ``mesh=`` (8 devices, and 3 devices, which
+pads 11 modules to 12). Prints one JSON line of findings for the test to assert on."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+import netutility_jax as nu
+from netutility_jax import _mesh, _tree
+
+ALL_CASES = [
+    ("ta", "core", {}),
+    ("tsv", "full", {}),
+    ("iso_c", "core", {}),
+    ("iso_cts", "full", {}),
+    ("ties", "knots", {"density": 0.3}),
+    ("ties", "core", {}),
+    ("ties", "full", {}),
+    ("dare", "core", {"p": 0.5, "key": "key"}),
+    ("dare_ties", "knots", {"p": 0.3, "key": "prng"}),
+]
+FAST_CASES = [ALL_CASES[0]]
+
+
+def adapters():
+    """3 tasks, 11 layers x (q: 64->32, v: 64->48), ranks varying by task, task 2 lacks one
+    module and one task is 8 times larger (so the scores are not symmetric)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for t, (rq, rv) in enumerate(((4, 6), (2, 6), (4, 3))):
+        ad = {}
+        for layer in range(11):
+            for name, r, d_out in (("q", rq, 32), ("v", rv, 48)):
+                if t == 2 and (layer, name) == (5, "v"):
+                    ad[f"l{layer}.{name}"] = None
+                    continue
+                ad[f"l{layer}.{name}"] = {
+                    "lora_a": rng.normal(size=(64, r)).astype(np.float32),
+                    "lora_b": rng.normal(size=(r, d_out)).astype(np.float32) * (8.0 if t else 1),
+                }
+        out.append(ad)
+    return out
+
+
+def rel_diff(x, y) -> float:
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    fin = np.isfinite(x)
+    if not np.array_equal(fin, np.isfinite(y)) or not np.array_equal(x[~fin], y[~fin]):
+        return float("inf")
+    scale = max(np.abs(x[fin]).max(initial=0.0), 1e-30)
+    return float(np.abs(x[fin] - y[fin]).max(initial=0.0) / scale)
+
+
+def main(cases) -> dict:
+    ads = adapters()
+    found: dict = {"devices": jax.device_count(), "cases": {}}
+    one = nu.score(ads)
+    for d in (8, 3):
+        mesh = nu.module_mesh(jax.devices()[:d])
+        sc = nu.score(ads, mesh=mesh)
+        found[f"score_{d}"] = {
+            "lam": rel_diff(one.lam, sc.lam),
+            "fields": max(
+                rel_diff(getattr(one.modules[n], f), getattr(sc.modules[n], f))
+                for n in one.modules
+                for f in ("sigma", "benefit", "interference", "utility")
+            ),
+            "masks_equal": all(
+                np.array_equal(nu.allocate(one, 5)[n], nu.allocate(sc, 5)[n]) for n in one.modules
+            ),
+        }
+    st = _mesh.host_stack(
+        _tree.collect(ads, fn="t")[1][0], np.float32, _mesh.padded(11, nu.module_mesh())
+    )
+    placed = _mesh.shard(st.a, nu.module_mesh())
+    found["shards"] = sorted({tuple(s.data.shape) for s in placed.addressable_shards})
+    found["n_shards"] = len(placed.addressable_shards)
+    mesh = nu.module_mesh()
+    for method, space, opts in cases:
+        opts = dict(opts)
+        if opts.get("key") == "key":
+            opts["key"] = jax.random.key(0)
+        elif opts.get("key") == "prng":
+            opts["key"] = jax.random.PRNGKey(1)
+        ref, rep = nu.merge_adapters(ads, budget=4, method=method, space=space, **opts)
+        out, rep_m = nu.merge_adapters(ads, budget=4, method=method, space=space, mesh=mesh, **opts)
+        found["cases"][f"{method}/{space}"] = {
+            "masks_equal": all(np.array_equal(rep.masks[n], rep_m.masks[n]) for n in rep.masks),
+            "ranks_equal": rep.ranks == rep_m.ranks,
+            "exact": all(
+                np.array_equal(
+                    np.asarray(nu.module_update(ref[n])), np.asarray(nu.module_update(out[n]))
+                )
+                for n in ref
+            ),
+            "rel": max(rel_diff(nu.module_update(ref[n]), nu.module_update(out[n])) for n in ref),
+        }
+    return found
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(ALL_CASES if sys.argv[1:] == ["all"] else FAST_CASES)))
