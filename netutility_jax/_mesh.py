@@ -9,15 +9,20 @@ candidates, nothing merged, dropped from the results), and place them with a
 ``NamedSharding(mesh, P("modules"))``: each device receives only its modules' factors, and the
 jitted stages, compiled as SPMD programs, run on every device at once (XLA partitions the
 batched QR, ``eigh`` and SVD calls along the batch without gathering). The global steps, lambda
-(a median over every direction) and the top-K selection, run on the small per-direction
-statistics, as arrays spread over the mesh.
+(a median over every direction) and the top-K selection, run once on the small per-direction
+statistics of every device.
 
-On one device (``mesh=None``) nothing changes. The results are those of one device: every
-module's arithmetic is the same, only the batch a kernel sees differs (see the tests).
+On CPU the devices' shares run in turn instead (:func:`per_device`: jaxlib's CPU LAPACK kernels
+deadlock when several devices' programs run at once, and a CPU host's devices share its cores
+anyway). On one device (``mesh=None``) nothing changes. The results are those of one device:
+masks and merged modules bit for bit, scores to float32 rounding (a device's batch changes how
+XLA fuses one elementwise step of the benefit); see ``tests/test_mesh.py``.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._linalg import settle
 from .errors import InputError, InputTypeError
 
 __all__ = [
@@ -129,6 +135,56 @@ def pad_rows(x: Any, n_pad: int) -> Any:
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return jnp.concatenate([x, jnp.repeat(x[:1], extra, axis=0)])
     return jnp.pad(jnp.asarray(x), ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+
+
+def spmd(mesh: Mesh) -> bool:
+    """Run a piece as one SPMD program over ``mesh`` (GPU, TPU), or its devices' shares in turn
+    (CPU; see :func:`per_device`). ``NETUTILITY_MESH_SPMD=1`` forces SPMD on CPU too (for tests
+    on small shapes, where jaxlib's LAPACK kernels do not split their batch)."""
+    if mesh.size == 1 or mesh.devices.flat[0].platform != "cpu":
+        return True
+    return os.environ.get("NETUTILITY_MESH_SPMD") == "1"
+
+
+def per_device(fn: Callable[[Any], Any], args: Any, mesh: Mesh) -> Any:
+    """``fn(args)`` with the leading (module) axis of every array of ``args`` split between
+    ``mesh``'s devices; each array's (it may differ between arrays, e.g. several buckets) must be
+    a multiple of ``mesh.size`` (:func:`padded`).
+
+    Off CPU: ``args`` are placed with :func:`shard` and ``fn``'s jitted stages compile as one SPMD
+    program: each device computes its own modules, all at once. On CPU: each device's share is
+    computed in turn on the default device and the outputs joined (0-d outputs, flags, are
+    and-ed). A CPU host's devices share its cores and memory, and one device's batched kernels
+    already use every core; and jaxlib's CPU LAPACK kernels split their batch over the shared
+    thread pool and block on it, so several devices' programs in flight at once deadlock as soon
+    as a batch is large enough to be split (see :func:`netutility_jax._linalg.settle`).
+    """
+    if spmd(mesh):
+        return fn(shard(args, mesh))
+
+    def share(x, d):
+        k = x.shape[0] // mesh.size
+        return x[d * k : (d + 1) * k]
+
+    parts = [settle(fn(jax.tree.map(lambda x, d=d: share(x, d), args))) for d in range(mesh.size)]
+    return jax.tree.map(_join, *parts)
+
+
+def _join(*xs: Any) -> Any:
+    """The devices' outputs end to end along the module axis, each zero-padded (False) to the
+    largest of the other axes: a merge's result width is the largest rank of its batch, so a
+    device whose modules keep fewer directions returns narrower factors."""
+    if not jnp.ndim(xs[0]):
+        return jnp.all(jnp.stack(xs))
+    top = np.max([x.shape for x in xs], axis=0)
+    return jnp.concatenate(
+        [
+            jnp.pad(
+                x, [(0, 0)] + [(0, int(t - e)) for t, e in zip(top[1:], x.shape[1:], strict=True)]
+            )
+            for x in xs
+        ]
+    )
 
 
 def shard(tree: Any, mesh: Mesh) -> Any:

@@ -54,21 +54,23 @@ def _dense_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks)
         checks.append(((nm,), check))
 
 
-def _sharded(plan: MergePlan, bk, mk, keys):
-    """A piece's factors, masks and keys stacked on the host, padded to a whole number of
-    modules per device and sharded over ``plan.mesh`` (:mod:`netutility_jax._mesh`)."""
-    n_pad = _mesh.padded(len(bk.names), plan.mesh)
-    stacked = _mesh.host_stack(bk, plan.dtype, n_pad)
-    return _mesh.shard((stacked, _mesh.pad_rows(mk, n_pad), _mesh.pad_rows(keys, n_pad)), plan.mesh)
-
-
 def _bucket_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks, bads) -> None:
     bk = job.bucket
     if plan.mesh is None:
-        leaves = _buckets.bucket_arrays(bk)
-    else:
-        leaves, mk, keys = _sharded(plan, bk, mk, keys)
-    la, lb, live, check, bad = _stages.bucket_merge(leaves, mk, coef, keys, nums, cfg=job.cfg)
+        out = _stages.bucket_merge(_buckets.bucket_arrays(bk), mk, coef, keys, nums, cfg=job.cfg)
+    else:  # padded to whole modules per device, split between the mesh's devices
+        n_pad = _mesh.padded(len(bk.names), plan.mesh)
+        args = (
+            _mesh.host_stack(bk, plan.dtype, n_pad),
+            _mesh.pad_rows(mk, n_pad),
+            _mesh.pad_rows(keys, n_pad),
+        )
+        out = _mesh.per_device(
+            lambda x: _stages.bucket_merge(x[0], x[1], coef, x[2], nums, cfg=job.cfg),
+            args,
+            plan.mesh,
+        )
+    la, lb, live, check, bad = out
     n = len(bk.names)  # without the mesh's padding modules
     bad, check = jax.tree.map(lambda x: x[:n], (bad, check))
     bads.append((bk, bad))

@@ -244,10 +244,9 @@ def lam_auto(benefit: jax.Array, interference: jax.Array, candidate: jax.Array) 
     return jnp.where(jnp.isfinite(denom) & (denom > 0), mb / jnp.where(denom > 0, denom, 1), 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("meta", "lam_is_auto", "route"))
-def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw"):
-    """The jitted scoring of :func:`score`; with ``route="raw"`` the caller must redo the call
-    with ``route="normalise"`` when the returned ``raw_ok`` is False (see :func:`safe_grams`)."""
+def _score_stats(inputs, alpha, rtols, *, meta, route):
+    """Stage 1 of :func:`_score_impl`: each bucket's :class:`BucketStats` (per module, no global
+    quantity: a bucket's modules can be split between devices)."""
     dtype = meta[0]
     stacked = [
         tuple(x)
@@ -255,10 +254,14 @@ def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw"):
         else _buckets.stack_bucket(*x, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
         for x, (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True)
     ]
-    stats = score_buckets(stacked, alpha=alpha, rtols=rtols, route=route)
+    return score_buckets(stacked, alpha=alpha, rtols=rtols, route=route)
+
+
+def _score_finish(stats, lam, *, dtype, lam_is_auto, nan_fill):
+    """Stage 2 of :func:`_score_impl`, over every bucket: lambda (``"auto"``: the median ratio
+    over all candidates), the utilities and the range flags."""
     # Traced calls cannot raise: a module with a NaN/Inf input gets NaN scores, and lam="auto"
     # NaN. (Eager calls raise on such input; their kernels skip this.)
-    nan_fill = route == "cond"
     bad = [(st.nonfinite > 0).any((1, 2)) for st in stats]  # (n,): a module with a NaN/Inf input
     if lam_is_auto:
         lam = lam_auto(
@@ -292,6 +295,35 @@ def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw"):
     lam_bad = pos_interference & ~((lam >= fi.tiny) & (lam <= fi.max)) if lam_is_auto else False
     raw_ok = jnp.stack([st.raw_ok for st in stats]).all()
     return tuple(out), lam, jnp.asarray(lam_bad), raw_ok
+
+
+@functools.partial(jax.jit, static_argnames=("meta", "lam_is_auto", "route"))
+def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw"):
+    """The jitted scoring of :func:`score`; with ``route="raw"`` the caller must redo the call
+    with ``route="normalise"`` when the returned ``raw_ok`` is False (see :func:`safe_grams`)."""
+    stats = _score_stats(inputs, alpha, rtols, meta=meta, route=route)
+    return _score_finish(
+        stats, lam, dtype=meta[0], lam_is_auto=lam_is_auto, nan_fill=route == "cond"
+    )
+
+
+_score_stats_jit = jax.jit(_score_stats, static_argnames=("meta", "route"))
+_score_finish_jit = jax.jit(_score_finish, static_argnames=("dtype", "lam_is_auto", "nan_fill"))
+
+
+def _score_by_device(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route, mesh):
+    """:func:`_score_impl` with each bucket's modules split between ``mesh``'s devices
+    (:func:`_mesh.per_device`: one SPMD program, or on CPU each device's modules of every bucket
+    in one call, in turn), then the global stage once."""
+    if _mesh.spmd(mesh):  # one program, as _score_impl: the one-device result, bit for bit
+        kw = {"meta": meta, "lam_is_auto": lam_is_auto, "route": route}
+        return _score_impl(_mesh.shard(inputs, mesh), alpha, lam, rtols, **kw)
+    stats = _mesh.per_device(
+        lambda x: _score_stats_jit(x, alpha, rtols, meta=meta, route=route), inputs, mesh
+    )
+    return _score_finish_jit(
+        stats, lam, dtype=meta[0], lam_is_auto=lam_is_auto, nan_fill=route == "cond"
+    )
 
 
 def unstack(x: jax.Array) -> list[jax.Array]:
@@ -349,10 +381,7 @@ def _score_inputs(fn: str, live: Sequence[_tree.Bucket], dtype: Any, mesh: Any) 
             "traced ones (a call inside jax.jit or vmap): call it outside the transformation, "
             "or shard the inputs of the jitted function yourself and leave mesh=None."
         )
-    return tuple(
-        _mesh.shard(_mesh.host_stack(bk, dtype, _mesh.padded(len(bk.names), mesh)), mesh)
-        for bk in live
-    )
+    return tuple(_mesh.host_stack(bk, dtype, _mesh.padded(len(bk.names), mesh)) for bk in live)
 
 
 def score(
@@ -478,13 +507,12 @@ def score(
         # float64 values beyond float32 become inf when cast: counted and reported below
         with np.errstate(over="ignore"):
             args = (inputs, jnp.asarray(alpha, dtype), lam_val, rtols)
-            outs, lam_used, lam_bad, raw_ok = _score_impl(
-                *args, **kw, route="cond" if traced else "raw"
-            )
+            impl = _score_impl if mesh is None else functools.partial(_score_by_device, mesh=mesh)
+            outs, lam_used, lam_bad, raw_ok = impl(*args, **kw, route="cond" if traced else "raw")
             # extreme or non-finite factors: the exact route (after the first call is done: one
             # LAPACK-using executable in flight at a time, see eigh_batched)
             if not traced and not bool(settle((outs, raw_ok))[1]):
-                outs, lam_used, lam_bad, _ = _score_impl(*args, **kw, route="normalise")
+                outs, lam_used, lam_bad, _ = impl(*args, **kw, route="normalise")
     else:
         outs, lam_used, lam_bad = (), jnp.asarray(lam_val, dtype), jnp.asarray(False)
         traced = _traced(alpha, lam_val)
