@@ -20,6 +20,7 @@ __all__ = [
     "MAX_BUDGET",
     "SEED_BOUND",
     "_add_compile_cache",
+    "_add_distributed",
     "_add_loading",
     "_add_merge_method",
     "_add_merge_output",
@@ -134,6 +135,16 @@ def _positive_int(text: str) -> int:
         f"a positive integer up to {MAX_BUDGET} (2**31 - 1; a budget at or above the number "
         "of candidate directions keeps them all)",
     )
+
+
+def _count(text: str) -> int:
+    """argparse type of ``--num-processes``: an integer in ``[1, 2**31 - 1]``."""
+    return _int_in(text, 1, MAX_BUDGET, "a positive integer (the number of processes)")
+
+
+def _index(text: str) -> int:
+    """argparse type of ``--process-id``: an integer in ``[0, 2**31 - 2]``."""
+    return _int_in(text, 0, MAX_BUDGET - 1, "an integer >= 0 (this process's index)")
 
 
 def _seed(text: str) -> int:
@@ -305,8 +316,74 @@ def _add_merge_output(m: argparse.ArgumentParser) -> None:
         help="streaming: the factors of all tasks read at once, in MB (a chunk holds whole "
         "modules of one shape; default 256)",
     )
+    m.add_argument(
+        "--devices",
+        type=_devices,
+        default="all",
+        help="devices of this process to split each chunk's modules between (a one-axis mesh, "
+        "nu.module_mesh): 'all' (default; one device, e.g. a CPU, changes nothing) or a count",
+    )
     m.add_argument("--no-plots", action="store_true", help="do not write plots")
     m.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_distributed(m)
+
+
+def _devices(text: str) -> str | int:
+    """``--devices``: ``all`` or a positive count."""
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not 'all' or a positive number of devices"
+        ) from None
+
+
+def _add_distributed(m: argparse.ArgumentParser) -> None:
+    """``merge``: several processes or hosts (``jax.distributed``)."""
+    g = m.add_argument_group(
+        "several processes or hosts",
+        "Run the same command in every process (one per host, or several on one machine); "
+        "every process must read the adapters at the same paths.",
+    )
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="merge with the processes of a jax.distributed run: each reads and merges its "
+        "share of the modules, lambda and the budget are agreed across processes, and process "
+        "0 writes OUT_DIR. On SLURM, Open MPI and TPU pods the processes find each other; "
+        "elsewhere pass --coordinator, --num-processes and --process-id.",
+    )
+    g.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=None,
+        help="--distributed: process 0's host and a free port on it, the same in every process",
+    )
+    g.add_argument(
+        "--num-processes",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="--distributed: how many processes take part",
+    )
+    g.add_argument(
+        "--process-id",
+        type=_index,
+        default=None,
+        metavar="I",
+        help="--distributed: this process's index, 0 to N-1 (process 0 writes OUT_DIR)",
+    )
+    g.add_argument(
+        "--keep-shards",
+        action="store_true",
+        help="--distributed: write the adapter as one safetensors shard per process plus "
+        "adapter_model.safetensors.index.json, for merges too large for one host, instead of "
+        "one adapter_model.safetensors written by process 0. Every process then writes into "
+        "OUT_DIR's folder, which all must share. PEFT does not read this layout; netutility "
+        "inspect and nu.peft.load_adapter(s) do.",
+    )
 
 
 # -------------------------------------------------------------------- options of the registry

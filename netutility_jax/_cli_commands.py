@@ -5,34 +5,54 @@ write.
 (:func:`_check_merge`), load (:func:`_load`), merge (:func:`_merge`), and write the output folder
 atomically (:func:`_write_merge`: a staging folder renamed into place). ``inspect`` loads and
 scores, and prints a table or JSON (:func:`inspect_dict`).
+
+``merge --distributed`` runs the same steps in every process of a ``jax.distributed`` run
+(:func:`_join`): each checks and opens the adapters, merges its share of the modules, and
+process 0 writes the output (:func:`_write_distributed`). Every step that can fail in one process
+ends with an exchange of the processes' status (:meth:`_exchange.Exchange.check`), so that all of
+them stop with an error instead of waiting for the one that failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import os
 import pathlib
-import sys
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from . import _io
+from . import _exchange, _io
 from ._cli_args import _method_options
 from ._cli_common import PROG, UsageError, _say
 from ._cli_paths import (
     _FACTOR_KEY,
+    REPORT_NAME,
     _check_out,
     _check_space,
+    _Merged,
+    _plots,
+    _progress,
     _stat,
+    _step,
     _write_error,
+    _write_extras,
+    _write_merge,
+    _write_output,
     check_adapter_dir,
     clean_stale_staging,
     estimate_out_bytes,
+    report_dict,
+    shard_name,
     staging_name,
+    uniform_rank,
     weight_shapes,
+    write_index,
+    write_shard,
 )
 from .errors import FileAccessError, InputError, MissingFileError, NetUtilityError
 
@@ -41,6 +61,10 @@ __all__ = [
     "REPORT_NAME",
     "_load",
     "_merge",
+    "_plots",
+    "_progress",
+    "_step",
+    "_write_output",
     "cmd_demo",
     "cmd_inspect",
     "cmd_merge",
@@ -49,27 +73,6 @@ __all__ = [
     "report_dict",
     "skipped_summary",
 ]
-
-REPORT_NAME = "netutility_report.json"
-
-
-def _progress(total: int, desc: str, quiet: bool):
-    """A progress bar of ``total`` steps on stderr; None if ``quiet`` or tqdm is missing."""
-    if quiet:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
-
-
-def _step(bar, done: str, next_step: str = "") -> None:
-    """Mark a step done and name the one now running."""
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix_str(next_step or done)
-
 
 # ------------------------------------------------------------------------- loading, summaries
 
@@ -175,61 +178,25 @@ contributing nothing where it has no LoRA module (--strict-targets refuses this)
     return lines
 
 
-def report_dict(
-    report: Any,
-    *,
-    adapters: Sequence[str],
-    options: dict[str, Any],
-    coverage: Mapping[str, Sequence[int]] | None = None,
-) -> dict:
-    """A JSON-ready dict of a :class:`nu.Report` (masks and scores left out; NaN -> null), with
-    the per-module task coverage ``{module: [task indices that have it]}`` if given."""
-    keep = (
-        "method",
-        "space",
-        "allocation",
-        "scope",
-        "budget",
-        "budget_spent",
-        "lam",
-        "alpha",
-        "heterogeneity",
-        "non_prefix_fraction",
-        "kept_per_task",
-        "kept",
-        "ranks",
-    )
-    out = {k: _io.to_jsonable(getattr(report, k)) for k in keep}
-    if coverage is not None:
-        out["coverage"] = {str(n): [int(i) for i in t] for n, t in coverage.items()}
-    return {"adapters": list(adapters), "options": _io.to_jsonable(options), **out}
-
-
 # -------------------------------------------------------------------------------------- merge
 
 
-class _Merged(NamedTuple):
-    """What the loading and merging steps of ``netutility merge`` made, for the writing step."""
-
-    loaded: Any  # peft.load_adapters' result: the adapters, their base config and coverage
-    merged: Any  # the merged adapter
-    report: Any  # its nu.Report
-    key: Any  # the PRNG key of the method's random choices, or None
-    options: dict[str, Any]  # the method and space options from the flags
+_FN = f"{PROG} merge"
+_GATHER_BYTES = 256 << 20  # merged modules received at once by every process (all processes')
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """``netutility merge``: check, load, merge, write ``--out``; print one line."""
-    out = _check_merge(args)
+    ex = _join(args)
+    out = ex.check(_FN, lambda: _check_merge(args, output=ex.index == 0 or args.keep_shards))
     options = _method_options(args)
-    _check_rank_given(args)
     key = _merge_key(args)
-    bar = _progress(5 if args.no_plots else 6, "netutility merge", args.quiet)
+    bar = _progress(5 if args.no_plots else 6, _FN, args.quiet or ex.index > 0)
     if bar is not None:
         bar.set_postfix_str("loading adapters")
     try:
-        if _streams(args, options):
-            loaded = _open(args.adapters, args)
+        if args.distributed or _streams(args, options):
+            loaded = ex.check(_FN, lambda: _open(args.adapters, args, notes=ex.index == 0))
             _step(bar, "opened", "scoring and merging (streamed)")
             merged, report = _merge_streaming(loaded, args, key, options)
         else:
@@ -238,22 +205,31 @@ def cmd_merge(args: argparse.Namespace) -> int:
             merged, report = _merge(loaded.adapters, args, key, options)
         _step(bar, "merged", "writing the PEFT adapter")
         _check_dense(args, report)
-        _write_merge(out, args, _Merged(loaded, merged, report, key, options), bar)
+        result = _Merged(loaded, merged, report, key, options, ex.count)
+        if args.distributed:
+            _write_distributed(out, args, result, bar, ex)
+        else:
+            _write_merge(out, args, result, bar)
     finally:
         if bar is not None:
             bar.close()
-    print(_merge_line(args, report, out))
+    if ex.index == 0:
+        print(_merge_line(args, report, out))
     return 0
 
 
-def _check_merge(args: argparse.Namespace) -> pathlib.Path:
+def _check_merge(args: argparse.Namespace, *, output: bool = True) -> pathlib.Path:
     """Everything the user gave, checked before anything is loaded (and stale staging folders
-    of killed merges removed); returns ``--out`` as a path."""
+    of killed merges removed); returns ``--out`` as a path. ``output=False``: not ``--out``
+    (a process of a distributed merge that does not write; it may not see that folder)."""
     from . import registry
 
     for p in args.adapters:
         check_adapter_dir(p)
-    out, existing = _check_out(args.out, args.adapters)
+    if not output:
+        out, existing = pathlib.Path(args.out), None
+    else:
+        out, existing = _check_out(args.out, args.adapters)
     _check_extras(not args.no_plots)
     _method_options(args)
     if args.rank is None and not registry.METHODS[args.method].low_rank_in(args.space):
@@ -261,10 +237,10 @@ def _check_merge(args: argparse.Namespace) -> pathlib.Path:
             f"method {args.method} in full space gives dense updates; pass --rank K to write "
             "them as rank-K LoRA modules (truncated SVD), or use --space core or knots."
         )
-    if existing == out.parent:
+    if existing is not None and existing == out.parent:
         _clean_staging(existing)
     shapes = [weight_shapes(p) for p in args.adapters]
-    if all(s is not None for s in shapes):  # (else the loader says what is wrong with them)
+    if existing is not None and all(s is not None for s in shapes):  # (else the loader says)
         est = estimate_out_bytes(shapes, rank=args.rank, dtype=args.dtype)  # type: ignore[arg-type]
         _check_space(args.out, existing, est, args.dtype)
     return out
@@ -327,7 +303,24 @@ def _merge_settings(args: argparse.Namespace, key) -> dict[str, Any]:
         "positive_only": not args.keep_nonpositive,
         "coef": args.coef,
         "key": key,
+        "mesh": _mesh_of(args),
     }
+
+
+def _mesh_of(args: argparse.Namespace):
+    """``--devices``: a mesh of this process's first N (or all) devices, or None for one."""
+    import jax
+
+    import netutility_jax as nu
+
+    local = jax.local_devices()
+    n = len(local) if args.devices == "all" else args.devices
+    if n > len(local):
+        raise UsageError(
+            f"--devices {n}: this process has {len(local)} device(s) "
+            f"({local[0].platform}); pass --devices all or at most {len(local)}."
+        )
+    return None if n == 1 else nu.module_mesh(local[:n])
 
 
 def _streams(args: argparse.Namespace, options: dict[str, Any]) -> bool:
@@ -341,16 +334,17 @@ def _streams(args: argparse.Namespace, options: dict[str, Any]) -> bool:
     return True
 
 
-def _open(paths: Sequence[str], args: argparse.Namespace):
+def _open(paths: Sequence[str], args: argparse.Namespace, *, notes: bool = True):
     """The adapters opened for streaming (:func:`nu.peft.open_adapters`: configs and headers
-    checked, nothing read yet), with the same notes as :func:`_load`."""
+    checked, nothing read yet), with the same notes as :func:`_load` (if ``notes``)."""
     from . import peft
 
     source = _read_adapters(peft.open_adapters, paths, args)
     present = [
         {n: (i in tasks or None) for n, tasks in source.coverage.items()} for i in range(len(paths))
     ]
-    _notes("merge", paths, args, source.coverage, present)
+    if notes:
+        _notes("merge", paths, args, source.coverage, present)
     return source
 
 
@@ -370,6 +364,7 @@ def _merge_streaming(source: Any, args: argparse.Namespace, key, options: dict[s
         **_merge_settings(args, key),
         chunk_bytes=max(1, int(args.chunk_mb * 2**20)),
         on_chunk=on_chunk,
+        distributed=args.distributed,
         **options,
     )
 
@@ -387,17 +382,6 @@ def _truncate_dense(modules: dict[str, Any], *, rank: int) -> dict[str, Any]:
     return out
 
 
-def _check_rank_given(args: argparse.Namespace) -> None:
-    """Before any loading: a method that gives dense updates in this space needs ``--rank``."""
-    from . import registry
-
-    if args.rank is None and not registry.METHODS[args.method].low_rank_in(args.space):
-        raise UsageError(
-            f"method {args.method} in {args.space} space gives dense updates (every module); "
-            "pass --rank K to write them as rank-K LoRA modules (truncated SVD)."
-        )
-
-
 def _check_dense(args: argparse.Namespace, report: Any) -> None:
     """Refuse dense merged modules without ``--rank`` (a PEFT adapter holds LoRA factors)."""
     dense = sorted(n for n, r in report.ranks.items() if r is None)
@@ -409,86 +393,130 @@ def _check_dense(args: argparse.Namespace, report: Any) -> None:
         )
 
 
-def _write_merge(out: pathlib.Path, args: argparse.Namespace, result: _Merged, bar) -> None:
-    """The writing step: ``out`` assembled in a staging folder beside it and renamed into place
-    (complete or not at all); a failed write is the library's :class:`FileAccessError`."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = staging_name(out)
-    except OSError as e:
-        raise _write_error(args.out, e) from e
-    try:
-        with _io.atomic_directory(out, fn=f"{PROG} merge", staging=staging) as tmp:
-            _write_output(tmp, args, result, bar)
-            if _stat(out, f"--out {args.out}", follow=False) is not None:
-                raise UsageError(f"--out {args.out}: appeared while merging; nothing was written.")
-        _step(bar, "done")
-    except OSError as e:
-        if not isinstance(e, NetUtilityError):
-            raise _write_error(args.out, e) from e
-        raise
+# -------------------------------------------------------------------------------- distributed
 
 
-def _write_output(tmp: pathlib.Path, args: argparse.Namespace, result: _Merged, bar) -> None:
-    """The merge's output folder, assembled in ``tmp``: the PEFT adapter, the JSON report and
-    the plots."""
-    import netutility_jax as nu
-
-    adapter_dir = tmp / "adapter"
-    nu.peft.save_adapter(
-        result.merged,
-        adapter_dir,
-        rank=args.rank,
-        base_config=result.loaded.config,
-        dtype=args.dtype,
-        serving_ranks=args.serving_ranks,
-    )
-    for f in adapter_dir.iterdir():
-        f.rename(tmp / f.name)
-    adapter_dir.rmdir()
-    _step(bar, "saved adapter", "writing the report")
-    run = _run_options(args, result)
-    rep = report_dict(
-        result.report, adapters=args.adapters, options=run, coverage=result.loaded.coverage
-    )
-    _io.write_json(tmp / REPORT_NAME, rep)
-    _step(bar, "wrote report", "plotting")
-    if not args.no_plots:
-        _plots(tmp / "plots", result.report, len(args.adapters))
-        _step(bar, "plots", "moving into place")
-
-
-def _run_options(args: argparse.Namespace, result: _Merged) -> dict[str, Any]:
-    """The report's ``options``: the flags the merge ran with."""
-    return {
-        "command": "merge",
-        "budget": args.budget,
-        "coef": args.coef,
-        "seed": args.seed if result.key is not None else None,
-        "rank": args.rank,
-        "serving_ranks": args.serving_ranks,
-        "positive_only": not args.keep_nonpositive,
-        "strict_targets": args.strict_targets,
-        "allow_different_base": args.allow_different_base,
-        "skip_non_lora": args.skip_non_lora,
-        "streamed": hasattr(result.loaded, "read"),
-        "chunk_mb": args.chunk_mb,
-        **result.options,
+def _join(args: argparse.Namespace) -> _exchange.Exchange:
+    """``--distributed``: its flags checked (the same refusals in every process, before any of
+    them waits for the others), then this process joins the run (``jax.distributed``, before
+    any JAX computation). Without it: one process, and its flags refused."""
+    flags = {
+        "--coordinator": args.coordinator,
+        "--num-processes": args.num_processes,
+        "--process-id": args.process_id,
+        "--keep-shards": args.keep_shards or None,
     }
-
-
-def _plots(folder: pathlib.Path, report: Any, m_tasks: int) -> None:
-    from . import plots
-
-    folder.mkdir()
-    names = [f"task {i}" for i in range(m_tasks)]
-    plots.budget_heatmap(report.masks, path=folder / "budget_heatmap.png")
-    plots.kept_per_task(report.masks, names, path=folder / "kept_per_task.png")
-    if report.scores is not None:
-        plots.prefix_retention(report.masks, report.scores, path=folder / "prefix_retention.png")
-        plots.utility_distribution(
-            report.scores, report.masks, names, path=folder / "utility_distribution.png"
+    given = [f for f, v in flags.items() if v is not None]
+    if not args.distributed:
+        if given:
+            raise UsageError(f"{given[0]} applies only with --distributed.")
+        return _exchange.LOCAL
+    if args.in_memory:
+        raise UsageError(
+            "--in-memory cannot be used with --distributed: each process streams its share of "
+            "the modules from disk. Drop --in-memory."
         )
+    if getattr(args, "trim_scope", None) == "model":
+        raise UsageError(
+            "model-wide TIES (--trim-scope model) needs every module in one process; it cannot "
+            "run with --distributed. Use --trim-scope module, or drop --distributed."
+        )
+    if None not in (args.num_processes, args.process_id) and args.process_id >= args.num_processes:
+        raise UsageError(
+            f"--process-id {args.process_id} with --num-processes {args.num_processes}: process "
+            f"indices run from 0 to {args.num_processes - 1}."
+        )
+    return _exchange.initialize(_FN, args.coordinator, args.num_processes, args.process_id)
+
+
+def _write_distributed(
+    out: pathlib.Path, args: argparse.Namespace, result: _Merged, bar, ex: _exchange.Exchange
+) -> None:
+    """``--distributed``: process 0 writes ``out``. By default the merged modules (low rank,
+    small) are sent to it, a bounded batch of every process at a time, and it writes exactly
+    what one process writes (:func:`_write_merge`); ``--keep-shards``: :func:`_write_shards`."""
+    if args.keep_shards:
+        _write_shards(out, args, result, bar, ex)
+        return
+    batches: list[dict[str, Any]] = [{}]
+    limit, size = max(1 << 20, _GATHER_BYTES // ex.count), 0
+    for name, mod in result.merged.items():
+        arrays = {f"{name}\0{k}": np.asarray(v) for k, v in mod.items()}
+        n = sum(a.nbytes for a in arrays.values())
+        if batches[-1] and size + n > limit:
+            batches.append({})
+            size = 0
+        batches[-1].update(arrays)
+        size += n
+    got = ex.gather(_FN, batches if batches[0] else [])
+
+    def write() -> None:
+        if ex.index == 0:
+            modules: dict[str, dict[str, Any]] = {}
+            for arrays in got:
+                for key, a in arrays.items():
+                    name, field = key.rsplit("\0", 1)
+                    modules.setdefault(name, {})[field] = a
+            merged = {n: modules[n] for n in result.report.ranks}
+            _write_merge(out, args, result._replace(merged=merged), bar)
+
+    ex.check(_FN, write)
+
+
+def _write_shards(
+    out: pathlib.Path, args: argparse.Namespace, result: _Merged, bar, ex: _exchange.Exchange
+) -> None:
+    """``--keep-shards``: process 0 makes the staging folder beside ``out``; every process with
+    modules writes its shard there; process 0 writes the index, the config, the report and the
+    plots, and renames the folder into place. A failure anywhere removes the folder."""
+    serving = uniform_rank(args.serving_ranks, result.report.ranks)
+    with contextlib.ExitStack() as stack:
+
+        def begin() -> dict[str, Any]:
+            mine = {"modules": np.asarray(len(result.merged), np.int64)}
+            if ex.index > 0:
+                return mine
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = stack.enter_context(_io.atomic_directory(out, fn=_FN, staging=staging_name(out)))
+            return {**mine, "staging": np.frombuffer(os.fsencode(tmp), np.uint8)}
+
+        started = ex.allgather(_FN, _mapped(args, begin))
+        tmp = pathlib.Path(os.fsdecode(started[0]["staging"].tobytes()))
+        writers = [p for p, s in enumerate(started) if int(s["modules"]) > 0]
+        files = {p: shard_name(q, len(writers)) for q, p in enumerate(writers)}
+
+        def shard() -> dict[str, Any]:
+            if ex.index not in files:
+                return {}
+            return write_shard(tmp, files[ex.index], result.merged, args, serving)
+
+        written = ex.allgather(_FN, shard)
+        _step(bar, "saved adapter", "writing the report")
+
+        def finish() -> None:
+            if ex.index == 0:
+                write_index(tmp, [(files[p], written[p]) for p in writers], result.loaded.config)
+                _write_extras(tmp, args, result, bar)
+                if _stat(out, f"--out {args.out}", follow=False) is not None:
+                    raise UsageError(f"--out {args.out}: appeared while merging; nothing written.")
+                stack.close()  # (the rename into place)
+
+        ex.check(_FN, _mapped(args, finish))
+    _step(bar, "done")
+
+
+def _mapped(args: argparse.Namespace, work: Callable[[], Any]) -> Callable[[], Any]:
+    """``work`` with a failed write as the library's :class:`FileAccessError` (exit code 2)."""
+
+    def run() -> Any:
+        try:
+            return work()
+        except OSError as e:
+            if isinstance(e, NetUtilityError):
+                raise
+            raise _write_error(args.out, e) from e
+
+    return run
 
 
 def _merge_line(args: argparse.Namespace, report: Any, out: pathlib.Path) -> str:

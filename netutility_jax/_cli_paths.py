@@ -1,15 +1,20 @@
-"""The file-system side of ``netutility merge`` and ``inspect``.
+"""The file-system side of ``netutility merge`` and ``inspect``: the checks before anything is
+loaded, and the writing of the output folder.
 
-Everything here runs before any adapter is loaded: the ``ADAPTER_DIR`` folders and ``--out`` are
-checked (:func:`check_adapter_dir`, :func:`_check_out`), the output's size is estimated from the
-inputs' safetensors headers (:func:`estimate_out_bytes`) and held against the free space
+Before any adapter is loaded, the ``ADAPTER_DIR`` folders and ``--out`` are checked
+(:func:`check_adapter_dir`, :func:`_check_out`), the output's size is estimated from the inputs'
+safetensors headers (:func:`estimate_out_bytes`) and held against the free space
 (:func:`_check_space`). The merge is assembled in a staging folder beside ``--out``
-(:func:`staging_name`); a merge killed while writing leaves one behind, and the next merge into
-the same parent folder removes those whose process is gone (:func:`clean_stale_staging`).
+(:func:`staging_name`) and renamed into place (:func:`_write_merge`: the adapter, the report,
+the plots); a merge killed while writing leaves one behind, and the next merge into the same
+parent folder removes those whose process is gone (:func:`clean_stale_staging`). With
+``--distributed --keep-shards`` each process writes its own shard of the adapter
+(:func:`write_shard`) and process 0 the index and the config (:func:`write_index`).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 import re
@@ -17,29 +22,46 @@ import secrets
 import shutil
 import socket
 import stat
+import sys
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from ._cli_common import UsageError, _shown
-from .errors import FileAccessError, InputError, MissingFileError
+import numpy as np
+
+from . import _io
+from ._cli_common import PROG, UsageError, _shown
+from .errors import FileAccessError, InputError, MissingFileError, NetUtilityError
 
 # (the underscored helpers are private to the command's modules, which share them)
 __all__ = [
     "OUT_MARGIN",
+    "REPORT_NAME",
     "STAGING_TAG",
     "_FACTOR_KEY",
     "SizeEstimate",
+    "_Merged",
     "_check_out",
     "_check_space",
     "_host_tag",
+    "_plots",
+    "_progress",
     "_stat",
+    "_step",
     "_write_error",
+    "_write_extras",
+    "_write_merge",
+    "_write_output",
     "check_adapter_dir",
     "clean_stale_staging",
     "estimate_out_bytes",
+    "report_dict",
+    "shard_name",
     "staging_dir",
     "staging_name",
+    "uniform_rank",
     "weight_shapes",
+    "write_index",
+    "write_shard",
 ]
 
 STAGING_TAG = "netutility-staging"
@@ -106,6 +128,7 @@ def check_adapter_dir(text: str) -> pathlib.Path:
       UsageError, InputError: an empty path or one the system cannot use (too long, a loop).
     """
     from . import peft
+    from .peft._read import INDEX_NAME
 
     what = f"adapter folder {text}"
     expected = (
@@ -129,9 +152,12 @@ def check_adapter_dir(text: str) -> pathlib.Path:
     for name in (peft.WEIGHTS_NAME, peft.CONFIG_NAME):
         f = path / name
         fst = _stat(f, what)
-        if fst is None:
-            if name == peft.WEIGHTS_NAME and _stat(path / peft.PICKLE_NAME, what) is not None:
+        if fst is None and name == peft.WEIGHTS_NAME:
+            if _stat(path / peft.PICKLE_NAME, what) is not None:
                 continue  # the loader explains why a pickle is never unpickled
+            if _stat(path / INDEX_NAME, what) is not None:
+                continue  # sharded (netutility merge --keep-shards): the loader checks it
+        if fst is None:
             raise MissingFileError(f"{what} has no {name}; expected {expected}")
         if stat.S_ISDIR(fst.st_mode):
             raise MissingFileError(f"{f} is a folder; expected the file {name} of {expected}")
@@ -180,18 +206,19 @@ OUT_MARGIN = 16 << 20
 
 
 def weight_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
-    """Names and shapes of the tensors in ``folder/adapter_model.safetensors``, from its header
-    only (no tensor is read); None if there is no readable header (the loader then says why)."""
-    from . import peft
-
+    """Names and shapes of the tensors in ``folder/adapter_model.safetensors`` (or in the shards
+    its index lists), from the headers only (no tensor is read); None if there is no readable
+    header (the loader then says why)."""
     try:
         import safetensors
     except ImportError:
         return None
+    from .peft import _read
+
+    fn = "weight_shapes"
     try:
-        with safetensors.safe_open(
-            str(pathlib.Path(folder) / peft.WEIGHTS_NAME), framework="numpy"
-        ) as fh:
+        wf = _read._weights_file(pathlib.Path(folder), fn=fn)
+        with _read._open_weights(wf, fn=fn) as fh:
             return {k: tuple(int(n) for n in fh.get_slice(k).get_shape()) for k in fh.keys()}
     except (OSError, ValueError, safetensors.SafetensorError):
         return None
@@ -332,3 +359,235 @@ def _write_error(out: str, e: OSError) -> FileAccessError:
         f"--out {out}: writing the result failed{where} ({e.strerror or e}); nothing was written. "
         "Check the free space and permissions, or choose another --out."
     )
+
+
+# ------------------------------------------------------------------------------------ writing
+
+REPORT_NAME = "netutility_report.json"
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    """A progress bar of ``total`` steps on stderr; None if ``quiet`` or tqdm is missing."""
+    if quiet:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
+
+
+def _step(bar, done: str, next_step: str = "") -> None:
+    """Mark a step done and name the one now running."""
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix_str(next_step or done)
+
+
+def report_dict(
+    report: Any,
+    *,
+    adapters: Sequence[str],
+    options: dict[str, Any],
+    coverage: Mapping[str, Sequence[int]] | None = None,
+) -> dict:
+    """A JSON-ready dict of a :class:`nu.Report` (masks and scores left out; NaN -> null), with
+    the per-module task coverage ``{module: [task indices that have it]}`` if given."""
+    keep = (
+        "method", "space", "allocation", "scope", "budget", "budget_spent", "lam", "alpha",
+        "heterogeneity", "non_prefix_fraction", "kept_per_task", "kept", "ranks",
+    )  # fmt: skip
+    out = {k: _io.to_jsonable(getattr(report, k)) for k in keep}
+    if coverage is not None:
+        out["coverage"] = {str(n): [int(i) for i in t] for n, t in coverage.items()}
+    return {"adapters": list(adapters), "options": _io.to_jsonable(options), **out}
+
+
+class _Merged(NamedTuple):
+    """What the loading and merging steps of ``netutility merge`` made, for the writing step."""
+
+    loaded: Any  # peft.load_adapters' result: the adapters, their base config and coverage
+    merged: Any  # the merged adapter
+    report: Any  # its nu.Report
+    key: Any  # the PRNG key of the method's random choices, or None
+    options: dict[str, Any]  # the method and space options from the flags
+    processes: int = 1  # how many processes merged (--distributed)
+
+
+def _write_merge(out: pathlib.Path, args: argparse.Namespace, result: _Merged, bar) -> None:
+    """The writing step: ``out`` assembled in a staging folder beside it and renamed into place
+    (complete or not at all); a failed write is the library's :class:`FileAccessError`."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = staging_name(out)
+    except OSError as e:
+        raise _write_error(args.out, e) from e
+    try:
+        with _io.atomic_directory(out, fn=f"{PROG} merge", staging=staging) as tmp:
+            _write_output(tmp, args, result, bar)
+            if _stat(out, f"--out {args.out}", follow=False) is not None:
+                raise UsageError(f"--out {args.out}: appeared while merging; nothing was written.")
+        _step(bar, "done")
+    except OSError as e:
+        if not isinstance(e, NetUtilityError):
+            raise _write_error(args.out, e) from e
+        raise
+
+
+def _write_output(tmp: pathlib.Path, args: argparse.Namespace, result: _Merged, bar) -> None:
+    """The merge's output folder, assembled in ``tmp``: the PEFT adapter, the JSON report and
+    the plots."""
+    import netutility_jax as nu
+
+    adapter_dir = tmp / "adapter"
+    nu.peft.save_adapter(
+        result.merged,
+        adapter_dir,
+        rank=args.rank,
+        base_config=result.loaded.config,
+        dtype=args.dtype,
+        serving_ranks=args.serving_ranks,
+    )
+    for f in adapter_dir.iterdir():
+        f.rename(tmp / f.name)
+    adapter_dir.rmdir()
+    _step(bar, "saved adapter", "writing the report")
+    _write_extras(tmp, args, result, bar)
+
+
+def _write_extras(tmp: pathlib.Path, args: argparse.Namespace, result: _Merged, bar) -> None:
+    """The JSON report and the plots, in ``tmp``."""
+    run = _run_options(args, result)
+    rep = report_dict(
+        result.report, adapters=args.adapters, options=run, coverage=result.loaded.coverage
+    )
+    _io.write_json(tmp / REPORT_NAME, rep)
+    _step(bar, "wrote report", "plotting")
+    if not args.no_plots:
+        _plots(tmp / "plots", result.report, len(args.adapters))
+        _step(bar, "plots", "moving into place")
+
+
+def _run_options(args: argparse.Namespace, result: _Merged) -> dict[str, Any]:
+    """The report's ``options``: the flags the merge ran with."""
+    return {
+        "command": "merge",
+        "budget": args.budget,
+        "coef": args.coef,
+        "seed": args.seed if result.key is not None else None,
+        "rank": args.rank,
+        "serving_ranks": args.serving_ranks,
+        "positive_only": not args.keep_nonpositive,
+        "strict_targets": args.strict_targets,
+        "allow_different_base": args.allow_different_base,
+        "skip_non_lora": args.skip_non_lora,
+        "streamed": hasattr(result.loaded, "read"),
+        "chunk_mb": args.chunk_mb,
+        "processes": result.processes,
+        "keep_shards": getattr(args, "keep_shards", False),
+        **result.options,
+    }
+
+
+def _plots(folder: pathlib.Path, report: Any, m_tasks: int) -> None:
+    from . import plots
+
+    folder.mkdir()
+    names = [f"task {i}" for i in range(m_tasks)]
+    plots.budget_heatmap(report.masks, path=folder / "budget_heatmap.png")
+    plots.kept_per_task(report.masks, names, path=folder / "kept_per_task.png")
+    if report.scores is not None:
+        plots.prefix_retention(report.masks, report.scores, path=folder / "prefix_retention.png")
+        plots.utility_distribution(
+            report.scores, report.masks, names, path=folder / "utility_distribution.png"
+        )
+
+
+# ------------------------------------------------------------------------------ sharded output
+
+
+def shard_name(p: int, count: int) -> str:
+    """Process ``p``'s shard of ``count`` (Hugging Face's sharded-checkpoint names)."""
+    return f"adapter_model-{p + 1:05d}-of-{count:05d}.safetensors"
+
+
+def uniform_rank(serving_ranks: Any, ranks: Mapping[str, int | None]) -> int | None:
+    """``--serving-ranks``' rank for the merged ``ranks`` of every module, as
+    :func:`nu.peft.save_adapter` picks it (a rank-0 module is written at rank 1)."""
+    from .peft import _write
+
+    allowed = _write._serving_ranks(serving_ranks, fn=f"{PROG} merge") or ()
+    top = max(max(1, r or 0) for r in ranks.values())
+    fits = [r for r in allowed if r >= top]
+    if allowed and not fits:
+        raise UsageError(
+            f"--serving-ranks: a merged module has rank {top}, above every allowed serving rank "
+            f"{allowed}; lower --budget (or --rank) or allow a larger rank."
+        )
+    return fits[0] if fits else None
+
+
+def write_shard(
+    folder: pathlib.Path, file: str, modules: Mapping[str, Any], args: argparse.Namespace,
+    serving: int | None,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """``modules`` as PEFT tensors in ``folder/file`` (a temporary file renamed into place),
+    converted exactly as :func:`nu.peft.save_adapter` converts them (``--rank``, ``--dtype``,
+    zero-padded to ``serving``). Returns ``{"t/<tensor>": bytes, "r/<module>": rank written}``.
+    """
+    from .peft import PREFIX, _convert, _natural
+    from .peft._common import _safetensors
+
+    fn = f"{PROG} merge"
+    tensors, out = {}, {}
+    for name in sorted(modules, key=_natural):
+        a, b = _convert._peft_factors(name, modules[name], args.rank, fn=fn)
+        if serving is not None:  # (zero directions: the same update)
+            pad = serving - len(a)
+            a, b = np.pad(a, ((0, pad), (0, 0))), np.pad(b, ((0, 0), (0, pad)))
+        out[f"r/{name}"] = np.asarray(len(a), np.int64)
+        for part, x in (("lora_A", a), ("lora_B", b)):
+            key = f"{PREFIX}{name}.{part}.weight"
+            tensors[key] = _convert._to_peft(x, args.dtype, name, part, fn=fn)
+            out[f"t/{key}"] = np.asarray(tensors[key].nbytes, np.int64)
+    tmp = folder / f".{file}.tmp"
+    try:
+        _safetensors().numpy.save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, folder / file)
+    except OSError as e:
+        raise FileAccessError(
+            f"--out {args.out}: cannot write the shard {file} in {folder} ({e.strerror or e}); "
+            "with --keep-shards every process writes into the output's folder, which they must "
+            "all see (a shared filesystem)."
+        ) from e
+    return out
+
+
+def write_index(
+    folder: pathlib.Path,
+    written: Sequence[tuple[str, Mapping[str, Any]]],
+    config: Mapping[str, Any],
+) -> None:
+    """The index ``adapter_model.safetensors.index.json`` (``{"metadata": {"total_size"},
+    "weight_map": {tensor: shard}}``) of the shards :func:`write_shard` wrote (``written``:
+    ``(file, what it returned)`` per shard), and ``adapter_config.json`` for their ranks
+    (:func:`nu.peft.save_adapter`'s config, carrying the source adapters' ``config``)."""
+    from .peft import CONFIG_NAME, _natural, _write
+    from .peft._read import INDEX_NAME
+
+    files, ranks, total = {}, {}, 0
+    for file, got in written:
+        for key, v in got.items():
+            if key.startswith("t/"):
+                files[key[2:]] = file
+                total += int(v)
+            else:
+                ranks[key[2:]] = int(v)
+    index = {
+        "metadata": {"total_size": total, "format": "pt"},
+        "weight_map": dict(sorted(files.items())),
+    }
+    _io.write_json(folder / INDEX_NAME, index, indent=2)
+    cfg = _write._saved_config(config, {}, sorted(ranks, key=_natural), ranks, fn=f"{PROG} merge")
+    with _io.atomic_file(folder / CONFIG_NAME, "w") as f:
+        f.write(_write._config_text(cfg, fn=f"{PROG} merge"))

@@ -26,7 +26,13 @@ The command is split by concern: this module holds its parser (one function per 
 :func:`main`, and re-exports the names of the modules it is made of: ``_cli_common`` (its name,
 :class:`UsageError`, one-line messages), ``_cli_args`` (argument types and flag groups, the
 method flags derived from the registry), ``_cli_paths`` (input and output checks, the size
-estimate, staging folders) and ``_cli_commands`` (the subcommands, their summaries and report).
+estimate, staging folders, and writing the output folder: adapter, report, plots, or with
+``--keep-shards`` each process's shard and the index) and ``_cli_commands`` (the subcommands,
+their summaries, the ``--devices`` mesh and the ``--distributed`` steps; ``report_dict`` is
+re-exported from ``_cli_paths``).
+
+``netutility merge --distributed`` splits the streamed merge between the processes of a
+``jax.distributed`` run (see :mod:`netutility_jax.streaming` and :mod:`netutility_jax._exchange`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,19 @@ therefore agree to float32 rounding (about 1e-7 relative), so the masks are the 
 utilities at the budget's cut are that close; the merged modules of the same masks agree exactly
 or to rounding (a piece's batch size can change the last bit of a batched kernel).
 
+Several processes (``distributed=True`` after ``jax.distributed.initialize``: the hosts of a
+GPU or TPU cluster, or processes on one machine) split the chunks between them, balanced by
+bytes (:func:`_exchange.assign`, the same in every process; every process opens every header,
+so all know every module's name and shape). Each process reads only its chunks, and after each
+pass the small results are all-gathered (:mod:`netutility_jax._exchange`): the energies' parts
+(pass 0), the ``lam=0`` statistics of each module (pass 1, ``4 M r_max`` numbers, bit for bit),
+the merged ranks (pass 2). Every process then computes the same lambda, :class:`nu.Scores`,
+masks and :class:`Report` from the same numbers with the same code (a checksum of the masks is
+compared across processes), and merges only its chunks: ``merged`` holds this process's modules,
+the report all of them. A process whose chunk raises still takes part in the exchange; then
+every process raises (the failing one its own error, the others an :class:`InputError` naming
+it), so none waits for ever. With one process this is exactly the merge above.
+
 Model-wide TIES (``trim_scope="model"``) is refused: each task keeps its ``int(density * N)``
 largest entries over the whole model, a threshold over every entry of every module in the
 space's coordinates, not a statistic of directions. A streamed version is possible and would
@@ -52,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import numbers
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +73,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _buckets, _checks, _pipeline, _plan, _results, _tree, merging, registry, utility
+from . import (
+    _buckets,
+    _checks,
+    _exchange,
+    _mesh,
+    _pipeline,
+    _plan,
+    _results,
+    _tree,
+    merging,
+    registry,
+    utility,
+)
 from .allocate import allocate
 from .errors import InputError, InputTypeError
 
@@ -94,12 +120,13 @@ def plan_chunks(
 
 @dataclasses.dataclass
 class _Energies:
-    """Per-task energies summed over chunks, each chunk's as ``t 2^k`` (``utility``'s form)."""
+    """Per-task energies summed over chunks, each chunk's as ``t 2^k`` (``utility``'s form),
+    kept by chunk index so that every process sums them in the same order as one process."""
 
-    parts: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    parts: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
     failed: bool = False
 
-    def add(self, adapters: Sequence[Any], fn: str, *, strict: bool) -> None:
+    def add(self, chunk: int, adapters: Sequence[Any], fn: str, *, strict: bool) -> None:
         try:
             k, t, _ = utility._log_energies(adapters, fn, False)
         except ValueError:
@@ -107,15 +134,34 @@ class _Energies:
                 raise
             self.failed = True  # as nu.merge_adapters' report: h is then NaN
             return
-        self.parts.append((np.asarray(k, np.int64), np.asarray(t, np.float64)))
+        self.parts[chunk] = (np.asarray(k, np.int64), np.asarray(t, np.float64))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The parts as arrays for :meth:`Exchange.allgather` (:meth:`gathered` reads them)."""
+        out = {"e/failed": np.asarray(self.failed)}
+        for c, (k, t) in self.parts.items():
+            out[f"e/k/{c}"], out[f"e/t/{c}"] = k, t
+        return out
+
+    @classmethod
+    def gathered(cls, shared: Sequence[Mapping[str, np.ndarray]]) -> _Energies:
+        """Every process's parts, from their :meth:`arrays`."""
+        out = cls()
+        for arrays in shared:
+            out.failed |= bool(arrays.get("e/failed", False))
+            for name, k in arrays.items():
+                if name.startswith("e/k/"):
+                    c = int(name[4:])
+                    out.parts[c] = (k, arrays[f"e/t/{c}"])
+        return out
 
     def heterogeneity(self, dtype: Any, fn: str, *, strict: bool) -> float:
         """``h = Var_i log ||dW_i||_F^2`` (paper Eq. h), as :func:`nu.heterogeneity` computes
         it; a task zero everywhere raises (``strict``) or gives NaN."""
         if self.failed:
             return float("nan")
-        k = np.stack([p[0] for p in self.parts])  # (chunks, M)
-        t = np.stack([p[1] for p in self.parts])
+        k = np.stack([self.parts[c][0] for c in sorted(self.parts)])  # (chunks, M)
+        t = np.stack([self.parts[c][1] for c in sorted(self.parts)])
         live = t > 0
         kmax = np.where(live, k, np.iinfo(np.int64).min).max(0)
         kmax = np.where(live.any(0), kmax, 0)
@@ -134,21 +180,32 @@ class _Energies:
 
 @dataclasses.dataclass(frozen=True)
 class _Stream:
-    """What every pass shares: the source, its chunks and the merge's compute dtype."""
+    """What every pass shares: the source, its chunks, the merge's compute dtype, and the
+    processes: ``owner[k]`` reads chunk ``k`` (all 0 with one process)."""
 
     fn: str
     source: AdapterSet
     chunks: tuple[tuple[str, ...], ...]
     dtype: np.dtype
+    ex: _exchange.Exchange
+    owner: tuple[int, ...]
 
-    def read(self) -> Iterator[tuple[tuple[str, ...], list[dict[str, Any]]]]:
-        """Each chunk's adapters, read from disk, in the compute dtype (float32 factors become
-        float64 when another task's are float64 and x64 is on, as in memory)."""
-        for names in self.chunks:
+    def names_of(self, p: int) -> list[str]:
+        """Process ``p``'s modules, in :attr:`AdapterSet.names` order."""
+        mine = {n for k, names in enumerate(self.chunks) if self.owner[k] == p for n in names}
+        return [n for n in self.source.names if n in mine]
+
+    def read(self) -> Iterator[tuple[int, tuple[str, ...], list[dict[str, Any]]]]:
+        """``(chunk index, names, adapters)`` of each of this process's chunks, read from disk,
+        in the compute dtype (float32 factors become float64 when another task's are float64
+        and x64 is on, as in memory)."""
+        for k, names in enumerate(self.chunks):
+            if self.owner[k] != self.ex.index:
+                continue
             adapters = self.source.read(names)
             if self.dtype == np.float64:
                 adapters = [{n: _as(m, self.dtype) for n, m in ad.items()} for ad in adapters]
-            yield names, adapters
+            yield k, names, adapters
 
 
 def _as(m: dict[str, Any] | None, dtype: Any) -> dict[str, Any] | None:
@@ -215,18 +272,72 @@ def _global_scores(
     return utility.Scores(modules, lam_v, jnp.asarray(alpha, dtype))
 
 
+def _auto_alpha(st: _Stream) -> tuple[float, _Energies]:
+    """Pass 0 (``alpha="auto"``): every task's energy over every chunk, ``h`` and alpha."""
+    auto = f"{st.fn} (alpha='auto')"
+    mine = _Energies()
+
+    def work() -> dict[str, np.ndarray]:
+        for k, _, adapters in st.read():
+            mine.add(k, adapters, auto, strict=True)
+        return mine.arrays()
+
+    energies = _Energies.gathered(st.ex.allgather(st.fn, work))
+    h = energies.heterogeneity(st.dtype, auto, strict=True)
+    return (0.0 if h > float(_H_THRESHOLD) else 1.0), energies
+
+
 def _score_pass(
-    st: _Stream, *, alpha: float, lam: Any, energies: _Energies | None
-) -> dict[str, utility.ModuleScores]:
+    st: _Stream, *, alpha: float, lam: Any, energies: bool, mesh: Any = None
+) -> tuple[dict[str, utility.ModuleScores], _Energies | None]:
     """Pass 1: every module's scores with ``lam=0`` (``lam`` if a number; :func:`nu.score`'s
-    checks and messages); the energies too when ``energies`` is given."""
-    stats: dict[str, utility.ModuleScores] = {}
-    for _, adapters in st.read():
-        sc = utility.score(adapters, alpha=alpha, lam=0.0 if isinstance(lam, str) else lam)
-        stats.update(sc.modules)
-        if energies is not None:
-            energies.add(adapters, "nu.heterogeneity", strict=False)
-    return {n: stats[n] for n in st.source.names}
+    checks and messages), and the energies if ``energies``; every process's, after the
+    exchange (each module's four statistics stacked, ``(4, M, r_max)``)."""
+    mine = _Energies()
+
+    def work() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, _, adapters in st.read():
+            lam_k = 0.0 if isinstance(lam, str) else lam
+            sc = utility.score(adapters, alpha=alpha, lam=lam_k, mesh=mesh)
+            out.update({f"s/{n}": jnp.stack(ms) for n, ms in sc.modules.items()})
+            if energies:
+                mine.add(k, adapters, "nu.heterogeneity", strict=False)
+        return {**out, **mine.arrays()} if energies else out
+
+    shared = st.ex.allgather(st.fn, work)
+    stats = {
+        name[2:]: utility.ModuleScores(*jnp.asarray(a))
+        for arrays in shared
+        for name, a in arrays.items()
+        if name.startswith("s/")
+    }
+    return {n: stats[n] for n in st.source.names}, _Energies.gathered(shared) if energies else None
+
+
+def _agree(st: _Stream, sc: utility.Scores, masks: Mapping[str, Any]) -> None:
+    """Refuse masks that differ between processes (they cannot, from the same statistics and
+    the same code, unless the hosts compute differently): a checksum of lambda and the masks."""
+    if st.ex.count == 1:
+        return
+    crc = zlib.crc32(np.asarray(sc.lam).tobytes())
+    for n in st.source.names:
+        crc = zlib.crc32(np.asarray(masks[n], bool).tobytes(), crc)
+    shared = st.ex.allgather(st.fn, lambda: {"crc": np.asarray(crc, np.int64)})
+    if len({int(a["crc"]) for a in shared}) > 1:
+        raise InputError(
+            f"{st.fn}: the processes chose different directions from the same statistics; run "
+            "every process on the same kind of machine with the same versions of jax and jaxlib."
+        )
+
+
+def _merge_chunk(st: _Stream, call: Mapping[str, Any], names, adapters, masks, index, on_chunk):
+    """One chunk's merged modules (``masks=None``: every candidate)."""
+    part = None if masks is None else {n: masks[n] for n in names}
+    plan = _plan.plan_merge(st.fn, adapters, part, **call, module_index=index)
+    results = _pipeline.run(plan, coef=call["coef"], key=call["key"])
+    out = _results.rebuild(adapters[0], results)
+    return out if on_chunk is None else _on_chunk(st.fn, on_chunk, out)
 
 
 def _merge_pass(
@@ -235,28 +346,45 @@ def _merge_pass(
     masks: Mapping[str, Any] | None,
     *,
     on_chunk: Callable[[dict[str, Any]], Mapping[str, Any]] | None,
-    energies: _Energies | None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Pass 2: ``(merged, kept masks)`` chunk by chunk; ``masks=None`` keeps every candidate
-    (the kept masks are then computed here, as :func:`nu.merge_adapters` does)."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, int | None], _Energies | None]:
+    """Pass 2: ``(merged, kept masks, ranks, energies)`` chunk by chunk: this process's merged
+    modules; every module's kept masks (``masks=None`` keeps every candidate: the kept masks
+    are then computed here, as :func:`nu.merge_adapters` does, and exchanged) and merged rank;
+    the energies (only for ``masks=None``)."""
     fn, names_all = st.fn, st.source.names
     index = {n: i for i, n in enumerate(names_all)}
     merged: dict[str, Any] = {}
-    kept: dict[str, Any] = {} if masks is None else dict(masks)
-    for names, adapters in st.read():
-        if masks is None:
-            _, buckets, _ = _tree.collect(adapters, fn=fn)
-            kept.update(merging._all_candidates(fn, list(names), buckets))
-        part = None if masks is None else {n: masks[n] for n in names}
-        plan = _plan.plan_merge(fn, adapters, part, **call, module_index=index)
-        results = _pipeline.run(plan, coef=call["coef"], key=call["key"])
-        out = _results.rebuild(adapters[0], results)
-        if on_chunk is not None:
-            out = _on_chunk(fn, on_chunk, out)
-        merged.update(out)
-        if energies is not None:
-            energies.add(adapters, "nu.heterogeneity", strict=False)
-    return {n: merged[n] for n in names_all}, {n: kept[n] for n in names_all}
+    kept: dict[str, Any] = {}
+    mine = _Energies()
+
+    def work() -> dict[str, Any]:
+        for k, names, adapters in st.read():
+            if masks is None:
+                _, buckets, _ = _tree.collect(adapters, fn=fn)
+                kept.update(merging._all_candidates(fn, list(names), buckets))
+                mine.add(k, adapters, "nu.heterogeneity", strict=False)
+            merged.update(_merge_chunk(st, call, names, adapters, masks, index, on_chunk))
+        out = {
+            f"r/{n}": np.asarray(-1 if r is None else r) for n, r in merging._ranks(merged).items()
+        }
+        out.update({f"m/{n}": m for n, m in kept.items()})
+        return out if masks is not None else {**out, **mine.arrays()}
+
+    shared = st.ex.allgather(fn, work)
+    ranks: dict[str, int | None] = {}
+    for arrays in shared:
+        for name, a in arrays.items():
+            if name.startswith("r/"):
+                ranks[name[2:]] = None if int(a) < 0 else int(a)
+            elif name.startswith("m/"):
+                kept[name[2:]] = jnp.asarray(a)
+    kept = dict(masks) if masks is not None else kept
+    return (
+        {n: merged[n] for n in st.names_of(st.ex.index)},
+        {n: kept[n] for n in names_all},
+        {n: ranks[n] for n in names_all},
+        None if masks is not None else _Energies.gathered(shared),
+    )
 
 
 def _on_chunk(fn: str, on_chunk: Callable, out: dict[str, Any]) -> Mapping[str, Any]:
@@ -306,13 +434,16 @@ def _refuse_model_wide(fn: str, res: registry.Resolved) -> None:
         )
 
 
-def _stream(fn: str, source: AdapterSet, chunk_bytes: int) -> _Stream:
+def _stream(fn: str, source: AdapterSet, chunk_bytes: int, ex: _exchange.Exchange) -> _Stream:
     codes = source.stored_dtypes
     dtype = _tree.float_dtype(*(np.float64 if c == "F64" else np.float32 for c in codes))
-    chunks = plan_chunks(
-        source.shapes, len(source.paths), chunk_bytes=chunk_bytes, itemsize=dtype.itemsize
-    )
-    return _Stream(fn, source, tuple(chunks), dtype)
+    m_tasks = len(source.paths)
+    chunks = plan_chunks(source.shapes, m_tasks, chunk_bytes=chunk_bytes, itemsize=dtype.itemsize)
+    weights = []
+    for names in chunks:
+        d_in, d_out, r_max = source.shapes[names[0]]
+        weights.append(len(names) * m_tasks * r_max * (d_in + d_out))
+    return _Stream(fn, source, tuple(chunks), dtype, ex, _exchange.assign(weights, ex.count))
 
 
 def merge_adapters_streaming(
@@ -330,6 +461,8 @@ def merge_adapters_streaming(
     key: jax.Array | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     on_chunk: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None,
+    distributed: bool = False,
+    mesh: Any = None,
     **options: Any,
 ) -> tuple[dict[str, Any], merging.Report]:
     """:func:`nu.merge_adapters` on adapters read from disk a chunk at a time (see the module
@@ -344,17 +477,26 @@ def merge_adapters_streaming(
       on_chunk: called with each chunk's merged modules ``{name: module}``; what it returns is
         kept instead (e.g. dense modules truncated with :func:`nu.to_lora`, so that a dense
         method holds only low-rank results). :attr:`Report.ranks` describes what it returns.
+      distributed: split the chunks between the ``jax.process_count()`` processes of a
+        ``jax.distributed`` run (every process calls this with the same arguments; see the
+        module docstring). False (default), or one process: this process merges everything.
+      mesh: a one-axis :class:`jax.sharding.Mesh` of this process's devices
+        (:func:`nu.module_mesh`): each chunk's modules are split between them, as
+        :func:`nu.merge_adapters`'s ``mesh``. None: one device.
 
     Returns:
       ``(merged, Report)``, what :func:`nu.merge_adapters` returns for
       ``nu.peft.load_adapters(source.paths).adapters``: a flat adapter keyed by the module names,
-      in :attr:`AdapterSet.names` order.
+      in :attr:`AdapterSet.names` order. With ``distributed=True``, ``merged`` holds this
+      process's modules only, and the report (identical in every process) all of them.
 
     Raises:
       InputError: as :func:`nu.merge_adapters`; model-wide TIES (``trim_scope="model"``), whose
         threshold is global over entries (see the module docstring): merge in memory instead;
-        ``chunk_bytes`` not positive.
-      InputTypeError: as :func:`nu.merge_adapters`; a source that is not an ``AdapterSet``.
+        ``chunk_bytes`` not positive; with ``distributed=True``, another process's failure
+        (naming that process and its message).
+      InputTypeError: as :func:`nu.merge_adapters`; a source that is not an ``AdapterSet``;
+        ``distributed`` not a bool.
 
     Example:
       >>> import pathlib, tempfile
@@ -388,20 +530,15 @@ def merge_adapters_streaming(
         _plan.check_key(fn, key, res.spec.name)
     _refuse_model_wide(fn, res)
     _check_source(fn, source, chunk_bytes, on_chunk)
-    st = _stream(fn, source, chunk_bytes)
-    energies = _Energies()
-    sc = masks = None
+    mesh = _mesh.check_mesh(fn, mesh)
+    st = _stream(fn, source, chunk_bytes, _exchange.current(fn, distributed))
+    energies = sc = masks = None
     if allocation != "all":
         alpha_v = alpha
         if isinstance(alpha, str):  # pass 0
-            auto = f"{fn} (alpha='auto')"
-            for _, adapters in st.read():
-                energies.add(adapters, auto, strict=True)
-            h = energies.heterogeneity(st.dtype, auto, strict=True)
-            alpha_v = 0.0 if h > float(_H_THRESHOLD) else 1.0
-        stats = _score_pass(
-            st, alpha=alpha_v, lam=lam, energies=None if isinstance(alpha, str) else energies
-        )
+            alpha_v, energies = _auto_alpha(st)
+        stats, e1 = _score_pass(st, alpha=alpha_v, lam=lam, energies=energies is None, mesh=mesh)
+        energies = energies or e1
         sc = _global_scores(fn, stats, lam, alpha_v, st.dtype)
         masks = allocate(
             sc,
@@ -409,13 +546,12 @@ def merge_adapters_streaming(
             scope="uniform" if allocation == "uniform" else scope,
             positive_only=_checks.check_bool(fn, "positive_only", positive_only),
         )
+        _agree(st, sc, masks)
     call = {"method": method, "space": space, "coef": coef, "key": key, "options": res.options}
-    merged, kept = _merge_pass(
-        st, call, masks, on_chunk=on_chunk, energies=energies if masks is None else None
-    )
+    call["mesh"] = mesh
+    merged, kept, ranks, e2 = _merge_pass(st, call, masks, on_chunk=on_chunk)
+    energies = energies or e2  # (the first pass that read everything summed them)
     settings = {"budget": budget, "method": method, "space": space, "allocation": allocation}
-    h = energies.heterogeneity(st.dtype, "nu.heterogeneity", strict=False)
-    report = merging._report(
-        None, merged, list(source.names), kept, sc, h=h, scope=scope, **settings
-    )
-    return merged, report
+    h = energies.heterogeneity(st.dtype, "nu.heterogeneity", strict=False)  # type: ignore[union-attr]
+    report = merging._report(None, merged, list(merged), kept, sc, h=h, scope=scope, **settings)
+    return merged, dataclasses.replace(report, ranks=ranks)

@@ -5,6 +5,7 @@ pads 11 modules to 12). Prints one JSON line of findings for the test to assert 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jax
@@ -56,11 +57,9 @@ def rel_diff(x, y) -> float:
     return float(np.abs(x[fin] - y[fin]).max(initial=0.0) / scale)
 
 
-def main(cases) -> dict:
-    ads = adapters()
-    found: dict = {"devices": jax.device_count(), "cases": {}}
-    one = nu.score(ads)
-    for d in (8, 3):
+def _mode(ads, one, cases) -> dict:
+    found: dict = {"cases": {}}
+    for d in (8, 3) if len(cases) > 1 else (8,):  # 3 devices (11 modules padded to 12): slow
         mesh = nu.module_mesh(jax.devices()[:d])
         sc = nu.score(ads, mesh=mesh)
         found[f"score_{d}"] = {
@@ -74,12 +73,6 @@ def main(cases) -> dict:
                 np.array_equal(nu.allocate(one, 5)[n], nu.allocate(sc, 5)[n]) for n in one.modules
             ),
         }
-    st = _mesh.host_stack(
-        _tree.collect(ads, fn="t")[1][0], np.float32, _mesh.padded(11, nu.module_mesh())
-    )
-    placed = _mesh.shard(st.a, nu.module_mesh())
-    found["shards"] = sorted({tuple(s.data.shape) for s in placed.addressable_shards})
-    found["n_shards"] = len(placed.addressable_shards)
     mesh = nu.module_mesh()
     for method, space, opts in cases:
         opts = dict(opts)
@@ -101,6 +94,54 @@ def main(cases) -> dict:
             "rel": max(rel_diff(nu.module_update(ref[n]), nu.module_update(out[n])) for n in ref),
         }
     return found
+
+
+def main(cases) -> dict:
+    """Both ways a mesh runs: its devices' shares in turn (CPU's default) and one SPMD program
+    (``NETUTILITY_MESH_SPMD=1``, what GPUs and TPUs run; safe on CPU at these small shapes)."""
+    ads = adapters()
+    one = nu.score(ads)
+    found: dict = {"devices": jax.device_count()}
+    st = _mesh.host_stack(
+        _tree.collect(ads, fn="t")[1][0], np.float32, _mesh.padded(11, nu.module_mesh())
+    )
+    placed = _mesh.shard(st.a, nu.module_mesh())
+    found["shards"] = sorted({tuple(s.data.shape) for s in placed.addressable_shards})
+    found["n_shards"] = len(placed.addressable_shards)
+    for mode in ("in_turn", "spmd"):
+        os.environ["NETUTILITY_MESH_SPMD"] = "1" if mode == "spmd" else "0"
+        found[mode] = _mode(ads, one, cases)
+        if len(cases) > 1:
+            found[mode]["cli"] = _cli(ads)
+    return found
+
+
+def _cli(ads) -> dict:
+    """``netutility merge`` (streamed, small chunks) with ``--devices all`` (8) against
+    ``--devices 1``: the written adapters, tensor for tensor."""
+    import tempfile
+
+    import safetensors.numpy
+
+    from netutility_jax import cli
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = []
+        for i, ad in enumerate(ads):
+            folders.append(f"{tmp}/task{i}")
+            nu.peft.save_adapter({k: v for k, v in ad.items() if v is not None}, folders[-1])
+        out = {}
+        for devices in ("all", "1"):
+            argv = ["merge", *folders, "--budget", "4", "--method", "tsv", "--space", "core"]
+            argv += ["--chunk-mb", "0.05", "--devices", devices, "--out", f"{tmp}/out{devices}"]
+            assert cli.main([*argv, "--no-plots", "--quiet"]) == 0
+            out[devices] = safetensors.numpy.load_file(
+                f"{tmp}/out{devices}/adapter_model.safetensors"
+            )
+        return {
+            "same_names": sorted(out["all"]) == sorted(out["1"]),
+            "exact": all(np.array_equal(out["all"][k], out["1"][k]) for k in out["1"]),
+        }
 
 
 if __name__ == "__main__":

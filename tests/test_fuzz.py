@@ -654,6 +654,11 @@ _CLI_FLAGS = {  # flag: a valid value (the rest of the time the value is garbage
     "--common-fraction": "0.8",
     "--serving-ranks": "vllm",
     "--chunk-mb": "1",
+    "--devices": "all",
+    # without --distributed (never drawn: it would wait for other processes) these are refused
+    "--coordinator": "localhost:1",
+    "--num-processes": "2",
+    "--process-id": "0",
 }
 
 

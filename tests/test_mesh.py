@@ -31,7 +31,7 @@ CHILD = pathlib.Path(__file__).parent / "_mesh_child.py"
 
 
 def _run_child(*args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NETUTILITY_MESH_SPMD")}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", NETUTILITY_COMPILE_CACHE="off")
     proc = subprocess.run(
         [sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True, timeout=900
@@ -44,14 +44,18 @@ def _check_child(found: dict, cases: list) -> None:
     assert found["devices"] == 8
     # each of the 8 devices holds its own 2 of the 16 (11 padded) modules, not a copy of all
     assert found["n_shards"] == 8 and found["shards"] == [[2, 3, 64, 4]]
-    for d in (8, 3):
-        s = found[f"score_{d}"]
-        assert s["masks_equal"], d
-        assert s["lam"] <= 1e-6 and s["fields"] <= 1e-6, s  # float32 rounding (see _mesh)
-    assert sorted(found["cases"]) == sorted(f"{m}/{sp}" for m, sp, _ in cases)
-    for name, c in found["cases"].items():
-        assert c["masks_equal"] and c["ranks_equal"], name
-        assert c["exact"], (name, c["rel"])  # the same masks merge to the same bits
+    for mode in ("in_turn", "spmd"):
+        got = found[mode]
+        for d in (8, 3) if len(cases) > 1 else (8,):
+            s = got[f"score_{d}"]
+            assert s["masks_equal"], (mode, d)
+            assert s["lam"] <= 1e-6 and s["fields"] <= 1e-6, (mode, s)  # float32 rounding
+        assert sorted(got["cases"]) == sorted(f"{m}/{sp}" for m, sp, _ in cases)
+        for name, c in got["cases"].items():
+            assert c["masks_equal"] and c["ranks_equal"], (mode, name)
+            assert c["exact"], (mode, name, c["rel"])  # the same masks merge to the same bits
+        if len(cases) > 1:  # netutility merge --devices all (8) vs --devices 1, streamed
+            assert got["cli"] == {"same_names": True, "exact": True}, mode
 
 
 def test_eight_devices_match_one_device():
@@ -113,3 +117,22 @@ def test_bad_mesh_is_refused_with_a_clear_error():
         jax.jit(lambda a: nu.score(a, lam=0.5, mesh=nu.module_mesh()).lam)(ads)
     with pytest.raises(InputError, match="no devices given"):
         nu.module_mesh([])
+
+
+def test_cli_devices_beyond_this_process_is_a_usage_error(tmp_path, capsys):
+    from netutility_jax import cli
+
+    folders = []
+    for i, ad in enumerate(_mesh_child.adapters()[:2]):
+        folders.append(str(tmp_path / f"t{i}"))
+        nu.peft.save_adapter(ad, folders[-1])
+    n = jax.local_device_count() + 1
+    rc = cli.main(
+        ["merge", *folders, "--budget", "2", "--devices", str(n), "--out", str(tmp_path / "o")]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and f"--devices {n}: this process has {n - 1} device(s)" in err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SystemExit):
+        cli.main(["merge", *folders, "--budget", "2", "--devices", "0", "--out", "o"])
+    assert "is not 'all' or a positive number of devices" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import FileAccessError, InputError, InputTypeError, MissingFileError
 from ._common import CONFIG_NAME, PICKLE_NAME, PREFIX, WEIGHTS_NAME, _clip, _safetensors
 
-__all__ = ["load_config"]
+__all__ = ["INDEX_NAME", "load_config"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,8 +151,12 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _weights_file(d: pathlib.Path, *, fn: str) -> pathlib.Path:
-    """``d/adapter_model.safetensors``, readable; a folder with only the pickle is refused."""
+    """``d/adapter_model.safetensors``, readable, or else its index (a sharded adapter, as
+    ``netutility merge --distributed --keep-shards`` writes); a folder with only the pickle is
+    refused."""
     wf = d / WEIGHTS_NAME
+    if _kind(wf, fn=fn) == "missing" and _kind(d / INDEX_NAME, fn=fn) == "file":
+        return d / INDEX_NAME
     if _kind(wf, fn=fn) == "missing" and _kind(d / PICKLE_NAME, fn=fn) == "file":
         raise InputError(
             f"{fn}: {str(d)!r} holds only the pickled {PICKLE_NAME}, which is never unpickled "
@@ -165,6 +169,9 @@ def _weights_file(d: pathlib.Path, *, fn: str) -> pathlib.Path:
 
 
 def _open_weights(f: pathlib.Path, *, fn: str):
+    """``safe_open(f)``, or for an index a :class:`_Sharded` file with the same interface."""
+    if f.name == INDEX_NAME:
+        return _Sharded(f, _read_index(f, fn=fn), fn=fn)
     st = _safetensors()
     try:
         return st.safe_open(str(f), framework="flax")
@@ -176,6 +183,77 @@ def _open_weights(f: pathlib.Path, *, fn: str):
     except FileNotFoundError as e:  # safetensors reports any failure to open this way
         _readable_file(f, f"the safetensors file {WEIGHTS_NAME}", fn=fn)
         raise MissingFileError(f"{fn}: could not open {str(f)!r} ({e}).") from e
+
+
+INDEX_NAME = "adapter_model.safetensors.index.json"
+"""The index of a sharded adapter: ``{"metadata": {...}, "weight_map": {tensor: shard file}}``
+(Hugging Face's layout for sharded checkpoints; PEFT itself reads only ``WEIGHTS_NAME``)."""
+
+
+def _read_index(f: pathlib.Path, *, fn: str) -> dict[str, pathlib.Path]:
+    """``{tensor: shard path}`` from the index ``f``; shards are files beside it."""
+    _readable_file(f, f"the JSON index {INDEX_NAME}", fn=fn)
+    try:
+        index = json.loads(f.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(f"{fn}: {str(f)!r} is not valid JSON ({_clip(str(e), 200)}).") from e
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise InputError(
+            f'{fn}: {str(f)!r} has no weight_map; expected {{"weight_map": {{tensor: shard '
+            "file}}}} (a sharded adapter's index)."
+        )
+    out: dict[str, pathlib.Path] = {}
+    for key, name in wmap.items():
+        if not isinstance(name, str) or pathlib.Path(name).name != name or name in ("", ".", ".."):
+            raise InputError(
+                f"{fn}: {str(f)!r} maps {_clip(key)} to {_clip(name)}; expected the name of a "
+                "shard file in the same folder."
+            )
+        out[str(key)] = f.parent / name
+    return out
+
+
+class _Sharded:
+    """The tensors of a sharded adapter behind ``safe_open``'s interface (``keys``,
+    ``get_slice``, ``get_tensor``, a context manager): each shard is opened on first use, and
+    checked to hold the tensors the index gives it."""
+
+    def __init__(self, index: pathlib.Path, files: dict[str, pathlib.Path], *, fn: str):
+        self._index, self._files, self._fn = index, files, fn
+        self._open: dict[pathlib.Path, Any] = {}
+
+    def __enter__(self) -> _Sharded:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        handles, self._open = list(self._open.values()), {}
+        for h in handles:
+            h.__exit__(None, None, None)
+
+    def keys(self) -> list[str]:
+        return list(self._files)
+
+    def _shard(self, key: str) -> Any:
+        path = self._files[key]
+        if path not in self._open:
+            _readable_file(path, f"the shard {path.name} of {INDEX_NAME}", fn=self._fn)
+            h = _open_weights(path, fn=self._fn).__enter__()
+            self._open[path] = h
+            have = set(h.keys())
+            lost = [k for k, p in self._files.items() if p == path and k not in have]
+            if lost:
+                raise InputError(
+                    f"{self._fn}: {str(self._index)!r} places {_clip(lost[0])} in {str(path)!r}, "
+                    "which does not hold it; the sharded adapter is incomplete: write it again."
+                )
+        return self._open[path]
+
+    def get_slice(self, key: str) -> Any:
+        return self._shard(key).get_slice(key)
+
+    def get_tensor(self, key: str) -> Any:
+        return self._shard(key).get_tensor(key)
 
 
 def _read_shapes(fh: Any, wf: pathlib.Path, *, fn: str) -> dict[str, tuple[int, ...]]:
