@@ -6,6 +6,9 @@ float32, 16 tasks: about 2.7 GB of factors), then each case runs in a fresh inte
 
 * ``floor``: every file read once with ``safe_open``, tensor by tensor (nothing kept): the
   irreducible I/O of any merge;
+* ``compute_floor``: every chunk read once as the streamed merge reads it, plus the Grams of
+  each module's task-stacked factors (one pass of arithmetic over every factor): the irreducible
+  compute of any factored merge, compiles included (one per chunk shape);
 * ``in_memory``: ``nu.peft.load_adapters`` + ``nu.merge_adapters`` (TA in core space);
 * ``stream_ta``, ``stream_tsv``: ``nu.peft.open_adapters`` + ``merge_adapters_streaming`` (TA and
   TSV in core space, ``--chunk-mb`` per chunk).
@@ -59,7 +62,7 @@ SHAPES = {  # Llama-3-8B: module -> (d_in, d_out)
     "mlp.up_proj": (4096, 14336),
     "mlp.down_proj": (14336, 4096),
 }
-CASES = ("floor", "in_memory", "stream_ta", "stream_tsv")
+CASES = ("floor", "compute_floor", "in_memory", "stream_ta", "stream_tsv")
 
 
 # ----------------------------------------------------------------------------- data
@@ -139,6 +142,39 @@ def _floor(paths: list[str]) -> dict:
     return {"read_s": sw.total, "bytes": n}
 
 
+def _compute_floor(paths: list[str], chunk_bytes: int) -> dict:
+    """The irreducible work of any factored merge, streamed as the merge streams: every chunk
+    read once (``AdapterSet.read``) and, per module, the Grams of the task-stacked factors
+    ``[a_1 .. a_M]`` and ``[b_1; ..; b_M]`` (one pass over every factor; ``merging.py``'s
+    reference), jitted once per chunk shape."""
+    import jax
+    import jax.numpy as jnp
+
+    from netutility_jax import peft
+    from netutility_jax.streaming import plan_chunks
+
+    hi = jax.lax.Precision.HIGHEST
+
+    @jax.jit
+    def grams(a_l, b_l):
+        a = jnp.stack([jnp.concatenate(row, 1) for row in a_l])  # (n, d_in, M r)
+        b = jnp.stack([jnp.concatenate(row, 0) for row in b_l])  # (n, M r, d_out)
+        return jnp.einsum("ndk,ndl->nkl", a, a, precision=hi), jnp.einsum(
+            "nkd,nld->nkl", b, b, precision=hi
+        )
+
+    sw = h.Stopwatch()
+    source = peft.open_adapters(paths)
+    chunks = plan_chunks(source.shapes, len(paths), chunk_bytes=chunk_bytes, itemsize=4)
+    for names in chunks:
+        ads = source.read(names)
+        a_l = [[np.asarray(ad[n]["lora_a"], np.float32) for ad in ads] for n in names]
+        b_l = [[np.asarray(ad[n]["lora_b"], np.float32) for ad in ads] for n in names]
+        jax.block_until_ready(grams(a_l, b_l))
+    sw.lap(None)
+    return {"read_and_grams_s": sw.total, "chunks": len(chunks), "vm_hwm_mb": h.hwm_mb()}
+
+
 def _merge_summary(merged, report) -> dict:
     digest = hashlib.sha256()
     for name in sorted(report.masks):
@@ -162,6 +198,8 @@ def run_case(case: str, paths: list[str], budget: int, chunk_bytes: int) -> dict
 
     if case == "floor":
         return _floor(paths)
+    if case == "compute_floor":
+        return _compute_floor(paths, chunk_bytes)
     sw = h.Stopwatch()
     if case == "in_memory":
         loaded = sw.lap(peft.load_adapters(paths))
