@@ -15,8 +15,10 @@ statistics of every device.
 On CPU the devices' shares run in turn instead (:func:`per_device`: jaxlib's CPU LAPACK kernels
 deadlock when several devices' programs run at once, and a CPU host's devices share its cores
 anyway). On one device (``mesh=None``) nothing changes. The results are those of one device:
-masks and merged modules bit for bit, scores to float32 rounding (a device's batch changes how
-XLA fuses one elementwise step of the benefit); see ``tests/test_mesh.py``.
+the same masks and ranks, scores to float32 rounding (a device's batch changes how XLA fuses one
+elementwise step of the benefit), merged modules bit for bit at the tested shapes and to float32
+rounding in general (a smaller batch can change the last bit of a batched kernel on large
+factors, as a streamed chunk's can); see ``tests/test_mesh.py``.
 """
 
 from __future__ import annotations
