@@ -24,10 +24,10 @@ import numpy as np
 
 from .._checks import few
 from ..errors import InputError
-from ._common import CONFIG_NAME, _check_bool, _clip, _natural, _safetensors
-from ._config import _check_lora_config, _check_same_base, _module_settings, _union_config
+from ._common import CONFIG_NAME, _clip, _natural, _safetensors
+from ._config import _check_lora_config, _module_settings, _union_config
 from ._convert import _check_shapes, _from_peft, _scale
-from ._load import _check_compatible
+from ._load import _check_compatible, _check_set
 from ._read import (
     _directory,
     _factor_keys,
@@ -252,21 +252,9 @@ def open_adapters(
       >>> tmp.cleanup()
     """
     fn = "nu.peft.open_adapters"
-    if isinstance(paths, (str, os.PathLike)) or not isinstance(paths, Sequence) or not paths:
-        raise InputError(
-            f"{fn}: expected a non-empty list of adapter directories, got {_clip(paths)}; for one "
-            "adapter pass [path]."
-        )
-    for name, v in (
-        ("strict", strict),
-        ("strict_targets", strict_targets),
-        ("allow_different_base", allow_different_base),
-    ):
-        _check_bool(v, name, fn=fn)
-    configs = [load_config(p) for p in paths]
-    labels = [repr(os.fspath(p)) for p in paths]
-    if not allow_different_base:
-        _check_same_base(configs, labels, fn=fn)
+    configs, labels = _check_set(
+        fn, paths, "pass [path]", strict, strict_targets, allow_different_base
+    )
     opened = [_open_one(p, strict=strict, fn=fn) for p in paths]
     stand_ins = [{n: _shape_only(e) for n, e in entries.items()} for _, entries in opened]
     _check_compatible(stand_ins, labels, strict_targets=strict_targets, fn=fn)

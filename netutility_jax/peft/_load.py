@@ -233,6 +233,35 @@ def _update_shape(mod: Mapping[str, Any]) -> tuple[int, int]:
     return int(mod["lora_a"].shape[0]), int(mod["lora_b"].shape[1])
 
 
+def _check_set(
+    fn: str,
+    paths: Any,
+    one: str,
+    strict: Any,
+    strict_targets: Any,
+    allow_different_base: Any,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """What :func:`load_adapters` and :func:`open_adapters` check before any tensor: a non-empty
+    list of folders (``one``: what to do for a single adapter), the options' types, every config
+    (cheap), and the same base model unless ``allow_different_base``; ``(configs, labels)``."""
+    if isinstance(paths, (str, os.PathLike)) or not isinstance(paths, Sequence) or not paths:
+        raise InputError(
+            f"{fn}: expected a non-empty list of adapter directories, got {_clip(paths)}; for one "
+            f"adapter {one}."
+        )
+    for name, v in (
+        ("strict", strict),
+        ("strict_targets", strict_targets),
+        ("allow_different_base", allow_different_base),
+    ):
+        _check_bool(v, name, fn=fn)
+    configs = [load_config(p) for p in paths]  # cheap: refuse different bases before the weights
+    labels = [repr(os.fspath(p)) for p in paths]
+    if not allow_different_base:
+        _check_same_base(configs, labels, fn=fn)
+    return configs, labels
+
+
 def load_adapters(
     paths: Sequence[str | os.PathLike],
     *,
@@ -273,21 +302,9 @@ def load_adapters(
       FileNotFoundError, PermissionError: as for :func:`load_adapter`.
     """
     fn = "nu.peft.load_adapters"
-    if isinstance(paths, (str, os.PathLike)) or not isinstance(paths, Sequence) or not paths:
-        raise InputError(
-            f"{fn}: expected a non-empty list of adapter directories, got {_clip(paths)}; for one "
-            "adapter use nu.peft.load_adapter(path)."
-        )
-    for name, v in (
-        ("strict", strict),
-        ("strict_targets", strict_targets),
-        ("allow_different_base", allow_different_base),
-    ):
-        _check_bool(v, name, fn=fn)
-    configs = [load_config(p) for p in paths]  # cheap: refuse different bases before the weights
-    labels = [repr(os.fspath(p)) for p in paths]
-    if not allow_different_base:
-        _check_same_base(configs, labels, fn=fn)
+    configs, labels = _check_set(
+        fn, paths, "use nu.peft.load_adapter(path)", strict, strict_targets, allow_different_base
+    )
     loaded = [load_adapter(p, strict=strict) for p in paths]
     _check_compatible(loaded, labels, strict_targets=strict_targets, fn=fn)
     names = sorted({n for ad in loaded for n in ad}, key=_natural)
