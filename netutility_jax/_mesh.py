@@ -43,7 +43,9 @@ __all__ = [
     "module_mesh",
     "pad_rows",
     "padded",
+    "per_device",
     "shard",
+    "spmd",
 ]
 
 AXIS = "modules"
