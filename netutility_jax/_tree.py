@@ -158,8 +158,10 @@ def _nodes(
 ) -> Iterator[tuple[tuple[Any, ...], KeyPath, Any, bool]]:
     """Every node, depth first in key order: ``(keys, path, node, stop)``; ``keys`` are the
     mapping keys as they are, ``path`` the same as strings, ``stop`` False for an entered mapping."""
-    # an explicit stack: no recursion limit, and the ancestors of each node for cycle detection
-    stack: list[tuple[tuple[Any, ...], KeyPath, Any, tuple[int, ...]]] = [((), (), tree, ())]
+    # an explicit stack: no recursion limit, and the ancestors of each node for cycle detection.
+    # The ancestors themselves are kept, not their id()s: a mapping may hand out a new object per
+    # lookup (flax.nnx.State does), and a collected one's id can be reused by a later object.
+    stack: list[tuple[tuple[Any, ...], KeyPath, Any, tuple[Any, ...]]] = [((), (), tree, ())]
     while stack:
         keys, path, node, ancestors = stack.pop()
         if max_depth is not None and len(path) > max_depth:
@@ -168,9 +170,9 @@ def _nodes(
             yield keys, path, node, True
             continue
         yield keys, path, node, False
-        if id(node) in ancestors:
+        if any(a is node for a in ancestors):
             raise cycle(path) if cycle else _cycle(path)
-        up = (*ancestors, id(node))
+        up = (*ancestors, node)
         stack.extend(
             ((*keys, k), (*path, str(k)), node[k], up) for k in reversed(list(node.keys()))
         )

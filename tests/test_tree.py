@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -399,3 +400,60 @@ def test_message_helpers_stay_short():
 def test_is_real_scalar(x, ok):
     t = importlib.import_module("netutility_jax._tree")
     assert t.is_real_scalar(x) is ok
+
+
+class _RecycledViews:
+    """A mapping that hands out a view object per lookup, as flax.nnx.State does, and recycles
+    the views the walker let go of (a finalizer resurrects each into a pool, once): a later
+    lookup returns the same object, so the same id, as CPython's allocator may at random."""
+
+    pool: ClassVar[list[_RecycledViews]] = []
+    reused: ClassVar[int] = 0
+
+    def __init__(self, d):
+        self.d = d
+
+    @classmethod
+    def of(cls, d):
+        if cls.pool:
+            cls.reused += 1
+            view = cls.pool.pop()
+        else:
+            view = cls.__new__(cls)
+        view.d = d
+        return view
+
+    def __del__(self):
+        _RecycledViews.pool.append(self)
+
+    def keys(self):
+        return self.d.keys()
+
+    def __getitem__(self, key):
+        value = self.d[key]
+        return _RecycledViews.of(value) if isinstance(value, dict) else value
+
+
+def test_walker_cycle_check_is_not_fooled_by_reused_ids():
+    rng = np.random.default_rng(0)
+    raw = {
+        f"l{i}": {
+            "attn": {
+                name: {
+                    "lora": {"lora_a": rng.normal(size=(4, 2)), "lora_b": rng.normal(size=(2, 3))}
+                }
+                for name in ("q", "k", "v")
+            }
+        }
+        for i in range(6)
+    }
+    want = [(f"l{i}", "attn", n, "lora") for i in range(6) for n in ("q", "k", "v")]
+    _RecycledViews.pool.clear()
+    _RecycledViews.reused = 0
+    assert [p for p, _ in nu._tree.walk_modules(_RecycledViews.of(raw))] == want
+    assert _RecycledViews.reused > 0  # the walk did meet recycled objects (reused ids)
+    assert set(nu.extract_lora(_RecycledViews.of(raw))) == {"/".join(p) for p in want}
+    looped = {"a": {}}
+    looped["a"]["b"] = looped  # a real cycle is still refused
+    with pytest.raises(nu.InputError, match="contains itself"):
+        list(nu._tree.walk_modules(looped))
