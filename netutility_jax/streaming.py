@@ -128,7 +128,7 @@ class _Energies:
 
     def add(self, chunk: int, adapters: Sequence[Any], fn: str, *, strict: bool) -> None:
         try:
-            k, t, _ = utility._log_energies(adapters, fn, False)
+            k, t, _ = utility._log_energies(adapters, fn, False, stacked=True)
         except ValueError:
             if strict:
                 raise
@@ -202,7 +202,7 @@ class _Stream:
         for k, names in enumerate(self.chunks):
             if self.owner[k] != self.ex.index:
                 continue
-            adapters = self.source.read(names)
+            adapters = self.source.read(names, host=True)  # stacked on the host (_mesh)
             if self.dtype == np.float64:
                 adapters = [{n: _as(m, self.dtype) for n, m in ad.items()} for ad in adapters]
             yield k, names, adapters
@@ -213,8 +213,8 @@ def _as(m: dict[str, Any] | None, dtype: Any) -> dict[str, Any] | None:
         return None
     return {
         **m,
-        "lora_a": jnp.asarray(m["lora_a"], dtype),
-        "lora_b": jnp.asarray(m["lora_b"], dtype),
+        "lora_a": np.asarray(m["lora_a"], dtype),
+        "lora_b": np.asarray(m["lora_b"], dtype),
     }
 
 
@@ -530,7 +530,9 @@ def merge_adapters_streaming(
         _plan.check_key(fn, key, res.spec.name)
     _refuse_model_wide(fn, res)
     _check_source(fn, source, chunk_bytes, on_chunk)
-    mesh = _mesh.check_mesh(fn, mesh)
+    # None: this process's first device, the chunks stacked on the host all the same: one small
+    # program per stage and chunk shape, not one traced over every module's leaves
+    mesh = _mesh.check_mesh(fn, mesh) or _mesh.module_mesh(jax.local_devices()[:1])
     st = _stream(fn, source, chunk_bytes, _exchange.current(fn, distributed))
     energies = sc = masks = None
     if allocation != "all":

@@ -561,10 +561,13 @@ def _log_energy_impl(inputs, *, meta, route="raw"):
     """
     dtype = meta[0]
     mant, expo, bads, oks = [], [], [], []
-    for (a, b, s), (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True):
-        A, B, S, _ = _buckets.stack_bucket(
-            a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype
-        )
+    for x, (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True):
+        if isinstance(x, _mesh.Stacked):  # stacked on the host (the streamed merge)
+            A, B, S, _ = x
+        else:
+            A, B, S, _ = _buckets.stack_bucket(
+                *x, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype
+            )
         gaa, gbb, s2, e, nonfinite, raw_ok = safe_grams(A, B, S, PER_TASK, route)
         oks.append(raw_ok)
         mant.append(((s2**2)[..., None, None] * gaa * gbb).sum((2, 3)))  # (n, M)
@@ -582,8 +585,10 @@ def _log_energy_impl(inputs, *, meta, route="raw"):
     return kmax, t, tuple(bads), jnp.stack(oks).all()
 
 
-def _log_energies(adapters: Sequence[Any], fn: str, checked: bool):
-    """``(k, t, buckets)`` of :func:`_log_energy_impl`, with the eager finiteness check."""
+def _log_energies(adapters: Sequence[Any], fn: str, checked: bool, *, stacked: bool = False):
+    """``(k, t, buckets)`` of :func:`_log_energy_impl`, with the eager finiteness check.
+    ``stacked``: stack each bucket's (concrete) factors on the host first
+    (:func:`_mesh.host_stack`): the same values, and a small program whatever the modules."""
     _, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     dtype = _tree.compute_dtype(buckets)
     live = [bk for bk in buckets if not _dead(bk)]
@@ -592,6 +597,8 @@ def _log_energies(adapters: Sequence[Any], fn: str, checked: bool):
     meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in live))
     inputs = tuple(_buckets.bucket_arrays(bk) for bk in live)
     traced = _traced(inputs)
+    if stacked and not traced:
+        inputs = tuple(_mesh.host_stack(bk, dtype, len(bk.names)) for bk in live)
     with np.errstate(over="ignore"):  # values beyond the dtype: counted and reported below
         k, t, bads, raw_ok = _log_energy_impl(inputs, meta=meta, route="cond" if traced else "raw")
         # extreme or non-finite factors: the exact route (no LAPACK here, no ordering needed)

@@ -82,9 +82,9 @@ class _Spy:
     def __getattr__(self, name):
         return getattr(self._source, name)
 
-    def read(self, names):
+    def read(self, names, **kw):
         self.calls.append(tuple(names))
-        return self._source.read(names)
+        return self._source.read(names, **kw)
 
 
 # ------------------------------------------------------------------------------ open_adapters
@@ -115,6 +115,23 @@ def test_read_all_equals_load_adapters(paths, loaded):
         mods = [ad[n] for ad in loaded.adapters if ad[n] is not None]
         assert (d_in, d_out) == mods[0]["lora_a"].shape[:1] + mods[0]["lora_b"].shape[1:]
         assert r_max == max(m["lora_a"].shape[1] for m in mods)
+
+
+def test_read_host_equals_device_read(paths, loaded):
+    # host=True: numpy arrays (no device copy), the same values and layout as load_adapters
+    s = peft.open_adapters(paths)
+    got = s.read(s.names, host=True)
+    for mine, ref in zip(got, loaded.adapters, strict=True):
+        for n in ref:
+            if ref[n] is None:
+                assert mine[n] is None
+                continue
+            assert mine[n]["scale"] == ref[n]["scale"]
+            for k in ("lora_a", "lora_b"):
+                assert isinstance(mine[n][k], np.ndarray), type(mine[n][k])
+                assert mine[n][k].dtype == ref[n][k].dtype
+                assert mine[n][k].shape == ref[n][k].shape
+                np.testing.assert_array_equal(mine[n][k], np.asarray(ref[n][k]))
 
 
 def test_read_subset_and_nbytes(paths, loaded):

@@ -109,25 +109,33 @@ def _scale(
 
 
 def _from_peft(
-    a: Any, b: Any, scale: float, keys: tuple[str, str], wf: pathlib.Path, *, fn: str
+    a: Any,
+    b: Any,
+    scale: float,
+    keys: tuple[str, str],
+    wf: pathlib.Path,
+    *,
+    fn: str,
+    host: bool = False,
 ) -> dict[str, Any]:
     """``{"lora_a": A^T, "lora_b": B^T, "scale"}`` from PEFT's ``A`` (r, d_in), ``B`` (d_out, r)
-    (stored under ``keys``), upcast to float32 (float64 stays)."""
+    (stored under ``keys``), upcast to float32 (float64 stays); ``host``: numpy views, not
+    device arrays (for callers that stack them on the host)."""
     for k, x in zip(keys, (a, b), strict=True):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise InputTypeError(
                 f"{fn}: {_clip(k)} in {str(wf)!r} has dtype {x.dtype}; LoRA factors are "
                 "floating point (float32, bf16, fp16)."
             )
-    return {"lora_a": _upcast(a), "lora_b": _upcast(b), "scale": scale}
+    return {"lora_a": _upcast(a, host), "lora_b": _upcast(b, host), "scale": scale}
 
 
-def _upcast(x: Any) -> jax.Array:
+def _upcast(x: Any, host: bool = False) -> Any:
     # transpose and upcast on the host: eager jnp ops would compile once per factor shape
     arr = np.asarray(x)
     if arr.dtype != np.float64:
-        arr = arr.astype(np.float32)
-    return jnp.asarray(np.ascontiguousarray(arr.T))
+        arr = arr.astype(np.float32, copy=False)
+    return arr.T if host else jnp.asarray(np.ascontiguousarray(arr.T))
 
 
 # ---------------------------------------------------------------------------------------------

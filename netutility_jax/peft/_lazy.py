@@ -152,7 +152,9 @@ class AdapterSet:
         """The factors' dtype codes as stored (``"BF16"``, ``"F32"``, ``"F64"`` ...), sorted."""
         return tuple(sorted({c for es in self._entries for e in es.values() for c in e.dtypes}))
 
-    def read(self, names: Iterable[str]) -> list[dict[str, dict[str, Any] | None]]:
+    def read(
+        self, names: Iterable[str], *, host: bool = False
+    ) -> list[dict[str, dict[str, Any] | None]]:
         """Read the modules ``names`` of every task: one flat adapter per task.
 
         Each call opens the files with ``safe_open`` and reads only these modules' factors,
@@ -161,6 +163,9 @@ class AdapterSet:
 
         Args:
           names: module names from :attr:`names`, each at most once.
+          host: the factors as numpy arrays (transposed views of what was read) instead of
+            device arrays: for callers that stack them on the host before any computation
+            (the streamed merge), which saves a copy to the device and back per factor.
 
         Returns:
           ``[{name: module or None}]``, one per task, holding exactly ``names`` in that order;
@@ -180,12 +185,14 @@ class AdapterSet:
             what = f"{few(unknown)} not among the adapters' modules" if unknown else "repeated"
             raise InputError(f"{fn}: module names {what}; pass names from AdapterSet.names.")
         return [
-            self._read_task(wf, entries, names, fn=fn)
+            self._read_task(wf, entries, names, fn=fn, host=bool(host))
             for wf, entries in zip(self._files, self._entries, strict=True)
         ]
 
     @staticmethod
-    def _read_task(wf: pathlib.Path, entries: Mapping[str, _Entry], names: Sequence[str], *, fn):
+    def _read_task(
+        wf: pathlib.Path, entries: Mapping[str, _Entry], names: Sequence[str], *, fn, host
+    ):
         out: dict[str, dict[str, Any] | None] = dict.fromkeys(names)
         have = [n for n in names if n in entries]
         if not have:
@@ -203,7 +210,7 @@ class AdapterSet:
                     raise InputError(f"{changed} ({_clip(str(err), 200)})") from err
                 if (tuple(a.shape), tuple(b.shape)) != (e.shape_a, e.shape_b):
                     raise InputError(f"{changed} (module {_clip(n)})")
-                out[n] = _from_peft(a, b, e.scale, e.keys, wf, fn=fn)
+                out[n] = _from_peft(a, b, e.scale, e.keys, wf, fn=fn, host=host)
         return out
 
 

@@ -174,7 +174,9 @@ def _open_weights(f: pathlib.Path, *, fn: str):
         return _Sharded(f, _read_index(f, fn=fn), fn=fn)
     st = _safetensors()
     try:
-        return st.safe_open(str(f), framework="flax")
+        # numpy: no device copy per tensor (callers upcast and place them); bf16 reads as
+        # ml_dtypes.bfloat16, which jax registers with numpy on import
+        return st.safe_open(str(f), framework="numpy")
     except st.SafetensorError as e:
         raise InputError(
             f"{fn}: {str(f)!r} is not a readable safetensors file ({_clip(str(e), 200)}); it is "
