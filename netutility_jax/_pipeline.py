@@ -72,13 +72,18 @@ def _bucket_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks
         )
     la, lb, live, check, bad = out
     n = len(bk.names)  # without the mesh's padding modules
-    bad, check = jax.tree.map(lambda x: x[:n], (bad, check))
+    if live.shape[0] != n:
+        bad, check = jax.tree.map(lambda x: x[:n], (bad, check))
     bads.append((bk, bad))
     checks.append((bk.names, check))
     ranks = np.asarray(live[:n].sum(-1))
-    for j, nm in enumerate(bk.names):
-        rk = int(ranks[j])
-        results[nm] = {"lora_a": la[j, :, :rk], "lora_b": lb[j, :rk, :], "scale": 1.0}
+    # cut per module on the host and place the pieces with one device_put: eager slices of the
+    # device arrays would compile (or load from the cache) a gather per distinct kept rank
+    la_h, lb_h = np.asarray(la), np.asarray(lb)
+    pieces = [(la_h[j, :, : int(r)], lb_h[j, : int(r), :]) for j, r in enumerate(ranks)]
+    placed = jax.device_put(pieces)
+    for nm, (a, b) in zip(bk.names, placed, strict=True):
+        results[nm] = {"lora_a": a, "lora_b": b, "scale": 1.0}
 
 
 def run(plan: MergePlan, *, coef: Any, key: Any) -> dict[str, Any]:
