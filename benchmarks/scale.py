@@ -23,7 +23,7 @@ floor includes the file pages mapped while they are read.
 Timing, machine and code info and the JSON writer come from ``_harness.py``.
 
 Usage:
-  python benchmarks/scale.py [--layers 32] [--tasks 16] [--rank 16] [--dtype float32]
+  python benchmarks/scale.py [--model llama3-8b|llama3-70b] [--layers 32] [--tasks 16] [--rank 16] [--dtype float32]
       [--budget 16] [--chunk-mb 256] [--data DIR] [--only floor,in_memory,stream_ta,stream_tsv]
       [--timeout 7200] [--out benchmarks/results/scale.json]
 
@@ -51,17 +51,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _harness as h
 import numpy as np
 
-__all__ = ["CASES", "SHAPES", "main", "run_case", "spawn", "write_adapters"]
+__all__ = ["CASES", "MODELS", "SHAPES", "main", "run_case", "spawn", "write_adapters"]
 
-SHAPES = {  # Llama-3-8B: module -> (d_in, d_out)
-    "self_attn.q_proj": (4096, 4096),
-    "self_attn.k_proj": (4096, 1024),
-    "self_attn.v_proj": (4096, 1024),
-    "self_attn.o_proj": (4096, 4096),
-    "mlp.gate_proj": (4096, 14336),
-    "mlp.up_proj": (4096, 14336),
-    "mlp.down_proj": (14336, 4096),
+MODELS = {  # module -> (d_in, d_out)
+    "llama3-8b": {
+        "self_attn.q_proj": (4096, 4096),
+        "self_attn.k_proj": (4096, 1024),
+        "self_attn.v_proj": (4096, 1024),
+        "self_attn.o_proj": (4096, 4096),
+        "mlp.gate_proj": (4096, 14336),
+        "mlp.up_proj": (4096, 14336),
+        "mlp.down_proj": (14336, 4096),
+    },
+    "llama3-70b": {  # hidden 8192, 8 key/value heads of 128, MLP 28672 (80 layers)
+        "self_attn.q_proj": (8192, 8192),
+        "self_attn.k_proj": (8192, 1024),
+        "self_attn.v_proj": (8192, 1024),
+        "self_attn.o_proj": (8192, 8192),
+        "mlp.gate_proj": (8192, 28672),
+        "mlp.up_proj": (8192, 28672),
+        "mlp.down_proj": (28672, 8192),
+    },
 }
+SHAPES = MODELS["llama3-8b"]
 CASES = ("floor", "compute_floor", "in_memory", "stream_ta", "stream_tsv")
 
 
@@ -69,14 +81,17 @@ CASES = ("floor", "compute_floor", "in_memory", "stream_ta", "stream_tsv")
 
 
 def _manifest(args) -> dict:
-    return {
+    spec = {
         "layers": args.layers,
         "tasks": args.tasks,
         "rank": args.rank,
         "dtype": args.dtype,
-        "shapes": SHAPES,
+        "shapes": MODELS[args.model],
         "seed": 0,
     }
+    if args.model != "llama3-8b":  # (manifests written before --model existed stay valid)
+        spec["model"] = args.model
+    return spec
 
 
 def write_adapters(folder: str, spec: dict) -> list[str]:
@@ -100,7 +115,7 @@ def write_adapters(folder: str, spec: dict) -> list[str]:
         rng = np.random.default_rng([spec["seed"], i])
         tensors = {}
         for layer in range(spec["layers"]):
-            for mod, (d_in, d_out) in SHAPES.items():
+            for mod, (d_in, d_out) in spec["shapes"].items():
                 key = f"{peft.PREFIX}model.layers.{layer}.{mod}"
                 a = rng.standard_normal((r, d_in), dtype=np.float32) / np.sqrt(d_in)
                 b = rng.standard_normal((d_out, r), dtype=np.float32) * (0.01 * decay)
@@ -112,10 +127,10 @@ def write_adapters(folder: str, spec: dict) -> list[str]:
         config = {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": "synthetic/llama-3-8b",
+            "base_model_name_or_path": f"synthetic/{spec.get('model', 'llama3-8b')}",
             "r": r,
             "lora_alpha": 2 * r,
-            "target_modules": sorted({m.split(".")[-1] for m in SHAPES}),
+            "target_modules": sorted({m.split(".")[-1] for m in spec["shapes"]}),
         }
         with open(os.path.join(p, peft.CONFIG_NAME), "w") as f:
             json.dump(config, f)
@@ -251,6 +266,8 @@ def spawn(argv: list[str], timeout: float | None) -> dict:
 
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS),
+                    help="module shapes (llama3-70b: pass --layers 80)")  # fmt: skip
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--tasks", type=int, default=16)
     ap.add_argument("--rank", type=int, default=16)

@@ -306,8 +306,7 @@ def _add_merge_output(m: argparse.ArgumentParser) -> None:
         "--in-memory",
         action="store_true",
         help="load every adapter into memory at once (nu.merge_adapters) instead of streaming "
-        "them from disk a chunk of modules at a time (the default; model-wide TIES always "
-        "loads everything)",
+        "them from disk a chunk of modules at a time (the default)",
     )
     m.add_argument(
         "--chunk-mb",

@@ -195,7 +195,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if bar is not None:
         bar.set_postfix_str("loading adapters")
     try:
-        if args.distributed or _streams(args, options):
+        if args.distributed or _streams(args):
             loaded = ex.check(_FN, lambda: _open(args.adapters, args, notes=ex.index == 0))
             _step(bar, "opened", "scoring and merging (streamed)")
             merged, report = _merge_streaming(loaded, args, key, options)
@@ -323,15 +323,10 @@ def _mesh_of(args: argparse.Namespace):
     return None if n == 1 else nu.module_mesh(local[:n])
 
 
-def _streams(args: argparse.Namespace, options: dict[str, Any]) -> bool:
-    """Whether the merge streams from disk: by default, unless ``--in-memory`` or model-wide
-    TIES (its threshold is global over every entry of every module: a note says so)."""
-    if args.in_memory:
-        return False
-    if options.get("trim_scope") == "model":
-        _say("merge", "note", "model-wide TIES needs every module at once: loading in memory")
-        return False
-    return True
+def _streams(args: argparse.Namespace) -> bool:
+    """Whether the merge streams from disk: by default, unless ``--in-memory``. (Model-wide TIES
+    streams too: it reads the adapters once per pass of its threshold search.)"""
+    return not args.in_memory
 
 
 def _open(paths: Sequence[str], args: argparse.Namespace, *, notes: bool = True):

@@ -266,13 +266,18 @@ def radix_threshold(
     """Per task the bit pattern ``t`` of its k-th largest magnitude over all ``units``, how many
     ties at ``t`` to keep (so that exactly ``k`` entries are kept) and how many entries are at
     ``t``. ``units`` is a re-iterable of ``(produce, _)`` whose ``produce()`` gives dense tasks
-    ``(u, M, p, q)``; each 16-bit pass streams them once, keeping only the counts."""
-    units = list(units)
+    ``(u, M, p, q)``; each 16-bit pass streams them once, keeping only the counts. An object
+    whose ``__iter__`` reads them afresh each time is iterated once per pass (a one-shot
+    iterator is listed first). ``k`` may be a function, called after the first pass (when the
+    units are counted as they are streamed)."""
+    if iter(units) is units:
+        units = list(units)
     ut = np.dtype(_uint_of(dtype))
     nbits, width = ut.itemsize * 8, 16
-    if k <= 0:  # keep nothing: no magnitude exceeds the largest bit pattern
-        zero = np.zeros(m_tasks, np.int64)
-        return np.full(m_tasks, np.iinfo(ut).max, ut), zero, zero
+    zero = np.zeros(m_tasks, np.int64)
+    nothing = np.full(m_tasks, np.iinfo(ut).max, ut), zero, zero
+    if not callable(k) and k <= 0:  # keep nothing: no magnitude exceeds the largest pattern
+        return nothing
     hi = np.zeros(m_tasks, np.uint64)
     above = np.zeros(m_tasks, np.int64)
     at = np.zeros(m_tasks, np.int64)
@@ -281,6 +286,10 @@ def radix_threshold(
         prefix = jnp.asarray(hi.astype(ut))
         for produce, _ in units:
             counts += np.asarray(_digit_hist(produce(), prefix, shift=shift, width=width))
+        if callable(k):
+            k = k()
+            if k <= 0:
+                return nothing
         for i in range(m_tasks):
             c = counts[i, ::-1]
             j = int(np.searchsorted(above[i] + np.cumsum(c), k))

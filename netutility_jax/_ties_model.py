@@ -12,6 +12,7 @@ largest).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -22,10 +23,10 @@ from . import _buckets, _plan, _stages
 from . import methods as _m
 from ._linalg import settle
 from ._plan import MergePlan
-from ._results import raise_nonfinite
+from ._results import raise_nonfinite, raise_range
 from ._select import radix_threshold, topk_count, trim_at
 
-__all__ = ["ties_apply", "ties_model"]
+__all__ = ["ties_apply", "ties_model", "ties_model_streamed"]
 
 
 @functools.partial(jax.jit, static_argnames=("flat_ties",))
@@ -43,9 +44,9 @@ def ties_apply(x, t, room, coef, *, flat_ties):
     return coef * _m.disjoint_mean(trimmed), used
 
 
-def _stage_inputs(plan: MergePlan, space: str) -> tuple[list, jax.Array]:
-    """Every piece's first stage (inputs checked), and the common unit: the largest over the
-    live modules."""
+def _stage_inputs(plan: MergePlan, space: str) -> tuple[list, list[int]]:
+    """Every piece's first stage (inputs checked), and the live modules' units (the common unit
+    is their largest)."""
     staged, units = [], []
     dtype, m_tasks = plan.dtype, plan.m_tasks
     for job in plan.jobs:
@@ -65,7 +66,11 @@ def _stage_inputs(plan: MergePlan, space: str) -> tuple[list, jax.Array]:
         live = np.asarray(ts.mant).any(-1)
         units.extend(np.asarray(unit)[live].tolist())
         staged.append(st)
-    return staged, jnp.asarray(max(units, default=0), jnp.int32)
+    return staged, units
+
+
+def _common_unit(units: list[int]) -> jax.Array:
+    return jnp.asarray(max(units, default=0), jnp.int32)
 
 
 def _full_units(bk, mk, st, unit, results, checks):
@@ -129,26 +134,23 @@ def _coord_units(plan: MergePlan, bk, mk, st, unit, results, checks):
     return work, n
 
 
-def ties_model(plan: MergePlan, *, coef: jax.Array, checks: list) -> dict[str, Any]:
-    """TIES over the whole model (see the module docstring); returns ``{name: module}`` and
-    appends each module's :func:`_stages.range_status` to ``checks``."""
-    space, m_tasks = plan.resolved.space, plan.m_tasks
-    staged, unit = _stage_inputs(plan, space)
-    work = []  # (produce dense tasks, finish with the merged dense coordinates)
-    n_total = 0
-    results: dict[str, Any] = {}
+def _units(plan: MergePlan, staged: list, unit: jax.Array, results: dict, checks: list):
+    """``(work, n)``: the plan's units ``(produce dense tasks, finish with the merge)`` in flat
+    module order, and how many real entries they hold."""
+    work, n_total = [], 0
     for job, st in zip(plan.jobs, staged, strict=True):
-        mk = _stages.stack_masks(plan.masks, job.bucket, m_tasks)
-        if space == "full":
+        mk = _stages.stack_masks(plan.masks, job.bucket, plan.m_tasks)
+        if plan.resolved.space == "full":
             w, n = _full_units(job.bucket, mk, st, unit, results, checks)
         else:
             w, n = _coord_units(plan, job.bucket, mk, st, unit, results, checks)
         work.extend(w)
         n_total += n
-    k = topk_count(plan.resolved.options["density"], n_total)
-    t, room, at = radix_threshold(work, m_tasks, k, plan.dtype)
-    flat_ties = bool(np.any(at > room))  # otherwise every entry at a threshold is kept
-    t = jnp.asarray(t)
+    return work, n_total
+
+
+def _apply(work, t, room, flat_ties: bool, coef) -> np.ndarray:
+    """Trim and merge each unit in flat order; returns the ties still to keep."""
     for produce, finish in work:
         xm, used = ties_apply(
             produce(), t, jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32), coef,
@@ -156,4 +158,62 @@ def ties_model(plan: MergePlan, *, coef: jax.Array, checks: list) -> dict[str, A
         )  # fmt: skip
         room = room - np.asarray(used, np.int64)
         finish(xm)
+    return room
+
+
+def ties_model(plan: MergePlan, *, coef: jax.Array, checks: list) -> dict[str, Any]:
+    """TIES over the whole model (see the module docstring); returns ``{name: module}`` and
+    appends each module's :func:`_stages.range_status` to ``checks``."""
+    staged, units = _stage_inputs(plan, plan.resolved.space)
+    results: dict[str, Any] = {}
+    work, n_total = _units(plan, staged, _common_unit(units), results, checks)
+    k = topk_count(plan.resolved.options["density"], n_total)
+    t, room, at = radix_threshold(work, plan.m_tasks, k, plan.dtype)
+    _apply(work, jnp.asarray(t), room, bool(np.any(at > room)), coef)
     return results
+
+
+class _Reread:
+    """The units of every chunk, staged again from a fresh read on each iteration (one chunk in
+    memory at a time); counts their real entries as it goes."""
+
+    def __init__(self, plans: Callable[[], Iterator[tuple[MergePlan, Any]]], unit: jax.Array):
+        self.plans, self.unit, self.n = plans, unit, 0
+
+    def __iter__(self) -> Iterator[tuple[Callable, Callable]]:
+        self.n = 0
+        for plan, _ in self.plans():
+            staged, _ = _stage_inputs(plan, plan.resolved.space)
+            work, n = _units(plan, staged, self.unit, {}, [])
+            self.n += n
+            yield from work
+
+
+def ties_model_streamed(
+    plans: Callable[[], Iterator[tuple[MergePlan, Callable[[dict[str, Any]], None]]]],
+    *,
+    m_tasks: int,
+    dtype: Any,
+    density: float,
+    coef: jax.Array,
+) -> None:
+    """:func:`ties_model` over chunks read from disk: ``plans()`` reads every chunk again, in flat
+    module order, and yields its plan with a sink for its merged modules. Reads: the common unit
+    (the largest over every live module), one per 16-bit radix pass (the count of entries, for
+    ``k``, comes with the first), and the merge, each sink called once with range-checked
+    modules. The same units, thresholds and tie order as in memory, so the same merge."""
+    units: list[int] = []
+    for plan, _ in plans():
+        units.extend(_stage_inputs(plan, plan.resolved.space)[1])
+    unit = _common_unit(units)
+    reread = _Reread(plans, unit)
+    t, room, at = radix_threshold(reread, m_tasks, lambda: topk_count(density, reread.n), dtype)
+    t, flat_ties = jnp.asarray(t), bool(np.any(at > room))
+    for plan, sink in plans():
+        staged, _ = _stage_inputs(plan, plan.resolved.space)
+        results: dict[str, Any] = {}
+        checks: list = []
+        work, _ = _units(plan, staged, unit, results, checks)
+        room = _apply(work, t, room, flat_ties, coef)
+        raise_range(plan.fn, checks, plan.dtype)
+        sink(results)

@@ -48,16 +48,17 @@ the report all of them. A process whose chunk raises still takes part in the exc
 every process raises (the failing one its own error, the others an :class:`InputError` naming
 it), so none waits for ever. With one process this is exactly the merge above.
 
-Model-wide TIES (``trim_scope="model"``) is refused: each task keeps its ``int(density * N)``
-largest entries over the whole model, a threshold over every entry of every module in the
-space's coordinates, not a statistic of directions. A streamed version is possible and would
-follow :mod:`netutility_jax._ties_model`: per task, a 65536-bin histogram of the top 16 bits of
-the magnitudes' bit patterns, summed over the pieces of one read of the model, locates the
-threshold's bin; a second read histograms the low 16 bits inside that bin, giving the exact
-threshold and how many entries equal to it fit (ties are taken in flat module order, so a
-per-module count of those entries is kept too); a third read merges each piece at those
-thresholds. Memory: ``M x 65536`` counts and one piece; cost: three reads of every factor and
-three decompositions into the space's coordinates.
+Model-wide TIES (``trim_scope="model"``): each task keeps its ``int(density * N)`` largest
+entries over the whole model, a threshold over every entry of every module in the space's
+coordinates, not a statistic of directions. Pass 2 is then
+:func:`_ties_model.ties_model_streamed`: a read of every chunk for the common unit (the largest
+power of two over the live modules, as in memory); per task, a 65536-bin histogram of the top 16
+bits of the magnitudes' bit patterns, summed over a second read, locates the threshold's bin
+(the entries are counted on the way, for ``k``); a third read histograms the low 16 bits inside
+that bin, giving the exact threshold and how many entries equal to it fit (ties taken in flat
+module order, as in memory); a fourth read merges each chunk at those thresholds. Memory:
+``M x 65536`` counts and one chunk; cost: four reads of every factor and four decompositions
+into the space's coordinates. One process only (``distributed=True`` is refused for it).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ from . import (
     registry,
     utility,
 )
+from ._ties_model import ties_model_streamed
 from .allocate import allocate
 from .errors import InputError, InputTypeError
 
@@ -422,16 +424,67 @@ def _check_source(fn: str, source: Any, chunk_bytes: Any, on_chunk: Any) -> None
         )
 
 
-def _refuse_model_wide(fn: str, res: registry.Resolved) -> None:
-    if res.model_wide:
+def _refuse_model_wide(fn: str, res: registry.Resolved, ex: _exchange.Exchange) -> None:
+    if res.model_wide and ex.count > 1:
         opt, value = res.spec.model_wide
         raise InputError(
             f"{fn}: method={res.spec.name!r} with {opt}={value!r} keeps each task's largest "
-            "entries over the whole model, a threshold over every entry of every module that a "
-            "merge streamed chunk by chunk does not have. Merge in memory instead: "
-            "nu.merge_adapters(nu.peft.load_adapters(paths).adapters, ...) (CLI: --in-memory), "
-            f"or use {opt}='module'."
+            "entries over the whole model; streamed, that threshold is found by one process, "
+            f"not split between {ex.count} processes. Run it in one process (without "
+            f"distributed=True / --distributed), or use {opt}='module'."
         )
+
+
+def _merge_pass_model_wide(
+    st: _Stream,
+    call: Mapping[str, Any],
+    masks: Mapping[str, Any] | None,
+    *,
+    on_chunk: Callable[[dict[str, Any]], Mapping[str, Any]] | None,
+    density: float,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, int | None], _Energies | None]:
+    """:func:`_merge_pass` for model-wide TIES (one process): every chunk read once for the
+    common unit, once per radix pass and once to merge (:func:`_ties_model.ties_model_streamed`);
+    the kept masks and energies of ``masks=None`` come from the first read."""
+    fn, names_all = st.fn, st.source.names
+    index = {n: i for i, n in enumerate(names_all)}
+    merged: dict[str, Any] = {}
+    kept: dict[str, Any] = {}
+    mine = _Energies()
+    reads = [0]
+
+    def plans() -> Iterator[tuple[_plan.MergePlan, Callable[[dict[str, Any]], None]]]:
+        first = reads[0] == 0
+        reads[0] += 1
+        for k, names, adapters in st.read():
+            if masks is None and first:
+                _, buckets, _ = _tree.collect(adapters, fn=fn)
+                kept.update(merging._all_candidates(fn, list(names), buckets))
+                mine.add(k, adapters, "nu.heterogeneity", strict=False)
+            part = None if masks is None else {n: masks[n] for n in names}
+            plan = _plan.plan_merge(fn, adapters, part, **call, module_index=index)
+
+            def sink(results: dict[str, Any], adapters=adapters) -> None:
+                out = _results.rebuild(adapters[0], results)
+                merged.update(out if on_chunk is None else _on_chunk(fn, on_chunk, out))
+
+            yield plan, sink
+
+    ties_model_streamed(
+        plans,
+        m_tasks=len(st.source.paths),
+        dtype=st.dtype,
+        density=density,
+        coef=jnp.asarray(call["coef"], st.dtype),
+    )
+    ranks = {n: r for n, r in merging._ranks(merged).items()}
+    kept = dict(masks) if masks is not None else kept
+    return (
+        {n: merged[n] for n in names_all},
+        {n: kept[n] for n in names_all},
+        {n: ranks[n] for n in names_all},
+        None if masks is not None else mine,
+    )
 
 
 def _stream(fn: str, source: AdapterSet, chunk_bytes: int, ex: _exchange.Exchange) -> _Stream:
@@ -491,8 +544,8 @@ def merge_adapters_streaming(
       process's modules only, and the report (identical in every process) all of them.
 
     Raises:
-      InputError: as :func:`nu.merge_adapters`; model-wide TIES (``trim_scope="model"``), whose
-        threshold is global over entries (see the module docstring): merge in memory instead;
+      InputError: as :func:`nu.merge_adapters`; model-wide TIES (``trim_scope="model"``) with
+        ``distributed=True`` and several processes (see the module docstring);
         ``chunk_bytes`` not positive; with ``distributed=True``, another process's failure
         (naming that process and its message).
       InputTypeError: as :func:`nu.merge_adapters`; a source that is not an ``AdapterSet``;
@@ -528,12 +581,12 @@ def merge_adapters_streaming(
     _plan.check_coef(fn, coef)
     if res.spec.needs_key:
         _plan.check_key(fn, key, res.spec.name)
-    _refuse_model_wide(fn, res)
     _check_source(fn, source, chunk_bytes, on_chunk)
     # None: this process's first device, the chunks stacked on the host all the same: one small
     # program per stage and chunk shape, not one traced over every module's leaves
     mesh = _mesh.check_mesh(fn, mesh) or _mesh.module_mesh(jax.local_devices()[:1])
     st = _stream(fn, source, chunk_bytes, _exchange.current(fn, distributed))
+    _refuse_model_wide(fn, res, st.ex)
     energies = sc = masks = None
     if allocation != "all":
         alpha_v = alpha
@@ -551,7 +604,13 @@ def merge_adapters_streaming(
         _agree(st, sc, masks)
     call = {"method": method, "space": space, "coef": coef, "key": key, "options": res.options}
     call["mesh"] = mesh
-    merged, kept, ranks, e2 = _merge_pass(st, call, masks, on_chunk=on_chunk)
+    if res.model_wide:
+        density = res.options["density"]
+        merged, kept, ranks, e2 = _merge_pass_model_wide(
+            st, call, masks, on_chunk=on_chunk, density=density
+        )
+    else:
+        merged, kept, ranks, e2 = _merge_pass(st, call, masks, on_chunk=on_chunk)
     energies = energies or e2  # (the first pass that read everything summed them)
     settings = {"budget": budget, "method": method, "space": space, "allocation": allocation}
     h = energies.heterogeneity(st.dtype, "nu.heterogeneity", strict=False)  # type: ignore[union-attr]

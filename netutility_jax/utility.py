@@ -565,9 +565,7 @@ def _log_energy_impl(inputs, *, meta, route="raw"):
         if isinstance(x, _mesh.Stacked):  # stacked on the host (the streamed merge)
             A, B, S, _ = x
         else:
-            A, B, S, _ = _buckets.stack_bucket(
-                *x, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype
-            )
+            A, B, S, _ = _buckets.stack_bucket(*x, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
         gaa, gbb, s2, e, nonfinite, raw_ok = safe_grams(A, B, S, PER_TASK, route)
         oks.append(raw_ok)
         mant.append(((s2**2)[..., None, None] * gaa * gbb).sum((2, 3)))  # (n, M)

@@ -348,6 +348,69 @@ def test_reads_one_chunk_at_a_time_each_module_once_per_pass(
         assert sorted(read) == sorted(names)  # every module once per pass
 
 
+@pytest.mark.parametrize(
+    "space, allocation",
+    [
+        ("full", "net_utility"),
+        ("core", "net_utility"),
+        pytest.param("knots", "net_utility", marks=pytest.mark.slow),
+        ("knots", "all"),
+        pytest.param("full", "all", marks=pytest.mark.slow),
+    ],
+)
+def test_model_wide_ties_streamed_is_the_in_memory_merge(paths, loaded, space, allocation):
+    """One threshold per task over every entry of every module, found chunk by chunk from disk:
+    the in-memory merge's masks, ranks and updates; reads: the scores (and energies for
+    alpha='auto'), then four of every chunk (common unit, two radix passes, merge), one chunk at
+    a time."""
+    kw = {"budget": 3, "method": "ties", "space": space, "trim_scope": "model", "density": 0.3}
+    streamed, in_memory, source = _both(paths, loaded, allocation=allocation, **kw)
+    _assert_same(streamed, in_memory)
+    if space == "full":  # the same entries, kept at the same thresholds: exactly equal
+        for n, m in in_memory[0].items():
+            np.testing.assert_array_equal(
+                np.asarray(streamed[0][n]["delta"]), np.asarray(m["delta"])
+            )
+    chunks = plan_chunks(source.shapes, 4, chunk_bytes=TINY, itemsize=4)
+    assert all(call in chunks for call in source.calls)
+    before = 0 if allocation == "all" else 1  # the scores (alpha=1: no energies pass)
+    assert len(source.calls) == (before + 4) * len(chunks)
+    # and it differs from TIES per module, so the global threshold really is used
+    per_module = nu.merge_adapters(
+        loaded.adapters, allocation=allocation, **{**kw, "trim_scope": "module"}
+    )
+    assert any(
+        not np.allclose(nu.module_update(streamed[0][n]), nu.module_update(per_module[0][n]))
+        for n in per_module[0]
+    )
+
+
+def test_model_wide_ties_ties_at_the_threshold_are_kept_in_flat_order(tmp_path):
+    """Factors of small integers: many equal magnitudes at each task's threshold, more than fit,
+    so which of them are kept depends on the flat module order carried across chunks."""
+    rng = np.random.default_rng(3)
+    folders = []
+    for t in range(3):
+        ad = {
+            f"model.layers.{layer}.self_attn.q_proj": {
+                "lora_a": rng.integers(-1, 2, size=(8, 2)).astype(np.float64),
+                "lora_b": rng.integers(-1, 2, size=(2, 8)).astype(np.float64),
+                "scale": 1.0,
+            }
+            for layer in range(6)
+        }
+        folders.append(str(tmp_path / f"t{t}"))
+        peft.save_adapter(ad, folders[-1])
+    kw = {"budget": 2, "method": "ties", "space": "full", "trim_scope": "model", "density": 0.37}
+    kw["allocation"] = "all"
+    ref, _ = nu.merge_adapters(peft.load_adapters(folders).adapters, **kw)
+    got, _ = merge_adapters_streaming(peft.open_adapters(folders), chunk_bytes=600, **kw)
+    assert len(plan_chunks(peft.open_adapters(folders).shapes, 3, chunk_bytes=600, itemsize=4)) > 1
+    for n in ref:
+        np.testing.assert_array_equal(np.asarray(got[n]["delta"]), np.asarray(ref[n]["delta"]))
+    assert any(np.asarray(ref[n]["delta"]).any() for n in ref)
+
+
 def test_one_chunk_of_everything_is_the_in_memory_merge(paths, loaded):
     kw = {"budget": 3, "method": "tsv", "space": "core", "alpha": 1.0}
     got, rep = merge_adapters_streaming(peft.open_adapters(paths), chunk_bytes=1 << 30, **kw)
@@ -384,10 +447,16 @@ def test_on_chunk_sees_each_chunk_and_its_result_is_kept(paths, loaded):
     )
 
 
-def test_refusals(paths):
+def test_refusals(paths, monkeypatch):
     source = peft.open_adapters(paths)
-    with pytest.raises(InputError, match=r"nu\.merge_adapters\(nu\.peft\.load_adapters"):
+    # model-wide TIES streams in one process only: refused before any exchange, so every process
+    # of a distributed run raises the same error and none waits for the others
+    from netutility_jax import _exchange, streaming
+
+    monkeypatch.setattr(streaming._exchange, "current", lambda fn, d: _exchange.Exchange(1, 2))
+    with pytest.raises(InputError, match=r"trim_scope='model'.* not split between 2 processes"):
         merge_adapters_streaming(source, budget=3, method="ties", trim_scope="model")
+    monkeypatch.undo()
     with pytest.raises(InputTypeError, match="AdapterSet"):
         merge_adapters_streaming([{}], budget=3)
     with pytest.raises(InputError, match="chunk_bytes=0"):
