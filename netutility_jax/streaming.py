@@ -477,7 +477,7 @@ def _merge_pass_model_wide(
         density=density,
         coef=jnp.asarray(call["coef"], st.dtype),
     )
-    ranks = {n: r for n, r in merging._ranks(merged).items()}
+    ranks = merging._ranks(merged)
     kept = dict(masks) if masks is not None else kept
     return (
         {n: merged[n] for n in names_all},

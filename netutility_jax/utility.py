@@ -518,8 +518,9 @@ def score(
         traced = _traced(alpha, lam_val)
     if mesh is not None and live:  # drop the padding modules of each bucket
         sizes = [len(bk.names) for bk in live]
-        outs = tuple(
-            jax.tree.map(lambda x, n=n: x[:n], o) for o, n in zip(outs, sizes, strict=True)
+        outs = tuple(  # (no eager slice without padding: each would compile a gather)
+            jax.tree.map(lambda x, n=n: x if x.shape[0] == n else x[:n], o)
+            for o, n in zip(outs, sizes, strict=True)
         )
     if not traced:
         # Finish before returning on CPU: two LAPACK-using executables in flight at once can
