@@ -689,6 +689,8 @@ def cli_case_st(draw):
     flags = []
     n_garbage = 0
     for flag, good in _CLI_FLAGS.items():
+        if flag == "--trim-scope":  # both scopes are valid (model-wide TIES streams too)
+            good = draw(st.sampled_from(["module", "model"]))
         if flag == "--budget" or draw(st.booleans()):
             garbage = draw(st.integers(0, 2)) == 0
             n_garbage += garbage
@@ -766,6 +768,21 @@ _CLI_COUNTER = [0]
     [
         ["--method", "ta", "--budget", "2", "--coef", "0.5"],
         ["--method", "tsv", "--budget", "3", "--lam", "0.1", "--alpha", "0"],
+        # model-wide TIES streamed a module at a time (1 KB chunks)
+        [
+            "--method",
+            "ties",
+            "--space",
+            "core",
+            "--budget",
+            "2",
+            "--trim-scope",
+            "model",
+            "--density",
+            "0.9",
+            "--chunk-mb",
+            "0.001",
+        ],
     ],
 )
 def test_cli_merge_valid_combos_exit_0(cli_adapters, capsys, tmp_path, flags):
