@@ -11,7 +11,9 @@ float32, 16 tasks: about 2.7 GB of factors), then each case runs in a fresh inte
   compute of any factored merge, compiles included (one per chunk shape);
 * ``in_memory``: ``nu.peft.load_adapters`` + ``nu.merge_adapters`` (TA in core space);
 * ``stream_ta``, ``stream_tsv``: ``nu.peft.open_adapters`` + ``merge_adapters_streaming`` (TA and
-  TSV in core space, ``--chunk-mb`` per chunk).
+  TSV in core space, ``--chunk-mb`` per chunk);
+* ``cli_ties_knots``: ``netutility merge --method ties --space knots --density 0.2`` (streamed,
+  ``--chunk-mb``, no compilation cache), output written and its size recorded.
 
 Reported per case: wall time of the child process and its peak RSS from ``os.wait4`` (the
 kernel's ``ru_maxrss`` of the child, whatever it allocated), plus the child's own timings (open or
@@ -74,7 +76,7 @@ MODELS = {  # module -> (d_in, d_out)
     },
 }
 SHAPES = MODELS["llama3-8b"]
-CASES = ("floor", "compute_floor", "in_memory", "stream_ta", "stream_tsv")
+CASES = ("floor", "compute_floor", "in_memory", "stream_ta", "stream_tsv", "cli_ties_knots")
 
 
 # ----------------------------------------------------------------------------- data
@@ -205,6 +207,27 @@ def _merge_summary(merged, report) -> dict:
     }
 
 
+def _cli_case(paths: list[str], budget: int, chunk_bytes: int) -> dict:
+    """``netutility merge`` (TIES in KnOTS space, density 0.2, streamed, no compilation cache)
+    in this process, as a user runs it: checks, passes, the written output."""
+    from netutility_jax import cli
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "merged")
+        argv = ["merge", *paths, "--budget", str(budget), "--method", "ties", "--space", "knots",
+                "--density", "0.2", "--chunk-mb", str(chunk_bytes / 2**20), "--out", out,
+                "--no-plots", "--quiet", "--no-compile-cache"]  # fmt: skip
+        sw = h.Stopwatch()
+        code = sw.lap(cli.main(argv))
+        if code != 0:
+            raise RuntimeError(f"netutility merge exited {code}")
+        with open(os.path.join(out, "netutility_report.json")) as f:
+            report = json.load(f)
+        written = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out))
+    summary = {k: report[k] for k in ("lam", "alpha", "budget_spent") if k in report}
+    return {"merge_s": sw.laps[0], "vm_hwm_mb": h.hwm_mb(), "written_bytes": written, **summary}
+
+
 def run_case(case: str, paths: list[str], budget: int, chunk_bytes: int) -> dict:
     """One case in this process: its timings and, for merges, a summary of the result."""
     import netutility_jax as nu
@@ -215,6 +238,8 @@ def run_case(case: str, paths: list[str], budget: int, chunk_bytes: int) -> dict
         return _floor(paths)
     if case == "compute_floor":
         return _compute_floor(paths, chunk_bytes)
+    if case == "cli_ties_knots":
+        return _cli_case(paths, budget, chunk_bytes)
     sw = h.Stopwatch()
     if case == "in_memory":
         loaded = sw.lap(peft.load_adapters(paths))
