@@ -338,8 +338,21 @@ def _merge_chunk(st: _Stream, call: Mapping[str, Any], names, adapters, masks, i
     part = None if masks is None else {n: masks[n] for n in names}
     plan = _plan.plan_merge(st.fn, adapters, part, **call, module_index=index)
     results = _pipeline.run(plan, coef=call["coef"], key=call["key"])
+    return _chunk_result(st.fn, adapters, results, on_chunk)
+
+
+def _chunk_result(fn: str, adapters, results: dict[str, Any], on_chunk) -> Mapping[str, Any]:
+    """A chunk's merged modules in its adapters' tree, through ``on_chunk`` if given."""
     out = _results.rebuild(adapters[0], results)
-    return out if on_chunk is None else _on_chunk(st.fn, on_chunk, out)
+    return out if on_chunk is None else _on_chunk(fn, on_chunk, out)
+
+
+def _all_kept(fn: str, k: int, names, adapters, kept: dict, energies: _Energies) -> None:
+    """``masks=None`` (every candidate kept): the chunk's kept masks and task energies, which
+    the merge pass is then the first to read."""
+    _, buckets, _ = _tree.collect(adapters, fn=fn)
+    kept.update(merging._all_candidates(fn, list(names), buckets))
+    energies.add(k, adapters, "nu.heterogeneity", strict=False)
 
 
 def _merge_pass(
@@ -362,9 +375,7 @@ def _merge_pass(
     def work() -> dict[str, Any]:
         for k, names, adapters in st.read():
             if masks is None:
-                _, buckets, _ = _tree.collect(adapters, fn=fn)
-                kept.update(merging._all_candidates(fn, list(names), buckets))
-                mine.add(k, adapters, "nu.heterogeneity", strict=False)
+                _all_kept(fn, k, names, adapters, kept, mine)
             merged.update(_merge_chunk(st, call, names, adapters, masks, index, on_chunk))
         out = {
             f"r/{n}": np.asarray(-1 if r is None else r) for n, r in merging._ranks(merged).items()
@@ -458,15 +469,12 @@ def _merge_pass_model_wide(
         reads[0] += 1
         for k, names, adapters in st.read():
             if masks is None and first:
-                _, buckets, _ = _tree.collect(adapters, fn=fn)
-                kept.update(merging._all_candidates(fn, list(names), buckets))
-                mine.add(k, adapters, "nu.heterogeneity", strict=False)
+                _all_kept(fn, k, names, adapters, kept, mine)
             part = None if masks is None else {n: masks[n] for n in names}
             plan = _plan.plan_merge(fn, adapters, part, **call, module_index=index)
 
             def sink(results: dict[str, Any], adapters=adapters) -> None:
-                out = _results.rebuild(adapters[0], results)
-                merged.update(out if on_chunk is None else _on_chunk(fn, on_chunk, out))
+                merged.update(_chunk_result(fn, adapters, results, on_chunk))
 
             yield plan, sink
 
