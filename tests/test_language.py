@@ -689,6 +689,13 @@ def test_presets():
     assert len(jobs) == 4  # TA and TIES x uniform and Net Utility
     assert len(f.tasks) >= 6 and f.seeds == (0, 1, 2) and f.grid.budgets == (64, 32, 16)
     assert any(tk.TASK_INFO[n].pair for n in f.tasks)
+    # the grid: TA, TIES, TSV x Core and full space; only TIES differs between them
+    assert {(r.method, r.space) for r in f.grid.rows} >= {
+        (m, s) for m in ("ta", "tsv", "ties") for s in ("full", "core")
+    }
+    fjobs = gr.grid_jobs(f.grid, full_capacity=6 * f.train.lora_rank)
+    assert {j.space for j in fjobs if j.method == "ties"} == {"full", "core"}
+    assert {j.space for j in fjobs if j.method in ("ta", "tsv")} == {"full"}
     for p in (q, f):
         assert (p.train.lora_rank, p.train.lora_alpha) == (16, 16.0)
         assert all(n in lt.PROMPTS for n in p.tasks)
