@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 PIECE_BYTES = 32 << 20  # stacked factors per piece of a bucket merged at once
+DENSE_BYTES = 64 << 20  # dense tasks (and temporaries) of elementwise methods at once
 X64_HINT = (
     "enable x64 (jax.config.update('jax_enable_x64', True)) and pass float64 factors, or rescale "
     "the adapters"
@@ -208,14 +209,34 @@ def _check_entry_count(fn: str, space: str, buckets, m_tasks: int) -> None:
 
 
 def chunk_size(
-    n_tasks: int, p: int, q: int, itemsize: int, n: int | None = None, budget_bytes: int = 64 << 20
-) -> int:
-    """Modules per chunk of dense work: within ``budget_bytes``, and dividing ``n`` if given."""
+    n_tasks: int, p: int, q: int, itemsize: int, n: int | None = None,
+    budget_bytes: int | None = None,
+) -> int:  # fmt: skip
+    """Modules per chunk of dense work: within ``budget_bytes`` (default :data:`DENSE_BYTES`),
+    and dividing ``n`` if given."""
+    budget_bytes = DENSE_BYTES if budget_bytes is None else budget_bytes
     per = max(1, 8 * n_tasks * p * q * itemsize)  # dense tasks plus a few temporaries
     c = int(max(1, budget_bytes // per))
     if n is not None:
         c = max(d for d in range(1, min(c, n) + 1) if n % d == 0)
     return c
+
+
+def row_block(
+    res: registry.Resolved, p: int, q: int, m_tasks: int, itemsize: int,
+    budget_bytes: int | None = None,
+) -> int | None:  # fmt: skip
+    """Rows per block of one module's dense coordinates for TIES in core / KnOTS space, when a
+    module's dense tasks (and temporaries) alone exceed ``budget_bytes``; None otherwise (whole
+    modules, :func:`chunk_size`). Only TIES is blocked: its trim is found by radix selection over
+    blocks; DARE's random masks are drawn for a whole module."""
+    if not res.spec.keeps_top or res.spec.needs_key or res.space == "full":
+        return None
+    budget_bytes = DENSE_BYTES if budget_bytes is None else budget_bytes
+    per_row = 8 * m_tasks * q * itemsize
+    if per_row * p <= budget_bytes:
+        return None
+    return max(1, budget_bytes // per_row)
 
 
 def numeric_options(res: registry.Resolved) -> dict[str, Any]:
@@ -236,17 +257,20 @@ def bucket_config(
     *,
     chunk: int | None = None,
     n_pad: int | None = None,
+    rows: int | None | Literal["auto"] = "auto",
 ) -> BucketConfig:
     """The stages' static configuration of a bucket (``chunk``: modules per chunk of dense
     work, default within 64 MiB, dividing ``n_pad``: the modules the stages see, default the
-    bucket's)."""
+    bucket's; ``rows``: TIES's rows per block of a module, default :func:`row_block`)."""
+    if res.space == "knots":
+        p, q = _dense_shape(res.space, bk, m_tasks)
+    else:
+        p = q = m_tasks * bk.r_max
+    itemsize = np.dtype(dtype).itemsize
     if chunk is None:
-        if res.space == "knots":
-            p, q = _dense_shape(res.space, bk, m_tasks)
-        else:
-            p = q = m_tasks * bk.r_max
         n = len(bk.names) if n_pad is None else n_pad
-        chunk = chunk_size(m_tasks, p, q, np.dtype(dtype).itemsize, n)
+        chunk = chunk_size(m_tasks, p, q, itemsize, n)
+    rows = row_block(res, p, q, m_tasks, itemsize) if rows == "auto" else rows
     numeric = numeric_options(res)
     static = tuple(sorted((k, v) for k, v in res.kernel_options.items() if k not in numeric))
     return BucketConfig(
@@ -259,6 +283,7 @@ def bucket_config(
         bk.r_max,
         dtype,
         chunk,
+        rows,
     )
 
 

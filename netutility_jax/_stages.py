@@ -40,6 +40,7 @@ __all__ = [
     "MapBackConfig",
     "ReduceConfig",
     "StackConfig",
+    "block_tasks",
     "bucket_merge",
     "coords_tasks",
     "elementwise",
@@ -47,8 +48,10 @@ __all__ = [
     "map_back",
     "module_dense",
     "module_tasks",
+    "pad_rows",
     "range_status",
     "real_entries",
+    "row_blocks",
     "stack_masks",
     "stage_coords",
     "stage_decode",
@@ -62,6 +65,8 @@ __all__ = [
     "stage_scales",
     "stage_split",
     "stage_stack",
+    "ties_apply",
+    "ties_rows",
 ]
 
 
@@ -123,6 +128,10 @@ class BucketConfig(NamedTuple):
       variant: KnOTS's variant (None in other spaces).
       d_in, d_out, r_max, dtype: the bucket's shapes and compute dtype.
       chunk: modules per chunk of dense work (elementwise methods).
+      rows: TIES only: rows of one module's dense coordinates per block, when a module's dense
+        tasks alone exceed the working-memory budget (:func:`_plan.row_block`); None: whole
+        modules. Blocked modules find their thresholds by streamed radix selection over the
+        blocks (:func:`ties_rows`): memory is one block, not the module's ``M x p x q`` tasks.
     """
 
     method: str
@@ -134,6 +143,7 @@ class BucketConfig(NamedTuple):
     r_max: int
     dtype: Any
     chunk: int
+    rows: int | None = None
 
 
 def _coords(k, a, b, ts, *, space, variant, rtol):
@@ -411,15 +421,90 @@ def stage_decode_chunks(coords, xms, *, rtol: float):
     return _s.decode_dense(coords, xm, rtol=rtol, compact=coords.left is not None)
 
 
-def _elementwise_bucket(coords, coef, keys, nums, table, *, method, rtol, chunk):
+def _elementwise_bucket(coords, coef, keys, nums, table, *, method, rtol, chunk, rows=None):
     """TIES / DARE on a bucket, a chunk of whole modules per call (at most one chunk's dense
-    tasks alive), then decoded. A Python loop rather than ``lax.map``: XLA:CPU writes a mapped
-    output through an in-place update that it emits as scalar code, ~4 ms per KnOTS module."""
-    xms = [
-        stage_elementwise(a, b, kk, kt, coef, nums, method=method)
-        for a, b, kk, kt in stage_split(coords, keys, table, chunk=chunk)
-    ]
+    tasks alive), or TIES a block of ``rows`` rows of one module at a time (:func:`ties_rows`),
+    then decoded. A Python loop rather than ``lax.map``: XLA:CPU writes a mapped output through
+    an in-place update that it emits as scalar code, ~4 ms per KnOTS module."""
+    if rows is not None:
+        xms = [
+            ties_rows(a, b, kt, coef, rows=rows)
+            for a, b, _, kt in stage_split(coords, keys, table, chunk=1)
+        ]
+    else:
+        xms = [
+            stage_elementwise(a, b, kk, kt, coef, nums, method=method)
+            for a, b, kk, kt in stage_split(coords, keys, table, chunk=chunk)
+        ]
     return stage_decode_chunks(coords, xms, rtol=rtol)
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def pad_rows(a, *, rows: int):
+    """``a (..., p, r)`` zero-padded to a whole number of ``rows``-row blocks."""
+    p = a.shape[-2]
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, -p % rows), (0, 0)])
+
+
+@functools.partial(jax.jit, static_argnames=("rows",))
+def block_tasks(a, b, j0, *, rows: int):
+    """Rows ``j0 : j0 + rows`` of the dense coordinates ``a b^T`` (``a`` from :func:`pad_rows`)."""
+    return _mm(jax.lax.dynamic_slice_in_dim(a, j0, rows, axis=-2), _t(b))
+
+
+def row_blocks(a, b, rows: int) -> list:
+    """One module's dense coordinates ``a b^T`` (``a (1, M, p, r)``, ``b (1, M, q, r)``) as
+    ``rows``-row blocks in row order: ``[(produce, (j0, live rows))]``, ``produce()`` giving the
+    block ``(1, M, rows, q)``. Padding rows are zero: zero entries, which TIES's trim never needs
+    (a threshold of zero keeps zeros, which changes nothing)."""
+    p = a.shape[-2]
+    ap = pad_rows(a, rows=rows)
+    return [
+        (lambda j0=j0: block_tasks(ap, b, jnp.int32(j0), rows=rows), (j0, min(rows, p - j0)))
+        for j0 in range(0, p, rows)
+    ]
+
+
+@functools.partial(jax.jit, static_argnames=("flat_ties",))
+def ties_apply(x, t, room, coef, *, flat_ties):
+    """Trim at the thresholds ``t`` and take the disjoint mean. Without ``flat_ties`` every entry
+    at a task's threshold is known to fit (``room`` = their count), so the running count that
+    breaks ties in flat order (a slow scan on CPU) is skipped."""
+    if flat_ties:
+        trimmed, used = _select.trim_at(x, t, room)
+    else:
+        xt = jnp.moveaxis(x, -3, 0)
+        bits = jax.lax.bitcast_convert_type(jnp.abs(xt), t.dtype)
+        keep = bits >= t.reshape(-1, *([1] * (bits.ndim - 1)))
+        trimmed, used = jnp.moveaxis(jnp.where(keep, xt, 0), 0, -3), room
+    return coef * _m.disjoint_mean(trimmed), used
+
+
+def ties_rows(a, b, k_top, coef, *, rows: int):
+    """TIES on one module's dense coordinates ``a b^T`` a block of ``rows`` rows at a time:
+    ``(1, p, q)``, the same as :func:`elementwise` on the whole ``(1, M, p, q)`` (the same
+    thresholds and, at a threshold, ties kept in the same flat order; the blocks are rows of the
+    same products). Each task's threshold comes from two 16-bit radix passes over the blocks
+    (:func:`_select.radix_threshold`), then a third pass trims and takes the disjoint mean.
+    Memory: one block of every task's coordinates; the blocks are recomputed per pass (``r``
+    multiply-adds an entry, less than a pass of the in-memory threshold search)."""
+    m_tasks = a.shape[1]
+    blocks = row_blocks(a, b, rows)
+    k = int(np.asarray(k_top).reshape(-1)[0])
+    t, room, at = _select.radix_threshold(blocks, m_tasks, k, a.dtype)
+    # ties at a nonzero threshold that do not all fit are kept in flat order (a running count);
+    # at a zero threshold keeping every zero changes nothing
+    flat_ties = bool(np.any((at > room) & (t != 0)))
+    t = jnp.asarray(t)
+    out = []
+    for produce, (_, live) in blocks:
+        xm, used = ties_apply(
+            produce(), t, jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32), coef,
+            flat_ties=flat_ties,
+        )  # fmt: skip
+        room = room - np.asarray(used, np.int64)
+        out.append(xm if live == rows else xm[:, :live])
+    return jnp.concatenate(out, axis=-2) if len(out) > 1 else out[0]
 
 
 def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
@@ -449,8 +534,9 @@ def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
         opts = dict(cfg.options)
         table = _select.count_table(opts[spec.keeps_top], c) if spec.keeps_top else None
         la, lb, live = _elementwise_bucket(
-            c, coef, keys, nums, table, method=cfg.method, rtol=rtol, chunk=cfg.chunk
-        )
+            c, coef, keys, nums, table, method=cfg.method, rtol=rtol, chunk=cfg.chunk,
+            rows=cfg.rows,
+        )  # fmt: skip
         return (*map_back(la, lb, live, red.qa, red.qb, not ambient_in, unit), bad)
     am, bm = stage_low_rank(
         c.a, c.b, coef, nums, cfg=LowRankConfig(cfg.method, cfg.options, rtol, cspace == "full")

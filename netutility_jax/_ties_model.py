@@ -24,24 +24,10 @@ from . import methods as _m
 from ._linalg import settle
 from ._plan import MergePlan
 from ._results import raise_nonfinite, raise_range
-from ._select import radix_threshold, topk_count, trim_at
+from ._select import radix_threshold, topk_count
+from ._stages import ties_apply
 
 __all__ = ["ties_apply", "ties_model", "ties_model_streamed"]
-
-
-@functools.partial(jax.jit, static_argnames=("flat_ties",))
-def ties_apply(x, t, room, coef, *, flat_ties):
-    """Trim at the thresholds ``t`` and take the disjoint mean. Without ``flat_ties`` every entry
-    at a task's threshold is known to fit (``room`` = their count), so the running count that
-    breaks ties in flat order (a slow scan on CPU) is skipped."""
-    if flat_ties:
-        trimmed, used = trim_at(x, t, room)
-    else:
-        xt = jnp.moveaxis(x, -3, 0)
-        bits = jax.lax.bitcast_convert_type(jnp.abs(xt), t.dtype)
-        keep = bits >= t.reshape(-1, *([1] * (bits.ndim - 1)))
-        trimmed, used = jnp.moveaxis(jnp.where(keep, xt, 0), 0, -3), room
-    return coef * _m.disjoint_mean(trimmed), used
 
 
 def _stage_inputs(plan: MergePlan, space: str) -> tuple[list, list[int]]:
@@ -108,15 +94,14 @@ def _coord_units(plan: MergePlan, bk, mk, st, unit, results, checks):
     del red
     n = int(_stages.real_entries(c).sum())
     p, q = c.a.shape[-2], c.b.shape[-2]
-    chunk = _plan.chunk_size(m_tasks, p, q, jnp.dtype(plan.dtype).itemsize, len(bk.names))
+    itemsize = jnp.dtype(plan.dtype).itemsize
+    rows = _plan.row_block(plan.resolved, p, q, m_tasks, itemsize)
+    chunk = 1 if rows else _plan.chunk_size(m_tasks, p, q, itemsize, len(bk.names))
     work = []
     for j0 in range(0, len(bk.names), chunk):
         sl, sqa, sqb, su = jax.tree.map(lambda x, j0=j0: x[j0 : j0 + chunk], (c, qa, qb, units_b))
 
-        def produce(sl=sl):
-            return _stages.coords_tasks(sl.a, sl.b)
-
-        def finish(xm, sl=sl, sqa=sqa, sqb=sqb, su=su, j0=j0):
+        def store(xm, sl=sl, sqa=sqa, sqb=sqb, su=su, j0=j0):
             la, lb, live, check = _stages.map_back(
                 *_stages.stage_decode_chunks(sl, [xm], rtol=rtol), sqa, sqb, not ambient_in, su
             )
@@ -130,8 +115,28 @@ def _coord_units(plan: MergePlan, bk, mk, st, unit, results, checks):
                     "scale": 1.0,
                 }
 
-        work.append((produce, finish))
+        if rows is None:
+            work.append((functools.partial(_stages.coords_tasks, sl.a, sl.b), store))
+        else:  # a module too large for one unit: units of rows, in flat (row) order
+            work.extend(_row_units(sl.a, sl.b, rows, store))
     return work, n
+
+
+def _row_units(a, b, rows: int, store: Callable) -> list:
+    """One module's dense coordinates as units of ``rows`` rows (:func:`_stages.row_blocks`);
+    the last unit's finish joins the merged blocks and ``store``s the module."""
+    blocks = _stages.row_blocks(a, b, rows)
+    parts: list = []
+
+    def finish(xm, live, last):
+        parts.append(xm if live == rows else xm[:, :live])
+        if last:
+            store(jnp.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0])
+
+    return [
+        (produce, functools.partial(finish, live=live, last=i == len(blocks) - 1))
+        for i, (produce, (_, live)) in enumerate(blocks)
+    ]
 
 
 def _units(plan: MergePlan, staged: list, unit: jax.Array, results: dict, checks: list):

@@ -512,6 +512,74 @@ def test_second_call_does_not_recompile():
     assert [f._cache_size() for f in stages] == before
 
 
+# ------------------------------------------------- TIES a block of rows at a time (large modules)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 11])
+def test_ties_rows_is_whole_module_ties_with_ties_and_zeros(rows):
+    """Integer factors: every product exact and many equal magnitudes, so the row-blocked TIES
+    (thresholds from radix passes over blocks, ties carried across blocks in flat order) must
+    equal the whole-module kernel bit for bit, at counts inside runs of ties, past the nonzero
+    entries (a zero threshold) and at zero."""
+    rng = np.random.default_rng(rows)
+    m, p, q, r = 3, 11, 7, 2
+    a = rng.integers(-2, 3, size=(1, m, p, r)).astype(np.float64)
+    a[:, :, 4] = 0  # a zero row: zero entries in every task
+    b = rng.integers(-2, 3, size=(1, m, q, r)).astype(np.float64)
+    x = jnp.asarray(a @ np.swapaxes(b, -1, -2))
+    coef = jnp.asarray(0.7)
+    for k in (0, 1, 9, 30, 60, 70, p * q):
+        want = nu.methods.ties(x, coef=coef, k=jnp.asarray([k], jnp.int32))
+        got = _stages.ties_rows(
+            jnp.asarray(a), jnp.asarray(b), jnp.asarray([k], jnp.int32), coef, rows=rows
+        )
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"k={k}")
+
+
+def _spy_rows(monkeypatch, budget_rows):
+    """Blocks of ``budget_rows`` rows for SPEC's KnOTS / core coordinates (float64, M r_max =
+    15 columns), and a count of the modules merged by blocks."""
+    monkeypatch.setattr(_plan, "DENSE_BYTES", budget_rows * 8 * M * 15 * 8)
+    calls = []
+    real = _stages.row_blocks
+
+    def spy(a, b, rows):
+        calls.append(rows)
+        return real(a, b, rows)
+
+    monkeypatch.setattr(_stages, "row_blocks", spy)
+    return calls
+
+
+@pytest.mark.parametrize("space", ["core", "knots", "knots_original"])
+def test_ties_row_blocks_match_dense_reference(space, monkeypatch):
+    """Modules whose dense tasks exceed the working-memory budget are merged 4 rows at a time
+    (18 and 15 rows: ragged last blocks); same reference as the whole-module merge."""
+    ads = _adapters()
+    masks = _masks(ads, 7)
+    kw = {"variant": "original"} if space == "knots_original" else {}
+    sp = space.split("_")[0]
+    calls = _spy_rows(monkeypatch, 4)
+    out = nu.merge(ads, masks, method="ties", space=sp, coef=0.8, density=0.3, **kw)
+    assert calls and set(calls) == {4}
+    _check(out, _ref_in_space(space, REF_METHODS["ties"], ads), ads, masks)
+
+
+@pytest.mark.parametrize("space", ["core", "knots"])
+def test_ties_model_scope_row_blocks_equal_whole_modules(space, monkeypatch):
+    """Model-wide TIES streams a large module as units of rows, in flat order: the same merge."""
+    ads = _adapters(2, True)
+    masks = _masks(ads, 11)
+    kw = {"method": "ties", "space": space, "trim_scope": "model", "density": 0.3, "coef": 0.7}
+    whole = nu.merge(ads, masks, **kw)
+    calls = _spy_rows(monkeypatch, 3)
+    blocked = nu.merge(ads, masks, **kw)
+    assert calls
+    for n in ads[0]:
+        d = ref.dense(whole[n])
+        np.testing.assert_allclose(ref.dense(blocked[n]), d, atol=1e-12 * np.abs(d).max(), err_msg=n)
+
+
 # ----------------------------------------------------------------- TIES over the whole model
 
 
