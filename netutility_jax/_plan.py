@@ -257,7 +257,7 @@ def bucket_config(
     *,
     chunk: int | None = None,
     n_pad: int | None = None,
-    rows: int | None | Literal["auto"] = "auto",
+    rows: int | Literal["auto"] | None = "auto",
 ) -> BucketConfig:
     """The stages' static configuration of a bucket (``chunk``: modules per chunk of dense
     work, default within 64 MiB, dividing ``n_pad``: the modules the stages see, default the

@@ -577,7 +577,9 @@ def test_ties_model_scope_row_blocks_equal_whole_modules(space, monkeypatch):
     assert calls
     for n in ads[0]:
         d = ref.dense(whole[n])
-        np.testing.assert_allclose(ref.dense(blocked[n]), d, atol=1e-12 * np.abs(d).max(), err_msg=n)
+        np.testing.assert_allclose(
+            ref.dense(blocked[n]), d, atol=1e-12 * np.abs(d).max(), err_msg=n
+        )
 
 
 # ----------------------------------------------------------------- TIES over the whole model
