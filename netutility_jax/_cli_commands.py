@@ -34,6 +34,7 @@ from ._cli_paths import (
     REPORT_NAME,
     _check_out,
     _check_space,
+    _finish_output,
     _Merged,
     _plots,
     _progress,
@@ -195,7 +196,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if bar is not None:
         bar.set_postfix_str("loading adapters")
     try:
-        if args.distributed or _streams(args):
+        if _writes_as_it_goes(args):
+            loaded = _open(args.adapters, args)
+            _step(bar, "opened", "scoring, merging and writing (streamed)")
+            report = _write_merge(
+                out, args, None, bar,
+                fill=lambda tmp: _merge_writing(tmp, loaded, args, key, options, bar),
+            )  # fmt: skip
+        elif args.distributed or _streams(args):
             loaded = ex.check(_FN, lambda: _open(args.adapters, args, notes=ex.index == 0))
             _step(bar, "opened", "scoring and merging (streamed)")
             merged, report = _merge_streaming(loaded, args, key, options)
@@ -203,13 +211,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
             loaded = _load(args.adapters, args, "merge")
             _step(bar, "loaded", "scoring and merging")
             merged, report = _merge(loaded.adapters, args, key, options)
-        _step(bar, "merged", "writing the PEFT adapter")
-        _check_dense(args, report)
-        result = _Merged(loaded, merged, report, key, options, ex.count)
-        if args.distributed:
-            _write_distributed(out, args, result, bar, ex)
-        else:
-            _write_merge(out, args, result, bar)
+        if not _writes_as_it_goes(args):
+            _step(bar, "merged", "writing the PEFT adapter")
+            _check_dense(args, report)
+            result = _Merged(loaded, merged, report, key, options, ex.count)
+            if args.distributed:
+                _write_distributed(out, args, result, bar, ex)
+            else:
+                _write_merge(out, args, result, bar)
     finally:
         if bar is not None:
             bar.close()
@@ -362,6 +371,58 @@ def _merge_streaming(source: Any, args: argparse.Namespace, key, options: dict[s
         distributed=args.distributed,
         **options,
     )
+
+
+def _writes_as_it_goes(args: argparse.Namespace) -> bool:
+    """Whether the merge writes each chunk's modules as they come (:func:`_merge_writing`): a
+    streamed merge in one process, at each module's own rank. ``--serving-ranks`` (one rank for
+    every module, known only at the end) and ``--distributed`` write at the end."""
+    return _streams(args) and not args.distributed and args.serving_ranks is None
+
+
+def _merge_writing(tmp: pathlib.Path, source: Any, args, key, options, bar) -> Any:
+    """The streamed merge writing its adapter chunk by chunk into ``tmp`` (the output's staging
+    folder, :class:`nu.peft.AdapterWriter`), then the report and plots; returns the report.
+    Memory: one chunk, whatever the size of the merged adapter."""
+    import netutility_jax as nu
+
+    from . import peft
+
+    with peft.AdapterWriter(
+        tmp / "adapter", rank=args.rank, base_config=source.config, dtype=args.dtype,
+        names=source.names,
+    ) as writer:  # fmt: skip
+        merged, report = nu.merge_adapters_streaming(
+            source,
+            **_merge_settings(args, key),
+            chunk_bytes=max(1, int(args.chunk_mb * 2**20)),
+            on_chunk=functools.partial(_write_chunk, writer),
+            **options,
+        )
+    _step(bar, "merged and written", "writing the report")
+    _check_dense(args, report)
+    _finish_output(tmp, args, _Merged(source, merged, report, key, options), bar)
+    return report
+
+
+def _write_chunk(writer: Any, modules: dict[str, Any]) -> dict[str, Any]:
+    """``on_chunk``: a chunk's merged modules written; kept in their place: shape-only stand-ins
+    (zero-strided, no memory) of the merged rank (what :attr:`nu.Report.ranks` reports: a
+    dense module at its truncated rank, a module that kept nothing at 0)."""
+    written = writer.add(modules)
+    out = {}
+    for name, mod in modules.items():
+        if "delta" in mod:
+            (d_in, d_out), r = mod["delta"].shape, written[name]
+        else:
+            (d_in, r), d_out = mod["lora_a"].shape, mod["lora_b"].shape[1]
+        zero = np.zeros((), np.float32)
+        out[name] = {
+            "lora_a": np.broadcast_to(zero, (d_in, r)),
+            "lora_b": np.broadcast_to(zero, (r, d_out)),
+            "scale": 1.0,
+        }
+    return out
 
 
 def _truncate_dense(modules: dict[str, Any], *, rank: int) -> dict[str, Any]:

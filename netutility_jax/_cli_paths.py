@@ -23,7 +23,7 @@ import shutil
 import socket
 import stat
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -42,6 +42,7 @@ __all__ = [
     "_Merged",
     "_check_out",
     "_check_space",
+    "_finish_output",
     "_host_tag",
     "_plots",
     "_progress",
@@ -414,9 +415,19 @@ class _Merged(NamedTuple):
     processes: int = 1  # how many processes merged (--distributed)
 
 
-def _write_merge(out: pathlib.Path, args: argparse.Namespace, result: _Merged, bar) -> None:
+def _write_merge(
+    out: pathlib.Path, args: argparse.Namespace, result: _Merged | None, bar,
+    fill: Callable[[pathlib.Path], Any] | None = None,
+) -> Any:  # fmt: skip
     """The writing step: ``out`` assembled in a staging folder beside it and renamed into place
-    (complete or not at all); a failed write is the library's :class:`FileAccessError`."""
+    (complete or not at all); a failed write is the library's :class:`FileAccessError`. The
+    folder is filled by :func:`_write_output` from ``result``, or by ``fill(folder)`` (a merge
+    that writes as it goes: :func:`_merge_writing`), whose result is returned."""
+    if fill is None:
+
+        def fill(tmp: pathlib.Path) -> None:
+            _write_output(tmp, args, result, bar)
+
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = staging_name(out)
@@ -424,10 +435,11 @@ def _write_merge(out: pathlib.Path, args: argparse.Namespace, result: _Merged, b
         raise _write_error(args.out, e) from e
     try:
         with _io.atomic_directory(out, fn=f"{PROG} merge", staging=staging) as tmp:
-            _write_output(tmp, args, result, bar)
+            filled = fill(tmp)
             if _stat(out, f"--out {args.out}", follow=False) is not None:
                 raise UsageError(f"--out {args.out}: appeared while merging; nothing was written.")
         _step(bar, "done")
+        return filled
     except OSError as e:
         if not isinstance(e, NetUtilityError):
             raise _write_error(args.out, e) from e
@@ -448,6 +460,12 @@ def _write_output(tmp: pathlib.Path, args: argparse.Namespace, result: _Merged, 
         dtype=args.dtype,
         serving_ranks=args.serving_ranks,
     )
+    _finish_output(tmp, args, result, bar)
+
+
+def _finish_output(tmp: pathlib.Path, args: argparse.Namespace, result: _Merged, bar) -> None:
+    """The adapter written in ``tmp / "adapter"`` moved up into ``tmp``, then the extras."""
+    adapter_dir = tmp / "adapter"
     for f in adapter_dir.iterdir():
         f.rename(tmp / f.name)
     adapter_dir.rmdir()

@@ -281,25 +281,42 @@ def test_only_library_errors_are_user_errors(folders, tmp_path, capsys, monkeypa
     assert f"jax {jax.__version__}" in last and "Python 3." in last
 
 
-def test_interrupt_exits_130_and_removes_the_staging(folders, tmp_path, capsys, monkeypatch):
-    def interrupted(*args, **kwargs):
+def _patch_writing(monkeypatch, route, fail):
+    """Make writing the adapter call ``fail``: the streamed merge writes chunk by chunk
+    (``AdapterWriter.add``), ``--in-memory`` at the end (``save_adapter``). Returns the route's
+    extra flags."""
+    if route == "streamed":
+        monkeypatch.setattr(nu.peft.AdapterWriter, "add", lambda self, mods: fail(self.path))
+        return []
+    monkeypatch.setattr(nu.peft, "save_adapter", lambda adapter, path, **kw: fail(path))
+    return ["--in-memory"]
+
+
+@pytest.mark.parametrize("route", ["streamed", "in_memory"])
+def test_interrupt_exits_130_and_removes_the_staging(
+    folders, tmp_path, capsys, monkeypatch, route
+):  # fmt: skip
+    def interrupted(path):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(nu.peft, "save_adapter", interrupted)
+    flags = _patch_writing(monkeypatch, route, interrupted)
     out = tmp_path / "out"
-    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--out", str(out), "--quiet")
+    argv = ["merge", *folders, "--budget", "2", "--out", str(out), "--quiet", *flags]
+    rc, _, err = _run(capsys, *argv)
     assert rc == 130 and err == "netutility merge: interrupted\n"
     assert not list(tmp_path.iterdir())
 
 
-def test_write_failure_is_one_line(folders, tmp_path, capsys, monkeypatch):
-    def full(adapter, path, **kwargs):
-        pathlib.Path(path).mkdir()
+@pytest.mark.parametrize("route", ["streamed", "in_memory"])
+def test_write_failure_is_one_line(folders, tmp_path, capsys, monkeypatch, route):
+    def full(path):
+        pathlib.Path(path).mkdir(exist_ok=True)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(nu.peft, "save_adapter", full)
+    flags = _patch_writing(monkeypatch, route, full)
     out = tmp_path / "out"
-    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--out", str(out), "--quiet")
+    argv = ["merge", *folders, "--budget", "2", "--out", str(out), "--quiet", *flags]
+    rc, _, err = _run(capsys, *argv)
     assert rc == 2
     _one_error_line(err, f"netutility merge: error: --out {out}: writing the result failed at ")
     assert "(No space left on device); nothing was written." in err

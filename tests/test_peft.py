@@ -454,6 +454,98 @@ def test_save_round_trip_ranks_rank0_dense(tmp_path):
     assert not np.any(np.asarray(back["model.layers.1.v"]["lora_a"]))
 
 
+def _writer_modules(rng):
+    return {
+        "model.layers.0.q": {"lora_a": rng.normal(size=(8, 3)), "lora_b": rng.normal(size=(3, 6)),
+                             "scale": 0.7},
+        "model.layers.1.q": {"lora_a": rng.normal(size=(8, 2)), "lora_b": rng.normal(size=(2, 6))},
+        "model.layers.0.v": {"lora_a": rng.normal(size=(8, 5)), "lora_b": rng.normal(size=(5, 6))},
+        "model.layers.1.v": {"lora_a": np.zeros((8, 0)), "lora_b": np.zeros((0, 6)), "scale": 1.0},
+        "model.layers.1.o": {"delta": rng.normal(size=(8, 6))},
+        "model.layers.10.o": {"lora_a": rng.normal(size=(8, 1)), "lora_b": rng.normal(size=(1, 6))},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_adapter_writer_writes_what_save_adapter_writes(tmp_path, dtype):
+    """Chunks in any order (one nested): the same tensors, dtypes and config as save_adapter,
+    read back by the safetensors package (header, metadata) and load_adapter."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    merged = _writer_modules(np.random.default_rng(3))
+    kw = {"rank": 2, "dtype": dtype, "base_model_name_or_path": "org/base"}
+    want_cfg = nu_peft.save_adapter(merged, tmp_path / "a", **kw)
+    names = list(merged)
+    chunks = [
+        {n: merged[n] for n in names[3:]},
+        {"model": {"layers": {"0": {"v": merged["model.layers.0.v"]}}}},  # nested, as PEFT trees
+        {n: merged[n] for n in names[:3] if n != "model.layers.0.v"},
+    ]
+    with nu_peft.AdapterWriter(tmp_path / "b", names=names, **kw) as w:
+        ranks = {}
+        for c in chunks:
+            ranks.update(w.add(c))
+    assert ranks == w.ranks and ranks["model.layers.1.v"] == 1 and ranks["model.layers.1.o"] == 2
+    assert w.config == want_cfg == json.loads((tmp_path / "b" / "adapter_config.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # no staging left
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    fa, fb = (str(tmp_path / d / "adapter_model.safetensors") for d in "ab")
+    ta, tb = load_file(fa), load_file(fb)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        np.testing.assert_array_equal(ta[k].view(np.uint8), tb[k].view(np.uint8), err_msg=k)
+    with safe_open(fb, framework="numpy") as f:
+        assert f.metadata() == {"format": "pt"}
+    back = nu_peft.load_adapter(tmp_path / "b")
+    for n, m in nu_peft.load_adapter(tmp_path / "a").items():
+        np.testing.assert_array_equal(_dense(back[n]), _dense(m), err_msg=n)
+
+
+def test_adapter_writer_leaves_nothing_when_it_fails(tmp_path):
+    merged = _writer_modules(np.random.default_rng(4))
+    names = list(merged)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="stop"):
+        with nu_peft.AdapterWriter(out, rank=2) as w:
+            w.add({names[0]: merged[names[0]]})
+            raise RuntimeError("stop")
+    assert not list(tmp_path.iterdir())
+    # a module never added, when the names were given: an error at the end, nothing written
+    with pytest.raises(InputError, match=r"1 of the 6 modules named were never added"):
+        with nu_peft.AdapterWriter(out, rank=2, names=names) as w:
+            w.add({n: merged[n] for n in names[1:]})
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(InputError, match=r"'model.layers.0.q' was already written"):
+        with nu_peft.AdapterWriter(out, rank=2) as w:
+            w.add({names[0]: merged[names[0]]})
+            w.add({names[0]: merged[names[0]]})
+    with pytest.raises(InputError, match=r"'model.layers.0.q' is not among the names"):
+        with nu_peft.AdapterWriter(out, rank=2, names=names[1:]) as w:
+            w.add({names[0]: merged[names[0]]})
+    with pytest.raises(InputError, match=r"model.layers.1.o.* is dense"):
+        with nu_peft.AdapterWriter(out) as w:  # no rank for a dense module
+            w.add({"model.layers.1.o": merged["model.layers.1.o"]})
+    with pytest.raises(InputError, match="no module was added"):
+        with nu_peft.AdapterWriter(out):
+            pass
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(InputError, match=r"inside the writer's `with` block"):
+        nu_peft.AdapterWriter(out).add({names[0]: merged[names[0]]})
+    # refused before anything is written: a non-empty folder, a target list that misses a module
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep")
+    with pytest.raises(FileExistsError, match="not empty"):
+        nu_peft.AdapterWriter(tmp_path / "full")
+    assert (tmp_path / "full" / "x").read_text() == "keep"
+    with pytest.raises(InputError, match=r"model\.layers\.1"):
+        nu_peft.AdapterWriter(out, names=names, target_modules=["model.layers.0.q"])
+
+
 def test_save_pattern_keys_with_suffix_clash(tmp_path):
     # "x.a.q" ends with "." + "a.q": an unanchored key "a.q" would also match "x.a.q"
     rng = np.random.default_rng(8)
@@ -686,6 +778,29 @@ def test_peft_merge_save_load_forward(llama, tmp_path, method):
     assert not np.any(updates[ZERO_MODULE])
     got = _logits(torch, pm)
     _assert_logits(got, _reference_logits(torch, base, updates), _logits(torch, base))
+
+
+@HF_WARNINGS
+def test_peft_loads_a_streamed_merge_written_chunk_by_chunk(llama, tmp_path):
+    """merge_adapters_streaming writing each chunk with AdapterWriter (what `netutility merge`
+    does): PEFT's layers hold exactly the merged updates."""
+    _, peft, base, dirs, _ = llama
+    source = nu_peft.open_adapters(dirs)
+    updates = {}
+
+    def write(chunk):
+        updates.update({n: _dense(m) for n, m in chunk.items()})
+        w.add(chunk)
+        return chunk
+
+    out = tmp_path / "merged"
+    with nu_peft.AdapterWriter(out, base_config=source.config, names=source.names) as w:
+        nu.merge_adapters_streaming(source, budget=3, chunk_bytes=4096, on_chunk=write)
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(out)).eval()
+    layers = _lora_layers(pm)
+    assert set(layers) == set(updates) == set(source.names)
+    for name, layer in layers.items():
+        _assert_close(_peft_delta(layer), updates[name], 1e-6, name)
 
 
 @HF_WARNINGS

@@ -30,7 +30,8 @@ The package is laid out by step: :mod:`._read` (paths, the JSON config, safetens
 shapes), :mod:`._config` (what the config means: refused settings, per-module ``r`` /
 ``lora_alpha``, target modules, carried fields), :mod:`._regex` (PEFT's regex rules, bounded),
 :mod:`._convert` (PEFT tensors <-> modules, scales), :mod:`._load` (:func:`load_adapter`,
-:func:`load_adapters`) and :mod:`._write` (:func:`save_adapter`).
+:func:`load_adapters`), :mod:`._write` (:func:`save_adapter`) and :mod:`._stream`
+(:class:`AdapterWriter`: the same, written a chunk of modules at a time).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from ._regex import _glob_full as _glob_full
 from ._regex import _glob_suffix as _glob_suffix
 from ._regex import _Regexes as _Regexes
 from ._regex import pattern_key as pattern_key
+from ._stream import AdapterWriter as AdapterWriter
 from ._write import VLLM_RANKS as VLLM_RANKS
 from ._write import save_adapter as save_adapter
 
@@ -64,6 +66,7 @@ __all__ = [
     "VLLM_RANKS",
     "WEIGHTS_NAME",
     "AdapterSet",
+    "AdapterWriter",
     "LoadedAdapters",
     "check_compatible",
     "load_adapter",
@@ -81,6 +84,7 @@ __all__ = [
 # nu.peft.<name>, where they have always lived.
 for _obj in (
     AdapterSet,
+    AdapterWriter,
     open_adapters,
     LoadedAdapters,
     check_compatible,

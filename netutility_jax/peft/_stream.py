@@ -1,0 +1,188 @@
+"""Writing a PEFT adapter a chunk of modules at a time (:class:`AdapterWriter`).
+
+:func:`save_adapter` needs the whole merged adapter in memory and builds every tensor (and the
+safetensors library its byte buffer) before writing: about three copies of the result. A merge
+streamed from disk (:func:`nu.merge_adapters_streaming`) produces its modules chunk by chunk;
+:class:`AdapterWriter` converts and writes each chunk as it comes (the same conversion as
+:func:`save_adapter`), so a merged 70B-sized adapter is never held at once.
+
+The safetensors file is the format as the safetensors package writes it (an 8-byte little-endian
+header length, a JSON header of ``dtype`` / ``shape`` / ``data_offsets`` per tensor and the
+``__metadata__``, padded with spaces to 8 bytes, then the tensors' bytes back to back): the
+tensors' bytes go to a side file as they come, and when the adapter is complete the header (only
+then known) is written and the bytes copied after it. The package has no incremental writer; its
+reader (``safe_open``, ``load_file``) and PEFT read the result.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import struct
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _checks
+from .._io import atomic_directory
+from ..errors import InputError
+from ._common import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _natural
+from ._convert import _peft_factors, _to_peft
+from ._write import (
+    _check_free,
+    _check_options,
+    _config_text,
+    _modules_for_save,
+    _saved_config,
+)
+
+__all__ = ["AdapterWriter"]
+
+_FN = "nu.peft.AdapterWriter"
+#: safetensors' dtype codes of the saved dtypes
+_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_DATA = ".tensors.part"  # the tensors' bytes, inside the staging folder
+
+
+class AdapterWriter:
+    """:func:`save_adapter`, fed a chunk of modules at a time: memory of one chunk.
+
+    A context manager. Inside the ``with`` block, :meth:`add` converts each chunk's modules
+    exactly as :func:`save_adapter` does (same tensors, dtype, ranks, rank-0 and dense modules)
+    and writes their tensors; when the block ends the config (``rank_pattern`` over every module)
+    and the safetensors header are written and the folder is renamed into place. If the block
+    raises, nothing is left at ``path``.
+
+    Args:
+      path: output directory; must not exist or be empty.
+      rank, base_config, dtype, **config: as for :func:`save_adapter` (``serving_ranks``, which
+        needs every module's rank before the first is written, is not supported here).
+      names: the PEFT module names the adapter will hold, if known: the config's
+        ``target_modules`` are then checked against them before anything is written, and an
+        unknown, repeated or missing module is an error.
+
+    Attributes:
+      config: the ``adapter_config.json`` written (after the block).
+      ranks: ``{module: rank written}`` so far.
+
+    Example:
+      >>> import pathlib, tempfile
+      >>> import numpy as np
+      >>> from netutility_jax import peft
+      >>> rng = np.random.default_rng(0)
+      >>> chunks = [{f"model.layers.{i}.q_proj": {"lora_a": rng.normal(size=(8, 2)),
+      ...                                          "lora_b": rng.normal(size=(2, 6))}}
+      ...           for i in range(3)]
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> out = pathlib.Path(tmp.name) / "merged"
+      >>> with peft.AdapterWriter(out, base_model_name_or_path="my/base") as w:
+      ...     for chunk in chunks:
+      ...         _ = w.add(chunk)
+      >>> sorted(peft.load_adapter(out)) == sorted(n for c in chunks for n in c)
+      True
+      >>> tmp.cleanup()
+    """
+
+    def __init__(
+        self,
+        path: Any,
+        *,
+        rank: int | None = None,
+        base_config: Any = None,
+        dtype: str = "float32",
+        names: Sequence[str] | None = None,
+        **config: Any,
+    ):
+        _check_options(rank, dtype, config, fn=_FN)
+        self.path = pathlib.Path(path)
+        _check_free(self.path, fn=_FN)
+        self._rank, self._dtype = rank, dtype
+        self._base, self._config = base_config, config
+        self._names = None if names is None else list(names)
+        if self._names is not None:  # the config's target modules, checked before any work
+            _saved_config(base_config, config, self._names, dict.fromkeys(self._names, 1), fn=_FN)
+        self.ranks: dict[str, int] = {}
+        self.config: dict[str, Any] | None = None
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._offset = 0
+        self._ctx = self._tmp = self._data = None
+
+    def __enter__(self) -> AdapterWriter:
+        if self._ctx is not None:
+            raise InputError(f"{_FN}: this writer was already used; make a new one.")
+        self._ctx = atomic_directory(self.path, fn=_FN)
+        self._tmp = self._ctx.__enter__()
+        self._data = open(self._tmp / _DATA, "wb")
+        return self
+
+    def add(self, modules: Mapping[str, Any]) -> dict[str, int]:
+        """Convert and write a chunk's modules (a dict as :func:`save_adapter` takes); returns
+        ``{module: rank written}`` for them (a module that kept nothing is written as rank 1
+        with zero factors, as :func:`save_adapter` does)."""
+        if self._data is None or self._data.closed:
+            raise InputError(f"{_FN}: add() is called inside the writer's `with` block.")
+        mods = _modules_for_save(modules, fn=_FN)
+        expected = None if self._names is None else set(self._names)
+        out = {}
+        for name in sorted(mods, key=_natural):
+            if name in self.ranks:
+                raise InputError(f"{_FN}: module {name!r} was already written; add it once.")
+            if expected is not None and name not in expected:
+                raise InputError(
+                    f"{_FN}: module {name!r} is not among the names the writer was given "
+                    f"({_checks.few(self._names)}); pass names= with every module, or None."
+                )
+            a, b = _peft_factors(name, mods[name], self._rank, fn=_FN)
+            for part, x in (("lora_A", a), ("lora_B", b)):
+                self._write(
+                    f"{PREFIX}{name}.{part}.weight", _to_peft(x, self._dtype, name, part, fn=_FN)
+                )
+            self.ranks[name] = out[name] = int(a.shape[0])
+        return out
+
+    def _write(self, key: str, y: np.ndarray) -> None:
+        self._data.write(memoryview(np.ascontiguousarray(y).reshape(-1).view(np.uint8)))
+        end = self._offset + y.nbytes
+        self._entries[key] = {
+            "dtype": _CODES[self._dtype],
+            "shape": list(y.shape),
+            "data_offsets": [self._offset, end],
+        }
+        self._offset = end
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None:
+                self._finish()
+        except BaseException:
+            self._data.close()
+            self._ctx.__exit__(*sys.exc_info())
+            raise
+        self._data.close()
+        return bool(self._ctx.__exit__(exc_type, exc, tb))
+
+    def _finish(self) -> None:
+        names = sorted(self.ranks, key=_natural)
+        if not names:
+            raise InputError(f"{_FN}: no module was added; nothing to write.")
+        if self._names is not None:
+            missing = [n for n in self._names if n not in self.ranks]
+            if missing:
+                raise InputError(
+                    f"{_FN}: {len(missing)} of the {len(self._names)} modules named were never "
+                    f"added ({_checks.few(missing)}); nothing was written."
+                )
+        self.config = _saved_config(self._base, self._config, names, self.ranks, fn=_FN)
+        text = _config_text(self.config, fn=_FN)
+        self._data.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}).encode()
+        header += b" " * (-len(header) % 8)
+        with open(self._tmp / WEIGHTS_NAME, "wb") as f, open(self._tmp / _DATA, "rb") as data:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            shutil.copyfileobj(data, f, 16 << 20)
+        (self._tmp / _DATA).unlink()
+        (self._tmp / CONFIG_NAME).write_text(text, encoding="utf-8")
