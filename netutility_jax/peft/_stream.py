@@ -6,19 +6,19 @@ streamed from disk (:func:`nu.merge_adapters_streaming`) produces its modules ch
 :class:`AdapterWriter` converts and writes each chunk as it comes (the same conversion as
 :func:`save_adapter`), so a merged 70B-sized adapter is never held at once.
 
-The safetensors file is the format as the safetensors package writes it (an 8-byte little-endian
-header length, a JSON header of ``dtype`` / ``shape`` / ``data_offsets`` per tensor and the
-``__metadata__``, padded with spaces to 8 bytes, then the tensors' bytes back to back): the
-tensors' bytes go to a side file as they come, and when the adapter is complete the header (only
-then known) is written and the bytes copied after it. The package has no incremental writer; its
-reader (``safe_open``, ``load_file``) and PEFT read the result.
+The safetensors file is byte for byte what the safetensors package writes for the same tensors
+(an 8-byte little-endian header length, a compact JSON header of ``dtype`` / ``shape`` /
+``data_offsets`` per tensor after the ``__metadata__``, padded with spaces to 8 bytes, then the
+tensors' bytes back to back in name order): the tensors' bytes go to a side file as they come,
+and when the adapter is complete the header (only then known) is written and the bytes copied
+after it in name order, a tensor at a time. The package has no incremental writer; its reader
+(``safe_open``, ``load_file``) and PEFT read the result.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 import struct
 import sys
 from collections.abc import Mapping, Sequence
@@ -178,11 +178,24 @@ class AdapterWriter:
         self.config = _saved_config(self._base, self._config, names, self.ranks, fn=_FN)
         text = _config_text(self.config, fn=_FN)
         self._data.close()
-        header = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}).encode()
+        # the safetensors package's layout, byte for byte: tensors in name order (one dtype),
+        # a compact JSON header padded with spaces to 8 bytes
+        entries, offset = {}, 0
+        for key in sorted(self._entries):
+            e = self._entries[key]
+            start, end = e["data_offsets"]
+            entries[key] = {**e, "data_offsets": [offset, offset + end - start]}
+            offset += end - start
+        header = json.dumps(
+            {"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")
+        ).encode()
         header += b" " * (-len(header) % 8)
         with open(self._tmp / WEIGHTS_NAME, "wb") as f, open(self._tmp / _DATA, "rb") as data:
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
-            shutil.copyfileobj(data, f, 16 << 20)
+            for key in entries:  # one tensor in memory at a time
+                start, end = self._entries[key]["data_offsets"]
+                data.seek(start)
+                f.write(data.read(end - start))
         (self._tmp / _DATA).unlink()
         (self._tmp / CONFIG_NAME).write_text(text, encoding="utf-8")
