@@ -12,8 +12,9 @@ float32, 16 tasks: about 2.7 GB of factors), then each case runs in a fresh inte
 * ``in_memory``: ``nu.peft.load_adapters`` + ``nu.merge_adapters`` (TA in core space);
 * ``stream_ta``, ``stream_tsv``: ``nu.peft.open_adapters`` + ``merge_adapters_streaming`` (TA and
   TSV in core space, ``--chunk-mb`` per chunk);
-* ``cli_ties_knots``: ``netutility merge --method ties --space knots --density 0.2`` (streamed,
-  ``--chunk-mb``, no compilation cache), output written and its size recorded.
+* ``cli_ties_knots``, ``cli_ta_core``, ``cli_tsv_core``: ``netutility merge`` with TIES in KnOTS
+  space (density 0.2), TA or TSV in Core space (streamed, ``--chunk-mb``, no compilation cache,
+  each chunk's merged modules written as they come), output written and its size recorded.
 
 Reported per case: wall time of the child process and its peak RSS from ``os.wait4`` (the
 kernel's ``ru_maxrss`` of the child, whatever it allocated), plus the child's own timings (open or
@@ -76,7 +77,10 @@ MODELS = {  # module -> (d_in, d_out)
     },
 }
 SHAPES = MODELS["llama3-8b"]
-CASES = ("floor", "compute_floor", "in_memory", "stream_ta", "stream_tsv", "cli_ties_knots")
+CASES = (
+    "floor", "compute_floor", "in_memory", "stream_ta", "stream_tsv", "cli_ties_knots",
+    "cli_ta_core", "cli_tsv_core",
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- data
@@ -207,15 +211,23 @@ def _merge_summary(merged, report) -> dict:
     }
 
 
-def _cli_case(paths: list[str], budget: int, chunk_bytes: int) -> dict:
-    """``netutility merge`` (TIES in KnOTS space, density 0.2, streamed, no compilation cache)
-    in this process, as a user runs it: checks, passes, the written output."""
+#: the command-line cases: their method flags
+CLI_CASES = {
+    "cli_ties_knots": ["--method", "ties", "--space", "knots", "--density", "0.2"],
+    "cli_ta_core": ["--method", "ta", "--space", "core"],
+    "cli_tsv_core": ["--method", "tsv", "--space", "core"],
+}
+
+
+def _cli_case(paths: list[str], budget: int, chunk_bytes: int, flags: list[str]) -> dict:
+    """``netutility merge`` with ``flags`` (streamed, no compilation cache) in this process, as
+    a user runs it: checks, passes, the written output."""
     from netutility_jax import cli
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "merged")
-        argv = ["merge", *paths, "--budget", str(budget), "--method", "ties", "--space", "knots",
-                "--density", "0.2", "--chunk-mb", str(chunk_bytes / 2**20), "--out", out,
+        argv = ["merge", *paths, "--budget", str(budget), *flags,
+                "--chunk-mb", str(chunk_bytes / 2**20), "--out", out,
                 "--no-plots", "--quiet", "--no-compile-cache"]  # fmt: skip
         sw = h.Stopwatch()
         code = sw.lap(cli.main(argv))
@@ -238,8 +250,8 @@ def run_case(case: str, paths: list[str], budget: int, chunk_bytes: int) -> dict
         return _floor(paths)
     if case == "compute_floor":
         return _compute_floor(paths, chunk_bytes)
-    if case == "cli_ties_knots":
-        return _cli_case(paths, budget, chunk_bytes)
+    if case in CLI_CASES:
+        return _cli_case(paths, budget, chunk_bytes, CLI_CASES[case])
     sw = h.Stopwatch()
     if case == "in_memory":
         loaded = sw.lap(peft.load_adapters(paths))
