@@ -31,6 +31,7 @@ from ._cli_args import _method_options
 from ._cli_common import PROG, UsageError, _say
 from ._cli_paths import (
     _FACTOR_KEY,
+    OUT_MARGIN,
     REPORT_NAME,
     _check_out,
     _check_space,
@@ -251,6 +252,8 @@ def _check_merge(args: argparse.Namespace, *, output: bool = True) -> pathlib.Pa
     shapes = [weight_shapes(p) for p in args.adapters]
     if existing is not None and all(s is not None for s in shapes):  # (else the loader says)
         est = estimate_out_bytes(shapes, rank=args.rank, dtype=args.dtype)  # type: ignore[arg-type]
+        if _writes_as_it_goes(args):  # the tensors' side file and the final file, for a moment
+            est = est._replace(bytes=2 * est.bytes - OUT_MARGIN)
         _check_space(args.out, existing, est, args.dtype)
     return out
 

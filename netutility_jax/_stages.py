@@ -512,7 +512,8 @@ def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
     bad)``, the factors padded, ``check`` the :func:`range_status` of each module and ``bad``
     the inputs' non-finite counts ``(n, M, 3)``.
 
-    Composes the jitted stages (traceable as a whole, e.g. by ``jax.make_jaxpr``).
+    Composes the jitted stages (traceable as a whole, e.g. by ``jax.make_jaxpr``, unless
+    ``cfg.rows`` is set: row-blocked TIES finds its thresholds on the host).
     """
     spec = registry.METHODS[cfg.method]
     m_tasks = leaves.a.shape[1] if isinstance(leaves, _mesh.Stacked) else len(leaves[0][0])

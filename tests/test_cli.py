@@ -563,6 +563,7 @@ def test_output_needs_room_for_the_estimated_size(folders, tmp_path, capsys, mon
     )  # fmt: skip
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(want + 10**6, 10**6 + 1, want - 1))
+    real_load, real_load_one = nu.peft.load_adapters, nu.peft.load_adapter
     _no_loading(monkeypatch)
     rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--out", str(tmp_path / "o"))
     assert rc == 2
@@ -574,6 +575,18 @@ def test_output_needs_room_for_the_estimated_size(folders, tmp_path, capsys, mon
         "another --out.",
     )
     assert not list(tmp_path.iterdir())
+    # written as it goes (the default), the tensors are on disk twice for a moment (a side file
+    # copied after the header): room for the adapter once more is needed; --in-memory does not
+    adapter = want - (16 << 20)
+    free = want + adapter - 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(free + 10**6, 10**6, free))
+    argv = ["merge", *folders, "--budget", "2", "--out", str(tmp_path / "o")]
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2 and "not enough free space" in err
+    monkeypatch.setattr(nu.peft, "load_adapters", real_load)
+    monkeypatch.setattr(nu.peft, "load_adapter", real_load_one)
+    rc, _, err = _run(capsys, *argv, "--in-memory", "--quiet", "--no-plots")
+    assert rc == 0 and err == ""
 
 
 def test_size_estimate_bounds_what_is_written(folders, tmp_path, capsys):

@@ -548,6 +548,40 @@ def test_adapter_writer_leaves_nothing_when_it_fails(tmp_path):
         nu_peft.AdapterWriter(out, names=names, target_modules=["model.layers.0.q"])
 
 
+def test_adapter_writer_a_failing_chunk_writes_nothing_of_it(tmp_path):
+    """A chunk whose conversion fails (lora_B overflows float16) adds none of its tensors, even
+    those converted before the failure: the writer can go on, and the file is consistent."""
+    from safetensors.numpy import load_file
+
+    merged = _writer_modules(np.random.default_rng(5))
+    q0, q1 = merged["model.layers.0.q"], merged["model.layers.1.q"]
+    big = {"lora_a": np.ones((8, 2)), "lora_b": np.full((2, 6), 1e6)}
+    with nu_peft.AdapterWriter(tmp_path / "out", dtype="float16") as w:
+        w.add({"model.layers.0.q": q0})
+        with pytest.raises(InputError, match=r"'model.layers.0.v'.*overflows float16"):
+            w.add({"model.layers.0.v": big, "model.layers.1.q": q1})
+        w.add({"model.layers.1.q": q1})
+    assert sorted(w.ranks) == ["model.layers.0.q", "model.layers.1.q"]
+    keys = sorted(load_file(str(tmp_path / "out" / "adapter_model.safetensors")))
+    assert keys == [
+        f"{nu_peft.PREFIX}model.layers.{i}.q.lora_{p}.weight" for i in (0, 1) for p in "AB"
+    ]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_adapter_writer_full_disk_on_close_keeps_the_error_and_cleans_up(tmp_path):
+    """The block fails and closing the tensors' file fails too (a full disk): the block's error
+    is the one raised, and the staging folder is gone."""
+    merged = _writer_modules(np.random.default_rng(6))
+    with pytest.raises(RuntimeError, match="the block's own error"):
+        with nu_peft.AdapterWriter(tmp_path / "out") as w:
+            w._data.close()
+            w._data = open("/dev/full", "wb")
+            w.add({"model.layers.0.q": merged["model.layers.0.q"]})  # buffered, not yet flushed
+            raise RuntimeError("the block's own error")
+    assert not list(tmp_path.iterdir())
+
+
 def test_save_pattern_keys_with_suffix_clash(tmp_path):
     # "x.a.q" ends with "." + "a.q": an unanchored key "a.q" would also match "x.a.q"
     rng = np.random.default_rng(8)

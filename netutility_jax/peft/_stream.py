@@ -17,6 +17,7 @@ after it in name order, a tensor at a time. The package has no incremental write
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import struct
@@ -115,7 +116,11 @@ class AdapterWriter:
             raise InputError(f"{_FN}: this writer was already used; make a new one.")
         self._ctx = atomic_directory(self.path, fn=_FN)
         self._tmp = self._ctx.__enter__()
-        self._data = open(self._tmp / _DATA, "wb")
+        try:
+            self._data = open(self._tmp / _DATA, "wb")
+        except BaseException:
+            self._ctx.__exit__(*sys.exc_info())  # the staging folder removed
+            raise
         return self
 
     def add(self, modules: Mapping[str, Any]) -> dict[str, int]:
@@ -126,8 +131,8 @@ class AdapterWriter:
             raise InputError(f"{_FN}: add() is called inside the writer's `with` block.")
         mods = _modules_for_save(modules, fn=_FN)
         expected = None if self._names is None else set(self._names)
-        out = {}
-        for name in sorted(mods, key=_natural):
+        names = sorted(mods, key=_natural)
+        for name in names:
             if name in self.ranks:
                 raise InputError(f"{_FN}: module {name!r} was already written; add it once.")
             if expected is not None and name not in expected:
@@ -135,12 +140,18 @@ class AdapterWriter:
                     f"{_FN}: module {name!r} is not among the names the writer was given "
                     f"({_checks.few(self._names)}); pass names= with every module, or None."
                 )
+        # every tensor of the chunk converted (and checked) before any is written: a chunk that
+        # fails leaves the file as it was
+        tensors = {}
+        for name in names:
             a, b = _peft_factors(name, mods[name], self._rank, fn=_FN)
             for part, x in (("lora_A", a), ("lora_B", b)):
-                self._write(
-                    f"{PREFIX}{name}.{part}.weight", _to_peft(x, self._dtype, name, part, fn=_FN)
-                )
-            self.ranks[name] = out[name] = int(a.shape[0])
+                key = f"{PREFIX}{name}.{part}.weight"
+                tensors[key] = _to_peft(x, self._dtype, name, part, fn=_FN)
+        for key, y in tensors.items():
+            self._write(key, y)
+        out = {n: int(tensors[f"{PREFIX}{n}.lora_A.weight"].shape[0]) for n in names}
+        self.ranks.update(out)
         return out
 
     def _write(self, key: str, y: np.ndarray) -> None:
@@ -158,10 +169,15 @@ class AdapterWriter:
             if exc_type is None:
                 self._finish()
         except BaseException:
-            self._data.close()
-            self._ctx.__exit__(*sys.exc_info())
+            try:
+                self._data.close()
+            finally:  # the staging folder removed, whatever closing raised
+                self._ctx.__exit__(*sys.exc_info())
             raise
-        self._data.close()
+        # the block raised (else _finish closed the file): its error is the one to report, and
+        # the staging folder goes whatever closing the file says (e.g. a full disk again)
+        with contextlib.suppress(OSError):
+            self._data.close()
         return bool(self._ctx.__exit__(exc_type, exc, tb))
 
     def _finish(self) -> None:
