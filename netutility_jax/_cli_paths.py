@@ -553,7 +553,7 @@ def write_shard(
     converted exactly as :func:`nu.peft.save_adapter` converts them (``--rank``, ``--dtype``,
     zero-padded to ``serving``). Returns ``{"t/<tensor>": bytes, "r/<module>": rank written}``.
     """
-    from .peft import PREFIX, _convert, _natural
+    from .peft import _convert, _natural
     from .peft._common import _safetensors
 
     fn = f"{PROG} merge"
@@ -564,10 +564,9 @@ def write_shard(
             pad = serving - len(a)
             a, b = np.pad(a, ((0, pad), (0, 0))), np.pad(b, ((0, 0), (0, pad)))
         out[f"r/{name}"] = np.asarray(len(a), np.int64)
-        for part, x in (("lora_A", a), ("lora_B", b)):
-            key = f"{PREFIX}{name}.{part}.weight"
-            tensors[key] = _convert._to_peft(x, args.dtype, name, part, fn=fn)
-            out[f"t/{key}"] = np.asarray(tensors[key].nbytes, np.int64)
+        for key, y in _convert._peft_tensors(name, a, b, args.dtype, fn=fn).items():
+            tensors[key] = y
+            out[f"t/{key}"] = np.asarray(y.nbytes, np.int64)
     tmp = folder / f".{file}.tmp"
     try:
         _safetensors().numpy.save_file(tensors, str(tmp), metadata={"format": "pt"})

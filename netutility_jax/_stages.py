@@ -40,6 +40,7 @@ __all__ = [
     "MapBackConfig",
     "ReduceConfig",
     "StackConfig",
+    "apply_ties",
     "block_tasks",
     "bucket_merge",
     "coords_tasks",
@@ -52,6 +53,7 @@ __all__ = [
     "range_status",
     "real_entries",
     "row_blocks",
+    "row_units",
     "stack_masks",
     "stage_coords",
     "stage_decode",
@@ -488,23 +490,46 @@ def ties_rows(a, b, k_top, coef, *, rows: int):
     (:func:`_select.radix_threshold`), then a third pass trims and takes the disjoint mean.
     Memory: one block of every task's coordinates; the blocks are recomputed per pass (``r``
     multiply-adds an entry, less than a pass of the in-memory threshold search)."""
-    m_tasks = a.shape[1]
-    blocks = row_blocks(a, b, rows)
+    merged: list = []
+    work = row_units(a, b, rows, merged.append)
     k = int(np.asarray(k_top).reshape(-1)[0])
-    t, room, at = _select.radix_threshold(blocks, m_tasks, k, a.dtype)
+    t, room, at = _select.radix_threshold(work, a.shape[1], k, a.dtype)
     # ties at a nonzero threshold that do not all fit are kept in flat order (a running count);
     # at a zero threshold keeping every zero changes nothing
     flat_ties = bool(np.any((at > room) & (t != 0)))
-    t = jnp.asarray(t)
-    out = []
-    for produce, (_, live) in blocks:
+    apply_ties(work, jnp.asarray(t), room, flat_ties, coef)
+    return merged[0]
+
+
+def row_units(a, b, rows: int, store) -> list:
+    """One module's dense coordinates as TIES units ``(produce, finish)`` of ``rows`` rows
+    (:func:`row_blocks`); the last unit's finish joins the merged blocks and ``store``s the
+    module ``(1, p, q)``."""
+    blocks = row_blocks(a, b, rows)
+    parts: list = []
+
+    def finish(xm, live, last):
+        parts.append(xm if live == rows else xm[:, :live])
+        if last:
+            store(jnp.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0])
+
+    return [
+        (produce, functools.partial(finish, live=live, last=i == len(blocks) - 1))
+        for i, (produce, (_, live)) in enumerate(blocks)
+    ]
+
+
+def apply_ties(work, t, room, flat_ties: bool, coef) -> np.ndarray:
+    """Trim each unit ``(produce, finish)`` of ``work`` at the thresholds ``t`` and merge it, in
+    flat order (ties at a threshold taken while ``room`` lasts); returns the ties still to keep."""
+    for produce, finish in work:
         xm, used = ties_apply(
             produce(), t, jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32), coef,
             flat_ties=flat_ties,
         )  # fmt: skip
         room = room - np.asarray(used, np.int64)
-        out.append(xm if live == rows else xm[:, :live])
-    return jnp.concatenate(out, axis=-2) if len(out) > 1 else out[0]
+        finish(xm)
+    return room
 
 
 def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):

@@ -118,25 +118,8 @@ def _coord_units(plan: MergePlan, bk, mk, st, unit, results, checks):
         if rows is None:
             work.append((functools.partial(_stages.coords_tasks, sl.a, sl.b), store))
         else:  # a module too large for one unit: units of rows, in flat (row) order
-            work.extend(_row_units(sl.a, sl.b, rows, store))
+            work.extend(_stages.row_units(sl.a, sl.b, rows, store))
     return work, n
-
-
-def _row_units(a, b, rows: int, store: Callable) -> list:
-    """One module's dense coordinates as units of ``rows`` rows (:func:`_stages.row_blocks`);
-    the last unit's finish joins the merged blocks and ``store``s the module."""
-    blocks = _stages.row_blocks(a, b, rows)
-    parts: list = []
-
-    def finish(xm, live, last):
-        parts.append(xm if live == rows else xm[:, :live])
-        if last:
-            store(jnp.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0])
-
-    return [
-        (produce, functools.partial(finish, live=live, last=i == len(blocks) - 1))
-        for i, (produce, (_, live)) in enumerate(blocks)
-    ]
 
 
 def _units(plan: MergePlan, staged: list, unit: jax.Array, results: dict, checks: list):
@@ -154,18 +137,6 @@ def _units(plan: MergePlan, staged: list, unit: jax.Array, results: dict, checks
     return work, n_total
 
 
-def _apply(work, t, room, flat_ties: bool, coef) -> np.ndarray:
-    """Trim and merge each unit in flat order; returns the ties still to keep."""
-    for produce, finish in work:
-        xm, used = ties_apply(
-            produce(), t, jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32), coef,
-            flat_ties=flat_ties,
-        )  # fmt: skip
-        room = room - np.asarray(used, np.int64)
-        finish(xm)
-    return room
-
-
 def ties_model(plan: MergePlan, *, coef: jax.Array, checks: list) -> dict[str, Any]:
     """TIES over the whole model (see the module docstring); returns ``{name: module}`` and
     appends each module's :func:`_stages.range_status` to ``checks``."""
@@ -174,7 +145,7 @@ def ties_model(plan: MergePlan, *, coef: jax.Array, checks: list) -> dict[str, A
     work, n_total = _units(plan, staged, _common_unit(units), results, checks)
     k = topk_count(plan.resolved.options["density"], n_total)
     t, room, at = radix_threshold(work, plan.m_tasks, k, plan.dtype)
-    _apply(work, jnp.asarray(t), room, bool(np.any(at > room)), coef)
+    _stages.apply_ties(work, jnp.asarray(t), room, bool(np.any(at > room)), coef)
     return results
 
 
@@ -219,6 +190,6 @@ def ties_model_streamed(
         results: dict[str, Any] = {}
         checks: list = []
         work, _ = _units(plan, staged, unit, results, checks)
-        room = _apply(work, t, room, flat_ties, coef)
+        room = _stages.apply_ties(work, t, room, flat_ties, coef)
         raise_range(plan.fn, checks, plan.dtype)
         sink(results)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InputError, InputTypeError
-from ._common import _clip
+from ._common import PREFIX, _clip
 from ._config import _Setting
 
 __all__: list[str] = []
@@ -207,6 +207,15 @@ def _save_dtype(dtype: str) -> Any:
     """The numpy dtype of a ``save_adapter`` dtype name (bfloat16: ml_dtypes', via jnp)."""
     np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
     return jnp.bfloat16 if np_dtype is None else np_dtype
+
+
+def _peft_tensors(name: str, a: np.ndarray, b: np.ndarray, dtype: str, *, fn: str) -> dict:
+    """Module ``name``'s PEFT factors ``(A (r, d_in), B (d_out, r))`` as the checkpoint's tensors
+    ``{"base_model.model.<name>.lora_A.weight": A, ...}`` in the saved ``dtype``."""
+    return {
+        f"{PREFIX}{name}.{part}.weight": _to_peft(x, dtype, name, part, fn=fn)
+        for part, x in (("lora_A", a), ("lora_B", b))
+    }
 
 
 def _to_peft(x: np.ndarray, dtype: str, name: str, part: str, *, fn: str) -> np.ndarray:

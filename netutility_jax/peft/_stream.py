@@ -30,8 +30,8 @@ import numpy as np
 from .. import _checks
 from .._io import atomic_directory
 from ..errors import InputError
-from ._common import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _natural
-from ._convert import _peft_factors, _to_peft
+from ._common import CONFIG_NAME, WEIGHTS_NAME, _natural
+from ._convert import _peft_factors, _peft_tensors
 from ._write import (
     _check_free,
     _check_options,
@@ -142,15 +142,13 @@ class AdapterWriter:
                 )
         # every tensor of the chunk converted (and checked) before any is written: a chunk that
         # fails leaves the file as it was
-        tensors = {}
+        tensors, out = {}, {}
         for name in names:
             a, b = _peft_factors(name, mods[name], self._rank, fn=_FN)
-            for part, x in (("lora_A", a), ("lora_B", b)):
-                key = f"{PREFIX}{name}.{part}.weight"
-                tensors[key] = _to_peft(x, self._dtype, name, part, fn=_FN)
+            tensors.update(_peft_tensors(name, a, b, self._dtype, fn=_FN))
+            out[name] = int(a.shape[0])
         for key, y in tensors.items():
             self._write(key, y)
-        out = {n: int(tensors[f"{PREFIX}{n}.lora_A.weight"].shape[0]) for n in names}
         self.ranks.update(out)
         return out
 

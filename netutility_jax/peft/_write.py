@@ -24,7 +24,7 @@ from ._config import (
     _check_targets,
     _rank_patterns,
 )
-from ._convert import _SAVE_DTYPES, _peft_factors, _to_peft
+from ._convert import _SAVE_DTYPES, _peft_factors, _peft_tensors
 from ._read import load_config
 
 __all__ = ["VLLM_RANKS", "save_adapter"]
@@ -134,8 +134,7 @@ def save_adapter(
     for name in names:
         a, b = factors[name]
         ranks[name] = int(a.shape[0])
-        for part, x in (("lora_A", a), ("lora_B", b)):
-            tensors[f"{PREFIX}{name}.{part}.weight"] = _to_peft(x, dtype, name, part, fn=fn)
+        tensors.update(_peft_tensors(name, a, b, dtype, fn=fn))
     cfg = _saved_config(base_config, config, names, ranks, fn=fn)
     text = _config_text(cfg, fn=fn)
     with atomic_directory(out_dir, fn=fn) as tmp:
