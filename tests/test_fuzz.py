@@ -14,6 +14,7 @@ tests/test_fuzz.py``.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import math
 import signal
@@ -802,3 +803,56 @@ def test_cli_merge_valid_combos_exit_0(cli_adapters, capsys, tmp_path, flags):
         b = np.asarray(mod["lora_b"], np.float64)
         dk = float(np.asarray(mod.get("scale", 1.0))) * a @ b
         assert np.all(np.isfinite(dk)) and np.any(dk), name
+
+
+# ------------------------------------------------------------- nu.peft.AdapterWriter's inputs
+
+
+@hypothesis.settings(**FAST)
+@hypothesis.given(
+    cuts=st.lists(st.integers(0, 6), max_size=4),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    seed=st.integers(0, 2**16),
+)
+def test_adapter_writer_any_chunking_is_save_adapter(tmp_path_factory, cuts, dtype, seed):
+    """Any split of the modules into chunks (empty chunks too), in any dtype: the file
+    save_adapter writes, byte for byte."""
+    from netutility_jax import peft
+
+    rng = np.random.default_rng(seed)
+    mods = {
+        f"model.layers.{i}.q": {
+            "lora_a": rng.normal(size=(5, int(r))),
+            "lora_b": rng.normal(size=(int(r), 3)),
+        }
+        for i, r in enumerate(rng.integers(0, 4, size=6))
+    }
+    d = tmp_path_factory.mktemp("w")
+    peft.save_adapter(mods, d / "a", dtype=dtype)
+    names = list(mods)
+    bounds = [0, *sorted(cuts), len(names)]
+    with peft.AdapterWriter(d / "b", dtype=dtype, names=names) as w:
+        for lo, hi in itertools.pairwise(bounds):
+            w.add({n: mods[n] for n in names[lo:hi]})
+    for f in (peft.WEIGHTS_NAME, peft.CONFIG_NAME):
+        assert (d / "a" / f).read_bytes() == (d / "b" / f).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "names, error",
+    [
+        ([], "names=\\[\\] names no module"),
+        ("model.layers.0.q", "names is a str"),
+        (b"x", "names is a bytes"),
+        (3, "names is a int"),
+        (["a", ""], "names holds ''"),
+        (["a", None], "names holds None"),
+        (["a", "b", "a"], "names lists module 'a' more than once"),
+    ],
+)
+def test_adapter_writer_refuses_bad_names(tmp_path, names, error):
+    from netutility_jax import errors, peft
+
+    with pytest.raises(errors.NetUtilityError, match=error):
+        peft.AdapterWriter(tmp_path / "out", names=names)
+    assert not list(tmp_path.iterdir())

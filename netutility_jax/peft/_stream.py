@@ -17,6 +17,7 @@ after it in name order, a tensor at a time. The package has no incremental write
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import pathlib
@@ -29,7 +30,7 @@ import numpy as np
 
 from .. import _checks
 from .._io import atomic_directory
-from ..errors import InputError
+from ..errors import InputError, InputTypeError
 from ._common import CONFIG_NAME, WEIGHTS_NAME, _natural
 from ._convert import _peft_factors, _peft_tensors
 from ._write import (
@@ -102,7 +103,7 @@ class AdapterWriter:
         _check_free(self.path, fn=_FN)
         self._rank, self._dtype = rank, dtype
         self._base, self._config = base_config, config
-        self._names = None if names is None else list(names)
+        self._names = None if names is None else _check_names(names)
         if self._names is not None:  # the config's target modules, checked before any work
             _saved_config(base_config, config, self._names, dict.fromkeys(self._names, 1), fn=_FN)
         self.ranks: dict[str, int] = {}
@@ -129,6 +130,8 @@ class AdapterWriter:
         with zero factors, as :func:`save_adapter` does)."""
         if self._data is None or self._data.closed:
             raise InputError(f"{_FN}: add() is called inside the writer's `with` block.")
+        if isinstance(modules, Mapping) and not modules:
+            return {}  # an empty chunk adds nothing
         mods = _modules_for_save(modules, fn=_FN)
         expected = None if self._names is None else set(self._names)
         names = sorted(mods, key=_natural)
@@ -213,3 +216,21 @@ class AdapterWriter:
                 f.write(data.read(end - start))
         (self._tmp / _DATA).unlink()
         (self._tmp / CONFIG_NAME).write_text(text, encoding="utf-8")
+
+
+def _check_names(names: Any) -> list[str]:
+    """``names=``: a non-empty sequence of distinct module names (not one string)."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+        raise InputTypeError(
+            f"{_FN}: names is a {type(names).__name__}; expected a list of PEFT module names "
+            "(e.g. nu.peft.open_adapters(...).names), or None."
+        )
+    bad = [n for n in names if not isinstance(n, str) or not n]
+    if bad:
+        raise InputTypeError(f"{_FN}: names holds {bad[0]!r}; every name is a non-empty string.")
+    if not names:
+        raise InputError(f"{_FN}: names=[] names no module; pass every module's name, or None.")
+    twice = sorted(n for n, c in collections.Counter(names).items() if c > 1)
+    if twice:
+        raise InputError(f"{_FN}: names lists {_checks.few(twice)} more than once.")
+    return list(names)
