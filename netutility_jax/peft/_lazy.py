@@ -25,17 +25,11 @@ import numpy as np
 from .._checks import few
 from ..errors import InputError
 from ._common import CONFIG_NAME, _clip, _natural, _safetensors
-from ._config import _check_lora_config, _module_settings, _union_config
-from ._convert import _check_shapes, _from_peft, _scale
-from ._load import _check_compatible, _check_set
+from ._config import _union_config
+from ._convert import _from_peft
+from ._load import _check_compatible, _check_set, _header_modules
 from ._read import (
-    _directory,
-    _factor_keys,
-    _factor_pair,
     _open_weights,
-    _read_shapes,
-    _weights_file,
-    load_config,
 )
 
 __all__ = ["AdapterSet", "open_adapters"]
@@ -77,26 +71,12 @@ def _check_dtypes(entry: _Entry, wf: pathlib.Path, *, fn: str) -> None:
 def _open_one(path: Any, *, strict: bool, fn: str) -> tuple[pathlib.Path, dict[str, _Entry]]:
     """:func:`load_adapter`'s checks for one adapter, from its config and header: its weights
     file and ``{module: _Entry}`` in natural order."""
-    d = _directory(path, fn=fn)
-    wf = _weights_file(d, fn=fn)
-    cfg = load_config(d)
-    cf = d / CONFIG_NAME
-    _check_lora_config(cfg, cf, fn=fn)
-    where = f"{str(cf)!r}"
     out: dict[str, _Entry] = {}
-    with _open_weights(wf, fn=fn) as fh:
-        shapes = _read_shapes(fh, wf, fn=fn)
-        factors = _factor_keys(shapes, wf, strict=strict, fn=fn)
-        modules = sorted(factors, key=_natural)
-        settings = _module_settings(cfg, modules, where=where, fn=fn)
-        for module, setting in zip(modules, settings, strict=True):
-            keys = _factor_pair(module, factors[module], shapes, wf, fn=fn)
-            sa, sb = shapes[keys[0]], shapes[keys[1]]
-            _check_shapes(module, keys, sa, sb, wf, fn=fn)
-            scale = _scale(module, sa, sb, setting, wf=wf, where=where, fn=fn)
-            codes = (fh.get_slice(keys[0]).get_dtype(), fh.get_slice(keys[1]).get_dtype())
-            out[module] = _Entry(keys, scale, sa, sb, codes)
-            _check_dtypes(out[module], wf, fn=fn)
+    with _header_modules(path, strict=strict, fn=fn) as (wf, fh, modules):
+        for m in modules:
+            codes = tuple(fh.get_slice(k).get_dtype() for k in m.keys)
+            out[m.module] = _Entry(m.keys, m.scale, *m.shapes, codes)
+            _check_dtypes(out[m.module], wf, fn=fn)
     return wf, out
 
 

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .._checks import few
@@ -90,26 +91,51 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
     """
     fn = "nu.peft.load_adapter"
     _check_bool(strict, "strict", fn=fn)
+    with _header_modules(path, strict=strict, fn=fn) as (wf, fh, modules):
+        return {
+            m.module: _from_peft(
+                fh.get_tensor(m.keys[0]), fh.get_tensor(m.keys[1]), m.scale, m.keys, wf, fn=fn
+            )
+            for m in modules
+        }
+
+
+class _HeaderModule(NamedTuple):
+    """One module of an adapter as its config and safetensors header describe it, checked."""
+
+    module: str
+    keys: tuple[str, str]  # its lora_A and lora_B tensor names
+    shapes: tuple[tuple[int, ...], tuple[int, ...]]
+    scale: float
+
+
+@contextlib.contextmanager
+def _header_modules(path: Any, *, strict: bool, fn: str) -> Iterator[tuple]:
+    """One adapter's folder opened with :func:`load_adapter`'s checks of its config and header:
+    ``(weights file, open safetensors handle, modules)``, the modules (:class:`_HeaderModule`, in
+    natural order) checked one at a time as they are iterated, so that a caller reading each
+    module's tensors meets the first bad module's error where a whole read would."""
     d = _directory(path, fn=fn)
     wf = _weights_file(d, fn=fn)
     cfg = load_config(d)
     cf = d / CONFIG_NAME
     _check_lora_config(cfg, cf, fn=fn)
     where = f"{str(cf)!r}"
-    out: dict[str, dict[str, Any]] = {}
     with _open_weights(wf, fn=fn) as fh:
         shapes = _read_shapes(fh, wf, fn=fn)
         factors = _factor_keys(shapes, wf, strict=strict, fn=fn)
-        modules = sorted(factors, key=_natural)
-        settings = _module_settings(cfg, modules, where=where, fn=fn)
-        for module, setting in zip(modules, settings, strict=True):
-            keys = _factor_pair(module, factors[module], shapes, wf, fn=fn)
-            sa, sb = shapes[keys[0]], shapes[keys[1]]
-            _check_shapes(module, keys, sa, sb, wf, fn=fn)
-            scale = _scale(module, sa, sb, setting, wf=wf, where=where, fn=fn)
-            a, b = fh.get_tensor(keys[0]), fh.get_tensor(keys[1])
-            out[module] = _from_peft(a, b, scale, keys, wf, fn=fn)
-    return out
+        names = sorted(factors, key=_natural)
+        settings = _module_settings(cfg, names, where=where, fn=fn)
+
+        def modules() -> Iterator[_HeaderModule]:
+            for module, setting in zip(names, settings, strict=True):
+                keys = _factor_pair(module, factors[module], shapes, wf, fn=fn)
+                sa, sb = shapes[keys[0]], shapes[keys[1]]
+                _check_shapes(module, keys, sa, sb, wf, fn=fn)
+                scale = _scale(module, sa, sb, setting, wf=wf, where=where, fn=fn)
+                yield _HeaderModule(module, keys, (sa, sb), scale)
+
+        yield wf, fh, modules()
 
 
 class LoadedAdapters(NamedTuple):
