@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the built-in experiment from a fresh clone: install what it needs, then `netutility demo`.
 #
-#   bash scripts/demo.sh            # the full run (under an hour on a 2-core CPU)
+#   bash scripts/demo.sh            # the full run (about an hour on an idle 2-core CPU, 110 min loaded)
 #   bash scripts/demo.sh --quick    # the reduced run CI does (under 10 minutes)
 #   bash scripts/demo.sh --suite language [--quick]   # the decoder suite (SmolLM2-135M)
 #
