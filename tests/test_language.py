@@ -658,6 +658,8 @@ def test_quick_path_end_to_end(tiny, tmp_path):
     assert "label descriptions" not in md and "frozen heads" not in md
     assert """pairs: 'Relation of "{first}" to "{second}"?\\nAnswer:' -> opposite, synonym""" in md
     assert "R=4 Δ [95% CI]" in md
+    assert "nan" not in md  # one seed: no interval over seeds, printed as none
+    assert "With 2 tasks an interval" in md
     assert any("zero-shot -> single LoRA" in line for line in lines)
     # the trained adapters as PEFT folders, read back by the library's PEFT reader
     dirs = language.export_adapters(run_, tmp_path / "peft", cache_dir=tmp_path / "cache")

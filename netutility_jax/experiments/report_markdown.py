@@ -234,8 +234,8 @@ def _deltas_md(results: Mapping[str, Any]) -> list[str]:
             lo_s, hi_s = d["seed_ci"]
             seed_iv = (
                 f"{d['estimate']:+.1f} [{lo_s:+.1f}, {hi_s:+.1f}]"
-                if lo_s is not None
-                else f"{d['estimate']:+.1f}"
+                if lo_s is not None and np.isfinite(lo_s) and np.isfinite(hi_s)
+                else f"{d['estimate']:+.1f}"  # one seed: no interval over seeds
             )
             lines.append(
                 f"| {row['space']} {row['method']} | {r} | " + " | ".join(per)
@@ -397,8 +397,8 @@ def _analyses_md(results) -> list[str]:
     )
     lines += [
         "",
-        f"The paper reports {uv['paper']} on 7 MATH topics. With 7 tasks an interval this wide "
-        "is all the data can give; read the sign only where the interval excludes 0.",
+        f"The paper reports {uv['paper']} on 7 MATH topics. With {sm['n']} tasks an interval "
+        "this wide is all the data can give; read the sign only where the interval excludes 0.",
         "",
         "## Figures",
         "",
