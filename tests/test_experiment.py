@@ -440,7 +440,7 @@ def test_run_experiment_and_its_job_cache(
         seeds=(0, 1),
         train=TINY,
         grid=gr.GridConfig(
-            rows=(gr.Row("ta", "full"),),
+            rows=(gr.Row("ta", "full"), gr.Row("ta", "core")),  # one merge, one table row
             budgets=(8,),
             no_budget=(("ta", "full"),),
             random=(("ta", "full"),),
@@ -488,6 +488,7 @@ def test_run_experiment_and_its_job_cache(
     lo, hi = d["bootstrap_ci"]
     assert lo <= d["estimate"] <= hi
     assert "| all | TA |" in exp.markdown and "Ours - Random" in exp.markdown
+    assert len(res["table"]) == 1 and exp.markdown.count("| all TA | 8 |") == 1
     json.dumps(res, allow_nan=False)
     written = report.write_outputs(exp, tmp_path / "out")
     assert {pathlib.Path(w).name for w in written} == set(report.RESULT_FILES)
