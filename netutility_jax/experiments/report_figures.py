@@ -116,7 +116,7 @@ def _forest(results):
         ax.plot(d["estimate"], y, "o", color="C3" if d["bootstrap_excludes_zero"] else "C0", ms=4)
     ax.axvline(0, color="k", lw=0.8)
     ax.set_yticks(range(len(items)), [lab for lab, _ in reversed(items)], fontsize=6)
-    ax.set_xlabel("Δ normalized accuracy, points (blue: bootstrap 95% CI; grey: seed t-interval)")
+    ax.set_xlabel("Δ normalized accuracy, points\n(blue: bootstrap 95% CI; grey: seed t-interval)")
     return fig
 
 
