@@ -95,15 +95,15 @@ def main_rows(run: Any, sx: Stats) -> list[dict[str, Any]]:
     spaces = grid.spaces
     rows = []
     for row in grid.rows:
-        if row.method == "ta" and any(r["key"] == "ta" for r in rows):
-            continue  # TA is the same merge in every space: one row, labelled "all"
         spec = gr.METHODS[row.method]
         canon = spec.canonical_space(row.space, spaces)
+        label = "all" if row.method == "ta" else gr.SPACE_LABELS[row.space]
+        if any(r["key"] == row.method and r["space"] == label for r in rows):
+            continue  # the same merge under the same label (TA, "all", in several spaces)
         cells = {}
         for r in row.budgets or grid.budgets:
             u, o = f"{row.method}/{canon}/R{r}/uniform", f"{row.method}/{canon}/R{r}/net_utility"
             cells[r] = {"uniform": sx.value(u), "ours": sx.value(o), "delta": sx.delta(o, u)}
-        label = "all" if row.method == "ta" else gr.SPACE_LABELS[row.space]
         rows.append(
             {
                 "space": label,

@@ -28,9 +28,7 @@ from ._common import CONFIG_NAME, _clip, _natural, _safetensors
 from ._config import _union_config
 from ._convert import _from_peft
 from ._load import _check_compatible, _check_set, _header_modules
-from ._read import (
-    _open_weights,
-)
+from ._read import _open_weights
 
 __all__ = ["AdapterSet", "open_adapters"]
 
