@@ -6,19 +6,21 @@ direction of every module, the budget a global top-K over the utilities, and ``a
 variance of the tasks' energies summed over modules. So :func:`merge_adapters_streaming` reads
 the adapters (:class:`nu.peft.AdapterSet`) a chunk of modules at a time, in passes:
 
-0. ``alpha="auto"`` only: each task's energy ``||dW_i||_F^2``, summed chunk by chunk as a
-   mantissa and a power of two (scale-safe, as :func:`nu.heterogeneity`), gives ``h`` and alpha.
-1. Each chunk is scored (:func:`nu.score`) with that alpha and ``lam=0`` (or the given lam):
-   ``sigma``, ``benefit``, ``interference`` and the candidates, ``4 M r_max`` numbers per module;
-   the factors are dropped. Then lambda (:func:`utility.lam_auto` over every candidate of every
-   module), the utilities, a full :class:`nu.Scores` and the masks (:func:`nu.allocate`), as in
-   memory.
+1. Each chunk is scored (:func:`nu.score`'s kernel) with ``lam=0`` (or the given lam):
+   ``sigma``, ``benefit``, ``interference`` and the candidates, ``4 M r_max`` numbers per module,
+   and each task's energy ``||dW_i||_F^2`` from the same Grams (summed chunk by chunk as a
+   mantissa and a power of two, scale-safe, as :func:`nu.heterogeneity`); the factors are
+   dropped. With ``alpha="auto"`` both geometries (alpha 0 and 1) are scored from the one
+   decomposition (only the weighting of the overlaps differs), and once every chunk is scored,
+   ``h`` picks one, as in memory. Then lambda (:func:`utility.lam_auto` over every candidate of
+   every module), the utilities, a full :class:`nu.Scores` and the masks (:func:`nu.allocate`),
+   as in memory.
 2. Each chunk is read again and merged (:func:`_plan.plan_merge` with each module's position in
    the whole model, so that DARE draws the masks it draws in memory; :func:`_pipeline.run`).
    Only the merged modules are kept.
 
-``allocation="all"`` needs no pass 1. The energies for :attr:`Report.heterogeneity` are summed in
-the first pass that reads everything. A chunk is a run of modules of equal ``(d_in, d_out,
+``allocation="all"`` needs no pass 1 (the energies for :attr:`Report.heterogeneity` are then
+summed in pass 2). A chunk is a run of modules of equal ``(d_in, d_out,
 r_max)`` in natural order whose factors (every task, in the compute dtype) fit ``chunk_bytes``
 (:func:`plan_chunks`), so every pass reads each module once and holds one chunk at a time.
 
@@ -33,7 +35,8 @@ with 20 tasks at r = 16); TIES takes them a block of rows at a time when one mod
 The result is :func:`nu.merge_adapters`'s on the same adapters (``nu.peft.load_adapters``),
 the same arithmetic per module, grouped differently: the in-memory scorer runs every bucket in
 one jitted call (their small eigenproblems in one batched, padded ``eigh``) and sums the task
-energies over all modules at once, the streamed one a chunk at a time. Scores, lambda and ``h``
+energies over all modules at once, the streamed one a chunk at a time (its energies from the
+scoring Grams, which are the same products in another order). Scores, lambda and ``h``
 therefore agree to float32 rounding (about 1e-7 relative), so the masks are the same unless two
 utilities at the budget's cut are that close; the merged modules of the same masks agree exactly
 or to rounding (a piece's batch size can change the last bit of a batched kernel).
@@ -42,9 +45,9 @@ Several processes (``distributed=True`` after ``jax.distributed.initialize``: th
 GPU or TPU cluster, or processes on one machine) split the chunks between them, balanced by
 bytes (:func:`_exchange.assign`, the same in every process; every process opens every header,
 so all know every module's name and shape). Each process reads only its chunks, and after each
-pass the small results are all-gathered (:mod:`netutility_jax._exchange`): the energies' parts
-(pass 0), the ``lam=0`` statistics of each module (pass 1, ``4 M r_max`` numbers, bit for bit),
-the merged ranks (pass 2). Every process then computes the same lambda, :class:`nu.Scores`,
+pass the small results are all-gathered (:mod:`netutility_jax._exchange`): the ``lam=0``
+statistics of each module (of both geometries for ``alpha="auto"``) and the energies' parts
+(pass 1, ``4 M r_max`` numbers a module, bit for bit), the merged ranks (pass 2). Every process then computes the same lambda, :class:`nu.Scores`,
 masks and :class:`Report` from the same numbers with the same code (a checksum of the masks is
 compared across processes), and merges only its chunks: ``merged`` holds this process's modules,
 the report all of them. A process whose chunk raises still takes part in the exchange; then
@@ -277,47 +280,49 @@ def _global_scores(
     return utility.Scores(modules, lam_v, jnp.asarray(alpha, dtype))
 
 
-def _auto_alpha(st: _Stream) -> tuple[float, _Energies]:
-    """Pass 0 (``alpha="auto"``): every task's energy over every chunk, ``h`` and alpha."""
-    auto = f"{st.fn} (alpha='auto')"
-    mine = _Energies()
-
-    def work() -> dict[str, np.ndarray]:
-        for k, _, adapters in st.read():
-            mine.add(k, adapters, auto, strict=True)
-        return mine.arrays()
-
-    energies = _Energies.gathered(st.ex.allgather(st.fn, work))
-    h = energies.heterogeneity(st.dtype, auto, strict=True)
-    return (0.0 if h > float(_H_THRESHOLD) else 1.0), energies
-
-
 def _score_pass(
-    st: _Stream, *, alpha: float, lam: Any, energies: bool, mesh: Any = None
-) -> tuple[dict[str, utility.ModuleScores], _Energies | None]:
-    """Pass 1: every module's scores with ``lam=0`` (``lam`` if a number; :func:`nu.score`'s
-    checks and messages), and the energies if ``energies``; every process's, after the
-    exchange (each module's four statistics stacked, ``(4, M, r_max)``)."""
+    st: _Stream, *, alpha: float | str, lam: Any, mesh: Any = None
+) -> tuple[dict[str, utility.ModuleScores], float, _Energies]:
+    """Pass 1: ``(stats, alpha, energies)``: every module's scores with ``lam=0`` (``lam`` if a
+    number; :func:`nu.score`'s checks and messages), every process's after the exchange (each
+    module's four statistics stacked, ``(4, M, r_max)``), and the tasks' energies, from the
+    scoring kernel's Grams. ``alpha="auto"``: each chunk is scored for both geometries from one
+    decomposition (only the weighting of the overlaps differs), then ``h`` (from the energies)
+    picks one; results beyond the compute dtype are refused only for that one, as in memory."""
+    auto = isinstance(alpha, str)
+    alphas = (0.0, 1.0) if auto else (float(alpha),)
+    lam_k = 0.0 if isinstance(lam, str) else lam
     mine = _Energies()
+    checks: dict[int, list[utility._Deferred]] = {}
 
     def work() -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, _, adapters in st.read():
-            lam_k = 0.0 if isinstance(lam, str) else lam
-            sc = utility.score(adapters, alpha=alpha, lam=lam_k, mesh=mesh)
-            out.update({f"s/{n}": jnp.stack(ms) for n, ms in sc.modules.items()})
-            if energies:
-                mine.add(k, adapters, "nu.heterogeneity", strict=False)
-        return {**out, **mine.arrays()} if energies else out
+            run = utility._score_run(
+                "nu.score", adapters, alphas, lam_k, None, False, mesh, energy=True, defer=auto
+            )
+            for a, sc in enumerate(run.scores):
+                out.update({f"s{a}/{n}": jnp.stack(ms) for n, ms in sc.modules.items()})
+            mine.parts[k] = run.energies
+            checks[k] = run.check
+        return {**out, **mine.arrays()}
 
     shared = st.ex.allgather(st.fn, work)
+    energies = _Energies.gathered(shared)
+    pick = 0
+    if auto:
+        h = energies.heterogeneity(st.dtype, f"{st.fn} (alpha='auto')", strict=True)
+        pick = 0 if h > float(_H_THRESHOLD) else 1  # alphas[pick]: 0 above the threshold
+        # one check over this process's chunks: the error counts all their affected modules
+        mine_checks = [checks[k][pick] for k in sorted(checks)]
+        st.ex.check(st.fn, lambda: mine_checks and utility._Deferred.join(mine_checks).check())
     stats = {
-        name[2:]: utility.ModuleScores(*jnp.asarray(a))
+        name.split("/", 1)[1]: utility.ModuleScores(*jnp.asarray(a))
         for arrays in shared
         for name, a in arrays.items()
-        if name.startswith("s/")
+        if name.startswith(f"s{pick}/")
     }
-    return {n: stats[n] for n in st.source.names}, _Energies.gathered(shared) if energies else None
+    return {n: stats[n] for n in st.source.names}, alphas[pick], energies
 
 
 def _agree(st: _Stream, sc: utility.Scores, masks: Mapping[str, Any]) -> None:
@@ -600,11 +605,7 @@ def merge_adapters_streaming(
     _refuse_model_wide(fn, res, st.ex)
     energies = sc = masks = None
     if allocation != "all":
-        alpha_v = alpha
-        if isinstance(alpha, str):  # pass 0
-            alpha_v, energies = _auto_alpha(st)
-        stats, e1 = _score_pass(st, alpha=alpha_v, lam=lam, energies=energies is None, mesh=mesh)
-        energies = energies or e1
+        stats, alpha_v, energies = _score_pass(st, alpha=alpha, lam=lam, mesh=mesh)
         sc = _global_scores(fn, stats, lam, alpha_v, st.dtype)
         masks = allocate(
             sc,

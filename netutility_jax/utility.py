@@ -36,6 +36,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -137,10 +138,11 @@ def _finish(
     ev: jax.Array,
     z: jax.Array,
     rank: jax.Array,
-    alpha: jax.Array | float,
+    alphas: Sequence[jax.Array | float],
     rtol: jax.Array | float,
-) -> BucketStats:
-    """Stage 3: singular values, input directions ``a_i T_i``, overlaps, benefit, interference.
+) -> list[BucketStats]:
+    """Stage 3: singular values, input directions ``a_i T_i``, overlaps, then for each alpha of
+    ``alphas`` the benefit and interference (the overlaps, the costly part, are shared).
 
     Everything is in each task's normalised units (``s = s' 2^E``) until the end: benefits and
     overlaps do not depend on ``E``; sigma and the cross-task ratios get it back exactly.
@@ -158,36 +160,46 @@ def _finish(
     t_in = gr.scale[..., None, None] * jnp.matmul(rbt, z, precision=_HI) * inv[..., None, :]
     gt = jnp.einsum("njaib,nibm->njaim", gr.g, t_in, precision=_HI)
     ov = jnp.einsum("njak,njaim->njkim", t_in, gt, precision=_HI)  # v_jk . v_im
-
     rel = _safe_div(sig, smax[..., None])  # s / s_max: scale-free powers, no underflow
-    p = jnp.where(cand, rel ** (2 + 2 * alpha), 0)
-    wt = p.sum(-1)
-    benefit = _safe_div(p, wt[..., None])
-    # c_in = s_in^(2a) / w_i, in units of s_max_i^-2 (put back through ratio2 below)
-    c = _safe_div(jnp.where(cand, rel ** (2 * alpha), 0), wt[..., None])
-    per_task = jnp.einsum("njkim,nim->njki", ov**2, c)  # (n, M_j, K, M_i)
     ratio2 = _safe_div(sig[..., None], smax[:, None, None, :]) ** 2  # (s'_jk / s'_max_i)^2
     off = 1 - jnp.eye(m_tasks, dtype=sig.dtype)
     # (s_jk / s_max_i)^2 = ratio2 * 2^(2 (E_j - E_i)), applied exactly, term by term
     d_exp = 2 * (gr.exp[:, :, None, None] - gr.exp[:, None, None, :])
-    terms = mul_pow2(ratio2 * per_task * off[None, :, None, :], d_exp)
-    interference = jnp.where(cand, terms.sum(-1), 0)
     sigma = jnp.where(cand, mul_pow2(sig, gr.exp[..., None]), 0)
     log10_smax = jnp.where(
         smax > 0,
         (jnp.log2(jnp.where(smax > 0, smax, 1)) + gr.exp.astype(sig.dtype)) * np.log10(2.0),
         -jnp.inf,
-    )
-    # at most r nonzero singular values per task: the slots past r are never candidates
-    return BucketStats(
-        sigma[..., :r],
-        benefit[..., :r],
-        interference[..., :r],
-        cand[..., :r],
-        gr.nonfinite,
-        log10_smax.astype(sig.dtype),
-        gr.raw_ok,
-    )
+    ).astype(sig.dtype)
+    out = []
+    for alpha in alphas:
+        p = jnp.where(cand, rel ** (2 + 2 * alpha), 0)
+        wt = p.sum(-1)
+        benefit = _safe_div(p, wt[..., None])
+        # c_in = s_in^(2a) / w_i, in units of s_max_i^-2 (put back through ratio2)
+        c = _safe_div(jnp.where(cand, rel ** (2 * alpha), 0), wt[..., None])
+        per_task = jnp.einsum("njkim,nim->njki", ov**2, c)  # (n, M_j, K, M_i)
+        terms = mul_pow2(ratio2 * per_task * off[None, :, None, :], d_exp)
+        interference = jnp.where(cand, terms.sum(-1), 0)
+        # at most r nonzero singular values per task: the slots past r are never candidates
+        out.append(
+            BucketStats(
+                sigma[..., :r],
+                benefit[..., :r],
+                interference[..., :r],
+                cand[..., :r],
+                gr.nonfinite,
+                log10_smax,
+                gr.raw_ok,
+            )
+        )
+    return out
+
+
+def _module_energies(gr: Grams) -> tuple[jax.Array, jax.Array]:
+    """Each task-module's ``||dW||_F^2 = s^2 sum((a^T a) * (b b^T))`` as ``(mantissa, exponent)``
+    ``(n, M)`` (float, int32), from the scoring Grams: no pass over the factors of its own."""
+    return ((gr.scale**2)[..., None, None] * gr.gii * gr.h).sum((2, 3)), 2 * gr.exp
 
 
 def score_buckets(
@@ -219,14 +231,26 @@ def score_buckets(
     Returns:
       one :class:`BucketStats` per bucket, arrays ``(n, M, r)``.
     """
+    return _score_buckets(buckets, (alpha,), rtols, route)[0][0]
+
+
+def _score_buckets(
+    buckets: Sequence[tuple[jax.Array, jax.Array, jax.Array, jax.Array]],
+    alphas: Sequence[jax.Array | float],
+    rtols: Sequence[jax.Array | float],
+    route: str,
+) -> tuple[list[list[BucketStats]], list[Grams]]:
+    """:func:`score_buckets` for each alpha of ``alphas`` from one decomposition: ``(stats,
+    grams)``, ``stats[a][b]`` alpha ``a``'s :class:`BucketStats` of bucket ``b``."""
     grs = [grams(a, b, s, route) for a, b, s, _ in buckets]
     eig_h = eigh_batched([gr.h for gr in grs])
     cores = [_cores(gr, phi, f) for gr, (phi, f) in zip(grs, eig_h, strict=True)]
     eig_c = eigh_batched([c for _, c in cores])
-    return [
-        _finish(gr, rbt, ev, z, bk[3], alpha, rtol)
+    per_bucket = [
+        _finish(gr, rbt, ev, z, bk[3], alphas, rtol)
         for gr, (rbt, _), (ev, z), bk, rtol in zip(grs, cores, eig_c, buckets, rtols, strict=True)
     ]
+    return [[pb[a] for pb in per_bucket] for a in range(len(alphas))], grs
 
 
 def lam_auto(benefit: jax.Array, interference: jax.Array, candidate: jax.Array) -> jax.Array:
@@ -244,9 +268,12 @@ def lam_auto(benefit: jax.Array, interference: jax.Array, candidate: jax.Array) 
     return jnp.where(jnp.isfinite(denom) & (denom > 0), mb / jnp.where(denom > 0, denom, 1), 0.0)
 
 
-def _score_stats(inputs, alpha, rtols, *, meta, route):
-    """Stage 1 of :func:`_score_impl`: each bucket's :class:`BucketStats` (per module, no global
-    quantity: a bucket's modules can be split between devices)."""
+def _score_stats(inputs, alpha, rtols, *, meta, route, energy=False):
+    """Stage 1 of :func:`_score_impl`: ``(stats, energies)``, ``stats[a]`` each bucket's
+    :class:`BucketStats` for ``alpha`` (shape ``()``: one) or each of its values (shape
+    ``(A,)``: one decomposition for all), and with ``energy`` each bucket's task-module energies
+    (:func:`_module_energies`), else None. Per module, no global quantity: a bucket's modules
+    can be split between devices."""
     dtype = meta[0]
     stacked = [
         tuple(x)
@@ -254,7 +281,9 @@ def _score_stats(inputs, alpha, rtols, *, meta, route):
         else _buckets.stack_bucket(*x, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
         for x, (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True)
     ]
-    return score_buckets(stacked, alpha=alpha, rtols=rtols, route=route)
+    alphas = [alpha] if jnp.ndim(alpha) == 0 else list(alpha)
+    stats, grs = _score_buckets(stacked, alphas, rtols, route)
+    return stats, [_module_energies(gr) for gr in grs] if energy else None
 
 
 def _score_finish(stats, lam, *, dtype, lam_is_auto, nan_fill):
@@ -297,33 +326,40 @@ def _score_finish(stats, lam, *, dtype, lam_is_auto, nan_fill):
     return tuple(out), lam, jnp.asarray(lam_bad), raw_ok
 
 
-@functools.partial(jax.jit, static_argnames=("meta", "lam_is_auto", "route"))
-def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw"):
-    """The jitted scoring of :func:`score`; with ``route="raw"`` the caller must redo the call
-    with ``route="normalise"`` when the returned ``raw_ok`` is False (see :func:`safe_grams`)."""
-    stats = _score_stats(inputs, alpha, rtols, meta=meta, route=route)
-    return _score_finish(
-        stats, lam, dtype=meta[0], lam_is_auto=lam_is_auto, nan_fill=route == "cond"
-    )
+@functools.partial(jax.jit, static_argnames=("meta", "lam_is_auto", "route", "energy"))
+def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw", energy=False):
+    """The jitted scoring of :func:`score`: ``(finished, raw_ok, energies)``, ``finished`` one
+    :func:`_score_finish` per alpha (see :func:`_score_stats`). With ``route="raw"`` the caller
+    must redo the call with ``route="normalise"`` when ``raw_ok`` is False (see
+    :func:`safe_grams`)."""
+    stats, energies = _score_stats(inputs, alpha, rtols, meta=meta, route=route, energy=energy)
+    finished = _finish_all(stats, lam, meta, lam_is_auto, route)
+    return finished, finished[0][3], energies
 
 
-_score_stats_jit = jax.jit(_score_stats, static_argnames=("meta", "route"))
-_score_finish_jit = jax.jit(_score_finish, static_argnames=("dtype", "lam_is_auto", "nan_fill"))
+def _finish_all(stats, lam, meta, lam_is_auto, route):
+    kw = {"dtype": meta[0], "lam_is_auto": lam_is_auto, "nan_fill": route == "cond"}
+    return tuple(_score_finish(st, lam, **kw) for st in stats)
 
 
-def _score_by_device(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route, mesh):
+_score_stats_jit = jax.jit(_score_stats, static_argnames=("meta", "route", "energy"))
+_finish_all_jit = jax.jit(_finish_all, static_argnames=("meta", "lam_is_auto", "route"))
+
+
+def _score_by_device(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route, energy, mesh):
     """:func:`_score_impl` with each bucket's modules split between ``mesh``'s devices
     (:func:`_mesh.per_device`: one SPMD program, or on CPU each device's modules of every bucket
     in one call, in turn), then the global stage once."""
     if _mesh.spmd(mesh):  # one program, as _score_impl: the one-device result, bit for bit
-        kw = {"meta": meta, "lam_is_auto": lam_is_auto, "route": route}
+        kw = {"meta": meta, "lam_is_auto": lam_is_auto, "route": route, "energy": energy}
         return _score_impl(_mesh.shard(inputs, mesh), alpha, lam, rtols, **kw)
-    stats = _mesh.per_device(
-        lambda x: _score_stats_jit(x, alpha, rtols, meta=meta, route=route), inputs, mesh
+    stats, energies = _mesh.per_device(
+        lambda x: _score_stats_jit(x, alpha, rtols, meta=meta, route=route, energy=energy),
+        inputs,
+        mesh,
     )
-    return _score_finish_jit(
-        stats, lam, dtype=meta[0], lam_is_auto=lam_is_auto, nan_fill=route == "cond"
-    )
+    finished = _finish_all_jit(stats, lam, meta=meta, lam_is_auto=lam_is_auto, route=route)
+    return finished, finished[0][3], energies
 
 
 def unstack(x: jax.Array) -> list[jax.Array]:
@@ -476,25 +512,88 @@ def score(
     fn = "nu.score"
     checked = check_bool(fn, "checked", checked)
     _check_options(fn, alpha, lam, rtol, h_threshold)
-    names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     if isinstance(alpha, str):
         h = heterogeneity(adapters, checked=checked, _fn=f"{fn} (alpha='auto')")
         if isinstance(h, jax.core.Tracer):  # under a trace the rule is data, not a branch
             alpha = jnp.where(h > h_threshold, 0.0, 1.0)
         else:
             alpha = 0.0 if float(h) > float(h_threshold) else 1.0
+    return _score_run(fn, adapters, (alpha,), lam, rtol, checked, mesh).scores[0]
+
+
+class _Run(NamedTuple):
+    """What :func:`_score_run` returns."""
+
+    scores: list[Scores]  # one per alpha
+    energies: tuple[np.ndarray, np.ndarray] | None  # per task (k, t): energy t 2^k, or None
+    check: list[_Deferred]  # with defer: per alpha, the range check not yet made
+
+
+class _Deferred(NamedTuple):
+    """A range check of :func:`_score_run` not made yet (``defer``): what
+    :func:`raise_unrepresentable` reads, the buckets without their factors (:func:`_shell`)."""
+
+    fn: str
+    buckets: list[_tree.Bucket]
+    outs: list[Any]
+    lam: Any
+    lam_bad: Any
+    dtype: Any
+    lam_is_auto: bool
+
+    def check(self) -> None:
+        """Raise :class:`InputError` if a result is beyond the compute dtype (as :func:`score`)."""
+        raise_unrepresentable(
+            self.fn, self.buckets, self.outs, self.lam, self.lam_bad, dtype=self.dtype,
+            lam_is_auto=self.lam_is_auto,
+        )  # fmt: skip
+
+    @classmethod
+    def join(cls, parts: Sequence[_Deferred]) -> _Deferred:
+        """One check over several calls' buckets (streamed chunks of one model with the same
+        lam, in the model's bucket order), so the error counts every affected module."""
+        p0 = parts[0]
+        return p0._replace(
+            buckets=[b for p in parts for b in p.buckets],
+            outs=[o for p in parts for o in p.outs],
+            lam_bad=any(bool(np.asarray(p.lam_bad)) for p in parts),
+        )
+
+
+def _score_run(
+    fn: str,
+    adapters: Sequence[Any],
+    alphas: Sequence[Any],
+    lam: Any,
+    rtol: Any,
+    checked: bool,
+    mesh: Any,
+    *,
+    energy: bool = False,
+    defer: bool = False,
+) -> _Run:
+    """:func:`score` for each of ``alphas`` (checked numbers) from one decomposition.
+
+    ``energy``: also each task's energy over the modules (concrete inputs), from the scoring
+    Grams. ``defer``: results beyond the compute dtype are not raised here (whether they occur
+    depends on alpha) but by ``check[a]()``, which holds the modules' names and scales only.
+    """
+    names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     lam_is_auto = isinstance(lam, str)
     lam_val = 0.0 if lam_is_auto else lam
     dtype = _tree.compute_dtype(buckets)
     live = [bk for bk in buckets if not _dead(bk)]
-    by_name: dict[str, ModuleScores] = {}
+    n_alpha = len(alphas)
+    by_name: list[dict[str, ModuleScores]] = [{} for _ in alphas]
     for bk in buckets:
         if _dead(bk):
             zeros = jnp.zeros((m_tasks, bk.r_max), dtype)
             empty = ModuleScores(
                 zeros, zeros, zeros, jnp.full((m_tasks, bk.r_max), -jnp.inf, dtype)
             )
-            by_name.update((nm, empty) for nm in bk.names)
+            for d in by_name:
+                d.update((nm, empty) for nm in bk.names)
+    energies = None
     if live:
         meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in live))
         rtols = tuple(
@@ -502,43 +601,52 @@ def score(
             for bk in live
         )
         inputs = _score_inputs(fn, live, dtype, mesh)
-        traced = _traced(inputs, alpha, lam_val)
-        kw = {"meta": meta, "lam_is_auto": lam_is_auto}
+        alpha_arg = jnp.asarray(alphas[0] if n_alpha == 1 else jnp.stack(alphas), dtype)
+        traced = _traced(inputs, alpha_arg, lam_val)
+        kw = {"meta": meta, "lam_is_auto": lam_is_auto, "energy": energy}
         # float64 values beyond float32 become inf when cast: counted and reported below
         with np.errstate(over="ignore"):
-            args = (inputs, jnp.asarray(alpha, dtype), lam_val, rtols)
+            args = (inputs, alpha_arg, lam_val, rtols)
             impl = _score_impl if mesh is None else functools.partial(_score_by_device, mesh=mesh)
-            outs, lam_used, lam_bad, raw_ok = impl(*args, **kw, route="cond" if traced else "raw")
+            finished, raw_ok, energies = impl(*args, **kw, route="cond" if traced else "raw")
             # extreme or non-finite factors: the exact route (after the first call is done: one
             # LAPACK-using executable in flight at a time, see eigh_batched)
-            if not traced and not bool(settle((outs, raw_ok))[1]):
-                outs, lam_used, lam_bad, _ = impl(*args, **kw, route="normalise")
+            if not traced and not bool(settle((finished, raw_ok))[1]):
+                finished, _, energies = impl(*args, **kw, route="normalise")
     else:
-        outs, lam_used, lam_bad = (), jnp.asarray(lam_val, dtype), jnp.asarray(False)
-        traced = _traced(alpha, lam_val)
+        none = ((), jnp.asarray(lam_val, dtype), jnp.asarray(False), None)
+        finished = (none,) * n_alpha
+        traced = _traced(alphas, lam_val)
     if mesh is not None and live:  # drop the padding modules of each bucket
         sizes = [len(bk.names) for bk in live]
-        outs = tuple(  # (no eager slice without padding: each would compile a gather)
-            jax.tree.map(lambda x, n=n: x if x.shape[0] == n else x[:n], o)
-            for o, n in zip(outs, sizes, strict=True)
-        )
-    if not traced:
-        # Finish before returning on CPU: two LAPACK-using executables in flight at once can
-        # deadlock jaxlib's CPU thread pool (see _linalg.settle).
-        settle((outs, lam_used))
-        _tree.raise_nonfinite(fn, live, [o[1] for o in outs], dtype=dtype)
-        raise_unrepresentable(
-            fn, live, outs, lam_used, lam_bad, dtype=dtype, lam_is_auto=lam_is_auto
-        )
-    elif checked:
-        checkify_score(fn, names, live, outs, lam_bad)
-    for bk, (mods, *_) in zip(live, outs, strict=True):
-        per_module = zip(*(unstack(f) for f in mods), strict=True)
-        by_name.update(zip(bk.names, (ModuleScores(*f) for f in per_module), strict=True))
+        # (no eager slice without padding: each would compile a gather)
+        cut = functools.partial(_unpad, sizes=sizes)
+        finished = tuple((cut(f[0]), *f[1:]) for f in finished)
+        energies = None if energies is None else cut(energies)
+    checks = []
+    for (outs, lam_used, lam_bad, _), d in zip(finished, by_name, strict=True):
+        if not traced:
+            # Finish before returning on CPU: two LAPACK-using executables in flight at once can
+            # deadlock jaxlib's CPU thread pool (see _linalg.settle).
+            settle((outs, lam_used))
+            _tree.raise_nonfinite(fn, live, [o[1] for o in outs], dtype=dtype)
+            check = _Deferred(
+                fn, [_shell(bk) for bk in live] if defer else live, list(outs), lam_used,
+                lam_bad, dtype, lam_is_auto,
+            )  # fmt: skip
+            if defer:
+                checks.append(check)
+            else:
+                check.check()
+        elif checked:
+            checkify_score(fn, names, live, outs, lam_bad)
+        for bk, (mods, *_) in zip(live, outs, strict=True):
+            per_module = zip(*(unstack(f) for f in mods), strict=True)
+            d.update(zip(bk.names, (ModuleScores(*f) for f in per_module), strict=True))
     if (
         not traced
         and lam_is_auto
-        and not any(np.asarray(ms.sigma).any() for ms in by_name.values())
+        and not any(np.asarray(ms.sigma).any() for ms in by_name[0].values())
     ):
         raise InputError(
             f"{fn}: no candidate directions: the update of every task is zero (or below rtol, or "
@@ -547,7 +655,44 @@ def score(
             "and loaded correctly; with lam= given explicitly the scores are defined (every "
             "utility -inf) and nu.allocate keeps nothing."
         )
-    return Scores({k: by_name[k] for k in names}, lam_used, jnp.asarray(alpha, dtype))
+    scores = [
+        Scores({k: d[k] for k in names}, f[1], jnp.asarray(a, dtype))
+        for d, f, a in zip(by_name, finished, alphas, strict=True)
+    ]
+    if energy:
+        energies = _sum_energies(energies, m_tasks)
+    return _Run(scores, energies, checks)
+
+
+def _unpad(tree: Any, *, sizes: Sequence[int]) -> Any:
+    """Per bucket (``tree[b]``), its first ``sizes[b]`` modules: the mesh's padding dropped."""
+    return tuple(
+        jax.tree.map(lambda x, n=n: x if x.shape[0] == n else x[:n], o)
+        for o, n in zip(tree, sizes, strict=True)
+    )
+
+
+def _shell(bk: _tree.Bucket) -> _tree.Bucket:
+    """``bk`` without its factors (names, shapes and scales: what an error message reads)."""
+    mods = tuple(
+        tuple(None if m is None else _tree.Module(None, None, m.scale) for m in row)
+        for row in bk.modules
+    )
+    return dataclasses.replace(bk, modules=mods)
+
+
+def _sum_energies(parts: Any, m_tasks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per task ``(k, t)``, the energy summed over modules as ``t 2^k`` (``t`` float64, each
+    module's part taken relative to the task's largest power, so nothing overflows), from each
+    bucket's ``(mantissa, exponent)`` (:func:`_module_energies`); no module: zeros."""
+    if not parts:
+        return np.zeros(m_tasks, np.int64), np.zeros(m_tasks)
+    e = np.concatenate([np.asarray(m, np.float64) for m, _ in parts])  # (modules, M)
+    k = np.concatenate([np.asarray(x, np.int64) for _, x in parts])
+    live = e > 0
+    kmax = np.where(live, k, np.iinfo(np.int64).min).max(0)
+    t = np.where(live, e * np.exp2(np.where(live, k - kmax, 0)), 0.0).sum(0)
+    return np.where(live.any(0), kmax, 0), t
 
 
 @functools.partial(jax.jit, static_argnames=("meta", "route"))

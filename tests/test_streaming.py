@@ -295,6 +295,45 @@ def test_alpha_auto_picks_what_in_memory_picks(loaded):
     assert rep.alpha == (0.0 if h > 1.0 else 1.0)
 
 
+def _scaled_set(root, scales, seed=3):
+    """The fixture's four tasks with each task's ``lora_b`` times ``scales[i]``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, c in enumerate(scales):
+        ad = {n: {**m, "lora_b": m["lora_b"] * c} for n, m in _adapter(rng, i).items()}
+        peft.save_adapter(ad, root / f"task{i}", base_model_name_or_path="org/base")
+        out.append(str(root / f"task{i}"))
+    return out
+
+
+def test_alpha_auto_above_the_threshold_is_the_in_memory_merge(tmp_path):
+    """Tasks of very different sizes (h > 1): the pass that scores both geometries at once picks
+    alpha = 0 from the energies it summed on the way, as the in-memory merge does, and reads
+    every chunk twice in all (scores, merge), not three times."""
+    ps = _scaled_set(tmp_path, (1.0, 20.0, 0.05, 5.0))
+    loaded = peft.load_adapters(ps)
+    assert float(nu.heterogeneity(loaded.adapters)) > 1.5
+    streamed, in_memory, source = _both(
+        ps, loaded, budget=3, method="ta", space="core", alpha="auto"
+    )
+    assert streamed[1].alpha == 0.0
+    _assert_same(streamed, in_memory)
+    chunks = plan_chunks(source.shapes, 4, chunk_bytes=TINY, itemsize=4)
+    assert len(source.calls) == 2 * len(chunks)
+
+
+def test_unrepresentable_scores_streamed_fail_as_in_memory(tmp_path):
+    """One task 1e25 times larger: its interference (about 1e50) is beyond float32. The both-
+    geometries pass defers that check until h has picked alpha; then it raises nu.score's error,
+    word for word the in-memory one."""
+    ps = _scaled_set(tmp_path, (1.0, 1e25, 1.0, 1.0))
+    with pytest.raises(InputError, match="interference") as ref:
+        nu.merge_adapters(peft.load_adapters(ps).adapters, budget=3, alpha="auto")
+    with pytest.raises(InputError, match="interference") as got:
+        merge_adapters_streaming(peft.open_adapters(ps), budget=3, alpha="auto", chunk_bytes=TINY)
+    assert str(got.value) == str(ref.value)
+
+
 @pytest.mark.parametrize(
     "method, space, options",
     [
@@ -319,7 +358,7 @@ def test_methods_match_in_memory(paths, loaded, method, space, options):
 @pytest.mark.parametrize(
     "allocation, alpha, passes",
     [
-        ("net_utility", "auto", 3),
+        ("net_utility", "auto", 2),  # alpha's energies come with the scores: no third read
         pytest.param("uniform", 1.0, 2, marks=pytest.mark.slow),
         pytest.param("all", 1.0, 1, marks=pytest.mark.slow),
     ],

@@ -735,6 +735,74 @@ def test_heterogeneity_of_energies_beyond_float32():
         nu.task_energies(ads)
 
 
+# Both geometries from one decomposition (the streamed merge's alpha='auto' pass)
+
+
+def _run_both(ads, **kw):
+    kw = {"lam": "auto", "rtol": None, "checked": False, "mesh": None, **kw}
+    return utility_mod._score_run(
+        "nu.score", ads, (0.0, 1.0), kw["lam"], kw["rtol"], kw["checked"], kw["mesh"],
+        energy=True, defer=kw.get("defer", False),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("lam", ["auto", 0.7])
+def test_both_geometries_from_one_decomposition_match_dense(m_tasks, lam):
+    """Each alpha's scores, from the one shared decomposition, are the dense float64 reference
+    and nu.score's own for that alpha; the energies are the dense ||dW_i||_F^2."""
+    ads = rich_adapters(m_tasks)
+    run = _run_both(ads, lam=lam)
+    for alpha, sc in zip((0.0, 1.0), run.scores, strict=True):
+        assert float(sc.alpha) == alpha
+        ref = (
+            rich_reference(m_tasks, alpha)
+            if lam == "auto"
+            else ref_scores(ads, alpha=alpha, lam=lam)
+        )
+        assert_scores_match(sc, ref, RTOL32)
+        one = nu.score(ads, alpha=alpha, lam=lam)
+        np.testing.assert_allclose(float(sc.lam), float(one.lam), rtol=1e-6)
+        for name, ms in sc.modules.items():
+            for f, x in ms._asdict().items():
+                y = np.asarray(getattr(one.modules[name], f))
+                np.testing.assert_allclose(np.asarray(x), y, rtol=1e-5, atol=1e-7, err_msg=f)
+    k, t = run.energies
+    assert_rel_close(t * np.exp2(k.astype(np.float64)), ref_task_energies(ads), 1e-5, what="e")
+    assert run.check == []  # not deferred: checked on the way
+
+
+def test_kernel_energies_beyond_float32_are_exact_as_mantissa_and_power():
+    """Energies of 1e60 and 1e-40 (beyond float32) come out as t 2^k, exact to rounding."""
+    ads = make_adapters(34, 3, SMALL_SPEC)
+    for j, c in enumerate((1e30, 1.0, 1e-20)):
+        ads[j]["q"] = dict(ads[j]["q"], scale=np.float32(c))
+    k, t = _run_both(ads, lam=1.0, defer=True).energies
+    got = np.log2(t) + k
+    np.testing.assert_allclose(got, np.log2(ref_task_energies(ads)), rtol=1e-6)
+
+
+def test_deferred_range_check_raises_what_score_raises():
+    """With defer=True nothing is refused during the pass (whether a result fits the dtype can
+    depend on alpha); each alpha's check then raises nu.score's error for that alpha."""
+    rng = np.random.default_rng(13)
+    big = {"lora_a": np.full((8, 3), 1e25, np.float32), "lora_b": np.ones((3, 6), np.float32)}
+    big["lora_a"][:, 1:] += rng.normal(size=(8, 2)).astype(np.float32) * 1e25
+    ads = [{"m": _mod(rng, rng.normal(size=(8, 3)).astype(np.float32), 6)}, {"m": big}]
+    with pytest.raises(InputError, match="interference"):
+        _run_both(ads, lam=0.0)  # not deferred: raised at once
+    run = _run_both(ads, lam=0.0, defer=True)
+    assert len(run.check) == 2
+    for alpha, check in zip((0.0, 1.0), run.check, strict=True):
+        with pytest.raises(InputError) as want:
+            nu.score(ads, alpha=alpha, lam=0.0)
+        with pytest.raises(InputError) as got:
+            check.check()
+        assert str(got.value) == str(want.value)
+    # a clean set: the checks pass
+    for c in _run_both(rich_adapters(3), defer=True).check:
+        c.check()
+
+
 # Scale safety, property: random per-task scales 10**U(-30, 30)
 
 _PROP_SPEC = (("q", 12, 9, (3, 4, 2)), ("v", 10, 6, (2, 3, 3)))
