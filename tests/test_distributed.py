@@ -256,6 +256,33 @@ def test_a_failing_process_stops_every_process(folders, tmp_path):
     assert f"netutility merge: process 1 of 2 failed: {own}" in runs[0][2]
 
 
+def test_scores_beyond_float32_stop_every_process_after_alpha_is_chosen(folders, tmp_path):
+    """--alpha auto (the default) scores both geometries before h picks one, so a result beyond
+    float32 is refused only after the exchange: by the process whose chunk holds it, with the
+    one-process message, and the other names it; no process waits for ever."""
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / peft.CONFIG_NAME).write_bytes((pathlib.Path(folders[1]) / peft.CONFIG_NAME).read_bytes())
+    tensors = safetensors.numpy.load_file(str(pathlib.Path(folders[1]) / peft.WEIGHTS_NAME))
+    key = f"{peft.PREFIX}{BAD}.lora_B.weight"
+    tensors[key] = tensors[key] * np.float32(1e25)  # interference about 1e50
+    safetensors.numpy.save_file(tensors, str(big / peft.WEIGHTS_NAME))
+    paths = [folders[0], str(big), folders[2]]
+    with pytest.raises(InputError, match="interference") as one:
+        nu.merge_adapters(peft.load_adapters(paths).adapters, budget=3, alpha="auto")
+    runs = _distributed(2, [*paths, *COMMON, "--out", str(tmp_path / "out")], tmp_path)
+    assert [rc for rc, _, _ in runs] == [2, 2]
+    lines = [next(ln for ln in err.splitlines() if ": error: " in ln) for _, _, err in runs]
+    own = [i for i, line in enumerate(lines) if "of 2 failed:" not in line]
+    assert len(own) == 1, lines
+    p = own[0]
+    # the owner's words are the in-memory error's (one module affected: the same count too)
+    assert lines[p] == f"netutility merge: error: {one.value}", lines[p]
+    fn = "nu.merge_adapters_streaming"
+    assert lines[1 - p] == f"netutility merge: error: {fn}: process {p} of 2 failed: {one.value}"
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
