@@ -47,8 +47,8 @@ bytes (:func:`_exchange.assign`, the same in every process; every process opens 
 so all know every module's name and shape). Each process reads only its chunks, and after each
 pass the small results are all-gathered (:mod:`netutility_jax._exchange`): the ``lam=0``
 statistics of each module (of both geometries for ``alpha="auto"``) and the energies' parts
-(pass 1, ``4 M r_max`` numbers a module, bit for bit), the merged ranks (pass 2). Every process then computes the same lambda, :class:`nu.Scores`,
-masks and :class:`Report` from the same numbers with the same code (a checksum of the masks is
+(pass 1, ``4 M r_max`` numbers a module, bit for bit), the merged ranks (pass 2). Every process
+then computes the same lambda, :class:`nu.Scores`, masks and :class:`Report` from the same numbers with the same code (a checksum of the masks is
 compared across processes), and merges only its chunks: ``merged`` holds this process's modules,
 the report all of them. A process whose chunk raises still takes part in the exchange; then
 every process raises (the failing one its own error, the others an :class:`InputError` naming
@@ -168,12 +168,11 @@ class _Energies:
         it; a task zero everywhere raises (``strict``) or gives NaN."""
         if self.failed:
             return float("nan")
-        k = np.stack([self.parts[c][0] for c in sorted(self.parts)])  # (chunks, M)
-        t = np.stack([self.parts[c][1] for c in sorted(self.parts)])
-        live = t > 0
-        kmax = np.where(live, k, np.iinfo(np.int64).min).max(0)
-        kmax = np.where(live.any(0), kmax, 0)
-        total = np.where(live, t * np.exp2(np.where(live, k - kmax, 0)), 0.0).sum(0)
+        # each chunk's (k, t) is a (mantissa, exponent) pair like a module's: summed the same way
+        kmax, total = utility._sum_energies(
+            [(self.parts[c][1][None], self.parts[c][0][None]) for c in sorted(self.parts)],
+            len(next(iter(self.parts.values()))[0]),
+        )
         zero = np.flatnonzero(total <= 0)
         if zero.size:
             if not strict:

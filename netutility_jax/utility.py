@@ -593,7 +593,7 @@ def _score_run(
             )
             for d in by_name:
                 d.update((nm, empty) for nm in bk.names)
-    energies = None
+    parts = None  # with energy: each bucket's (mantissa, exponent) of every task-module
     if live:
         meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in live))
         rtols = tuple(
@@ -608,11 +608,11 @@ def _score_run(
         with np.errstate(over="ignore"):
             args = (inputs, alpha_arg, lam_val, rtols)
             impl = _score_impl if mesh is None else functools.partial(_score_by_device, mesh=mesh)
-            finished, raw_ok, energies = impl(*args, **kw, route="cond" if traced else "raw")
+            finished, raw_ok, parts = impl(*args, **kw, route="cond" if traced else "raw")
             # extreme or non-finite factors: the exact route (after the first call is done: one
             # LAPACK-using executable in flight at a time, see eigh_batched)
             if not traced and not bool(settle((finished, raw_ok))[1]):
-                finished, _, energies = impl(*args, **kw, route="normalise")
+                finished, _, parts = impl(*args, **kw, route="normalise")
     else:
         none = ((), jnp.asarray(lam_val, dtype), jnp.asarray(False), None)
         finished = (none,) * n_alpha
@@ -622,18 +622,18 @@ def _score_run(
         # (no eager slice without padding: each would compile a gather)
         cut = functools.partial(_unpad, sizes=sizes)
         finished = tuple((cut(f[0]), *f[1:]) for f in finished)
-        energies = None if energies is None else cut(energies)
+        parts = None if parts is None else cut(parts)
     checks = []
+    if not traced:
+        # Finish before returning on CPU: two LAPACK-using executables in flight at once can
+        # deadlock jaxlib's CPU thread pool (see _linalg.settle).
+        settle(finished)
+        # (the non-finite counts come from the Grams: the same for every alpha)
+        _tree.raise_nonfinite(fn, live, [o[1] for o in finished[0][0]], dtype=dtype)
+        held = [_shell(bk) for bk in live] if defer else live
     for (outs, lam_used, lam_bad, _), d in zip(finished, by_name, strict=True):
         if not traced:
-            # Finish before returning on CPU: two LAPACK-using executables in flight at once can
-            # deadlock jaxlib's CPU thread pool (see _linalg.settle).
-            settle((outs, lam_used))
-            _tree.raise_nonfinite(fn, live, [o[1] for o in outs], dtype=dtype)
-            check = _Deferred(
-                fn, [_shell(bk) for bk in live] if defer else live, list(outs), lam_used,
-                lam_bad, dtype, lam_is_auto,
-            )  # fmt: skip
+            check = _Deferred(fn, held, list(outs), lam_used, lam_bad, dtype, lam_is_auto)
             if defer:
                 checks.append(check)
             else:
@@ -659,8 +659,7 @@ def _score_run(
         Scores({k: d[k] for k in names}, f[1], jnp.asarray(a, dtype))
         for d, f, a in zip(by_name, finished, alphas, strict=True)
     ]
-    if energy:
-        energies = _sum_energies(energies, m_tasks)
+    energies = _sum_energies(parts, m_tasks) if energy else None
     return _Run(scores, energies, checks)
 
 
