@@ -17,8 +17,8 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from . import _buckets, _checks, _mesh, _tree, registry
-from ._stages import BucketConfig
+from . import _buckets, _checks, _mesh, _rng, _tree, registry
+from ._stages import DARE_KEPT, BucketConfig
 from .errors import InputError, InputTypeError
 
 __all__ = [
@@ -224,13 +224,16 @@ def chunk_size(
 
 def row_block(
     res: registry.Resolved, p: int, q: int, m_tasks: int, itemsize: int,
-    budget_bytes: int | None = None,
+    budget_bytes: int | None = None, *, key_blocks: bool = True,
 ) -> int | None:  # fmt: skip
-    """Rows per block of one module's dense coordinates for TIES in core / KnOTS space, when a
-    module's dense tasks (and temporaries) alone exceed ``budget_bytes``; None otherwise (whole
-    modules, :func:`chunk_size`). Only TIES is blocked: its trim is found by radix selection over
-    blocks; DARE's random masks are drawn for a whole module."""
-    if not res.spec.keeps_top or res.spec.needs_key or res.space == "full":
+    """Rows per block of one module's dense coordinates for TIES, DARE and DARE-TIES in core /
+    KnOTS space, when a module's dense tasks (and temporaries) alone exceed ``budget_bytes``; None
+    otherwise (whole modules, :func:`chunk_size`). TIES's trim is found by radix selection over
+    blocks; DARE draws a block's rows of the module's mask (:func:`_rng.bernoulli_rows`), for keys
+    with ``key_blocks`` (:func:`_rng.blockable`): other keys draw a whole module's mask."""
+    dare = res.kernel_method in DARE_KEPT and key_blocks
+    blocks = res.spec.keeps_top or dare
+    if res.spec.kind != "elementwise" or not blocks or res.space == "full":
         return None
     budget_bytes = DENSE_BYTES if budget_bytes is None else budget_bytes
     per_row = 8 * m_tasks * q * itemsize
@@ -258,19 +261,26 @@ def bucket_config(
     chunk: int | None = None,
     n_pad: int | None = None,
     rows: int | Literal["auto"] | None = "auto",
+    key_blocks: bool = True,
 ) -> BucketConfig:
     """The stages' static configuration of a bucket (``chunk``: modules per chunk of dense
     work, default within 64 MiB, dividing ``n_pad``: the modules the stages see, default the
-    bucket's; ``rows``: TIES's rows per block of a module, default :func:`row_block`)."""
+    bucket's; ``rows``: TIES's / DARE's rows per block of a module, default :func:`row_block`,
+    ``key_blocks``: DARE's key draws a block's masks, :func:`_rng.blockable`)."""
     if res.space == "knots":
         p, q = _dense_shape(res.space, bk, m_tasks)
     else:
         p = q = m_tasks * bk.r_max
     itemsize = np.dtype(dtype).itemsize
-    if chunk is None:
+    if chunk is None and res.spec.needs_key and not key_blocks:
+        # a key that is not threefry (rbg) draws different bits for a module batched with others
+        # than alone: one module per chunk, so that its masks do not depend on the budget
+        chunk = 1
+    elif chunk is None:
         n = len(bk.names) if n_pad is None else n_pad
         chunk = chunk_size(m_tasks, p, q, itemsize, n)
-    rows = row_block(res, p, q, m_tasks, itemsize) if rows == "auto" else rows
+    if rows == "auto":
+        rows = row_block(res, p, q, m_tasks, itemsize, key_blocks=key_blocks)
     numeric = numeric_options(res)
     static = tuple(sorted((k, v) for k, v in res.kernel_options.items() if k not in numeric))
     return BucketConfig(
@@ -328,11 +338,12 @@ def plan_merge(
     piece_bytes = PIECE_BYTES * (1 if mesh is None else mesh.size)  # PIECE_BYTES per device
     pieces = [sub for bk in buckets for sub in _buckets.split_bucket(bk, piece_bytes, itemsize)]
     dense = res.spec.kind == "elementwise" and res.space == "full"
+    blocks = not res.spec.needs_key or _rng.blockable(key)
     jobs = tuple(
         Job(
             bk,
             "dense" if dense else "bucket",
-            bucket_config(res, bk, m_tasks, dtype, n_pad=_n_pad(bk, mesh)),
+            bucket_config(res, bk, m_tasks, dtype, n_pad=_n_pad(bk, mesh), key_blocks=blocks),
             tuple(index[nm] for nm in bk.names),
         )
         for bk in pieces

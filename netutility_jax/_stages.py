@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _buckets, _mesh, _select, _tree, registry
+from . import _buckets, _mesh, _rng, _select, _tree, registry
 from . import methods as _m
 from . import spaces as _s
 from ._linalg import mm as _mm
@@ -34,6 +34,7 @@ from ._linalg import t as _t
 from .utility import default_rtol
 
 __all__ = [
+    "DARE_KEPT",
     "BucketConfig",
     "CoordsConfig",
     "LowRankConfig",
@@ -44,6 +45,8 @@ __all__ = [
     "block_tasks",
     "bucket_merge",
     "coords_tasks",
+    "dare_block",
+    "dare_rows",
     "elementwise",
     "entry_counts",
     "map_back",
@@ -130,10 +133,12 @@ class BucketConfig(NamedTuple):
       variant: KnOTS's variant (None in other spaces).
       d_in, d_out, r_max, dtype: the bucket's shapes and compute dtype.
       chunk: modules per chunk of dense work (elementwise methods).
-      rows: TIES only: rows of one module's dense coordinates per block, when a module's dense
-        tasks alone exceed the working-memory budget (:func:`_plan.row_block`); None: whole
-        modules. Blocked modules find their thresholds by streamed radix selection over the
-        blocks (:func:`ties_rows`): memory is one block, not the module's ``M x p x q`` tasks.
+      rows: TIES, DARE and DARE-TIES in core / KnOTS space: rows of one module's dense
+        coordinates per block, when a module's dense tasks alone exceed the working-memory budget
+        (:func:`_plan.row_block`); None: whole modules. Blocked modules find TIES's thresholds by
+        streamed radix selection over the blocks (:func:`ties_rows`) and draw DARE's masks a
+        block at a time (:func:`dare_rows`): memory is one block, not the module's ``M x p x q``
+        tasks.
     """
 
     method: str
@@ -425,10 +430,15 @@ def stage_decode_chunks(coords, xms, *, rtol: float):
 
 def _elementwise_bucket(coords, coef, keys, nums, table, *, method, rtol, chunk, rows=None):
     """TIES / DARE on a bucket, a chunk of whole modules per call (at most one chunk's dense
-    tasks alive), or TIES a block of ``rows`` rows of one module at a time (:func:`ties_rows`),
-    then decoded. A Python loop rather than ``lax.map``: XLA:CPU writes a mapped output through
+    tasks alive), or a block of ``rows`` rows of one module at a time (:func:`ties_rows`,
+    :func:`dare_rows`), then decoded. A Python loop rather than ``lax.map``: XLA:CPU writes a mapped output through
     an in-place update that it emits as scalar code, ~4 ms per KnOTS module."""
-    if rows is not None:
+    if rows is not None and table is None:
+        xms = [
+            dare_rows(a, b, kk, coef, nums, method=method, rows=rows)
+            for a, b, kk, _ in stage_split(coords, keys, table, chunk=1)
+        ]
+    elif rows is not None:
         xms = [
             ties_rows(a, b, kt, coef, rows=rows)
             for a, b, _, kt in stage_split(coords, keys, table, chunk=1)
@@ -499,6 +509,34 @@ def ties_rows(a, b, k_top, coef, *, rows: int):
     flat_ties = bool(np.any((at > room) & (t != 0)))
     apply_ties(work, jnp.asarray(t), room, flat_ties, coef)
     return merged[0]
+
+
+#: the methods :func:`dare_rows` merges by blocks: their merge of the dropped tasks, entry by entry
+DARE_KEPT = {"dare": _m.dare_kept, "dare_ties": _m.dare_ties_kept}
+
+
+@functools.partial(jax.jit, static_argnames=("method", "shape"))
+def dare_block(x, key, j0, coef, nums, *, method: str, shape: tuple[int, int, int]):
+    """DARE / DARE-TIES on rows ``j0 :`` of one module's dense coordinates, ``x (1, M, rows, q)``
+    from :func:`row_blocks`, ``shape = (M, p, q)`` the whole module's: ``(1, rows, q)``. The drop
+    mask is those rows of the whole module's (:func:`_rng.bernoulli_rows`)."""
+    p = nums["p"]
+    keep = _rng.bernoulli_rows(key, 1.0 - jnp.asarray(p, jnp.float32), shape, j0, x.shape[-2])
+    return DARE_KEPT[method](_m.dare_rescale(x[0], keep, p), coef=coef)[None]
+
+
+def dare_rows(a, b, keys, coef, nums, *, method: str, rows: int):
+    """DARE / DARE-TIES on one module's dense coordinates ``a b^T`` a block of ``rows`` rows at a
+    time: ``(1, p, q)``, the same as :func:`elementwise` on the whole ``(1, M, p, q)``: the same
+    drop mask (:func:`_rng.bernoulli_rows`, for keys that :func:`_rng.blockable` accepts; the
+    plan keeps whole modules otherwise), and both methods combine each entry's tasks alone.
+    Memory: one block of every task's coordinates, and the merged module."""
+    shape = (a.shape[1], a.shape[2], b.shape[2])
+    parts = []
+    for produce, (j0, live) in row_blocks(a, b, rows):
+        xm = dare_block(produce(), keys[0], jnp.int32(j0), coef, nums, method=method, shape=shape)
+        parts.append(xm if live == rows else xm[:, :live])
+    return jnp.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0]
 
 
 def row_units(a, b, rows: int, store) -> list:

@@ -43,7 +43,10 @@ __all__ = [
     "above_rtol",
     "dare",
     "dare_drop",
+    "dare_kept",
+    "dare_rescale",
     "dare_ties",
+    "dare_ties_kept",
     "digit_histogram",
     "disjoint_mean",
     "factored_svd",
@@ -306,15 +309,29 @@ def ties(x: jax.Array, *, coef, k) -> jax.Array:
 def dare_drop(x: jax.Array, key: jax.Array, p) -> jax.Array:
     """Drop each entry with probability ``p`` and rescale the survivors by ``1 / (1 - p)``."""
     keep = jax.random.bernoulli(key, 1.0 - jnp.asarray(p, jnp.float32), x.shape)
+    return dare_rescale(x, keep, p)
+
+
+def dare_rescale(x: jax.Array, keep: jax.Array, p) -> jax.Array:
+    """The entries of ``x`` where ``keep``, rescaled by ``1 / (1 - p)``; zero elsewhere."""
     return jnp.where(keep, x / (1.0 - jnp.asarray(p, x.dtype)), 0)
 
 
 def dare(x: jax.Array, key: jax.Array, *, coef, p) -> jax.Array:
     """DARE (linear): random drop-and-rescale per task, then ``coef * sum``."""
-    d = dare_drop(x, key, p)
+    return dare_kept(dare_drop(x, key, p), coef=coef)
+
+
+def dare_kept(d: jax.Array, *, coef) -> jax.Array:
+    """DARE's merge of the dropped-and-rescaled tasks ``d (..., M, p, q)``: ``coef * sum``."""
     return coef * _task_sum([d[..., i, :, :] for i in range(d.shape[-3])])
 
 
 def dare_ties(x: jax.Array, key: jax.Array, *, coef, p) -> jax.Array:
     """DARE-TIES: random drop-and-rescale per task, then TIES sign election and disjoint mean."""
-    return coef * disjoint_mean(dare_drop(x, key, p))
+    return dare_ties_kept(dare_drop(x, key, p), coef=coef)
+
+
+def dare_ties_kept(d: jax.Array, *, coef) -> jax.Array:
+    """DARE-TIES's merge of the dropped-and-rescaled tasks ``d``: sign election, disjoint mean."""
+    return coef * disjoint_mean(d)

@@ -12,7 +12,9 @@ import jax
 import numpy as np
 
 import netutility_jax as nu
-from netutility_jax import _mesh, _tree
+from netutility_jax import _mesh, _plan, _tree
+
+DENSE_BYTES = _plan.DENSE_BYTES
 
 ALL_CASES = [
     ("ta", "core", {}),
@@ -24,6 +26,9 @@ ALL_CASES = [
     ("ties", "full", {}),
     ("dare", "core", {"p": 0.5, "key": "key"}),
     ("dare_ties", "knots", {"p": 0.3, "key": "prng"}),
+    # a working-memory budget of 4 KiB: every module merged a few rows at a time
+    ("dare_ties", "knots/rows", {"p": 0.3, "key": "key", "dense_bytes": 4096}),
+    ("ties", "knots/rows", {"density": 0.3, "dense_bytes": 4096}),
 ]
 FAST_CASES = [ALL_CASES[0]]
 
@@ -80,8 +85,11 @@ def _mode(ads, one, cases) -> dict:
             opts["key"] = jax.random.key(0)
         elif opts.get("key") == "prng":
             opts["key"] = jax.random.PRNGKey(1)
-        ref, rep = nu.merge_adapters(ads, budget=4, method=method, space=space, **opts)
-        out, rep_m = nu.merge_adapters(ads, budget=4, method=method, space=space, mesh=mesh, **opts)
+        _plan.DENSE_BYTES = opts.pop("dense_bytes", DENSE_BYTES)
+        sp = space.split("/")[0]
+        ref, rep = nu.merge_adapters(ads, budget=4, method=method, space=sp, **opts)
+        out, rep_m = nu.merge_adapters(ads, budget=4, method=method, space=sp, mesh=mesh, **opts)
+        _plan.DENSE_BYTES = DENSE_BYTES
         found["cases"][f"{method}/{space}"] = {
             "masks_equal": all(np.array_equal(rep.masks[n], rep_m.masks[n]) for n in rep.masks),
             "ranks_equal": rep.ranks == rep_m.ranks,

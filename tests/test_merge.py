@@ -565,6 +565,44 @@ def test_ties_row_blocks_match_dense_reference(space, monkeypatch):
     _check(out, _ref_in_space(space, REF_METHODS["ties"], ads), ads, masks)
 
 
+@pytest.mark.parametrize("method", ["dare", "dare_ties"])
+@pytest.mark.parametrize("space", ["core", "knots", "knots_original"])
+def test_dare_row_blocks_draw_the_whole_modules_masks(method, space, monkeypatch):
+    """DARE and DARE-TIES on modules larger than the working-memory budget, 4 rows at a time
+    (ragged last blocks): each block draws its rows of the whole module's mask, so the merge is
+    the whole-module one (a single entry kept by one and dropped by the other would differ by
+    about its size, far above the tolerance), with typed and raw keys."""
+    ads = _adapters(2, True)
+    masks = _masks(ads, 7)
+    kw = {"variant": "original"} if space == "knots_original" else {}
+    kw.update(method=method, space=space.split("_")[0], coef=0.8, p=0.4)
+    for key in (jax.random.key(5), jax.random.PRNGKey(9)):
+        whole = nu.merge(ads, masks, key=key, **kw)
+        calls = _spy_rows(monkeypatch, 4)
+        blocked = nu.merge(ads, masks, key=key, **kw)
+        monkeypatch.undo()
+        assert calls and set(calls) == {4}
+        for n in ads[0]:
+            d = ref.dense(whole[n])
+            np.testing.assert_allclose(
+                ref.dense(blocked[n]), d, rtol=0, atol=1e-12 * np.abs(d).max(), err_msg=n
+            )
+
+
+def test_dare_with_an_rbg_key_keeps_whole_modules(monkeypatch):
+    """A key whose masks cannot be drawn by rows (rbg) keeps whole modules under a budget that
+    blocks a threefry key's merge, one module per chunk whatever the budget (rbg's bits for a
+    module depend on the batch it is drawn in): the same merge at any budget."""
+    ads = _adapters(2)
+    kw = {"method": "dare", "space": "knots", "p": 0.4, "key": jax.random.key(1, impl="rbg")}
+    whole = nu.merge(ads, **kw)
+    calls = _spy_rows(monkeypatch, 4)
+    small_budget = nu.merge(ads, **kw)
+    assert not calls
+    for n in ads[0]:
+        np.testing.assert_array_equal(ref.dense(small_budget[n]), ref.dense(whole[n]))
+
+
 @pytest.mark.parametrize("space", ["core", "knots"])
 def test_ties_model_scope_row_blocks_equal_whole_modules(space, monkeypatch):
     """Model-wide TIES streams a large module as units of rows, in flat order: the same merge."""

@@ -439,6 +439,27 @@ def test_ties_by_row_blocks_streamed_is_the_in_memory_merge(paths, loaded, scope
     _assert_same(streamed, in_memory)
 
 
+def test_dare_by_row_blocks_streamed_is_the_in_memory_whole_module_merge(
+    paths, loaded, monkeypatch
+):
+    """DARE-TIES in KnOTS space, streamed a few rows of a module at a time: each block draws its
+    rows of the module's mask (keyed by the module's place in the whole model), so the result is
+    the in-memory merge of whole modules."""
+    from netutility_jax import _plan, _stages
+
+    kw = {"budget": 3, "method": "dare_ties", "space": "knots", "p": 0.4, "key": jax.random.key(3)}
+    in_memory = nu.merge_adapters(loaded.adapters, **kw)
+    monkeypatch.setattr(_plan, "DENSE_BYTES", 2048)
+    blocked = []
+    real = _stages.row_blocks
+    monkeypatch.setattr(
+        _stages, "row_blocks", lambda a, b, rows: blocked.append(rows) or real(a, b, rows)
+    )
+    streamed = merge_adapters_streaming(peft.open_adapters(paths), chunk_bytes=TINY, **kw)
+    assert blocked
+    _assert_same(streamed, in_memory)
+
+
 def test_model_wide_ties_ties_at_the_threshold_are_kept_in_flat_order(tmp_path):
     """Factors of small integers: many equal magnitudes at each task's threshold, more than fit,
     so which of them are kept depends on the flat module order carried across chunks."""
