@@ -12,9 +12,10 @@ float32, 16 tasks: about 2.7 GB of factors), then each case runs in a fresh inte
 * ``in_memory``: ``nu.peft.load_adapters`` + ``nu.merge_adapters`` (TA in core space);
 * ``stream_ta``, ``stream_tsv``: ``nu.peft.open_adapters`` + ``merge_adapters_streaming`` (TA and
   TSV in core space, ``--chunk-mb`` per chunk);
-* ``cli_ties_knots``, ``cli_ta_core``, ``cli_tsv_core``: ``netutility merge`` with TIES in KnOTS
-  space (density 0.2), TA or TSV in Core space (streamed, ``--chunk-mb``, no compilation cache,
-  each chunk's merged modules written as they come), output written and its size recorded.
+* ``cli_ties_knots``, ``cli_dare_ties_knots``, ``cli_ta_core``, ``cli_tsv_core``: ``netutility
+  merge`` with TIES (density 0.2) or DARE-TIES (p 0.5, seed 0) in KnOTS space, TA or TSV in Core
+  space (streamed, ``--chunk-mb``, no compilation cache, each chunk's merged modules written as
+  they come), output written and its size recorded.
 
 Reported per case: wall time of the child process and its peak RSS from ``os.wait4`` (the
 kernel's ``ru_maxrss`` of the child, whatever it allocated), plus the child's own timings (open or
@@ -28,7 +29,7 @@ Timing, machine and code info and the JSON writer come from ``_harness.py``.
 Usage:
   python benchmarks/scale.py [--model llama3-8b|llama3-70b] [--layers 32] [--tasks 16] [--rank 16] [--dtype float32]
       [--budget 16] [--chunk-mb 256] [--data DIR] [--only floor,in_memory,stream_ta,stream_tsv]
-      [--timeout 7200] [--out benchmarks/results/scale.json]
+      [--timeout 7200] [--out benchmarks/results/scale.json] [--keep-out DIR]
 
 A quick check: ``python benchmarks/scale.py --layers 2 --tasks 4``. ``--data DIR`` keeps the
 folders there and reuses them when they match the flags; by default they go to a temporary
@@ -79,7 +80,7 @@ MODELS = {  # module -> (d_in, d_out)
 SHAPES = MODELS["llama3-8b"]
 CASES = (
     "floor", "compute_floor", "in_memory", "stream_ta", "stream_tsv", "cli_ties_knots",
-    "cli_ta_core", "cli_tsv_core",
+    "cli_dare_ties_knots", "cli_ta_core", "cli_tsv_core",
 )  # fmt: skip
 
 
@@ -214,18 +215,30 @@ def _merge_summary(merged, report) -> dict:
 #: the command-line cases: their method flags
 CLI_CASES = {
     "cli_ties_knots": ["--method", "ties", "--space", "knots", "--density", "0.2"],
+    "cli_dare_ties_knots": [
+        "--method",
+        "dare_ties",
+        "--space",
+        "knots",
+        "--p",
+        "0.5",
+        "--seed",
+        "0",
+    ],
     "cli_ta_core": ["--method", "ta", "--space", "core"],
     "cli_tsv_core": ["--method", "tsv", "--space", "core"],
 }
 
 
-def _cli_case(paths: list[str], budget: int, chunk_bytes: int, flags: list[str]) -> dict:
+def _cli_case(
+    paths: list[str], budget: int, chunk_bytes: int, flags: list[str], keep: str | None = None
+) -> dict:
     """``netutility merge`` with ``flags`` (streamed, no compilation cache) in this process, as
-    a user runs it: checks, passes, the written output."""
+    a user runs it: checks, passes, the written output (kept at ``keep`` if given)."""
     from netutility_jax import cli
 
     with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "merged")
+        out = keep or os.path.join(d, "merged")
         argv = ["merge", *paths, "--budget", str(budget), *flags,
                 "--chunk-mb", str(chunk_bytes / 2**20), "--out", out,
                 "--no-plots", "--quiet", "--no-compile-cache"]  # fmt: skip
@@ -240,8 +253,11 @@ def _cli_case(paths: list[str], budget: int, chunk_bytes: int, flags: list[str])
     return {"merge_s": sw.laps[0], "vm_hwm_mb": h.hwm_mb(), "written_bytes": written, **summary}
 
 
-def run_case(case: str, paths: list[str], budget: int, chunk_bytes: int) -> dict:
-    """One case in this process: its timings and, for merges, a summary of the result."""
+def run_case(
+    case: str, paths: list[str], budget: int, chunk_bytes: int, keep_out: str | None = None
+) -> dict:
+    """One case in this process: its timings and, for merges, a summary of the result
+    (``keep_out``: keep a command-line case's output in ``keep_out/<case>``)."""
     import netutility_jax as nu
     from netutility_jax import peft
     from netutility_jax.streaming import merge_adapters_streaming
@@ -251,7 +267,8 @@ def run_case(case: str, paths: list[str], budget: int, chunk_bytes: int) -> dict
     if case == "compute_floor":
         return _compute_floor(paths, chunk_bytes)
     if case in CLI_CASES:
-        return _cli_case(paths, budget, chunk_bytes, CLI_CASES[case])
+        keep = os.path.join(keep_out, case) if keep_out else None
+        return _cli_case(paths, budget, chunk_bytes, CLI_CASES[case], keep)
     sw = h.Stopwatch()
     if case == "in_memory":
         loaded = sw.lap(peft.load_adapters(paths))
@@ -315,6 +332,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--only", help=f"comma list of cases ({', '.join(CASES)})")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per case")
     ap.add_argument("--out", default="benchmarks/results/scale.json")
+    ap.add_argument("--keep-out", help="keep each command-line case's merged output in DIR/<case>")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # in a child: run this case
     ap.add_argument("--paths", help=argparse.SUPPRESS)  # with --case: JSON list of folders
     ap.add_argument("--record", help=argparse.SUPPRESS)  # with --case: write its record there
@@ -334,6 +352,8 @@ def _run_all(args, paths: list[str]) -> list[dict]:
                 "--case", case, "--paths", json.dumps(paths), "--record", rec_path,
                 "--budget", str(args.budget), "--chunk-mb", str(args.chunk_mb),
             ]  # fmt: skip
+            if args.keep_out:
+                argv += ["--keep-out", os.path.abspath(args.keep_out)]
             run = spawn(argv, args.timeout)
             rec = None
             if run["status"] == 0 and os.path.exists(rec_path):
@@ -352,7 +372,8 @@ def _run_all(args, paths: list[str]) -> list[dict]:
 def main() -> None:
     args = _args()
     if args.case:
-        rec = run_case(args.case, json.loads(args.paths), args.budget, int(args.chunk_mb * 2**20))
+        chunk = int(args.chunk_mb * 2**20)
+        rec = run_case(args.case, json.loads(args.paths), args.budget, chunk, args.keep_out)
         h.write_json(args.record, rec)
         return
     spec = _manifest(args)
