@@ -33,7 +33,7 @@ def _keys_for(key: jax.Array, idx: Sequence[int]) -> jax.Array:
 
 def _dense_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks) -> None:
     """An elementwise method in full space, module by module: at most one module's M dense task
-    updates are alive."""
+    updates are alive, or a block of their rows when they exceed the working memory."""
     bk, cfg = job.bucket, job.cfg
     leaves = _buckets.bucket_arrays(bk)
     A, B, S, R = _stages.stage_stack(
@@ -44,10 +44,13 @@ def _dense_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks)
     density = plan.resolved.options.get(spec.keeps_top, 0.0) if spec.keeps_top else 0.0
     k_top = jnp.asarray(topk_count(density, bk.d_in * bk.d_out), jnp.int32)
     for j, nm in enumerate(bk.names):
-        delta, check = _stages.module_dense(
-            A[j], B[j], S[j], R[j], mk[j], coef, keys[j], nums, k_top,
-            method=cfg.method, r_max=bk.r_max,
-        )  # fmt: skip
+        args = (A[j], B[j], S[j], R[j], mk[j], coef, keys[j], nums, k_top)
+        if cfg.rows is None:
+            delta, check = _stages.module_dense(*args, method=cfg.method, r_max=bk.r_max)
+        else:  # the module's M dense tasks exceed the working memory: blocks of rows
+            delta, check = _stages.module_dense_rows(
+                *args, method=cfg.method, r_max=bk.r_max, rows=cfg.rows
+            )
         # one module's executable at a time on CPU: bounded memory, and no two LAPACK calls in
         # flight together (see netutility_jax._linalg.settle)
         results[nm] = {"delta": settle(delta)}

@@ -226,14 +226,14 @@ def row_block(
     res: registry.Resolved, p: int, q: int, m_tasks: int, itemsize: int,
     budget_bytes: int | None = None, *, key_blocks: bool = True,
 ) -> int | None:  # fmt: skip
-    """Rows per block of one module's dense coordinates for TIES, DARE and DARE-TIES in core /
-    KnOTS space, when a module's dense tasks (and temporaries) alone exceed ``budget_bytes``; None
-    otherwise (whole modules, :func:`chunk_size`). TIES's trim is found by radix selection over
+    """Rows per block of one module's dense coordinates for TIES, DARE and DARE-TIES (in full
+    space its dense task updates), when a module's dense tasks (and temporaries) alone exceed
+    ``budget_bytes``; None otherwise (whole modules, :func:`chunk_size`). TIES's trim is found by radix selection over
     blocks; DARE draws a block's rows of the module's mask (:func:`_rng.bernoulli_rows`), for keys
     with ``key_blocks`` (:func:`_rng.blockable`): other keys draw a whole module's mask."""
     dare = res.kernel_method in DARE_KEPT and key_blocks
     blocks = res.spec.keeps_top or dare
-    if res.spec.kind != "elementwise" or not blocks or res.space == "full":
+    if res.spec.kind != "elementwise" or not blocks:
         return None
     budget_bytes = DENSE_BYTES if budget_bytes is None else budget_bytes
     per_row = 8 * m_tasks * q * itemsize
@@ -267,7 +267,7 @@ def bucket_config(
     work, default within 64 MiB, dividing ``n_pad``: the modules the stages see, default the
     bucket's; ``rows``: TIES's / DARE's rows per block of a module, default :func:`row_block`,
     ``key_blocks``: DARE's key draws a block's masks, :func:`_rng.blockable`)."""
-    if res.space == "knots":
+    if res.space == "knots" or (res.space == "full" and res.spec.kind == "elementwise"):
         p, q = _dense_shape(res.space, bk, m_tasks)
     else:
         p = q = m_tasks * bk.r_max

@@ -51,6 +51,8 @@ __all__ = [
     "entry_counts",
     "map_back",
     "module_dense",
+    "module_dense_rows",
+    "module_kept_coords",
     "module_tasks",
     "pad_rows",
     "range_status",
@@ -133,8 +135,8 @@ class BucketConfig(NamedTuple):
       variant: KnOTS's variant (None in other spaces).
       d_in, d_out, r_max, dtype: the bucket's shapes and compute dtype.
       chunk: modules per chunk of dense work (elementwise methods).
-      rows: TIES, DARE and DARE-TIES in core / KnOTS space: rows of one module's dense
-        coordinates per block, when a module's dense tasks alone exceed the working-memory budget
+      rows: TIES, DARE and DARE-TIES: rows of one module's dense coordinates (full space: of its
+        dense task updates) per block, when a module's dense tasks alone exceed the working-memory budget
         (:func:`_plan.row_block`); None: whole modules. Blocked modules find TIES's thresholds by
         streamed radix selection over the blocks (:func:`ties_rows`) and draw DARE's masks a
         block at a time (:func:`dare_rows`): memory is one block, not the module's ``M x p x q``
@@ -616,10 +618,11 @@ def elementwise(x, keys, *, method, coef, nums, k_top):
     return registry.METHODS[method].kernel(x, keys, coef=coef, k_top=k_top, **nums)
 
 
-def _dense_kept(a, b, s, r, mask, unit, *, r_max):
-    """One module's kept dense task updates ``(1, M, d_in, d_out)`` in units of ``2**unit`` (the
-    module's own unit if None) and that unit; ``a (M, d_in, r)``, ``b (M, r, d_out)``, ``s (M,)``
-    as stacked (normalised here)."""
+def _kept_coords(a, b, s, r, mask, unit, *, r_max):
+    """One module's kept task updates as full-space coordinates ``(ca (1, M, d_in, r), cb (1, M,
+    d_out, r))``, the dense tasks being ``ca cb^T`` in units of ``2**unit`` (the module's own
+    unit if None), and that unit; ``a (M, d_in, r)``, ``b (M, r, d_out)``, ``s (M,)`` as stacked
+    (normalised here)."""
     a, b, ts, _ = _s.normalise_tasks(a[None], b[None], s[None], a_axes=(2, 3), b_axes=(2, 3))
     if unit is None:
         unit = _s.module_unit(ts)[0]
@@ -632,7 +635,15 @@ def _dense_kept(a, b, s, r, mask, unit, *, r_max):
         cand_rtol=default_rtol(r_max, a.dtype),
         scale_exp=ts.exp - unit,
     )
-    return _s.dense_tasks(_s.full_coords(k)), unit
+    c = _s.full_coords(k)
+    return c.a, c.b, unit
+
+
+def _dense_kept(a, b, s, r, mask, unit, *, r_max):
+    """One module's kept dense task updates ``(1, M, d_in, d_out)`` in units of ``2**unit`` (the
+    module's own unit if None) and that unit (:func:`_kept_coords`)."""
+    ca, cb, unit = _kept_coords(a, b, s, r, mask, unit, r_max=r_max)
+    return _mm(ca, _t(cb)), unit
 
 
 def _scale_dense(x, unit):
@@ -650,6 +661,22 @@ def module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max
     x, unit = _dense_kept(a, b, s, r, mask, None, r_max=r_max)
     xm = elementwise(x, key[None], method=method, coef=coef, nums=nums, k_top=k_top[None])
     return _scale_dense(xm[0], unit)
+
+
+#: One module's kept task updates as full-space coordinates (jitted :func:`_kept_coords`).
+module_kept_coords = jax.jit(_kept_coords, static_argnames=("r_max",))
+
+
+def module_dense_rows(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max: int, rows):
+    """:func:`module_dense` a block of ``rows`` rows of ``d_in`` at a time (TIES:
+    :func:`ties_rows`, DARE / DARE-TIES: :func:`dare_rows`): the same merge, holding one block of
+    every task's dense update and the merged module instead of the module's ``M`` dense tasks."""
+    ca, cb, unit = module_kept_coords(a, b, s, r, mask, None, r_max=r_max)
+    if method in DARE_KEPT:
+        xm = dare_rows(ca, cb, key[None], coef, nums, method=method, rows=rows)
+    else:
+        xm = ties_rows(ca, cb, k_top[None], coef, rows=rows)
+    return stage_scale_dense(xm[0], unit)
 
 
 @functools.partial(jax.jit, static_argnames=("r_max",))

@@ -59,21 +59,32 @@ def _common_unit(units: list[int]) -> jax.Array:
     return jnp.asarray(max(units, default=0), jnp.int32)
 
 
-def _full_units(bk, mk, st, unit, results, checks):
-    """Full space: one unit per module, ``(produce dense tasks, finish with the merge)``."""
+def _full_units(plan: MergePlan, bk, mk, st, unit, results, checks):
+    """Full space: one unit per module, ``(produce dense tasks, finish with the merge)``, or
+    units of rows of a module whose dense tasks exceed the working memory (:func:`_plan.row_block`;
+    the module's kept components, factor-sized, are computed once for its units)."""
+    itemsize = jnp.dtype(plan.dtype).itemsize
+    rows = _plan.row_block(plan.resolved, bk.d_in, bk.d_out, plan.m_tasks, itemsize)
+    a, b, s, r = st[:4]
     work = []
     for j, nm in enumerate(bk.names):
-
-        def produce(j=j, st=st, mk=mk, r_max=bk.r_max):
-            a, b, s, r = st
-            return _stages.module_tasks(a[j], b[j], s[j], r[j], mk[j], unit, r_max=r_max)
 
         def finish(xm, nm=nm):
             delta, check = _stages.stage_scale_dense(xm[0], unit)
             results[nm] = {"delta": settle(delta)}
             checks.append(((nm,), check))
 
-        work.append((produce, finish))
+        if rows is None:
+
+            def produce(j=j):
+                return _stages.module_tasks(a[j], b[j], s[j], r[j], mk[j], unit, r_max=bk.r_max)
+
+            work.append((produce, finish))
+        else:
+            ca, cb, _ = _stages.module_kept_coords(
+                a[j], b[j], s[j], r[j], mk[j], unit, r_max=bk.r_max
+            )
+            work.extend(_stages.row_units(ca, cb, rows, finish))
     return work, len(bk.names) * bk.d_in * bk.d_out
 
 
@@ -129,7 +140,7 @@ def _units(plan: MergePlan, staged: list, unit: jax.Array, results: dict, checks
     for job, st in zip(plan.jobs, staged, strict=True):
         mk = _stages.stack_masks(plan.masks, job.bucket, plan.m_tasks)
         if plan.resolved.space == "full":
-            w, n = _full_units(job.bucket, mk, st, unit, results, checks)
+            w, n = _full_units(plan, job.bucket, mk, st, unit, results, checks)
         else:
             w, n = _coord_units(plan, job.bucket, mk, st, unit, results, checks)
         work.extend(w)

@@ -29,8 +29,8 @@ Peak memory: one chunk and its working memory, plus the statistics, plus the mer
 DARE-TIES in full space) are ``d_in x d_out`` per module: pass ``on_chunk`` to truncate them
 chunk by chunk (:func:`nu.to_lora`). Elementwise methods work on every task's dense
 coordinates of a module (``d_in x M r`` in KnOTS space: 734 MB for a Llama-3-70B ``down_proj``
-with 20 tasks at r = 16); TIES, DARE and DARE-TIES take them a block of rows at a time when one
-module's exceed ``_plan.DENSE_BYTES`` (64 MiB of working memory), DARE drawing each block's rows
+with 20 tasks at r = 16; ``d_in x d_out`` in full space); TIES, DARE and DARE-TIES take them a
+block of rows at a time when one module's exceed ``_plan.DENSE_BYTES`` (64 MiB of working memory), DARE drawing each block's rows
 of the module's mask (:mod:`netutility_jax._rng`; a non-threefry key, e.g. rbg, keeps whole
 modules).
 

@@ -536,10 +536,10 @@ def test_ties_rows_is_whole_module_ties_with_ties_and_zeros(rows):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"k={k}")
 
 
-def _spy_rows(monkeypatch, budget_rows):
+def _spy_rows(monkeypatch, budget_rows, cols=15):
     """Blocks of ``budget_rows`` rows for SPEC's KnOTS / core coordinates (float64, M r_max =
-    15 columns), and a count of the modules merged by blocks."""
-    monkeypatch.setattr(_plan, "DENSE_BYTES", budget_rows * 8 * M * 15 * 8)
+    15 columns; full space: ``cols=12``, d_out), and a count of the modules merged by blocks."""
+    monkeypatch.setattr(_plan, "DENSE_BYTES", budget_rows * 8 * M * cols * 8)
     calls = []
     real = _stages.row_blocks
 
@@ -551,7 +551,7 @@ def _spy_rows(monkeypatch, budget_rows):
     return calls
 
 
-@pytest.mark.parametrize("space", ["core", "knots", "knots_original"])
+@pytest.mark.parametrize("space", ["full", "core", "knots", "knots_original"])
 def test_ties_row_blocks_match_dense_reference(space, monkeypatch):
     """Modules whose dense tasks exceed the working-memory budget are merged 4 rows at a time
     (18 and 15 rows: ragged last blocks); same reference as the whole-module merge."""
@@ -559,14 +559,14 @@ def test_ties_row_blocks_match_dense_reference(space, monkeypatch):
     masks = _masks(ads, 7)
     kw = {"variant": "original"} if space == "knots_original" else {}
     sp = space.split("_")[0]
-    calls = _spy_rows(monkeypatch, 4)
+    calls = _spy_rows(monkeypatch, 4, 12 if sp == "full" else 15)
     out = nu.merge(ads, masks, method="ties", space=sp, coef=0.8, density=0.3, **kw)
     assert calls and set(calls) == {4}
     _check(out, _ref_in_space(space, REF_METHODS["ties"], ads), ads, masks)
 
 
 @pytest.mark.parametrize("method", ["dare", "dare_ties"])
-@pytest.mark.parametrize("space", ["core", "knots", "knots_original"])
+@pytest.mark.parametrize("space", ["full", "core", "knots", "knots_original"])
 def test_dare_row_blocks_draw_the_whole_modules_masks(method, space, monkeypatch):
     """DARE and DARE-TIES on modules larger than the working-memory budget, 4 rows at a time
     (ragged last blocks): each block draws its rows of the whole module's mask, so the merge is
@@ -578,10 +578,11 @@ def test_dare_row_blocks_draw_the_whole_modules_masks(method, space, monkeypatch
     kw.update(method=method, space=space.split("_")[0], coef=0.8, p=0.4)
     for key in (jax.random.key(5), jax.random.PRNGKey(9)):
         whole = nu.merge(ads, masks, key=key, **kw)
-        calls = _spy_rows(monkeypatch, 4)
+        calls = _spy_rows(monkeypatch, 4, 12 if space == "full" else 15)
         blocked = nu.merge(ads, masks, key=key, **kw)
         monkeypatch.undo()
-        assert calls and set(calls) == {4}
+        # full space: 4 rows of d_out = 12, and 2 of mlp/up's 22
+        assert calls and set(calls) == ({4, 2} if space == "full" else {4})
         for n in ads[0]:
             d = ref.dense(whole[n])
             np.testing.assert_allclose(
@@ -603,7 +604,7 @@ def test_dare_with_an_rbg_key_keeps_whole_modules(monkeypatch):
         np.testing.assert_array_equal(ref.dense(small_budget[n]), ref.dense(whole[n]))
 
 
-@pytest.mark.parametrize("space", ["core", "knots"])
+@pytest.mark.parametrize("space", ["full", "core", "knots"])
 def test_ties_model_scope_row_blocks_equal_whole_modules(space, monkeypatch):
     """Model-wide TIES streams a large module as units of rows, in flat order: the same merge."""
     ads = _adapters(2, True)

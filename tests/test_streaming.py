@@ -421,10 +421,15 @@ def test_model_wide_ties_streamed_is_the_in_memory_merge(paths, loaded, space, a
     )
 
 
-@pytest.mark.parametrize("scope", ["module", "model"])
-def test_ties_by_row_blocks_streamed_is_the_in_memory_merge(paths, loaded, scope, monkeypatch):
-    """A working-memory budget below one module's dense KnOTS tasks: TIES runs a few rows of a
-    module at a time, streamed or in memory, with the same result."""
+@pytest.mark.parametrize(
+    "scope, space", [("module", "knots"), ("model", "knots"), ("model", "full")]
+)
+def test_ties_by_row_blocks_streamed_is_the_in_memory_merge(
+    paths, loaded, scope, space, monkeypatch
+):
+    """A working-memory budget below one module's dense KnOTS tasks (or, in full space, dense
+    task updates): TIES runs a few rows of a module at a time, streamed or in memory, with the same
+    result."""
     from netutility_jax import _plan, _stages
 
     monkeypatch.setattr(_plan, "DENSE_BYTES", 2048)
@@ -433,7 +438,7 @@ def test_ties_by_row_blocks_streamed_is_the_in_memory_merge(paths, loaded, scope
     monkeypatch.setattr(
         _stages, "row_blocks", lambda a, b, rows: blocked.append(rows) or real(a, b, rows)
     )
-    kw = {"budget": 3, "method": "ties", "space": "knots", "trim_scope": scope, "density": 0.3}
+    kw = {"budget": 3, "method": "ties", "space": space, "trim_scope": scope, "density": 0.3}
     streamed, in_memory, _ = _both(paths, loaded, **kw)
     assert blocked
     _assert_same(streamed, in_memory)
