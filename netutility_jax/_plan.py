@@ -228,9 +228,10 @@ def row_block(
 ) -> int | None:  # fmt: skip
     """Rows per block of one module's dense coordinates for TIES, DARE and DARE-TIES (in full
     space its dense task updates), when a module's dense tasks (and temporaries) alone exceed
-    ``budget_bytes``; None otherwise (whole modules, :func:`chunk_size`). TIES's trim is found by radix selection over
-    blocks; DARE draws a block's rows of the module's mask (:func:`_rng.bernoulli_rows`), for keys
-    with ``key_blocks`` (:func:`_rng.blockable`): other keys draw a whole module's mask."""
+    ``budget_bytes``; None otherwise (whole modules, :func:`chunk_size`). TIES's trim is found by
+    radix selection over blocks; DARE draws a block's rows of the module's mask
+    (:func:`_rng.bernoulli_rows`), for keys with ``key_blocks`` (:func:`_rng.blockable`): other
+    keys draw a whole module's mask."""
     dare = res.kernel_method in DARE_KEPT and key_blocks
     blocks = res.spec.keeps_top or dare
     if res.spec.kind != "elementwise" or not blocks:

@@ -136,8 +136,8 @@ class BucketConfig(NamedTuple):
       d_in, d_out, r_max, dtype: the bucket's shapes and compute dtype.
       chunk: modules per chunk of dense work (elementwise methods).
       rows: TIES, DARE and DARE-TIES: rows of one module's dense coordinates (full space: of its
-        dense task updates) per block, when a module's dense tasks alone exceed the working-memory budget
-        (:func:`_plan.row_block`); None: whole modules. Blocked modules find TIES's thresholds by
+        dense task updates) per block, when a module's dense tasks alone exceed the
+        working-memory budget (:func:`_plan.row_block`); None: whole modules. Blocked modules find TIES's thresholds by
         streamed radix selection over the blocks (:func:`ties_rows`) and draw DARE's masks a
         block at a time (:func:`dare_rows`): memory is one block, not the module's ``M x p x q``
         tasks.
@@ -433,8 +433,9 @@ def stage_decode_chunks(coords, xms, *, rtol: float):
 def _elementwise_bucket(coords, coef, keys, nums, table, *, method, rtol, chunk, rows=None):
     """TIES / DARE on a bucket, a chunk of whole modules per call (at most one chunk's dense
     tasks alive), or a block of ``rows`` rows of one module at a time (:func:`ties_rows`,
-    :func:`dare_rows`), then decoded. A Python loop rather than ``lax.map``: XLA:CPU writes a mapped output through
-    an in-place update that it emits as scalar code, ~4 ms per KnOTS module."""
+    :func:`dare_rows`), then decoded. A Python loop rather than ``lax.map``: XLA:CPU writes a
+    mapped output through an in-place update that it emits as scalar code, ~4 ms per KnOTS
+    module."""
     if rows is not None and table is None:
         xms = [
             dare_rows(a, b, kk, coef, nums, method=method, rows=rows)
