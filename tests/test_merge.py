@@ -565,8 +565,22 @@ def test_ties_row_blocks_match_dense_reference(space, monkeypatch):
     _check(out, _ref_in_space(space, REF_METHODS["ties"], ads), ads, masks)
 
 
-@pytest.mark.parametrize("method", ["dare", "dare_ties"])
-@pytest.mark.parametrize("space", ["full", "core", "knots", "knots_original"])
+_SLOW = pytest.mark.slow  # 3-5 s each; the default tier keeps one per space and method
+
+
+@pytest.mark.parametrize(
+    "method, space",
+    [
+        ("dare", "full"),
+        pytest.param("dare_ties", "full", marks=_SLOW),
+        pytest.param("dare", "core", marks=_SLOW),
+        ("dare_ties", "core"),
+        ("dare", "knots"),
+        pytest.param("dare_ties", "knots", marks=_SLOW),
+        pytest.param("dare", "knots_original", marks=_SLOW),
+        pytest.param("dare_ties", "knots_original", marks=_SLOW),
+    ],
+)
 def test_dare_row_blocks_draw_the_whole_modules_masks(method, space, monkeypatch):
     """DARE and DARE-TIES on modules larger than the working-memory budget, 4 rows at a time
     (ragged last blocks): each block draws its rows of the whole module's mask, so the merge is
