@@ -110,6 +110,9 @@ class BucketStats(NamedTuple):
     nonfinite: jax.Array  # int32 (n, M, 3): NaN/Inf entries of lora_a, lora_b, scale
     log10_smax: jax.Array  # (n, M): log10 of each task's largest singular value (-inf if none)
     raw_ok: jax.Array  # () bool: False if the "raw" route must be redone (see _safe_grams)
+    # (n, M) bool: a candidate's interference is positive but below the dtype's normal numbers
+    # (it underflowed to zero or a subnormal: refused like one too large)
+    under: jax.Array
 
 
 def default_rtol(r_max: int, dtype: Any) -> float:
@@ -179,8 +182,11 @@ def _finish(
         # c_in = s_in^(2a) / w_i, in units of s_max_i^-2 (put back through ratio2)
         c = _safe_div(jnp.where(cand, rel ** (2 * alpha), 0), wt[..., None])
         per_task = jnp.einsum("njkim,nim->njki", ov**2, c)  # (n, M_j, K, M_i)
-        terms = mul_pow2(ratio2 * per_task * off[None, :, None, :], d_exp)
+        unscaled = ratio2 * per_task * off[None, :, None, :]
+        terms = mul_pow2(unscaled, d_exp)
         interference = jnp.where(cand, terms.sum(-1), 0)
+        # positive, yet lost below the normal range by the tasks' power of two 2^(2 (E_j - E_i))
+        under = cand & (unscaled > 0).any(-1) & (interference < jnp.finfo(sig.dtype).tiny)
         # at most r nonzero singular values per task: the slots past r are never candidates
         out.append(
             BucketStats(
@@ -191,6 +197,7 @@ def _finish(
                 gr.nonfinite,
                 log10_smax,
                 gr.raw_ok,
+                under[..., :r].any(-1),
             )
         )
     return out
@@ -310,11 +317,12 @@ def _score_finish(stats, lam, *, dtype, lam_is_auto, nan_fill):
         fields = (st.sigma, st.benefit, st.interference, util)
         if nan_fill:
             fields = [jnp.where(b[:, None, None], jnp.nan, x) for x in fields]
-        # (n, M, 3): a candidate's sigma, interference or utility is not a normal number
+        # (n, M, 3): a candidate's sigma, interference (too large, or positive and too small) or
+        # utility is not a normal number
         ranges = jnp.stack(
             [
                 (cand & ~((st.sigma >= fi.tiny) & (st.sigma <= fi.max))).any(-1),
-                (cand & ~jnp.isfinite(st.interference)).any(-1),
+                (cand & ~jnp.isfinite(st.interference)).any(-1) | st.under,
                 (cand & ~jnp.isfinite(util)).any(-1),
             ],
             -1,

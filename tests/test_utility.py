@@ -643,8 +643,9 @@ def test_float64_factor_beyond_float32_range_is_named():
 
 
 def test_tasks_of_very_different_size_are_refused_with_the_reason():
-    """Interference scales as (s_j / s_i)^2: 1e25 between tasks is 1e50, beyond float32. Before,
-    the float32 Grams overflowed and the scores were silently zero/NaN."""
+    """Interference scales as (s_j / s_i)^2: 1e25 between tasks is 1e50, beyond float32 (and
+    1e-50 the other way, below it: task 0's, named first). Before, the float32 Grams overflowed
+    and the scores were silently zero/NaN."""
     rng = np.random.default_rng(13)
     big = {"lora_a": np.full((8, 3), 1e25, np.float32), "lora_b": np.ones((3, 6), np.float32)}
     big["lora_a"][:, 1:] += rng.normal(size=(8, 2)).astype(np.float32) * 1e25
@@ -653,10 +654,43 @@ def test_tasks_of_very_different_size_are_refused_with_the_reason():
     assert ref.modules["m"].interference.max() > 1e40
     with pytest.raises(
         InputError,
-        match=r"nu\.score: module 'm': task 1's interference, which grows as the square of the "
+        match=r"nu\.score: module 'm': task 0's interference, which grows as the square of the "
         r"ratio of two tasks' update sizes, is beyond the range of float32 .*largest singular "
         r"value about 1e\+2[67] in task 1 \(scale 1\) and 1e\+[01] in task 0 \(scale 1\)\)\. A "
-        r"LoRA scale .*enable x64",
+        r"LoRA scale .*enable x64.* In all, 2 \(module, task\) pairs are affected, in module 'm'\.",
+    ):
+        nu.score(ads)
+    with jax.enable_x64(True):
+        ads64 = jax.tree.map(lambda x: np.asarray(x, np.float64), ads)
+        assert_scores_match(nu.score(ads64), ref_scores(ads64, eps=F64_EPS), 1e-9)
+
+
+def test_an_interference_below_float32_is_refused_not_zero():
+    """The other side of the previous test, found by the slow fuzz tier: a task 1e20 times
+    smaller has interferences of about 1e-40 (task 0's directions seen by task 1), below
+    float32's normal numbers. Before, they underflowed to 0: lam='auto' then took the median of
+    the positive interferences and came out 1e-38 instead of the reference's 4e39 (itself beyond
+    float32), and every utility changed, silently. Now refused; float64 scores it."""
+    m1 = {
+        "lora_a": np.array([[0.34558418, 0.82161814], [0.33043706, -1.3031572]], np.float32),
+        "lora_b": np.array([[0.9053559, 0.44637457], [-0.5369532, 0.5811181]], np.float32),
+        "scale": 1e-20,
+    }
+    other = {
+        "lora_a": np.array([[0.3645724], [0.2941325]], np.float32),
+        "lora_b": np.array([[0.02842224, 0.546713]], np.float32),
+        "scale": 1.0,
+    }
+    empty = {"lora_a": np.zeros((2, 0), np.float32), "lora_b": np.zeros((0, 2), np.float32)}
+    ads = [{"m0": empty, "m1": m1}, {"m0": None, "m1": other}]
+    ref = ref_scores(ads)
+    i0 = ref.modules["m1"].interference[0][ref.modules["m1"].candidate[0]]
+    f32 = np.finfo(np.float32)
+    assert 0 < i0.max() < float(f32.tiny) and float(ref.lam) > float(f32.max)
+    with pytest.raises(
+        InputError,
+        match=r"nu\.score: module 'm1': task 0's interference, .* is beyond the range of float32 "
+        r"\(normal numbers 1\.2e-38 to 3\.4e\+38\).*1e-20 in task 0 \(scale 1e-20\)",
     ):
         nu.score(ads)
     with jax.enable_x64(True):
