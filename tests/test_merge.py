@@ -565,7 +565,7 @@ def test_ties_row_blocks_match_dense_reference(space, monkeypatch):
     _check(out, _ref_in_space(space, REF_METHODS["ties"], ads), ads, masks)
 
 
-_SLOW = pytest.mark.slow  # 3-5 s each; the default tier keeps one per space and method
+_SLOW = pytest.mark.slow  # 3-10 s each; the default tier keeps DARE in full and KnOTS space
 
 
 @pytest.mark.parametrize(
@@ -574,7 +574,7 @@ _SLOW = pytest.mark.slow  # 3-5 s each; the default tier keeps one per space and
         ("dare", "full"),
         pytest.param("dare_ties", "full", marks=_SLOW),
         pytest.param("dare", "core", marks=_SLOW),
-        ("dare_ties", "core"),
+        pytest.param("dare_ties", "core", marks=_SLOW),
         ("dare", "knots"),
         pytest.param("dare_ties", "knots", marks=_SLOW),
         pytest.param("dare", "knots_original", marks=_SLOW),

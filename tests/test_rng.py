@@ -40,7 +40,8 @@ def test_blocks_are_the_rows_of_the_whole_mask(kind, shape):
                 np.testing.assert_array_equal(got[:, :live], whole[:, r0 : r0 + live])
 
 
-@settings(max_examples=6, deadline=20_000)
+@pytest.mark.slow  # a compile per drawn shape: ~2 s an example
+@settings(max_examples=10, deadline=20_000)
 @given(
     m=st.integers(1, 5),
     p=st.integers(1, 40),
