@@ -642,6 +642,14 @@ def test_float64_factor_beyond_float32_range_is_named():
         assert_scores_match(nu.score(ads64), ref_scores(ads64, eps=F64_EPS), 1e-9)
 
 
+def _float64_scores_it(ads):
+    """The remedy a float32 refusal suggests: the same adapters in float64 score as the float64
+    reference."""
+    with jax.enable_x64(True):
+        ads64 = jax.tree.map(lambda x: np.asarray(x, np.float64), ads)
+        assert_scores_match(nu.score(ads64), ref_scores(ads64, eps=F64_EPS), 1e-9)
+
+
 def test_tasks_of_very_different_size_are_refused_with_the_reason():
     """Interference scales as (s_j / s_i)^2: 1e25 between tasks is 1e50, beyond float32 (and
     1e-50 the other way, below it: task 0's, named first). Before, the float32 Grams overflowed
@@ -660,9 +668,7 @@ def test_tasks_of_very_different_size_are_refused_with_the_reason():
         r"LoRA scale .*enable x64.* In all, 2 \(module, task\) pairs are affected, in module 'm'\.",
     ):
         nu.score(ads)
-    with jax.enable_x64(True):
-        ads64 = jax.tree.map(lambda x: np.asarray(x, np.float64), ads)
-        assert_scores_match(nu.score(ads64), ref_scores(ads64, eps=F64_EPS), 1e-9)
+    _float64_scores_it(ads)
 
 
 def test_an_interference_below_float32_is_refused_not_zero():
@@ -693,9 +699,7 @@ def test_an_interference_below_float32_is_refused_not_zero():
         r"\(normal numbers 1\.2e-38 to 3\.4e\+38\).*1e-20 in task 0 \(scale 1e-20\)",
     ):
         nu.score(ads)
-    with jax.enable_x64(True):
-        ads64 = jax.tree.map(lambda x: np.asarray(x, np.float64), ads)
-        assert_scores_match(nu.score(ads64), ref_scores(ads64, eps=F64_EPS), 1e-9)
+    _float64_scores_it(ads)
 
 
 def test_lora_alpha_1e30_in_one_task_is_refused_not_zero():
