@@ -15,7 +15,10 @@ the same way and differ only in their model, batches and loss:
   the key hashes as ``key.json``);
 * :func:`train_each`: every task with its progress bar and a log line.
 
-Randomness is per task (:func:`task_seed`: ``SeedSequence([seed, crc32(task name), ...])``).
+Randomness is per task (:func:`task_seed`: ``SeedSequence([seed, crc32(task name), ...])``),
+except the LoRA's initial state under ``init="shared"`` (:func:`init_seed`). A task trains with
+:func:`task_config` (its ``step_scale``); :func:`config_key_doc` is the config as cache keys
+hash it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import numbers
 import os
 import pathlib
 import shutil
@@ -48,12 +53,15 @@ __all__ = [
     "TrainedTask",
     "cache_path",
     "cached_or_trained",
+    "config_key_doc",
     "default_cache_dir",
     "fit_early_stopping",
     "host_adapter",
+    "init_seed",
     "label_width",
     "load_cached",
     "store",
+    "task_config",
     "task_fingerprint",
     "task_seed",
     "train_each",
@@ -64,6 +72,10 @@ DEFAULT_CACHE_DIR = pathlib.Path("~/.cache/netutility-jax/demo")
 #: The logit of a padded label slot (so that the softmax gives it nothing).
 MASKED_LOGIT = -1e9
 _LABEL_PAD = 8
+_INIT_MODES = ("per_task", "shared")
+#: Fields added after adapters were cached: left out of a cache key at their defaults, so a
+#: config that does not use them keeps the key (and the hours of training) it had before.
+_ADDED_FIELDS = ("init", "step_scale")
 
 
 def label_width(n: int) -> int:
@@ -90,6 +102,15 @@ class TrainConfigBase:
       max_steps: the schedule's length (cosine decay to 0 there) and the most steps run.
       eval_every: steps between validation evaluations (and one at the end).
       patience: stop after this many evaluations without a better validation accuracy.
+      init: where the LoRA's initial state (the random ``A``) comes from (:func:`init_seed`):
+        ``"per_task"`` (this project's earlier default), a seed of ``seed`` and the task's name,
+        so tasks' ``A`` differ and their input subspaces overlap only by chance; or
+        ``"shared"``, the paper's codebase's regime (it seeds once before building the LoRA),
+        a seed of ``seed`` alone, so every task starts from the same ``A``. The data order is
+        per task either way.
+      step_scale: ``((task name, multiplier), ...)``: a named task trains ``multiplier`` times
+        ``max_steps`` (:func:`task_config`), to make tasks differ on purpose; the others train
+        ``max_steps``. Stored as ``(str, float)`` pairs sorted by name.
     """
 
     lora_rank: int = 16
@@ -102,12 +123,19 @@ class TrainConfigBase:
     max_steps: int = 600
     eval_every: int = 25
     patience: int = 4
+    init: str = "per_task"
+    step_scale: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
+        cls = type(self).__name__
         for name in ("lora_rank", "rows", "row_len", "max_steps", "eval_every", "patience"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InputError(f"{type(self).__name__}: {name}={v!r}; expected an integer >= 1.")
+                raise InputError(f"{cls}: {name}={v!r}; expected an integer >= 1.")
+        if self.init not in _INIT_MODES:
+            raise InputError(f"{cls}: init={self.init!r}; expected one of {_INIT_MODES}.")
+        # one spelling per meaning (lists, ints, order): equal configs compare and hash equal
+        object.__setattr__(self, "step_scale", _checked_step_scale(cls, self.step_scale))
 
     def schedule(self) -> optax.Schedule:
         """Linear warmup to ``learning_rate``, then cosine decay to 0 at ``max_steps``.
@@ -120,6 +148,26 @@ class TrainConfigBase:
             0.0, self.learning_rate, warm, max(self.max_steps, warm + 1), end_value=0.0
         )
         return lambda step: sched(jnp.asarray(step, jnp.float32))
+
+
+def _checked_step_scale(cls: str, value: Any) -> tuple[tuple[str, float], ...]:
+    """``value`` as ``(name, float multiplier)`` pairs sorted by name; InputError if it is not
+    pairs of distinct string names and finite multipliers > 0."""
+    bad = InputError(
+        f"{cls}: step_scale={value!r}; expected (task name, multiplier) pairs with distinct "
+        "string names and finite multipliers > 0."
+    )
+    try:
+        pairs = [(n, m) for n, m in value]
+    except (TypeError, ValueError):
+        raise bad from None
+    names = [n for n, _ in pairs]
+    if not all(isinstance(n, str) for n in names) or len(set(names)) < len(names):
+        raise bad
+    for _, m in pairs:
+        if isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0 < m < math.inf:
+            raise bad
+    return tuple(sorted((n, float(m)) for n, m in pairs))
 
 
 class TrainedTask(NamedTuple):
@@ -219,6 +267,52 @@ def store(path: pathlib.Path, trained: TrainedTask, key_doc: dict[str, Any]) -> 
 def task_seed(config: Any, name: str, *more: int) -> np.random.SeedSequence:
     """The entropy of task ``name``'s randomness under ``config.seed`` (``more``: a stream)."""
     return np.random.SeedSequence([config.seed, zlib.crc32(name.encode()), *more])
+
+
+def init_seed(config: Any, name: str) -> int:
+    """The seed of task ``name``'s initial LoRA state (``nnx.Rngs(init_seed(...))``).
+
+    Both suites' trainers draw their ``A`` factors from it, so they cannot diverge.
+
+    Args:
+      config: a :class:`TrainConfigBase`; ``config.init`` picks the regime: ``"per_task"``
+        (this project's earlier default) mixes in the task's name (:func:`task_seed`), so
+        every task starts from its own ``A``; ``"shared"`` (the paper's codebase, which seeds
+        once before building the LoRA) depends on ``config.seed`` only, so every task starts
+        from the same ``A``.
+      name: the task's name.
+    """
+    if config.init == "shared":
+        return int(np.random.SeedSequence([config.seed]).generate_state(1)[0])
+    return int(task_seed(config, name).generate_state(1)[0])
+
+
+def task_config(config: TrainConfigBase, name: str) -> TrainConfigBase:
+    """The config task ``name`` trains with: ``max_steps`` times its ``step_scale`` multiplier
+    (rounded, at least 1), and ``step_scale`` cleared.
+
+    Clearing it makes a task's cache key depend on its own settings only: a task that
+    ``step_scale`` does not name trains, and is cached, exactly as under a config without
+    ``step_scale`` (``config`` itself when there is none).
+    """
+    if not config.step_scale:
+        return config
+    scale = dict(config.step_scale).get(name, 1.0)
+    steps = max(1, round(config.max_steps * scale))
+    return dataclasses.replace(config, max_steps=steps, step_scale=())
+
+
+def config_key_doc(config: TrainConfigBase) -> dict[str, Any]:
+    """``dataclasses.asdict(config)`` as cache keys hash it: without the fields added after
+    adapters were cached (``init``, ``step_scale``) where they have their defaults, so such a
+    config keeps its old key; any other value of them is in the document, so it changes the
+    key."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfigBase)}
+    return {
+        k: v
+        for k, v in dataclasses.asdict(config).items()
+        if not (k in _ADDED_FIELDS and v == defaults[k])
+    }
 
 
 class FitOutcome(NamedTuple):
@@ -371,7 +465,7 @@ def train_each(
     out = []
     for task, head in zip(tasks, heads, strict=True):
         bar = tqdm(
-            total=config.max_steps,
+            total=task_config(config, task.name).max_steps,
             desc=f"train {task.name} (seed {config.seed})",
             disable=not progress,
             leave=False,

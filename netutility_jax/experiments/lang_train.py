@@ -20,14 +20,18 @@ groups of :data:`SORT_GROUPS` consecutive batches are sorted by length within th
 padding), and the batches are then shuffled. A last short batch is filled with masked rows.
 
 Deterministic from ``LanguageTrainConfig.seed``: the ``A`` factors are drawn from
-``nnx.Rngs(SeedSequence([seed, crc32(task name)]))``, each epoch's order from a PCG64 stream of
-``(seed, crc32(task name), 1, epoch)``.
+``nnx.Rngs(fitting.init_seed(config, task name))`` (by default from
+``SeedSequence([seed, crc32(task name)])``; with ``init="shared"`` the same for every task, as in
+the paper's codebase), each epoch's order from a PCG64 stream of
+``(seed, crc32(task name), 1, epoch)``. A task trains with ``fitting.task_config(config, task
+name)`` (``step_scale`` lengthens it).
 
 Caching (:func:`train_task`): the trained adapter is stored with ``nu.checkpoint`` (through
 :func:`fitting.store`, atomically) under ``cache_dir/<task>-<key>``; the key hashes the task
 (:func:`fitting.task_fingerprint`), the tokenized training and validation prompts and label
 tokens (so the prompt spec and the tokenizer), the :class:`LanguageTrainConfig` with its seed,
-the model's weights (:func:`lang_eval.model_fingerprint`) and :data:`CODE_VERSION`.
+the model's weights (:func:`lang_eval.model_fingerprint`) and :data:`CODE_VERSION`; a task's
+key is that of the config it trains with (:func:`fitting.task_config`).
 
 Export (:func:`export_peft`): a trained adapter is written as a PEFT folder with
 ``nu.peft.save_adapter`` under the transformers module names (:func:`llama.peft_names`), which
@@ -128,7 +132,8 @@ def lora_adapter(model: llama.Llama) -> dict[str, dict[str, Any]]:
 
 
 class Trainer:
-    """Trains task LoRAs on one shared base decoder; the jitted step compiles once per bucket.
+    """Trains task LoRAs on one shared base decoder; the jitted step compiles once per bucket (and
+    per schedule length, when ``step_scale`` gives a task another).
 
     Args:
       config: hyperparameters.
@@ -156,8 +161,6 @@ class Trainer:
         lmodel = llama.add_lora(model, self.lora, rngs=nnx.Rngs(0))
         self.graphdef, _, self.base_state = nnx.split(lmodel, nnx.LoRAParam, ...)
         graphdef = self.graphdef
-        tx = optax.adamw(config.schedule(), weight_decay=config.weight_decay)
-        self._tx = tx
 
         def loss_fn(lora, base, ids, mask, token_ids, n_labels, labels, valid):
             m = nnx.merge(graphdef, lora, base)
@@ -167,25 +170,34 @@ class Trainer:
             w = valid.astype(ce.dtype)
             return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
 
-        def step(lora, opt_state, base, ids, mask, token_ids, n_labels, labels, valid):
-            loss, grads = jax.value_and_grad(loss_fn)(
-                lora, base, ids, mask, token_ids, n_labels, labels, valid
-            )
-            # optax's bias correction raises floats to the int32 step count: allowed under
-            # standard promotion only (the test suite runs with strict promotion)
-            with jax.numpy_dtype_promotion("standard"):
-                updates, opt_state = tx.update(grads, opt_state, lora)
-                lora = optax.apply_updates(lora, updates)
-            return lora, opt_state, loss
+        # a task's step_scale changes max_steps, so the schedule: one optimizer and compiled
+        # step per max_steps
+        @functools.cache
+        def optimizer(max_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+            cfg = dataclasses.replace(config, max_steps=max_steps)
+            tx = optax.adamw(cfg.schedule(), weight_decay=cfg.weight_decay)
 
-        self._step = jax.jit(step, donate_argnums=(0, 1))
+            def step(lora, opt_state, base, ids, mask, token_ids, n_labels, labels, valid):
+                loss, grads = jax.value_and_grad(loss_fn)(
+                    lora, base, ids, mask, token_ids, n_labels, labels, valid
+                )
+                # optax's bias correction raises floats to the int32 step count: allowed under
+                # standard promotion only (the test suite runs with strict promotion)
+                with jax.numpy_dtype_promotion("standard"):
+                    updates, opt_state = tx.update(grads, opt_state, lora)
+                    lora = optax.apply_updates(lora, updates)
+                return lora, opt_state, loss
+
+            return tx, jax.jit(step, donate_argnums=(0, 1))
+
+        self._optimizer = optimizer
+        self._tx, self._step = optimizer(config.max_steps)
         self._loss = jax.jit(loss_fn)
         self.fits = 0
 
     def init(self, name: str) -> Any:
-        """Fresh LoRA factors for task ``name`` (``A`` from the task's seed, ``B = 0``)."""
-        seed = int(ft.task_seed(self.config, name).generate_state(1)[0])
-        m = llama.add_lora(self.model, self.lora, rngs=nnx.Rngs(seed))
+        """Fresh LoRA factors for task ``name`` (``A`` from ``fitting.init_seed``, ``B = 0``)."""
+        m = llama.add_lora(self.model, self.lora, rngs=nnx.Rngs(ft.init_seed(self.config, name)))
         return jax.tree.map(jnp.array, nnx.state(m, nnx.LoRAParam))  # own buffers: donated
 
     def adapter(self, lora: Any) -> dict[str, dict[str, Any]]:
@@ -237,13 +249,16 @@ class Trainer:
     ) -> ft.TrainedTask:
         """Train ``task`` (a ``tasks.Task``) with its prompt ``head``; no caching.
 
+        It trains with ``fitting.task_config(config, task.name)`` (its ``step_scale``).
+
         Args:
           task: the task (its ``train`` split trains, its ``val`` split validates).
           head: its :class:`lang_tasks.PromptHead`.
           val: the validation prompts (default made from ``task.val``).
           progress: ``progress(step, stats)`` after each step.
         """
-        cfg = self.config
+        cfg = ft.task_config(self.config, task.name)
+        tx, jstep = self._optimizer(cfg.max_steps)
         if len(task.train) == 0:
             raise InputError(
                 f"lang_train.Trainer.fit: task {task.name!r} has an empty train split."
@@ -260,6 +275,7 @@ class Trainer:
             )
         clock = ft.StepClock()
         shapes: set[tuple[int, int]] = set()
+        tok, k = self.token_ids(head)
 
         def plan(epoch: int) -> list[np.ndarray]:
             seed = ft.task_seed(cfg, task.name, 1, epoch)
@@ -268,7 +284,9 @@ class Trainer:
         def step(lora, opt_state, chosen, done):
             b_ids, b_mask, b_lab, b_valid = self.batch(ids, lengths, labels, chosen)
             ts = time.perf_counter()
-            lora, opt_state, loss = self.step(lora, opt_state, head, b_ids, b_mask, b_lab, b_valid)
+            lora, opt_state, loss = jstep(
+                lora, opt_state, self.base_state, b_ids, b_mask, tok, k, b_lab, b_valid
+            )
             loss = float(loss)
             if b_ids.shape in shapes:  # a new shape compiles: not timed
                 clock.add(time.perf_counter() - ts, int(lengths[chosen].sum()), b_ids.size)
@@ -280,7 +298,7 @@ class Trainer:
 
         lora = self.init(task.name)
         fit = ft.fit_early_stopping(
-            cfg, lora, self._tx.init(lora), plan=plan, step=step, validate=validate,
+            cfg, lora, tx.init(lora), plan=plan, step=step, validate=validate,
             progress=progress,
         )  # fmt: skip
         info = {
@@ -318,7 +336,7 @@ def cache_key(
         "task": ft.task_fingerprint(task),
         "prompts": _prompts_fingerprint(tokenizer, task, head, config),
         "spec": dataclasses.asdict(head.spec),
-        "config": dataclasses.asdict(config),
+        "config": ft.config_key_doc(config),
         "weights": weights,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest(), what
@@ -340,7 +358,8 @@ def train_task(
     Args:
       task: a ``tasks.Task``.
       head: its :class:`lang_tasks.PromptHead`.
-      config: hyperparameters and seed.
+      config: hyperparameters and seed; the task trains with, and is cached under,
+        ``fitting.task_config(config, task.name)``.
       tokenizer: the model's tokenizer (the prompts' tokens are in the cache key).
       weights: the model's fingerprint (:func:`lang_eval.model_fingerprint`).
       cache_dir: cache directory (default :func:`fitting.default_cache_dir` ``/ "language"``).
@@ -354,7 +373,8 @@ def train_task(
     cache_dir = (
         ft.default_cache_dir() / "language" if cache_dir is None else pathlib.Path(cache_dir)
     )
-    key, what = cache_key(task, head, config, tokenizer=tokenizer, weights=weights)
+    own = ft.task_config(config, task.name)
+    key, what = cache_key(task, head, own, tokenizer=tokenizer, weights=weights)
 
     def fit() -> ft.TrainedTask:
         if trainer is None:
@@ -363,7 +383,7 @@ def train_task(
                 "trainer to train it."
             )
         made = trainer if isinstance(trainer, Trainer) else trainer()
-        if made.config != config:
+        if ft.task_config(made.config, task.name) != own:
             raise InputError(
                 f"lang_train.train_task: the trainer was built for {made.config} but config is "
                 f"{config}; pass a Trainer(config, ...)."

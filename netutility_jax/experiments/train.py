@@ -20,13 +20,17 @@ least one text and an epoch ends when its texts are used up, so training advance
 size of the split (a split smaller than a step is one step per epoch).
 
 Deterministic from ``TrainConfig.seed``: the ``A`` factors are drawn from
-``nnx.Rngs(SeedSequence([seed, crc32(task name)]))``, each epoch's order from a PCG64 stream of
+``nnx.Rngs(fitting.init_seed(config, task name))`` (by default from
+``SeedSequence([seed, crc32(task name)])``; with ``init="shared"`` the same for every task, as in
+the paper's codebase), each epoch's order from a PCG64 stream of
 ``(seed, crc32(task name), 1, epoch)``; the loop, the cache and the bars are :mod:`fitting`'s.
+A task trains with ``fitting.task_config(config, task name)`` (``step_scale`` lengthens it).
 
 Caching (:func:`train_task`): the trained adapter is stored with ``nu.checkpoint`` under
 ``cache_dir/<task>-<key>``; the key hashes everything that determines the result (the task's
 name, labels, label texts and every split, the :class:`TrainConfig` with its seed, the size and
-modification time of the pretrained files, :data:`CODE_VERSION`). A checkpoint is written to a
+modification time of the pretrained files, :data:`CODE_VERSION`); a task's key is that of
+the config it trains with (:func:`fitting.task_config`). A checkpoint is written to a
 temporary directory and renamed into place, so a reader never sees half of one.
 """
 
@@ -131,7 +135,7 @@ def cache_key(task: Any, config: TrainConfig, *, weights: dict | None = None) ->
     what = {
         "code_version": CODE_VERSION,
         "task": task_fingerprint(task),
-        "config": dataclasses.asdict(config),
+        "config": ft.config_key_doc(config),
         "weights": weights_fingerprint() if weights is None else weights,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
@@ -177,7 +181,8 @@ def epoch_steps(
 
 
 class Trainer:
-    """Trains task LoRAs on one shared MiniLM; the jitted step compiles once for all tasks.
+    """Trains task LoRAs on one shared MiniLM; the jitted step compiles once for all tasks (and
+    once more for each other length a task's ``step_scale`` gives the schedule).
 
     Args:
       config: hyperparameters.
@@ -196,12 +201,6 @@ class Trainer:
         self.graphdef, _, self.base_state = nnx.split(model, nnx.LoRAParam, ...)
         graphdef = self.graphdef
         cap = config.row_len // 3
-        tx = optax.chain(
-            optax.scale_by_adam(),
-            optax.add_decayed_weights(config.weight_decay),
-            optax.scale_by_schedule(lambda step: -config.schedule()(step)),
-        )
-        self._tx = tx
         inv_t = 1.0 / config.temperature
 
         def loss_fn(lora, base, ids, seg, pos, head, labels, valid, n_labels):
@@ -216,24 +215,39 @@ class Trainer:
             n = jnp.sum(valid.astype(ce.dtype))
             return jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(n, 1.0)
 
-        def step(lora, opt_state, base, ids, seg, pos, head, labels, valid, n_labels):
-            loss, grads = jax.value_and_grad(loss_fn)(
-                lora, base, ids, seg, pos, head, labels, valid, n_labels
+        # a task's step_scale changes max_steps, so the schedule: one optimizer and compiled
+        # step per max_steps
+        @functools.cache
+        def optimizer(max_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+            cfg = dataclasses.replace(config, max_steps=max_steps)
+            tx = optax.chain(
+                optax.scale_by_adam(),
+                optax.add_decayed_weights(cfg.weight_decay),
+                optax.scale_by_schedule(lambda step: -cfg.schedule()(step)),
             )
-            # optax's bias correction and schedule raise floats to an int32 step count: allowed
-            # under standard promotion only (the test suite runs with strict promotion)
-            with jax.numpy_dtype_promotion("standard"):
-                updates, opt_state = tx.update(grads, opt_state, lora)
-                lora = optax.apply_updates(lora, updates)
-            return lora, opt_state, loss
 
-        self._step = jax.jit(step, donate_argnums=(0, 1))
+            def step(lora, opt_state, base, ids, seg, pos, head, labels, valid, n_labels):
+                loss, grads = jax.value_and_grad(loss_fn)(
+                    lora, base, ids, seg, pos, head, labels, valid, n_labels
+                )
+                # optax's bias correction and schedule raise floats to an int32 step count:
+                # allowed under standard promotion only (the test suite runs with strict
+                # promotion)
+                with jax.numpy_dtype_promotion("standard"):
+                    updates, opt_state = tx.update(grads, opt_state, lora)
+                    lora = optax.apply_updates(lora, updates)
+                return lora, opt_state, loss
+
+            return tx, jax.jit(step, donate_argnums=(0, 1))
+
+        self._optimizer = optimizer
+        self._tx, self._step = optimizer(config.max_steps)
         self.fits = 0
 
     def _init(self, name: str) -> Any:
         from flax import nnx
 
-        seed = int(ft.task_seed(self.config, name).generate_state(1)[0])
+        seed = ft.init_seed(self.config, name)
         model = minilm.add_lora(
             self.backbone.model,
             rank=self.config.lora_rank,
@@ -264,9 +278,11 @@ class Trainer:
     ) -> TrainedTask:
         """Train ``task`` (a ``tasks.Task``) against its frozen ``head``; no caching.
 
+        It trains with ``fitting.task_config(config, task.name)`` (its ``step_scale``).
         ``progress(step, stats)`` is called after each step.
         """
-        cfg = self.config
+        cfg = ft.task_config(self.config, task.name)
+        tx, jstep = self._optimizer(cfg.max_steps)
         if len(task.train) == 0:
             raise InputError(f"Trainer.fit: task {task.name!r} has an empty train split.")
         t0 = time.perf_counter()
@@ -294,7 +310,7 @@ class Trainer:
             slot = b.text
             lab = np.where(slot >= 0, labels[rows][np.maximum(slot, 0)], 0).astype(np.int32)
             ts = time.perf_counter()
-            lora, opt_state, loss = self._step(
+            lora, opt_state, loss = jstep(
                 lora, opt_state, self.base_state, b.ids, b.segment_ids, b.position_ids, hpad,
                 lab, slot >= 0, nl,
             )  # fmt: skip
@@ -309,7 +325,7 @@ class Trainer:
 
         lora = self._init(task.name)
         fit = ft.fit_early_stopping(
-            cfg, lora, self._tx.init(lora), plan=plan, step=step, validate=validate,
+            cfg, lora, tx.init(lora), plan=plan, step=step, validate=validate,
             progress=progress,
         )  # fmt: skip
         info = {**fit.info, "train_seconds": time.perf_counter() - t0, **clock.rates()}
@@ -331,7 +347,8 @@ def train_task(
       task: a ``tasks.Task``.
       head: its zero-shot head (a function of the task's label texts and the model, both in the
         cache key).
-      config: hyperparameters and seed.
+      config: hyperparameters and seed; the task trains with, and is cached under,
+        ``fitting.task_config(config, task.name)``.
       cache_dir: cache directory (default :func:`default_cache_dir`).
       trainer: a :class:`Trainer` for ``config`` (or a callable making one, called only on a cache
         miss); default makes one.
@@ -342,12 +359,13 @@ def train_task(
     """
     cache_dir = default_cache_dir() if cache_dir is None else pathlib.Path(cache_dir)
     weights = weights_fingerprint()
-    key = cache_key(task, config, weights=weights)
+    own = ft.task_config(config, task.name)
+    key = cache_key(task, own, weights=weights)
     key_doc = {
         "code_version": CODE_VERSION,
         "task": task.name,
         "task_fingerprint": task_fingerprint(task),
-        "config": dataclasses.asdict(config),
+        "config": ft.config_key_doc(own),
         "weights": weights,
         "key": key,
     }
@@ -355,7 +373,7 @@ def train_task(
     def fit() -> TrainedTask:
         made = Trainer(config) if trainer is None else trainer
         made = made if isinstance(made, Trainer) else made()
-        if made.config != config:
+        if ft.task_config(made.config, task.name) != own:
             raise InputError(
                 f"train_task: the trainer was built for {made.config} but config is {config}; "
                 "pass a Trainer(config)."
