@@ -279,16 +279,13 @@ def _one_line(e: BaseException, limit: int = MAX_MESSAGE) -> str:
 
 def _versions() -> str:
     """The versions a bug report needs: ours, JAX's and the other dependencies', Python's."""
-    import importlib.metadata
     import platform
 
-    parts = []
-    for dist in ("netutility-jax", "jax", "jaxlib", "flax", "numpy", "safetensors"):
-        try:
-            parts.append(f"{dist} {importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    parts.append(f"Python {platform.python_version()} on {platform.platform(terse=True)}")
+    from ._provenance import versions
+
+    v = versions()
+    parts = [f"{dist} {ver}" for dist, ver in v.items() if dist != "python"]
+    parts.append(f"Python {v['python']} on {platform.platform(terse=True)}")
     return ", ".join(parts)
 
 
@@ -303,6 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(demo_options=bool(argv) and argv[0] == "demo")
     args = parser.parse_args(argv)
+    args.argv = argv  # recorded by the commands that write a report (the demo's results.json)
     cmds: dict[str, Callable[[argparse.Namespace], int]] = {
         "merge": cmd_merge,
         "inspect": cmd_inspect,

@@ -599,8 +599,8 @@ def test_cli_arguments(capsys):
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     a = parser.parse_args(["--quick", "--task", "x=a.csv", "--task", "y=b.csv", "--seeds", "3,4"])
-    assert (a.quick, a.task, a.seeds, a.out, a.overwrite, a.grid) == (
-        True, ["x=a.csv", "y=b.csv"], (3, 4), "netutility-demo", False, "full",
+    assert (a.quick, a.task, a.seeds, a.out, a.overwrite, a.grid, a.suite) == (
+        True, ["x=a.csv", "y=b.csv"], (3, 4), "netutility-demo", False, None, "encoder",
     )  # fmt: skip
     assert demo.preset_of(a) is gr.QUICK
     assert demo.preset_of(parser.parse_args(["--grid", "paper"])) is gr.PAPER

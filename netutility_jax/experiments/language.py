@@ -235,6 +235,10 @@ class LanguageSuite:
         """The scorer's work so far (passes, tokens, seconds, tokens/s)."""
         return self.scorer.timing()
 
+    def report(self, run: Any) -> LanguageReport:
+        """The language suite's report wording (:class:`LanguageReport`)."""
+        return LanguageReport(self.description, run)
+
 
 # ------------------------------------------------------------------------------ experiment
 
@@ -330,15 +334,11 @@ class LanguageReport(SuiteReport):
     def evaluation(self, run: Any, common: dict[str, Any]) -> dict[str, Any]:
         return {
             **common,
-            "suite": SUITE,
             "model": self.description,
             "max_prompt_tokens": run.preset.train.row_len,
             "rows": lt.EVAL_ROWS,
             "scoring": "LM head restricted to the label words' first tokens, last position",
         }
-
-    def fields(self, run: Any) -> dict[str, Any]:
-        return {"suite": SUITE}
 
     def title(self, results: Mapping[str, Any]) -> str:
         return f"# netutility demo --suite language ({results['preset']})"
@@ -359,12 +359,12 @@ class LanguageReport(SuiteReport):
         )
 
 
-def render(run_: Any, suite: LanguageSuite) -> Any:
+def render(run_: Any, suite: LanguageSuite, *, command: str | None = None) -> Any:
     """``report.render`` of a language run, in the language suite's wording
     (:class:`LanguageReport`)."""
     from . import report
 
-    return report.render(run_, LanguageReport(suite.description, run_))
+    return report.render(run_, suite.report(run_), command=command)
 
 
 def zero_shot(
@@ -473,6 +473,6 @@ def run(
     )
     if not render_report:
         return LanguageRun(run_, None, [])
-    exp = render(run_, suite)
+    exp = render(run_, suite, command=f"netutility_jax.experiments.language.run({p.name!r})")
     written = [] if out is None else report.write_outputs(exp, out, overwrite=overwrite)
     return LanguageRun(run_, exp, written)

@@ -27,6 +27,7 @@ from .. import _io
 from . import report_figures as rf
 from . import report_tables as rt
 from .report_markdown import SuiteReport as SuiteReport
+from .report_markdown import console_summary as console_summary
 from .report_markdown import format_main_table as format_main_table
 from .report_markdown import render_markdown as render_markdown
 from .report_tables import N_BOOT as N_BOOT
@@ -36,6 +37,7 @@ __all__ = [
     "RESULT_FILES",
     "Experiment",
     "SuiteReport",
+    "console_summary",
     "existing_results",
     "format_main_table",
     "render",
@@ -67,17 +69,20 @@ class Experiment:
     predictions: dict[str, np.ndarray]
 
 
-def render(run: Any, suite: SuiteReport | None = None) -> Experiment:
+def render(run: Any, suite: SuiteReport | None = None, *, command: str | None = None) -> Experiment:
     """Statistics, results dict, markdown and figures of ``run``.
 
     Args:
       run: a :class:`runner.Run`.
-      suite: the suite's wording and fields (default :class:`SuiteReport`, the encoder's).
+      suite: the suite's wording and fields (default :class:`SuiteReport`, the encoder's;
+        ``suite.report(run)`` of a ``suites.Suite``).
+      command: the command that produced the run, recorded in ``results["command"]`` (None:
+        a Python call).
     """
     suite = SuiteReport() if suite is None else suite
     sx = rt.Stats(run)
     rows = rt.main_rows(run, sx)
-    results = rt.collect(run, sx, rows, suite)
+    results = rt.collect(run, sx, rows, suite, command=command)
     return Experiment(
         _io.to_jsonable(results),
         render_markdown(results, rows, run.preset.grid, suite),

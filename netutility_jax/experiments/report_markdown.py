@@ -19,7 +19,7 @@ from . import grid as gr
 from . import stats as st
 from .report_tables import N_BOOT, summary_dict
 
-__all__ = ["SuiteReport", "fmt", "format_main_table", "render_markdown"]
+__all__ = ["SuiteReport", "console_summary", "fmt", "format_main_table", "render_markdown"]
 
 
 class SuiteReport:
@@ -151,6 +151,50 @@ def _dcell(d: Mapping[str, Any] | None) -> str:
     return text
 
 
+def console_summary(results: Mapping[str, Any]) -> str:
+    """The headline of ``results`` for the terminal, from ``results["summary"]``: per method,
+    space and budget the uniform and Net Utility normalized accuracy and their delta with its
+    95% bootstrap interval (``*``: the interval excludes 0).
+
+    Example:
+      >>> print(console_summary({"suite": "toy", "preset": "quick", "summary": [
+      ...     {"space": "Full", "method": "TA", "budget": 16, "uniform": 90.0,
+      ...      "net_utility": 91.5, "delta": 1.5, "bootstrap_ci": [0.5, 2.5],
+      ...      "bootstrap_excludes_zero": True, "seeds": 1, "test_examples": 300}]}))
+      toy suite, quick preset: normalized accuracy (%, test; 1 seed(s), 300 examples)
+      Space  Method  R   Unif.  Ours  Δ [95% CI]
+      Full   TA      16  90.0   91.5  +1.5 [+0.5, +2.5] *
+      *: the interval excludes 0.
+    """
+    recs = results["summary"]
+    head = ["Space", "Method", "R", "Unif.", "Ours", "Δ [95% CI]"]
+    rows = []
+    for r in recs:
+        if r["delta"] is None:
+            delta = "–"
+        else:
+            lo, hi = r["bootstrap_ci"]
+            delta = f"{r['delta']:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+            delta += " *" if r["bootstrap_excludes_zero"] else ""
+        rows.append(
+            [r["space"], r["method"], str(r["budget"]), fmt(r["uniform"]), fmt(r["net_utility"]),
+             delta]
+        )  # fmt: skip
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+    n_seeds = recs[0]["seeds"] if recs else 0
+    n_test = recs[0]["test_examples"] if recs else 0
+    return "\n".join(
+        [
+            f"{results['suite']} suite, {results['preset']} preset: normalized accuracy (%, test; "
+            f"{n_seeds} seed(s), {n_test} examples)",
+            line(head),
+            *(line(r) for r in rows),
+            "*: the interval excludes 0.",
+        ]
+    )
+
+
 def render_markdown(
     results: Mapping[str, Any],
     main_rows: Sequence[Any],
@@ -271,6 +315,25 @@ def _controls_md(results, grid, suite: SuiteReport) -> list[str]:
                 f"{_dcell(cell.get('random_minus_uniform'))} | "
                 f"{_dcell(cell.get('ours_minus_no_budget'))} |"
             )
+        variants = [
+            (r, v) for r, cell in row["cells"].items() for v in cell.get("variants", {}).values()
+        ]
+        if variants:
+            lines += [
+                "",
+                "| R | Control | Normalized | Ours - Control | Control - Uniform |",
+                "|---:|---|---:|---:|---:|",
+                *(
+                    f"| {r} | {v['label']} | {_est(v['value'])} | {_dcell(v['ours_minus'])} | "
+                    f"{_dcell(v['minus_uniform'])} |"
+                    for r, v in variants
+                ),
+            ]
+    named = {n for row in c["rows"].values() for cell in row["cells"].values()
+             for n in cell.get("variants", {})}  # fmt: skip
+    for name in sorted(named):
+        var = gr.VARIANTS[name]
+        lines += ["", f"{var.label}: {var.what}."]
     if any("random" in cell for row in c["rows"].values() for cell in row["cells"].values()):
         lines += [
             "",

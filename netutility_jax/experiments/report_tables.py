@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .. import _io
+from .. import _io, _provenance
 from . import grid as gr
 from . import stats as st
 
@@ -77,7 +79,8 @@ class Stats:
 
     def random_mean(self, prefix: str) -> st.NormalizedDraws | None:
         """The random control averaged over its draws (key prefix ``.../R16/random``)."""
-        keys = sorted({k for s in self.run.seeds for k in s.correct if k.startswith(prefix)})
+        draw = re.compile(re.escape(prefix) + r"\d+")  # (not ``<prefix>_split1``)
+        keys = sorted({k for s in self.run.seeds for k in s.correct if draw.fullmatch(k)})
         ds = [self.draws(k) for k in keys]
         if not ds or any(d is None for d in ds):
             return None
@@ -116,9 +119,15 @@ def main_rows(run: Any, sx: Stats) -> list[dict[str, Any]]:
     return rows
 
 
-def collect(run: Any, sx: Stats, rows: list[dict[str, Any]], suite: Any) -> dict[str, Any]:
+def collect(
+    run: Any, sx: Stats, rows: list[dict[str, Any]], suite: Any, *, command: str | None = None
+) -> dict[str, Any]:
     """The ``results`` dict of ``run`` (``rows``: :func:`main_rows`; ``suite``: a
-    ``report.SuiteReport``, which gives the suite's evaluation settings and fields)."""
+    ``report.SuiteReport``, which gives the suite's evaluation settings and fields; ``command``:
+    what produced the run, None for a Python call).
+
+    Every result records its suite, command, commit and versions; ``results["summary"]`` is the
+    main table as flat records (what the console prints; nothing parses the markdown back)."""
     grid = run.preset.grid
     evaluation = {
         "val_texts": len(run.val),
@@ -128,10 +137,23 @@ def collect(run: Any, sx: Stats, rows: list[dict[str, Any]], suite: Any) -> dict
         "bootstrap_resamples": N_BOOT,
         "coefficient_grid": "0.1, 0.2, ..., 9.9 (ladder of doublings, then bisection)",
     }
+    table = [
+        {
+            **{k: v for k, v in row.items() if k != "cells"},
+            "cells": {
+                str(r): {k: summary_dict(v) for k, v in c.items()} for r, c in row["cells"].items()
+            },
+        }
+        for row in rows
+    ]
     return {
+        "suite": run.suite,
         "preset": run.preset.name,
         "seeds": [s.seed for s in run.seeds],
-        "command": None,
+        "command": command,
+        "commit": _provenance.commit(),
+        "versions": _provenance.versions(),
+        "summary": _summary(table, len(run.seeds), len(run.test)),
         "tasks": _task_info(run),
         "train_config": {
             k: v for k, v in dataclasses.asdict(run.preset.train).items() if k != "seed"
@@ -144,16 +166,7 @@ def collect(run: Any, sx: Stats, rows: list[dict[str, Any]], suite: Any) -> dict
         "evaluation": suite.evaluation(run, evaluation),
         "scoring": {str(s.seed): s.scoring for s in run.seeds},
         "single": _single(run),
-        "table": [
-            {
-                **{k: v for k, v in row.items() if k != "cells"},
-                "cells": {
-                    str(r): {k: summary_dict(v) for k, v in c.items()}
-                    for r, c in row["cells"].items()
-                },
-            }
-            for row in rows
-        ],
+        "table": table,
         "controls": _controls(run, sx),
         "per_task": _per_task(run, sx),
         "merges": {str(s.seed): s.records for s in run.seeds},
@@ -174,6 +187,31 @@ def collect(run: Any, sx: Stats, rows: list[dict[str, Any]], suite: Any) -> dict
         },
         **suite.fields(run),
     }
+
+
+def _summary(table: list[dict[str, Any]], n_seeds: int, n_test: int) -> list[dict[str, Any]]:
+    """The main table as one record per (row, budget): uniform and Net Utility normalized
+    accuracy, their delta with its bootstrap and seed intervals, and the sizes they rest on."""
+    out = []
+    for row in table:
+        for r, c in row["cells"].items():
+            d = c["delta"]
+            out.append(
+                {
+                    "space": row["space"],
+                    "method": row["method"],
+                    "budget": int(r),
+                    "uniform": None if c["uniform"] is None else c["uniform"]["estimate"],
+                    "net_utility": None if c["ours"] is None else c["ours"]["estimate"],
+                    "delta": None if d is None else d["estimate"],
+                    "bootstrap_ci": None if d is None else d["bootstrap_ci"],
+                    "seed_ci": None if d is None else d["seed_ci"],
+                    "bootstrap_excludes_zero": None if d is None else d["bootstrap_excludes_zero"],
+                    "seeds": n_seeds,
+                    "test_examples": n_test,
+                }
+            )
+    return out
 
 
 def _task_info(run: Any) -> list[dict[str, Any]]:
@@ -219,23 +257,31 @@ def _controls(run: Any, sx: Stats) -> dict[str, Any]:
         "weight_average": summary_dict(sx.value("average")),
     }
     rows = {}
-    for method, space in dict.fromkeys((*grid.random, *grid.no_budget)):
+    pairs = (*grid.random, *grid.no_budget, *((m, s) for m, s, _ in grid.controls))
+    for method, space in dict.fromkeys(pairs):
         spec = gr.METHODS[method]
         base = f"{method}/{spec.canonical_space(space, spaces)}"
         allv = sx.value(f"{base}/all")
+        variants = [v for m, s, v in grid.controls if (m, s) == (method, space)]
         rows[base] = {
             "label": spec.label,
             "space": space,
             "no_budget": summary_dict(allv),
-            "cells": {str(r): _control_cell(sx, base, r, allv is not None) for r in grid.budgets},
+            "cells": {
+                str(r): _control_cell(sx, base, r, allv is not None, variants) for r in grid.budgets
+            },
         }
     out["rows"] = rows
     return out
 
 
-def _control_cell(sx: Stats, base: str, r: int, no_budget: bool) -> dict[str, Any]:
+def _control_cell(
+    sx: Stats, base: str, r: int, no_budget: bool, variants: Sequence[str] = ()
+) -> dict[str, Any]:
     """The controls of ``base`` (``method/space``) at budget ``r``: uniform, ours, the random
-    allocation (mean of its draws) and the deltas between them and to no budget."""
+    allocation (mean of its draws) and the deltas between them and to no budget; under
+    ``"variants"`` each control of ``variants`` (``grid.VARIANTS`` names) with Ours minus it and
+    it minus Uniform."""
     u, o = f"{base}/R{r}/uniform", f"{base}/R{r}/net_utility"
     cell: dict[str, Any] = {"uniform": summary_dict(sx.value(u)), "ours": summary_dict(sx.value(o))}
     rnd = sx.random_mean(f"{base}/R{r}/random")
@@ -245,6 +291,20 @@ def _control_cell(sx: Stats, base: str, r: int, no_budget: bool) -> dict[str, An
         cell["random_minus_uniform"] = summary_dict(sx.bs.delta(rnd, sx.draws(u)))
     if no_budget and sx.draws(o) is not None:
         cell["ours_minus_no_budget"] = summary_dict(sx.delta(o, f"{base}/all"))
+    out = {}
+    for name in variants:
+        key = f"{base}/R{r}/{name}"
+        d = sx.random_mean(key) if gr.VARIANTS[name].draws else sx.draws(key)
+        if d is None or sx.draws(o) is None:
+            continue
+        out[name] = {
+            "label": gr.VARIANTS[name].label,
+            "value": summary_dict(sx.bs.interval(d)),
+            "ours_minus": summary_dict(sx.bs.delta(sx.draws(o), d)),
+            "minus_uniform": summary_dict(sx.bs.delta(d, sx.draws(u))),
+        }
+    if out:
+        cell["variants"] = out
     return cell
 
 

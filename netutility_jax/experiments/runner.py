@@ -35,6 +35,9 @@ from ..errors import InputError
 from . import evaluate as ev
 from . import grid as gr
 from . import train as tr
+from .allocations import random_allocation as random_allocation
+from .allocations import random_split_allocation as random_split_allocation
+from .report_markdown import SuiteReport
 
 __all__ = [
     "CODE_VERSION",
@@ -44,6 +47,7 @@ __all__ = [
     "Run",
     "SeedResult",
     "random_allocation",
+    "random_split_allocation",
     "run_experiment",
 ]
 
@@ -51,42 +55,6 @@ __all__ = [
 CODE_VERSION = 1
 #: Seed of the data splits, the same for every training seed.
 SPLIT_SEED = 0
-
-
-def random_allocation(
-    reference: dict[str, Any], scores: Any, *, seed: Sequence[int]
-) -> dict[str, np.ndarray]:
-    """Masks keeping as many directions per module as ``reference``, chosen at random.
-
-    In each module, ``reference[name].sum()`` directions are drawn uniformly without
-    replacement among the module's candidates (any task, any rank: the slots whose utility is
-    finite), so the per-module budget is Net Utility's and only the choice within a module is
-    random.
-
-    Args:
-      reference: ``{name: bool (M, r_max)}`` (e.g. ``nu.allocate`` masks).
-      scores: the ``nu.Scores`` that defines the candidates.
-      seed: entropy for ``numpy.random.SeedSequence``.
-
-    Returns:
-      ``{name: bool (M, r_max)}``.
-    """
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(list(seed))))
-    out = {}
-    for name in sorted(reference):
-        ref = np.asarray(reference[name], bool)
-        cand = np.isfinite(np.asarray(scores.modules[name].utility))
-        k = int(ref.sum())
-        flat = np.flatnonzero(cand.ravel())
-        if k > len(flat):
-            raise InputError(
-                f"random_allocation: module {name!r} keeps {k} directions but has {len(flat)} "
-                "candidates; the reference masks do not come from these scores."
-            )
-        mask = np.zeros(cand.size, bool)
-        mask[rng.choice(flat, size=k, replace=False)] = True
-        out[name] = mask.reshape(cand.shape)
-    return {name: out[name] for name in reference}
 
 
 def _fingerprint(es: ev.EvalSet) -> str:
@@ -169,6 +137,7 @@ class Run:
     alpha_arg: Any
     seconds: dict[str, float]
     backbone: dict[str, float]
+    suite: str = "encoder"
 
 
 def _summary_of_masks(masks: dict[str, Any]) -> dict[str, Any]:
@@ -193,15 +162,20 @@ def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
     key = jax.random.key(seed) if method.needs_key else None
     m_tasks = len(adapters)
     rank = max(int(np.asarray(m["lora_a"]).shape[1]) for m in adapters[0].values())
-    if job.allocation in ("uniform", "net_utility", "all"):
+    var = gr.VARIANTS.get(job.allocation)
+    if var is None:
+        raise InputError(f"unknown allocation {job.allocation!r} in job {job.key!r}")
+    if var.library is not None:
         budget = job.budget if job.budget is not None else m_tasks * rank
+        lam = "auto" if var.lam_scale is None else var.lam_scale * float(scores.lam)
         merged, report = nu.merge_adapters(
             adapters,
             budget=budget,
             method=spec.method,
             space=job.space,
-            allocation=job.allocation,
+            allocation=var.library,
             alpha=alpha,
+            lam=lam,
             key=key,
             **opts,
         )
@@ -213,17 +187,15 @@ def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
             "non_prefix_fraction": report.non_prefix_fraction,
             "kept_per_task": [int(x) for x in np.asarray(report.kept_per_task)],
         }
-    elif job.allocation == "random":
+    elif var.masks is not None:
         scope = method.budget_scope  # the paper's: local for TIES and DARE, global otherwise
         ref = nu.allocate(scores, job.budget, scope=scope, positive_only=True)
-        masks = random_allocation(ref, scores, seed=(seed, job.draw, job.budget))
+        masks = var.masks(ref, scores, seed=(seed, job.draw, job.budget))
         merged = nu.merge(adapters, masks, method=spec.method, space=job.space, key=key, **opts)
         fields = {"scope": scope, **_summary_of_masks(masks)}
-    elif job.allocation == "average":
+    else:  # the weight average
         merged = nu.merge(adapters, None, method="ta", space="full")
         fields = {}
-    else:
-        raise InputError(f"unknown allocation {job.allocation!r} in job {job.key!r}")
     # one merge's LAPACK work at a time (jaxlib CPU can deadlock on concurrent batched LAPACK)
     return jax.block_until_ready(merged), fields
 
@@ -273,6 +245,10 @@ class EncoderSuite:
     def timing(self) -> dict[str, Any]:
         return self.backbone.timing()
 
+    def report(self, run: Run) -> SuiteReport:
+        """The encoder's report wording (``report.SuiteReport``)."""
+        return SuiteReport()
+
 
 def run_experiment(
     task_list: Sequence[Any],
@@ -300,8 +276,9 @@ def run_experiment(
         :class:`evaluate.Backbone`, the pretrained MiniLM).
       alpha: scoring geometry: ``"auto"`` (the paper's heterogeneity rule), ``1.0`` (Gram) or
         ``0.0`` (row space).
-      suite: the model, heads, training and evaluation (default :class:`EncoderSuite`); a suite
-        other than the encoder's caches under ``<cache_dir>/<suite.name>``.
+      suite: the model, heads, training and evaluation (a :class:`suites.Suite`; default
+        :class:`EncoderSuite`); a suite other than the encoder's caches under
+        ``<cache_dir>/<suite.name>``.
     """
     import jax
 
@@ -348,6 +325,7 @@ def run_experiment(
             "grid": sum(r.seconds["grid"] for r in results),
         },
         backbone={**suite.timing(), "jax": jax.__version__, "nu": nu.__version__},
+        suite=suite.name,
     )
 
 

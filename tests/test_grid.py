@@ -1,0 +1,140 @@
+"""The grid's allocation variants (``grid.VARIANTS``): the controls that isolate Net Utility's
+mechanism, their jobs, their masks and their merges, checked against the library computed
+independently."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import netutility_jax as nu
+from netutility_jax.experiments import grid as gr
+from netutility_jax.experiments import report_tables as rt
+from netutility_jax.experiments import runner
+
+
+def _adapters(m=3, seed=0, ranks=(4, 4, 4)):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            f"layers/{i}/q": {
+                "lora_a": rng.normal(size=(24, ranks[t])) / 5,
+                "lora_b": rng.normal(size=(ranks[t], 16)) / 5,
+            }
+            for i in range(3)
+        }
+        for t in range(m)
+    ]
+
+
+def test_every_variant_is_well_formed():
+    for name, var in gr.VARIANTS.items():
+        assert var.name == name and var.label and var.what
+        kinds = (var.library is not None) + (var.masks is not None)
+        assert kinds == 1 or name == "average", name  # a merge, a mask control, or the average
+        assert var.library in (None, *nu.registry.ALLOCATIONS), name
+        assert var.lam_scale is None or var.library == "net_utility"
+    assert gr.VARIANTS["energy"].lam_scale == 0.0
+    assert {gr.VARIANTS[f"lam_x{k}"].lam_scale for k in ("0.25", "0.5", "2")} == {0.25, 0.5, 2.0}
+
+
+def test_grid_jobs_of_controls():
+    g = gr.GridConfig(
+        rows=(gr.Row("ta", "full"), gr.Row("ties", "core")),
+        budgets=(8, 4),
+        random_draws=2,
+        controls=(("ta", "full", "energy"), ("ties", "core", "random_split")),
+        full_capacity=False,
+        weight_average=False,
+    )
+    jobs = {j.key: j for j in gr.grid_jobs(g, full_capacity=12)}
+    main = [f"{m}/R{r}/{a}" for m in ("ta/full", "ties/core") for r in (8, 4) for a in gr.ALLOCATIONS]
+    splits = [f"ties/core/R{r}/random_split{d}" for r in (8, 4) for d in (1, 2)]
+    assert set(jobs) == {*main, "ta/full/R8/energy", "ta/full/R4/energy", *splits}
+    e = jobs["ta/full/R4/energy"]
+    assert (e.allocation, e.budget, e.draw, e.ref) == ("energy", 4, 0, "ta/full/R4/net_utility")
+    s = jobs["ties/core/R8/random_split2"]
+    assert (s.allocation, s.draw, s.ref) == ("random_split", 2, "ties/core/R8/net_utility")
+    order = list(jobs)  # a control runs after the Net Utility job it copies
+    assert order.index("ta/full/R4/net_utility") < order.index("ta/full/R4/energy")
+
+
+@pytest.mark.parametrize("ranks", [(4, 4, 4), (4, 2, 3)])
+def test_random_split_keeps_the_count_and_each_tasks_top_directions(ranks):
+    ads = _adapters(ranks=ranks)
+    sc = nu.score(ads, alpha=1.0)
+    ref = nu.allocate(sc, 5)
+    seen = set()
+    for d in range(40):
+        masks = runner.random_split_allocation(ref, sc, seed=(0, d))
+        again = runner.random_split_allocation(ref, sc, seed=(0, d))
+        for name, m in masks.items():
+            m = np.asarray(m)
+            np.testing.assert_array_equal(m, np.asarray(again[name]))  # a seed fixes the draw
+            assert m.sum() == np.asarray(ref[name]).sum()
+            for t, r in enumerate(ranks):
+                k = int(m[t].sum())
+                assert k <= r and m[t, :k].all() and not m[t, k:].any()  # a prefix
+            seen.add(tuple(m.sum(1)))
+    assert len(seen) > 3  # the split among tasks varies between draws
+
+
+def test_random_mean_of_random_does_not_take_random_split():
+    seed = type("Seed", (), {})()
+    seed.correct = {"a/R4/random1": 1, "a/R4/random2": 2, "a/R4/random_split1": 3}
+    sx = rt.Stats.__new__(rt.Stats)  # (the bootstrap is not needed to pick the draws)
+    sx.run = type("Run", (), {})()
+    sx.run.seeds = [seed]
+    got = []
+    sx.draws = lambda k: got.append(k)
+    sx.random_mean("a/R4/random")
+    assert got == ["a/R4/random1", "a/R4/random2"]
+
+
+@pytest.mark.parametrize("name", ["energy", "lam_x0.25", "lam_x2"])
+def test_lambda_controls_merge_with_a_scaled_median_lambda(name):
+    ads = _adapters()
+    sc = nu.score(ads, alpha=1.0, lam="auto")
+    scale = gr.VARIANTS[name].lam_scale
+    job = gr.Job(f"ta/full/R5/{name}", "ta", "full", ("full",), 5, name)
+    merged, fields = runner._merge(ads, job, seed=0, alpha=1.0, scores=sc)
+    assert fields["lam"] == pytest.approx(scale * float(sc.lam), rel=1e-6)
+    want, rep = nu.merge_adapters(
+        ads, budget=5, method="ta", allocation="net_utility", alpha=1.0, lam=scale * float(sc.lam)
+    )
+    assert fields["kept_per_task"] == [int(x) for x in np.asarray(rep.kept_per_task)]
+    for mod in want:
+        for k in want[mod]:
+            np.testing.assert_array_equal(np.asarray(merged[mod][k]), np.asarray(want[mod][k]))
+    if name == "energy":  # lambda 0: the global top shares of each task's energy, in float64
+        share = {}
+        for mod in ads[0]:
+            for t, ad in enumerate(ads):
+                sv = np.linalg.svd(ad[mod]["lora_a"] @ ad[mod]["lora_b"], compute_uv=False)[:4]
+                for k, x in enumerate(sv**4 / np.sum(sv**4)):
+                    share[(mod, t, k)] = x
+        top = set(sorted(share, key=share.get)[-5 * len(ads[0]) :])
+        kept = {
+            (mod, int(t), int(k))
+            for mod, m in rep.masks.items()
+            for t, k in zip(*np.nonzero(np.asarray(m)), strict=True)
+        }
+        assert kept == top
+
+
+def test_a_mask_control_merges_its_masks():
+    """A control job's merge goes through its spec: random_split builds masks from Net
+    Utility's own at the same budget and merges them with ``nu.merge``."""
+    ads = _adapters()
+    sc = nu.score(ads, alpha=1.0)
+    job = gr.Job("ta/full/R5/random_split1", "ta", "full", ("full",), 5, "random_split", 1)
+    merged, fields = runner._merge(ads, job, seed=3, alpha=1.0, scores=sc)
+    masks = runner.random_split_allocation(nu.allocate(sc, 5), sc, seed=(3, 1, 5))
+    want = nu.merge(ads, masks, method="ta", space="full")
+    for mod in want:
+        for k in want[mod]:
+            np.testing.assert_array_equal(np.asarray(merged[mod][k]), np.asarray(want[mod][k]))
+    assert fields["kept_per_task"] == [int(x) for x in np.asarray(nu.kept_per_task(masks))]
+    bad = gr.Job("k", "ta", "full", ("full",), 5, "nope")
+    with pytest.raises(ValueError, match="unknown allocation 'nope' in job 'k'"):
+        runner._merge(ads, bad, seed=0, alpha=1.0, scores=sc)
