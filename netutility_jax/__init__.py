@@ -20,6 +20,8 @@ from .analysis import non_prefix_fraction as non_prefix_fraction
 from .analysis import retention_by_rank as retention_by_rank
 from .decompose import LoraSVD as LoraSVD
 from .decompose import lora_svd as lora_svd
+from .diagnostics import Diagnostics as Diagnostics
+from .diagnostics import diagnose as diagnose
 from .errors import InputError as InputError
 from .errors import InputTypeError as InputTypeError
 from .errors import NetUtilityError as NetUtilityError
@@ -54,6 +56,7 @@ def __dir__():
 
 
 __all__ = [
+    "Diagnostics",
     "InputError",
     "InputTypeError",
     "LoraSVD",
@@ -64,6 +67,7 @@ __all__ = [
     "allocate",
     "budget_spent",
     "checkpoint",
+    "diagnose",
     "experiments",
     "extract_lora",
     "fold",

@@ -634,10 +634,32 @@ def inspect_dict(adapters: Sequence[Any], paths: Sequence[str], *, alpha, lam) -
     }
 
 
+def _check_diagnose(args: argparse.Namespace) -> None:
+    """``--diagnose`` and ``--budget`` go together (checked before anything is loaded)."""
+    diagnose, budget = getattr(args, "diagnose", False), getattr(args, "budget", None)
+    if diagnose and budget is None:
+        raise UsageError(
+            "--diagnose needs --budget N (the average number of kept directions per module to "
+            "diagnose the allocation at, e.g. --budget 16)."
+        )
+    if budget is not None and not diagnose:
+        raise UsageError("--budget applies only with --diagnose (inspect allocates nothing).")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    _check_diagnose(args)
     loaded = _load(args.adapters, args, "inspect")
     info = inspect_dict(loaded.adapters, args.adapters, alpha=args.alpha, lam=args.lam)
     info["coverage"] = {str(n): [int(i) for i in t] for n, t in loaded.coverage.items()}
+    diag = None
+    if getattr(args, "diagnose", False):
+        from .diagnostics import diagnose
+
+        diag = diagnose(
+            loaded.adapters, budget=args.budget, alpha=args.alpha, lam=args.lam,
+            names=list(args.adapters),
+        )  # fmt: skip
+        info["diagnostics"] = diag.to_dict()
     if args.json:
         print(json.dumps(_io.to_jsonable(info), indent=1))
         return 0
@@ -661,6 +683,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"lambda = {info['lam']:.4g}; positive-utility directions: {info['positive_utility']} "
         f"of {info['candidates']} candidates in {info['modules']} modules"
     )
+    if diag is not None:
+        print(diag.format())
     return 0
 
 

@@ -253,6 +253,21 @@ def _add_inspect_parser(sub) -> None:
     _add_loading(i)
     _add_compile_cache(i)
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    i.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also print data-free diagnostics of the Net Utility allocation at --budget "
+        "(nu.diagnose): the tasks' input-subspace overlap against chance, each task's energy "
+        "and kept share against its uniform share, the effect of lambda x1/4 and x4, and a "
+        "random-rotation control; with --json they go under 'diagnostics'. Needs --budget.",
+    )
+    i.add_argument(
+        "--budget",
+        type=_positive_int,
+        default=None,
+        help="R, the average number of kept directions per module that --diagnose allocates "
+        "(as merge --budget); only with --diagnose",
+    )
 
 
 def _add_demo_parser(sub, *, demo_options: bool) -> None:
