@@ -436,6 +436,8 @@ def _allocate_property(case):
     hypothesis.event("allocated (all scopes)")
 
 
+# 23 s, and its 150-example profile is in the slow tier too: in the slow tier, which CI runs
+@pytest.mark.slow
 @hypothesis.settings(**FAST)
 @hypothesis.given(case=allocate_case_st())
 def test_allocate_random_budgets_and_scopes(case):

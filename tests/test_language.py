@@ -476,6 +476,8 @@ def hf_env():
         yield torch, transformers, peft
 
 
+# 29 s: in the slow tier, which CI runs
+@pytest.mark.slow
 @HF_WARNINGS
 def test_exported_adapters_and_cli_merge_match_peft(hf_env, tiny_tok, tmp_path):
     """JAX-trained adapters exported as PEFT folders, and their merge by ``netutility merge``,
@@ -607,6 +609,8 @@ TINY_PRESET = gr.Preset(
 )
 
 
+# 15 s, and CI runs `netutility demo --suite language --quick`: in the slow tier, which CI runs
+@pytest.mark.slow
 def test_quick_path_end_to_end(tiny, tmp_path):
     model, tok, tasks, _ = tiny
     suite = language.LanguageSuite(model, tok, specs={"mood": MOOD_SPEC, "pairs": PAIR_SPEC})

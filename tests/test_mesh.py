@@ -58,6 +58,8 @@ def _check_child(found: dict, cases: list) -> None:
             assert got["cli"] == {"same_names": True, "exact": True}, mode
 
 
+# 33 s: in the slow tier, which CI runs
+@pytest.mark.slow
 def test_eight_devices_match_one_device():
     _check_child(_run_child(), _mesh_child.FAST_CASES)
 
@@ -76,7 +78,10 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize(
     ("method", "space", "opts"),
-    [pytest.param("tsv", "core", {}, marks=pytest.mark.slow), ("ties", "knots", {})],
+    [  # 9-17 s each: in the slow tier, which CI runs
+        pytest.param("tsv", "core", {}, marks=pytest.mark.slow),
+        pytest.param("ties", "knots", {}, marks=pytest.mark.slow),
+    ],
 )
 def test_one_device_mesh_is_the_plain_path_bit_for_bit(method, space, opts):
     ads = _mesh_child.adapters()

@@ -69,7 +69,7 @@ def test_tsv_svd_input_matches_generic():
     np.testing.assert_allclose(x1, x2, atol=1e-10)
 
 
-@pytest.mark.parametrize("frac", [0.8, 0.5])
+@pytest.mark.parametrize("frac", [pytest.param(0.8, marks=pytest.mark.slow), 0.5])  # 0.8: 14 s
 def test_iso_cts(frac):
     a, b, xs = _tasks(3, m_tasks=3, p=30, q=24, r=4)
     out = _dense(m.iso_cts(jnp.asarray(a), jnp.asarray(b), coef=1.0, rtol=RT, common_fraction=frac))

@@ -269,7 +269,7 @@ def _both(paths, loaded, **kw):
 @pytest.mark.parametrize(
     "allocation, alpha, lam",
     [
-        ("net_utility", "auto", "auto"),
+        pytest.param("net_utility", "auto", "auto", marks=pytest.mark.slow),  # 16 s
         pytest.param("net_utility", 0.0, "auto", marks=pytest.mark.slow),
         ("net_utility", 1.0, 0.3),
         pytest.param("net_utility", "auto", 0.3, marks=pytest.mark.slow),
