@@ -190,11 +190,23 @@ def build_parser(*, demo_options: bool = True) -> argparse.ArgumentParser:
         prog=PROG,
         description="Budget-aware merging of LoRA adapters across tasks (Net Utility), in JAX.",
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {_package_version()}",
+        help="print the version of netutility-jax and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_merge_parser(sub)
     _add_inspect_parser(sub)
     _add_demo_parser(sub, demo_options=demo_options)
     return parser
+
+
+def _package_version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _add_merge_parser(sub) -> None:

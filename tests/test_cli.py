@@ -972,3 +972,14 @@ def test_streaming_is_the_default_and_matches_in_memory(folders, tmp_path, capsy
             np.testing.assert_allclose(
                 _dense(outs["stream"][n]), want, atol=1e-5 * max(np.abs(want).max(), 1e-30)
             )
+
+
+def test_version_prints_the_installed_version_and_exits_0(capsys):
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    want = importlib.metadata.version("netutility-jax")
+    assert capsys.readouterr().out == f"netutility {want}\n"
+    assert want == nu.__version__  # pyproject's version and the package's agree
