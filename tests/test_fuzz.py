@@ -190,6 +190,8 @@ def _score_property(ads):
     _check_scores(ads)
 
 
+# in the slow tier (which CI runs) to keep the default tier near 8 minutes: 13 s; 150 examples there
+@pytest.mark.slow
 @hypothesis.settings(**FAST)
 @hypothesis.given(ads=adapters_st())
 def test_score_random_adapters_match_float64(ads):
@@ -314,6 +316,8 @@ def _garbage_property(case):
         nu.lora_svd(mod["lora_a"], mod["lora_b"], mod["scale"])
 
 
+# in the slow tier (which CI runs) to keep the default tier near 8 minutes: 13 s
+@pytest.mark.slow
 @hypothesis.settings(**FAST)
 @hypothesis.given(case=garbage_case_st())
 def test_garbage_values_give_documented_errors_naming_module(case):

@@ -208,6 +208,8 @@ def llamacpp_reference(f, prompts_ids):
     return [logits[seg == i] for i in range(len(prompts_ids))]
 
 
+# in the slow tier (which CI runs) to keep the default tier near 8 minutes: 11 s
+@pytest.mark.slow
 @needs_smol
 def test_smollm2_logits_match_float64_llamacpp_reference(smol, smol_out):
     _, tok, _ = smol

@@ -24,6 +24,8 @@ def test_committed_without_outputs_and_with_badge(path):
             assert not c.outputs and c.execution_count is None, f"{path.name}: outputs committed"
 
 
+# in the slow tier (which CI runs) to keep the default tier near 8 minutes: 13 s
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # jupyter_client's own imports, not ours
 def test_quickstart_runs():
     nb = nbformat.read(COLABS / "quickstart.ipynb", as_version=4)

@@ -38,10 +38,10 @@ def _opts(spec: registry.MethodSpec) -> dict:
 
 @pytest.mark.parametrize(
     "name",
-    # the default suite checks one method of each kind and TIES (model-wide option, counts);
+    # the default suite checks one method of each kind (TIES, 10 s, is in the slow tier);
     # the others, each also checked against float64 in test_merge.py, run with -m slow
     [
-        n if n in ("ta", "tsv", "ties") else pytest.param(n, marks=pytest.mark.slow)
+        n if n in ("ta", "tsv") else pytest.param(n, marks=pytest.mark.slow)
         for n in registry.METHODS
     ],
 )

@@ -271,7 +271,7 @@ def _both(paths, loaded, **kw):
     [
         pytest.param("net_utility", "auto", "auto", marks=pytest.mark.slow),  # 16 s
         pytest.param("net_utility", 0.0, "auto", marks=pytest.mark.slow),
-        ("net_utility", 1.0, 0.3),
+        pytest.param("net_utility", 1.0, 0.3, marks=pytest.mark.slow),  # 14 s
         pytest.param("net_utility", "auto", 0.3, marks=pytest.mark.slow),
         pytest.param("uniform", "auto", "auto", marks=pytest.mark.slow),
         ("uniform", 0.0, 0.3),
@@ -390,7 +390,7 @@ def test_reads_one_chunk_at_a_time_each_module_once_per_pass(
         ("full", "net_utility"),
         ("core", "net_utility"),
         pytest.param("knots", "net_utility", marks=pytest.mark.slow),
-        ("knots", "all"),
+        pytest.param("knots", "all", marks=pytest.mark.slow),  # 10 s
         pytest.param("full", "all", marks=pytest.mark.slow),
     ],
 )
