@@ -24,6 +24,7 @@ hash it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -60,6 +61,7 @@ __all__ = [
     "init_seed",
     "label_width",
     "load_cached",
+    "optimizers",
     "store",
     "task_config",
     "task_fingerprint",
@@ -168,6 +170,37 @@ def _checked_step_scale(cls: str, value: Any) -> tuple[tuple[str, float], ...]:
         if isinstance(m, bool) or not isinstance(m, numbers.Real) or not 0 < m < math.inf:
             raise bad
     return tuple(sorted((n, float(m)) for n, m in pairs))
+
+
+def optimizers(
+    config: TrainConfigBase, loss_fn: Callable[..., jax.Array]
+) -> Callable[[int], tuple[optax.GradientTransformation, Callable]]:
+    """Both suites' optimizer and training step, one per schedule length.
+
+    Returns ``build(max_steps) -> (tx, step)``, cached per ``max_steps`` (a task's
+    ``step_scale`` changes its schedule's length): ``tx`` is ``optax.adamw`` with ``config``'s
+    schedule (:meth:`TrainConfigBase.schedule`) and decoupled weight decay, and ``step(lora,
+    opt_state, *batch) -> (lora, opt_state, loss)`` one AdamW step on ``loss_fn(lora, *batch)``,
+    jitted, with the LoRA and the optimizer state donated.
+    """
+
+    @functools.cache
+    def build(max_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+        cfg = dataclasses.replace(config, max_steps=max_steps)
+        tx = optax.adamw(cfg.schedule(), weight_decay=cfg.weight_decay)
+
+        def step(lora, opt_state, *batch):
+            loss, grads = jax.value_and_grad(loss_fn)(lora, *batch)
+            # optax's bias correction and schedule raise floats to an int32 step count: allowed
+            # under standard promotion only (the test suite runs with strict promotion)
+            with jax.numpy_dtype_promotion("standard"):
+                updates, opt_state = tx.update(grads, opt_state, lora)
+                lora = optax.apply_updates(lora, updates)
+            return lora, opt_state, loss
+
+        return tx, jax.jit(step, donate_argnums=(0, 1))
+
+    return build
 
 
 class TrainedTask(NamedTuple):

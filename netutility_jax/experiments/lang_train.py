@@ -170,26 +170,7 @@ class Trainer:
             w = valid.astype(ce.dtype)
             return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
 
-        # a task's step_scale changes max_steps, so the schedule: one optimizer and compiled
-        # step per max_steps
-        @functools.cache
-        def optimizer(max_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-            cfg = dataclasses.replace(config, max_steps=max_steps)
-            tx = optax.adamw(cfg.schedule(), weight_decay=cfg.weight_decay)
-
-            def step(lora, opt_state, base, ids, mask, token_ids, n_labels, labels, valid):
-                loss, grads = jax.value_and_grad(loss_fn)(
-                    lora, base, ids, mask, token_ids, n_labels, labels, valid
-                )
-                # optax's bias correction raises floats to the int32 step count: allowed under
-                # standard promotion only (the test suite runs with strict promotion)
-                with jax.numpy_dtype_promotion("standard"):
-                    updates, opt_state = tx.update(grads, opt_state, lora)
-                    lora = optax.apply_updates(lora, updates)
-                return lora, opt_state, loss
-
-            return tx, jax.jit(step, donate_argnums=(0, 1))
-
+        optimizer = ft.optimizers(config, loss_fn)
         self._optimizer = optimizer
         self._tx, self._step = optimizer(config.max_steps)
         self._loss = jax.jit(loss_fn)

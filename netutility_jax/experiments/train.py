@@ -215,31 +215,7 @@ class Trainer:
             n = jnp.sum(valid.astype(ce.dtype))
             return jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(n, 1.0)
 
-        # a task's step_scale changes max_steps, so the schedule: one optimizer and compiled
-        # step per max_steps
-        @functools.cache
-        def optimizer(max_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-            cfg = dataclasses.replace(config, max_steps=max_steps)
-            tx = optax.chain(
-                optax.scale_by_adam(),
-                optax.add_decayed_weights(cfg.weight_decay),
-                optax.scale_by_schedule(lambda step: -cfg.schedule()(step)),
-            )
-
-            def step(lora, opt_state, base, ids, seg, pos, head, labels, valid, n_labels):
-                loss, grads = jax.value_and_grad(loss_fn)(
-                    lora, base, ids, seg, pos, head, labels, valid, n_labels
-                )
-                # optax's bias correction and schedule raise floats to an int32 step count:
-                # allowed under standard promotion only (the test suite runs with strict
-                # promotion)
-                with jax.numpy_dtype_promotion("standard"):
-                    updates, opt_state = tx.update(grads, opt_state, lora)
-                    lora = optax.apply_updates(lora, updates)
-                return lora, opt_state, loss
-
-            return tx, jax.jit(step, donate_argnums=(0, 1))
-
+        optimizer = ft.optimizers(config, loss_fn)
         self._optimizer = optimizer
         self._tx, self._step = optimizer(config.max_steps)
         self.fits = 0
