@@ -54,6 +54,7 @@ __all__ = [
     "Evaluator",
     "Head",
     "MergeEval",
+    "MergeSearch",
     "Normalized",
     "accuracies",
     "balanced_subset",
@@ -504,7 +505,45 @@ class MergeEval(NamedTuple):
     test_normalized: Normalized
 
 
-class Evaluator:
+class MergeSearch:
+    """Evaluation of a merge, shared by both suites' evaluators: the coefficient chosen on
+    validation (:func:`select_coef`), then one test pass.
+
+    A subclass provides ``val``, ``test``, ``single_val``, ``single_test``, ``correct(es,
+    adapter, coef, *, deltas=)`` and ``deltas(adapter)`` (the merge's updates, computed once and
+    reused over every coefficient tried).
+    """
+
+    def val_score(self, deltas: Any, coef: float) -> float:
+        """Mean normalized validation accuracy of the merge whose updates are ``deltas``."""
+        acc = accuracies(self.correct(self.val, None, coef, deltas=deltas), self.val)
+        return normalized_accuracy(acc, self.single_val).mean
+
+    def evaluate(
+        self, adapter: Mapping[str, Any], *, start: float = 1.0, coef: float | None = None
+    ) -> MergeEval:
+        """Choose ``coef`` on validation (:func:`select_coef`), then evaluate the test split once.
+
+        ``coef`` given: no search, that coefficient (e.g. the weight average, ``1 / M``).
+        """
+        dk = self.deltas(adapter)
+        if coef is None:
+            search = select_coef(lambda c: self.val_score(dk, c), start=start)
+        else:
+            search = CoefSearch(float(coef), {float(coef): self.val_score(dk, coef)})
+        ok = self.correct(self.test, None, search.coef, deltas=dk)
+        test_acc = accuracies(ok, self.test)
+        return MergeEval(
+            coef=search.coef,
+            val_scores=search.scores,
+            val_normalized=search.scores[search.coef],
+            test_correct=ok,
+            test_accuracy=test_acc,
+            test_normalized=normalized_accuracy(test_acc, self.single_test),
+        )
+
+
+class Evaluator(MergeSearch):
     """Accuracies of single task LoRAs, of the zero-shot model and of merges, on val and test.
 
     Args:
@@ -561,30 +600,6 @@ class Evaluator:
         """``(N,)`` bool correctness on ``es`` of the backbone plus ``coef * adapter``."""
         return correct(self.backbone.embed(es, adapter, coef, deltas=deltas), self.heads, es)
 
-    def val_score(self, deltas: jax.Array, coef: float) -> float:
-        """Mean normalized validation accuracy of the merge whose updates are ``deltas``."""
-        acc = accuracies(self.correct(self.val, None, coef, deltas=deltas), self.val)
-        return normalized_accuracy(acc, self.single_val).mean
-
-    def evaluate(
-        self, adapter: Mapping[str, Any], *, start: float = 1.0, coef: float | None = None
-    ) -> MergeEval:
-        """Choose ``coef`` on validation (:func:`select_coef`), then evaluate the test split once.
-
-        ``coef`` given: no search, that coefficient (e.g. the weight average, ``1 / M``).
-        """
-        dk = self.backbone.deltas(adapter)
-        if coef is None:
-            search = select_coef(lambda c: self.val_score(dk, c), start=start)
-        else:
-            search = CoefSearch(float(coef), {float(coef): self.val_score(dk, coef)})
-        ok = self.correct(self.test, None, search.coef, deltas=dk)
-        test_acc = accuracies(ok, self.test)
-        return MergeEval(
-            coef=search.coef,
-            val_scores=search.scores,
-            val_normalized=search.scores[search.coef],
-            test_correct=ok,
-            test_accuracy=test_acc,
-            test_normalized=normalized_accuracy(test_acc, self.single_test),
-        )
+    def deltas(self, adapter: Mapping[str, Any]) -> jax.Array:
+        """The dense updates of ``adapter`` (:meth:`Backbone.deltas`)."""
+        return self.backbone.deltas(adapter)

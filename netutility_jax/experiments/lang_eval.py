@@ -259,9 +259,9 @@ def zero_shot_accuracy(
 # ---------------------------------------------------------------------------------- evaluator
 
 
-class Evaluator:
+class Evaluator(ev.MergeSearch):
     """Single-LoRA, zero-shot and merged accuracies on val and test (``evaluate.Evaluator``'s
-    interface for the language suite).
+    interface for the language suite; the coefficient search is ``evaluate.MergeSearch``).
 
     Args:
       scorer: a :class:`Scorer`.
@@ -338,30 +338,6 @@ class Evaluator:
         """``(N,)`` bool correctness on ``ps`` of the base model plus ``coef * adapter``."""
         return self.scorer.correct(ps, adapter, coef, deltas=deltas)
 
-    def val_score(self, deltas: Any, coef: float) -> float:
-        """Mean normalized validation accuracy of the merge whose updates are ``deltas``."""
-        acc = ev.accuracies(self.correct(self.val, None, coef, deltas=deltas), self.val)
-        return ev.normalized_accuracy(acc, self.single_val).mean
-
-    def evaluate(
-        self, adapter: Mapping[str, Any], *, start: float = 1.0, coef: float | None = None
-    ) -> ev.MergeEval:
-        """Choose ``coef`` on validation (``evaluate.select_coef``), then one test pass.
-
-        ``coef`` given: no search, that coefficient.
-        """
-        dk = self.scorer.deltas(adapter)
-        if coef is None:
-            search = ev.select_coef(lambda c: self.val_score(dk, c), start=start)
-        else:
-            search = ev.CoefSearch(float(coef), {float(coef): self.val_score(dk, coef)})
-        ok = self.correct(self.test, None, search.coef, deltas=dk)
-        test_acc = ev.accuracies(ok, self.test)
-        return ev.MergeEval(
-            coef=search.coef,
-            val_scores=search.scores,
-            val_normalized=search.scores[search.coef],
-            test_correct=ok,
-            test_accuracy=test_acc,
-            test_normalized=ev.normalized_accuracy(test_acc, self.single_test),
-        )
+    def deltas(self, adapter: Mapping[str, Any]) -> Any:
+        """The merge's updates as the scorer folds them (``Scorer.deltas``)."""
+        return self.scorer.deltas(adapter)
