@@ -13,6 +13,7 @@ module names through :func:`short` / :func:`few`, since both can come from user 
 from __future__ import annotations
 
 import numbers
+import operator
 import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,9 +25,11 @@ import numpy as np
 from .errors import InputError, InputTypeError
 
 __all__ = [
+    "as_integer",
     "brief",
     "check_auto",
     "check_bool",
+    "check_budget",
     "check_choice",
     "check_real",
     "few",
@@ -159,3 +162,38 @@ def check_auto(fn: str, name: str, value: Any, expected: str) -> Any:
             raise InputError(f"{fn}: {name}={given(value)}; expected {expected}.")
         return value
     return real_option(fn, name, value, expected, lambda v: v >= 0)
+
+
+def as_integer(x: Any) -> int | None:
+    """``x`` as a Python int if it is an integer (a Python or numpy int, not a bool), else None.
+
+    Example:
+      >>> as_integer(np.int64(3)), as_integer(True), as_integer(2.0)
+      (3, None, None)
+    """
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    try:
+        return int(operator.index(x))
+    except TypeError:
+        return None
+
+
+def check_budget(fn: str, budget: Any) -> int:
+    """``budget`` (R, directions per module on average) as a positive Python int.
+
+    Raises:
+      InputTypeError: not an integer (a bool, a float, a string...).
+      InputError: an integer <= 0.
+    """
+    value = as_integer(budget)
+    if value is None:
+        raise InputTypeError(
+            f"{fn}: budget={given(budget)}; expected a positive "
+            "integer R (a Python or numpy int), the average number of directions kept per module."
+        )
+    if value <= 0:
+        raise InputError(
+            f"{fn}: budget={value}; expected a positive integer (directions per module)."
+        )
+    return value

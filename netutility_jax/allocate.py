@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import brief, check_bool, check_choice, few, given, short
+from ._checks import brief, check_bool, check_budget, check_choice, few, short
 from .errors import InputError, InputTypeError
 from .utility import Scores
 
@@ -167,27 +166,6 @@ def _check_scores(fn: str, scores: Any) -> list[str]:
     return names
 
 
-def _check_budget(fn: str, budget: Any) -> int:
-    if isinstance(budget, (bool, np.bool_)) or isinstance(budget, (float, complex, str)):
-        ok = False
-    else:
-        try:
-            budget = operator.index(budget)
-            ok = True
-        except TypeError:
-            ok = False
-    if not ok:
-        raise InputTypeError(
-            f"{fn}: budget={given(budget)}; expected a positive "
-            "integer R (a Python or numpy int), the average number of directions kept per module."
-        )
-    if budget <= 0:
-        raise InputError(
-            f"{fn}: budget={budget}; expected a positive integer (directions per module)."
-        )
-    return int(budget)
-
-
 def allocate(
     scores: Scores,
     budget: int,
@@ -241,7 +219,7 @@ def allocate(
       [12, 12]
     """
     fn = "nu.allocate"
-    budget = _check_budget(fn, budget)
+    budget = check_budget(fn, budget)
     if isinstance(scope, str) and scope not in SCOPES:  # tests pin this wording
         raise InputError(f"{fn}: unknown scope {brief(scope)}; expected one of {SCOPES}.")
     check_choice(fn, "scope", scope, SCOPES)

@@ -50,15 +50,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _io, _tree
-from ._checks import brief, check_choice, given
-from .allocate import _check_budget, allocate
+from ._checks import as_integer, brief, check_budget, check_choice, given
+from .allocate import allocate
 from .analysis import kept_per_module, kept_per_task
 from .decompose import lora_svd
 from .errors import InputError, InputTypeError
@@ -246,22 +245,15 @@ def _ratio(x: float, y: float) -> float:
 
 
 def _check_seed(seed: Any) -> int:
-    if isinstance(seed, (bool, np.bool_)):
-        ok = False
-    else:
-        try:
-            seed = operator.index(seed)
-            ok = True
-        except TypeError:
-            ok = False
-    if not ok:
+    value = as_integer(seed)
+    if value is None:
         raise InputTypeError(
             f"{_FN}: rotation_seed={given(seed)}; expected a non-negative integer (the seed of the "
             "random rotations)."
         )
-    if seed < 0:
-        raise InputError(f"{_FN}: rotation_seed={seed}; expected a non-negative integer.")
-    return int(seed)
+    if value < 0:
+        raise InputError(f"{_FN}: rotation_seed={value}; expected a non-negative integer.")
+    return value
 
 
 def _check_names(names: Any, m_tasks: int) -> tuple[str, ...]:
@@ -507,7 +499,7 @@ def diagnose(
       >>> [round(t.uniform_share, 3) for t in d.tasks]
       [0.333, 0.333, 0.333]
     """
-    budget = _check_budget(_FN, budget)
+    budget = check_budget(_FN, budget)
     _check_options(_FN, alpha, lam, None, 1.0)
     check_choice(_FN, "scope", scope, _SCOPES, " (the uniform scope ignores the utilities)")
     seed = _check_seed(rotation_seed)
