@@ -355,3 +355,25 @@ def test_cli_diagnose_needs_budget(peft_folders, capsys):
     assert err.startswith("netutility inspect: error: --diagnose needs --budget N")
     rc, _, err = _run(capsys, "inspect", *peft_folders, "--budget", "4")
     assert rc == 2 and err.count("\n") == 1 and "--budget applies only with --diagnose" in err
+
+
+@pytest.mark.parametrize("budget", ["0", "-3", "abc", "1.5", "", "nan", "9" * 40])
+def test_cli_hostile_budgets_exit_2_without_a_traceback(peft_folders, capsys, budget):
+    from test_cli import _run
+
+    with pytest.raises(SystemExit) as e:  # argparse refuses it, before any work
+        _run(capsys, "inspect", *peft_folders, "--diagnose", "--budget", budget)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "", (budget, out)
+    assert "Traceback" not in err and "argument --budget: expected a positive integer" in err
+
+
+def test_cli_a_budget_beyond_every_direction_keeps_at_most_every_direction(peft_folders, capsys):
+    from test_cli import _run
+
+    rc, out, err = _run(capsys, "inspect", *peft_folders, "--diagnose", "--budget", "10000000",
+                        "--json")  # fmt: skip
+    assert rc == 0, err
+    diag = json.loads(out)["diagnostics"]
+    ads = [nu.peft.load_adapter(f) for f in peft_folders]
+    assert diag["kept"] == nu.diagnose(ads, budget=10_000_000).to_dict()["kept"]

@@ -120,8 +120,9 @@ def test_the_command_line_derives_suites_and_grids_from_the_registry(registered)
         "per_task"
     )
     assert demo.preset_of(_parse("--grid", "mechanism")) is gr.MECHANISM
-    with pytest.raises(SystemExit):
-        _parse("--init", "same")
+    for bad in (("--init", "same"), ("--init", ""), ("--suite", ""), ("--grid", "quick")):
+        with pytest.raises(SystemExit):
+            _parse(*bad)
 
 
 def test_a_missing_requirement_is_one_line_before_any_work(registered, tmp_path, capsys):
