@@ -151,7 +151,7 @@ def collect(
         "preset": run.preset.name,
         "seeds": [s.seed for s in run.seeds],
         "command": command,
-        "commit": _provenance.commit(),
+        "commit": run.commit if run.commit is not None else _provenance.commit(),
         "versions": _provenance.versions(),
         "summary": _summary(table, len(run.seeds), len(run.test)),
         "tasks": _task_info(run),

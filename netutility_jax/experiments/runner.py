@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _io, registry
+from .. import _io, _provenance, registry
 from ..errors import InputError
 from . import evaluate as ev
 from . import grid as gr
@@ -138,6 +138,7 @@ class Run:
     seconds: dict[str, float]
     backbone: dict[str, float]
     suite: str = "encoder"
+    commit: dict[str, Any] | None = None
 
 
 def _summary_of_masks(masks: dict[str, Any]) -> dict[str, Any]:
@@ -285,6 +286,8 @@ def run_experiment(
     import netutility_jax as nu
 
     t_start = time.perf_counter()
+    # the code that runs is the checkout's now, not at the end of a run of hours
+    commit = _provenance.commit()
     seeds = list(preset.seeds if seeds is None else seeds)
     cache = pathlib.Path(cache_dir) if cache_dir is not None else tr.default_cache_dir()
     if suite is None:
@@ -326,6 +329,7 @@ def run_experiment(
         },
         backbone={**suite.timing(), "jax": jax.__version__, "nu": nu.__version__},
         suite=suite.name,
+        commit=commit,
     )
 
 
