@@ -62,8 +62,10 @@ def tok():
 
 
 def _old_key(what: dict, config) -> str:
-    """The cache key as it was computed before ``init`` and ``step_scale`` existed."""
-    old = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("init", "step_scale")}
+    """The cache key as it was computed before ``init``, ``step_scale`` and ``lr_scale``
+    existed."""
+    added = ("init", "step_scale", "lr_scale")
+    old = {k: v for k, v in dataclasses.asdict(config).items() if k not in added}
     return hashlib.sha256(json.dumps({**what, "config": old}, sort_keys=True).encode()).hexdigest()
 
 
@@ -109,9 +111,12 @@ def test_new_settings_change_the_cache_key(tok):
     base, lbase = tr.TrainConfig(), ltr.LanguageTrainConfig()
     keys = {
         tr.cache_key(TASKS[0], dataclasses.replace(base, **kw), weights=w)
-        for kw in ({}, {"init": "shared"}, {"step_scale": (("word_pos", 2.0),)})
-    }
-    assert len(keys) == 3
+        for kw in (
+            {}, {"init": "shared"}, {"step_scale": (("word_pos", 2.0),)},
+            {"lr_scale": (("word_pos", 2.0),)},
+        )
+    }  # fmt: skip
+    assert len(keys) == 4
     lkeys = {
         _lang_key(dataclasses.replace(lbase, **kw), tok)[0]
         for kw in ({}, {"init": "shared"}, {"step_scale": (("word_pos", 2.0),)})

@@ -324,6 +324,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "task's top directions), from one shared LoRA initialisation",
     )
     parser.add_argument(
+        "--study",
+        choices=("regime",),
+        default=None,
+        help="run a study instead of one grid: regime moves one factor of the training regime "
+        "at a time (initialisation, heterogeneity, number of tasks, rank) around a shared-init "
+        "centre and relates Net Utility minus uniform to data-free indices (encoder suite; "
+        "writes study.json, study.md, study.png; --quick: its CI form, a few minutes)",
+    )
+    parser.add_argument(
         "--init",
         choices=("per_task", "shared"),
         default=None,
@@ -413,6 +422,8 @@ def preset_of(args: argparse.Namespace) -> gr.Preset:
 def _run(args: argparse.Namespace) -> int:
     from . import report, runner
 
+    if getattr(args, "study", None) is not None:
+        return _run_study(args)
     t0 = time.perf_counter()
     preset = preset_of(args)
     if args.seed is not None and args.seeds is not None:
@@ -459,6 +470,75 @@ def _run(args: argparse.Namespace) -> int:
         raise DemoError(f"--out {out}: writing the results failed ({e})") from e
     print()
     print(report.console_summary(exp.results))
+    print(f"\nwall time {time.perf_counter() - t0:.0f} s; results in {out}/ ({len(written)} files)")
+    return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    argv = getattr(args, "argv", None)  # set by main() and by the netutility command
+    return shlex.join(["netutility", *(argv if argv is not None else ["demo", *sys.argv[2:]])])
+
+
+def _run_study(args: argparse.Namespace) -> int:
+    """``netutility demo --study NAME``: every cell of the study, then study.json/md/png."""
+    from .. import _provenance
+    from . import study as sd
+
+    t0 = time.perf_counter()
+    if getattr(args, "suite", "encoder") != "encoder":
+        raise DemoError(f"--study {args.study} runs on the encoder suite; drop --suite")
+    for flag, given in (
+        ("--grid", args.grid), ("--init", args.init), ("--tasks", args.tasks),
+        ("--task", args.task),
+    ):  # fmt: skip
+        if given:
+            raise DemoError(f"--study {args.study} sets its own {flag[2:]} per cell; drop {flag}")
+    full, quick = sd.STUDIES[args.study]
+    study = quick if args.quick else full
+    if args.seed is not None and args.seeds is not None:
+        raise DemoError("give --seed or --seeds, not both")
+    if args.seed is not None:
+        if not 0 <= args.seed < 2**32:
+            raise DemoError(f"--seed must be in [0, 2**32), got {args.seed}")
+        seeds: tuple[int, ...] = (args.seed,)
+    else:
+        seeds = args.seeds or study.centre.seeds
+    out = pathlib.Path(args.out) if str(args.out).strip() else None
+    if out is None:
+        raise DemoError("--out is empty; give a directory for the results")
+    _writable_place(out, "--out")
+    found = sd.existing(out) if out.is_dir() else []
+    if found and not args.overwrite:
+        raise DemoError(
+            f"{found[0]} already exists; pass --overwrite to replace the results or choose "
+            "another --out",
+            code=1,
+        )
+    specs = task_args([], None, study.centre.tasks)
+    check_cache_dir(args.cache_dir)
+    check_data(specs)
+    check_weights("encoder")
+    task_list = load_tasks(specs, study.centre)
+    print(
+        f"{PROG}: {study.name} study ({'quick' if args.quick else 'full'}), "
+        f"{len(study.cells)} cells, {len(task_list)} tasks, seeds "
+        f"{', '.join(map(str, seeds))}, cache {args.cache_dir or tr.default_cache_dir()}",
+        flush=True,
+    )
+    commit = _provenance.commit()
+    cells = sd.run_study(
+        study, task_list, seeds=seeds, cache_dir=args.cache_dir,
+        progress=not args.no_progress, log=lambda s: print(s, flush=True), alpha=args.alpha,
+    )  # fmt: skip
+    results, markdown, figure = sd.render(study, cells, command=_command(args), commit=commit)
+    try:
+        written = sd.write_outputs(results, markdown, figure, out, overwrite=args.overwrite)
+    except FileExistsError as e:
+        raise DemoError(f"{e}; pass --overwrite or choose another --out", code=1) from None
+    except OSError as e:
+        raise DemoError(f"--out {out}: writing the results failed ({e})") from e
+    print()
+    print(markdown.split("\n## Per task")[0])
     print(f"\nwall time {time.perf_counter() - t0:.0f} s; results in {out}/ ({len(written)} files)")
     return 0
 

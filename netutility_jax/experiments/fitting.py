@@ -77,7 +77,7 @@ _LABEL_PAD = 8
 _INIT_MODES = ("per_task", "shared")
 #: Fields added after adapters were cached: left out of a cache key at their defaults, so a
 #: config that does not use them keeps the key (and the hours of training) it had before.
-_ADDED_FIELDS = ("init", "step_scale")
+_ADDED_FIELDS = ("init", "step_scale", "lr_scale")
 
 
 def label_width(n: int) -> int:
@@ -113,6 +113,9 @@ class TrainConfigBase:
       step_scale: ``((task name, multiplier), ...)``: a named task trains ``multiplier`` times
         ``max_steps`` (:func:`task_config`), to make tasks differ on purpose; the others train
         ``max_steps``. Stored as ``(str, float)`` pairs sorted by name.
+      lr_scale: ``((task name, multiplier), ...)``: a named task trains with ``multiplier``
+        times ``learning_rate``; with ``step_scale``, the way to make some tasks' updates
+        larger than others' (task heterogeneity ``h``) on purpose. Stored as ``step_scale``.
     """
 
     lora_rank: int = 16
@@ -127,6 +130,7 @@ class TrainConfigBase:
     patience: int = 4
     init: str = "per_task"
     step_scale: tuple[tuple[str, float], ...] = ()
+    lr_scale: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         cls = type(self).__name__
@@ -138,6 +142,9 @@ class TrainConfigBase:
             raise InputError(f"{cls}: init={self.init!r}; expected one of {_INIT_MODES}.")
         # one spelling per meaning (lists, ints, order): equal configs compare and hash equal
         object.__setattr__(self, "step_scale", _checked_step_scale(cls, self.step_scale))
+        object.__setattr__(
+            self, "lr_scale", _checked_step_scale(cls, self.lr_scale, field="lr_scale")
+        )
 
     def schedule(self) -> optax.Schedule:
         """Linear warmup to ``learning_rate``, then cosine decay to 0 at ``max_steps``.
@@ -152,11 +159,13 @@ class TrainConfigBase:
         return lambda step: sched(jnp.asarray(step, jnp.float32))
 
 
-def _checked_step_scale(cls: str, value: Any) -> tuple[tuple[str, float], ...]:
+def _checked_step_scale(
+    cls: str, value: Any, *, field: str = "step_scale"
+) -> tuple[tuple[str, float], ...]:
     """``value`` as ``(name, float multiplier)`` pairs sorted by name; InputError if it is not
     pairs of distinct string names and finite multipliers > 0."""
     bad = InputError(
-        f"{cls}: step_scale={value!r}; expected (task name, multiplier) pairs with distinct "
+        f"{cls}: {field}={value!r}; expected (task name, multiplier) pairs with distinct "
         "string names and finite multipliers > 0."
     )
     try:
@@ -175,18 +184,27 @@ def _checked_step_scale(cls: str, value: Any) -> tuple[tuple[str, float], ...]:
 def optimizers(
     config: TrainConfigBase, loss_fn: Callable[..., jax.Array]
 ) -> Callable[[int], tuple[optax.GradientTransformation, Callable]]:
-    """Both suites' optimizer and training step, one per schedule length.
+    """Both suites' optimizer and training step, one per schedule length and learning rate.
 
-    Returns ``build(max_steps) -> (tx, step)``, cached per ``max_steps`` (a task's
-    ``step_scale`` changes its schedule's length): ``tx`` is ``optax.adamw`` with ``config``'s
+    Returns ``build(max_steps, learning_rate=None) -> (tx, step)``, cached per pair (a task's
+    ``step_scale`` changes its schedule's length, its ``lr_scale`` its learning rate; None:
+    ``config``'s): ``tx`` is ``optax.adamw`` with ``config``'s
     schedule (:meth:`TrainConfigBase.schedule`) and decoupled weight decay, and ``step(lora,
     opt_state, *batch) -> (lora, opt_state, loss)`` one AdamW step on ``loss_fn(lora, *batch)``,
     jitted, with the LoRA and the optimizer state donated.
     """
 
+    def build(
+        max_steps: int, learning_rate: float | None = None
+    ) -> tuple[optax.GradientTransformation, Callable]:
+        lr = config.learning_rate if learning_rate is None else float(learning_rate)
+        return _build(max_steps, lr)
+
     @functools.cache
-    def build(max_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-        cfg = dataclasses.replace(config, max_steps=max_steps)
+    def _build(
+        max_steps: int, learning_rate: float
+    ) -> tuple[optax.GradientTransformation, Callable]:
+        cfg = dataclasses.replace(config, max_steps=max_steps, learning_rate=learning_rate)
         tx = optax.adamw(cfg.schedule(), weight_decay=cfg.weight_decay)
 
         def step(lora, opt_state, *batch):
@@ -322,17 +340,20 @@ def init_seed(config: Any, name: str) -> int:
 
 def task_config(config: TrainConfigBase, name: str) -> TrainConfigBase:
     """The config task ``name`` trains with: ``max_steps`` times its ``step_scale`` multiplier
-    (rounded, at least 1), and ``step_scale`` cleared.
+    (rounded, at least 1), ``learning_rate`` times its ``lr_scale`` multiplier, and both
+    cleared.
 
-    Clearing it makes a task's cache key depend on its own settings only: a task that
-    ``step_scale`` does not name trains, and is cached, exactly as under a config without
-    ``step_scale`` (``config`` itself when there is none).
+    Clearing them makes a task's cache key depend on its own settings only: a task that
+    neither names trains, and is cached, exactly as under a config without them (``config``
+    itself when there are none).
     """
-    if not config.step_scale:
+    if not config.step_scale and not config.lr_scale:
         return config
-    scale = dict(config.step_scale).get(name, 1.0)
-    steps = max(1, round(config.max_steps * scale))
-    return dataclasses.replace(config, max_steps=steps, step_scale=())
+    steps = max(1, round(config.max_steps * dict(config.step_scale).get(name, 1.0)))
+    lr = config.learning_rate * dict(config.lr_scale).get(name, 1.0)
+    return dataclasses.replace(
+        config, max_steps=steps, learning_rate=lr, step_scale=(), lr_scale=()
+    )
 
 
 def config_key_doc(config: TrainConfigBase) -> dict[str, Any]:

@@ -239,7 +239,7 @@ class Trainer:
           progress: ``progress(step, stats)`` after each step.
         """
         cfg = ft.task_config(self.config, task.name)
-        tx, jstep = self._optimizer(cfg.max_steps)
+        tx, jstep = self._optimizer(cfg.max_steps, cfg.learning_rate)
         if len(task.train) == 0:
             raise InputError(
                 f"lang_train.Trainer.fit: task {task.name!r} has an empty train split."

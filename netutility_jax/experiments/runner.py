@@ -121,6 +121,7 @@ class SeedResult:
     masks: Any
     scores: Any
     seconds: dict[str, float]
+    adapters: list[Any] | None = None  # the seed's task adapters (data-free indices of a study)
 
 
 @dataclasses.dataclass
@@ -479,6 +480,7 @@ def _run_seed(
         masks=masks,
         scores=scores,
         seconds={"training": train_wall, "single_eval": single_wall, "grid": grid_wall},
+        adapters=adapters,
     )
 
 
