@@ -1,4 +1,5 @@
-"""The ``netutility`` command's argument types and flag groups.
+"""The ``netutility`` command's argument types and flag groups, and the ``convert`` subcommand's
+parser (:func:`_add_convert_parser`).
 
 Each argparse type refuses a bad value with a message naming the range and the value given. The
 flags of the merge methods and spaces are not listed here: :func:`_add_method_options` derives
@@ -20,6 +21,7 @@ __all__ = [
     "MAX_BUDGET",
     "SEED_BOUND",
     "_add_compile_cache",
+    "_add_convert_parser",
     "_add_distributed",
     "_add_loading",
     "_add_merge_method",
@@ -383,6 +385,47 @@ def _add_distributed(m: argparse.ArgumentParser) -> None:
         "OUT_DIR's folder, which all must share. PEFT does not read this layout; netutility "
         "inspect and nu.peft.load_adapter(s) do.",
     )
+
+
+# -------------------------------------------------------------------------------- subcommands
+
+
+def _add_convert_parser(sub, *, epilog: str | None = None) -> None:
+    """``netutility convert SRC_FOLDER OUT_FOLDER [--overwrite]`` (``epilog``: the exit codes)."""
+    c = sub.add_parser(
+        "convert",
+        help="write a PEFT adapter saved as a pickled adapter_model.bin as "
+        "adapter_model.safetensors (read without torch; nothing in the pickle is run)",
+        description="Read the PEFT adapter in SRC_FOLDER (adapter_config.json and the pickled "
+        "adapter_model.bin that save_pretrained(..., safe_serialization=False) writes, in "
+        "torch's zip format; or adapter_model.safetensors, or a sharded adapter) and write "
+        "OUT_FOLDER with adapter_model.safetensors holding the same tensors (names, shapes, "
+        "dtypes and values) and the same adapter_config.json, which PEFT and netutility load. "
+        "The pickle is read without torch by a restricted unpickler: only torch's tensor "
+        "rebuilders are admitted, and a file naming anything else (os.system, eval ...) is "
+        "refused before anything is built. SRC_FOLDER is only read. OUT_FOLDER is assembled "
+        "beside it and renamed into place: it appears complete or not at all.",
+        epilog=epilog,
+    )
+    c.add_argument(
+        "src",
+        metavar="SRC_FOLDER",
+        help="the PEFT adapter folder to convert (adapter_config.json + adapter_model.bin)",
+    )
+    c.add_argument(
+        "out",
+        metavar="OUT_FOLDER",
+        help="output folder; must not exist or be empty, unless --overwrite; not SRC_FOLDER, "
+        "nor inside it",
+    )
+    c.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing OUT_FOLDER that holds an adapter (adapter_config.json), e.g. an "
+        "earlier conversion; the old folder is removed only once the new one is complete. A "
+        "folder that holds no adapter is never replaced.",
+    )
+    c.set_defaults(no_compile_cache=True)  # (it compiles nothing: no JAX cache to set up)
 
 
 # -------------------------------------------------------------------- options of the registry

@@ -1,10 +1,12 @@
-"""The ``netutility`` subcommands: ``merge``, ``inspect`` and ``demo``, and what they print and
-write.
+"""The ``netutility`` subcommands: ``merge``, ``inspect``, ``convert`` and ``demo``, and what they
+print and write.
 
 ``merge`` runs in steps: check everything the user gave before anything is loaded
 (:func:`_check_merge`), load (:func:`_load`), merge (:func:`_merge`), and write the output folder
 atomically (:func:`_write_merge`: a staging folder renamed into place). ``inspect`` loads and
-scores, and prints a table or JSON (:func:`inspect_dict`).
+scores, and prints a table or JSON (:func:`inspect_dict`). ``convert`` reads an adapter's tensors
+(a pickled ``adapter_model.bin`` read without torch, or safetensors) and writes them as
+``adapter_model.safetensors`` with the same config, atomically (:func:`cmd_convert`).
 
 ``merge --distributed`` runs the same steps in every process of a ``jax.distributed`` run
 (:func:`_join`): each checks and opens the adapters, merges its share of the modules, and
@@ -46,6 +48,7 @@ from ._cli_paths import (
     _write_merge,
     _write_output,
     check_adapter_dir,
+    check_convert_out,
     clean_stale_staging,
     estimate_out_bytes,
     report_dict,
@@ -53,6 +56,7 @@ from ._cli_paths import (
     staging_name,
     uniform_rank,
     weight_shapes,
+    write_folder,
     write_index,
     write_shard,
 )
@@ -67,6 +71,7 @@ __all__ = [
     "_progress",
     "_step",
     "_write_output",
+    "cmd_convert",
     "cmd_demo",
     "cmd_inspect",
     "cmd_merge",
@@ -272,14 +277,14 @@ def _check_extras(need_plots: bool) -> None:
         )
 
 
-def _clean_staging(folder: pathlib.Path) -> None:
+def _clean_staging(folder: pathlib.Path, command: str = "merge") -> None:
     """Remove the staging folders killed merges left in ``folder``, saying so on stderr."""
     removed = clean_stale_staging(folder)
     if removed:
         names = ", ".join(p.name for p in removed[:3])
         more = f" and {len(removed) - 3} more" if len(removed) > 3 else ""
         _say(
-            "merge",
+            command,
             "note",
             f"removed {len(removed)} stale staging folder{'s' if len(removed) > 1 else ''} "
             f"left in {folder} by killed merges (their processes are gone): {names}{more}",
@@ -589,6 +594,64 @@ def _merge_line(args: argparse.Namespace, report: Any, out: pathlib.Path) -> str
         f"kept per task [{kept}], lambda {lam}, alpha {alpha}, h {report.heterogeneity:.3f}, "
         f"non-prefix {report.non_prefix_fraction:.2f} -> {out}"
     )
+
+
+# ------------------------------------------------------------------------------------ convert
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """``netutility convert SRC_FOLDER OUT_FOLDER``: SRC's tensors (a pickled
+    ``adapter_model.bin``, read without torch and without running its pickle; or safetensors, or
+    shards) written as ``adapter_model.safetensors`` (names, shapes, dtypes and values
+    unchanged) with SRC's ``adapter_config.json`` byte for byte, into OUT atomically
+    (:func:`write_folder`); SRC is only read. Prints one line."""
+    from . import peft
+    from .peft import _read
+
+    fn = f"SRC_FOLDER {args.src}"  # (the library's messages start with it; the path follows)
+    src = check_adapter_dir(args.src)
+    out, replace = check_convert_out(args.out, args.src, overwrite=args.overwrite)
+    _check_extras(need_plots=False)
+    import safetensors.numpy
+
+    peft.load_config(src)  # (a readable JSON object, or the loader's message)
+    try:
+        config = (src / peft.CONFIG_NAME).read_bytes()
+        wf = _read._weights_file(src, fn=fn)
+        with _read._open_weights(wf, fn=fn) as fh:
+            tensors = {k: np.ascontiguousarray(fh.get_tensor(k)) for k in fh.keys()}
+    except safetensors.SafetensorError as e:
+        raise InputError(
+            f"{fn}: its tensors cannot be read ({e}); the file is corrupt or truncated: "
+            "download or save it again."
+        ) from e
+    except PermissionError as e:
+        raise FileAccessError(f"{fn}: cannot be read ({e}).") from e
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:  # changed under us
+        raise MissingFileError(f"{fn}: cannot be read ({e}).") from e
+    if not tensors:
+        raise InputError(f"{fn}: {str(wf)!r} holds no tensors; there is no adapter to convert.")
+
+    def fill(tmp: pathlib.Path) -> None:
+        try:
+            safetensors.numpy.save_file(
+                tensors, str(tmp / peft.WEIGHTS_NAME), metadata={"format": "pt"}
+            )
+        except safetensors.SafetensorError as e:  # (a dtype safetensors cannot hold)
+            raise InputError(f"{fn}: {str(wf)!r}: cannot be written as safetensors ({e}).") from e
+        (tmp / peft.CONFIG_NAME).write_bytes(config)
+
+    if out.parent.is_dir():
+        _clean_staging(out.parent, "convert")
+    write_folder(out, f"OUT_FOLDER {args.out}", fill, replace=replace, command="convert")
+    dtypes = sorted({str(t.dtype) for t in tensors.values()})
+    nbytes = sum(t.nbytes for t in tensors.values())
+    print(
+        f"converted {args.src} ({wf.name}: {len(tensors)} tensors, {', '.join(dtypes)}, "
+        f"{nbytes} bytes) -> {out / peft.WEIGHTS_NAME}"
+        + (" (replaced the folder that was there)" if replace else "")
+    )
+    return 0
 
 
 # ------------------------------------------------------------------------------ inspect, demo

@@ -1,5 +1,5 @@
-"""The file-system side of ``netutility merge`` and ``inspect``: the checks before anything is
-loaded, and the writing of the output folder.
+"""The file-system side of ``netutility merge``, ``inspect`` and ``convert``: the checks before
+anything is loaded, and the writing of the output folder.
 
 Before any adapter is loaded, the ``ADAPTER_DIR`` folders and ``--out`` are checked
 (:func:`check_adapter_dir`, :func:`_check_out`), the output's size is estimated from the inputs'
@@ -10,6 +10,9 @@ the plots); a merge killed while writing leaves one behind, and the next merge i
 parent folder removes those whose process is gone (:func:`clean_stale_staging`). With
 ``--distributed --keep-shards`` each process writes its own shard of the adapter
 (:func:`write_shard`) and process 0 the index and the config (:func:`write_index`).
+``netutility convert`` checks its ``OUT_FOLDER`` (:func:`check_convert_out`) and writes it the
+same way, through a staging folder (:func:`write_folder`), replacing an earlier adapter folder
+only once the new one is complete.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ __all__ = [
     "_write_merge",
     "_write_output",
     "check_adapter_dir",
+    "check_convert_out",
     "clean_stale_staging",
     "estimate_out_bytes",
     "report_dict",
@@ -61,6 +65,7 @@ __all__ = [
     "staging_name",
     "uniform_rank",
     "weight_shapes",
+    "write_folder",
     "write_index",
     "write_shard",
 ]
@@ -123,8 +128,8 @@ def check_adapter_dir(text: str) -> pathlib.Path:
     Raises:
       MissingFileError: nothing at ``text``; a file where the folder is expected, or a folder
         where one of its files is expected; a missing ``adapter_config.json`` or
-        ``adapter_model.safetensors`` (a folder with only the pickled ``adapter_model.bin`` is
-        left to the loader, which says why it is never read).
+        ``adapter_model.safetensors`` (a folder with the pickled ``adapter_model.bin`` instead,
+        or a sharded adapter's index, is left to the loader, which reads and checks it).
       FileAccessError: the folder or one of its files cannot be read.
       UsageError, InputError: an empty path or one the system cannot use (too long, a loop).
     """
@@ -155,7 +160,7 @@ def check_adapter_dir(text: str) -> pathlib.Path:
         fst = _stat(f, what)
         if fst is None and name == peft.WEIGHTS_NAME:
             if _stat(path / peft.PICKLE_NAME, what) is not None:
-                continue  # the loader explains why a pickle is never unpickled
+                continue  # the loader reads it (torch's zip format, nothing in it run)
             if _stat(path / INDEX_NAME, what) is not None:
                 continue  # sharded (netutility merge --keep-shards): the loader checks it
         if fst is None:
@@ -194,6 +199,123 @@ def _check_out(out: str, inputs: Sequence[str]) -> tuple[pathlib.Path, pathlib.P
     return path, anc
 
 
+def check_convert_out(text: str, src: str, *, overwrite: bool) -> tuple[pathlib.Path, bool]:
+    """Refuse an ``OUT_FOLDER`` that ``netutility convert`` cannot write, before anything is read.
+
+    ``OUT_FOLDER`` may be missing or an empty folder; a folder with files is replaced only with
+    ``overwrite``, and only if it is an adapter folder (it holds ``adapter_config.json``: an
+    earlier conversion, say), never another folder. It may not be ``src``, inside it, or hold it.
+
+    Returns:
+      ``(OUT_FOLDER as a path, whether a folder with files is there to be replaced)``.
+    """
+    from . import peft
+
+    what = f"OUT_FOLDER {text}"
+    path = _user_path(text, "OUT_FOLDER")
+    res = _resolve(path, what)
+    rsrc = _resolve(pathlib.Path(src), f"adapter folder {src}")
+    if res == rsrc or rsrc in res.parents or res in rsrc.parents:
+        where = (
+            "is SRC_FOLDER"
+            if res == rsrc
+            else "is inside SRC_FOLDER"
+            if rsrc in res.parents
+            else "holds SRC_FOLDER"
+        )
+        raise UsageError(
+            f"{what}: {where} ({src}); write the conversion elsewhere (SRC_FOLDER is only read)."
+        )
+    st = _stat(path, what, follow=False)
+    replace = False
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            raise UsageError(
+                f"{what}: is a symbolic link; give the folder itself (nothing is written through "
+                "a link)."
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{what}: is a file, not a folder; choose a new folder.")
+        try:
+            entries = sorted(os.listdir(path))
+        except OSError as e:
+            raise FileAccessError(f"{what}: cannot list it ({e.strerror or e}).") from None
+        if entries and not overwrite:
+            raise UsageError(
+                f"{what}: already exists and is not empty; choose a new folder, or pass "
+                "--overwrite to replace it."
+            )
+        if entries and peft.CONFIG_NAME not in entries:
+            shown = ", ".join(entries[:3]) + (
+                f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+            )
+            raise UsageError(
+                f"{what}: --overwrite replaces only an adapter folder (one holding "
+                f"{peft.CONFIG_NAME}), and this one holds other files ({shown}); choose another "
+                "folder."
+            )
+        replace = bool(entries)
+    anc, ast = _nearest_existing(path.parent, what)
+    if not stat.S_ISDIR(ast.st_mode):
+        raise UsageError(f"{what}: {anc} is a file, not a folder; choose a path in a folder.")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise FileAccessError(
+            f"{what}: cannot write in {anc} (permission denied); choose a writable folder."
+        )
+    return path, replace
+
+
+def write_folder(
+    out: pathlib.Path, what: str, fill: Callable[[pathlib.Path], Any], *, replace: bool,
+    command: str,
+) -> Any:  # fmt: skip
+    """Write the folder ``out`` complete or not at all; returns what ``fill`` returns.
+
+    ``fill(folder)`` fills a staging folder beside ``out`` (:func:`staging_name`, as ``merge``
+    assembles ``--out``), which is renamed into place when complete. With ``replace``, the
+    folder at ``out`` is first renamed aside and removed only once the new one is in place: a
+    failure at any step leaves the old folder as it was, and no half-written one. A failed
+    write is the library's :class:`FileAccessError` naming ``what`` (exit code 2).
+    """
+    fn = f"{PROG} {command}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        done = staging_name(out)  # the complete new folder, before it takes out's place
+        try:
+            with _io.atomic_directory(done, fn=fn, staging=staging_name(out)) as tmp:
+                filled = fill(tmp)
+            if replace:
+                old = staging_name(out)
+                os.rename(out, old)
+                try:
+                    os.rename(done, out)
+                except BaseException:
+                    os.rename(old, out)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                try:
+                    os.rename(done, out)  # (POSIX: replaces an empty folder, refuses any other)
+                except OSError as e:
+                    if _stat(out, what, follow=False) is None:
+                        raise
+                    raise UsageError(
+                        f"{what}: appeared while {command} ran; nothing was written."
+                    ) from e
+        finally:
+            if os.path.lexists(done):
+                shutil.rmtree(done, ignore_errors=True)
+        return filled
+    except OSError as e:
+        if isinstance(e, NetUtilityError):
+            raise
+        where = f" at {e.filename}" if getattr(e, "filename", None) else ""
+        raise FileAccessError(
+            f"{what}: writing failed{where} ({e.strerror or e}); nothing was written. Check the "
+            "free space and permissions, or choose another folder."
+        ) from e
+
+
 class SizeEstimate(NamedTuple):
     """An upper estimate of what ``netutility merge`` writes (see :func:`estimate_out_bytes`)."""
 
@@ -208,8 +330,9 @@ OUT_MARGIN = 16 << 20
 
 def weight_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
     """Names and shapes of the tensors in ``folder/adapter_model.safetensors`` (or in the shards
-    its index lists), from the headers only (no tensor is read); None if there is no readable
-    header (the loader then says why)."""
+    its index lists, or in the pickled ``adapter_model.bin``), from the headers only (no tensor
+    is read; a bin's pickle says the shapes); None if there is no readable header (the loader
+    then says why)."""
     try:
         import safetensors
     except ImportError:

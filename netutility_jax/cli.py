@@ -11,6 +11,12 @@ existing path is never overwritten.
 ``netutility inspect ADAPTER_DIR...`` prints per task ranks and energies, the heterogeneity h, the
 lambda the scoring would use, and how many directions have positive Net Utility.
 
+``netutility convert SRC_FOLDER OUT_FOLDER`` writes the adapter in ``SRC_FOLDER`` (typically the
+pickled ``adapter_model.bin`` of ``save_pretrained(..., safe_serialization=False)``, read without
+torch and without running its pickle) as ``adapter_model.safetensors`` with the same
+``adapter_config.json``; ``OUT_FOLDER`` appears complete or not at all (``--overwrite`` replaces
+an earlier adapter folder).
+
 ``netutility demo`` runs the built-in experiment (see :mod:`netutility_jax.experiments.demo`).
 
 Exit codes: 0 done; 2 bad input (missing, unreadable or corrupt adapters, adapters of different
@@ -50,6 +56,7 @@ from collections.abc import Callable, Sequence
 from ._cli_args import MAX_BUDGET as MAX_BUDGET
 from ._cli_args import SEED_BOUND as SEED_BOUND
 from ._cli_args import _add_compile_cache as _add_compile_cache
+from ._cli_args import _add_convert_parser as _add_convert_parser
 from ._cli_args import _add_loading as _add_loading
 from ._cli_args import _add_merge_method as _add_merge_method
 from ._cli_args import _add_merge_output as _add_merge_output
@@ -73,6 +80,7 @@ from ._cli_commands import _plots as _plots
 from ._cli_commands import _progress as _progress
 from ._cli_commands import _step as _step
 from ._cli_commands import _write_output as _write_output
+from ._cli_commands import cmd_convert as cmd_convert
 from ._cli_commands import cmd_demo as cmd_demo
 from ._cli_commands import cmd_inspect as cmd_inspect
 from ._cli_commands import cmd_merge as cmd_merge
@@ -120,6 +128,7 @@ __all__ = [
     "build_parser",
     "check_adapter_dir",
     "clean_stale_staging",
+    "cmd_convert",
     "cmd_demo",
     "cmd_inspect",
     "cmd_merge",
@@ -181,7 +190,8 @@ def enable_compile_cache(folder: pathlib.Path) -> bool:
 
 
 def build_parser(*, demo_options: bool = True) -> argparse.ArgumentParser:
-    """The ``netutility`` argument parser (subcommands ``merge``, ``inspect``, ``demo``).
+    """The ``netutility`` argument parser (subcommands ``merge``, ``inspect``, ``convert``,
+    ``demo``).
 
     ``demo_options=False`` leaves out the demo's own options, whose module imports the experiment
     (MiniLM, optax; about 3 s): :func:`main` asks for them only when the command is ``demo``.
@@ -199,6 +209,7 @@ def build_parser(*, demo_options: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_merge_parser(sub)
     _add_inspect_parser(sub)
+    _add_convert_parser(sub, epilog=EXIT_CODES)
     _add_demo_parser(sub, demo_options=demo_options)
     return parser
 
@@ -331,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmds: dict[str, Callable[[argparse.Namespace], int]] = {
         "merge": cmd_merge,
         "inspect": cmd_inspect,
+        "convert": cmd_convert,
         "demo": cmd_demo,
     }
     try:

@@ -222,6 +222,18 @@ def test_help_explains_every_option():
                 assert action.help, f"{name}: option {action.dest} has no help"
 
 
+def test_convert_is_a_command_whose_options_all_have_help():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    p = sub.choices["convert"]
+    assert "adapter_model.bin" in p.description and "Exit codes" in p.epilog
+    for action in p._actions:
+        if action.dest != "help":
+            assert action.help, f"convert: option {action.dest} has no help"
+    args = parser.parse_args(["convert", "src", "out", "--overwrite"])
+    assert (args.src, args.out, args.overwrite, args.no_compile_cache) == ("src", "out", True, True)
+
+
 def test_console_entry_point_runs():
     proc = subprocess.run(
         [sys.executable, "-m", "netutility_jax.cli", "merge", "--help"],

@@ -20,15 +20,20 @@ the shapes above either way, so they load and save the same. ``dK`` is then exac
 the ``Conv1D`` weight as stored.
 
 Files are read and written with the ``safetensors`` package (its numpy and flax routes, so bf16
-works); torch and PEFT are never imported, and pickled ``adapter_model.bin`` files are never
-opened. The regular expressions a config may hold (``rank_pattern`` / ``alpha_pattern`` keys, a
+works); torch and PEFT are never imported. A folder that holds the pickled ``adapter_model.bin``
+(``save_pretrained(..., safe_serialization=False)``) instead of ``adapter_model.safetensors`` is
+read too, in torch's zip format, by a restricted unpickler that admits only torch's tensor
+rebuilders (as stand-ins that call nothing) and refuses any other global before anything is
+built, so a hostile pickle runs nothing (:mod:`._torch_pickle`); torch's legacy non-zip format is
+refused. The regular expressions a config may hold (``rank_pattern`` / ``alpha_pattern`` keys, a
 string ``target_modules`` / ``exclude_modules``, ``layers_pattern``) follow PEFT's rules exactly
 and never hang: plain name patterns are matched directly, any other is run by Python's ``re`` in
 a short-lived helper process with a time limit, and one that does not finish is an error.
 
 The package is laid out by step: :mod:`._read` (paths, the JSON config, safetensors keys and
-shapes), :mod:`._config` (what the config means: refused settings, per-module ``r`` /
-``lora_alpha``, target modules, carried fields), :mod:`._regex` (PEFT's regex rules, bounded),
+shapes), :mod:`._torch_pickle` (the tensors of a pickled ``adapter_model.bin``, without torch),
+:mod:`._config` (what the config means: refused settings, per-module ``r`` / ``lora_alpha``,
+target modules, carried fields), :mod:`._regex` (PEFT's regex rules, bounded),
 :mod:`._convert` (PEFT tensors <-> modules, scales), :mod:`._load` (:func:`load_adapter`,
 :func:`load_adapters`), :mod:`._write` (:func:`save_adapter`) and :mod:`._stream`
 (:class:`AdapterWriter`: the same, written a chunk of modules at a time).

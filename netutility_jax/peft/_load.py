@@ -31,7 +31,11 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
     """Load a PEFT LoRA adapter as a flat adapter keyed by PEFT module names.
 
     Reads ``adapter_config.json`` and ``adapter_model.safetensors`` (bf16 / fp16 weights are upcast
-    to float32). Module ``<module>``'s update in kernel layout is
+    to float32). A folder without ``adapter_model.safetensors`` may hold the pickled
+    ``adapter_model.bin`` instead (``save_pretrained(..., safe_serialization=False)``): it is read
+    in torch's zip format without torch and without running its pickle (only torch's tensor
+    rebuilders are admitted; a pickle naming anything else is refused before anything is
+    built). Module ``<module>``'s update in kernel layout is
 
     ``dK = scale * lora_a @ lora_b = scale * A^T B^T``, ``scale = lora_alpha / r`` (rsLoRA:
     ``lora_alpha / sqrt(r)``),
@@ -60,11 +64,13 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
       FileNotFoundError: (:class:`MissingFileError`) missing directory or files, a file where the
         directory is expected, or a folder where a file is expected.
       PermissionError: (:class:`FileAccessError`) a file or folder exists but cannot be read.
-      ValueError: (:class:`InputError`) only a pickled ``adapter_model.bin``; corrupt JSON or
-        safetensors; a DoRA, lora_bias, QA-LoRA, aLoRA, target_parameters or unconverted
-        PiSSA/OLoRA/CorDA/LoRA-GA adapter; LoRA on embeddings or convolutions; several adapter
-        names in one file; a lora_A without its lora_B (or the reverse); factor shapes that
-        disagree with each other or with ``r``; rank-0 factors; ``r`` not a positive integer;
+      ValueError: (:class:`InputError`) an ``adapter_model.bin`` in torch's legacy (non-zip)
+        format, corrupt, or whose pickle names any global but torch's tensor rebuilders, storage
+        types and ``OrderedDict``; corrupt JSON or safetensors; a DoRA, lora_bias, QA-LoRA,
+        aLoRA, target_parameters or unconverted PiSSA/OLoRA/CorDA/LoRA-GA adapter; LoRA on
+        embeddings or convolutions; several adapter names in one file; a lora_A without its
+        lora_B (or the reverse); factor shapes that disagree with each other or with ``r``;
+        rank-0 factors; ``r`` not a positive integer;
         ``lora_alpha`` not a finite number; ``use_rslora`` not a boolean; a ``rank_pattern`` /
         ``alpha_pattern`` key that is not a valid regex or does not finish matching a module name
         within the time limit; non-LoRA tensors with ``strict=True``.

@@ -1,8 +1,12 @@
 """Reading a PEFT adapter directory: its paths, ``adapter_config.json`` as JSON, and the keys,
 shapes and tensors of ``adapter_model.safetensors`` (which keys are LoRA factors of which module).
 
-Every file of a checkpoint is read here, and only here; a pickled ``adapter_model.bin`` is never
-opened.
+Every file of a checkpoint is read here, and only here. A folder without
+``adapter_model.safetensors`` (or a sharded adapter's index) may hold the pickled
+``adapter_model.bin`` that ``save_pretrained(..., safe_serialization=False)`` writes instead: it
+is read in torch's zip format by :mod:`._torch_pickle`, without torch and without running its
+pickle (only torch's tensor rebuilders are admitted, as stand-ins that call nothing), behind the
+same interface as ``safe_open`` (:class:`_Pickled`), so every reader of this package takes either.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 from ..errors import FileAccessError, InputError, InputTypeError, MissingFileError
 from ._common import CONFIG_NAME, PICKLE_NAME, PREFIX, WEIGHTS_NAME, _clip, _safetensors
+from ._torch_pickle import TorchArchive, _LegacyFormat
 
 __all__ = ["INDEX_NAME", "load_config"]
 
@@ -152,26 +157,25 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
 
 def _weights_file(d: pathlib.Path, *, fn: str) -> pathlib.Path:
     """``d/adapter_model.safetensors``, readable, or else its index (a sharded adapter, as
-    ``netutility merge --distributed --keep-shards`` writes); a folder with only the pickle is
-    refused."""
+    ``netutility merge --distributed --keep-shards`` writes), or else the pickled
+    ``adapter_model.bin`` (what PEFT writes with ``safe_serialization=False``)."""
     wf = d / WEIGHTS_NAME
     if _kind(wf, fn=fn) == "missing" and _kind(d / INDEX_NAME, fn=fn) == "file":
         return d / INDEX_NAME
-    if _kind(wf, fn=fn) == "missing" and _kind(d / PICKLE_NAME, fn=fn) == "file":
-        raise InputError(
-            f"{fn}: {str(d)!r} holds only the pickled {PICKLE_NAME}, which is never unpickled "
-            "here (loading a pickle can run arbitrary code). Convert it once with PEFT: "
-            "PeftModel.from_pretrained(base_model, dir).save_pretrained(out, "
-            f"safe_serialization=True), which writes {WEIGHTS_NAME}."
-        )
+    if _kind(wf, fn=fn) == "missing" and _kind(d / PICKLE_NAME, fn=fn) != "missing":
+        _readable_file(d / PICKLE_NAME, f"the torch file {PICKLE_NAME}", fn=fn)
+        return d / PICKLE_NAME
     _readable_file(wf, f"the safetensors file {WEIGHTS_NAME}", fn=fn)
     return wf
 
 
 def _open_weights(f: pathlib.Path, *, fn: str):
-    """``safe_open(f)``, or for an index a :class:`_Sharded` file with the same interface."""
+    """``safe_open(f)``, or for an index a :class:`_Sharded` file, or for a pickled
+    ``adapter_model.bin`` a :class:`_Pickled` file, with the same interface."""
     if f.name == INDEX_NAME:
         return _Sharded(f, _read_index(f, fn=fn), fn=fn)
+    if f.name == PICKLE_NAME:
+        return _Pickled(f, fn=fn)
     st = _safetensors()
     try:
         # numpy: no device copy per tensor (callers upcast and place them); bf16 reads as
@@ -256,6 +260,69 @@ class _Sharded:
 
     def get_tensor(self, key: str) -> Any:
         return self._shard(key).get_tensor(key)
+
+
+class _Pickled:
+    """The tensors of a pickled ``adapter_model.bin`` (torch's zip format) behind
+    ``safe_open``'s interface (``keys``, ``get_slice`` with ``get_shape`` / ``get_dtype``,
+    ``get_tensor``, a context manager).
+
+    Opening reads the archive's directory and its pickle (:class:`._torch_pickle.TorchArchive`:
+    nothing in it is run), which gives every tensor's shape and dtype; ``get_tensor`` reads that
+    tensor's bytes only, so a merge streamed from disk reads a bin module by module as it reads
+    a safetensors file. The legacy (non-zip) format is refused, saying how to re-save it.
+    """
+
+    def __init__(self, f: pathlib.Path, *, fn: str):
+        self._f, self._fn = f, fn
+        try:
+            self._archive = TorchArchive(f, fn=fn)
+        except _LegacyFormat as e:
+            raise InputError(
+                f"{fn}: {str(f)!r} is in torch's legacy pickle format (torch.save(..., "
+                "_use_new_zipfile_serialization=False)), which is not read here: only torch's "
+                "default zip format is (without running its pickle). The folder holds only the "
+                f"pickled {PICKLE_NAME}: re-save it in the zip format (torch.save(torch.load(f, "
+                "weights_only=True), f)), or convert it once with PEFT: "
+                "PeftModel.from_pretrained(base_model, dir).save_pretrained(out, "
+                f"safe_serialization=True), which writes {WEIGHTS_NAME}."
+            ) from e
+
+    def __enter__(self) -> _Pickled:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._archive.close()
+
+    def keys(self) -> list[str]:
+        return self._archive.keys()
+
+    def _known(self, key: str) -> str:
+        if key not in self._archive.tensors:  # (safe_open raises its own error here)
+            raise InputError(
+                f"{self._fn}: {str(self._f)!r} holds no tensor {_clip(key)}; did the file "
+                "change since it was opened?"
+            )
+        return key
+
+    def get_slice(self, key: str) -> _PickledSlice:
+        return _PickledSlice(self._archive.tensors[self._known(key)])
+
+    def get_tensor(self, key: str) -> Any:
+        return self._archive.read(self._known(key))
+
+
+class _PickledSlice:
+    """``get_slice``'s answer for a tensor of a pickled file: its shape and dtype code."""
+
+    def __init__(self, info: Any):
+        self._info = info
+
+    def get_shape(self) -> list[int]:
+        return list(self._info.shape)
+
+    def get_dtype(self) -> str:
+        return self._info.code
 
 
 def _read_shapes(fh: Any, wf: pathlib.Path, *, fn: str) -> dict[str, tuple[int, ...]]:
