@@ -4,10 +4,13 @@ independently."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import netutility_jax as nu
+from netutility_jax.errors import InputError
 from netutility_jax.experiments import grid as gr
 from netutility_jax.experiments import report_tables as rt
 from netutility_jax.experiments import runner
@@ -30,10 +33,13 @@ def _adapters(m=3, seed=0, ranks=(4, 4, 4)):
 def test_every_variant_is_well_formed():
     for name, var in gr.VARIANTS.items():
         assert var.name == name and var.label and var.what
-        kinds = (var.library is not None) + (var.masks is not None)
-        assert kinds == 1 or name == "average", name  # a merge, a mask control, or the average
+        kinds = (var.library is not None) + (var.masks is not None) + bool(var.choose_from)
+        # a merge, a mask control, a choice among other variants' jobs, or the average
+        assert kinds == 1 or name == "average", name
         assert var.library in (None, *nu.registry.ALLOCATIONS), name
         assert var.lam_scale is None or var.library == "net_utility"
+        assert var.alpha is None or var.library == "net_utility"
+        assert all(gr.VARIANTS[c].library for c in var.choose_from), name
     assert gr.VARIANTS["energy"].lam_scale == 0.0
     assert {gr.VARIANTS[f"lam_x{k}"].lam_scale for k in ("0.25", "0.5", "2")} == {0.25, 0.5, 2.0}
 
@@ -48,7 +54,9 @@ def test_grid_jobs_of_controls():
         weight_average=False,
     )
     jobs = {j.key: j for j in gr.grid_jobs(g, full_capacity=12)}
-    main = [f"{m}/R{r}/{a}" for m in ("ta/full", "ties/core") for r in (8, 4) for a in gr.ALLOCATIONS]
+    main = [
+        f"{m}/R{r}/{a}" for m in ("ta/full", "ties/core") for r in (8, 4) for a in gr.ALLOCATIONS
+    ]
     splits = [f"ties/core/R{r}/random_split{d}" for r in (8, 4) for d in (1, 2)]
     assert set(jobs) == {*main, "ta/full/R8/energy", "ta/full/R4/energy", *splits}
     e = jobs["ta/full/R4/energy"]
@@ -138,3 +146,47 @@ def test_a_mask_control_merges_its_masks():
     bad = gr.Job("k", "ta", "full", ("full",), 5, "nope")
     with pytest.raises(ValueError, match="unknown allocation 'nope' in job 'k'"):
         runner._merge(ads, bad, seed=0, alpha=1.0, scores=sc)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_alpha_controls_score_with_their_own_alpha(alpha):
+    ads = _adapters()
+    sc = nu.score(ads, alpha=0.5, lam="auto")  # the run's own alpha differs from the control's
+    name = f"alpha_{int(alpha)}"
+    job = gr.Job(f"ta/full/R5/{name}", "ta", "full", ("full",), 5, name)
+    merged, fields = runner._merge(ads, job, seed=0, alpha=0.5, scores=sc)
+    assert fields["alpha"] == alpha
+    want, rep = nu.merge_adapters(ads, budget=5, method="ta", allocation="net_utility", alpha=alpha)
+    assert fields["lam"] == pytest.approx(float(rep.lam), rel=1e-6)
+    for mod in want:
+        for k in want[mod]:
+            np.testing.assert_array_equal(np.asarray(merged[mod][k]), np.asarray(want[mod][k]))
+
+
+def _val_records(vals):
+    names = ("energy", "lam_x0.25", "lam_x0.5", "net_utility", "lam_x2")
+    recs = {f"ta/full/R8/{n}": {"key": f"ta/full/R8/{n}", "val_normalized": v, "normalized": i}
+            for i, (n, v) in enumerate(zip(names, vals, strict=True))}  # fmt: skip
+    ok = {k: np.full(3, i, bool) for i, k in enumerate(recs)}
+    return recs, ok
+
+
+def test_lambda_on_validation_takes_the_best_validation_job_and_makes_no_merge():
+    grid = gr.GridConfig(
+        rows=(gr.Row("ta", "full"),),
+        budgets=(8,),
+        controls=tuple(
+            ("ta", "full", v) for v in ("energy", "lam_x0.25", "lam_x0.5", "lam_x2", "lam_val")
+        ),
+    )
+    keys = [j.key for j in gr.grid_jobs(grid, full_capacity=32)]
+    assert "ta/full/R8/lam_val" not in keys and "ta/full/R8/lam_x2" in keys
+    recs, ok = _val_records([80.0, 91.0, 95.5, 95.5, 90.0])  # a tie: the first in order wins
+    runner._choose_on_validation(grid, recs, ok)
+    got = recs["ta/full/R8/lam_val"]
+    assert got["chosen"] == "lam_x0.5" and got["normalized"] == 2 and got["derived"]
+    assert ok["ta/full/R8/lam_val"] is ok["ta/full/R8/lam_x0.5"]
+    # its sources must be in the grid beside it
+    bad = dataclasses.replace(grid, controls=(("ta", "full", "energy"), ("ta", "full", "lam_val")))
+    with pytest.raises(InputError, match=r"add the controls \['lam_x0.25', 'lam_x0.5', 'lam_x2'\]"):
+        gr.grid_jobs(bad, full_capacity=32)

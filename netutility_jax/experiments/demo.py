@@ -320,8 +320,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ". The encoder's full grid is TA, TSV, TIES, DARE in full space at R=64/32/16, Iso-C "
         "at R=16, and the controls; paper adds Core and KnOTS space for TSV, TIES, DARE, Iso-C "
         "(about three times longer); mechanism: TA and TSV with the controls that isolate Net "
-        "Utility's mechanism (energy only, lambda x 1/4, 1/2, 2, a random split keeping each "
-        "task's top directions), from one shared LoRA initialisation",
+        "Utility's mechanism (energy only, lambda x 1/4, 1/2, 2 and chosen on validation, alpha 0 "
+        "and 1, a random split keeping each task's top directions), from one shared LoRA initialisation",
     )
     parser.add_argument(
         "--study",

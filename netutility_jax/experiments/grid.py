@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any
 
 from .. import registry
+from ..errors import InputError
 from . import allocations as al
 from . import train as tr
 
@@ -65,6 +66,12 @@ class AllocationSpec:
       draws: the control is random (its jobs are ``<name>1``, ``<name>2``, ...).
       budget: the job has a budget (``all`` and the weight average do not).
       what: one sentence for the report: what the control isolates.
+      alpha: with ``library="net_utility"``: the scoring geometry of this control (0: row
+        space, the paper's vision setting; 1: Gram), whatever the run's ``alpha``; None: the
+        run's.
+      choose_from: a control that merges nothing: per seed and budget, the one of these
+        variants (run in the same grid, beside the same row) with the best validation score,
+        its test result taken as is (``lam_val``: lambda chosen on validation).
     """
 
     name: str
@@ -75,6 +82,8 @@ class AllocationSpec:
     draws: bool = False
     budget: bool = True
     what: str = ""
+    alpha: float | None = None
+    choose_from: tuple[str, ...] = ()
 
 
 def _variants(*specs: AllocationSpec) -> dict[str, AllocationSpec]:
@@ -118,6 +127,25 @@ VARIANTS: dict[str, AllocationSpec] = _variants(
             what=f"the median rule's lambda times {k:g}",
         )
         for k in (0.25, 0.5, 2.0)
+    ),
+    *(
+        AllocationSpec(
+            f"alpha_{a}",
+            f"alpha = {a} ({'row space' if a == 0 else 'Gram'})",
+            "net_utility",
+            alpha=float(a),
+            what=f"Net Utility scored with alpha = {a} "
+            + ("(row space, the paper's vision setting)" if a == 0 else "(Gram, its NLI setting)")
+            + " instead of the heterogeneity rule",
+        )
+        for a in (0, 1)
+    ),
+    AllocationSpec(
+        "lam_val",
+        "lambda chosen on validation",
+        choose_from=("energy", "lam_x0.25", "lam_x0.5", "net_utility", "lam_x2"),
+        what="per seed and budget, the lambda of {0, 1/4, 1/2, 1, 2} x the median rule whose "
+        "merge scores best on validation (no extra merges: the lambda controls' own jobs)",
     ),
 )
 
@@ -290,6 +318,15 @@ def grid_jobs(grid: GridConfig, *, full_capacity: int) -> list[Job]:
     # and space, so adding controls leaves every other job's search (and result) as it was
     for method, space, name in grid.controls:
         var = VARIANTS[name]
+        if var.choose_from:  # derived from other controls' jobs by the runner (no merge)
+            have = {v for m, sp, v in grid.controls if (m, sp) == (method, space)} | {"net_utility"}
+            missing = [v for v in var.choose_from if v not in have]
+            if missing:
+                raise InputError(
+                    f"grid: control {name!r} of {method}/{space} chooses among "
+                    f"{list(var.choose_from)}; add the controls {missing} beside it."
+                )
+            continue
         canon = METHODS[method].canonical_space(space, space_order)
         ref = f"{method}/{canon}/R{{r}}/net_utility"
         for r in grid.budgets:
@@ -383,8 +420,9 @@ PAPER = dataclasses.replace(
     ),
 )
 #: The controls that isolate Net Utility's mechanism (this project's design, not the paper's):
-#: energy only (lambda 0), lambda scaled by 1/4, 1/2 and 2, and the random split that keeps each
-#: task's top directions, beside TA and TSV in full space, with every task starting from the
+#: energy only (lambda 0), lambda scaled by 1/4, 1/2 and 2, lambda chosen on validation among
+#: those, alpha fixed at 0 and at 1, and the random split that keeps each task's top directions,
+#: beside TA in full space (TSV's rows without controls), with every task starting from the
 #: same LoRA initialisation (the paper's codebase's regime, ``TrainConfig.init="shared"``).
 MECHANISM = dataclasses.replace(
     FULL,
@@ -396,7 +434,17 @@ MECHANISM = dataclasses.replace(
         no_budget=(("ta", "full"), ("tsv", "full")),
         random=(("ta", "full"),),
         controls=tuple(
-            ("ta", "full", v) for v in ("energy", "lam_x0.25", "lam_x0.5", "lam_x2", "random_split")
+            ("ta", "full", v)
+            for v in (
+                "energy",
+                "lam_x0.25",
+                "lam_x0.5",
+                "lam_x2",
+                "random_split",
+                "alpha_0",
+                "alpha_1",
+                "lam_val",
+            )
         ),
     ),
 )

@@ -176,7 +176,7 @@ def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
             method=spec.method,
             space=job.space,
             allocation=var.library,
-            alpha=alpha,
+            alpha=alpha if var.alpha is None else var.alpha,
             lam=lam,
             key=key,
             **opts,
@@ -457,6 +457,7 @@ def _run_seed(
                 f"(coef {rec['coef']:g}{', cached' if rec['cache_hit'] else ''})"
             )
     grid_wall = time.perf_counter() - t0
+    _choose_on_validation(preset.grid, records, correct)
     mnu = _mean_net_utility(scores)
     return SeedResult(
         seed=seed,
@@ -482,6 +483,30 @@ def _run_seed(
         seconds={"training": train_wall, "single_eval": single_wall, "grid": grid_wall},
         adapters=adapters,
     )
+
+
+def _choose_on_validation(
+    grid: gr.GridConfig, records: dict[str, dict[str, Any]], correct: dict[str, np.ndarray]
+) -> None:
+    """Add the records of the grid's derived controls (``AllocationSpec.choose_from``): per
+    budget, the candidate job with the best validation normalized accuracy (the first in
+    ``choose_from`` order on a tie), under the control's own key, with ``chosen`` naming it."""
+    for method, space, name in grid.controls:
+        var = gr.VARIANTS[name]
+        if not var.choose_from:
+            continue
+        canon = gr.METHODS[method].canonical_space(space, grid.spaces)
+        for r in grid.budgets:
+            keys = [f"{method}/{canon}/R{r}/{v}" for v in var.choose_from]
+            if not all(k in records for k in keys):
+                continue
+            best = max(keys, key=lambda k: (records[k]["val_normalized"], -keys.index(k)))
+            key = f"{method}/{canon}/R{r}/{name}"
+            records[key] = {
+                **records[best], "key": key, "allocation": name,
+                "chosen": best.rsplit("/", 1)[1], "derived": True,
+            }  # fmt: skip
+            correct[key] = correct[best]
 
 
 def _mean_net_utility(scores: Any) -> np.ndarray:
