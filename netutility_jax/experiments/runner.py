@@ -202,7 +202,31 @@ def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
     return jax.block_until_ready(merged), fields
 
 
+def _in_notebook() -> bool:
+    """Running in a Jupyter kernel (a notebook or Colab), not a terminal."""
+    import sys
+
+    shell = sys.modules.get("IPython")
+    ip = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
+    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
+def _bars_enabled(progress: bool) -> bool:
+    """Whether to draw progress bars: in a notebook only with ipywidgets (tqdm's widget bar);
+    a text bar there would print a new line at every update, so the runner logs one line per
+    job instead."""
+    if not progress or not _in_notebook():
+        return progress
+    import importlib.util
+
+    return importlib.util.find_spec("ipywidgets") is not None
+
+
 def _progress_bar(total: int, desc: str, enabled: bool):
+    if enabled and _in_notebook():
+        from tqdm.notebook import tqdm as notebook_tqdm
+
+        return notebook_tqdm(total=total, desc=desc)
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, disable=not enabled, mininterval=1.0, dynamic_ncols=True)
@@ -287,6 +311,7 @@ def run_experiment(
     import netutility_jax as nu
 
     t_start = time.perf_counter()
+    progress = _bars_enabled(progress)
     # the code that runs is the checkout's now, not at the end of a run of hours
     commit = _provenance.commit()
     seeds = list(preset.seeds if seeds is None else seeds)
