@@ -16,6 +16,12 @@ A module's name is the "/"-joined state path of its layer: the ``nnx.LoRALinear`
 (``"layers/0/attention/query"``, not ``".../query/lora"``), or the ``nnx.LoRA`` module; a model
 that is itself a single LoRA layer has the one module ``"lora"`` (the name :func:`nu.merge` gives a
 root module).
+
+What a training script saves per task is often not the model but its LoRA state,
+``nnx.state(model, nnx.LoRAParam)`` (an ``nnx.State``, or its ``to_pure_dict()``):
+:func:`extract_adapter` takes that too and names its modules as it names the model's (a path
+ending in ``lora`` is its ``nnx.LoRALinear``'s), and :func:`apply_adapter` takes merges of such
+states made directly by :func:`nu.merge_adapters` (whose modules are named ``.../query/lora``).
 """
 
 from __future__ import annotations
@@ -107,10 +113,60 @@ def _scales(
     return out
 
 
+def _layer_name(path: str) -> str:
+    """The layer name of a LoRA state path: ``a/query/lora`` (an ``nnx.LoRALinear``'s ``lora``
+    child) is ``a/query``; a root ``lora`` stays ``lora`` (as :func:`extract_adapter` names a
+    model that is one LoRA layer)."""
+    return path[: -len("/lora")] if path.endswith("/lora") else path
+
+
+def _from_state(fn: str, state: Any, scale: float | Mapping[str, float] | None) -> dict:
+    """The adapter of an ``nnx.State`` (or plain nested dict) of LoRA parameters."""
+    found = _tree.extract_lora(state)
+    if not found:
+        raise InputError(
+            f"{fn}: the {type(state).__name__} holds no LoRA layer (a mapping with both "
+            "'lora_a' and 'lora_b'); pass a model with LoRA layers, or its LoRA state "
+            "nnx.state(model, nnx.LoRAParam)."
+        )
+    mods: dict[str, Mapping[str, Any]] = {}
+    for path, mod in found.items():
+        name = _layer_name(path)
+        if name in mods:
+            raise InputError(
+                f"{fn}: the state has two LoRA layers named {name!r} ({path!r} and its parent); "
+                "pass the model itself."
+            )
+        mods[name] = mod
+    if isinstance(scale, Mapping):
+        unknown = sorted(set(scale) - set(mods))
+        if unknown:
+            raise InputError(
+                f"{fn}: scale names {unknown[:3]} are not LoRA layers of the state; they are "
+                f"{list(mods)[:5]}{' ...' if len(mods) > 5 else ''}."
+            )
+    out = {}
+    for name, mod in mods.items():
+        if isinstance(scale, Mapping) and name in scale:
+            sc = _scalar(fn, name, scale[name], "scale")
+        elif scale is not None and not isinstance(scale, Mapping):
+            sc = _scalar(fn, name, scale, "scale")
+        elif "scale" in mod:
+            sc = _scalar(fn, name, mod["scale"], "the state's `scale` entry")
+        else:
+            sc = 1.0
+        out[name] = {
+            "lora_a": jnp.array(_tree.unwrap(mod["lora_a"]), copy=True),
+            "lora_b": jnp.array(_tree.unwrap(mod["lora_b"]), copy=True),
+            "scale": sc,
+        }
+    return out
+
+
 def extract_adapter(
     model: Any, *, scale: float | Mapping[str, float] | None = None
 ) -> dict[str, dict[str, Any]]:
-    """The LoRA adapter of an nnx model, as a flat dict keyed by layer path.
+    """The LoRA adapter of an nnx model (or of its LoRA state), as a flat dict keyed by layer path.
 
     Every ``nnx.LoRA`` / ``nnx.LoRALinear`` layer becomes a module
     ``{"lora_a": (d_in, r), "lora_b": (r, d_out), "scale": ()}`` whose update in kernel layout is
@@ -118,19 +174,22 @@ def extract_adapter(
     take, one per task.
 
     Args:
-      model: an ``nnx.Module`` with LoRA layers.
+      model: an ``nnx.Module`` with LoRA layers, or its LoRA state (``nnx.state(model,
+        nnx.LoRAParam)``, an ``nnx.State``, or the plain nested dict ``to_pure_dict()`` gives),
+        whose modules get the names the model's would.
       scale: the factor the forward applies to each LoRA branch, if not stored on the layers: a
         float for all, or ``{name: float}``. Default: the ``nnx.LoRA`` module's ``scale``
-        attribute where it has one, else 1 (flax's LoRA layers do not scale).
+        attribute (a state's ``scale`` entry) where it has one, else 1 (flax's LoRA layers do
+        not scale).
 
     Returns:
       ``{name: {"lora_a", "lora_b", "scale"}}`` in model traversal order; factors are copies
       (``jax.Array``, their dtype kept), ``scale`` a Python float.
 
     Raises:
-      TypeError: ``model`` is not an ``nnx.Module``.
-      ValueError: the model has no LoRA layers; a ``scale`` that is not a finite scalar, or names
-        a layer the model lacks.
+      TypeError: ``model`` is neither an ``nnx.Module`` nor a mapping.
+      ValueError: the model (or state) has no LoRA layers; a ``scale`` that is not a finite
+        scalar, or names a layer the model lacks.
 
     Example:
       >>> from flax import nnx
@@ -141,6 +200,8 @@ def extract_adapter(
       ({'lora': (8, 2)}, 1.0)
     """
     fn = "nu.nnx.extract_adapter"
+    if not isinstance(model, nnx.Module) and _tree.is_mapping(model):
+        return _from_state(fn, model, scale)
     layers = _lora_layers(model, fn)
     scales = _scales(fn, layers, scale)
     return {
@@ -153,7 +214,9 @@ def extract_adapter(
     }
 
 
-def _merged_modules(fn: str, merged: Any) -> dict[str, Mapping[str, Any] | None]:
+def _merged_modules(
+    fn: str, merged: Any, layers: Mapping[str, Any] | None = None
+) -> dict[str, Mapping[str, Any] | None]:
     if not _tree.is_mapping(merged):
         raise InputTypeError(
             f"{fn}: merged is a {type(merged).__name__}; expected the adapter returned by "
@@ -168,6 +231,11 @@ def _merged_modules(fn: str, merged: Any) -> dict[str, Mapping[str, Any] | None]
                 "expected {name: {'lora_a', 'lora_b', 'scale'}} or {name: {'delta'}}."
             )
         out[name] = node  # a module, or None (no update)
+    # a merge of LoRA states names a LoRALinear's module ".../query/lora": the layer's name
+    if layers and set(out) != set(layers):
+        renamed = {_layer_name(k): v for k, v in out.items()}
+        if len(renamed) == len(out) and set(renamed) == set(layers):
+            return renamed
     return out
 
 
@@ -232,7 +300,7 @@ def apply_adapter(
     if mode not in MODES:
         raise InputError(f"{fn}: unknown mode {mode!r}; expected one of {MODES}.")
     layers = _lora_layers(model, fn)
-    mods = _merged_modules(fn, merged)
+    mods = _merged_modules(fn, merged, layers)
     diff = _tree.name_mismatch(
         layers,
         mods,

@@ -12,6 +12,7 @@ from flax import nnx
 
 import netutility_jax as nu
 from netutility_jax import nnx as nu_nnx
+from netutility_jax.errors import InputError
 
 # one (d_in, d_out) for all modules: one bucket, one compile of each merge stage
 D, H1, R = 12, 10, 4
@@ -289,7 +290,9 @@ def test_bad_arguments():
     good = nu_nnx.extract_adapter(model)
     with pytest.raises(ValueError, match=re.escape("nu.nnx.apply_adapter: unknown mode 'dense'")):
         nu_nnx.apply_adapter(model, good, mode="dense")
-    with pytest.raises(TypeError, match=re.escape("expected a flax.nnx.Module, got dict")):
+    with pytest.raises(TypeError, match=re.escape("expected a flax.nnx.Module, got int")):
+        nu_nnx.extract_adapter(3)
+    with pytest.raises(ValueError, match="the dict holds no LoRA layer"):  # a state without LoRA
         nu_nnx.extract_adapter({"w": 1})
     with pytest.raises(ValueError, match=re.escape("Linear has no LoRA layers")):
         nu_nnx.extract_adapter(nnx.Linear(2, 2, rngs=nnx.Rngs(0), **_numpy_init(0)))
@@ -367,3 +370,39 @@ def test_bf16_factors_keep_their_dtype():
     assert new.lora.lora_a.shape == (8, 2)
     folded = nu_nnx.apply_adapter(model, merged, mode="fold")
     assert folded.kernel.get_value().dtype == model.kernel.get_value().dtype
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["State", "pure_dict"])
+def test_extract_from_a_lora_state_names_modules_as_from_the_model(setup, pure):
+    target = setup["target"]
+    state = nnx.state(target, nnx.LoRAParam)
+    got = nu_nnx.extract_adapter(nnx.to_pure_dict(state) if pure else state)
+    want = nu_nnx.extract_adapter(target)
+    assert list(got) == list(want) == NAMES  # ".../query", not ".../query/lora"
+    for name in want:
+        assert got[name]["scale"] == 1.0
+        for k in ("lora_a", "lora_b"):
+            np.testing.assert_array_equal(got[name][k], want[name][k])
+    scaled = nu_nnx.extract_adapter(state, scale={NAMES[0]: 0.5})
+    assert scaled[NAMES[0]]["scale"] == 0.5 and scaled[NAMES[1]]["scale"] == 1.0
+
+
+def test_a_merge_of_lora_states_applies_to_the_model(setup):
+    states = [nnx.state(_randomize(Model(0), seed), nnx.LoRAParam) for seed in (1, 2, 3)]
+    merged, _ = nu.merge_adapters(states, budget=3, method="ta")  # modules at ".../query/lora"
+    assert set(merged["layers"][0]["query"]) == {"lora"}
+    via_extract, _ = nu.merge_adapters(
+        [nu_nnx.extract_adapter(s) for s in states], budget=3, method="ta"
+    )
+    x = setup["x"]
+    for mode in ("fold", "lora"):
+        a = nu_nnx.apply_adapter(setup["target"], merged, mode=mode)(x)
+        b = nu_nnx.apply_adapter(setup["target"], via_extract, mode=mode)(x)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_state_without_lora_is_refused():
+    with pytest.raises(InputError, match="holds no LoRA layer"):
+        nu_nnx.extract_adapter(nnx.state(nnx.Linear(4, 4, rngs=nnx.Rngs(0))))
+    with pytest.raises(InputError, match="are not LoRA layers of the state"):
+        nu_nnx.extract_adapter(nnx.state(Model(0), nnx.LoRAParam), scale={"nope": 2.0})
