@@ -25,16 +25,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _buckets, _mesh, _rng, _select, _tree, registry
+from . import _buckets, _checks, _mesh, _rng, _select, _tree, registry
 from . import methods as _m
 from . import spaces as _s
 from ._linalg import mm as _mm
 from ._linalg import mul_pow2
 from ._linalg import t as _t
+from .errors import InputError, InputTypeError
 from .utility import default_rtol
 
 __all__ = [
     "DARE_KEPT",
+    "KERNEL_FINITE",
+    "KERNEL_INF",
+    "KERNEL_NAN",
     "BucketConfig",
     "CoordsConfig",
     "LowRankConfig",
@@ -44,11 +48,14 @@ __all__ = [
     "apply_ties",
     "block_tasks",
     "bucket_merge",
+    "check_elementwise_output",
+    "check_low_rank_output",
     "coords_tasks",
     "dare_block",
     "dare_rows",
     "elementwise",
     "entry_counts",
+    "kernel_status",
     "map_back",
     "module_dense",
     "module_dense_rows",
@@ -293,9 +300,129 @@ def stage_coords(red, ts, R, mask, unit, *, cfg: CoordsConfig):
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def stage_low_rank(ca, cb, coef, nums, *, cfg: LowRankConfig):
     """A spectral method (TA, TSV, Iso-C, Iso-CTS: the registry's kernel of ``cfg.method``) on
-    factored coordinates; ``nums`` holds its traced options."""
+    factored coordinates ``ca (n, M, p, r)``, ``cb (n, M, q, r)``; ``nums`` holds its traced
+    options. Returns ``(a (n, p, K), b (n, q, K), status (n,))``: the kernel's output, checked
+    for shapes and dtypes while tracing (:func:`check_low_rank_output`), and per module its
+    :func:`kernel_status`."""
     kernel = registry.METHODS[cfg.method].kernel
-    return kernel(ca, cb, coef=coef, rtol=cfg.rtol, is_svd=cfg.is_svd, **dict(cfg.options), **nums)
+    out = kernel(ca, cb, coef=coef, rtol=cfg.rtol, is_svd=cfg.is_svd, **dict(cfg.options), **nums)
+    am, bm = check_low_rank_output(cfg.method, ca, cb, out)
+    return am, bm, jnp.maximum(kernel_status(am), kernel_status(bm))
+
+
+#: :func:`kernel_status` codes: the kernel's output of a module is finite, holds an inf (and no
+#: NaN), holds a NaN.
+KERNEL_FINITE, KERNEL_INF, KERNEL_NAN = 0, 1, 2
+
+
+def kernel_status(y):
+    """Per module (leading axis) of a kernel's output ``y (n, p, k)``: :data:`KERNEL_FINITE`,
+    :data:`KERNEL_INF` or :data:`KERNEL_NAN`, from one reduction (the largest ``|y|``, which a
+    NaN anywhere makes NaN and an inf makes inf)."""
+    top = jnp.max(jnp.abs(y), axis=(-2, -1), initial=0)
+    return jnp.where(
+        jnp.isnan(top), KERNEL_NAN, jnp.where(jnp.isinf(top), KERNEL_INF, KERNEL_FINITE)
+    ).astype(jnp.int32)
+
+
+def _kernel_fault(method: str, kind: str, got: str, want: str, *, type_error: bool = False):
+    cls = InputTypeError if type_error else InputError
+    return cls(
+        f"nu.merge: method {method!r}: its {kind} kernel returned {got}; expected {want}. The "
+        f"kernel declared for {method!r} (netutility_jax.registry.MethodSpec.kernel) must "
+        "return that form (see the registry's module docstring)."
+    )
+
+
+def _dims(*xs) -> str:
+    """``(1, 16, K)``: a shape with named dimensions, for messages."""
+    return f"({', '.join(map(str, xs))})"
+
+
+def check_low_rank_output(method: str, ca, cb, out) -> tuple[jax.Array, jax.Array]:
+    """A low-rank kernel's output ``out`` for tasks ``ca (..., M, p, r)``, ``cb (..., M, q, r)``:
+    a pair ``(a (..., p, K), b (..., q, K))`` of the inputs' dtype, or an error naming the method
+    (shapes are static: checked while tracing, at no run-time cost)."""
+    lead, p, q = ca.shape[:-3], ca.shape[-2], cb.shape[-2]
+    want = f"a {_dims(*lead, p, 'K')} and b {_dims(*lead, q, 'K')} (the same K)"
+    tasks = f" for tasks a {tuple(ca.shape)}, b {tuple(cb.shape)}"
+    if not (
+        isinstance(out, (tuple, list))
+        and len(out) == 2
+        and all(hasattr(y, "shape") and hasattr(y, "dtype") for y in out)
+    ):
+        got = (
+            f"an array of shape {tuple(out.shape)}" if hasattr(out, "shape") else _checks.given(out)
+        )
+        raise _kernel_fault(method, "low-rank", got, f"a pair (a, b): {want}{tasks}")
+    am, bm = out
+    sa, sb = tuple(am.shape), tuple(bm.shape)
+    if not (
+        len(sa) == len(sb) == len(lead) + 2
+        and sa[:-2] == sb[:-2] == tuple(lead)
+        and (sa[-2], sb[-2]) == (p, q)
+        and sa[-1] == sb[-1]
+    ):
+        raise _kernel_fault(method, "low-rank", f"a {sa}, b {sb}", want + tasks)
+    if am.dtype != ca.dtype or bm.dtype != ca.dtype:
+        raise _kernel_fault(
+            method, "low-rank", f"dtypes ({am.dtype}, {bm.dtype})",
+            f"{ca.dtype} (its inputs' dtype)", type_error=True,
+        )  # fmt: skip
+    return am, bm
+
+
+def check_elementwise_output(method: str, x, out) -> jax.Array:
+    """An elementwise kernel's output ``out`` for dense tasks ``x (n, M, p, q)``: an array
+    ``(n, p, q)`` of ``x``'s dtype, or an error naming the method (checked while tracing)."""
+    n, _, p, q = x.shape
+    if not (hasattr(out, "shape") and hasattr(out, "dtype")):
+        raise _kernel_fault(
+            method, "elementwise", _checks.given(out), f"an array ({n}, {p}, {q}) (n, p, q)"
+        )
+    if tuple(out.shape) != (n, p, q):
+        raise _kernel_fault(
+            method, "elementwise", f"shape {tuple(out.shape)} for tasks x of shape "
+            f"{tuple(x.shape)}", f"{(n, p, q)} (n, p, q)",
+        )  # fmt: skip
+    if out.dtype != x.dtype:
+        raise _kernel_fault(
+            method, "elementwise", f"dtype {out.dtype}", f"{x.dtype} (its inputs' dtype)",
+            type_error=True,
+        )  # fmt: skip
+    return out
+
+
+def _with_kernel_status(method: str, space: str, status, bad, check, shape):
+    """A bucket's range ``check`` with its kernel's :func:`kernel_status` folded in, for the
+    modules whose inputs are finite (``bad (n, M, 3)`` all zero; the others are reported as bad
+    inputs). An inf is an overflow (an extreme ``coef``): range code 1, as an overflow found
+    later. A NaN is the kernel's fault: an :class:`InputError` naming the method. Both small
+    arrays are read on the host where the bucket's ranks are read anyway (:func:`map_back`, after
+    the kernel ran), so nothing waits; under a trace the inf is folded in and nothing is raised
+    (as for the range check)."""
+    if status is None:
+        return check
+    code, log2 = check
+    if isinstance(status, jax.core.Tracer) or isinstance(bad, jax.core.Tracer):
+        over = (status == KERNEL_INF) & (jnp.sum(bad, axis=(1, 2)) == 0)
+        return jnp.where(over, 1, code).astype(code.dtype), jnp.where(over, jnp.nan, log2)
+    status = np.asarray(status)
+    inputs_ok = ~np.asarray(bad).any(axis=(1, 2))
+    nan = (status == KERNEL_NAN) & inputs_ok
+    if nan.any():
+        k = int(nan.sum())
+        raise InputError(
+            f"nu.merge: method {method!r} returned NaN in {k} module{'s' if k > 1 else ''} of "
+            f"shape (d_in, d_out) = {shape} (space {space!r}) whose inputs are finite. A method's "
+            "kernel must return finite values for finite inputs: fix the kernel declared for "
+            f"{method!r} (netutility_jax.registry.MethodSpec.kernel)."
+        )
+    over = (status == KERNEL_INF) & inputs_ok
+    if not over.any():  # the usual case: no device work at all
+        return check
+    over = jnp.asarray(over)
+    return jnp.where(over, 1, code).astype(code.dtype), jnp.where(over, jnp.nan, log2)
 
 
 def range_status(w, y, unit, axes):
@@ -418,8 +545,10 @@ def stage_split(coords, keys, table, *, chunk: int):
 
 @functools.partial(jax.jit, static_argnames=("method",))
 def stage_elementwise(a, b, keys, k_top, coef, nums, *, method: str):
-    """TIES / DARE on a chunk of modules' dense core or KnOTS coordinates ``a b^T``."""
-    return elementwise(_mm(a, _t(b)), keys, method=method, coef=coef, nums=nums, k_top=k_top)
+    """TIES / DARE on a chunk of modules' dense core or KnOTS coordinates ``a b^T``: the merged
+    ``(n, p, q)`` and per module its :func:`kernel_status`."""
+    xm = elementwise(_mm(a, _t(b)), keys, method=method, coef=coef, nums=nums, k_top=k_top)
+    return xm, kernel_status(xm)
 
 
 @functools.partial(jax.jit, static_argnames=("rtol",))
@@ -433,9 +562,12 @@ def stage_decode_chunks(coords, xms, *, rtol: float):
 def _elementwise_bucket(coords, coef, keys, nums, table, *, method, rtol, chunk, rows=None):
     """TIES / DARE on a bucket, a chunk of whole modules per call (at most one chunk's dense
     tasks alive), or a block of ``rows`` rows of one module at a time (:func:`ties_rows`,
-    :func:`dare_rows`), then decoded. A Python loop rather than ``lax.map``: XLA:CPU writes a
+    :func:`dare_rows`), then decoded: ``(la, lb, live, status)``, ``status`` the registry
+    kernel's :func:`kernel_status` per module (None for the blocked built-in TIES and DARE,
+    which run no registry kernel). A Python loop rather than ``lax.map``: XLA:CPU writes a
     mapped output through an in-place update that it emits as scalar code, ~4 ms per KnOTS
     module."""
+    status = None
     if rows is not None and table is None:
         xms = [
             dare_rows(a, b, kk, coef, nums, method=method, rows=rows)
@@ -447,11 +579,13 @@ def _elementwise_bucket(coords, coef, keys, nums, table, *, method, rtol, chunk,
             for a, b, _, kt in stage_split(coords, keys, table, chunk=1)
         ]
     else:
-        xms = [
+        outs = [
             stage_elementwise(a, b, kk, kt, coef, nums, method=method)
             for a, b, kk, kt in stage_split(coords, keys, table, chunk=chunk)
         ]
-    return stage_decode_chunks(coords, xms, rtol=rtol)
+        xms = [xm for xm, _ in outs]
+        status = jnp.concatenate([st for _, st in outs]) if len(outs) > 1 else outs[0][1]
+    return (*stage_decode_chunks(coords, xms, rtol=rtol), status)
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
@@ -600,23 +734,31 @@ def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
     if elementwise:
         opts = dict(cfg.options)
         table = _select.count_table(opts[spec.keeps_top], c) if spec.keeps_top else None
-        la, lb, live = _elementwise_bucket(
+        la, lb, live, status = _elementwise_bucket(
             c, coef, keys, nums, table, method=cfg.method, rtol=rtol, chunk=cfg.chunk,
             rows=cfg.rows,
         )  # fmt: skip
-        return (*map_back(la, lb, live, red.qa, red.qb, not ambient_in, unit), bad)
-    am, bm = stage_low_rank(
-        c.a, c.b, coef, nums, cfg=LowRankConfig(cfg.method, cfg.options, rtol, cspace == "full")
-    )
-    # the result's factors are exact as they come (live columns = the nonzero ones)
-    la, lb, live = stage_decode(c, am, bm, rtol=rtol, compact=False)
-    return (*map_back(la, lb, live, red.qa, red.qb, True, unit), bad)
+        expand_in = not ambient_in
+    else:
+        am, bm, status = stage_low_rank(
+            c.a, c.b, coef, nums, cfg=LowRankConfig(cfg.method, cfg.options, rtol, cspace == "full")
+        )
+        # the result's factors are exact as they come (live columns = the nonzero ones)
+        la, lb, live = stage_decode(c, am, bm, rtol=rtol, compact=False)
+        expand_in = True
+    # a kernel's NaN or inf would otherwise decode to rank-0 modules (no singular value is
+    # above the cut), silently; its status is read where map_back reads the ranks anyway
+    la, lb, live, check = map_back(la, lb, live, red.qa, red.qb, expand_in, unit)
+    check = _with_kernel_status(cfg.method, cfg.space, status, bad, check, (cfg.d_in, cfg.d_out))
+    return la, lb, live, check, bad
 
 
 def elementwise(x, keys, *, method, coef, nums, k_top):
     """An elementwise method (the registry's kernel) on a batch of modules: ``x (n, M, p, q)``,
-    ``keys (n,)``, ``k_top (n,)``, traced options ``nums``."""
-    return registry.METHODS[method].kernel(x, keys, coef=coef, k_top=k_top, **nums)
+    ``keys (n,)``, ``k_top (n,)``, traced options ``nums``; its output checked for shape and
+    dtype while tracing (:func:`check_elementwise_output`)."""
+    out = registry.METHODS[method].kernel(x, keys, coef=coef, k_top=k_top, **nums)
+    return check_elementwise_output(method, x, out)
 
 
 def _kept_coords(a, b, s, r, mask, unit, *, r_max):

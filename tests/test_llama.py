@@ -21,17 +21,21 @@ order 1-10).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import doctest
 import importlib.metadata
 import importlib.util
 import json
+import pathlib
 import re
 
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError, InputTypeError, MissingFileError
@@ -990,6 +994,224 @@ def test_from_pretrained_errors(hf_env, tiny_llama, tmp_path):
         llama.from_pretrained(d3)
     with pytest.raises(InputError, match=r"needs rngs to draw the LoRA A factors"):
         llama.from_pretrained(tiny_llama, lora=llama.LoRAConfig(rank=2))
+
+
+GOOD_HF = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 10,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+
+BAD_FIELDS = [
+    # (changes to GOOD_HF, the message after "LlamaConfig.from_hf(/m/config.json): ")
+    ({"hidden_size": "sixteen"}, r"hidden_size='sixteen' \(str\); expected a positive integer"),
+    ({"hidden_size": 16.9}, r"hidden_size=16\.9 \(float\); expected a positive integer"),
+    ({"hidden_size": True}, r"hidden_size=True \(bool\); expected a positive integer"),
+    ({"hidden_size": -8}, r"hidden_size=-8 \(int\); expected a positive integer"),
+    ({"num_key_value_heads": 0}, r"num_key_value_heads=0 \(int\); expected a positive integer"),
+    ({"head_dim": [4]}, r"head_dim=\[4\] \(list\); expected a positive integer"),
+    ({"max_position_embeddings": 1e400}, r"max_position_embeddings=inf \(float\); expected a"),
+    ({"tie_word_embeddings": "false"},
+     r"tie_word_embeddings='false' \(str\); expected a JSON boolean \(true or false\)"),
+    ({"tie_word_embeddings": 0}, r"tie_word_embeddings=0 \(int\); expected a JSON boolean"),
+    ({"attention_bias": "no"}, r"attention_bias='no' \(str\); expected a JSON boolean"),
+    ({"mlp_bias": 1}, r"mlp_bias=1 \(int\); expected a JSON boolean"),
+    ({"rms_norm_eps": "1e-5"}, r"rms_norm_eps='1e-5' \(str\); expected a finite positive number"),
+    ({"rms_norm_eps": float("nan")}, r"rms_norm_eps=nan \(float\); expected a finite positive number"),
+    ({"rope_theta": False}, r"rope_theta=False \(bool\); expected a finite positive number"),
+    ({"model_type": ["llama"]}, r"model_type=\['llama'\] \(list\); expected one of"),
+    ({"architectures": "LlamaForCausalLM"},
+     r"architectures='LlamaForCausalLM' \(str\); expected a list of class names"),
+    ({"hidden_act": ["silu"]}, r"hidden_act=\['silu'\] \(list\); expected 'silu'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "4"}},
+     r"rope_scaling\.factor='4' \(str\); expected a finite positive number"),
+    ({"rope_scaling": {"rope_type": "linear"}},
+     r"rope_scaling\.factor is missing; expected a finite positive number"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.5}},
+     r"rope_scaling\.original_max_position_embeddings=8192\.5 \(float\); expected a positive "
+     r"integer"),
+    ({"model_type": "qwen3", "architectures": [], "use_sliding_window": "false"},
+     r"use_sliding_window='false' \(str\); expected a JSON boolean"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    BAD_FIELDS,
+    ids=[f"{i}-{next(iter(c))}" for i, (c, _) in enumerate(BAD_FIELDS)],
+)
+def test_config_fields_are_checked_naming_the_file_and_field(change, message):
+    """Was: a raw ValueError ("sixteen"), 16.9 read as 16, "false" read as true, a NaN kept."""
+    with pytest.raises(InputError, match=r"LlamaConfig\.from_hf\(/m/config\.json\): " + message):
+        llama.LlamaConfig.from_hf({**GOOD_HF, **change}, source="/m/config.json")
+
+
+def test_config_integral_floats_and_nulls():
+    cfg = llama.LlamaConfig.from_hf({**GOOD_HF, "hidden_size": 8.0, "head_dim": None})
+    assert cfg.hidden_size == 8 and type(cfg.hidden_size) is int and cfg.head_dim == 4
+    assert llama.LlamaConfig.from_hf({**GOOD_HF, "tie_word_embeddings": False}) == (
+        llama.LlamaConfig.from_hf(GOOD_HF)
+    )
+    for not_a_dict in ([GOOD_HF], "config", 3, None):
+        with pytest.raises(
+            InputError,
+            match=r"LlamaConfig\.from_hf\(/m/config\.json\): the file holds a JSON "
+            r"(array|string|number|null); expected a JSON object",
+        ):
+            llama.LlamaConfig.from_hf(not_a_dict, source="/m/config.json")
+
+
+JSON = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.sampled_from([0, 1, 2, 4, 8, 16.0, 16.5, "16", "true", "false", "silu", "llama"]),
+        st.text(max_size=5),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+CONFIG_KEYS = [
+    *GOOD_HF, "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "hidden_act", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+    "use_sliding_window", "layer_types",
+]  # fmt: skip
+ROPE = st.fixed_dictionaries(
+    {"rope_type": st.sampled_from(["default", "linear", "llama3", "yarn"])},
+    optional={
+        k: st.one_of(st.sampled_from([1.0, 4.0, 8192, 0.0, -1.0]), JSON)
+        for k in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+            "rope_theta",
+        )
+    },
+)  # fmt: skip
+INT_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads",
+    "intermediate_size": "intermediate_size", "max_position_embeddings": "max_position_embeddings",
+}  # fmt: skip
+BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+
+
+@st.composite
+def hf_configs(draw):
+    c = {**GOOD_HF, "model_type": draw(st.sampled_from(["llama", "qwen3"])), "architectures": []}
+    for key in draw(st.lists(st.sampled_from(CONFIG_KEYS), max_size=3, unique=True)):
+        value = draw(ROPE) if key.startswith("rope_") and draw(st.booleans()) else draw(JSON)
+        c[key] = value
+    return c
+
+
+@settings(max_examples=150, deadline=datetime.timedelta(seconds=1))
+@given(c=hf_configs())
+def test_config_fuzz_reads_exact_types_or_refuses_with_input_error(c):
+    """Any JSON in any field: an InputError naming the file, or a config whose integers are
+    the JSON integers (exact ints, an integral float taken as its int) and whose booleans are the
+    JSON booleans; never another exception, never a truncated or truthy-read value."""
+    try:
+        cfg = llama.LlamaConfig.from_hf(c, source="/m/config.json")
+    except InputError as e:
+        assert str(e).startswith("LlamaConfig"), e
+        return
+    for key, field in INT_FIELDS.items():
+        got = getattr(cfg, field)
+        assert type(got) is int
+        if c.get(key) is not None:
+            assert got == c[key] and not isinstance(c[key], bool)
+    for key in BOOL_FIELDS:
+        assert type(getattr(cfg, key)) is bool
+        if c.get(key) is not None:
+            assert getattr(cfg, key) is c[key]
+    for field in ("rms_norm_eps", "rope_theta", "rope_factor"):
+        assert type(getattr(cfg, field)) is float and np.isfinite(getattr(cfg, field))
+
+
+def _copy_folder(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_from_pretrained_refuses_bad_config_and_weights(hf_env, tiny_llama, tmp_path):
+    d = _copy_folder(tiny_llama, tmp_path / "m")
+    good = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps([good]))
+    with pytest.raises(
+        InputError, match=r"config\.json\): the file holds a JSON array; expected a JSON object"
+    ):
+        llama.from_pretrained(d)
+    (d / "config.json").write_text(json.dumps({**good, "tie_word_embeddings": "false"}))
+    with pytest.raises(InputError, match=r"m/config\.json\): tie_word_embeddings='false'"):
+        llama.from_pretrained(d)
+    (d / "config.json").write_text(json.dumps(good))
+    # NaN weights: named by tensor and shard
+    from safetensors.numpy import load_file, save_file
+
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.self_attn.v_proj.weight"
+    shard = index["weight_map"][name]
+    tensors = load_file(d / shard)
+    tensors[name] = tensors[name].copy()
+    tensors[name][0, 0] = np.nan
+    save_file(tensors, d / shard, metadata={"format": "pt"})
+    with pytest.raises(
+        InputError,
+        match=rf"tensor '{re.escape(name)}' of {re.escape(shard)} has 1 non-finite entry \(NaN or "
+        r"inf\) of \d+; the checkpoint is damaged",
+    ):
+        llama.from_pretrained(d)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink", "glob_symlink"])
+def test_from_pretrained_refuses_shards_outside_the_folder(hf_env, tiny_llama, tmp_path, how):
+    """Was: an index shard '../outside/model.safetensors' (or an absolute path, or a symlink
+    out of the folder) was read from outside the model folder."""
+    d = _copy_folder(tiny_llama, tmp_path / "m")
+    outside = _copy_folder(tiny_llama, tmp_path / "outside")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    if how in ("dotdot", "absolute"):
+        target = f"../outside/{first}" if how == "dotdot" else str(outside / first)
+        index["weight_map"] = {
+            k: (target if v == first else v) for k, v in index["weight_map"].items()
+        }
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+        (d / first).unlink()
+        shown = re.escape(repr(target))
+    else:
+        (d / first).unlink()
+        (d / first).symlink_to(outside / first)
+        shown = re.escape(repr(first))
+        if how == "glob_symlink":  # no index: the folder's *.safetensors
+            (d / "model.safetensors.index.json").unlink()
+    with pytest.raises(InputError, match=rf"shard {shown}.*leaves the model folder"):
+        llama.from_pretrained(d)
+
+
+def test_from_pretrained_reads_a_hugging_face_cache_snapshot(hf_env, tiny_llama, tmp_path):
+    """The Hugging Face cache keeps a snapshot's files as symlinks into the repository's
+    blobs/ folder: those are inside the repository and are read."""
+    repo = tmp_path / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(tiny_llama.iterdir())):
+        (blobs / f"blob{i}").write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(pathlib.Path("..", "..", "blobs", f"blob{i}"))
+    _, _, cfg = llama.from_pretrained(snap)
+    assert cfg.num_layers == 2
 
 
 @needs_gguf

@@ -12,6 +12,7 @@ import warnings
 
 import _merge_reference as ref
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -170,3 +171,250 @@ def test_model_wide_ties_through_merge_adapters():
         np.testing.assert_array_equal(ref.dense(merged[n]), ref.dense(want[n]))
     per_module = nu.merge(ads, masks, method="ties", space="core", density=0.3)
     assert any(not np.allclose(ref.dense(per_module[n]), ref.dense(want[n])) for n, _, _, _ in SPEC)
+
+
+# ------------------------------------------------------------------ registration is validated
+
+
+def _lr_kernel(a, b, *, coef, rtol, is_svd, **_):
+    return nu.methods.ta(a, b, coef=coef)
+
+
+def _ew_kernel(x, keys, *, coef, k_top, **_):
+    return coef * x.sum(1)
+
+
+def _spec(**kw) -> registry.MethodSpec:
+    fields = {
+        "name": "bad_m", "label": "Bad", "summary": "a method under test", "kind": "low_rank",
+        "kernel": _lr_kernel,
+    }  # fmt: skip
+    fields.update(kw)
+    return registry.MethodSpec(**fields)
+
+
+def _opt(name="w", kind="real", default=0.5, **kw) -> registry.Option:
+    return registry.Option(name, kind, default, f"{name}: an option", **kw)
+
+
+@pytest.fixture
+def registered():
+    """``add(spec)`` registers a throwaway method; every name it registers is removed after."""
+    before = dict(registry.METHODS)
+    yield registry.register
+    for name in set(registry.METHODS) - set(before):
+        del registry.METHODS[name]
+
+
+BAD_SPECS = [
+    # (spec fields, error class, the message: the field, the value and what is allowed)
+    ({"kind": "spectral"}, InputError,
+     r"kind='spectral' \(str\); expected one of \('low_rank', 'elementwise'\)"),
+    ({"kernel": None}, InputTypeError, r"kernel=None \(NoneType\); expected a callable"),
+    ({"options": (_opt(kind="integer"),)}, InputError,
+     r"option 'w': kind='integer' \(str\); expected one of \('real', 'bool', 'choice'\)"),
+    ({"options": (_opt(default=2.0, low=0.0, high=1.0),)}, InputError,
+     r"option 'w': default=2.0 \(float\); expected a number in \[0, 1\]"),
+    ({"options": (_opt(default="x", kind="bool"),)}, InputTypeError,
+     r"option 'w': default='x' \(str\); expected True or False"),
+    ({"options": (_opt(kind="choice", default="c", choices=("a", "b")),)}, InputError,
+     r"option 'w': default='c' \(str\); expected one of \('a', 'b'\)"),
+    ({"options": (_opt("coef"),)}, InputError,
+     r"option 'coef': the name is taken by nu\.merge, nu\.merge_adapters or the kernels"),
+    ({"options": (_opt(default=registry.REQUIRED, low=1.0, high=0.0),)}, InputError,
+     r"option 'w': low=1\.0 > high=0\.0; expected low <= high"),
+    ({"options": (_opt(), _opt())}, InputError, r"options: 'w' is declared twice"),
+    ({"options": (_opt(name="variant", kind="choice", default="a", choices=("a",)),)},
+     InputError, r"option 'variant': space 'knots' has an option of that name"),
+    ({"options": (_opt(name="p", kind="bool", default=False),)}, InputError,
+     r"option 'p': method 'dare' declares it as a real option"),
+    ({"options": ("w",)}, InputTypeError, r"options\[0\]='w' \(str\); expected a registry\.Option"),
+    ({"spaces": ()}, InputError, r"spaces=\(\) \(tuple\); expected a non-empty tuple of"),
+    ({"spaces": "full"}, InputTypeError, r"spaces='full' \(str\); expected a non-empty tuple of"),
+    ({"spaces": ("full", "dense")}, InputError,
+     r"spaces: 'dense' is not a space; expected among \('full', 'core', 'knots'\)"),
+    ({"name": 3}, InputTypeError, r"name=3 \(int\); expected a string"),
+    ({"name": "two words"}, InputError, r"name='two words' \(str\); expected a name of letters"),
+    ({"same_spaces": (("full", "dense"),)}, InputError,
+     r"same_spaces: 'dense' is not a space; expected among \('full', 'core', 'knots'\)"),
+    ({"same_spaces": (("full", "core"), ("core",))}, InputError,
+     r"same_spaces: 'core' is in two groups"),
+    ({"spaces": ("full", "core"), "same_spaces": (("full", "knots"),)}, InputError,
+     r"same_spaces: group \('full', 'knots'\) names 'knots', which is not among spaces"),
+    ({"budget_scope": "model"}, InputError,
+     r"budget_scope='model' \(str\); expected one of \('global', 'local'\)"),
+    ({"needs_key": 1}, InputTypeError, r"needs_key=1 \(int\); expected True or False"),
+    ({"needs_key": True}, InputError, r"needs_key=True needs kind='elementwise'"),
+    ({"keeps_top": "w"}, InputError, r"keeps_top='w' needs kind='elementwise'"),
+    ({"kind": "elementwise", "kernel": _ew_kernel, "keeps_top": "density"}, InputError,
+     r"keeps_top='density' is not an option of the method"),
+    ({"kind": "elementwise", "kernel": _ew_kernel, "model_wide": ("trim", "model")}, InputError,
+     r"model_wide=\('trim', 'model'\) needs keeps_top"),
+    ({"renamed": {"old": "new"}}, InputError,
+     r"renamed: 'old' -> 'new' renames to 'new', which is not an option"),
+    ({"canonical": "ta"}, InputTypeError, r"canonical='ta' \(str\); expected a callable or None"),
+    ({"kernel": lambda a, b: (a, b)}, InputError,
+     r"kernel: its signature \(a, b\) cannot take the low-rank call kernel\(a, b, coef=, rtol=, "
+     r"is_svd=\)"),
+    ({"kind": "elementwise", "kernel": _ew_kernel,
+      "options": (_opt(kind="choice", default="a", choices=("a", "b")),)}, InputError,
+     r"option 'w': a choice option of an elementwise method never reaches its kernel"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "cls", "message"),
+    BAD_SPECS,
+    ids=[f"{i}-{next(iter(f))}" for i, (f, _, _) in enumerate(BAD_SPECS)],
+)
+def test_register_refuses_a_bad_spec_naming_the_field(registered, fields, cls, message):
+    """Every mistake in a declaration is refused when it is registered (not later, inside
+    jit, or never), naming the field, the value given and what is allowed."""
+    with pytest.raises(cls, match=r"registry\.register: method .*" + message):
+        registered(_spec(**fields))
+    assert "bad_m" not in registry.METHODS
+
+
+def test_register_reports_every_mistake_at_once(registered):
+    spec = _spec(kind="spectral", spaces=("dense",), budget_scope="model")
+    with pytest.raises(InputError, match=r"3 mistakes: .*kind=.*spaces: .*budget_scope=") as e:
+        registered(spec)
+    assert str(e.value).count("expected") == 3
+
+
+def test_reserved_option_names_cover_the_merge_keywords():
+    """An option named like a keyword of nu.merge / nu.merge_adapters would be swallowed by it
+    (``coef``) or clash with the command line's flag of the same name."""
+    import inspect
+
+    for fn in (nu.merge, nu.merge_adapters):
+        params = inspect.signature(fn).parameters
+        named = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        assert named <= set(registry.RESERVED_OPTION_NAMES), named - set(
+            registry.RESERVED_OPTION_NAMES
+        )
+
+
+def test_register_accepts_the_builtins_again():
+    """The built-in declarations pass the checks (they were registered through them)."""
+    for name, spec in list(registry.METHODS.items()):
+        del registry.METHODS[name]
+        try:
+            registry.register(spec)
+        finally:
+            registry.METHODS[name] = spec
+
+
+# ----------------------------------------------------------- kernels' outputs are checked
+
+
+def _sq_ads(dtype=np.float64, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "l": {
+                "lora_a": rng.normal(size=(16, 2)).astype(dtype),
+                "lora_b": rng.normal(size=(2, 16)).astype(dtype),
+            }
+        }
+        for _ in range(2)
+    ]
+
+
+def _lr_then(f):
+    def kernel(a, b, *, coef, rtol, is_svd):
+        ma, mb = nu.methods.ta(a, b, coef=coef)
+        return f(ma, mb)
+
+    return kernel
+
+
+def _ew_then(f):
+    def kernel(x, keys, *, coef, k_top):
+        return f(coef * x.sum(1))
+
+    return kernel
+
+
+def _spec_of(name, kind, kernel):
+    scope = "global" if kind == "low_rank" else "local"
+    return registry.MethodSpec(name, name, "a kernel under test", kind, kernel, budget_scope=scope)
+
+
+@pytest.mark.parametrize("space", ["full", "core", "knots"])
+def test_a_kernel_returning_nan_is_an_error_naming_the_method(registered, space):
+    """Was: rank-0 modules and no error (the NaN columns count as zero singular values)."""
+    registered(_spec_of("nan_lr", "low_rank", _lr_then(lambda a, b: (a * jnp.nan, b))))
+    want = (
+        r"nu\.merge: method 'nan_lr' returned NaN in 1 module of shape \(d_in, d_out\) = "
+        rf"\(16, 16\) \(space '{space}'\) whose inputs are finite"
+    )
+    with pytest.raises(InputError, match=want):
+        nu.merge(_sq_ads(), method="nan_lr", space=space)
+
+
+@pytest.mark.parametrize("space", ["core", "knots"])
+def test_an_elementwise_kernel_returning_nan_is_an_error(registered, space):
+    registered(_spec_of("nan_ew", "elementwise", _ew_then(lambda x: x * jnp.nan)))
+    with pytest.raises(InputError, match=r"method 'nan_ew' returned NaN"):
+        nu.merge(_sq_ads(), method="nan_ew", space=space)
+    # full space (dense, module by module): the range check of the result names the module
+    with pytest.raises(InputError, match=r"merged update of module 'l' overflows"):
+        nu.merge(_sq_ads(), method="nan_ew", space="full")
+
+
+def test_an_elementwise_kernel_of_the_wrong_shape_is_an_error(registered):
+    """Was: a (16, 15) 'delta' for a 16 x 16 layer in full space."""
+    registered(_spec_of("cut_ew", "elementwise", _ew_then(lambda x: x[..., :-1])))
+    for space in ("full", "core", "knots"):
+        with pytest.raises(
+            InputError,
+            match=r"method 'cut_ew': its elementwise kernel returned shape \(1, \d+, \d+\) for "
+            r"tasks x of shape \(1, 2, \d+, \d+\); expected \(1, \d+, \d+\) \(n, p, q\)",
+        ):
+            nu.merge(_sq_ads(), method="cut_ew", space=space)
+
+
+def test_a_low_rank_kernel_of_the_wrong_form_is_an_error(registered):
+    """Low-rank kernels see reduced coordinates (here p = q = M r = 4), named in the message."""
+    registered(_spec_of("cut_lr", "low_rank", _lr_then(lambda a, b: (a[..., :-1, :], b))))
+    registered(_spec_of("one_lr", "low_rank", _lr_then(lambda a, b: a)))
+    registered(_spec_of("k_lr", "low_rank", _lr_then(lambda a, b: (a, b[..., :-1]))))
+    with pytest.raises(
+        InputError,
+        match=r"nu\.merge: method 'cut_lr': its low-rank kernel returned a \(1, 3, 4\), b "
+        r"\(1, 4, 4\); expected a \(1, 4, K\) and b \(1, 4, K\) \(the same K\) for tasks a "
+        r"\(1, 2, 4, 2\), b \(1, 2, 4, 2\)",
+    ):
+        nu.merge(_sq_ads(), method="cut_lr")
+    with pytest.raises(
+        InputError,
+        match=r"method 'one_lr': its low-rank kernel returned an array of shape \(1, 4, 4\); "
+        r"expected a pair \(a, b\)",
+    ):
+        nu.merge(_sq_ads(), method="one_lr")
+    with pytest.raises(InputError, match=r"method 'k_lr': .*returned a \(1, 4, 4\), b \(1, 4, 3\)"):
+        nu.merge(_sq_ads(), method="k_lr")
+
+
+def test_a_kernel_of_the_wrong_dtype_is_an_error(registered):
+    registered(_spec_of("f32_lr", "low_rank", _lr_then(lambda a, b: (a.astype(jnp.float32), b))))
+    registered(_spec_of("f32_ew", "elementwise", _ew_then(lambda x: x.astype(jnp.float32))))
+    with pytest.raises(InputTypeError, match=r"method 'f32_lr': its low-rank kernel returned "
+                       r"dtypes \(float32, float64\); expected float64 \(its inputs' dtype\)"):  # fmt: skip
+        nu.merge(_sq_ads(), method="f32_lr")
+    with pytest.raises(InputTypeError, match=r"method 'f32_ew': its elementwise kernel returned "
+                       r"dtype float32; expected float64"):  # fmt: skip
+        nu.merge(_sq_ads(), method="f32_ew")
+
+
+def test_an_overflowing_coef_in_core_space_is_a_range_error():
+    """Was: TIES and DARE in core space with a coef whose merge overflows float32 on the way
+    returned rank-0 modules (the kernel's inf counted as no singular value; coef=1e20 here);
+    now, as in KnOTS space, the range error naming the module."""
+    ads = _sq_ads(np.float32)
+    for method, kw in (("ties", {}), ("dare", {"p": 0.5, "key": jax.random.key(0)})):
+        with pytest.raises(InputError, match=r"merged update of module 'l' overflows float32"):
+            nu.merge(ads, method=method, space="core", coef=1e20, **kw)
+    out = nu.merge(ads, method="ties", space="core", coef=1e5)  # large but fine
+    assert out["l"]["lora_a"].shape == (16, 4)

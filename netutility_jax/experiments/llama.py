@@ -208,7 +208,12 @@ def from_pretrained(
     Raises:
       MissingFileError: no folder, ``config.json``, weights, shard or ``tokenizer.json``.
       InputError: another architecture, a pickle-only folder, a missing/unexpected tensor (named)
-        or one of the wrong shape, a bad file.
+        or one of the wrong shape, a bad file; a ``config.json`` that is not a JSON object or has
+        a field of the wrong JSON type (named with the file and what is expected: integers are
+        JSON integers, booleans JSON booleans); a tensor holding NaN or inf (named with its
+        shard); a shard, listed in ``model.safetensors.index.json`` or found in the folder, whose
+        path or symlink leaves the folder (the Hugging Face cache's ``snapshots/<rev>`` folders,
+        whose files link into the repository's ``blobs/``, are read).
     """
     d = pathlib.Path(folder)
     fn = f"llama.from_pretrained({str(d)!r})"

@@ -10,6 +10,7 @@ shape or left over. :func:`read_folder` reads a Hugging Face folder's ``config.j
 
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -67,7 +68,9 @@ def _fill(
                 f"{fn}: {where} has no tensor {label(name)} (for {'/'.join(map(str, path))}); "
                 "the checkpoint does not match its config (layers, biases, tied head?)."
             )
-        arr = tensors[name]()
+        loader = tensors[name]
+        arr = loader()
+        _check_finite(fn, arr, label(name), getattr(loader, "source", where))
         want = tuple(var.get_value().shape)
         want = want[::-1] if transpose else want  # in the checkpoint's (out, in) layout
         if tuple(arr.shape) != want:
@@ -93,6 +96,22 @@ def _fill(
             f"{fn}: {where} has weights this port does not use: {unused[:5]}"
             f"{' ...' if len(unused) > 5 else ''}; is it a {sorted(ARCHITECTURES.values())}?"
         )
+
+
+def _check_finite(fn: str, arr: Any, label: str, source: str) -> None:
+    """A checkpoint tensor's values are finite (a NaN or inf weight would load silently and
+    poison every logit): two reductions, and a count only when one is not finite."""
+    if not (hasattr(arr, "dtype") and jnp.issubdtype(arr.dtype, jnp.inexact)) or not arr.size:
+        return
+    a = np.asarray(arr)
+    if np.isfinite(np.max(a)) and np.isfinite(np.min(a)):
+        return
+    n = int(np.count_nonzero(~np.isfinite(a)))
+    raise InputError(
+        f"{fn}: tensor {label} of {source} has {n} non-finite "
+        f"{'entry' if n == 1 else 'entries'} (NaN or inf) of {a.size}; the checkpoint is damaged: "
+        "download or convert it again."
+    )
 
 
 def build(
@@ -138,7 +157,10 @@ def read_folder(d: pathlib.Path, fn: str) -> tuple[LlamaConfig, Tensors]:
 
     Raises:
       MissingFileError: no folder, ``config.json``, weights or shard.
-      InputError: another architecture, a pickle-only folder, a bad file.
+      InputError: another architecture, a pickle-only folder, a bad file (a field of the wrong
+        type in ``config.json``, an index that is not ``{"weight_map": {...}}``); a shard whose
+        path or symlink leaves the folder (:func:`_roots`: the Hugging Face cache's blobs are
+        inside).
     """
     if not d.is_dir():
         raise MissingFileError(
@@ -147,7 +169,7 @@ def read_folder(d: pathlib.Path, fn: str) -> tuple[LlamaConfig, Tensors]:
         )
     if not (d / "config.json").is_file():
         raise MissingFileError(f"{fn}: no config.json in the folder.")
-    cfg = LlamaConfig.from_hf(read_json(d / "config.json", fn), source=str(d / "config.json"))
+    cfg = LlamaConfig.from_hf(_read_json(d / "config.json", fn), source=str(d / "config.json"))
     return cfg, _safetensors(d, fn)
 
 
@@ -156,19 +178,13 @@ def _safetensors(d: pathlib.Path, fn: str) -> Tensors:
     from safetensors import SafetensorError, safe_open
 
     index = d / "model.safetensors.index.json"
+    roots = _roots(d)
     if index.is_file():
-        weight_map = read_json(index, fn).get("weight_map")
-        if not isinstance(weight_map, Mapping):
-            raise InputError(f"{fn}: model.safetensors.index.json has no 'weight_map' dict.")
-        files = sorted({d / str(v) for v in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise MissingFileError(
-                    f"{fn}: model.safetensors.index.json lists the shard {f.name!r}, which is not "
-                    "in the folder; download every shard."
-                )
+        files = _index_shards(d, index, roots, fn)
     else:
         files = sorted(p for p in d.glob("*.safetensors") if p.name != "adapter_model.safetensors")
+        for f in files:
+            _check_inside(fn, f, roots, f"the shard {f.name!r}")
     if not files:
         pickles = sorted(p.name for p in d.iterdir() if p.suffix in _PICKLES)
         if pickles:
@@ -202,4 +218,82 @@ def _getter(handle: Any, key: str, file: str, fn: str) -> Callable[[], np.ndarra
         except (SafetensorError, TypeError, ValueError) as e:
             raise InputError(f"{fn}: tensor {key!r} of {file} could not be read ({e}).") from None
 
+    get.source = file  # type: ignore[attr-defined]  # for messages (:func:`_fill`)
     return get
+
+
+def _read_json(path: pathlib.Path, fn: str) -> Any:
+    """:func:`read_json`, with a file that is not UTF-8 text an :class:`InputError` too."""
+    try:
+        return read_json(path, fn)
+    except UnicodeDecodeError as e:
+        raise InputError(f"{fn}: {path.name} is not UTF-8 text ({e}); expected JSON.") from None
+
+
+def _roots(d: pathlib.Path) -> tuple[pathlib.Path, ...]:
+    """The folders a model folder's shards may be in: the folder itself and, for a snapshot of
+    the Hugging Face cache (``models--org--name/snapshots/<rev>``, whose files are symlinks to
+    ``../../blobs/<hash>``), its repository's ``blobs`` folder."""
+    real = d.resolve()
+    roots = [real]
+    blobs = real.parent.parent / "blobs"
+    if real.parent.name == "snapshots" and blobs.is_dir():
+        roots.append(blobs.resolve())
+    return tuple(roots)
+
+
+def _check_inside(fn: str, path: pathlib.Path, roots: Sequence[pathlib.Path], what: str) -> None:
+    """``path``, with every symlink followed, is inside one of ``roots`` (:func:`_roots`)."""
+    real = path.resolve()
+    if not any(real.is_relative_to(r) for r in roots):
+        how = "is a symlink to" if path.is_symlink() else "resolves to"
+        raise InputError(
+            f"{fn}: {what} {how} {str(real)!r}, which leaves the model folder; shards must be "
+            "files inside the folder (copy them in rather than linking to them)."
+        )
+
+
+def _leaves(rel: str) -> bool:
+    """A path named in a file that leaves the folder it is taken in: absolute, or ``..`` first
+    once normalised (``a/../../b``)."""
+    return pathlib.PurePath(rel).is_absolute() or (
+        pathlib.PurePath(os.path.normpath(rel)).parts[:1] == ("..",)
+    )
+
+
+def _index_shards(
+    d: pathlib.Path, index: pathlib.Path, roots: Sequence[pathlib.Path], fn: str
+) -> list[pathlib.Path]:
+    """The shards ``model.safetensors.index.json`` lists: file names inside the folder (no
+    absolute path, no ``..`` out of it, no symlink out of it), each present."""
+    content = _read_json(index, fn)
+    weight_map = content.get("weight_map") if isinstance(content, Mapping) else None
+    if not isinstance(weight_map, Mapping):
+        raise InputError(
+            f"{fn}: model.safetensors.index.json has no 'weight_map' dict; expected "
+            '{"weight_map": {"tensor name": "shard file name", ...}}.'
+        )
+    files = set()
+    for name, v in weight_map.items():
+        if not isinstance(v, str) or not v:
+            raise InputError(
+                f"{fn}: model.safetensors.index.json maps {name!r} to {v!r}; expected the file "
+                "name of a shard in the folder (a string)."
+            )
+        if _leaves(v):
+            raise InputError(
+                f"{fn}: model.safetensors.index.json lists the shard {v!r}, which leaves the "
+                "model folder (an absolute path or '..'); shards must be files inside the folder."
+            )
+        files.add(v)
+    out = []
+    for v in sorted(files):
+        f = d / v
+        _check_inside(fn, f, roots, f"the shard {v!r} (in model.safetensors.index.json)")
+        if not f.is_file():
+            raise MissingFileError(
+                f"{fn}: model.safetensors.index.json lists the shard {v!r}, which is not in the "
+                "folder; download every shard."
+            )
+        out.append(f)
+    return out
