@@ -9,6 +9,10 @@
 * ``clip``: CLIP (ViT-B/32 and relatives) from a Hugging Face folder
   (``clip.from_pretrained(folder)``), LoRA on the attention with PEFT's module names, and
   ``CLIPImageProcessor``'s preprocessing (``clip_model``, ``clip_load``, ``clip_image``).
+* ``vision``: the paper's vision setting (``netutility demo --suite vision``): given CLIP LoRAs
+  (KnOTS' or your own PEFT folders) merged and evaluated with CLIP's zero-shot heads on local
+  copies of the datasets (``vision_data``: the 7 datasets' class names, templates, readers and
+  validation splits).
 
 The experiment in layers: the data (``tasks``, with ``task_sources`` and ``rdata_reader``;
 ``lang_tasks`` for prompts), the grid of merges (``grid``), running it (``runner`` with the

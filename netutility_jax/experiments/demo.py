@@ -55,6 +55,7 @@ __all__ = [
     "add_arguments",
     "check_cache_dir",
     "check_data",
+    "check_folder",
     "check_out",
     "check_task_files",
     "check_weights",
@@ -62,6 +63,7 @@ __all__ = [
     "main",
     "preset_of",
     "run",
+    "suite_flags",
     "task_args",
 ]
 
@@ -201,13 +203,74 @@ def check_data(args: Sequence[str]) -> None:
         )
 
 
-def check_weights(suite: str = "encoder") -> None:
+def check_weights(suite: str = "encoder", **given: Any) -> None:
     """Raise :class:`DemoError` (one line, with the install command) if the weights or readers
-    suite ``suite`` needs are missing (its :attr:`suites.SuiteSpec.requires`)."""
+    suite ``suite`` needs are missing (its :attr:`suites.SuiteSpec.requires`, called with the
+    flags ``given``: :func:`suite_flags`)."""
     try:
-        suites.get(suite).requires()
+        suites.get(suite).requires(**given)
     except (suites.SuiteUnavailable, InputError) as e:
         raise DemoError(str(e)) from None
+
+
+def check_folder(path: str, flag: str, *, shown: str | None = None) -> str:
+    """Refuse, before any work, a folder flag (``--model-dir``, ``--data-dir``, an
+    ``--adapters`` folder) naming no readable folder; returns ``path``.
+
+    ``shown``: how the value is printed (default ``path``; ``dtd=/a/dtd`` for ``--adapters``).
+
+    Raises:
+      DemoError: one line naming ``flag``: empty, missing, a file, unreadable.
+    """
+    where = f"{flag} {shown if shown is not None else path}"
+    if not str(path).strip():
+        raise DemoError(f"{flag} is empty; give a folder")
+    p = pathlib.Path(path)
+    try:
+        st = os.stat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        raise DemoError(f"{where}: no such folder") from None
+    except OSError as e:  # (permission denied on a folder above it, a name too long)
+        raise DemoError(f"{where}: cannot use it ({e.strerror or e})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise DemoError(f"{where}: a file, not a folder; give a folder")
+    if not os.access(p, os.R_OK | os.X_OK):
+        raise DemoError(f"{where}: cannot be read (permission denied)")
+    return str(path)
+
+
+_FLAG_NAMES = {"model_dir": "--model-dir", "data_dir": "--data-dir", "adapters": "--adapters"}
+
+
+def suite_flags(args: argparse.Namespace, spec: suites.SuiteSpec) -> dict[str, Any]:
+    """The folder flags given (``--model-dir``, ``--data-dir``, ``--adapters``) as keywords of
+    ``spec.build`` / ``spec.requires`` (:data:`suites.FLAGS`), every folder checked.
+
+    Raises:
+      DemoError: a flag the suite does not accept (:attr:`suites.SuiteSpec.flags`), a bad
+        ``--adapters`` list, or a folder that is not there (:func:`check_folder`).
+    """
+    given: dict[str, Any] = {}
+    for key, flag in _FLAG_NAMES.items():
+        value = getattr(args, key, None)
+        if value is None:
+            continue
+        if key not in spec.flags:
+            accepts = ", ".join(_FLAG_NAMES[f] for f in spec.flags) or "none of them"
+            raise DemoError(
+                f"{flag} is not used by the {spec.name} suite (it accepts {accepts}); drop it"
+            )
+        if key == "adapters":
+            try:
+                items = suites.parse_adapters(value)
+            except InputError as e:
+                raise DemoError(str(e)) from None
+            for a in items:
+                check_folder(a.path, flag, shown=f"{a.name}={a.path}" if a.name else None)
+            given[key] = items
+        else:
+            given[key] = check_folder(value, flag)
+    return given
 
 
 def load_tasks(args: Sequence[str], preset: gr.Preset) -> list[Any]:
@@ -380,6 +443,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{', '.join(t for t in tk.BUILTIN_TASKS if t not in gr.DEFAULT_TASKS)})",
     )
     parser.add_argument(
+        "--model-dir",
+        default=None,
+        metavar="DIR",
+        help="the model folder of a suite that reads one (vision: a Hugging Face CLIPModel "
+        "folder with config.json, model.safetensors, tokenizer.json)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="the datasets of a suite that reads its own (vision: DIR/<dataset>/<split>/<class>/"
+        "*.jpg or DIR/<dataset>/<split>-*.parquet)",
+    )
+    parser.add_argument(
+        "--adapters",
+        default=None,
+        metavar="DIR[,DIR...]",
+        help="the task LoRAs of a suite that merges given adapters (PEFT folders): NAME=DIR "
+        "pairs, or folders matched by name (..._dtd) or else by order "
+        "(vision: dtd, eurosat, gtsrb, mnist, resisc45, sun397, svhn)",
+    )
+    parser.add_argument(
         "--cache-dir",
         default=None,
         metavar="DIR",
@@ -425,6 +510,17 @@ def _run(args: argparse.Namespace) -> int:
     if getattr(args, "study", None) is not None:
         return _run_study(args)
     t0 = time.perf_counter()
+    spec = suites.get(getattr(args, "suite", "encoder"))
+    own_data = "data_dir" in spec.flags  # the suite reads its own tasks (suites.SuiteWithData)
+    if "adapters" in spec.flags and getattr(args, "init", None) is not None:
+        raise DemoError(f"--init: the {spec.name} suite trains nothing (its adapters are given)")
+    if own_data:
+        for flag, value in (("--task", args.task), ("--tasks", args.tasks)):
+            if value:
+                raise DemoError(
+                    f"{flag}: the {spec.name} suite reads its tasks from its own folders "
+                    "(--data-dir, --adapters); drop it"
+                )
     preset = preset_of(args)
     if args.seed is not None and args.seeds is not None:
         raise DemoError("give --seed or --seeds, not both")
@@ -436,19 +532,27 @@ def _run(args: argparse.Namespace) -> int:
         seeds = args.seeds or preset.seeds
     # every check before any work: a run's results must not be lost at the end
     out = check_out(args.out, overwrite=args.overwrite)
-    specs = task_args(args.task, args.tasks, preset.tasks)
+    given = suite_flags(args, spec)
+    specs = [] if own_data else task_args(args.task, args.tasks, preset.tasks)
     check_task_files(specs)
     check_cache_dir(args.cache_dir)
     check_data(specs)
-    spec = suites.get(getattr(args, "suite", "encoder"))
-    check_weights(spec.name)
-    task_list = load_tasks(specs, preset)
+    check_weights(spec.name, **given)
+    if own_data:
+        suite = spec.build(**given)
+        try:
+            task_list, preset = suite.load_tasks(preset)
+        except NetUtilityError as e:  # the data's layout, named (MissingFileError, InputError)
+            raise DemoError(f"cannot load the {spec.name} suite's data: {e}") from None
+    else:
+        task_list = load_tasks(specs, preset)
     print(
         f"{PROG}: {spec.name} suite, {preset.name} grid, {len(task_list)} tasks, seeds "
         f"{', '.join(map(str, seeds))}, cache {args.cache_dir or tr.default_cache_dir()}",
         flush=True,
     )
-    suite = spec.build()
+    if not own_data:
+        suite = spec.build(**given)
     run_ = runner.run_experiment(
         task_list,
         preset,
@@ -493,6 +597,11 @@ def _run_study(args: argparse.Namespace) -> int:
     ):  # fmt: skip
         if given:
             raise DemoError(f"--study {args.study} sets its own {flag[2:]} per cell; drop {flag}")
+    for key, flag in _FLAG_NAMES.items():
+        if getattr(args, key, None) is not None:
+            raise DemoError(
+                f"--study {args.study} runs on the encoder suite, which takes no {flag}"
+            )
     full, quick = sd.STUDIES[args.study]
     study = quick if args.quick else full
     if args.seed is not None and args.seeds is not None:

@@ -31,11 +31,14 @@ class SuiteReport:
       unit: what a test example is called (``"texts"``, ``"prompts"``).
       layers: which layers the LoRA adapts (``"6 layers"``).
       zero_shot_model: what the zero-shot model is, in "Zero-shot model (..., no adapter)".
+      trained: the suite trains its task LoRAs (False: they are given, e.g. the vision suite's
+        PEFT folders; the report then says so instead of describing training).
     """
 
     unit = "texts"
     layers = "6 layers"
     zero_shot_model = "frozen heads"
+    trained = True
 
     def evaluation(self, run: Any, common: dict[str, Any]) -> dict[str, Any]:
         """``results["evaluation"]``: the suite's evaluation settings with ``common`` (the
@@ -71,6 +74,10 @@ class SuiteReport:
     def step(self, train_config: Mapping[str, Any]) -> str:
         """What a training step holds."""
         return f"a step packs {train_config['rows']} x {train_config['row_len']} tokens"
+
+    def training(self, results: Mapping[str, Any]) -> list[str]:
+        """The report's training section (a suite whose adapters are given says where from)."""
+        return _training_md(results, self)
 
 
 def fmt(x: float | None, nd: int = 1) -> str:
@@ -228,7 +235,7 @@ def render_markdown(
     lines += _per_task_md(results, grid)
     lines += _analyses_md(results)
     lines += _coef_md(results)
-    lines += _training_md(results, suite)
+    lines += suite.training(results)
     lines += _timings_md(results)
     return "\n".join(lines) + "\n"
 
@@ -243,13 +250,15 @@ def _intro(results: Mapping[str, Any], suite: SuiteReport) -> str:
     hs = [v["heterogeneity"] for v in sc.values()]
     m_r = len(names) * tc["lora_rank"]
     unit = suite.unit
+    lora = "only the LoRA trains" if suite.trained else "the task LoRAs are given, not trained"
     return (
-        f"{len(names)} tasks: {', '.join(names)}. {suite.model(results)}; only the LoRA trains "
+        f"{len(names)} tasks: {', '.join(names)}. {suite.model(results)}; {lora} "
         f"(r={tc['lora_rank']}, alpha={tc['lora_alpha']:g} on q, k, v, o of {suite.layers}; "
         f"full capacity M r = {m_r}). {len(seeds)} training seed(s) "
         f"({', '.join(map(str, seeds))}); the same data splits for every seed. Test: "
         f"{evl['test_texts']} {unit} ({', '.join(str(t['test']) for t in results['tasks'])} per "
-        f"task); validation: {evl['val_texts']} {unit} (coefficient search, early stopping). "
+        f"task); validation: {evl['val_texts']} {unit} (coefficient search"
+        f"{', early stopping' if suite.trained else ''}). "
         f"Geometry: h = {np.mean(hs):.2f} -> alpha = {', '.join(f'{a:g}' for a in alphas)}; "
         f"lambda = {np.mean(lams):.3g} (median rule; per seed {', '.join(f'{x:.3g}' for x in lams)})."
     )

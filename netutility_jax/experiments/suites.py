@@ -20,6 +20,17 @@ A suite of your own::
     ))
     # netutility demo --suite mine --quick
 
+**Flags.** A suite that reads its model, data or adapters from the user's folders declares which
+of ``--model-dir``, ``--data-dir`` and ``--adapters`` it accepts (:attr:`SuiteSpec.flags`:
+:data:`FLAGS`). ``netutility demo`` refuses any other, checks that every folder given exists
+before any work, and calls ``spec.requires(**given)`` and ``spec.build(**given)`` with the flags
+given only (``model_dir=``, ``data_dir=``: the folders as strings; ``adapters=``: a tuple of
+:class:`AdapterArg`, ``--adapters NAME=DIR,DIR,...`` parsed by :func:`parse_adapters`). A suite
+that accepts ``data_dir`` reads its own tasks: its suite object also has ``load_tasks(preset) ->
+(tasks, preset)`` (:class:`SuiteWithData`), which ``netutility demo`` calls in place of the
+built-in text tasks (``--task``, ``--tasks`` are refused for it), and a suite that accepts
+``adapters`` trains nothing (``--init`` is refused for it).
+
 Everything heavy (models, optax) is imported only when a spec's callables run, so listing the
 suites (``netutility demo --help``) stays cheap.
 """
@@ -27,20 +38,29 @@ suites (``netutility demo --help``) stays cheap.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from ..errors import InputError, NetUtilityError
 
 __all__ = [
+    "FLAGS",
     "SUITES",
+    "AdapterArg",
     "Suite",
     "SuiteSpec",
     "SuiteUnavailable",
+    "SuiteWithData",
     "get",
+    "parse_adapters",
     "register",
     "unregister",
 ]
+
+#: The flags a suite may accept (``SuiteSpec.flags``), as keyword names of ``build`` and
+#: ``requires``; on the command line ``--model-dir``, ``--data-dir``, ``--adapters``.
+FLAGS = ("model_dir", "data_dir", "adapters")
 
 
 class SuiteUnavailable(NetUtilityError):
@@ -93,6 +113,51 @@ class Suite(Protocol):
         ...
 
 
+@runtime_checkable
+class SuiteWithData(Suite, Protocol):
+    """A suite that reads its own tasks (it accepts ``data_dir``; the vision suite)."""
+
+    def load_tasks(self, preset: Any) -> tuple[Sequence[Any], Any]:
+        """``(tasks, preset)``: the tasks, split and sized by ``preset`` (``n_val``,
+        ``n_test``), and the preset adjusted to what was loaded (e.g. the given adapters' LoRA
+        rank); a NamedTuple such as ``vision.VisionTasks``."""
+        ...
+
+
+class AdapterArg(NamedTuple):
+    """One item of ``--adapters``: ``NAME=DIR`` (``name`` set) or ``DIR`` (``name`` None)."""
+
+    name: str | None
+    path: str
+
+
+def parse_adapters(text: str) -> tuple[AdapterArg, ...]:
+    """The items of ``--adapters A,B`` or ``--adapters dtd=A,eurosat=B`` (a name is letters,
+    digits, ``_``, ``-``, ``.`` before the first ``=``; anything else is a folder).
+
+    Raises:
+      InputError: an empty item, or an empty name or folder.
+
+    Example:
+      >>> parse_adapters("dtd=/a/dtd, /b/KnOTS_mnist")
+      (AdapterArg(name='dtd', path='/a/dtd'), AdapterArg(name=None, path='/b/KnOTS_mnist'))
+    """
+    out = []
+    for item in (s.strip() for s in str(text).split(",")):
+        if not item:
+            raise InputError(f"--adapters {text!r}: an empty item; expected DIR or NAME=DIR, ...")
+        name, sep, path = item.partition("=")
+        if sep and re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            if not path.strip():
+                raise InputError(f"--adapters: {item!r} names no folder; expected NAME=DIR")
+            out.append(AdapterArg(name, path.strip()))
+        elif sep and not name:
+            raise InputError(f"--adapters: {item!r} has no name before '='; expected NAME=DIR")
+        else:
+            out.append(AdapterArg(None, item))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class SuiteSpec:
     """A suite, declared once for the command line and the harness.
@@ -101,21 +166,25 @@ class SuiteSpec:
       name: ``--suite NAME``.
       summary: one line for ``--help``: the model and how the tasks are answered.
       presets: returns ``{name: grid.Preset}``; it holds ``"quick"`` and every name in ``grids``.
-      build: returns the :class:`Suite` (loads the model: called after every up-front check).
+      build: returns the :class:`Suite` (loads the model: called after every up-front check),
+        called with the :attr:`flags` given as keywords (``build(model_dir="...")``).
       requires: raises :class:`SuiteUnavailable` (with the install command) when the suite's
-        weights or readers are missing; called before any work.
+        weights or readers are missing; called before any work, with the flags given.
       grids: the presets ``--grid`` may name (the first is the default); ``--quick`` picks
         ``"quick"``.
       cost: what a full run costs, for ``--help``.
+      flags: which of :data:`FLAGS` (``--model-dir``, ``--data-dir``, ``--adapters``) the suite
+        accepts; ``netutility demo`` refuses the others.
     """
 
     name: str
     summary: str
     presets: Callable[[], Mapping[str, Any]]
-    build: Callable[[], Suite]
-    requires: Callable[[], None]
+    build: Callable[..., Suite]
+    requires: Callable[..., None]
     grids: tuple[str, ...] = ("full",)
     cost: str = ""
+    flags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -135,6 +204,11 @@ class SuiteSpec:
         if "quick" in self.grids:
             raise InputError(
                 f"SuiteSpec {self.name!r}: 'quick' is chosen with --quick, not listed in grids."
+            )
+        if not isinstance(self.flags, tuple) or any(f not in FLAGS for f in self.flags):
+            raise InputError(
+                f"SuiteSpec {self.name!r}: flags={self.flags!r}; expected a tuple of names among "
+                f"{FLAGS}."
             )
 
     def preset(self, grid: str | None, *, quick: bool) -> Any:
@@ -246,7 +320,28 @@ def _language_requires() -> None:
         ) from None
 
 
-_BUILTIN = ("encoder", "language")
+def _vision_presets() -> Mapping[str, Any]:
+    from . import vision
+
+    return vision.PRESETS
+
+
+def _vision_build(**given: Any) -> Suite:
+    from . import vision
+
+    return vision.VisionSuite(given["model_dir"], given["data_dir"], given["adapters"])
+
+
+def _vision_requires(**given: Any) -> None:
+    from . import vision
+
+    try:
+        vision.check_folders(**given)
+    except NetUtilityError as e:  # (a missing file or reader: one line naming the flag)
+        raise SuiteUnavailable(str(e)) from None
+
+
+_BUILTIN = ("encoder", "language", "vision")
 register(
     SuiteSpec(
         name="encoder",
@@ -268,5 +363,21 @@ register(
         requires=_language_requires,
         grids=("full",),
         cost="hours on a 2-core CPU; --quick: minutes",
+    )
+)
+register(
+    SuiteSpec(
+        name="vision",
+        summary="CLIP (--model-dir, e.g. openai/clip-vit-base-patch32) with zero-shot heads from "
+        "its text tower, merging given PEFT LoRAs (--adapters, e.g. KnOTS' rank-16 ones) "
+        "evaluated on image datasets (--data-dir): the paper's Table 1",
+        presets=_vision_presets,
+        build=_vision_build,
+        requires=_vision_requires,
+        grids=("paper",),
+        cost="paper grid: 66 merges, each about 9 passes over the validation images and one "
+        "over the test images, about 90k images of the 7 datasets in all: roughly 1-2 h on one "
+        "H100 (an estimate; not measured), far too long for a CPU; --quick: minutes on a GPU",
+        flags=FLAGS,
     )
 )
