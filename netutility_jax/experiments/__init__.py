@@ -13,6 +13,9 @@
   (KnOTS' or your own PEFT folders) merged and evaluated with CLIP's zero-shot heads on local
   copies of the datasets (``vision_data``: the 7 datasets' class names, templates, readers and
   validation splits).
+* ``nli``: the paper's NLI setting (``netutility demo --suite nli``): a Qwen3 or Llama folder with
+  a 3-way classification head trained with each task's LoRA (the paper's App. B formulation,
+  ``nli_head``) on local copies of SNLI, MNLI, SICK, QNLI, RTE and SciTail (``nli_data``).
 
 The experiment in layers: the data (``tasks``, with ``task_sources`` and ``rdata_reader``;
 ``lang_tasks`` for prompts), the grid of merges (``grid``), running it (``runner`` with the

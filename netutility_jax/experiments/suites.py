@@ -341,7 +341,13 @@ def _vision_requires(**given: Any) -> None:
         raise SuiteUnavailable(str(e)) from None
 
 
-_BUILTIN = ("encoder", "language", "vision")
+def _nli_spec() -> SuiteSpec:
+    from . import nli  # light at import: its callables import the model code when they run
+
+    return SuiteSpec(**nli.spec_kwargs())
+
+
+_BUILTIN = ("encoder", "language", "vision", "nli")
 register(
     SuiteSpec(
         name="encoder",
@@ -381,3 +387,4 @@ register(
         flags=FLAGS,
     )
 )
+register(_nli_spec())
