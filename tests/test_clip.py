@@ -151,7 +151,11 @@ def hf_features(model, ids=None, mask=None, px=None):
 # ------------------------------------------------------------------------------ the forward
 
 
-@pytest.mark.parametrize(("eos", "act"), [(EOS, "quick_gelu"), (2, "quick_gelu"), (EOS, "gelu")])
+@pytest.mark.parametrize(
+    ("eos", "act"),
+    [(EOS, "quick_gelu"), pytest.param(2, "quick_gelu", marks=pytest.mark.slow),
+     pytest.param(EOS, "gelu", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_from_pretrained_matches_transformers(folders, eos, act):
     folder, hf = folders(eos, act)
     model, cfg, image_cfg = clip.from_pretrained(folder)
@@ -197,6 +201,8 @@ def test_end_of_text_rules_pick_different_positions(folders):
     assert np.abs(rows[0] - rows[1]).max() > 1e-2
 
 
+# (~10-15 s; the default tier keeps the transformers comparisons; the slow tier runs in CI)
+@pytest.mark.slow
 def test_sharded_folder_and_param_dtype(folders, tmp_path):
     folder, hf = folders()
     hf.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -218,6 +224,8 @@ def _cosine(a, b):
     return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
+# (~10-15 s; the default tier keeps the transformers comparisons; the slow tier runs in CI)
+@pytest.mark.slow
 def test_bfloat16_compute_close_to_float32(folders):
     folder, _ = folders()
     model, _, _ = clip.from_pretrained(folder)
@@ -234,6 +242,8 @@ def test_bfloat16_compute_close_to_float32(folders):
     np.testing.assert_array_equal(again.get_image_features(px), got)
 
 
+# (~10-15 s; the default tier keeps the transformers comparisons; the slow tier runs in CI)
+@pytest.mark.slow
 def test_jit_batches_and_no_recompile(folders):
     folder, _ = folders()
     model, _, _ = clip.from_pretrained(folder)
@@ -587,6 +597,8 @@ def test_preprocessor_config_json(folders, tmp_path):
         clip.preprocess(_images()[:2], free)
 
 
+# (~10-15 s; the default tier keeps the transformers comparisons; the slow tier runs in CI)
+@pytest.mark.slow
 def test_docstring_examples():
     for name in ("clip", "clip_model", "clip_load", "clip_image"):
         mod = importlib.import_module(f"netutility_jax.experiments.{name}")

@@ -143,6 +143,8 @@ def test_cli_flags_are_the_registry_options():
                 assert tuple(a.choices) == opt.choices
 
 
+# (~15-25 s of merge compilations; the slow tier runs in CI)
+@pytest.mark.slow
 def test_trim_scope_old_spelling_warns_and_agrees():
     ads = _ads(3)
     new = nu.merge(ads, method="ties", space="core", trim_scope="model", density=0.3)
@@ -408,6 +410,8 @@ def test_a_kernel_of_the_wrong_dtype_is_an_error(registered):
         nu.merge(_sq_ads(), method="f32_ew")
 
 
+# (~15-25 s of merge compilations; the slow tier runs in CI)
+@pytest.mark.slow
 def test_an_overflowing_coef_in_core_space_is_a_range_error():
     """Was: TIES and DARE in core space with a coef whose merge overflows float32 on the way
     returned rank-0 modules (the kernel's inf counted as no singular value; coef=1e20 here);

@@ -297,7 +297,11 @@ def _run(capsys, *argv) -> tuple[int, str, str]:
 @HF_WARNINGS
 @pytest.mark.parametrize(
     "mode",
-    [[], pytest.param(["--in-memory"], marks=pytest.mark.slow)],  # (load_adapter: tested above)
+    # (~15 s each; load_adapter and inspect on bin folders are checked in the default tier)
+    [
+        pytest.param([], marks=pytest.mark.slow),
+        pytest.param(["--in-memory"], marks=pytest.mark.slow),
+    ],
     ids=["streamed", "in-memory"],
 )
 def test_merge_of_bin_folders_equals_merge_of_safetensors(peft_folders, tmp_path, capsys, mode):
