@@ -34,6 +34,7 @@ __all__ = [
     "_method_options",
     "_options_by_flag",
     "_positive_int",
+    "_rank",
     "_seed",
     "_serving_ranks",
     "float_or_auto",
@@ -136,6 +137,17 @@ def _positive_int(text: str) -> int:
         MAX_BUDGET,
         f"a positive integer up to {MAX_BUDGET} (2**31 - 1; a budget at or above the number "
         "of candidate directions keeps them all)",
+    )
+
+
+def _rank(text: str) -> int:
+    """argparse type of ``--rank``: an integer in ``[1, MAX_BUDGET]``."""
+    return _int_in(
+        text,
+        1,
+        MAX_BUDGET,
+        f"a positive integer up to {MAX_BUDGET} (2**31 - 1; the rank dense results are "
+        "truncated to, capped at each module's min(d_in, d_out))",
     )
 
 
@@ -283,7 +295,7 @@ def _add_merge_output(m: argparse.ArgumentParser) -> None:
     and progress bars."""
     m.add_argument(
         "--rank",
-        type=_positive_int,
+        type=_rank,
         default=None,
         help="rank to which dense results (ties/dare in full space) are truncated by SVD when "
         "written as a PEFT adapter; required for those, ignored otherwise",

@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import pathlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -201,6 +202,28 @@ def cmd_merge(args: argparse.Namespace) -> int:
     bar = _progress(5 if args.no_plots else 6, _FN, args.quiet or ex.index > 0)
     if bar is not None:
         bar.set_postfix_str("loading adapters")
+    from .merging import ZeroUpdateWarning
+
+    with warnings.catch_warnings():  # (said below, as one line, from the report)
+        warnings.simplefilter("ignore", ZeroUpdateWarning)
+        report = _merge_and_write(args, ex, out, options, key, bar)
+    if ex.index == 0:
+        _warn_zeroed(args, report, options)
+        print(_merge_line(args, report, out))
+    return 0
+
+
+def _warn_zeroed(args: argparse.Namespace, report: Any, options: dict[str, Any]) -> None:
+    """One line on stderr naming the modules whose merged update is exactly zero."""
+    from .merging import zeroed_text
+
+    if report.zeroed:
+        total = len(report.ranks)
+        _say("merge", "warning", zeroed_text(report.zeroed, total, args.method, options))
+
+
+def _merge_and_write(args, ex, out: pathlib.Path, options, key, bar) -> Any:
+    """``netutility merge``'s loading, merging and writing steps; returns the report."""
     try:
         if _writes_as_it_goes(args):
             loaded = _open(args.adapters, args)
@@ -228,9 +251,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    if ex.index == 0:
-        print(_merge_line(args, report, out))
-    return 0
+    return report
 
 
 def _check_merge(args: argparse.Namespace, *, output: bool = True) -> pathlib.Path:
@@ -256,7 +277,13 @@ def _check_merge(args: argparse.Namespace, *, output: bool = True) -> pathlib.Pa
         _clean_staging(existing)
     shapes = [weight_shapes(p) for p in args.adapters]
     if existing is not None and all(s is not None for s in shapes):  # (else the loader says)
-        est = estimate_out_bytes(shapes, rank=args.rank, dtype=args.dtype)  # type: ignore[arg-type]
+        dense = not registry.METHODS[args.method].low_rank_in(args.space)
+        est = estimate_out_bytes(
+            shapes,  # type: ignore[arg-type]
+            rank=args.rank if dense else None,
+            dtype=args.dtype,
+            serving_ranks=args.serving_ranks,
+        )
         if _writes_as_it_goes(args):  # the tensors' side file and the final file, for a moment
             est = est._replace(bytes=2 * est.bytes - OUT_MARGIN)
         _check_space(args.out, existing, est, args.dtype)
@@ -614,6 +641,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     _check_extras(need_plots=False)
     import safetensors.numpy
 
+    from .peft._common import _save_file
+
     peft.load_config(src)  # (a readable JSON object, or the loader's message)
     try:
         config = (src / peft.CONFIG_NAME).read_bytes()
@@ -633,10 +662,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise InputError(f"{fn}: {str(wf)!r} holds no tensors; there is no adapter to convert.")
 
     def fill(tmp: pathlib.Path) -> None:
-        try:
-            safetensors.numpy.save_file(
-                tensors, str(tmp / peft.WEIGHTS_NAME), metadata={"format": "pt"}
-            )
+        try:  # (a failed write is an OSError, which write_folder reports)
+            _save_file(tensors, tmp / peft.WEIGHTS_NAME)
         except safetensors.SafetensorError as e:  # (a dtype safetensors cannot hold)
             raise InputError(f"{fn}: {str(wf)!r}: cannot be written as safetensors ({e}).") from e
         (tmp / peft.CONFIG_NAME).write_bytes(config)

@@ -23,7 +23,6 @@ import pathlib
 import re
 import secrets
 import shutil
-import socket
 import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -352,18 +351,28 @@ _FACTOR_KEY = re.compile(r"\.lora_([AB])(?:\.[^.]+)?\.weight$")
 
 
 def estimate_out_bytes(
-    shapes: Sequence[Mapping[str, Sequence[int]]], *, rank: int | None, dtype: str
+    shapes: Sequence[Mapping[str, Sequence[int]]],
+    *,
+    rank: int | None,
+    dtype: str,
+    serving_ranks: str | Sequence[int] | None = None,
 ) -> SizeEstimate:
     """Estimate the size of the merged adapter from the input adapters' tensor shapes.
 
     A merge of LoRA updates of ranks ``r_1..r_M`` has rank at most ``min(sum r_i, d_in,
-    d_out)`` per module; a dense result is written at rank ``rank``. The estimate takes the
-    larger of the two per module, at the output ``dtype``, plus ``OUT_MARGIN``.
+    d_out)`` per module; a dense result is written at rank ``min(rank, d_in, d_out)`` (its
+    truncated SVD has no more directions). The estimate takes the larger of the two per module
+    (pass ``rank=None`` where the method's result is low rank: ``--rank`` is then ignored). With
+    ``serving_ranks`` (``--serving-ranks``) every module is written at one uniform rank, the
+    smallest allowed one at least the largest module's, zero-padded: the estimate counts the
+    padding. At the output ``dtype``, plus ``OUT_MARGIN``.
 
     Example:
       >>> shapes = [{"m.q.lora_A.weight": (4, 100), "m.q.lora_B.weight": (50, 4)}] * 3
       >>> estimate_out_bytes(shapes, rank=None, dtype="float32").bytes - OUT_MARGIN
       7712
+      >>> estimate_out_bytes(shapes, rank=None, dtype="float32", serving_ranks="vllm").rank
+      16
     """
     modules: dict[str, list[int]] = {}  # name -> [sum of ranks, d_in, d_out]
     for sh in shapes:
@@ -378,11 +387,20 @@ def estimate_out_bytes(
             else:  # (d_out, r)
                 slot[2] = max(slot[2], shape[0])
     itemsize = 4 if dtype == "float32" else 2
-    total, top = OUT_MARGIN, 0
-    for r_sum, d_in, d_out in modules.values():
-        r = max(1, min(r_sum, d_in, d_out), rank or 0)
-        top = max(top, r)
-        total += r * (d_in + d_out) * itemsize + 512  # (+ two tensors' header entries)
+    ranks = {
+        name: max(1, min(r_sum, d_in, d_out), min(rank or 0, d_in, d_out))
+        for name, (r_sum, d_in, d_out) in modules.items()
+    }
+    top = max(ranks.values(), default=0)
+    if serving_ranks is not None and ranks:
+        from .peft import _write
+
+        allowed = _write._serving_ranks(serving_ranks, fn=f"{PROG} merge")
+        top = next((r for r in allowed if r >= top), top)  # (none fits: refused after merging)
+        ranks = dict.fromkeys(ranks, top)
+    total = OUT_MARGIN
+    for name, (_, d_in, d_out) in modules.items():
+        total += ranks[name] * (d_in + d_out) * itemsize + 512  # (+ two tensors' header entries)
     return SizeEstimate(total, len(modules), top)
 
 
@@ -408,7 +426,7 @@ _STAGING = re.compile(
 
 
 def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+    return _io.host_tag()
 
 
 def staging_name(out: pathlib.Path) -> pathlib.Path:
@@ -436,13 +454,7 @@ def staging_dir(out: pathlib.Path) -> pathlib.Path:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # someone else's process, or no way to tell: keep
-        return True
-    return True
+    return _io.pid_alive(pid)
 
 
 def clean_stale_staging(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -515,11 +527,12 @@ def report_dict(
     options: dict[str, Any],
     coverage: Mapping[str, Sequence[int]] | None = None,
 ) -> dict:
-    """A JSON-ready dict of a :class:`nu.Report` (masks and scores left out; NaN -> null), with
-    the per-module task coverage ``{module: [task indices that have it]}`` if given."""
+    """A JSON-ready dict of a :class:`nu.Report` (masks and scores left out; NaN -> null;
+    ``zeroed``: the modules whose merged update is exactly zero), with the per-module task
+    coverage ``{module: [task indices that have it]}`` if given."""
     keep = (
         "method", "space", "allocation", "scope", "budget", "budget_spent", "lam", "alpha",
-        "heterogeneity", "non_prefix_fraction", "kept_per_task", "kept", "ranks",
+        "heterogeneity", "non_prefix_fraction", "kept_per_task", "kept", "ranks", "zeroed",
     )  # fmt: skip
     out = {k: _io.to_jsonable(getattr(report, k)) for k in keep}
     if coverage is not None:
@@ -676,8 +689,8 @@ def write_shard(
     converted exactly as :func:`nu.peft.save_adapter` converts them (``--rank``, ``--dtype``,
     zero-padded to ``serving``). Returns ``{"t/<tensor>": bytes, "r/<module>": rank written}``.
     """
-    from .peft import _convert, _natural
-    from .peft._common import _safetensors
+    from .peft import _convert, _natural, _write
+    from .peft._common import _save_file
 
     fn = f"{PROG} merge"
     tensors, out = {}, {}
@@ -687,12 +700,12 @@ def write_shard(
             pad = serving - len(a)
             a, b = np.pad(a, ((0, pad), (0, 0))), np.pad(b, ((0, 0), (0, pad)))
         out[f"r/{name}"] = np.asarray(len(a), np.int64)
-        for key, y in _convert._peft_tensors(name, a, b, args.dtype, fn=fn).items():
+        for key, y in _write._written_tensors(name, a, b, args.dtype, fn=fn).items():
             tensors[key] = y
             out[f"t/{key}"] = np.asarray(y.nbytes, np.int64)
     tmp = folder / f".{file}.tmp"
     try:
-        _safetensors().numpy.save_file(tensors, str(tmp), metadata={"format": "pt"})
+        _save_file(tensors, tmp)
         os.replace(tmp, folder / file)
     except OSError as e:
         raise FileAccessError(

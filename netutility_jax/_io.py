@@ -12,7 +12,12 @@ file or folder and a failed write leaves nothing behind:
   floats as ``null``).
 
 Temporary files and folders are private while they are written (``mkstemp`` / ``mkdtemp``);
-what is moved into place gets the modes a plain ``open()`` would give (the user's umask).
+what is moved into place gets the modes a plain ``open()`` would give (the user's umask). Their
+names carry this host and process (``.NAME.tmp-<host>-<pid>-XXXXXXXX`` folders,
+``.NAME.<host>-<pid>-XXXXXXXX.tmp`` files), so that the temporaries a killed process left behind
+(``kill -9`` while writing) are removed by the next write into the same folder
+(:func:`clean_stale_temporaries`): only names of exactly these patterns, made on this host by a
+process that no longer exists and owned by this user.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
+import socket
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from typing import IO, Any, Literal
@@ -33,6 +41,9 @@ import numpy as np
 __all__ = [
     "atomic_directory",
     "atomic_file",
+    "clean_stale_temporaries",
+    "host_tag",
+    "pid_alive",
     "to_jsonable",
     "umask_modes",
     "write_json",
@@ -88,13 +99,89 @@ def umask_modes(folder: str | os.PathLike) -> tuple[int, int]:
     return mode, mode | (mode & 0o444) >> 2  # x wherever r: a listable folder
 
 
+def host_tag() -> str:
+    """This host's name as it goes into temporary names (letters and digits, at most 32)."""
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) exists; True when there is no way to tell."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # someone else's process, or no way to tell: keep
+        return True
+    return True
+
+
+# mkstemp / mkdtemp draw 8 characters from this alphabet
+_TMP_DIR = re.compile(
+    r"\.(?P<name>.+)\.tmp-(?P<host>[A-Za-z0-9]+)-(?P<pid>[1-9][0-9]*)-[a-z0-9_]{8}"
+)
+_TMP_FILE = re.compile(
+    r"\.(?P<name>.+)\.(?P<host>[A-Za-z0-9]+)-(?P<pid>[1-9][0-9]*)-[a-z0-9_]{8}\.tmp"
+)
+
+
+def _tmp_prefix(name: str) -> str:
+    """``NAME.`` cut so that a temporary's name stays within 255 bytes, with this host and
+    process: ``NAME.<host>-<pid>-``."""
+    while len(os.fsencode(name)) > 100:
+        name = name[:-1]
+    return f".{name}."
+
+
+def clean_stale_temporaries(folder: str | os.PathLike) -> list[pathlib.Path]:
+    """Remove the temporaries that killed processes left in ``folder``; return them.
+
+    Only the names :func:`atomic_file` and :func:`atomic_directory` give (``.NAME.tmp-<host>-
+    <pid>-XXXXXXXX`` folders, ``.NAME.<host>-<pid>-XXXXXXXX.tmp`` files; never a symlink), made
+    on this host by a process that no longer exists, owned by the current user. A live
+    process's temporaries are never touched (a reused pid keeps a stale one, never the
+    reverse). Failures to look or remove are ignored: this is housekeeping.
+    """
+    host, me = host_tag(), os.getpid()
+    removed: list[pathlib.Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TMP_DIR.fullmatch(entry.name)
+        want_dir = m is not None
+        m = m or _TMP_FILE.fullmatch(entry.name)
+        if m is None or m["host"] != host:
+            continue
+        pid = int(m["pid"])
+        if pid == me or pid_alive(pid):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if st.st_uid != os.getuid():
+                continue
+            if want_dir and stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(entry.path)
+            elif not want_dir and stat.S_ISREG(st.st_mode):
+                os.unlink(entry.path)
+            else:
+                continue
+        except OSError:
+            continue
+        removed.append(pathlib.Path(entry.path))
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: Literal["w", "wb"] = "wb") -> Iterator[IO]:
     """Write ``path`` atomically: yields a file open on a temporary file in ``path``'s folder,
     renamed over ``path`` when the block ends without an exception, removed otherwise."""
     path = pathlib.Path(path)
     folder = path.parent if str(path.parent) else pathlib.Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    clean_stale_temporaries(folder)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f"{_tmp_prefix(path.name)}{host_tag()}-{os.getpid()}-", suffix=".tmp", dir=folder
+    )
     try:
         with os.fdopen(fd, mode) as f:
             yield f
@@ -128,7 +215,8 @@ def atomic_directory(
         by ``on_exists``.
       fn: the caller's name, for messages.
       staging: the staging folder to use (it must not exist yet; its parent must be ``path``'s);
-        default a fresh ``.NAME.tmp-XXXXXXXX`` next to ``path``.
+        default a fresh ``.NAME.tmp-<host>-<pid>-XXXXXXXX`` next to ``path`` (stale ones of
+        dead processes are removed first, :func:`clean_stale_temporaries`).
       on_exists: ``"raise"``: :class:`FileExistsError` naming ``path``; ``"keep"``: the folder
         already there is kept and the new one discarded (another writer stored the same thing,
         e.g. a cache entry); ``"replace"``: the old folder is removed first.
@@ -139,8 +227,10 @@ def atomic_directory(
     """
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temporaries(path.parent)
     if staging is None:
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        prefix = f"{_tmp_prefix(path.name)}tmp-{host_tag()}-{os.getpid()}-"
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=path.parent))
     else:
         tmp = pathlib.Path(staging)
         tmp.mkdir(mode=0o700)

@@ -50,6 +50,7 @@ import shlex
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 # (every name this module had before it was split keeps working as ``cli.X``; the underscored ones
 # too, for tests and scripts that reach them)
@@ -189,6 +190,28 @@ def enable_compile_cache(folder: pathlib.Path) -> bool:
     return True
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its errors on one line, as every other refusal of the command:
+    ``netutility merge: error: argument --rank: ...; see 'netutility merge --help'`` and exit
+    code 2, instead of the usage block (the subcommands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        text = _one_line(Exception(message))
+        self.exit(2, f"{self.prog}: error: {text}; see '{self.prog} --help'\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        # unknown flags are the chosen subcommand's error (argparse reports them as the
+        # top-level parser's, which does not name the subcommand)
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = next(
+                (a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None
+            )
+            parser = sub.choices.get(getattr(ns, sub.dest, None)) if sub is not None else None
+            (parser or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
+
 def build_parser(*, demo_options: bool = True) -> argparse.ArgumentParser:
     """The ``netutility`` argument parser (subcommands ``merge``, ``inspect``, ``convert``,
     ``demo``).
@@ -196,7 +219,7 @@ def build_parser(*, demo_options: bool = True) -> argparse.ArgumentParser:
     ``demo_options=False`` leaves out the demo's own options, whose module imports the experiment
     (MiniLM, optax; about 3 s): :func:`main` asks for them only when the command is ``demo``.
     """
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Budget-aware merging of LoRA adapters across tasks (Net Utility), in JAX.",
     )
@@ -331,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``netutility`` console script; returns the exit code.
 
     0: done. 2: bad input (the library's :class:`~netutility_jax.errors.NetUtilityError`, the
-    command's :class:`UsageError`, or an argparse error), printed as one line. 1: any other
+    command's :class:`UsageError`, or an argparse error), printed as one line (an argparse
+    error with a pointer to ``--help`` instead of the usage). 1: any other
     exception, a bug in netutility-jax: its traceback and a request to report it. 130:
     interrupted.
     """

@@ -24,7 +24,9 @@ one module's ``M`` dense task updates are alive at a time (:func:`to_lora` trunc
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,6 +51,7 @@ __all__ = [
     "METHOD_OPTIONS",
     "SPACE_OPTIONS",
     "Report",
+    "ZeroUpdateWarning",
     "fold",
     "merge",
     "merge_adapters",
@@ -69,6 +72,13 @@ METHOD_OPTIONS: dict[str, dict[str, Any]] = {
 SPACE_OPTIONS: dict[str, dict[str, Any]] = {
     n: {o.name: o.default for o in s.options} for n, s in registry.SPACES.items()
 }
+
+
+class ZeroUpdateWarning(UserWarning):
+    """A merge kept components of a module, yet its merged update is exactly zero: TIES whose
+    ``density`` keeps no entry (PEFT's ``int(density * n)`` is 0), DARE dropping every entry
+    (``p`` near 1), or tasks that cancel. Written, such a module changes nothing.
+    :func:`merge_adapters` warns with it and records the modules in :attr:`Report.zeroed`."""
 
 
 def merge(
@@ -123,8 +133,12 @@ def merge(
     Numerics: each task's factors and scale are split into powers of two and normalised numbers
     and each module is merged in a unit of its own (:mod:`netutility_jax.spaces`), so an extreme
     but finite scale (``lora_alpha = 1e30`` in one task, float32) gives the merge of the same
-    inputs in float64, rounded to the dtype. A merge that cannot be held in the dtype is refused
-    (``InputError`` naming the modules), never returned as ``inf``, NaN or zeros: a dense result
+    inputs in float64, rounded to the dtype. ``coef`` too: one outside the dtype's normal range
+    (``1e-39`` or ``1e39`` in float32) is run as its mantissa and its power of two is applied to
+    the result on the host (split between the factors where one alone cannot hold it), so
+    ``coef=1e-39`` gives the exact scaled merge wherever that is representable. A merge that
+    cannot be held in the dtype is refused (``InputError`` naming the modules, and the
+    coefficient where it is the cause), never returned as ``inf``, NaN or zeros: a dense result
     beyond its range, factors that overflow even when balanced, or a result whose largest entry is
     below its smallest normal number. Low-rank results are factors: finite factors whose product
     would overflow the dtype are returned (:func:`fold` and :func:`module_update` check the
@@ -189,7 +203,152 @@ def merge(
         fn, adapters, masks, method=method, space=space, coef=coef, key=key, options=options,
         mesh=mesh,
     )  # fmt: skip
-    return _results.rebuild(adapters[0], _pipeline.run(plan, coef=coef, key=key))
+    return _results.rebuild(adapters[0], run_plan(plan, coef=coef, key=key))
+
+
+# ------------------------------------------------------------------ coef outside the dtype's range
+
+
+def coef_split(coef: Any, dtype: Any) -> tuple[Any, int]:
+    """``(c, e)`` with ``coef = c 2**e``: ``(coef, 0)`` where the compute ``dtype`` holds
+    ``coef`` as a normal number (or it is zero, or traced), else its mantissa in ``[0.5, 1)``
+    and exponent. Every method is linear in ``coef``, so the stages run with ``c`` and the
+    result is scaled by ``2**e`` afterwards (:func:`scale_results`): ``1e-39`` would be a
+    subnormal float32 that XLA flushes to zero, and ``1e308`` an ``inf``."""
+    if isinstance(coef, jax.core.Tracer):
+        return coef, 0
+    v = float(np.asarray(coef, np.float64))
+    fi = np.finfo(dtype)
+    if v == 0 or float(fi.tiny) <= abs(v) <= float(fi.max):
+        return coef, 0
+    return math.frexp(v)
+
+
+def run_plan(plan: Any, *, coef: Any, key: Any) -> dict[str, Any]:
+    """:func:`_pipeline.run` with ``coef`` split by :func:`coef_split`: ``{name: module}``."""
+    mant, exp2 = coef_split(coef, plan.dtype)
+    results = _pipeline.run(plan, coef=mant, key=key)
+    return scale_results(plan.fn, results, exp2, plan.dtype, coef) if exp2 else results
+
+
+def _log2_peak(a: np.ndarray, b: np.ndarray) -> float:
+    """``log2 max |a @ b|`` (float64 factors, ``-inf`` for a zero product), in blocks of rows
+    of at most 2**24 entries (128 MiB), so that no ``d_in x d_out`` product is held at once."""
+    rows = max(1, (1 << 24) // max(1, b.shape[1]))
+    peak = 0.0
+    for i in range(0, a.shape[0], rows):
+        peak = max(peak, float(np.abs(a[i : i + rows] @ b).max(initial=0)))
+    return math.log2(peak) if peak > 0 else -math.inf
+
+
+def _log2_max(x: np.ndarray) -> float:
+    m = float(np.abs(x).max(initial=0))
+    return math.log2(m) if m > 0 else -math.inf
+
+
+def scale_results(
+    fn: str, results: Mapping[str, Any], exp2: int, dtype: Any, coef: Any
+) -> dict[str, Any]:
+    """Merged modules (computed with ``coef``'s mantissa) times ``2**exp2``, in ``dtype``.
+
+    A low-rank module's power of two goes to ``lora_a`` where it alone holds it, else it is
+    split so that both factors are about the square root of the result (exact: powers of two).
+    A module whose merged update (``2**exp2`` times the largest entry of the product, in float64)
+    is below ``dtype``'s smallest normal number, or beyond its largest, is refused naming
+    ``coef`` and the modules: returned, it would be zeros or ``inf``."""
+    fi = np.finfo(dtype)
+    lo, hi = float(fi.minexp), math.log2(float(fi.max))
+    out: dict[str, Any] = {}
+    under: list[tuple[str, float]] = []
+    over: list[tuple[str, float]] = []
+    for name, mod in results.items():
+        if "delta" in mod:
+            x = np.asarray(mod["delta"], np.float64)
+            lg = _log2_max(x) + exp2
+        else:
+            a = np.asarray(mod["lora_a"], np.float64)
+            b = np.asarray(mod["lora_b"], np.float64)
+            lg = _log2_peak(a, b) + exp2
+        if lg == -math.inf:  # nothing kept, or zero: zero whatever the coefficient
+            out[name] = mod
+            continue
+        if lg < lo:
+            under.append((name, lg))
+            continue
+        if lg > hi:
+            over.append((name, lg))
+            continue
+        if "delta" in mod:
+            out[name] = {"delta": jax.device_put(np.ldexp(x, exp2).astype(dtype))}
+            continue
+        la, lb = _log2_max(a), _log2_max(b)
+        sa = exp2 if lo + fi.nmant <= la + exp2 <= hi - 1 else round((lb - la + exp2) / 2)
+        with np.errstate(over="ignore"):  # (a factor beyond the dtype is refused below)
+            fa = np.ldexp(a, sa).astype(dtype)
+            fb = np.ldexp(b, exp2 - sa).astype(dtype)
+        if not (np.all(np.isfinite(fa)) and np.all(np.isfinite(fb))):
+            over.append((name, lg))
+            continue
+        out[name] = {"lora_a": jax.device_put(fa), "lora_b": jax.device_put(fb), "scale": 1.0}
+    name = np.dtype(dtype).name
+    c = float(np.asarray(coef, np.float64))
+    for bad, what, limit in (
+        (under, "underflow", f"normal numbers from {float(fi.tiny):.3g}"),
+        (over, "overflow", f"at most {float(fi.max):.3g}"),
+    ):
+        if bad:
+            top = max((lg for _, lg in bad), key=abs)
+            raise InputError(
+                f"{fn}: coef={c!r} makes the merged update of "
+                f"{_checks.few([n for n, _ in bad])} {what} {name}: its entries reach about "
+                f"2**{top:.0f} (1e{math.log10(2) * top:+.0f}) where {name} holds {limit}, so it "
+                f"would be {'zeros' if what == 'underflow' else 'inf'}. Use a coefficient nearer "
+                f"1, or {_plan.X64_HINT}."
+            )
+    return out
+
+
+# ------------------------------------------------------------------------ all-zero merges
+
+
+def zeroed_modules(merged: Mapping[str, Any], kept: Mapping[str, Any]) -> list[str]:
+    """The modules of ``merged`` (``{name: module}``) whose update is exactly zero although
+    ``kept`` (``{name: bool (M, r_max)}``) keeps components there."""
+    out = []
+    for name, mod in merged.items():
+        if mod is None or name not in kept or not np.asarray(kept[name]).any():
+            continue
+        if "delta" in mod:
+            zero = not np.any(np.asarray(mod["delta"]))
+        else:
+            a, b = mod["lora_a"], mod["lora_b"]
+            zero = a.shape[-1] == 0 or not np.any(np.asarray(a)) or not np.any(np.asarray(b))
+        if zero:
+            out.append(name)
+    return out
+
+
+def zeroed_text(zeroed: Sequence[str], total: int, method: str, options: Mapping[str, Any]) -> str:
+    """What the warning about all-zero merged modules says (without the caller's name)."""
+    opts = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    return (
+        f"the merged update of {_checks.few(zeroed)} ({len(zeroed)} of {total} modules) is "
+        f"exactly zero although components were kept there: method {method!r}"
+        f"{f' ({opts})' if opts else ''} kept nothing of them (TIES keeps PEFT's "
+        "int(density * n) entries per task, DARE drops each entry with probability p). Written, "
+        "these modules change nothing; raise the density or lower p."
+    )
+
+
+def warn_zeroed(
+    fn: str, zeroed: Sequence[str], total: int, method: str, options: Mapping[str, Any]
+) -> None:
+    """:class:`ZeroUpdateWarning` naming the all-zero merged modules (none: nothing)."""
+    if zeroed:
+        warnings.warn(
+            ZeroUpdateWarning(f"{fn}: {zeroed_text(zeroed, total, method, options)}"),
+            stacklevel=3,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +368,8 @@ class Report:
       method, space, allocation, scope: the settings used.
       masks: ``{name: bool (M, r_max)}`` the kept components (for plots and analyses).
       scores: the :class:`nu.Scores` the allocation used (None for ``allocation="all"``).
+      zeroed: the modules whose merged update is exactly zero although components were kept
+        there (TIES keeping no entry, DARE dropping all; :class:`ZeroUpdateWarning`).
     """
 
     lam: float | None
@@ -226,6 +387,7 @@ class Report:
     scope: str | None
     masks: dict[str, Any] | None = None
     scores: Any = None
+    zeroed: tuple[str, ...] = ()
 
 
 def merge_adapters(
@@ -262,6 +424,10 @@ def merge_adapters(
 
     Returns:
       ``(merged_adapter, Report)``.
+
+    Warns:
+      ZeroUpdateWarning: modules whose merged update is exactly zero although components were
+        kept there (e.g. ``density=1e-300``, ``p=0.999999``); :attr:`Report.zeroed` lists them.
 
     Raises:
       InputError: unknown allocation or scope, budget <= 0, ``lam`` or ``alpha`` negative or not
@@ -303,11 +469,22 @@ def merge_adapters(
     merged = merge(
         adapters, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
     )
+    flat = {
+        "/".join(path) or "lora": node
+        for path, node in _tree.walk_modules(merged, is_module=_tree.has_update, max_depth=None)
+    }
+    zeroed = () if _is_zero(coef) else tuple(zeroed_modules(flat, kept_masks))
+    warn_zeroed(fn, zeroed, len(names), method, options)
     report = _report(
         adapters, merged, names, kept_masks, sc, budget=budget, method=method, space=space,
-        allocation=allocation, scope=scope,
+        allocation=allocation, scope=scope, zeroed=zeroed,
     )  # fmt: skip
     return merged, report
+
+
+def _is_zero(coef: Any) -> bool:
+    """``coef == 0`` (a zero merge asked for: nothing to warn about); False if traced."""
+    return not isinstance(coef, jax.core.Tracer) and float(np.asarray(coef, np.float64)) == 0
 
 
 def _check_budget_args(fn, res, allocation, scope, budget, alpha, lam, positive_only) -> str:
@@ -360,7 +537,7 @@ def _ranks(merged: Any) -> dict[str, int | None]:
     }
 
 
-def _report(adapters, merged, names, kept_masks, sc, *, h=None, **settings) -> Report:
+def _report(adapters, merged, names, kept_masks, sc, *, h=None, zeroed=(), **settings) -> Report:
     """The :class:`Report` of a merge (``h``: the heterogeneity if already known, else computed
     from ``adapters``; NaN if a task is all zero)."""
     if h is None:
@@ -386,4 +563,5 @@ def _report(adapters, merged, names, kept_masks, sc, *, h=None, **settings) -> R
         scope=settings["scope"] if allocation == "net_utility" else None,
         masks=dict(kept_masks),
         scores=sc,
+        zeroed=tuple(zeroed),
     )

@@ -555,7 +555,8 @@ def test_adapter_writer_a_failing_chunk_writes_nothing_of_it(tmp_path):
 
     merged = _writer_modules(np.random.default_rng(5))
     q0, q1 = merged["model.layers.0.q"], merged["model.layers.1.q"]
-    big = {"lora_a": np.ones((8, 2)), "lora_b": np.full((2, 6), 1e6)}
+    # (1e12: beyond float16 even split between the factors, sqrt(2e12) > 65504)
+    big = {"lora_a": np.ones((8, 2)), "lora_b": np.full((2, 6), 1e12)}
     with nu_peft.AdapterWriter(tmp_path / "out", dtype="float16") as w:
         w.add({"model.layers.0.q": q0})
         with pytest.raises(InputError, match=r"'model.layers.0.v'.*overflows float16"):
@@ -665,7 +666,7 @@ def test_save_refusals(tmp_path):
     with pytest.raises(ValueError, match=r"lora_a of module 'm\.q' \(8, 2\) has non-finite"):
         nu_peft.save_adapter({"m.q": {**lo, "lora_a": np.full((8, 2), np.nan)}}, tmp_path / "d")
     with pytest.raises(ValueError, match=r"module 'm\.q''s lora_B overflows float16 \(largest"):
-        nu_peft.save_adapter({"m.q": {**lo, "scale": 1e6}}, tmp_path / "d", dtype="float16")
+        nu_peft.save_adapter({"m.q": {**lo, "scale": 1e12}}, tmp_path / "d", dtype="float16")
     with pytest.raises(ValueError, match=r"dtype='int8'; expected one of"):
         nu_peft.save_adapter({"m.q": lo}, tmp_path / "d", dtype="int8")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "occupied"]  # nothing left

@@ -3,7 +3,10 @@ order of module names, and how values from files are quoted in messages."""
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -28,6 +31,22 @@ def _safetensors():
             "or pip install 'netutility-jax[peft]'."
         ) from e
     return safetensors
+
+
+def _save_file(tensors: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """``safetensors.numpy.save_file(tensors, path)`` (PEFT's ``{"format": "pt"}`` metadata),
+    with a failed write (a full disk, a file-size limit, permissions) as the :class:`OSError`
+    it is, naming ``path``: safetensors reports it as its own ``SafetensorError``."""
+    st = _safetensors()
+    try:
+        st.numpy.save_file(dict(tensors), os.fspath(path), metadata={"format": "pt"})
+    except st.SafetensorError as e:
+        text = str(e)
+        m = re.search(r"os error (\d+)", text)
+        if m is None and "I/O error" not in text:
+            raise
+        code = int(m[1]) if m is not None else errno.EIO
+        raise OSError(code, os.strerror(code), os.fspath(path)) from e
 
 
 def _clip(x: Any, n: int = 120) -> str:

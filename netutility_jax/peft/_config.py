@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from .._checks import few
 from .._io import to_jsonable
 from ..errors import InputError
+from ._common import CONFIG_NAME as CONFIG_FILE
 from ._common import _clip, _natural
 from ._regex import _Regexes
 
@@ -207,6 +208,70 @@ def _check_same_base(configs: Sequence[Mapping[str, Any]], labels: Sequence[str]
 
 
 # target_modules and the fields that restrict it (PEFT's check_target_module_exists)
+
+# Fields that build the model's layers themselves: the same module name means other weights
+# under another value, so every adapter of a merge must have the same one.
+_LAYOUT_FIELDS = ("layer_replication",)
+
+
+def _check_placement(
+    configs: Sequence[Mapping[str, Any]],
+    labels: Sequence[str],
+    modules: Sequence[Sequence[str]],
+    *,
+    files: Sequence[str],
+    fn: str,
+) -> None:
+    """Refuse adapters whose configs place their weights differently, or elsewhere than the
+    weights they hold; every adapter is checked, not only the first (whose config the merged
+    adapter carries).
+
+    * ``layer_replication`` (:data:`_LAYOUT_FIELDS`) must be the same in every config (a missing
+      one is none): it rebuilds the model's layers, so a module name stands for other weights
+      under another value.
+    * Each config's own target fields (``target_modules``, ``exclude_modules``,
+      ``layers_to_transform``, ``layers_pattern``) must make PEFT adapt every module its weights
+      hold (``modules[i]``): PEFT would load the others nowhere, and the merged adapter's config
+      would put them where the task never had them. A config without ``target_modules`` (PEFT
+      then picks the model type's defaults) is not checked. ``files``: each config file's path,
+      which prefixes a regex's messages.
+    """
+    for field in _LAYOUT_FIELDS:
+        values = [to_jsonable(c.get(field)) for c in configs]
+        for v, lab in zip(values[1:], labels[1:], strict=True):
+            if v != values[0]:
+                raise InputError(
+                    f"{fn}: the adapters place their weights differently: {labels[0]} has "
+                    f"{field}={_clip(values[0])} but {lab} has {field}={_clip(v)} (in "
+                    f"{CONFIG_FILE}; null: none). {field} builds the model's layers from the base "
+                    "model's, so the same module name stands for different weights; merge "
+                    f"adapters trained with the same {field}."
+                )
+    for cfg, lab, names, f in zip(configs, labels, modules, files, strict=True):
+        if cfg.get("target_modules") is None:
+            continue
+        rx = _Regexes(fn, f"{f!r}: ")
+        missed = _untargeted(cfg, names, rx, fn=fn)
+        if not missed:
+            continue
+        blame = "target_modules"
+        for fields in (("layers_to_transform", "layers_pattern"), ("exclude_modules",)):
+            if any(cfg.get(f) is not None for f in fields):
+                rest = {k: v for k, v in cfg.items() if k not in fields}
+                if len(_untargeted(rest, missed, rx, fn=fn)) < len(missed):
+                    blame = fields[0]
+                    break
+        shown = ", ".join(f"{k}={_clip(cfg[k], 80)}" for k in _TARGET_FIELDS if cfg.get(k))
+        what = (
+            f"all {len(names)} modules its weights hold"
+            if len(missed) == len(names)
+            else f"{few(missed)} ({len(missed)} of the {len(names)} modules its weights hold)"
+        )
+        raise InputError(
+            f"{fn}: the {CONFIG_FILE} of {lab} ({shown}) leaves out {what}: PEFT would not "
+            f"adapt them, so it would load those weights nowhere. The config does not belong to "
+            f"these weights, or its {blame} was edited: fix {blame} in {lab}."
+        )
 
 
 def _union_config(

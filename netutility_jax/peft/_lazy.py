@@ -25,7 +25,7 @@ import numpy as np
 from .._checks import few
 from ..errors import InputError
 from ._common import CONFIG_NAME, _clip, _natural, _safetensors
-from ._config import _union_config
+from ._config import _check_placement, _union_config
 from ._convert import _from_peft
 from ._load import _check_compatible, _check_set, _header_modules
 from ._read import _open_weights
@@ -241,6 +241,8 @@ def open_adapters(
         fn, paths, "pass [path]", strict, strict_targets, allow_different_base
     )
     opened = [_open_one(p, strict=strict, fn=fn) for p in paths]
+    files = [str(pathlib.Path(os.fspath(p)) / CONFIG_NAME) for p in paths]
+    _check_placement(configs, labels, [list(e) for _, e in opened], files=files, fn=fn)
     stand_ins = [{n: _shape_only(e) for n, e in entries.items()} for _, entries in opened]
     _check_compatible(stand_ins, labels, strict_targets=strict_targets, fn=fn)
     names = tuple(sorted({n for _, entries in opened for n in entries}, key=_natural))

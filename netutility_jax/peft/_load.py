@@ -12,9 +12,16 @@ from typing import Any, NamedTuple
 from .._checks import few
 from ..errors import InputError
 from ._common import CONFIG_NAME, _check_bool, _clip, _natural
-from ._config import _check_lora_config, _check_same_base, _module_settings, _union_config
+from ._config import (
+    _check_lora_config,
+    _check_placement,
+    _check_same_base,
+    _module_settings,
+    _union_config,
+)
 from ._convert import _check_shapes, _from_peft, _scale
 from ._read import (
+    _check_readable,
     _directory,
     _factor_keys,
     _factor_pair,
@@ -136,6 +143,8 @@ def _header_modules(path: Any, *, strict: bool, fn: str) -> Iterator[tuple]:
         def modules() -> Iterator[_HeaderModule]:
             for module, setting in zip(names, settings, strict=True):
                 keys = _factor_pair(module, factors[module], shapes, wf, fn=fn)
+                for k in keys:  # (from the header: an unreadable dtype before any data)
+                    _check_readable(wf, k, fh.get_slice(k).get_dtype(), fn=fn)
                 sa, sb = shapes[keys[0]], shapes[keys[1]]
                 _check_shapes(module, keys, sa, sb, wf, fn=fn)
                 scale = _scale(module, sa, sb, setting, wf=wf, where=where, fn=fn)
@@ -326,7 +335,10 @@ def load_adapters(
 
     Raises:
       ValueError: (:class:`InputError`) no paths; different base models (naming both, and both
-        paths) without ``allow_different_base``; different update shapes of a module (naming
+        paths) without ``allow_different_base``; different ``layer_replication`` (naming both
+        adapters); a config whose target fields (``target_modules``, ``exclude_modules``,
+        ``layers_to_transform``, ``layers_pattern``) leave out modules its own weights hold
+        (every adapter is checked, naming it and the field); different update shapes of a module (naming
         it, both shapes and both paths); different modules with ``strict_targets=True``; a
         first config whose target fields are malformed or hold a regex that cannot be evaluated
         in time; everything :func:`load_adapter` raises.
@@ -338,6 +350,8 @@ def load_adapters(
         fn, paths, "use nu.peft.load_adapter(path)", strict, strict_targets, allow_different_base
     )
     loaded = [load_adapter(p, strict=strict) for p in paths]
+    files = [str(pathlib.Path(os.fspath(p)) / CONFIG_NAME) for p in paths]
+    _check_placement(configs, labels, [list(ad) for ad in loaded], files=files, fn=fn)
     _check_compatible(loaded, labels, strict_targets=strict_targets, fn=fn)
     names = sorted({n for ad in loaded for n in ad}, key=_natural)
     adapters = [{n: ad.get(n) for n in names} for ad in loaded]

@@ -15,14 +15,21 @@ import json
 import os
 import pathlib
 import stat
+import struct
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from ..errors import FileAccessError, InputError, InputTypeError, MissingFileError
 from ._common import CONFIG_NAME, PICKLE_NAME, PREFIX, WEIGHTS_NAME, _clip, _safetensors
 from ._torch_pickle import TorchArchive, _LegacyFormat
 
-__all__ = ["INDEX_NAME", "load_config"]
+__all__ = ["INDEX_NAME", "READABLE_DTYPES", "load_config"]
+
+#: The safetensors dtype codes of floating factors this package reads (float8 through
+#: ``ml_dtypes``, which JAX installs; every factor is upcast to float32 when loaded).
+READABLE_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +187,7 @@ def _open_weights(f: pathlib.Path, *, fn: str):
     try:
         # numpy: no device copy per tensor (callers upcast and place them); bf16 reads as
         # ml_dtypes.bfloat16, which jax registers with numpy on import
-        return st.safe_open(str(f), framework="numpy")
+        return _SafeFile(st.safe_open(str(f), framework="numpy"), f, fn=fn)
     except st.SafetensorError as e:
         raise InputError(
             f"{fn}: {str(f)!r} is not a readable safetensors file ({_clip(str(e), 200)}); it is "
@@ -189,6 +196,75 @@ def _open_weights(f: pathlib.Path, *, fn: str):
     except FileNotFoundError as e:  # safetensors reports any failure to open this way
         _readable_file(f, f"the safetensors file {WEIGHTS_NAME}", fn=fn)
         raise MissingFileError(f"{fn}: could not open {str(f)!r} ({e}).") from e
+
+
+def _float8_dtypes() -> dict[str, Any]:
+    import ml_dtypes
+
+    return {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+def _check_readable(f: pathlib.Path, key: str, code: str, *, fn: str) -> None:
+    """Refuse a floating dtype code this package cannot read (F4, F6, F8_E8M0 ...), naming the
+    file, the tensor and the code; integer codes are left to the factors' dtype check."""
+    if code in READABLE_DTYPES or not (code.startswith("F") or code.startswith("BF")):
+        return
+    what = " (4-bit floats, two to a byte)" if code == "F4" else ""
+    raise InputError(
+        f"{fn}: {str(f)!r} stores the tensor {_clip(key)} as {code}{what}, a dtype this "
+        f"library cannot read; LoRA factors are read from {', '.join(READABLE_DTYPES)} "
+        "(float8 upcast to float32). Save the adapter in one of these (e.g. bfloat16)."
+    )
+
+
+class _SafeFile:
+    """A ``safe_open`` handle whose ``get_tensor`` also reads float8 tensors (the safetensors
+    package's numpy reader asks numpy for ``float8_e4m3fn``, which numpy lacks): their bytes
+    are read from the file at the header's offsets and viewed as ``ml_dtypes``' float8. Other
+    floating dtypes it cannot read (F4 ...) are refused naming the file, tensor and dtype."""
+
+    def __init__(self, handle: Any, f: pathlib.Path, *, fn: str):
+        self._h, self._f, self._fn = handle, f, fn
+        self._header: tuple[int, dict[str, Any]] | None = None
+
+    def __enter__(self) -> _SafeFile:
+        self._h.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._h.__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:  # keys, get_slice, metadata ...
+        return getattr(self._h, name)
+
+    def get_tensor(self, key: str) -> Any:
+        code = self._h.get_slice(key).get_dtype()
+        f8 = _float8_dtypes().get(code)
+        if f8 is None:
+            _check_readable(self._f, key, code, fn=self._fn)
+            return self._h.get_tensor(key)
+        start, entry = self._entry(key)
+        shape = tuple(int(n) for n in entry["shape"])
+        lo, hi = (int(x) for x in entry["data_offsets"])
+        if hi - lo != int(np.prod(shape, dtype=np.int64)):
+            raise InputError(
+                f"{self._fn}: {str(self._f)!r} gives {_clip(key)} ({code}, shape {shape}) "
+                f"{hi - lo} bytes; the file is corrupt: save it again."
+            )
+        data = np.fromfile(self._f, dtype=np.uint8, count=hi - lo, offset=start + lo)
+        if data.size != hi - lo:
+            raise InputError(f"{self._fn}: {str(self._f)!r} is truncated at {_clip(key)}.")
+        return data.view(f8).reshape(shape)
+
+    def _entry(self, key: str) -> tuple[int, dict[str, Any]]:
+        """``(offset of the data in the file, the header's entry of key)``."""
+        if self._header is None:
+            with open(self._f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            self._header = (8 + n, header)
+        start, header = self._header
+        return start, header[key]
 
 
 INDEX_NAME = "adapter_model.safetensors.index.json"

@@ -32,13 +32,14 @@ from .. import _checks
 from .._io import atomic_directory
 from ..errors import InputError, InputTypeError
 from ._common import CONFIG_NAME, WEIGHTS_NAME, _natural
-from ._convert import _peft_factors, _peft_tensors
+from ._convert import _peft_factors
 from ._write import (
     _check_free,
     _check_options,
     _config_text,
     _modules_for_save,
     _saved_config,
+    _written_tensors,
 )
 
 __all__ = ["AdapterWriter"]
@@ -148,7 +149,7 @@ class AdapterWriter:
         tensors, out = {}, {}
         for name in names:
             a, b = _peft_factors(name, mods[name], self._rank, fn=_FN)
-            tensors.update(_peft_tensors(name, a, b, self._dtype, fn=_FN))
+            tensors.update(_written_tensors(name, a, b, self._dtype, fn=_FN))
             out[name] = int(a.shape[0])
         for key, y in tensors.items():
             self._write(key, y)

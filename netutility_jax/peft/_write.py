@@ -4,6 +4,7 @@ convert / configure / write steps."""
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
 import pathlib
@@ -16,7 +17,7 @@ from .. import _checks
 from .._io import atomic_directory, to_jsonable
 from .._tree import has_update, is_mapping, walk_modules
 from ..errors import InputError, InputTypeError
-from ._common import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _natural, _safetensors
+from ._common import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _natural, _safetensors, _save_file
 from ._config import (
     _COMPUTED_FIELDS,
     _CONFIG_OVERRIDES,
@@ -24,7 +25,7 @@ from ._config import (
     _check_targets,
     _rank_patterns,
 )
-from ._convert import _SAVE_DTYPES, _peft_factors, _peft_tensors
+from ._convert import _SAVE_DTYPES, _peft_factors, _peft_tensors, _save_dtype
 from ._read import load_config
 
 __all__ = ["VLLM_RANKS", "save_adapter"]
@@ -44,7 +45,12 @@ def save_adapter(
 
     Each module's update ``dK`` (:func:`nu.module_update`) is written so that PEFT reproduces it
     exactly: ``lora_A.weight = lora_a^T`` ``(r, d_in)``, ``lora_B.weight = (scale * lora_b)^T``
-    ``(d_out, r)``, and PEFT's own scale is 1 (``lora_alpha = r`` per module, rsLoRA off). Modules
+    ``(d_out, r)``, and PEFT's own scale is 1 (``lora_alpha = r`` per module, rsLoRA off). Where
+    the saved ``dtype`` cannot hold a factor (its largest entry below the dtype's smallest normal
+    number, or beyond its range: a tiny ``coef`` or scale folded into ``lora_B`` in float16), a
+    power of two moves from one factor to the other so that both are about the square root of
+    the update's size (the product is the same, exactly); an update that no such split fits is
+    refused, never written as zeros or inf. Modules
     keep their own ranks through ``rank_pattern`` / ``alpha_pattern``: the most common rank is the
     config's ``r``, the other modules are listed under the key ``"^" + re.escape(name)``, which
     PEFT's rule (:func:`pattern_key`) matches to exactly that module (the anchored form PEFT
@@ -90,11 +96,15 @@ def save_adapter(
     Raises:
       FileExistsError: ``path`` is a file or a non-empty directory.
       InputError: ``serving_ranks`` allows no rank as large as the largest module (truncate the
-        modules first with :func:`nu.to_lora`, or write dense ones with a smaller ``rank``).
+        modules first with :func:`nu.to_lora`, or write dense ones with a smaller ``rank``); a
+        module whose update ``dtype`` cannot hold even split between the factors (it over- or
+        underflows).
       ValueError: a dense module without ``rank``; a bad rank, dtype or config key; a module name
         that is not a PEFT name; ``target_modules`` that miss a module; bad module shapes or
         non-finite values.
       TypeError: an adapter that is not a dict, a traced or non-floating array.
+      OSError: the write failed (a full disk, a file-size limit): its ``errno`` and ``filename``
+        say which; nothing is left at ``path``.
 
     Example:
       >>> import pathlib, tempfile
@@ -119,7 +129,7 @@ def save_adapter(
       >>> tmp.cleanup()
     """
     fn = "nu.peft.save_adapter"
-    st = _safetensors()
+    _safetensors()  # (without it: an ImportError saying what to install, before any work)
     _check_options(rank, dtype, config, fn=fn)
     allowed = _serving_ranks(serving_ranks, fn=fn)
     out_dir = pathlib.Path(os.fspath(path))
@@ -134,13 +144,62 @@ def save_adapter(
     for name in names:
         a, b = factors[name]
         ranks[name] = int(a.shape[0])
-        tensors.update(_peft_tensors(name, a, b, dtype, fn=fn))
+        tensors.update(_written_tensors(name, a, b, dtype, fn=fn))
     cfg = _saved_config(base_config, config, names, ranks, fn=fn)
     text = _config_text(cfg, fn=fn)
     with atomic_directory(out_dir, fn=fn) as tmp:
-        st.numpy.save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        _save_file(tensors, tmp / WEIGHTS_NAME)
         (tmp / CONFIG_NAME).write_text(text, encoding="utf-8")
     return cfg
+
+
+def _finfo(dtype: str) -> Any:
+    """``finfo`` of a ``save_adapter`` dtype name (bfloat16 through ml_dtypes)."""
+    import ml_dtypes
+
+    return ml_dtypes.finfo(_save_dtype(dtype))
+
+
+def _fit_dtype(
+    name: str, a: np.ndarray, b: np.ndarray, dtype: str, *, fn: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's factors ``A (r, d_in)``, ``B (d_out, r)`` (float64) made to fit ``dtype``: as they
+    are where both largest entries are normal numbers of it (well below its largest), else with
+    a power of two moved between them so that both are about ``sqrt(max|A| max|B|)`` (the
+    product is exactly the same); refused where even that split over- or underflows."""
+    ma, mb = float(np.abs(a).max(initial=0)), float(np.abs(b).max(initial=0))
+    if ma == 0 or mb == 0:  # a zero update: zeros, exactly
+        return a, b
+    fi = _finfo(dtype)
+    tiny, big = float(fi.tiny), float(fi.max)
+    if tiny <= ma <= big / 2 and tiny <= mb <= big / 2:
+        return a, b
+    k = round((math.log2(mb) - math.log2(ma)) / 2)
+    ea, eb = math.ldexp(ma, k), math.ldexp(mb, -k)
+    even = math.sqrt(ma) * math.sqrt(mb)
+    sizes = f"lora_A's largest entry is {ma:.3g}, lora_B's {mb:.3g}; {even:.3g} each split evenly"
+    if max(ea, eb) > big:
+        part = "lora_B" if mb >= ma else "lora_A"
+        raise InputError(
+            f"{fn}: module {name!r}'s {part} overflows {dtype} (largest entry "
+            f"{max(ma, mb):.3g}; {sizes}, beyond {dtype}'s largest number {big:.3g}); save "
+            "with dtype='float32' or 'bfloat16', or rescale the merge (coef)."
+        )
+    if min(ea, eb) < tiny:
+        raise InputError(
+            f"{fn}: module {name!r}'s update underflows {dtype} ({sizes}, below {dtype}'s "
+            f"smallest normal number {tiny:.3g}): written in {dtype} it would be lost (zeros, or "
+            "a few bits of subnormal numbers). Save with dtype='float32' (normal from 1.18e-38) "
+            "or rescale the merge (coef)."
+        )
+    return np.ldexp(a, k), np.ldexp(b, -k)
+
+
+def _written_tensors(name: str, a: np.ndarray, b: np.ndarray, dtype: str, *, fn: str) -> dict:
+    """Module ``name``'s PEFT factors as the checkpoint's tensors in ``dtype``
+    (:func:`_fit_dtype`, then :func:`_convert._peft_tensors`): what every writer writes."""
+    a, b = _fit_dtype(name, a, b, dtype, fn=fn)
+    return _peft_tensors(name, a, b, dtype, fn=fn)
 
 
 #: The LoRA ranks vLLM serves (its ``max_lora_rank`` choices).
