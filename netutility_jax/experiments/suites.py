@@ -219,7 +219,14 @@ class SuiteSpec:
         """
         if grid is not None and grid not in self.grids:
             owners = [s.name for s in SUITES.values() if grid in s.grids]
-            where = f"is for the {' and '.join(owners)} suite" if owners else "is not a grid"
+            names = (
+                f"{', '.join(owners[:-1])} and {owners[-1]}" if len(owners) > 1 else "".join(owners)
+            )
+            where = (
+                f"is for the {names} suite{'s' if len(owners) > 1 else ''}"
+                if owners
+                else "is not a grid"
+            )
             raise InputError(
                 f"--grid {grid} {where}; the {self.name} suite's grids: {', '.join(self.grids)}"
             )
