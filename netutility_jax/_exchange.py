@@ -17,9 +17,14 @@ forever in a collective for one that gave up. One process (``jax.process_count()
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import math
+import os
+import socket
 import struct
+import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,7 +33,17 @@ import numpy as np
 from . import _checks
 from .errors import InputError, one_line
 
-__all__ = ["LOCAL", "Exchange", "assign", "current", "initialize", "pack", "unpack"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "LOCAL",
+    "Exchange",
+    "assign",
+    "check_coordinator",
+    "current",
+    "initialize",
+    "pack",
+    "unpack",
+]
 
 Arrays = dict[str, np.ndarray]
 _STATUS = struct.Struct("<qqq")  # payload bytes, message bytes, failed (0 / 1)
@@ -129,12 +144,46 @@ class Exchange:
         self.allgather(fn, run)
         return result[0]
 
+    def agree(self, fn: str, facts: Mapping[str, str]) -> None:
+        """Check that every process has the same ``facts`` (``{what: value}``: the library
+        version, the options, each adapter's path and content digest), before any work.
+
+        Raises :class:`InputError` in every process, naming the first fact that differs, the
+        processes and their values, so processes given different inputs never merge a mix of
+        them. (One process: nothing to compare.)
+        """
+        if self.count == 1:
+            return
+        mine = json.dumps(dict(facts), sort_keys=True).encode()
+        got = self.allgather(fn, lambda: {"facts": np.frombuffer(mine, np.uint8)})
+        every = [json.loads(g["facts"].tobytes()) for g in got]
+        for what in sorted(set().union(*every), key=lambda w: (w not in facts, w)):
+            values = [f.get(what) for f in every]
+            if len(set(map(str, values))) > 1:
+                # the processes by value, process 0's first
+                groups: dict[str, list[int]] = {}
+                for p, v in enumerate(values):
+                    groups.setdefault("(missing)" if v is None else str(v), []).append(p)
+                shown = "; ".join(f"{_processes(ps)}: {_short(v)}" for v, ps in groups.items())
+                raise InputError(
+                    f"{fn}: the {self.count} processes were given different {what} ({shown}); "
+                    "run the same command, on the same adapters, in every process."
+                )
+
     def _bytes(self, data: bytes, size: int) -> list[bytes]:
         """Each process's ``data``, every one at most ``size`` bytes (zero-padded to it)."""
         from jax.experimental import multihost_utils
 
         buf = np.frombuffer(data.ljust(max(size, 1), b"\0"), np.uint8)
         return [row.tobytes() for row in multihost_utils.process_allgather(buf)]
+
+
+def _processes(ps: Sequence[int]) -> str:
+    return f"process {ps[0]}" if len(ps) == 1 else "processes " + ", ".join(map(str, ps))
+
+
+def _short(v: str, n: int = 120) -> str:
+    return v if len(v) <= n else v[: n - 3] + "..."
 
 
 LOCAL = Exchange()
@@ -150,20 +199,85 @@ def current(fn: str, distributed: Any) -> Exchange:
     return Exchange(jax.process_index(), jax.process_count())
 
 
+DEFAULT_TIMEOUT_S = 120
+"""Seconds a process waits for all the others to join (``--distributed-timeout``)."""
+
+
+def check_coordinator(fn: str, address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for an IPv6 address) checked before joining: the port in
+    1..65535 and the host resolvable. Returns ``(host, port)``; :class:`InputError` otherwise."""
+    text = str(address)
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            host = ""
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InputError(
+            f"{fn}: the coordinator address must be HOST:PORT with a port in 1..65535 "
+            f"([ADDRESS]:PORT for IPv6), got {text!r}"
+        )
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise InputError(
+            f"{fn}: the coordinator host {host!r} cannot be resolved here ({one_line(e, 120)}); "
+            "give process 0's host name or IP address."
+        ) from e
+    return host, int(port)
+
+
 def initialize(
     fn: str,
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    on_timeout: Callable[[str], Any] | None = None,
 ) -> Exchange:
     """``jax.distributed.initialize`` (before any JAX computation); what is not given is
     detected on SLURM, Open MPI and TPU pods. Failures are :class:`InputError`\\ s that say
-    what to pass."""
+    what to pass.
+
+    The address and indices are checked before connecting. JAX ends a process that cannot
+    join with a fatal C++ error (after its own timeout); instead, a process that has not joined
+    after ``timeout_s`` seconds calls ``on_timeout(message)`` (the command prints the one-line
+    message and exits with status 2), or, without ``on_timeout``, writes the message to stderr
+    and exits with status 2: JAX's connection cannot be abandoned from Python, so the process
+    cannot go on either way.
+    """
     import jax
 
+    if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise InputError(f"{fn}: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if coordinator is not None:
+        check_coordinator(fn, coordinator)
+    if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+        raise InputError(
+            f"{fn}: process index {process_id} is out of range for {num_processes} processes "
+            f"(indices run from 0 to {num_processes - 1})"
+        )
+    message = (
+        f"{fn}: the {num_processes or 'expected'} processes did not all join within "
+        f"{timeout_s:g} s (coordinator {coordinator or 'auto-detected'}"
+        f"{'' if process_id is None else f', this is process {process_id}'}): check that every "
+        "process was started with the same coordinator address and number of processes and a "
+        "distinct index, that the port is free on process 0's host and reachable from the "
+        "others, or allow longer (--distributed-timeout)."
+    )
+    watchdog = threading.Timer(timeout_s, _give_up, args=(message, on_timeout))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         jax.distributed.initialize(
-            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            # JAX's own deadline (a fatal error) only after the watchdog's
+            initialization_timeout=math.ceil(timeout_s) + 60,
         )
     except (ValueError, TypeError, RuntimeError) as e:
         raise InputError(
@@ -171,4 +285,18 @@ def initialize(
             "MPI or TPU-pod job, give the coordinator address, the number of processes and this "
             "process's index (CLI: --coordinator HOST:PORT --num-processes N --process-id I)."
         ) from e
+    finally:
+        watchdog.cancel()
     return Exchange(jax.process_index(), jax.process_count())
+
+
+def _give_up(message: str, on_timeout: Callable[[str], Any] | None) -> None:
+    """The watchdog of :func:`initialize`: report and end this process (status 2)."""
+    try:
+        if on_timeout is not None:
+            on_timeout(message)
+        else:
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+    finally:
+        os._exit(2)

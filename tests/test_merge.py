@@ -878,7 +878,10 @@ def test_ties_full_space_keeps_peft_count(d_in, d_out):
         np.testing.assert_allclose(got, want, atol=1e-12, err_msg=str(density))
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float64, pytest.param(np.float32, marks=pytest.mark.slow)],  # 7-8 s each
+)
 def test_ties_traced_knots_count_is_peft_count(dtype):
     """KnOTS, one task of rank r: TIES trims the (d_in, r) block, which the result keeps as its
     lora_a; its nonzero count must be PEFT's count for n = d_in r, for every density, when the

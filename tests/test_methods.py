@@ -215,7 +215,10 @@ def test_topk_count_matches_peft_over_shapes_and_densities():
     assert m.topk_count(d32, 2400) == _peft_count(2400, float(d32)) == int(float(d32) * 2400)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float32, pytest.param(np.float64, marks=pytest.mark.slow)],  # 8-10 s each
+)
 def test_trim_topk_breaks_ties_by_flat_index_in_every_dtype(dtype):
     """Exactly k kept; among equal magnitudes the lower flat index first (stable argsort of -|x|);
     the same entries in float32 and float64, batched with one k per module, eager and jitted."""
