@@ -31,6 +31,8 @@ from .merging import merge as merge
 from .merging import merge_adapters as merge_adapters
 from .merging import module_update as module_update
 from .merging import to_lora as to_lora
+from .planning import Plan as Plan
+from .planning import plan as plan
 from .streaming import merge_adapters_streaming as merge_adapters_streaming
 from .utility import ModuleScores as ModuleScores
 from .utility import Scores as Scores
@@ -62,6 +64,7 @@ __all__ = [
     "LoraSVD",
     "ModuleScores",
     "NetUtilityError",
+    "Plan",
     "Report",
     "Scores",
     "allocate",
@@ -83,6 +86,7 @@ __all__ = [
     "nnx",
     "non_prefix_fraction",
     "peft",
+    "plan",
     "plots",
     "registry",
     "retention_by_rank",

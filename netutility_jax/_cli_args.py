@@ -18,6 +18,7 @@ from ._cli_common import UsageError, _shown
 
 # (the underscored helpers are private to the command's modules, which share them)
 __all__ = [
+    "CLI_DEFAULTS",
     "MAX_BUDGET",
     "SEED_BOUND",
     "_add_compile_cache",
@@ -37,6 +38,8 @@ __all__ = [
     "_rank",
     "_seed",
     "_serving_ranks",
+    "_weights",
+    "add_merge_arguments",
     "float_or_auto",
 ]
 
@@ -171,7 +174,98 @@ def _seed(text: str) -> int:
     )
 
 
+def _weights(text: str) -> tuple[float, ...]:
+    """argparse type of ``--weights``: a comma list of finite nonzero numbers."""
+    parts = [p.strip() for p in text.split(",")]
+    values = [_number(p) for p in parts]
+    if not parts or any(v is None or not math.isfinite(v) or v == 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            "expected a comma list of finite nonzero numbers, one per adapter (e.g. 1,0.5,2; "
+            f"drop an adapter instead of weighting it 0), got {_shown(text)}"
+        )
+    return tuple(float(v) for v in values)  # type: ignore[arg-type]
+
+
 # -------------------------------------------------------------------------------- flag groups
+
+
+def add_merge_arguments(m: argparse.ArgumentParser) -> None:
+    """Every argument of ``netutility merge``: its inputs (or ``--config``), output, budget and
+    plan, then the flag groups."""
+    m.add_argument(
+        "adapters",
+        nargs="*",
+        metavar="ADAPTER_DIR",
+        help="PEFT adapter folders (adapter_config.json + adapter_model.safetensors), one per "
+        "task, all trained on the same base model (or give them in --config). Each task is "
+        "named by its folder's name (with parent folders where two names are equal).",
+    )
+    m.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="read the merge from a YAML or JSON file: 'adapters:' a list, each a path or a "
+        "mapping {path, weight, name}; the other keys are this command's flags without the "
+        "dashes (method, space, budget, allocation, out, chunk-mb or chunk_mb, ...), checked "
+        "as the flags are. Relative paths are relative to the file's folder. Flags given on "
+        "the command line override the file's keys. A merge's netutility_report.json is such "
+        "a file: --config OUT_DIR/netutility_report.json --out NEW replays that merge (the "
+        "same adapter files, bit for bit, from the same inputs). YAML needs PyYAML.",
+    )
+    m.add_argument(
+        "--out",
+        default=None,
+        metavar="OUT_DIR",
+        help="output folder (required unless --dry-run); must not exist, and its parent must "
+        "be (or be creatable in) a writable folder with room for the result: checked before "
+        "anything is loaded",
+    )
+    m.add_argument(
+        "--budget",
+        type=_positive_int,
+        default=None,
+        help="R, the average number of kept singular directions per module (the paper uses 16, "
+        "32, 64; each task's adapter has rank r, so M*r keeps everything); at most 2**31 - 1. "
+        "Required, except with --allocation all (which keeps every direction).",
+    )
+    m.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan and write nothing: read the adapters' headers and factors, score "
+        "and allocate as the merge would, and print per task the directions it keeps against "
+        "its uniform share, per module the output rank (a table, or a summary for many "
+        "modules), the adapter's size and a rough time and memory estimate. --out is optional "
+        "(checked if given, never created).",
+    )
+    m.add_argument(
+        "--weights",
+        type=_weights,
+        default=None,
+        metavar="W1,W2,...",
+        help="per-task weights, one per adapter: task i's kept update is multiplied by Wi in "
+        "the merge (as PEFT's add_weighted_adapter weights and mergekit's per-model weight "
+        "scale each task's delta before combining). Weights do not change the allocation: "
+        "the directions are scored and kept as for the unweighted tasks (use --min-share or "
+        "--allocation uniform to change the split between tasks). Default: all 1.",
+    )
+    m.add_argument(
+        "--min-share",
+        type=_bounded_float(0, 1, low_open=False, high_open=False, what="a fraction"),
+        default=None,
+        metavar="F",
+        help="net_utility: a per-task floor. Each task first keeps its int(F x share) best "
+        "directions (those of positive utility, unless --keep-nonpositive), share being its "
+        "uniform share of the budget: budget x modules / tasks, or its candidate directions "
+        "if fewer (per module budget / tasks with --scope local); the rest of the budget then "
+        "goes by utility as without it. A floor that does not bind changes nothing. Default: "
+        "none (0).",
+    )
+    _add_merge_method(m)
+    _add_scoring(m)
+    _add_loading(m)
+    _add_compile_cache(m)
+    _add_merge_tuning(m)
+    _add_merge_output(m)
 
 
 def _add_scoring(p: argparse.ArgumentParser) -> None:
@@ -253,8 +347,8 @@ def _add_merge_method(m: argparse.ArgumentParser) -> None:
         default="net_utility",
         choices=registry.ALLOCATIONS,
         help="which directions to keep: net_utility (this method), uniform (each task keeps its "
-        "top budget/M directions per module, the baseline), all (no budget). Default: "
-        "net_utility.",
+        "top budget/M directions per module, the baseline), all (every direction: no budget, "
+        "--budget may be left out and is ignored). Default: net_utility.",
     )
     m.add_argument(
         "--scope",
@@ -397,6 +491,15 @@ def _add_distributed(m: argparse.ArgumentParser) -> None:
         "OUT_DIR's folder, which all must share. PEFT does not read this layout; netutility "
         "inspect and nu.peft.load_adapter(s) do.",
     )
+    g.add_argument(
+        "--distributed-timeout",
+        type=_bounded_float(0, 86400, low_open=True, high_open=False, what="seconds"),
+        default=None,
+        metavar="S",
+        help="--distributed: how long a process waits for all the others to join before it "
+        "gives up with one line (default: 120 s). A process that dies later ends the others "
+        "within JAX's heartbeat timeout (100 s), each with one line naming it.",
+    )
 
 
 # -------------------------------------------------------------------------------- subcommands
@@ -454,15 +557,30 @@ def _options_by_flag() -> dict[str, Any]:
     return out
 
 
+CLI_DEFAULTS: dict[str, float] = {"p": 0.8}
+"""The command line's defaults for options the registry requires from Python callers:
+DARE's drop rate ``p`` is 0.8, PEFT's model-merging guide's ``density=0.2`` for
+``dare_ties`` (DARE keeps 20% of the entries). TIES's ``density`` default, 0.2, is the
+registry's (the same guide's value)."""
+
+
 def _add_method_options(m: argparse.ArgumentParser) -> None:
     """One flag per method / space option of the registry (its type, range and help)."""
     for opt in _options_by_flag().values():
         dest = opt.name
+        help_text = opt.help
+        if opt.required and opt.name in CLI_DEFAULTS:
+            help_text += (
+                f". Default: {CLI_DEFAULTS[opt.name]:g} (PEFT's model-merging guide keeps "
+                f"density {1 - CLI_DEFAULTS[opt.name]:g} with DARE)"
+            )
+        elif opt.name == "density":
+            help_text += "; 0.2 is what PEFT's model-merging guide uses"
         if opt.kind == "bool":
-            m.add_argument(opt.cli_flag, dest=dest, action="store_true", help=opt.help)
+            m.add_argument(opt.cli_flag, dest=dest, action="store_true", help=help_text)
         elif opt.kind == "choice":
             m.add_argument(
-                opt.cli_flag, dest=dest, choices=opt.choices, default=None, help=opt.help
+                opt.cli_flag, dest=dest, choices=opt.choices, default=None, help=help_text
             )
         else:
             low_open = opt.low_open if opt.cli_low_open is None else opt.cli_low_open
@@ -470,7 +588,7 @@ def _add_method_options(m: argparse.ArgumentParser) -> None:
                 opt.low, opt.high, low_open=low_open, high_open=opt.high_open,
                 what=opt.cli_what or opt.what,
             )  # fmt: skip
-            m.add_argument(opt.cli_flag, dest=dest, type=parse, default=None, help=opt.help)
+            m.add_argument(opt.cli_flag, dest=dest, type=parse, default=None, help=help_text)
 
 
 def _method_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -495,7 +613,9 @@ def _method_options(args: argparse.Namespace) -> dict[str, Any]:
                 f"{', '.join(flags) if flags else 'none of the method options'}."
             )
     for name, opt in takes.items():
-        if opt.required and name not in options:
+        if opt.required and name not in options and name in CLI_DEFAULTS:
+            options[name] = CLI_DEFAULTS[name]
+        elif opt.required and name not in options:
             raise UsageError(
                 f"method {args.method} needs {opt.cli_flag} ({opt.what} in "
                 f"{opt.interval(cli=True)}, e.g. {opt.cli_flag} {opt.example})."

@@ -1,9 +1,13 @@
 """The ``netutility`` subcommands: ``merge``, ``inspect``, ``convert`` and ``demo``, and what they
 print and write.
 
-``merge`` runs in steps: check everything the user gave before anything is loaded
-(:func:`_check_merge`), load (:func:`_load`), merge (:func:`_merge`), and write the output folder
-atomically (:func:`_write_merge`: a staging folder renamed into place). ``inspect`` loads and
+``merge`` runs in steps: complete its arguments from ``--config`` (:mod:`._cli_config`),
+check everything the user gave before anything is loaded (:func:`_check_merge`), load
+(:func:`_load`), merge (:func:`_merge`), and write the output folder atomically
+(:func:`_write_merge`: a staging folder renamed into place); then warn about tasks that keep
+less than half their uniform share of the budget. ``merge --dry-run`` stops after scoring and
+allocating and prints the plan (:func:`_dry_run`, :func:`nu.planning.plan`). Tasks are named by
+their folders (:func:`nu.planning.task_names`) on the terminal, in the report and the plots. ``inspect`` loads and
 scores, and prints a table or JSON (:func:`inspect_dict`). ``convert`` reads an adapter's tensors
 (a pickled ``adapter_model.bin`` read without torch, or safetensors) and writes them as
 ``adapter_model.safetensors`` with the same config, atomically (:func:`cmd_convert`).
@@ -29,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _exchange, _io
+from . import _exchange, _io, _supervise
 from ._cli_args import _method_options
 from ._cli_common import PROG, UsageError, _say
+from ._cli_config import resolve
 from ._cli_paths import (
     _FACTOR_KEY,
     OUT_MARGIN,
@@ -87,14 +92,15 @@ __all__ = [
 
 def _read_adapters(reader, paths: Sequence[str], args: argparse.Namespace):
     """``reader(paths, **loading flags)`` (``peft.load_adapters`` or ``peft.open_adapters``)
-    after the path checks, with files that change under us mapped to the library's errors."""
+    after the path checks, with files that change under us mapped to the library's errors.
+    ``--strict-targets`` is checked here, in the command line's terms."""
     for p in paths:
         check_adapter_dir(p)
     try:
-        return reader(
+        loaded = reader(
             list(paths),
             strict=not args.skip_non_lora,
-            strict_targets=args.strict_targets,
+            strict_targets=False,
             allow_different_base=args.allow_different_base,
         )
     except NetUtilityError:
@@ -103,17 +109,45 @@ def _read_adapters(reader, paths: Sequence[str], args: argparse.Namespace):
         raise MissingFileError(f"cannot read the adapters: {e}") from e
     except PermissionError as e:
         raise FileAccessError(f"cannot read the adapters: {e}") from e
+    if args.strict_targets:
+        _check_strict_targets(loaded.coverage, _names(args, paths))
+    return loaded
+
+
+def _names(args: argparse.Namespace, paths: Sequence[str]) -> list[str]:
+    """The tasks' names (``args.names``, set by ``merge``; else from the folders)."""
+    from .planning import task_names
+
+    names = getattr(args, "names", None)
+    return list(names) if names is not None else task_names(paths)
+
+
+def _check_strict_targets(coverage: Mapping[str, Sequence[int]], names: Sequence[str]) -> None:
+    """``--strict-targets``: refuse adapters that do not all have every module."""
+    from ._checks import few
+
+    for i, name in enumerate(names):
+        lacking = [n for n, tasks in coverage.items() if i not in tasks]
+        if lacking:
+            has = next(names[j] for j in coverage[lacking[0]])
+            raise UsageError(
+                f"--strict-targets: the adapters target different modules: {few(lacking)} "
+                f"{'is' if len(lacking) == 1 else 'are'} in {has} but not in {name}. Drop "
+                "--strict-targets to merge the union of their modules (a task contributes "
+                "nothing where it has no LoRA module)."
+            )
 
 
 def _notes(command: str, paths: Sequence[str], args, coverage, present) -> None:
     """The --skip-non-lora warning and the coverage notes (``present``: per task, its modules
-    with None where it lacks one)."""
+    with None where it lacks one), naming the tasks."""
+    names = _names(args, paths)
     if args.skip_non_lora:
-        line = skipped_summary(paths, present)
+        line = skipped_summary(paths, present, names=names)
         if line:
             _say(command, "warning", line)
     verb = "merged" if command == "merge" else "scored"
-    for line in coverage_summary(coverage, len(paths), labels=paths, verb=verb):
+    for line in coverage_summary(coverage, len(paths), labels=names, verb=verb):
         _say(command, "note", line)
 
 
@@ -126,9 +160,15 @@ def _load(paths: Sequence[str], args: argparse.Namespace, command: str):
     return loaded
 
 
-def skipped_summary(paths: Sequence[str], adapters: Sequence[Mapping[str, Any]]) -> str:
+def skipped_summary(
+    paths: Sequence[str],
+    adapters: Sequence[Mapping[str, Any]],
+    *,
+    names: Sequence[str] | None = None,
+) -> str:
     """The ``--skip-non-lora`` warning: how many tensors each adapter had beyond its LoRA
-    factors (every loaded module is one lora_A and one lora_B); "" if none."""
+    factors (every loaded module is one lora_A and one lora_B); "" if none. Tasks are named by
+    ``names`` (default ``task i (path)``)."""
     parts, total = [], 0
     for i, (path, ad) in enumerate(zip(paths, adapters, strict=True)):
         shapes = weight_shapes(path) or {}
@@ -136,7 +176,8 @@ def skipped_summary(paths: Sequence[str], adapters: Sequence[Mapping[str, Any]])
         if n > 0:
             total += n
             example = next((k for k in shapes if _FACTOR_KEY.search(k) is None), None)
-            parts.append(f"task {i} ({path}): {n}" + (f", e.g. {example!r}" if example else ""))
+            label = f"task {i} ({path})" if names is None else names[i]
+            parts.append(f"{label}: {n}" + (f", e.g. {example!r}" if example else ""))
     if not total:
         return ""
     return (
@@ -157,6 +198,7 @@ def coverage_summary(
     """Short lines saying which tasks lack which modules; ``[]`` if every task has every module.
 
     At most ``max_lines`` lines and ``shown`` module names per task, whatever the model size.
+    Tasks are named by ``labels`` (their names; default ``task 0``, ``task 1`` ...).
 
     Example:
       >>> coverage_summary({"q": (0, 1), "k": (0,), "v": (0,)}, 2)
@@ -164,7 +206,7 @@ def coverage_summary(
 contributing nothing where it has no LoRA module (--strict-targets refuses this)', 'task 1 lacks \
 2 of 3 modules: k, v']
     """
-    labels = [f"task {i}" for i in range(m_tasks)] if labels is None else labels
+    labels = [f"task {i}" for i in range(m_tasks)] if labels is None else list(labels)
     lacking = [[n for n, have in coverage.items() if i not in have] for i in range(m_tasks)]
     tasks = [i for i in range(m_tasks) if lacking[i]]
     if not tasks:
@@ -176,7 +218,7 @@ contributing nothing where it has no LoRA module (--strict-targets refuses this)
     ]
     for i in tasks[:max_lines]:
         miss = lacking[i]
-        label = f"task {i}" if labels[i] == f"task {i}" else f"task {i} ({labels[i]})"
+        label = labels[i]
         more = f" and {len(miss) - shown} more" if len(miss) > shown else ""
         lines.append(
             f"{label} lacks {len(miss)} of {len(coverage)} modules: {', '.join(miss[:shown])}{more}"
@@ -194,9 +236,20 @@ _GATHER_BYTES = 256 << 20  # merged modules received at once by every process (a
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    """``netutility merge``: check, load, merge, write ``--out``; print one line."""
+    """``netutility merge``: check, load, merge, write ``--out``; print one line. With
+    ``--config``, the file's settings first (:func:`_cli_config.resolve`); with ``--dry-run``,
+    the plan only (:func:`_dry_run`)."""
+    resolve(args)
+    if args.dry_run:
+        return _dry_run(args)
+    if _check_join(args) and not _supervise.is_child() and getattr(args, "argv", None):
+        # the flags are checked; the run itself goes to a supervised child, so that a peer's
+        # death ends this process with one line rather than JAX's C++ abort
+        return _supervise.run(args.argv, f"{PROG} merge")
     ex = _join(args)
     out = ex.check(_FN, lambda: _check_merge(args, output=ex.index == 0 or args.keep_shards))
+    # every process has its inputs; now they must be the same ones, with the same settings
+    ex.agree(_FN, _agreed_facts(args))
     options = _method_options(args)
     key = _merge_key(args)
     bar = _progress(5 if args.no_plots else 6, _FN, args.quiet or ex.index > 0)
@@ -209,7 +262,97 @@ def cmd_merge(args: argparse.Namespace) -> int:
         report = _merge_and_write(args, ex, out, options, key, bar)
     if ex.index == 0:
         _warn_zeroed(args, report, options)
+        _warn_low_share(args, report)
+        _note_single(args)
         print(_merge_line(args, report, out))
+    return 0
+
+
+def _note_single(args: argparse.Namespace) -> None:
+    """One adapter is not an error, but nothing is merged across tasks: say so."""
+    if len(args.adapters) == 1:
+        _say(
+            "merge",
+            "note",
+            f"one adapter given ({args.names[0]}): nothing is merged across tasks; its own "
+            "directions are selected and written as one adapter",
+        )
+
+
+def _warn_low_share(args: argparse.Namespace, report: Any) -> None:
+    """One warning line per task that keeps less than half its uniform share (net_utility)."""
+    from .planning import report_shares
+
+    shares = report_shares(report)
+    if shares is None or report.allocation != "net_utility":
+        return
+    positive = np.sum(
+        [(np.asarray(ms.utility) > 0).sum(1) for ms in report.scores.modules.values()], axis=0
+    )
+    _say_low_share(args, report.kept_per_task, shares, positive, report.min_share, "keeps")
+
+
+def _say_low_share(args, kept, shares, positive, min_share, verb: str) -> None:
+    """The warning of each task below :data:`nu.planning.LOW_SHARE` of its uniform share (one
+    line naming it, with the remedy)."""
+    from .planning import LOW_SHARE
+
+    for i, name in enumerate(args.names):
+        k, share = int(kept[i]), float(shares[i])
+        if not k < LOW_SHARE * share:
+            continue
+        hint = (
+            f"--min-share {LOW_SHARE:g} keeps at least half of each task's share"
+            if not min_share
+            else f"--min-share {min_share:g} guarantees it int({min_share:g} x share) = "
+            f"{int(min_share * share)} (raise it for more)"
+        )
+        if not args.keep_nonpositive and positive[i] < LOW_SHARE * share:
+            hint += (
+                f"; only {int(positive[i])} of its directions have positive utility "
+                "(--keep-nonpositive admits the others)"
+            )
+        _say(
+            "merge",
+            "warning",
+            f"{name} {verb} {k} directions, {k / share:.0%} of its uniform share of "
+            f"{share:.1f} (an equal split of the budget between the tasks); {hint}",
+        )
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """``--dry-run``: everything checked, the adapters' headers and factors read, scored and
+    allocated as the merge would (:func:`nu.planning.plan`); the plan printed, nothing
+    written (``--out``, if given, is checked and left alone)."""
+    from . import registry
+    from .planning import plan
+
+    if args.distributed:
+        raise UsageError("--dry-run plans in one process; drop --distributed.")
+    _check_merge(args, output=args.out is not None, dry_run=True)
+    options = _method_options(args)
+    if _streams(args):
+        adapters = _open(args.adapters, args)
+    else:
+        adapters = _load(args.adapters, args, "merge").adapters
+    low_rank = registry.METHODS[args.method].low_rank_in(args.space)
+    p = plan(
+        adapters, budget=args.budget, method=args.method, space=args.space,
+        allocation=args.allocation, scope=args.scope, alpha=args.alpha, lam=args.lam,
+        positive_only=not args.keep_nonpositive, weights=args.weights,
+        min_share=args.min_share, names=args.names, rank=None if low_rank else args.rank,
+        dtype=args.dtype, serving_ranks=args.serving_ranks,
+        chunk_bytes=max(1, int(args.chunk_mb * 2**20)), mesh=_mesh_of(args), **options,
+    )  # fmt: skip
+    print(p, flush=True)
+    if p.allocation == "net_utility":
+        _say_low_share(
+            args, p.kept_per_task, p.uniform_share, p.positive_per_task, p.min_share,
+            "would keep",
+        )  # fmt: skip
+    _note_single(args)
+    where = f"; --out {args.out} was checked and not created" if args.out else ""
+    print(f"dry run: nothing merged or written{where}")
     return 0
 
 
@@ -254,16 +397,19 @@ def _merge_and_write(args, ex, out: pathlib.Path, options, key, bar) -> Any:
     return report
 
 
-def _check_merge(args: argparse.Namespace, *, output: bool = True) -> pathlib.Path:
+def _check_merge(
+    args: argparse.Namespace, *, output: bool = True, dry_run: bool = False
+) -> pathlib.Path | None:
     """Everything the user gave, checked before anything is loaded (and stale staging folders
     of killed merges removed); returns ``--out`` as a path. ``output=False``: not ``--out``
-    (a process of a distributed merge that does not write; it may not see that folder)."""
+    (a process of a distributed merge that does not write; it may not see that folder; or a
+    dry run without one). ``dry_run``: nothing is removed (the staging folders stay)."""
     from . import registry
 
     for p in args.adapters:
         check_adapter_dir(p)
     if not output:
-        out, existing = pathlib.Path(args.out), None
+        out, existing = (None if args.out is None else pathlib.Path(args.out)), None
     else:
         out, existing = _check_out(args.out, args.adapters)
     _check_extras(not args.no_plots)
@@ -273,7 +419,7 @@ def _check_merge(args: argparse.Namespace, *, output: bool = True) -> pathlib.Pa
             f"method {args.method} in full space gives dense updates; pass --rank K to write "
             "them as rank-K LoRA modules (truncated SVD), or use --space core or knots."
         )
-    if existing is not None and existing == out.parent:
+    if existing is not None and out is not None and existing == out.parent and not dry_run:
         _clean_staging(existing)
     shapes = [weight_shapes(p) for p in args.adapters]
     if existing is not None and all(s is not None for s in shapes):  # (else the loader says)
@@ -348,6 +494,8 @@ def _merge_settings(args: argparse.Namespace, key) -> dict[str, Any]:
         "coef": args.coef,
         "key": key,
         "mesh": _mesh_of(args),
+        "weights": args.weights,
+        "min_share": args.min_share,
     }
 
 
@@ -490,18 +638,36 @@ def _check_dense(args: argparse.Namespace, report: Any) -> None:
 def _join(args: argparse.Namespace) -> _exchange.Exchange:
     """``--distributed``: its flags checked (the same refusals in every process, before any of
     them waits for the others), then this process joins the run (``jax.distributed``, before
-    any JAX computation). Without it: one process, and its flags refused."""
+    any JAX computation, giving up after ``--distributed-timeout``). Without it: one process,
+    and its flags refused."""
+    if not _check_join(args):
+        return _exchange.LOCAL
+    ex = _exchange.initialize(
+        _FN,
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        timeout_s=args.distributed_timeout or _exchange.DEFAULT_TIMEOUT_S,
+        on_timeout=lambda message: _say("merge", "error", message),
+    )
+    return ex
+
+
+def _check_join(args: argparse.Namespace) -> bool:
+    """Whether this is a ``--distributed`` merge, after refusing the flags that do not go with
+    the others (UsageError)."""
     flags = {
         "--coordinator": args.coordinator,
         "--num-processes": args.num_processes,
         "--process-id": args.process_id,
         "--keep-shards": args.keep_shards or None,
+        "--distributed-timeout": args.distributed_timeout,
     }
     given = [f for f, v in flags.items() if v is not None]
     if not args.distributed:
         if given:
             raise UsageError(f"{given[0]} applies only with --distributed.")
-        return _exchange.LOCAL
+        return False
     if args.in_memory:
         raise UsageError(
             "--in-memory cannot be used with --distributed: each process streams its share of "
@@ -512,12 +678,44 @@ def _join(args: argparse.Namespace) -> _exchange.Exchange:
             "model-wide TIES (--trim-scope model) needs every module in one process; it cannot "
             "run with --distributed. Use --trim-scope module, or drop --distributed."
         )
+    if args.coordinator is not None:
+        _exchange.check_coordinator("--coordinator", args.coordinator)
     if None not in (args.num_processes, args.process_id) and args.process_id >= args.num_processes:
         raise UsageError(
             f"--process-id {args.process_id} with --num-processes {args.num_processes}: process "
             f"indices run from 0 to {args.num_processes - 1}."
         )
-    return _exchange.initialize(_FN, args.coordinator, args.num_processes, args.process_id)
+    return True
+
+
+def _agreed_facts(args: argparse.Namespace) -> dict[str, str]:
+    """What every process of a distributed merge must share before any work: the library
+    version, every setting (as the report records them; not this process's index), and each
+    adapter's path and a digest of its config and weight files' headers."""
+    import hashlib
+
+    from . import __version__
+    from ._cli_config import recorded_config
+
+    facts = {"library version": __version__}
+    config = recorded_config(args, {})
+    adapters = config.pop("adapters")
+    facts["number of adapters"] = str(len(adapters))
+    for key in sorted(config):
+        if key.replace("_", "-") not in ("process-id", "distributed-timeout"):
+            facts[f"--{key.replace('_', '-')}"] = json.dumps(config[key], sort_keys=True)
+    for i, a in enumerate(adapters):
+        digest = hashlib.sha256()
+        folder = pathlib.Path(a["path"])
+        for f in sorted(folder.glob("adapter_*")):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    head = fh.read(1 << 20)
+                digest.update(f"{f.name}:{f.stat().st_size}:".encode() + head)
+        facts[f"adapter {i + 1}"] = (
+            f"{a['path']} (weight {a['weight']}, sha256 {digest.hexdigest()[:16]})"
+        )
+    return facts
 
 
 def _write_distributed(
@@ -611,15 +809,24 @@ def _mapped(args: argparse.Namespace, work: Callable[[], Any]) -> Callable[[], A
 
 
 def _merge_line(args: argparse.Namespace, report: Any, out: pathlib.Path) -> str:
-    """The line ``netutility merge`` prints when done."""
-    kept = ", ".join(str(int(k)) for k in np.asarray(report.kept_per_task))
+    """The line ``netutility merge`` prints when done (tasks by name; no budget, lambda or
+    alpha with ``--allocation all``, which has none)."""
+    per_task = np.asarray(report.kept_per_task)
+    kept = ", ".join(f"{n} {int(k)}" for n, k in zip(args.names, per_task, strict=True))
+    m = len(args.adapters)
+    what = f"merged {m} adapter{'s' if m != 1 else ''} ({args.method}, {args.space} space, "
+    if report.allocation == "all":
+        return (
+            f"{what}every direction kept): {int(per_task.sum())} directions, "
+            f"{report.budget_spent:.2f} per module, kept per task [{kept}], "
+            f"h {report.heterogeneity:.3f} -> {out}"
+        )
     lam = "n/a" if report.lam is None else f"{report.lam:.4g}"
     alpha = "n/a" if report.alpha is None else f"{report.alpha:g}"
     return (
-        f"merged {len(args.adapters)} adapters ({args.method}, {args.space} space, "
-        f"{args.allocation}): budget {args.budget}, spent {report.budget_spent:.2f} per module, "
-        f"kept per task [{kept}], lambda {lam}, alpha {alpha}, h {report.heterogeneity:.3f}, "
-        f"non-prefix {report.non_prefix_fraction:.2f} -> {out}"
+        f"{what}{args.allocation}): budget {args.budget}, spent {report.budget_spent:.2f} per "
+        f"module, kept per task [{kept}], lambda {lam}, alpha {alpha}, h "
+        f"{report.heterogeneity:.3f}, non-prefix {report.non_prefix_fraction:.2f} -> {out}"
     )
 
 

@@ -18,6 +18,7 @@ only once the new one is complete.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import re
@@ -58,6 +59,7 @@ __all__ = [
     "check_convert_out",
     "clean_stale_staging",
     "estimate_out_bytes",
+    "model_card",
     "report_dict",
     "shard_name",
     "staging_dir",
@@ -526,18 +528,118 @@ def report_dict(
     adapters: Sequence[str],
     options: dict[str, Any],
     coverage: Mapping[str, Sequence[int]] | None = None,
+    names: Sequence[str] | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> dict:
     """A JSON-ready dict of a :class:`nu.Report` (masks and scores left out; NaN -> null;
     ``zeroed``: the modules whose merged update is exactly zero), with the per-module task
-    coverage ``{module: [task indices that have it]}`` if given."""
+    coverage ``{module: [tasks that have it]}`` if given (by name with ``names``, else by
+    index). With ``names``: ``tasks``, per task its name, folder, weight, kept directions,
+    uniform share of the budget (None with allocation all) and candidates. ``config``: the
+    resolved configuration that replays the merge (``netutility merge --config``). Always:
+    ``netutility_version`` and ``created_utc`` (ISO 8601, UTC)."""
+    import datetime
+
+    from . import __version__
+    from .planning import report_shares
+
     keep = (
         "method", "space", "allocation", "scope", "budget", "budget_spent", "lam", "alpha",
         "heterogeneity", "non_prefix_fraction", "kept_per_task", "kept", "ranks", "zeroed",
+        "weights", "min_share",
     )  # fmt: skip
-    out = {k: _io.to_jsonable(getattr(report, k)) for k in keep}
+    out = {k: _io.to_jsonable(getattr(report, k, None)) for k in keep}
+    label = (lambda i: int(i)) if names is None else (lambda i: names[int(i)])
     if coverage is not None:
-        out["coverage"] = {str(n): [int(i) for i in t] for n, t in coverage.items()}
-    return {"adapters": list(adapters), "options": _io.to_jsonable(options), **out}
+        out["coverage"] = {str(n): [label(i) for i in t] for n, t in coverage.items()}
+    head: dict[str, Any] = {
+        "netutility_version": __version__,
+        "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "adapters": list(adapters),
+    }
+    if names is not None:
+        shares = report_shares(report)
+        cand = None
+        if report.masks is not None:
+            from ._min_share import candidates
+
+            counts = candidates(report.scores if report.scores is not None else report.masks)
+            cand = np.sum(list(counts.values()), axis=0)
+        weights = report.weights or (1.0,) * len(names)
+        head["tasks"] = [
+            {
+                "name": n,
+                "path": p,
+                "weight": float(weights[i]),
+                "kept": int(report.kept_per_task[i]),
+                "uniform_share": None if shares is None else float(shares[i]),
+                "candidates": None if cand is None else int(cand[i]),
+            }
+            for i, (n, p) in enumerate(zip(names, adapters, strict=True))
+        ]
+    out = {**head, "options": _io.to_jsonable(options), **out}
+    if config is not None:
+        out["config"] = _io.to_jsonable(dict(config))
+    return out
+
+
+def model_card(rep: Mapping[str, Any], base_config: Mapping[str, Any] | None) -> str:
+    """The merged adapter's ``README.md``, as PEFT writes one: YAML front matter
+    (``library_name: peft``, ``base_model`` if the adapters name one, tags), then what was
+    merged (the tasks, their weights and kept directions), how (method, space, allocation,
+    budget), and the library's version. ``rep``: :func:`report_dict`'s dict."""
+    base = (base_config or {}).get("base_model_name_or_path")
+    front = ["---", "library_name: peft"]
+    if isinstance(base, str) and base:
+        front.append(f"base_model: {json.dumps(base)}")
+    front += ["tags:", "- lora", "- merge", "- netutility-jax", "---", ""]
+    tasks = rep.get("tasks") or [
+        {"name": a, "path": a, "weight": 1.0, "kept": k, "uniform_share": None}
+        for a, k in zip(rep["adapters"], rep["kept_per_task"], strict=True)
+    ]
+    how = f"method `{rep['method']}` in `{rep['space']}` space"
+    if rep["allocation"] == "all":
+        how += ", every singular direction of every task kept (allocation `all`)"
+    else:
+        scope = f", {rep['scope']} scope" if rep.get("scope") else ""
+        how += (
+            f", allocation `{rep['allocation']}`{scope} with a budget of {rep['budget']} "
+            f"directions per module on average ({rep['budget_spent']:.2f} spent)"
+        )
+        if rep.get("min_share"):
+            how += f", each task at least {rep['min_share']:g} of its uniform share"
+    lines = [
+        "# Merged LoRA adapter",
+        "",
+        f"A merge of {len(tasks)} LoRA adapter{'s' if len(tasks) != 1 else ''}"
+        + (f" of `{base}`" if isinstance(base, str) and base else "")
+        + f" made with netutility-jax {rep.get('netutility_version', '')}: {how}.",
+        "",
+        "| task | adapter | weight | kept directions | uniform share |",
+        "|---|---|---|---|---|",
+    ]
+    for t in tasks:
+        share = "" if t.get("uniform_share") is None else f"{t['uniform_share']:.1f}"
+        lines.append(f"| {t['name']} | `{t['path']}` | {t['weight']:g} | {t['kept']} | {share} |")
+    lines += [
+        "",
+        "Load it with PEFT:",
+        "",
+        "```python",
+        "from peft import PeftModel",
+        "",
+        'model = PeftModel.from_pretrained(base_model, "path/to/this/folder")',
+        "```",
+        "",
+        f"`{REPORT_NAME}` holds the full report and the configuration: "
+        f"`netutility merge --config {REPORT_NAME} --out NEW_DIR` replays the merge.",
+        "",
+        "### Framework versions",
+        "",
+        f"- netutility-jax {rep.get('netutility_version', '')}",
+        "",
+    ]
+    return "\n".join(front + lines)
 
 
 class _Merged(NamedTuple):
@@ -610,16 +712,34 @@ def _finish_output(tmp: pathlib.Path, args: argparse.Namespace, result: _Merged,
 
 
 def _write_extras(tmp: pathlib.Path, args: argparse.Namespace, result: _Merged, bar) -> None:
-    """The JSON report and the plots, in ``tmp``."""
+    """The JSON report, the model card (``README.md``) and the plots, in ``tmp``."""
+    from . import registry
+    from ._cli_config import recorded_config
+
     run = _run_options(args, result)
+    names = _task_names(args)
+    resolved = registry.resolve_options(
+        f"{PROG} merge", args.method, args.space, dict(result.options)
+    ).options
     rep = report_dict(
-        result.report, adapters=args.adapters, options=run, coverage=result.loaded.coverage
-    )
+        result.report, adapters=args.adapters, options=run, coverage=result.loaded.coverage,
+        names=names, config=recorded_config(args, resolved) if hasattr(args, "names") else None,
+    )  # fmt: skip
     _io.write_json(tmp / REPORT_NAME, rep)
+    with _io.atomic_file(tmp / "README.md", "w") as f:
+        f.write(model_card(rep, result.loaded.config))
     _step(bar, "wrote report", "plotting")
     if not args.no_plots:
-        _plots(tmp / "plots", result.report, len(args.adapters))
+        _plots(tmp / "plots", result.report, len(args.adapters), names=names)
         _step(bar, "plots", "moving into place")
+
+
+def _task_names(args: argparse.Namespace) -> list[str]:
+    """The tasks' names (``args.names``, which ``merge`` sets; else from the folders)."""
+    from .planning import task_names
+
+    names = getattr(args, "names", None)
+    return list(names) if names is not None else task_names(args.adapters)
 
 
 def _run_options(args: argparse.Namespace, result: _Merged) -> dict[str, Any]:
@@ -639,15 +759,20 @@ def _run_options(args: argparse.Namespace, result: _Merged) -> dict[str, Any]:
         "chunk_mb": args.chunk_mb,
         "processes": result.processes,
         "keep_shards": getattr(args, "keep_shards", False),
+        "weights": None if getattr(args, "weights", None) is None else list(args.weights),
+        "min_share": getattr(args, "min_share", None),
         **result.options,
     }
 
 
-def _plots(folder: pathlib.Path, report: Any, m_tasks: int) -> None:
+def _plots(
+    folder: pathlib.Path, report: Any, m_tasks: int, *, names: Sequence[str] | None = None
+) -> None:
+    """The merge's plots in ``folder``, the tasks by ``names`` (default ``task 0`` ...)."""
     from . import plots
 
     folder.mkdir()
-    names = [f"task {i}" for i in range(m_tasks)]
+    names = [f"task {i}" for i in range(m_tasks)] if names is None else list(names)
     plots.budget_heatmap(report.masks, path=folder / "budget_heatmap.png")
     plots.kept_per_task(report.masks, names, path=folder / "kept_per_task.png")
     if report.scores is not None:

@@ -8,6 +8,14 @@ them and writes ``OUT_DIR`` with a PEFT adapter (``adapter_config.json``,
 directory beside it and renamed into place at the end: it appears complete or not at all, and an
 existing path is never overwritten.
 
+``netutility merge --dry-run`` prints the plan instead (per task the directions it keeps against
+its uniform share of the budget, per module the output rank, the output size, a rough time and
+memory estimate) and writes nothing. ``netutility merge --config merge.yaml`` reads the adapters
+(with per-task weights) and the flags from a YAML or JSON file; flags on the command line
+override it, and the report's recorded configuration replays a merge
+(``--config OUT_DIR/netutility_report.json --out NEW``). ``OUT_DIR`` also holds a model card
+(``README.md``, as PEFT writes one).
+
 ``netutility inspect ADAPTER_DIR...`` prints per task ranks and energies, the heterogeneity h, the
 lambda the scoring would use, and how many directions have positive Net Utility.
 
@@ -31,11 +39,12 @@ those whose process (on this host) is gone, saying so on stderr.
 The command is split by concern: this module holds its parser (one function per subcommand) and
 :func:`main`, and re-exports the names of the modules it is made of: ``_cli_common`` (its name,
 :class:`UsageError`, one-line messages), ``_cli_args`` (argument types and flag groups, the
-method flags derived from the registry), ``_cli_paths`` (input and output checks, the size
-estimate, staging folders, and writing the output folder: adapter, report, plots, or with
-``--keep-shards`` each process's shard and the index) and ``_cli_commands`` (the subcommands,
-their summaries, the ``--devices`` mesh and the ``--distributed`` steps; ``report_dict`` is
-re-exported from ``_cli_paths``).
+method flags derived from the registry), ``_cli_config`` (``--config`` files and the
+configuration a report records), ``_cli_paths`` (input and output checks, the size
+estimate, staging folders, and writing the output folder: adapter, model card, report, plots,
+or with ``--keep-shards`` each process's shard and the index) and ``_cli_commands`` (the
+subcommands, their summaries, the ``--devices`` mesh and the ``--distributed`` steps;
+``report_dict`` is re-exported from ``_cli_paths``).
 
 ``netutility merge --distributed`` splits the streamed merge between the processes of a
 ``jax.distributed`` run (see :mod:`netutility_jax.streaming` and :mod:`netutility_jax._exchange`).
@@ -73,6 +82,7 @@ from ._cli_args import _options_by_flag as _options_by_flag
 from ._cli_args import _positive_int as _positive_int
 from ._cli_args import _seed as _seed
 from ._cli_args import _serving_ranks as _serving_ranks
+from ._cli_args import add_merge_arguments as add_merge_arguments
 from ._cli_args import float_or_auto as float_or_auto
 from ._cli_commands import REPORT_NAME as REPORT_NAME
 from ._cli_commands import _check_extras as _check_extras
@@ -250,38 +260,17 @@ def _add_merge_parser(sub) -> None:
         help="merge PEFT LoRA adapters under a rank budget and write a PEFT adapter",
         description="Score every singular direction of every task's LoRA update by its Net "
         "Utility, keep the best under the budget, merge, and write OUT_DIR with a PEFT adapter, "
-        f"a JSON report ({REPORT_NAME}) and plots. OUT_DIR must not exist. Adapters of one "
-        "base model that target different modules are merged over the union of their modules "
-        "(see --strict-targets).",
+        f"a model card (README.md), a JSON report ({REPORT_NAME}, with the configuration "
+        "that replays the merge: --config OUT_DIR/netutility_report.json --out NEW) and plots. "
+        "OUT_DIR must not exist. Adapters of one base model that target different modules are "
+        "merged over the union of their modules (see --strict-targets). --dry-run prints the "
+        "plan (what each task keeps against its uniform share, the output ranks and size, "
+        "a time and memory estimate) and writes nothing. Tasks are named by their folders' "
+        "names. A task keeping less than half its uniform share is warned about (see "
+        "--min-share).",
         epilog=EXIT_CODES,
     )
-    m.add_argument(
-        "adapters",
-        nargs="+",
-        metavar="ADAPTER_DIR",
-        help="PEFT adapter folders (adapter_config.json + adapter_model.safetensors), one per "
-        "task, all trained on the same base model",
-    )
-    m.add_argument(
-        "--out",
-        required=True,
-        metavar="OUT_DIR",
-        help="output folder; must not exist, and its parent must be (or be creatable in) a "
-        "writable folder with room for the result: checked before anything is loaded",
-    )
-    m.add_argument(
-        "--budget",
-        type=_positive_int,
-        required=True,
-        help="R, the average number of kept singular directions per module (the paper uses 16, "
-        "32, 64; each task's adapter has rank r, so M*r keeps everything); at most 2**31 - 1",
-    )
-    _add_merge_method(m)
-    _add_scoring(m)
-    _add_loading(m)
-    _add_compile_cache(m)
-    _add_merge_tuning(m)
-    _add_merge_output(m)
+    add_merge_arguments(m)
 
 
 def _add_inspect_parser(sub) -> None:
@@ -350,6 +339,25 @@ def _versions() -> str:
     return ", ".join(parts)
 
 
+def _required_merge_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``merge`` without ``--config``: its required arguments, refused as argparse refuses a
+    missing one (``ADAPTER_DIR``; ``--out`` unless ``--dry-run``; ``--budget`` unless
+    ``--allocation all``). With ``--config`` they may come from the file: checked once it is
+    read."""
+    if args.config is not None:
+        return
+    missing = []
+    if not args.adapters:
+        missing.append("ADAPTER_DIR (or --config FILE)")
+    if args.out is None and not args.dry_run:
+        missing.append("--out (unless --dry-run)")
+    if args.budget is None and args.allocation != "all":
+        missing.append("--budget (unless --allocation all)")
+    if missing:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices["merge"].error(f"the following arguments are required: {', '.join(missing)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``netutility`` console script; returns the exit code.
 
@@ -363,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(demo_options=bool(argv) and argv[0] == "demo")
     args = parser.parse_args(argv)
     args.argv = argv  # recorded by the commands that write a report (the demo's results.json)
+    if args.command == "merge":
+        _required_merge_arguments(parser, args)
     cmds: dict[str, Callable[[argparse.Namespace], int]] = {
         "merge": cmd_merge,
         "inspect": cmd_inspect,

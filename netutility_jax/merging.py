@@ -33,12 +33,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _buckets, _checks, _pipeline, _plan, _results, _stages, _tree, registry
+from . import _buckets, _checks, _min_share, _pipeline, _plan, _results, _stages, _tree, registry
 from ._linalg import settle
 from ._module_ops import fold as fold
 from ._module_ops import module_update as module_update
 from ._module_ops import to_lora as to_lora
-from .allocate import allocate
 from .analysis import budget_spent, kept_per_task, non_prefix_fraction
 from .errors import InputError, InputTypeError
 from .utility import heterogeneity, score
@@ -52,11 +51,13 @@ __all__ = [
     "SPACE_OPTIONS",
     "Report",
     "ZeroUpdateWarning",
+    "check_weights",
     "fold",
     "merge",
     "merge_adapters",
     "module_update",
     "to_lora",
+    "weight_adapters",
 ]
 
 # Views of the registry, for callers of the old tables.
@@ -358,7 +359,8 @@ class Report:
     Attributes:
       lam: interference weight used (None for ``allocation="all"``, which does not score).
       alpha: geometry exponent used (None for ``"all"``).
-      budget: the budget R asked for (average directions per module).
+      budget: the budget R asked for (average directions per module); None if none was given
+        (``allocation="all"``).
       budget_spent: average directions kept per module.
       kept: ``{name: (M,) int}`` directions kept per module and task.
       kept_per_task: ``(M,)`` directions kept per task over all modules.
@@ -370,11 +372,13 @@ class Report:
       scores: the :class:`nu.Scores` the allocation used (None for ``allocation="all"``).
       zeroed: the modules whose merged update is exactly zero although components were kept
         there (TIES keeping no entry, DARE dropping all; :class:`ZeroUpdateWarning`).
+      weights: the per-task weights the updates were multiplied by (None: none given).
+      min_share: the per-task floor of the allocation (None: none).
     """
 
     lam: float | None
     alpha: float | None
-    budget: int
+    budget: int | None
     budget_spent: float
     kept: dict[str, np.ndarray]
     kept_per_task: np.ndarray
@@ -388,12 +392,14 @@ class Report:
     masks: dict[str, Any] | None = None
     scores: Any = None
     zeroed: tuple[str, ...] = ()
+    weights: tuple[float, ...] | None = None
+    min_share: float | None = None
 
 
 def merge_adapters(
     adapters: Sequence[Any],
     *,
-    budget: int,
+    budget: int | None = None,
     method: str = "ta",
     space: str = "full",
     allocation: str = "net_utility",
@@ -404,6 +410,8 @@ def merge_adapters(
     coef: float = 1.0,
     key: jax.Array | None = None,
     mesh: Any = None,
+    weights: Sequence[float] | None = None,
+    min_share: float | None = None,
     **options: Any,
 ) -> tuple[Any, Report]:
     """Score, allocate a budget, merge and report, in one call (paper, Algorithm 1).
@@ -411,16 +419,41 @@ def merge_adapters(
     ``allocation="net_utility"`` keeps the top utilities (:func:`nu.score`, :func:`nu.allocate`)
     with ``scope`` defaulting to the paper's choice: ``"global"`` for TA, TSV, Iso-C and Iso-CTS,
     ``"local"`` (per module) for TIES, DARE and DARE-TIES. ``"uniform"`` is the paper's baseline
-    (equal share per task, spectral prefixes); ``"all"`` keeps every candidate (no scoring).
+    (equal share per task, spectral prefixes); ``"all"`` keeps every candidate (no scoring, no
+    budget).
+
+    ``weights`` multiply each task's update in the merge (as PEFT's
+    ``add_weighted_adapter(weights=...)`` scales each task's delta before combining them, and
+    mergekit's per-model ``weight``): task i's ``scale`` becomes ``weights[i] * scale``, so the
+    method combines the weighted kept updates ``w_i dK_i`` (TA keeping everything gives
+    ``coef * sum_i w_i dK_i``). **Weights do not change the allocation**: the scores, lambda,
+    ``h`` (and so ``alpha="auto"``) and the masks are those of the unweighted tasks, as trained.
+    A weight does not change which directions a task has nor their order, so the masks apply to
+    the weighted tasks as they are. Scoring the weighted updates instead would work against the
+    weights: a direction's benefit is a share of its own task's energy, which a weight does not
+    change, while its interference grows with ``w_i^2`` (and a task's part in the others'
+    interference falls with ``1 / w_i^2``, each task's geometry being normalised by its own
+    energy), so a task weighted up would keep fewer directions. To change the split between
+    tasks, use ``min_share`` or ``allocation="uniform"``.
+
+    ``min_share=F`` guarantees each task at least ``int(F * share)`` of its uniform share of the
+    budget (``R L / M`` directions in the global scope, capped at its candidates), taken first,
+    from the top of the budget; the rest goes by utility as without it
+    (:mod:`netutility_jax._min_share` states it exactly). A floor that does not bind changes
+    nothing.
 
     Args:
       adapters: M adapters, as for :func:`merge`.
-      budget: R, average directions per module (a positive Python or numpy int).
+      budget: R, average directions per module (a positive Python or numpy int); needed unless
+        ``allocation="all"``, which ignores it.
       method, space, coef, key, mesh, **options: as for :func:`merge` (model-wide TIES:
         ``trim_scope="model"``; ``scope`` here is the budget's scope).
       allocation: ``"net_utility"``, ``"uniform"`` or ``"all"``.
       scope: ``"global"`` or ``"local"`` for net utility; None picks the paper's default.
       alpha, lam, positive_only: as for :func:`nu.score` / :func:`nu.allocate`.
+      weights: M finite nonzero numbers, one per task (None: all 1); they scale the merged
+        updates, not the scores.
+      min_share: None or a number in ``[0, 1]``, with ``allocation="net_utility"`` only.
 
     Returns:
       ``(merged_adapter, Report)``.
@@ -430,11 +463,13 @@ def merge_adapters(
         kept there (e.g. ``density=1e-300``, ``p=0.999999``); :attr:`Report.zeroed` lists them.
 
     Raises:
-      InputError: unknown allocation or scope, budget <= 0, ``lam`` or ``alpha`` negative or not
-        finite (they are ``"auto"`` or a finite number >= 0), plus everything :func:`merge` and
+      InputError: unknown allocation or scope, budget <= 0 or missing (with an allocation that
+        needs one), ``lam`` or ``alpha`` negative or not finite (they are ``"auto"`` or a finite
+        number >= 0), weights of the wrong length, zero or not finite, ``min_share`` outside
+        ``[0, 1]`` or with another allocation, plus everything :func:`merge` and
         :func:`nu.score` raise.
       InputTypeError: an option of the wrong type (``positive_only`` not a bool, ``budget`` not
-        an int, a complex ``lam``, an int ``key``).
+        an int, a complex ``lam``, an int ``key``, a weight that is not a real number).
 
     Example:
       >>> import numpy as np, netutility_jax as nu
@@ -444,30 +479,26 @@ def merge_adapters(
       >>> out, rep = nu.merge_adapters(ads, budget=4, allocation="uniform")
       >>> rep.budget_spent, sum(rep.ranks.values())
       (4.0, 8)
+      >>> out, rep = nu.merge_adapters(ads, allocation="all", weights=[1.0, 0.5, 2.0])
+      >>> want = sum(w * a["m0"]["lora_a"] @ a["m0"]["lora_b"] for w, a in zip([1, .5, 2], ads))
+      >>> bool(np.allclose(nu.module_update(out["m0"]), want, atol=1e-3))
+      True
     """
     fn = "nu.merge_adapters"
     res = registry.resolve_options(fn, method, space, options)
     scope = _check_budget_args(fn, res, allocation, scope, budget, alpha, lam, positive_only)
+    floor = _min_share.check_min_share(fn, min_share, allocation)
     _plan.check_coef(fn, coef)
     if res.spec.needs_key:
         _plan.check_key(fn, key, res.spec.name)
+    weighted, weights = _weighted_input(fn, adapters, weights)
     names, buckets, _m_tasks = _tree.collect(adapters, fn=fn)
-    sc = None
-    if allocation == "all":
-        masks = None
-        kept_masks = _all_candidates(fn, names, buckets)
-    else:
-        sc = score(adapters, alpha=alpha, lam=lam, mesh=mesh)
-        alloc_scope = "uniform" if allocation == "uniform" else scope
-        masks = allocate(
-            sc,
-            budget,
-            scope=alloc_scope,
-            positive_only=_checks.check_bool(fn, "positive_only", positive_only),
-        )
-        kept_masks = masks
+    sc, masks, kept_masks = _allocation(
+        fn, adapters, names, buckets, allocation=allocation, budget=budget, scope=scope,
+        alpha=alpha, lam=lam, positive_only=positive_only, min_share=floor, mesh=mesh,
+    )  # fmt: skip
     merged = merge(
-        adapters, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
+        weighted, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
     )
     flat = {
         "/".join(path) or "lora": node
@@ -477,9 +508,93 @@ def merge_adapters(
     warn_zeroed(fn, zeroed, len(names), method, options)
     report = _report(
         adapters, merged, names, kept_masks, sc, budget=budget, method=method, space=space,
-        allocation=allocation, scope=scope, zeroed=zeroed,
+        allocation=allocation, scope=scope, zeroed=zeroed, weights=weights, min_share=floor,
     )  # fmt: skip
     return merged, report
+
+
+def _allocation(
+    fn: str, adapters, names, buckets, *, allocation, budget, scope, alpha, lam, positive_only,
+    min_share, mesh,
+) -> tuple[Any, dict[str, Any] | None, dict[str, Any]]:  # fmt: skip
+    """``(scores, masks, kept masks)`` of an in-memory merge: ``allocation="all"`` scores
+    nothing (``masks=None``: every candidate, which the kept masks list); otherwise
+    :func:`nu.score` and the allocation's masks (with ``min_share``'s floor)."""
+    if allocation == "all":
+        return None, None, _all_candidates(fn, names, buckets)
+    sc = score(adapters, alpha=alpha, lam=lam, mesh=mesh)
+    masks = _min_share.select(
+        sc,
+        budget,
+        allocation=allocation,
+        scope=scope,
+        positive_only=_checks.check_bool(fn, "positive_only", positive_only),
+        min_share=min_share,
+    )
+    return sc, masks, masks
+
+
+# ------------------------------------------------------------------------------ task weights
+
+
+def check_weights(fn: str, weights: Any, m_tasks: int) -> tuple[float, ...] | None:
+    """``weights`` as a tuple of ``m_tasks`` finite nonzero floats (None: no weights).
+
+    Raises:
+      InputTypeError: not a sequence of real numbers.
+      InputError: the wrong number of weights, or one that is zero, NaN or infinite.
+    """
+    if weights is None:
+        return None
+    if isinstance(weights, (str, bytes, Mapping)) or not hasattr(weights, "__len__"):
+        raise InputTypeError(
+            f"{fn}: weights={_checks.given(weights)}; expected a sequence of {m_tasks} numbers, "
+            "one per task."
+        )
+    values = list(np.asarray(weights).ravel()) if hasattr(weights, "shape") else list(weights)
+    if len(values) != m_tasks:
+        raise InputError(
+            f"{fn}: {len(values)} weights for {m_tasks} tasks; pass one weight per task (adapter)."
+        )
+    out = []
+    for i, w in enumerate(values):
+        v = _checks.real_option(
+            fn, f"weights[{i}]", w, "a finite nonzero number (task i's update is multiplied by "
+            "it; drop the adapter instead of weighting it 0)", lambda x: x != 0, traced=False,
+        )  # fmt: skip
+        out.append(v)
+    return tuple(out)
+
+
+def weight_adapters(adapters: Sequence[Any], weights: Sequence[float] | None) -> list[Any]:
+    """The adapters with task i's ``scale`` multiplied by ``weights[i]`` (an exact rescaling of
+    its update; a weight of 1 leaves the task as it is). Trees come back as nested dicts, each
+    module a dict with its keys."""
+    if weights is None:
+        return list(adapters)
+    return [ad if w == 1.0 else _weighted(ad, w) for ad, w in zip(adapters, weights, strict=True)]
+
+
+def _weighted(adapter: Any, w: float) -> Any:
+    def scaled(_path, node):
+        if node is None or not _tree.is_mapping(node) or not _tree.has_factor(node):
+            return node
+        out = {k: node[k] for k in node.keys()}
+        out["scale"] = _tree.unwrap(node.get("scale", 1.0)) * w
+        return out
+
+    return _tree.map_modules(adapter, scaled)
+
+
+def _weighted_input(fn: str, adapters: Any, weights: Any) -> tuple[Any, tuple[float, ...] | None]:
+    """``(adapters weighted, weights checked)``, for the merge (the scores are the unweighted
+    adapters'); the adapters are checked first (their own messages), so that a bad adapter is
+    not reported as a bad weight."""
+    if weights is None:
+        return adapters, None
+    _tree.collect(adapters, fn=fn)
+    checked = check_weights(fn, weights, len(adapters))
+    return weight_adapters(adapters, checked), checked
 
 
 def _is_zero(coef: Any) -> bool:
@@ -495,12 +610,18 @@ def _check_budget_args(fn, res, allocation, scope, budget, alpha, lam, positive_
         _checks.check_choice(
             fn, "scope", scope, ("global", "local"), " or None (the paper's choice per method)"
         )
-    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, numbers.Integral):
+    if budget is None:
+        if allocation != "all":
+            raise InputError(
+                f"{fn}: budget=None with allocation={allocation!r}; pass budget=R, a positive "
+                "integer (directions per module on average). Only allocation='all' needs none."
+            )
+    elif isinstance(budget, (bool, np.bool_)) or not isinstance(budget, numbers.Integral):
         raise InputTypeError(
             f"{fn}: budget={_checks.given(budget)}; expected a positive integer R (directions "
             "per module on average)."
         )
-    if budget <= 0:
+    elif budget <= 0:
         raise InputError(
             f"{fn}: budget={_checks.given(budget)}; expected a positive integer R (directions "
             "per module on average)."
@@ -550,7 +671,7 @@ def _report(adapters, merged, names, kept_masks, sc, *, h=None, zeroed=(), **set
     return Report(
         lam=None if sc is None else float(sc.lam),
         alpha=None if sc is None else float(sc.alpha),
-        budget=int(settings["budget"]),
+        budget=None if settings["budget"] is None else int(settings["budget"]),
         budget_spent=budget_spent(kept_masks),
         kept={nm: np.asarray(v, bool).sum(1) for nm, v in kept_masks.items()},
         kept_per_task=np.asarray(kept_per_task(kept_masks)),
@@ -564,4 +685,6 @@ def _report(adapters, merged, names, kept_masks, sc, *, h=None, zeroed=(), **set
         masks=dict(kept_masks),
         scores=sc,
         zeroed=tuple(zeroed),
+        weights=settings.get("weights"),
+        min_share=settings.get("min_share"),
     )

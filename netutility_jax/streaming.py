@@ -93,6 +93,7 @@ from . import (
     _checks,
     _exchange,
     _mesh,
+    _min_share,
     _plan,
     _results,
     _tree,
@@ -101,7 +102,6 @@ from . import (
     utility,
 )
 from ._ties_model import ties_model_streamed
-from .allocate import allocate
 from .errors import InputError, InputTypeError
 
 if TYPE_CHECKING:  # the peft package is imported on first use (nu.peft), not by the core
@@ -195,7 +195,8 @@ class _Energies:
 @dataclasses.dataclass(frozen=True)
 class _Stream:
     """What every pass shares: the source, its chunks, the merge's compute dtype, and the
-    processes: ``owner[k]`` reads chunk ``k`` (all 0 with one process)."""
+    processes: ``owner[k]`` reads chunk ``k`` (all 0 with one process); ``weights``: the tasks'
+    weights, which the merge pass applies to each chunk (:meth:`weighted`; None: none)."""
 
     fn: str
     source: AdapterSet
@@ -203,6 +204,7 @@ class _Stream:
     dtype: np.dtype
     ex: _exchange.Exchange
     owner: tuple[int, ...]
+    weights: tuple[float, ...] | None = None
 
     def names_of(self, p: int) -> list[str]:
         """Process ``p``'s modules, in :attr:`AdapterSet.names` order."""
@@ -220,6 +222,11 @@ class _Stream:
             if self.dtype == np.float64:
                 adapters = [{n: _as(m, self.dtype) for n, m in ad.items()} for ad in adapters]
             yield k, names, adapters
+
+    def weighted(self, adapters: list[dict[str, Any]]) -> list[Any]:
+        """A chunk's adapters with the tasks' weights applied (the merge pass's input; the
+        scores and the kept candidates are those of the unweighted tasks, as in memory)."""
+        return merging.weight_adapters(adapters, self.weights)
 
 
 def _as(m: dict[str, Any] | None, dtype: Any) -> dict[str, Any] | None:
@@ -399,7 +406,9 @@ def _merge_pass(
         for k, names, adapters in st.read():
             if masks is None:
                 _all_kept(fn, k, names, adapters, kept, mine)
-            merged.update(_merge_chunk(st, call, names, adapters, masks, index, on_chunk, zero))
+            merged.update(
+                _merge_chunk(st, call, names, st.weighted(adapters), masks, index, on_chunk, zero)
+            )
         out = {
             f"r/{n}": np.asarray(-1 if r is None else r) for n, r in merging._ranks(merged).items()
         }
@@ -500,6 +509,7 @@ def _merge_pass_model_wide(
             if masks is None and first:
                 _all_kept(fn, k, names, adapters, kept, mine)
             part = None if masks is None else {n: masks[n] for n in names}
+            adapters = st.weighted(adapters)
             plan = _plan.plan_merge(fn, adapters, part, **call, module_index=index)
 
             def sink(results: dict[str, Any], adapters=adapters) -> None:
@@ -527,22 +537,92 @@ def _merge_pass_model_wide(
     )
 
 
-def _stream(fn: str, source: AdapterSet, chunk_bytes: int, ex: _exchange.Exchange) -> _Stream:
+def _stream(
+    fn: str,
+    source: AdapterSet,
+    chunk_bytes: int,
+    ex: _exchange.Exchange,
+    weights: tuple[float, ...] | None = None,
+) -> _Stream:
     codes = source.stored_dtypes
     dtype = _tree.float_dtype(*(np.float64 if c == "F64" else np.float32 for c in codes))
     m_tasks = len(source.paths)
     chunks = plan_chunks(source.shapes, m_tasks, chunk_bytes=chunk_bytes, itemsize=dtype.itemsize)
-    weights = []
+    sizes = []
     for names in chunks:
         d_in, d_out, r_max = source.shapes[names[0]]
-        weights.append(len(names) * m_tasks * r_max * (d_in + d_out))
-    return _Stream(fn, source, tuple(chunks), dtype, ex, _exchange.assign(weights, ex.count))
+        sizes.append(len(names) * m_tasks * r_max * (d_in + d_out))
+    owner = _exchange.assign(sizes, ex.count)
+    return _Stream(fn, source, tuple(chunks), dtype, ex, owner, weights)
+
+
+def _allocation(
+    st: _Stream, *, allocation, budget, scope, alpha, lam, positive_only, min_share, mesh
+) -> tuple[utility.Scores | None, dict[str, Any] | None, _Energies | None]:
+    """Pass 1 and the allocation: ``(scores, masks, energies)``, all None for
+    ``allocation="all"`` (which reads nothing here: the merge pass keeps every candidate)."""
+    if allocation == "all":
+        return None, None, None
+    stats, alpha_v, energies = _score_pass(st, alpha=alpha, lam=lam, mesh=mesh)
+    sc = _global_scores(st.fn, stats, lam, alpha_v, st.dtype)
+    masks = _min_share.select(
+        sc,
+        budget,
+        allocation=allocation,
+        scope=scope,
+        positive_only=_checks.check_bool(st.fn, "positive_only", positive_only),
+        min_share=min_share,
+    )
+    _agree(st, sc, masks)
+    return sc, masks, energies
+
+
+def _kept_pass(st: _Stream) -> tuple[dict[str, Any], _Energies]:
+    """Every candidate of every module (``allocation="all"``) and the tasks' energies, read a
+    chunk at a time (one process): what the merge pass computes on its way, for a plan."""
+    kept: dict[str, Any] = {}
+    energies = _Energies()
+    for k, names, adapters in st.read():
+        _all_kept(st.fn, k, names, adapters, kept, energies)
+    return {n: kept[n] for n in st.source.names}, energies
+
+
+def score_and_allocate(
+    source: AdapterSet,
+    *,
+    fn: str,
+    budget: int | None,
+    allocation: str,
+    scope: str,
+    alpha: float | str,
+    lam: float | str,
+    positive_only: bool,
+    min_share: float | None,
+    chunk_bytes: int,
+    mesh: Any = None,
+) -> tuple[utility.Scores | None, dict[str, Any], float]:
+    """What a streamed merge decides before merging, in one process, for a plan
+    (:func:`nu.plan`): ``(scores, kept masks, h)``, the arguments already checked. Reads every
+    chunk once (pass 1, or for ``allocation="all"`` the candidates)."""
+    _check_source(fn, source, chunk_bytes, None)
+    mesh = _mesh.check_mesh(fn, mesh) or _mesh.module_mesh(jax.local_devices()[:1])
+    st = _stream(fn, source, chunk_bytes, _exchange.LOCAL)
+    if allocation == "all":
+        kept, energies = _kept_pass(st)
+        sc = None
+    else:
+        sc, kept, energies = _allocation(  # type: ignore[assignment]
+            st, allocation=allocation, budget=budget, scope=scope, alpha=alpha, lam=lam,
+            positive_only=positive_only, min_share=min_share, mesh=mesh,
+        )  # fmt: skip
+    h = energies.heterogeneity(st.dtype, "nu.heterogeneity", strict=False)  # type: ignore[union-attr]
+    return sc, {n: kept[n] for n in st.source.names}, h
 
 
 def merge_adapters_streaming(
     source: AdapterSet,
     *,
-    budget: int,
+    budget: int | None = None,
     method: str = "ta",
     space: str = "full",
     allocation: str = "net_utility",
@@ -556,6 +636,8 @@ def merge_adapters_streaming(
     on_chunk: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None,
     distributed: bool = False,
     mesh: Any = None,
+    weights: Sequence[float] | None = None,
+    min_share: float | None = None,
     **options: Any,
 ) -> tuple[dict[str, Any], merging.Report]:
     """:func:`nu.merge_adapters` on adapters read from disk a chunk at a time (see the module
@@ -563,8 +645,10 @@ def merge_adapters_streaming(
 
     Args:
       source: the adapters, from :func:`nu.peft.open_adapters`.
-      budget, method, space, allocation, scope, alpha, lam, positive_only, coef, key, **options:
-        as for :func:`nu.merge_adapters`.
+      budget, method, space, allocation, scope, alpha, lam, positive_only, coef, key, weights,
+        min_share, **options: as for :func:`nu.merge_adapters` (``weights`` multiply each
+        task's ``scale`` in the merge pass; the scores are those of the unweighted tasks, as in
+        memory).
       chunk_bytes: every task's factors read at once, in bytes of the compute dtype (a module
         larger than that is read alone).
       on_chunk: called with each chunk's merged modules ``{name: module}``; what it returns is
@@ -618,26 +702,21 @@ def merge_adapters_streaming(
     scope = merging._check_budget_args(
         fn, res, allocation, scope, budget, alpha, lam, positive_only
     )
+    floor = _min_share.check_min_share(fn, min_share, allocation)
     _plan.check_coef(fn, coef)
     if res.spec.needs_key:
         _plan.check_key(fn, key, res.spec.name)
     _check_source(fn, source, chunk_bytes, on_chunk)
+    weights = merging.check_weights(fn, weights, len(source.paths))
     # None: this process's first device, the chunks stacked on the host all the same: one small
     # program per stage and chunk shape, not one traced over every module's leaves
     mesh = _mesh.check_mesh(fn, mesh) or _mesh.module_mesh(jax.local_devices()[:1])
-    st = _stream(fn, source, chunk_bytes, _exchange.current(fn, distributed))
+    st = _stream(fn, source, chunk_bytes, _exchange.current(fn, distributed), weights)
     _refuse_model_wide(fn, res, st.ex)
-    energies = sc = masks = None
-    if allocation != "all":
-        stats, alpha_v, energies = _score_pass(st, alpha=alpha, lam=lam, mesh=mesh)
-        sc = _global_scores(fn, stats, lam, alpha_v, st.dtype)
-        masks = allocate(
-            sc,
-            budget,
-            scope="uniform" if allocation == "uniform" else scope,
-            positive_only=_checks.check_bool(fn, "positive_only", positive_only),
-        )
-        _agree(st, sc, masks)
+    sc, masks, energies = _allocation(
+        st, allocation=allocation, budget=budget, scope=scope, alpha=alpha, lam=lam,
+        positive_only=positive_only, min_share=floor, mesh=mesh,
+    )  # fmt: skip
     call = {"method": method, "space": space, "coef": coef, "key": key, "options": res.options}
     call["mesh"] = mesh
     if res.model_wide:
@@ -648,7 +727,10 @@ def merge_adapters_streaming(
     else:
         merged, kept, ranks, e2, zero = _merge_pass(st, call, masks, on_chunk=on_chunk)
     energies = energies or e2  # (the first pass that read everything summed them)
-    settings = {"budget": budget, "method": method, "space": space, "allocation": allocation}
+    settings = {
+        "budget": budget, "method": method, "space": space, "allocation": allocation,
+        "weights": weights, "min_share": floor,
+    }  # fmt: skip
     h = energies.heterogeneity(st.dtype, "nu.heterogeneity", strict=False)  # type: ignore[union-attr]
     zeroed = () if merging._is_zero(coef) else tuple(
         n for n in st.source.names if n in zero and np.asarray(kept[n]).any()

@@ -136,6 +136,7 @@ def _assert_same_folder(got: pathlib.Path, ref: pathlib.Path, processes: int) ->
     assert (got / peft.CONFIG_NAME).read_text() == (ref / peft.CONFIG_NAME).read_text()
     rep, ref_rep = (json.loads((d / cli.REPORT_NAME).read_text()) for d in (got, ref))
     assert (rep["options"].pop("processes"), ref_rep["options"].pop("processes")) == (processes, 1)
+    rep.pop("created_utc"), ref_rep.pop("created_utc")  # (each run records its own time)
     assert rep == ref_rep
     assert sorted(os.listdir(got)) == sorted(os.listdir(ref))
 
@@ -300,6 +301,61 @@ def test_distributed_flags_are_refused_before_joining(folders, tmp_path, capsys,
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert re.search(message, err), err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [
+        (lambda argv, folders: [*argv, "--method", "tsv"], "--method"),
+        (lambda argv, folders: [folders[0], folders[1], folders[0], *argv[3:]], "adapter 3"),
+    ],
+    ids=["method", "adapter"],
+)
+def test_processes_given_different_inputs_all_stop_before_merging(folders, tmp_path, change, what):
+    argv = [*folders, *COMMON, "--out", str(tmp_path / "out")]
+    runs = _distributed(2, argv, tmp_path, lambda i: argv if i == 0 else change(argv, folders))
+    for i, (rc, _, err) in enumerate(runs):
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1, f"process {i}: {err}"
+        assert "the 2 processes were given different " + what in lines[0], lines[0]
+        assert "process 0:" in lines[0] and "process 1:" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_process_whose_peers_never_come_gives_up_in_one_line(folders, tmp_path):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "netutility_jax.cli", "merge", *folders, *COMMON, "--out",
+           str(tmp_path / "out"), "--distributed", "--coordinator", f"localhost:{port}",
+           "--num-processes", "2", "--process-id", "0", "--distributed-timeout", "3"]  # fmt: skip
+    start = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=TIMEOUT)
+    lines = _no_gloo(r.stderr).strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "did not all join within 3 s" in lines[0] and "--distributed-timeout" in lines[0]
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--coordinator", "localhost"], "--coordinator: the coordinator address must be HOST:PORT"),
+        (["--coordinator", "localhost:99999"], "port in 1..65535"),
+        (["--coordinator", "no-such-host.invalid:80"], "cannot be resolved"),
+        (["--distributed-timeout", "0"], "--distributed-timeout: expected a finite number in"),
+    ],
+)  # fmt: skip
+def test_coordinator_and_timeout_are_refused_before_joining(
+    folders, tmp_path, capsys, argv, message
+):
+    try:
+        rc = cli.main(["merge", *folders, "--budget", "2", "--out", str(tmp_path / "o"),
+                       "--distributed", *argv])  # fmt: skip
+    except SystemExit as e:  # (argparse's refusals of a flag's value)
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert message in err, err
 
 
 def _shard(folder: pathlib.Path, out: pathlib.Path, index: dict | None = None) -> dict:

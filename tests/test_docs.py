@@ -20,6 +20,8 @@ MODULES = [
     "_module_ops",
     "registry",
     "streaming",
+    "planning",
+    "_min_share",
     "peft",
     "cli",
     "nnx",
