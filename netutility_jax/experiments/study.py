@@ -424,7 +424,9 @@ def render(
         "design": {
             "centre": {
                 "tasks": list(study.centre.tasks),
-                "seeds": list(study.centre.seeds),
+                # the seeds that ran (the centre cell's, or the first cell's), not the preset's
+                "seeds": sorted({s for c in cells[:1] for s in c.seeds})
+                or list(study.centre.seeds),
                 "train": dataclasses.asdict(study.centre.train),
                 "max_train": study.centre.max_train,
                 "n_val": study.centre.n_val,
