@@ -31,6 +31,9 @@ from .merging import merge as merge
 from .merging import merge_adapters as merge_adapters
 from .merging import module_update as module_update
 from .merging import to_lora as to_lora
+from .moments import InputMoments as InputMoments
+from .moments import input_moments as input_moments
+from .moments import input_moments_dense as input_moments_dense
 from .planning import Plan as Plan
 from .planning import plan as plan
 from .streaming import merge_adapters_streaming as merge_adapters_streaming
@@ -60,6 +63,7 @@ def __dir__():
 __all__ = [
     "Diagnostics",
     "InputError",
+    "InputMoments",
     "InputTypeError",
     "LoraSVD",
     "ModuleScores",
@@ -75,6 +79,8 @@ __all__ = [
     "extract_lora",
     "fold",
     "heterogeneity",
+    "input_moments",
+    "input_moments_dense",
     "kept_per_module",
     "kept_per_task",
     "lora_svd",

@@ -9,7 +9,7 @@ stacking the kernels call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,15 @@ import numpy as np
 
 from ._tree import Bucket
 
-__all__ = ["bucket_arrays", "split_bucket", "stack_bucket", "stack_bucket_cat"]
+__all__ = [
+    "StackedMoments",
+    "bucket_arrays",
+    "moment_iso",
+    "split_bucket",
+    "stack_bucket",
+    "stack_bucket_cat",
+    "stack_moments",
+]
 
 
 def bucket_arrays(bucket: Bucket) -> tuple[Any, Any, Any]:
@@ -86,6 +94,60 @@ def stack_bucket_cat(
     yb = jnp.concatenate([pad_b(x) for row in b for x in row], 0).reshape(len(b), -1, d_out)
     S, R = _scales_ranks(a, s, dtype)
     return xa, yb, S, R
+
+
+class StackedMoments(NamedTuple):
+    """A bucket's input-moment factors stacked (:func:`stack_moments`)."""
+
+    f: Any  # (n, M, k_max, d_in)
+    iso: Any  # (n, M) bool: no factor (the data-free geometry there)
+
+
+def moment_iso(rows: Any, n_pad: int | None = None) -> np.ndarray:
+    """``(n, M)`` bool: True where ``rows[n][i]`` is None (and on padding modules)."""
+    iso = np.ones((len(rows) if n_pad is None else n_pad, len(rows[0])), bool)
+    for n, row in enumerate(rows):
+        for i, f in enumerate(row):
+            iso[n, i] = f is None
+    return iso
+
+
+def stack_moments(
+    rows: Any, *, d_in: int, dtype: Any, n_pad: int | None = None, host: bool = False
+) -> StackedMoments:
+    """Stack one bucket's input-moment factors (:func:`netutility_jax.moments.resolve`).
+
+    ``rows[n][i]`` is task ``i``'s factor ``(k, d_in)`` in module ``n`` (``S = F^T F``), or None
+    (the data-free geometry there). Factors are zero-padded to the bucket's largest ``k`` (zero
+    rows leave ``F^T F`` unchanged) and, with ``n_pad``, zero modules are appended (a mesh's
+    padding). With ``jnp`` (traceable: the scoring kernel stacks its leaves itself, one copy),
+    or with ``host`` in numpy (concrete factors, to be sharded over a mesh).
+
+    Returns:
+      :class:`StackedMoments`: ``f (n, M, k_max, d_in)`` in ``dtype``, ``iso (n, M)`` bool
+      (numpy: it follows from which factors are None, a static structure).
+    """
+    n_mod = len(rows) if n_pad is None else n_pad
+    m_tasks = len(rows[0])
+    k_max = max(1, max((np.shape(f)[0] for row in rows for f in row if f is not None), default=1))
+    iso = moment_iso(rows, n_pad)
+    if host:
+        out = np.zeros((n_mod, m_tasks, k_max, d_in), dtype)
+        for n, row in enumerate(rows):
+            for i, f in enumerate(row):
+                if f is not None:
+                    out[n, i, : np.shape(f)[0]] = np.asarray(f, dtype)
+        return StackedMoments(out, iso)
+
+    def pad(f):
+        if f is None:
+            return jnp.zeros((k_max, d_in), dtype)
+        f = jnp.asarray(f, dtype)
+        return f if f.shape[0] == k_max else jnp.pad(f, ((0, k_max - f.shape[0]), (0, 0)))
+
+    zero = [None] * m_tasks
+    padded = list(rows) + [zero] * (n_mod - len(rows))
+    return StackedMoments(jnp.stack([jnp.stack([pad(f) for f in row]) for row in padded]), iso)
 
 
 def split_bucket(bucket: Bucket, max_bytes: int, itemsize: int = 4) -> list[Bucket]:

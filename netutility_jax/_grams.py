@@ -16,7 +16,16 @@ import jax.numpy as jnp
 
 from ._linalg import exponent, pow2, pow2_normalise
 
-__all__ = ["CROSS", "PER_TASK", "ROUTES", "GramKind", "Grams", "grams", "safe_grams"]
+__all__ = [
+    "CROSS",
+    "PER_TASK",
+    "ROUTES",
+    "GramKind",
+    "Grams",
+    "grams",
+    "moment_grams",
+    "safe_grams",
+]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -135,3 +144,49 @@ def grams(a: jax.Array, b: jax.Array, scale: jax.Array, route: str) -> Grams:
     :func:`safe_grams`)."""
     g, h, s, e, nonfinite, raw_ok = safe_grams(a, b, scale, CROSS, route)
     return Grams(g, jnp.einsum("nikil->nikl", g), h, s, e, nonfinite, raw_ok)
+
+
+def moment_grams(f: jax.Array, a: jax.Array, iso: Any = None) -> tuple[jax.Array, jax.Array]:
+    """``a^T S a = (F a)^T (F a)`` per task-module, ``(n, M, r, r)``, up to a positive factor,
+    and ``tr(S)`` ``(n, M)`` in the same units (``||F||_F^2``).
+
+    ``f (n, M, k, d_in)`` is each task-module's input-moment factor (``S = F^T F``), ``a (n, M,
+    d_in, r)`` its input factor. ``F`` and ``a`` are each divided by a power of two (largest entry
+    in ``[0.5, 1)``, for ``F``: of the order of ``||F||_F``, applied to the product ``F a'`` when
+    ``||F||_F^2`` is within ``2^+-100``, which saves a pass over ``F``), so nothing overflows
+    whatever their size; the result is therefore
+    ``a^T S a`` times a positive number per task-module, which the data-aware score cancels (it
+    normalises each task by its own energy under its own ``S``). The second ``d``-sized product
+    of scoring, ``O(k d_in r)`` per task-module; a NaN/Inf in ``f`` makes that task-module's
+    result NaN (traced calls; eager calls refuse such input before).
+
+    ``iso (n, M)`` bool marks task-modules without a factor (their result is not used).
+
+    ``a`` is divided by the same power of two as in :func:`safe_grams` (its largest entry's), so
+    with the scoring's unit input directions ``v = a' T``, ``T^T q T = V^T S' V`` and
+    ``v^T S' v / tr`` is the share of the inputs' energy along ``v`` (the score's noise floor).
+    """
+    a2, _, _ = pow2_normalise(a, (-2, -1))
+    # ||F||_F^2 is one fast pass (a max-reduction over F is several times slower on XLA:CPU);
+    # within 2^+-100 it sets the power of two, applied to the small product F a' afterwards
+    ss = jnp.sum(f * f, axis=(-2, -1))
+    lo, hi = 2.0**-100, 2.0**100
+    # (a zero sum is a factor too small to square, unless the task-module has none: ``iso``)
+    skip = jnp.zeros(ss.shape, bool) if iso is None else jnp.asarray(iso)
+    raw_ok = (skip | ((ss >= lo) & (ss <= hi))).all()
+
+    def from_raw():
+        # |F| <= 2^50 and |a'| < 1: F a' cannot overflow, nor can its square once scaled
+        e = (exponent(ss) + 1) // 2  # 2^-e ||F||_F <= 1
+        y = jnp.einsum("nikd,nidr->nikr", f, a2, precision=_HI)
+        y = y * pow2(-e, y.dtype)[..., None, None]
+        return y, ss * pow2(-2 * e, ss.dtype), jnp.zeros(ss.shape, jnp.int32)
+
+    def normalised():  # any finite F (NaN/Inf zeroed and counted)
+        f2, _, bad = pow2_normalise(f, (-2, -1))
+        y = jnp.einsum("nikd,nidr->nikr", f2, a2, precision=_HI)
+        return y, jnp.sum(f2 * f2, axis=(-2, -1)), bad
+
+    y, tr, bad = jax.lax.cond(raw_ok, from_raw, normalised)
+    q = jnp.einsum("nikr,niks->nirs", y, y, precision=_HI)
+    return jnp.where((bad > 0)[..., None, None], jnp.asarray(jnp.nan, q.dtype), q), tr

@@ -17,7 +17,13 @@ from . import _tree
 from ._checks import few, short
 from .errors import InputError
 
-__all__ = ["X64_HINT", "checkify_score", "raise_unrepresentable", "range_text"]
+__all__ = [
+    "X64_HINT",
+    "checkify_score",
+    "raise_blind_moments",
+    "raise_unrepresentable",
+    "range_text",
+]
 
 X64_HINT = (
     "enable x64 (jax.config.update('jax_enable_x64', True)) and pass float64 factors, whose "
@@ -150,4 +156,42 @@ def checkify_score(
         ~lam_bad,
         f"{fn}: lam='auto' is beyond the range of the compute dtype (the tasks' update sizes "
         "differ too much); pass lam= explicitly.",
+    )
+
+
+def raise_blind_moments(
+    fn: str, buckets: Sequence[_tree.Bucket], scores: Sequence[Any], isos: Sequence[Any]
+) -> None:
+    """Refuse a task-module whose update has candidate directions but no energy on its own
+    inputs (``E ||dW x||^2 = 0`` under its ``input_moments``): its benefit (and its share of
+    every interference) would be 0 / 0. ``scores`` per bucket: stacked ``(sigma, benefit, ...)``
+    ``(n, M, r)``; ``isos`` per bucket ``(n, M)`` bool, True where a task-module has no data."""
+    hits = []
+    for bk, sc, iso in zip(buckets, scores, isos, strict=True):
+        sigma, benefit = np.asarray(sc[0]), np.asarray(sc[1])
+        n_mod = len(bk.names)
+        blind = (
+            ~np.asarray(iso)[:n_mod]
+            & (sigma[:n_mod] > 0).any(-1)
+            & ~(np.abs(benefit[:n_mod]) > 0).any(-1)
+        )
+        for n, i in zip(*np.nonzero(blind), strict=True):
+            hits.append((bk, int(n), int(i)))
+    if not hits:
+        return
+    bk, n, i = hits[0]
+    m = bk.modules[n][i]
+    more = (
+        f" In all, {len(hits)} (module, task) pairs, in {few([h[0].names[h[1]] for h in hits])}."
+        if len(hits) > 1
+        else ""
+    )
+    raise InputError(
+        f"{fn}: module {short(bk.names[n])!r}, task {i}: the update (lora_a "
+        f"{tuple(m.lora_a.shape)}, lora_b {tuple(m.lora_b.shape)}) is zero on every input of "
+        f"input_moments[{i}] (E ||dW x||^2 = 0 up to rounding): the inputs are "
+        "orthogonal to the update's input directions, so its energy share is 0 / 0. These are "
+        "probably another module's (or another task's) activations; check the names, or pass "
+        f"None at input_moments[{i}][{short(bk.names[n])!r}] for the data-free geometry."
+        f"{more}"
     )

@@ -29,6 +29,11 @@ quantity (sigma, interference, utility, lambda) is itself a normal float32 numbe
 (for example one task 1e20 times larger than another: its interference is 1e40), :func:`score`
 refuses with :class:`InputError` instead of returning zeros, infinities or NaN.
 
+Data-aware geometry (``score(..., input_moments=...)``, docs/input_moments.md): one more
+``d``-sized product per task-module, ``a^T S a = (F a)^T (F a)`` from the input-moment factor ``F``
+(:func:`moment_grams`), in the same bucketed kernel; then ``C_i = T_i^T (a^T S a) T_i`` is
+``(M r)``-sized like the rest. Without moments the kernel is the data-free one, unchanged.
+
 References:
   Amballa et al., "Not All Ranks Are Equal: Budget-Aware LoRA Merging Across Tasks": Eq.
   net-utility (alpha = 1), App. A.4 (alpha = 0), Hyperparameters (lambda, h).
@@ -38,19 +43,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _buckets, _mesh, _tree
+from . import _buckets, _mesh, _tree, moments
 from ._checks import brief, check_auto, check_bool, check_real, real_option, real_value
-from ._grams import PER_TASK, ROUTES, Grams, grams, safe_grams
+from ._grams import PER_TASK, ROUTES, Grams, grams, moment_grams, safe_grams
 from ._linalg import eigh_batched as eigh_batched
 from ._linalg import mul_pow2, settle
-from ._score_errors import X64_HINT, checkify_score, raise_unrepresentable, range_text
+from ._score_errors import (
+    X64_HINT,
+    checkify_score,
+    raise_blind_moments,
+    raise_unrepresentable,
+    range_text,
+)
 from .errors import InputError
 
 __all__ = [
@@ -77,6 +88,7 @@ class ModuleScores(NamedTuple):
       sigma: singular values, descending per task; 0 on non-candidates.
       benefit: ``s^(2+2a) / w_j``, ``w_j = sum_n s_jn^(2+2a)`` (the task's energy share).
       interference: ``s_jk^2 sum_{i!=j} sum_n s_in^(2a) / w_i (v_jk . v_in)^2`` (before lambda).
+        (With ``input_moments`` both terms are the data-aware ones of :func:`score`.)
       utility: ``benefit - lam * interference``; ``-inf`` on non-candidates.
     """
 
@@ -143,12 +155,17 @@ def _finish(
     rank: jax.Array,
     alphas: Sequence[jax.Array | float],
     rtol: jax.Array | float,
+    moments: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> list[BucketStats]:
     """Stage 3: singular values, input directions ``a_i T_i``, overlaps, then for each alpha of
     ``alphas`` the benefit and interference (the overlaps, the costly part, are shared).
 
     Everything is in each task's normalised units (``s = s' 2^E``) until the end: benefits and
     overlaps do not depend on ``E``; sigma and the cross-task ratios get it back exactly.
+
+    ``moments``: ``(q (n, M, r, r), tr (n, M), iso (n, M))``, each task-module's ``a^T S a`` and
+    ``tr(S)`` (:func:`moment_grams`) and whether it has no data (the data-free geometry, ``S =
+    I``): the data-aware score (:func:`score`, ``input_moments``). None: the data-free score.
     """
     r = gr.h.shape[-1]
     m_tasks = gr.h.shape[1]
@@ -174,14 +191,19 @@ def _finish(
         (jnp.log2(jnp.where(smax > 0, smax, 1)) + gr.exp.astype(sig.dtype)) * np.log10(2.0),
         -jnp.inf,
     ).astype(sig.dtype)
+    if moments is not None:
+        cm = _moment_cores(moments, t_in, cand)
     out = []
     for alpha in alphas:
-        p = jnp.where(cand, rel ** (2 + 2 * alpha), 0)
-        wt = p.sum(-1)
-        benefit = _safe_div(p, wt[..., None])
-        # c_in = s_in^(2a) / w_i, in units of s_max_i^-2 (put back through ratio2)
-        c = _safe_div(jnp.where(cand, rel ** (2 * alpha), 0), wt[..., None])
-        per_task = jnp.einsum("njkim,nim->njki", ov**2, c)  # (n, M_j, K, M_i)
+        if moments is None:
+            p = jnp.where(cand, rel ** (2 + 2 * alpha), 0)
+            wt = p.sum(-1)
+            benefit = _safe_div(p, wt[..., None])
+            # c_in = s_in^(2a) / w_i, in units of s_max_i^-2 (put back through ratio2)
+            c = _safe_div(jnp.where(cand, rel ** (2 * alpha), 0), wt[..., None])
+            per_task = jnp.einsum("njkim,nim->njki", ov**2, c)  # (n, M_j, K, M_i)
+        else:
+            benefit, per_task = _data_aware(cm, ov, rel, cand, alpha)
         unscaled = ratio2 * per_task * off[None, :, None, :]
         terms = mul_pow2(unscaled, d_exp)
         interference = jnp.where(cand, terms.sum(-1), 0)
@@ -201,6 +223,52 @@ def _finish(
             )
         )
     return out
+
+
+def _moment_cores(
+    moments: tuple[jax.Array, jax.Array, jax.Array], t_in: jax.Array, cand: jax.Array
+) -> jax.Array:
+    """``C_i = V_i^T S_i V_i`` ``(n, M, K, K)`` up to a positive factor per task-module, from
+    ``q = a'^T S a'`` and ``V_i = a'_i T_i``; the identity where a task-module has no data (the
+    data-free geometry exactly), zero outside the candidates.
+
+    A task-module whose inputs put at most ``16 eps^2`` of their energy ``tr(S)`` along every
+    one of its directions is orthogonal to them up to rounding (measured: about 1e-16 in
+    float32 for exactly orthogonal inputs, at d_in 12 to 4096; real inputs along a direction are
+    orders of magnitude above): its ``C`` is set to 0, so its energy share is 0 / 0, which
+    :func:`score` refuses (:func:`raise_blind_moments`) rather than rank rounding noise."""
+    q, tr, iso = moments
+    k = t_in.shape[-1]
+    cm = jnp.einsum("niak,niab,nibl->nikl", t_in, q, t_in, precision=_HI)
+    cm = 0.5 * (cm + jnp.swapaxes(cm, -1, -2))
+    eps = jnp.finfo(cm.dtype).eps
+    along = jnp.max(jnp.where(cand, jnp.einsum("nikk->nik", cm), 0), axis=-1)
+    blind = along <= 16 * eps * eps * tr
+    cm = jnp.where(blind[..., None, None], 0, cm)
+    cm = jnp.where(iso[..., None, None], jnp.eye(k, dtype=cm.dtype), cm)
+    return jnp.where(cand[..., :, None] & cand[..., None, :], cm, 0)
+
+
+def _data_aware(
+    cm: jax.Array, ov: jax.Array, rel: jax.Array, cand: jax.Array, alpha: jax.Array | float
+) -> tuple[jax.Array, jax.Array]:
+    """Benefit and per-task interference of the data-aware geometry ``G_i = M_i S_i M_i``,
+    ``M_i = V_i Sigma_i^a V_i^T`` (docs/input_moments.md), in the units of :func:`_finish`.
+
+    ``benefit_jk = s_jk^(2+2a) C_j[k,k] / W_j``, ``W_j = sum_n s_jn^(2+2a) C_j[n,n]``; task i's
+    part of the interference of ``(j, k)``: ``s_jk^2 y^T C_i y / W_i`` with ``y_m = s_im^a
+    (v_jk . v_im)``. Scale-free in each ``C_i`` (it cancels against ``W_i``); with ``C_i = I`` it
+    is the data-free formula term for term.
+    """
+    dg = jnp.clip(jnp.einsum("nikk->nik", cm), 0)
+    p = jnp.where(cand, rel ** (2 + 2 * alpha) * dg, 0)
+    wt = p.sum(-1)
+    benefit = _safe_div(p, wt[..., None])
+    y = ov * jnp.where(cand, rel**alpha, 0)[:, None, None]  # (n, M_j, K, M_i, K)
+    quad = jnp.einsum("njkim,nimp,njkip->njki", y, cm, y, precision=_HI)
+    # s_im^2a in units of s_max_i^2a, W_i in units of s_max_i^(2+2a): s_max_i^-2 (see ratio2)
+    per_task = _safe_div(jnp.clip(quad, 0), wt[:, None, None, :])
+    return benefit, per_task
 
 
 def _module_energies(gr: Grams) -> tuple[jax.Array, jax.Array]:
@@ -246,16 +314,28 @@ def _score_buckets(
     alphas: Sequence[jax.Array | float],
     rtols: Sequence[jax.Array | float],
     route: str,
+    moments: Sequence[tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[list[list[BucketStats]], list[Grams]]:
     """:func:`score_buckets` for each alpha of ``alphas`` from one decomposition: ``(stats,
-    grams)``, ``stats[a][b]`` alpha ``a``'s :class:`BucketStats` of bucket ``b``."""
+    grams)``, ``stats[a][b]`` alpha ``a``'s :class:`BucketStats` of bucket ``b``. ``moments``:
+    per bucket ``(f (n, M, k, d_in), iso (n, M))`` (:func:`_buckets.stack_moments`) for the
+    data-aware score, or None."""
     grs = [grams(a, b, s, route) for a, b, s, _ in buckets]
+    if moments is None:
+        qs = [None] * len(buckets)
+    else:
+        qs = [
+            (*moment_grams(f, bk[0], iso), iso)
+            for (f, iso), bk in zip(moments, buckets, strict=True)
+        ]
     eig_h = eigh_batched([gr.h for gr in grs])
     cores = [_cores(gr, phi, f) for gr, (phi, f) in zip(grs, eig_h, strict=True)]
     eig_c = eigh_batched([c for _, c in cores])
     per_bucket = [
-        _finish(gr, rbt, ev, z, bk[3], alphas, rtol)
-        for gr, (rbt, _), (ev, z), bk, rtol in zip(grs, cores, eig_c, buckets, rtols, strict=True)
+        _finish(gr, rbt, ev, z, bk[3], alphas, rtol, q)
+        for gr, (rbt, _), (ev, z), bk, rtol, q in zip(
+            grs, cores, eig_c, buckets, rtols, qs, strict=True
+        )
     ]
     return [[pb[a] for pb in per_bucket] for a in range(len(alphas))], grs
 
@@ -275,12 +355,13 @@ def lam_auto(benefit: jax.Array, interference: jax.Array, candidate: jax.Array) 
     return jnp.where(jnp.isfinite(denom) & (denom > 0), mb / jnp.where(denom > 0, denom, 1), 0.0)
 
 
-def _score_stats(inputs, alpha, rtols, *, meta, route, energy=False):
+def _score_stats(inputs, alpha, rtols, *, meta, route, energy=False, moments=None):
     """Stage 1 of :func:`_score_impl`: ``(stats, energies)``, ``stats[a]`` each bucket's
     :class:`BucketStats` for ``alpha`` (shape ``()``: one) or each of its values (shape
     ``(A,)``: one decomposition for all), and with ``energy`` each bucket's task-module energies
-    (:func:`_module_energies`), else None. Per module, no global quantity: a bucket's modules
-    can be split between devices."""
+    (:func:`_module_energies`), else None. ``moments``: per bucket the stacked input moments
+    (:func:`_buckets.stack_moments`), or None (the data-free score). Per module, no global
+    quantity: a bucket's modules can be split between devices."""
     dtype = meta[0]
     stacked = [
         tuple(x)
@@ -289,7 +370,14 @@ def _score_stats(inputs, alpha, rtols, *, meta, route, energy=False):
         for x, (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True)
     ]
     alphas = [alpha] if jnp.ndim(alpha) == 0 else list(alpha)
-    stats, grs = _score_buckets(stacked, alphas, rtols, route)
+    if moments is not None:
+        moments = [
+            tuple(m)
+            if isinstance(m, _buckets.StackedMoments)  # stacked on the host, sharded over a mesh
+            else tuple(_buckets.stack_moments(m, d_in=d_in, dtype=dtype))
+            for m, (d_in, _, _) in zip(moments, meta[1], strict=True)
+        ]
+    stats, grs = _score_buckets(stacked, alphas, rtols, route, moments)
     return stats, [_module_energies(gr) for gr in grs] if energy else None
 
 
@@ -335,12 +423,16 @@ def _score_finish(stats, lam, *, dtype, lam_is_auto, nan_fill):
 
 
 @functools.partial(jax.jit, static_argnames=("meta", "lam_is_auto", "route", "energy"))
-def _score_impl(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw", energy=False):
+def _score_impl(
+    inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw", energy=False, moments=None
+):
     """The jitted scoring of :func:`score`: ``(finished, raw_ok, energies)``, ``finished`` one
     :func:`_score_finish` per alpha (see :func:`_score_stats`). With ``route="raw"`` the caller
     must redo the call with ``route="normalise"`` when ``raw_ok`` is False (see
     :func:`safe_grams`)."""
-    stats, energies = _score_stats(inputs, alpha, rtols, meta=meta, route=route, energy=energy)
+    stats, energies = _score_stats(
+        inputs, alpha, rtols, meta=meta, route=route, energy=energy, moments=moments
+    )
     finished = _finish_all(stats, lam, meta, lam_is_auto, route)
     return finished, finished[0][3], energies
 
@@ -354,18 +446,31 @@ _score_stats_jit = jax.jit(_score_stats, static_argnames=("meta", "route", "ener
 _finish_all_jit = jax.jit(_finish_all, static_argnames=("meta", "lam_is_auto", "route"))
 
 
-def _score_by_device(inputs, alpha, lam, rtols, *, meta, lam_is_auto, route, energy, mesh):
+def _score_by_device(
+    inputs, alpha, lam, rtols, *, meta, lam_is_auto, route, energy, mesh, moments=None
+):
     """:func:`_score_impl` with each bucket's modules split between ``mesh``'s devices
     (:func:`_mesh.per_device`: one SPMD program, or on CPU each device's modules of every bucket
     in one call, in turn), then the global stage once."""
     if _mesh.spmd(mesh):  # one program, as _score_impl: the one-device result, bit for bit
         kw = {"meta": meta, "lam_is_auto": lam_is_auto, "route": route, "energy": energy}
+        if moments is not None:
+            kw["moments"] = _mesh.shard(moments, mesh)
         return _score_impl(_mesh.shard(inputs, mesh), alpha, lam, rtols, **kw)
-    stats, energies = _mesh.per_device(
-        lambda x: _score_stats_jit(x, alpha, rtols, meta=meta, route=route, energy=energy),
-        inputs,
-        mesh,
-    )
+    if moments is None:
+        stats, energies = _mesh.per_device(
+            lambda x: _score_stats_jit(x, alpha, rtols, meta=meta, route=route, energy=energy),
+            inputs,
+            mesh,
+        )
+    else:
+        stats, energies = _mesh.per_device(
+            lambda xm: _score_stats_jit(
+                xm[0], alpha, rtols, meta=meta, route=route, energy=energy, moments=xm[1]
+            ),
+            (inputs, moments),
+            mesh,
+        )
     finished = _finish_all_jit(stats, lam, meta=meta, lam_is_auto=lam_is_auto, route=route)
     return finished, finished[0][3], energies
 
@@ -413,6 +518,29 @@ def _dead(bk: _tree.Bucket) -> bool:
     return bk.r_max == 0 or bk.d_in == 0 or bk.d_out == 0
 
 
+def _score_moments(
+    fn: str, buckets: Sequence[_tree.Bucket], rows: Sequence[Any], dtype: Any, mesh: Any
+) -> tuple:
+    """The live buckets' input moments for :func:`_score_impl`: :func:`moments.resolve`'s rows
+    (stacked inside the kernel), or with a mesh stacked on the host and zero-padded like
+    :func:`_score_inputs` (:class:`_buckets.StackedMoments`)."""
+    live = [r for bk, r in zip(buckets, rows, strict=True) if not _dead(bk)]
+    if mesh is None:
+        return tuple(live)
+    if _traced(live):
+        raise InputError(
+            f"{fn}: mesh= stacks the input moments on the host, so it needs concrete arrays, "
+            "not traced ones: call it outside the transformation, or leave mesh=None."
+        )
+    live_bk = [bk for bk in buckets if not _dead(bk)]
+    return tuple(
+        _buckets.stack_moments(
+            r, d_in=bk.d_in, dtype=dtype, n_pad=_mesh.padded(len(bk.names), mesh), host=True
+        )
+        for bk, r in zip(live_bk, live, strict=True)
+    )
+
+
 def _score_inputs(fn: str, live: Sequence[_tree.Bucket], dtype: Any, mesh: Any) -> tuple:
     """The live buckets' inputs of :func:`_score_impl`: their leaves, or with a mesh their
     factors stacked on the host and sharded over it (:mod:`netutility_jax._mesh`)."""
@@ -437,6 +565,7 @@ def score(
     h_threshold: float = 1.0,
     checked: bool = False,
     mesh: Any = None,
+    input_moments: Sequence[Mapping[str, moments.InputMoments | None] | None] | None = None,
 ) -> Scores:
     """Net utility of every singular direction of every module and task (paper Eq. net-utility).
 
@@ -449,8 +578,26 @@ def score(
         utility      = benefit - lam * interference
 
     ``a = 1`` is the Gram geometry ``G_i ~ V_i S_i^2 V_i^T`` (paper Eq. gram-geometry), ``a = 0`` the
-    row-space heuristic (App. A.4). All modules of equal shape are scored by one jitted, batched
-    kernel from the Grams of the factors (see the module docstring); no dense update is formed.
+    row-space heuristic (App. A.4).
+
+    **Data-aware geometry** (``input_moments``; ours, not the paper's, see
+    docs/input_moments.md). The paper weighs task ``i``'s error by ``G_i = E_{x~p_i}[x x^T]``
+    and, having no data, replaces it by ``M_i M_i`` with ``M_i = V_i Sigma_i^a V_i^T``: the second
+    moment of white inputs read through the adapter. Given an estimate ``S_i`` of task ``i``'s
+    input second moment, we use ``G_i = M_i S_i M_i`` (task i's real inputs read through its
+    adapter). With ``C_i = V_i^T S_i V_i`` (``r_i x r_i``, from ``S_i``'s factor, never
+    ``d_in x d_in``), the paper's derivation (same-task components stay orthogonal under any
+    ``G``; each task normalised by its own energy) gives::
+
+        W_j          = sum_n s_jn^(2+2a) C_j[n,n]      (= ||dW_j||^2 under G_j)
+        benefit      = s_jk^(2+2a) C_j[k,k] / W_j
+        interference = s_jk^2 sum_{i!=j} y^T C_i y / W_i,   y_m = s_im^a (v_jk . v_im)
+
+    ``S_i = I`` gives ``C_i = I`` and the data-free score exactly; any positive scale of ``S_i``
+    cancels (as the paper's ``kappa_i``), so activations need not be normalised. The part of
+    ``S_i`` outside task i's row space does not count: the geometry keeps the proxy's support.
+
+    All modules of equal shape are scored by one jitted, batched kernel from the Grams of the factors (see the module docstring); no dense update is formed.
     The kernel is scale-safe: factors and scales are normalised by exact powers of two, so any
     finite scale (``lora_alpha`` 1e-30 .. 1e30) gives the float64 result to float32 rounding,
     or an :class:`InputError` where a returned quantity does not fit the compute dtype.
@@ -484,6 +631,13 @@ def score(
       mesh: a one-axis :class:`jax.sharding.Mesh` (:func:`nu.module_mesh`) to shard each
         bucket's modules over its devices (see :mod:`netutility_jax._mesh`); None: one device.
         The scores are those of one device. Concrete inputs only.
+      input_moments: None (the data-free score), or one entry per task: None (data-free for
+        that task), or ``{module name: InputMoments | None}`` from :func:`nu.input_moments`
+        (activations) or :func:`nu.input_moments_dense`, naming every module the task has (None:
+        data-free there). Mixing is explicit: a module left out is an error. Each ``factor`` is
+        ``(k, d_in)`` with ``S = factor^T factor``; cost ``O(k d_in r)`` per task-module. The
+        ``alpha="auto"`` rule and ``lam="auto"`` (the median ratio, over the data-aware
+        benefits and interferences) apply unchanged.
 
     Returns:
       :class:`Scores` with ``modules[name]`` fields ``sigma``, ``benefit``, ``interference``,
@@ -498,7 +652,9 @@ def score(
         task, array and how many entries), a result beyond the compute dtype's range (tasks
         whose update sizes differ by ~1e19 or more in float32), alpha or lam negative or not
         finite, an unknown string option, rtol outside ``[0, 1)``, ``lam="auto"`` with no
-        candidate at all.
+        candidate at all; ``input_moments`` with the wrong number of tasks, a module missing or
+        unknown, a factor of the wrong ``d_in``, NaN/Inf or all zero, or a task-module update
+        that is zero on all of its inputs.
       InputTypeError: (a ``TypeError``) non-floating factors, a scale that is not a real number
         (e.g. the string ``"2.0"``), an option of the wrong type (alpha/lam/rtol/h_threshold not
         a real number, checked not a bool).
@@ -526,7 +682,8 @@ def score(
             alpha = jnp.where(h > h_threshold, 0.0, 1.0)
         else:
             alpha = 0.0 if float(h) > float(h_threshold) else 1.0
-    return _score_run(fn, adapters, (alpha,), lam, rtol, checked, mesh).scores[0]
+    run = _score_run(fn, adapters, (alpha,), lam, rtol, checked, mesh, input_moments=input_moments)
+    return run.scores[0]
 
 
 class _Run(NamedTuple):
@@ -579,14 +736,17 @@ def _score_run(
     *,
     energy: bool = False,
     defer: bool = False,
+    input_moments: Any = None,
 ) -> _Run:
     """:func:`score` for each of ``alphas`` (checked numbers) from one decomposition.
 
     ``energy``: also each task's energy over the modules (concrete inputs), from the scoring
     Grams. ``defer``: results beyond the compute dtype are not raised here (whether they occur
     depends on alpha) but by ``check[a]()``, which holds the modules' names and scales only.
+    ``input_moments``: as :func:`score` (checked here).
     """
     names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
+    mrows = moments.resolve(fn, input_moments, buckets, m_tasks)
     lam_is_auto = isinstance(lam, str)
     lam_val = 0.0 if lam_is_auto else lam
     dtype = _tree.compute_dtype(buckets)
@@ -602,6 +762,7 @@ def _score_run(
             for d in by_name:
                 d.update((nm, empty) for nm in bk.names)
     parts = None  # with energy: each bucket's (mantissa, exponent) of every task-module
+    stacked_moments = None
     if live:
         meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in live))
         rtols = tuple(
@@ -610,8 +771,11 @@ def _score_run(
         )
         inputs = _score_inputs(fn, live, dtype, mesh)
         alpha_arg = jnp.asarray(alphas[0] if n_alpha == 1 else jnp.stack(alphas), dtype)
-        traced = _traced(inputs, alpha_arg, lam_val)
         kw = {"meta": meta, "lam_is_auto": lam_is_auto, "energy": energy}
+        if mrows is not None:
+            stacked_moments = _score_moments(fn, buckets, mrows, dtype, mesh)
+            kw["moments"] = stacked_moments
+        traced = _traced(inputs, alpha_arg, lam_val, stacked_moments)
         # float64 values beyond float32 become inf when cast: counted and reported below
         with np.errstate(over="ignore"):
             args = (inputs, alpha_arg, lam_val, rtols)
@@ -638,6 +802,13 @@ def _score_run(
         settle(finished)
         # (the non-finite counts come from the Grams: the same for every alpha)
         _tree.raise_nonfinite(fn, live, [o[1] for o in finished[0][0]], dtype=dtype)
+        if stacked_moments is not None:
+            isos = [
+                _buckets.moment_iso(r)
+                for bk, r in zip(buckets, mrows, strict=True)
+                if not _dead(bk)
+            ]
+            raise_blind_moments(fn, live, [o[0] for o in finished[0][0]], isos)
         held = [_shell(bk) for bk in live] if defer else live
     for (outs, lam_used, lam_bad, _), d in zip(finished, by_name, strict=True):
         if not traced:

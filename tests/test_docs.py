@@ -21,6 +21,7 @@ MODULES = [
     "registry",
     "streaming",
     "planning",
+    "moments",
     "_min_share",
     "peft",
     "cli",
