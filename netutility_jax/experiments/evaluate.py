@@ -321,7 +321,35 @@ def zero_shot_heads(backbone: Backbone, tasks: Sequence[Any]) -> list[Head]:
         splits.append(_Texts(tuple(t.label_texts), np.arange(len(t.label_texts))))
     es = make_eval_set(names, splits)
     emb = backbone.embed(es)
-    return [Head(emb[es.rows(i)].copy()) for i in range(len(tasks))]
+    heads = [Head(emb[es.rows(i)].copy()) for i in range(len(tasks))]
+    for t, head in zip(tasks, heads, strict=True):
+        _check_distinct(t, head)
+    return heads
+
+
+# two labels whose head vectors are this close (cosine) cannot be told apart by the head
+_SAME_HEAD = 1.0 - 1e-6
+
+
+def _check_distinct(task: Any, head: Head) -> None:
+    """Refuse a task two of whose labels get the same zero-shot head vector: every text of one
+    would be classified as the other, so the task trains and scores at chance whatever the
+    merge does (and a normalized accuracy over such a model means nothing)."""
+    v = np.asarray(head.vectors, np.float64)
+    v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-30)
+    sim = v @ v.T
+    for i in range(len(v)):
+        for j in range(i + 1, len(v)):
+            if sim[i, j] >= _SAME_HEAD:
+                labels, texts = list(task.labels), list(task.label_texts)
+                raise InputError(
+                    f"task {task.name!r}: the labels {labels[i]!r} and {labels[j]!r} get the same "
+                    f"zero-shot head from the base model (cosine {sim[i, j]:.6f} between the "
+                    f"embeddings of {texts[i]!r} and {texts[j]!r}): its tokenizer reads them as "
+                    "the same tokens (characters outside its vocabulary, such as emoji, become "
+                    "[UNK]; case is lowered), so the task could only be learned at chance. Give "
+                    "the labels distinct words."
+                )
 
 
 class _Texts(NamedTuple):
