@@ -266,7 +266,8 @@ _DENSITY = Option(
     "density",
     "real",
     0.2,
-    "ties: fraction of entries each task keeps, in (0, 1] (default 0.2)",
+    "ties: fraction of entries each task keeps, in (0, 1] (default 0.2, the value PEFT's "
+    "model-merging guide uses)",
     what="the fraction of entries each task keeps",
     low=0.0,
     high=1.0,
@@ -336,7 +337,7 @@ SPACES: dict[str, SpaceSpec] = {
 RESERVED_OPTION_NAMES = (
     "adapters", "masks", "method", "space", "coef", "key", "mesh", "options",
     "budget", "allocation", "scope", "alpha", "lam", "positive_only",
-    "a", "b", "x", "rtol", "is_svd", "keys", "k_top",
+    "a", "b", "x", "rtol", "is_svd", "keys", "k_top", "weights", "min_share", "input_moments",
 )  # fmt: skip
 KINDS = ("low_rank", "elementwise")
 OPTION_KINDS = ("real", "bool", "choice")

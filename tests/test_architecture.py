@@ -1,8 +1,9 @@
 """The package's structure: layers that never reach up, and a visible public surface.
 
 Static checks on the source (``ast``): no import cycle between the package's modules (imports
-inside functions included: a lazy import is still a dependency), and every module declares its
-public names in ``__all__``.
+inside functions included: a lazy import is still a dependency), every module declares its
+public names in ``__all__``, the library never imports the command (``netutility_jax.cli``), and
+the command's modules never import a layer above their own.
 """
 
 from __future__ import annotations
@@ -94,3 +95,50 @@ def test_every_module_declares_all():
         if "__all__" not in names:
             missing.append(mod)
     assert not missing, f"modules without __all__: {missing}"
+
+
+# the command (docs/design.md, "Who owns what"), top layer first: each module imports only
+# modules of its own layer or below (within a layer, the cycle check above applies)
+CLI_LAYERS = [
+    ["__main__"],
+    ["entry"],
+    ["parser"],
+    ["merge", "inspect", "convert", "demo"],
+    ["distributed"],
+    ["load", "output", "config"],
+    ["paths", "args", "job"],
+    ["common"],
+]
+
+
+def test_the_command_layers_never_reach_up():
+    graph = _imports(_modules())
+    rank = {f"netutility_jax.cli.{m}": i for i, layer in enumerate(CLI_LAYERS) for m in layer}
+    cli = {m for m in graph if m.startswith("netutility_jax.cli.")}
+    assert cli == set(rank), f"modules not in CLI_LAYERS: {sorted(cli ^ set(rank))}"
+    up = [
+        f"{m} -> {t}"
+        for m in sorted(rank)
+        for t in sorted(graph[m])
+        if t in rank and rank[t] < rank[m]
+    ]
+    assert not up, f"imports that reach up a layer: {up}"
+
+
+def _is_command(mod: str) -> bool:
+    return mod == "netutility_jax.cli" or mod.startswith("netutility_jax.cli.")
+
+
+def test_the_library_never_imports_the_command():
+    """The command is the top layer: no module outside ``netutility_jax.cli`` imports it (the
+    distributed supervisor runs it as ``python -m netutility_jax.cli``, a process, not an
+    import)."""
+    graph = _imports(_modules())
+    up = [
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if not _is_command(m)
+        for t in sorted(targets)
+        if _is_command(t)
+    ]
+    assert not up, f"the library imports the command: {up}"

@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import netutility_jax as nu
-from netutility_jax import cli
-from netutility_jax.errors import InputError
+from netutility_jax import _io, cli
+from netutility_jax.errors import InputError, one_line
 
 pytest.importorskip("safetensors")
 
@@ -339,10 +339,10 @@ def test_write_failure_is_one_line(folders, tmp_path, capsys, monkeypatch, route
 
 def test_long_messages_are_cut(folders, tmp_path, capsys, monkeypatch):
     text = "module model.layers.0.q_proj, " * 2000  # 60,000 characters
-    assert cli._one_line(InputError(text)) == (
+    assert one_line(InputError(text), cli.MAX_MESSAGE) == (
         text[: cli.MAX_MESSAGE] + f"... ({len(text.strip()) - cli.MAX_MESSAGE} more characters)"
     )
-    assert cli._one_line(InputError("short\n  message")) == "short message"
+    assert one_line(InputError("short\n  message"), cli.MAX_MESSAGE) == "short message"
 
     def wordy(*args, **kwargs):
         raise InputError(text)
@@ -569,7 +569,7 @@ def test_output_needs_room_for_the_estimated_size(folders, tmp_path, capsys, mon
     11, so a merge has rank <= 11 there: 11 * (24 + 16) float32 numbers + 512 header bytes per
     module, plus 16 MiB for the report and plots."""
     want = 4 * (11 * (24 + 16) * 4 + 512) + (16 << 20)
-    shapes = [cli.weight_shapes(f) for f in folders]
+    shapes = [nu.peft.weight_shapes(f) for f in folders]
     est = cli.estimate_out_bytes(shapes, rank=None, dtype="float32")
     assert est == (want, 4, 11)
     assert cli.estimate_out_bytes(shapes, rank=14, dtype="bfloat16") == (
@@ -610,7 +610,7 @@ def test_size_estimate_bounds_what_is_written(folders, tmp_path, capsys):
                       "--out", str(out), "--no-plots", "--quiet")  # fmt: skip
     assert rc == 0, err
     est = cli.estimate_out_bytes(
-        [cli.weight_shapes(f) for f in folders], rank=None, dtype="float32"
+        [nu.peft.weight_shapes(f) for f in folders], rank=None, dtype="float32"
     )
     written = (out / "adapter_model.safetensors").stat().st_size
     assert {m["lora_a"].shape[1] for m in nu.peft.load_adapter(out).values()} == {11}
@@ -635,7 +635,7 @@ def test_stale_staging_of_a_dead_process_is_removed(folders, tmp_path, capsys):
     assert dead.parent == tmp_path and dead.is_dir()
     (dead / "adapter_model.safetensors").write_bytes(b"half written")
     pid = int(re.fullmatch(r"\.killed\.netutility-staging-\w+-(\d+)-[0-9a-f]{8}", dead.name)[1])
-    host = cli._host_tag()
+    host = _io.host_tag()
     keep = [
         tmp_path / f".x.netutility-staging-{host}-{os.getpid()}-0123abcd",  # a live process
         tmp_path / f".x.netutility-staging-{host}x-{pid}-0123abcd",  # another host's

@@ -171,10 +171,10 @@ def test_dare_p_defaults_to_peft_s_density(folders, tmp_path):
     parser = cli.build_parser(demo_options=False)
     args = parser.parse_args(["merge", *folders, "--budget", "2", "--method", "dare",
                               "--space", "core", "--out", str(tmp_path / "o")])  # fmt: skip
-    assert cli._method_options(args) == {"p": 0.8}
+    assert cli.method_options(args) == {"p": 0.8}
     args = parser.parse_args(["merge", *folders, "--budget", "2", "--method", "dare_ties",
                               "--p", "0.3", "--out", str(tmp_path / "o")])  # fmt: skip
-    assert cli._method_options(args) == {"p": 0.3}
+    assert cli.method_options(args) == {"p": 0.3}
     sub = next(a for a in parser._actions if a.dest == "command").choices["merge"]
     helps = {a.dest: a.help for a in sub._actions}
     assert "Default: 0.8" in helps["p"] and "0.2" in helps["density"]
@@ -227,7 +227,7 @@ def test_strict_targets_refusal_names_the_flag(folders, tmp_path, capsys):
 def test_config_keys_are_the_flags_without_dashes(folders, tmp_path):
     """Every spelling of a flag without its dashes names it (knots-variant, knots_variant, the
     dest variant); values go through the flag's own parsing; the command line wins."""
-    from netutility_jax import _cli_config
+    from netutility_jax.cli import config
 
     parser = cli.build_parser(demo_options=False)
     for key in ("knots-variant", "knots_variant", "variant"):
@@ -239,10 +239,44 @@ def test_config_keys_are_the_flags_without_dashes(folders, tmp_path):
         argv = ["merge", "--config", str(cfg), "--alpha", "0", "--dry-run"]
         args = parser.parse_args(argv)
         args.argv = argv
-        _cli_config.resolve(args)
+        config.resolve(args)
         assert (args.variant, args.space, args.serving_ranks) == ("original", "knots", (8, 16))
         assert (
             args.alpha == 0.0 and args.chunk_mb == 1.0 and args.names == ["task0", "task1", "task2"]
         )
-        rec = _cli_config.recorded_config(args, {"variant": "original"})
+        rec = config.recorded_config(args, {"variant": "original"})
         assert rec["knots-variant"] == "original" and rec["serving-ranks"] == [8, 16]
+
+
+def test_the_merge_job_is_the_resolved_flags_frozen(folders, tmp_path):
+    """``MergeJob.of`` freezes every ``merge`` flag (the registry's option flags as attributes
+    too) once ``--config`` is resolved; nothing can change it afterwards, and it gives the same
+    method options and recorded configuration as the namespace it was made from."""
+    import dataclasses
+
+    from netutility_jax.cli import config
+    from netutility_jax.cli.args import option_names
+    from netutility_jax.cli.job import MergeJob
+
+    parser = cli.build_parser(demo_options=False)
+    sub = next(a for a in parser._actions if a.dest == "command").choices["merge"]
+    dests = {a.dest for a in sub._actions} - {"help"}
+    fields = {f.name for f in dataclasses.fields(MergeJob)} - {"option_flags", "argv", "names"}
+    assert fields | set(option_names()) == dests and not fields & set(option_names())
+
+    argv = ["merge", *folders, "--budget", "2", "--method", "ties", "--density", "0.4",
+            "--out", str(tmp_path / "o")]  # fmt: skip
+    args = parser.parse_args(argv)
+    args.argv = argv
+    config.resolve(args)
+    job = MergeJob.of(args)
+    assert job.adapters == tuple(folders) and job.names == tuple(args.names)
+    assert job.argv == tuple(argv) and job.density == 0.4 and job.isotropize is False
+    assert cli.method_options(job) == cli.method_options(args) == {"density": 0.4}
+    assert config.recorded_config(job, {"density": 0.4}) == config.recorded_config(
+        args, {"density": 0.4}
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.budget = 3  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="no_such_flag"):
+        _ = job.no_such_flag

@@ -26,7 +26,7 @@ import safetensors.numpy
 
 import netutility_jax as nu
 from netutility_jax import _exchange, cli, peft
-from netutility_jax._cli_paths import check_adapter_dir, weight_shapes
+from netutility_jax.cli import check_adapter_dir
 from netutility_jax.errors import InputError
 from netutility_jax.peft._read import INDEX_NAME
 
@@ -389,7 +389,7 @@ def test_a_sharded_adapter_reads_like_one_file(folders, tmp_path):
     got = opened.read(opened.names)
     for n in one:
         np.testing.assert_array_equal(np.asarray(got[0][n]["lora_b"]), np.asarray(one[n]["lora_b"]))
-    assert weight_shapes(tmp_path / "sharded") == weight_shapes(src)
+    assert peft.weight_shapes(tmp_path / "sharded") == peft.weight_shapes(src)
     check_adapter_dir(str(tmp_path / "sharded"))
     lost = dict(files)
     key = next(iter(lost))

@@ -178,7 +178,7 @@ def _exercise(spec: registry.MethodSpec) -> None:
         elif o.required or o.in_range(_valid_value(o), cli=True):
             args.append(f"{o.cli_flag}={_valid_value(o)!r}")  # "=": a value may start with "-"
     parsed = parser.parse_args(args)
-    cli._method_options(parsed)
+    cli.method_options(parsed)
 
 
 @pytest.fixture

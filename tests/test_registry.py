@@ -126,7 +126,7 @@ def test_a_registered_method_runs_everywhere(half_ta, tmp_path):
     parser = cli.build_parser(demo_options=False)
     args = parser.parse_args(["merge", "x", "--out", "o", "--budget", "2", "--method",
                               "half_ta", "--weight", "0.3"])  # fmt: skip
-    assert cli._method_options(args) == {"weight": 0.3}
+    assert cli.method_options(args) == {"weight": 0.3}
 
 
 def test_cli_flags_are_the_registry_options():
@@ -138,7 +138,12 @@ def test_cli_flags_are_the_registry_options():
     for spec in (*registry.METHODS.values(), *registry.SPACES.values()):
         for opt in spec.options:
             a = actions[opt.name]
-            assert opt.cli_flag in a.option_strings and a.help == opt.help
+            assert opt.cli_flag in a.option_strings
+            # the registry's help, and for an option the command gives a default, that default
+            default = cli.args.CLI_DEFAULTS.get(opt.name) if opt.required else None
+            assert a.help == opt.help if default is None else a.help.startswith(
+                f"{opt.help}. Default: {default:g}"
+            ), (opt.name, a.help)
             if opt.kind == "choice":
                 assert tuple(a.choices) == opt.choices
 

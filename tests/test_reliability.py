@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import netutility_jax as nu
-from netutility_jax import cli
+from netutility_jax import _io, cli
 from netutility_jax import merging as merging_mod
 from netutility_jax.errors import InputError
 
@@ -441,7 +441,7 @@ def test_size_estimate_counts_serving_rank_padding(folders, tmp_path, capsys, mo
     rc, _, err = _run(capsys, *argv, "--out", str(out))
     assert rc == 0, err
     written = (out / "adapter_model.safetensors").stat().st_size
-    est = cli.estimate_out_bytes([cli.weight_shapes(f) for f in folders], rank=None,
+    est = cli.estimate_out_bytes([nu.peft.weight_shapes(f) for f in folders], rank=None,
                                  dtype="float32", serving_ranks=(1, 512))  # fmt: skip
     assert written <= est.bytes - cli.OUT_MARGIN < 2 * written
     usage = collections.namedtuple("usage", "total used free")
@@ -475,7 +475,7 @@ def test_stale_save_temporaries_are_removed_by_the_next_write(tmp_path):
     keep = [tmp_path / ".sa.tmp-unrelated", tmp_path / ".other"]
     for k in keep:
         k.mkdir()
-    mine = tmp_path / f".x.tmp-{cli._host_tag()}-{os.getpid()}-abcd1234"  # a live process's
+    mine = tmp_path / f".x.tmp-{_io.host_tag()}-{os.getpid()}-abcd1234"  # a live process's
     mine.mkdir()
     m = {"m.q": {"lora_a": np.ones((8, 2)), "lora_b": np.ones((2, 8))}}
     nu.peft.save_adapter(m, tmp_path / "next")
@@ -519,7 +519,7 @@ def test_argparse_errors_are_one_line(capsys, argv, start):
 
 
 def test_huge_rank_is_capped_by_what_the_result_can_have(folders, tmp_path, capsys):
-    est = cli.estimate_out_bytes([cli.weight_shapes(f) for f in folders], rank=2**31 - 1,
+    est = cli.estimate_out_bytes([nu.peft.weight_shapes(f) for f in folders], rank=2**31 - 1,
                                  dtype="float32")  # fmt: skip
     assert est.rank == D and est.bytes - cli.OUT_MARGIN == 4 * (D * 2 * D * 4 + 512)
     rc, _, err = _run(capsys, "merge", *folders, "--budget", "4", "--method", "ties",

@@ -36,7 +36,9 @@ shapes), :mod:`._torch_pickle` (the tensors of a pickled ``adapter_model.bin``, 
 target modules, carried fields), :mod:`._regex` (PEFT's regex rules, bounded),
 :mod:`._convert` (PEFT tensors <-> modules, scales), :mod:`._load` (:func:`load_adapter`,
 :func:`load_adapters`), :mod:`._write` (:func:`save_adapter`) and :mod:`._stream`
-(:class:`AdapterWriter`: the same, written a chunk of modules at a time).
+(:class:`AdapterWriter`: the same, written a chunk of modules at a time) and :mod:`._shards`
+(:func:`weight_shapes` from the headers alone; :func:`write_shard` and :func:`write_index`: a
+merged adapter written as shards, one per process of a distributed merge).
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ from ._regex import _glob_full as _glob_full
 from ._regex import _glob_suffix as _glob_suffix
 from ._regex import _Regexes as _Regexes
 from ._regex import pattern_key as pattern_key
+from ._shards import shard_name as shard_name
+from ._shards import weight_shapes as weight_shapes
+from ._shards import write_index as write_index
+from ._shards import write_shard as write_shard
 from ._stream import AdapterWriter as AdapterWriter
 from ._write import VLLM_RANKS as VLLM_RANKS
 from ._write import save_adapter as save_adapter
@@ -80,6 +86,10 @@ __all__ = [
     "open_adapters",
     "pattern_key",
     "save_adapter",
+    "shard_name",
+    "weight_shapes",
+    "write_index",
+    "write_shard",
 ]
 # Also importable: PICKLE_NAME and PREFIX (the CLI and tests use them), and for the tests
 # _natural, _Regexes, _glob, _glob_full, _glob_suffix, _targeted,
@@ -98,6 +108,10 @@ for _obj in (
     load_config,
     pattern_key,
     save_adapter,
+    shard_name,
+    weight_shapes,
+    write_index,
+    write_shard,
 ):
     _obj.__module__ = __name__
 del _obj

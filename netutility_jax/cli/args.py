@@ -1,10 +1,10 @@
 """The ``netutility`` command's argument types and flag groups, and the ``convert`` subcommand's
-parser (:func:`_add_convert_parser`).
+parser (:func:`add_convert_parser`).
 
 Each argparse type refuses a bad value with a message naming the range and the value given. The
 flags of the merge methods and spaces are not listed here: :func:`_add_method_options` derives
 one flag per option of :mod:`netutility_jax.registry` (its type, range and help), and
-:func:`_method_options` turns the parsed flags back into the options of
+:func:`method_options` turns the parsed flags back into the options of
 :func:`netutility_jax.merge_adapters`.
 """
 
@@ -14,33 +14,21 @@ import argparse
 import math
 from typing import Any
 
-from ._cli_common import UsageError, _shown
+from .common import UsageError, shown
 
-# (the underscored helpers are private to the command's modules, which share them)
 __all__ = [
     "CLI_DEFAULTS",
     "MAX_BUDGET",
     "SEED_BOUND",
-    "_add_compile_cache",
-    "_add_convert_parser",
-    "_add_distributed",
-    "_add_loading",
-    "_add_merge_method",
-    "_add_merge_output",
-    "_add_merge_tuning",
-    "_add_method_options",
-    "_add_scoring",
-    "_bounded_float",
-    "_coef",
-    "_method_options",
-    "_options_by_flag",
-    "_positive_int",
-    "_rank",
-    "_seed",
-    "_serving_ranks",
-    "_weights",
+    "add_compile_cache",
+    "add_convert_parser",
+    "add_loading",
     "add_merge_arguments",
+    "add_scoring",
     "float_or_auto",
+    "method_options",
+    "option_names",
+    "positive_int",
 ]
 
 MAX_BUDGET = 2**31 - 1
@@ -67,10 +55,10 @@ def float_or_auto(text: str) -> float | str:
         return text
     v = _number(text)
     if v is None:
-        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {_shown(text)}")
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {shown(text)}")
     if not math.isfinite(v) or v < 0:
         raise argparse.ArgumentTypeError(
-            f"expected a finite number >= 0 or 'auto', got {_shown(text)}"
+            f"expected a finite number >= 0 or 'auto', got {shown(text)}"
         )
     return v
 
@@ -90,7 +78,7 @@ def _bounded_float(low: float, high: float, *, low_open: bool, high_open: bool, 
             or (high_open and v == high)
         ):
             raise argparse.ArgumentTypeError(
-                f"expected a finite number in {interval} ({what}), got {_shown(text)}"
+                f"expected a finite number in {interval} ({what}), got {shown(text)}"
             )
         return v
 
@@ -106,7 +94,7 @@ def _serving_ranks(text: str) -> str | tuple[int, ...]:
     if not parts or not all(p.isdigit() and 0 < int(p) <= MAX_BUDGET for p in parts):
         raise argparse.ArgumentTypeError(
             f"expected 'vllm' or a comma list of positive ranks (e.g. 8,16,32,64), got "
-            f"{_shown(text)}"
+            f"{shown(text)}"
         )
     return tuple(int(p) for p in parts)
 
@@ -117,7 +105,7 @@ def _coef(text: str) -> float:
     if v is None or not math.isfinite(v) or v == 0:
         raise argparse.ArgumentTypeError(
             "expected a finite nonzero number (the merged update is multiplied by it; a negative "
-            f"one subtracts it), got {_shown(text)}"
+            f"one subtracts it), got {shown(text)}"
         )
     return v
 
@@ -128,11 +116,11 @@ def _int_in(text: str, low: int, high: int, expected: str) -> int:
     except ValueError:
         v = None
     if v is None or not low <= v <= high:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {_shown(text)}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {shown(text)}")
     return v
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """argparse type of ``--budget`` and ``--rank``: an integer in ``[1, MAX_BUDGET]``."""
     return _int_in(
         text,
@@ -181,7 +169,7 @@ def _weights(text: str) -> tuple[float, ...]:
     if not parts or any(v is None or not math.isfinite(v) or v == 0 for v in values):
         raise argparse.ArgumentTypeError(
             "expected a comma list of finite nonzero numbers, one per adapter (e.g. 1,0.5,2; "
-            f"drop an adapter instead of weighting it 0), got {_shown(text)}"
+            f"drop an adapter instead of weighting it 0), got {shown(text)}"
         )
     return tuple(float(v) for v in values)  # type: ignore[arg-type]
 
@@ -222,7 +210,7 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--budget",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="R, the average number of kept singular directions per module (the paper uses 16, "
         "32, 64; each task's adapter has rank r, so M*r keeps everything); at most 2**31 - 1. "
@@ -261,14 +249,14 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
         "none (0).",
     )
     _add_merge_method(m)
-    _add_scoring(m)
-    _add_loading(m)
-    _add_compile_cache(m)
+    add_scoring(m)
+    add_loading(m)
+    add_compile_cache(m)
     _add_merge_tuning(m)
     _add_merge_output(m)
 
 
-def _add_scoring(p: argparse.ArgumentParser) -> None:
+def add_scoring(p: argparse.ArgumentParser) -> None:
     """``--alpha`` and ``--lam`` of the scoring (``merge`` and ``inspect``)."""
     p.add_argument(
         "--alpha",
@@ -287,7 +275,7 @@ def _add_scoring(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_loading(p: argparse.ArgumentParser) -> None:
+def add_loading(p: argparse.ArgumentParser) -> None:
     """The loading flags (``merge`` and ``inspect``): targets, base model, non-LoRA tensors."""
     p.add_argument(
         "--strict-targets",
@@ -311,7 +299,7 @@ def _add_loading(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_compile_cache(p: argparse.ArgumentParser) -> None:
+def add_compile_cache(p: argparse.ArgumentParser) -> None:
     """``--no-compile-cache`` (``merge`` and ``inspect``)."""
     p.add_argument(
         "--no-compile-cache",
@@ -324,7 +312,7 @@ def _add_compile_cache(p: argparse.ArgumentParser) -> None:
 
 def _add_merge_method(m: argparse.ArgumentParser) -> None:
     """``merge``: the method, the space it runs in, and which directions are kept."""
-    from . import registry
+    from .. import registry
 
     m.add_argument(
         "--method",
@@ -440,7 +428,7 @@ def _devices(text: str) -> str | int:
     if text.strip().lower() == "all":
         return "all"
     try:
-        return _positive_int(text)
+        return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not 'all' or a positive number of devices"
@@ -505,7 +493,7 @@ def _add_distributed(m: argparse.ArgumentParser) -> None:
 # -------------------------------------------------------------------------------- subcommands
 
 
-def _add_convert_parser(sub, *, epilog: str | None = None) -> None:
+def add_convert_parser(sub, *, epilog: str | None = None) -> None:
     """``netutility convert SRC_FOLDER OUT_FOLDER [--overwrite]`` (``epilog``: the exit codes)."""
     c = sub.add_parser(
         "convert",
@@ -548,13 +536,18 @@ def _add_convert_parser(sub, *, epilog: str | None = None) -> None:
 
 def _options_by_flag() -> dict[str, Any]:
     """Every method and space option of the registry, once each, by name."""
-    from . import registry
+    from .. import registry
 
     out: dict[str, Any] = {}
     for spec in (*registry.METHODS.values(), *registry.SPACES.values()):
         for opt in spec.options:
             out.setdefault(opt.name, opt)
     return out
+
+
+def option_names() -> tuple[str, ...]:
+    """The names (and ``dest``) of the registry's method and space options' flags."""
+    return tuple(_options_by_flag())
 
 
 CLI_DEFAULTS: dict[str, float] = {"p": 0.8}
@@ -574,8 +567,6 @@ def _add_method_options(m: argparse.ArgumentParser) -> None:
                 f". Default: {CLI_DEFAULTS[opt.name]:g} (PEFT's model-merging guide keeps "
                 f"density {1 - CLI_DEFAULTS[opt.name]:g} with DARE)"
             )
-        elif opt.name == "density":
-            help_text += "; 0.2 is what PEFT's model-merging guide uses"
         if opt.kind == "bool":
             m.add_argument(opt.cli_flag, dest=dest, action="store_true", help=help_text)
         elif opt.kind == "choice":
@@ -591,10 +582,10 @@ def _add_method_options(m: argparse.ArgumentParser) -> None:
             m.add_argument(opt.cli_flag, dest=dest, type=parse, default=None, help=help_text)
 
 
-def _method_options(args: argparse.Namespace) -> dict[str, Any]:
+def method_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``**options`` of :func:`nu.merge_adapters` from the flags, refusing (before any
     loading) a flag the method and space do not take, and a missing required one."""
-    from . import registry
+    from .. import registry
 
     everything = _options_by_flag()
     options: dict[str, Any] = {}

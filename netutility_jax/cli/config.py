@@ -27,8 +27,8 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from ._cli_args import add_merge_arguments
-from ._cli_common import UsageError, _shown
+from .args import add_merge_arguments
+from .common import UsageError, shown
 
 __all__ = ["CONFIG_KEYS", "apply_config", "given_flags", "recorded_config", "resolve"]
 
@@ -151,7 +151,7 @@ def _value(what: str, key: str, action: argparse.Action, value: Any) -> Any:
         if not isinstance(value, bool):
             raise UsageError(
                 f"{what}: key {key!r}: expected true or false (the flag {flag}), got "
-                f"{_shown(str(value))}."
+                f"{shown(str(value))}."
             )
         return value
     if isinstance(value, (list, tuple)) and action.dest in ("serving_ranks", "weights"):
@@ -159,7 +159,7 @@ def _value(what: str, key: str, action: argparse.Action, value: Any) -> Any:
     if isinstance(value, bool) or isinstance(value, (list, tuple, Mapping)):
         raise UsageError(
             f"{what}: key {key!r}: expected a value as {flag} takes, got "
-            f"{type(value).__name__} {_shown(str(value))}."
+            f"{type(value).__name__} {shown(str(value))}."
         )
     text = str(value)
     if action.type is not None:
@@ -171,7 +171,7 @@ def _value(what: str, key: str, action: argparse.Action, value: Any) -> Any:
         parsed = text
     if action.choices is not None and parsed not in action.choices:
         raise UsageError(
-            f"{what}: key {key!r} ({flag}): {_shown(text)} is not one of "
+            f"{what}: key {key!r} ({flag}): {shown(text)} is not one of "
             f"{', '.join(map(str, action.choices))}."
         )
     return parsed
@@ -209,7 +209,7 @@ def _adapters(what: str, items: Any, folder: pathlib.Path) -> tuple[list[str], l
             or w in (float("inf"), float("-inf"))
         ):  # fmt: skip
             raise UsageError(
-                f"{what}: adapters[{i}] 'weight' is {_shown(str(w))}; expected a finite nonzero "
+                f"{what}: adapters[{i}] 'weight' is {shown(str(w))}; expected a finite nonzero "
                 "number (the task's update is multiplied by it)."
             )
         weights.append(None if w is None else float(w))
@@ -278,7 +278,7 @@ def resolve(args: argparse.Namespace) -> None:
     applied, adapters and ``--out`` present, ``--budget`` where the allocation needs it,
     ``--weights`` one per adapter, ``--min-share`` with net_utility; ``args.names`` the tasks'
     names (the config's, else :func:`nu.planning.task_names` of the folders)."""
-    from .planning import task_names
+    from ..planning import task_names
 
     args.names = getattr(args, "names", None)
     if getattr(args, "config", None) is not None:

@@ -1,0 +1,40 @@
+"""What every part of the ``netutility`` command shares: its name, its usage error, its one-line
+messages, and the check for the optional packages it needs."""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import NetUtilityError
+
+__all__ = ["PROG", "UsageError", "check_extras", "say", "shown"]
+
+PROG = "netutility"
+
+
+class UsageError(NetUtilityError):
+    """Bad input from the command line: printed as one line, exit code 2."""
+
+
+def shown(text: str) -> str:
+    """``repr(text)``, cut to a readable length (argparse prints it inside one line)."""
+    return repr(text) if len(text) <= 60 else repr(text[:60]) + f"... ({len(text)} characters)"
+
+
+def say(command: str, kind: str, text: str) -> None:
+    """One line on stderr: ``netutility COMMAND: KIND: TEXT``."""
+    print(f"{PROG} {command}: {kind}: {text}", file=sys.stderr)
+
+
+def check_extras(need_plots: bool) -> None:
+    """Missing optional packages are the user's to install: say so before any work."""
+    import importlib.util
+
+    if importlib.util.find_spec("safetensors") is None:
+        raise UsageError(
+            "reading and writing PEFT adapters needs safetensors: pip install 'netutility-jax[peft]'"
+        )
+    if need_plots and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            "the plots need matplotlib: pip install 'netutility-jax[plots]', or pass --no-plots"
+        )
