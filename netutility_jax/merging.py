@@ -374,6 +374,9 @@ class Report:
         there (TIES keeping no entry, DARE dropping all; :class:`ZeroUpdateWarning`).
       weights: the per-task weights the updates were multiplied by (None: none given).
       min_share: the per-task floor of the allocation (None: none).
+      data_aware: whether the scores used input second moments (``input_moments`` with data
+        for at least one task-module; this project's extension, not the paper's, see
+        docs/input_moments.md). False: the paper's data-free score (or no score).
     """
 
     lam: float | None
@@ -394,6 +397,7 @@ class Report:
     zeroed: tuple[str, ...] = ()
     weights: tuple[float, ...] | None = None
     min_share: float | None = None
+    data_aware: bool = False
 
 
 def merge_adapters(
@@ -412,6 +416,7 @@ def merge_adapters(
     mesh: Any = None,
     weights: Sequence[float] | None = None,
     min_share: float | None = None,
+    input_moments: Sequence[Mapping[str, Any] | None] | None = None,
     **options: Any,
 ) -> tuple[Any, Report]:
     """Score, allocate a budget, merge and report, in one call (paper, Algorithm 1).
@@ -454,6 +459,12 @@ def merge_adapters(
       weights: M finite nonzero numbers, one per task (None: all 1); they scale the merged
         updates, not the scores.
       min_share: None or a number in ``[0, 1]``, with ``allocation="net_utility"`` only.
+      input_moments: None (the paper's data-free score), or one entry per task for
+        :func:`nu.score`'s data-aware geometry (``{module name: InputMoments | None}`` from
+        :func:`nu.input_moments`, or None for a task without data; this project's extension,
+        not the paper's: docs/input_moments.md), with ``allocation="net_utility"`` only. The
+        masks are then ``nu.allocate(nu.score(adapters, input_moments=...), budget)``'s;
+        :attr:`Report.data_aware` says whether any data was used.
 
     Returns:
       ``(merged_adapter, Report)``.
@@ -466,8 +477,9 @@ def merge_adapters(
       InputError: unknown allocation or scope, budget <= 0 or missing (with an allocation that
         needs one), ``lam`` or ``alpha`` negative or not finite (they are ``"auto"`` or a finite
         number >= 0), weights of the wrong length, zero or not finite, ``min_share`` outside
-        ``[0, 1]`` or with another allocation, plus everything :func:`merge` and
-        :func:`nu.score` raise.
+        ``[0, 1]`` or with another allocation, ``input_moments`` with another allocation than
+        ``"net_utility"``, plus everything :func:`merge` and :func:`nu.score` raise (for
+        ``input_moments``: the wrong number of tasks, a module missing or unknown...).
       InputTypeError: an option of the wrong type (``positive_only`` not a bool, ``budget`` not
         an int, a complex ``lam``, an int ``key``, a weight that is not a real number).
 
@@ -488,6 +500,7 @@ def merge_adapters(
     res = registry.resolve_options(fn, method, space, options)
     scope = _check_budget_args(fn, res, allocation, scope, budget, alpha, lam, positive_only)
     floor = _min_share.check_min_share(fn, min_share, allocation)
+    check_input_moments(fn, input_moments, allocation)
     _plan.check_coef(fn, coef)
     if res.spec.needs_key:
         _plan.check_key(fn, key, res.spec.name)
@@ -496,6 +509,7 @@ def merge_adapters(
     sc, masks, kept_masks = _allocation(
         fn, adapters, names, buckets, allocation=allocation, budget=budget, scope=scope,
         alpha=alpha, lam=lam, positive_only=positive_only, min_share=floor, mesh=mesh,
+        input_moments=input_moments,
     )  # fmt: skip
     merged = merge(
         weighted, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
@@ -509,20 +523,45 @@ def merge_adapters(
     report = _report(
         adapters, merged, names, kept_masks, sc, budget=budget, method=method, space=space,
         allocation=allocation, scope=scope, zeroed=zeroed, weights=weights, min_share=floor,
+        data_aware=has_data(input_moments),
     )  # fmt: skip
     return merged, report
 
 
+def check_input_moments(fn: str, input_moments: Any, allocation: str) -> None:
+    """Refuse ``input_moments`` with an allocation that does not score (``"uniform"`` keeps
+    spectral prefixes, ``"all"`` every candidate): the moments would be silently unused. The
+    entries themselves are checked against the adapters by :func:`nu.score`."""
+    if input_moments is not None and allocation != "net_utility":
+        raise InputError(
+            f"{fn}: input_moments was given with allocation={allocation!r}, which does not use "
+            "the scores' geometry (uniform keeps each task's spectral prefix, 'all' every "
+            "direction); pass allocation='net_utility' for the data-aware score, or drop "
+            "input_moments."
+        )
+
+
+def has_data(input_moments: Any) -> bool:
+    """Whether ``input_moments`` (checked by :func:`nu.score`) holds data for at least one
+    task-module (every entry None, or None at every name, is the data-free score)."""
+    if input_moments is None:
+        return False
+    return any(
+        entry is not None and any(v is not None for v in entry.values()) for entry in input_moments
+    )
+
+
 def _allocation(
     fn: str, adapters, names, buckets, *, allocation, budget, scope, alpha, lam, positive_only,
-    min_share, mesh,
+    min_share, mesh, input_moments=None,
 ) -> tuple[Any, dict[str, Any] | None, dict[str, Any]]:  # fmt: skip
     """``(scores, masks, kept masks)`` of an in-memory merge: ``allocation="all"`` scores
     nothing (``masks=None``: every candidate, which the kept masks list); otherwise
-    :func:`nu.score` and the allocation's masks (with ``min_share``'s floor)."""
+    :func:`nu.score` (data-aware with ``input_moments``) and the allocation's masks (with
+    ``min_share``'s floor)."""
     if allocation == "all":
         return None, None, _all_candidates(fn, names, buckets)
-    sc = score(adapters, alpha=alpha, lam=lam, mesh=mesh)
+    sc = score(adapters, alpha=alpha, lam=lam, mesh=mesh, input_moments=input_moments)
     masks = _min_share.select(
         sc,
         budget,
@@ -687,4 +726,5 @@ def _report(adapters, merged, names, kept_masks, sc, *, h=None, zeroed=(), **set
         zeroed=tuple(zeroed),
         weights=settings.get("weights"),
         min_share=settings.get("min_share"),
+        data_aware=bool(settings.get("data_aware", False)),
     )

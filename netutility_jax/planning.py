@@ -324,6 +324,7 @@ def plan(
     serving_ranks: Any = None,
     chunk_bytes: int = streaming.CHUNK_BYTES,
     mesh: Any = None,
+    input_moments: Sequence[Any] | None = None,
     **options: Any,
 ) -> Plan:
     """The plan of a merge: score and allocate as the merge would, and stop (nothing merged).
@@ -345,7 +346,8 @@ def plan(
     Args:
       adapters: M adapters in memory (as for :func:`nu.merge_adapters`), or an ``AdapterSet``.
       budget, method, space, allocation, scope, alpha, lam, positive_only, weights, min_share,
-        **options: as for :func:`nu.merge_adapters` (the method's options are checked as there).
+        input_moments, **options: as for :func:`nu.merge_adapters` (the method's options are
+        checked as there; ``input_moments`` gives the data-aware merge's masks).
       names: M task names (default: the folders' names for an ``AdapterSet``, disambiguated as
         :func:`task_names`; ``"task 0"``, ``"task 1"`` ... for adapters in memory).
       rank: the rank dense results are written at (as ``nu.peft.save_adapter(rank=)``).
@@ -380,6 +382,7 @@ def plan(
         fn, res, allocation, scope, budget, alpha, lam, positive_only
     )
     floor = _min_share.check_min_share(fn, min_share, allocation)
+    merging.check_input_moments(fn, input_moments, allocation)
     _checks.check_choice(fn, "dtype", dtype, ("float32", "bfloat16", "float16"))
     if rank is not None:
         r = _checks.as_integer(rank)
@@ -396,7 +399,7 @@ def plan(
         sc, kept_masks, h = streaming.score_and_allocate(
             adapters, fn=fn, budget=budget, allocation=allocation, scope=scope, alpha=alpha,
             lam=lam, positive_only=positive_only, min_share=floor, chunk_bytes=chunk_bytes,
-            mesh=mesh,
+            mesh=mesh, input_moments=input_moments,
         )  # fmt: skip
         shapes = {n: tuple(adapters.shapes[n][:2]) for n in adapters.names}
         default_names = task_names(adapters.paths)
@@ -406,6 +409,7 @@ def plan(
         sc, _, kept_masks = merging._allocation(
             fn, adapters, mod_names, buckets, allocation=allocation, budget=budget, scope=scope,
             alpha=alpha, lam=lam, positive_only=positive_only, min_share=floor, mesh=mesh,
+            input_moments=input_moments,
         )  # fmt: skip
         shapes = {n: (bk.d_in, bk.d_out) for bk in buckets for n in bk.names}
         shapes = {n: shapes[n] for n in mod_names}

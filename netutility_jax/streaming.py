@@ -12,9 +12,10 @@ the adapters (:class:`nu.peft.AdapterSet`) a chunk of modules at a time, in pass
    mantissa and a power of two, scale-safe, as :func:`nu.heterogeneity`); the factors are
    dropped. With ``alpha="auto"`` both geometries (alpha 0 and 1) are scored from the one
    decomposition (only the weighting of the overlaps differs), and once every chunk is scored,
-   ``h`` picks one, as in memory. Then lambda (:func:`utility.lam_auto` over every candidate of
-   every module), the utilities, a full :class:`nu.Scores` and the masks (:func:`nu.allocate`),
-   as in memory.
+   ``h`` picks one, as in memory. With ``input_moments`` (the data-aware score) each chunk is
+   scored with every task's entry restricted to the chunk's modules. Then lambda
+   (:func:`utility.lam_auto` over every candidate of every module), the utilities, a full
+   :class:`nu.Scores` and the masks (:func:`nu.allocate`), as in memory.
 2. Each chunk is read again and merged (:func:`_plan.plan_merge` with each module's position in
    the whole model, so that DARE draws the masks it draws in memory; :func:`_pipeline.run`,
    through :func:`merging.run_plan`, which applies a ``coef`` outside the dtype's range).
@@ -293,8 +294,52 @@ def _global_scores(
     return utility.Scores(modules, lam_v, jnp.asarray(alpha, dtype))
 
 
+def _chunk_moments(moments: Any, names: Sequence[str]) -> list[Any] | None:
+    """Each task's ``input_moments`` entry restricted to a chunk's modules (None stays None:
+    data-free for that task), so that :func:`nu.score`'s checks apply to the chunk as to the
+    whole model (a module the task has but its mapping lacks is refused in its chunk)."""
+    if moments is None:
+        return None
+    keep = set(names)
+    return [None if e is None else {n: v for n, v in e.items() if str(n) in keep} for e in moments]
+
+
+def _check_moment_names(fn: str, moments: Any, source: AdapterSet) -> None:
+    """What the chunks cannot see: ``input_moments``' shape (a list of one entry per task, each
+    None or a mapping) and names that are no module of the adapters (a chunk's restriction
+    would drop them silently)."""
+    if moments is None:
+        return
+    m_tasks = len(source.paths)
+    if isinstance(moments, (Mapping, str)) or not isinstance(moments, Sequence):
+        raise InputTypeError(
+            f"{fn}: input_moments is a {type(moments).__name__}; expected a list with one "
+            f"entry per task (M = {m_tasks}), in the adapters' order."
+        )
+    if len(moments) != m_tasks:
+        raise InputError(
+            f"{fn}: input_moments has {len(moments)} entries for M = {m_tasks} adapters; "
+            "expected one per task, in the adapters' order."
+        )
+    known = set(source.names)
+    for i, e in enumerate(moments):
+        if e is None:
+            continue
+        if not isinstance(e, Mapping):
+            raise InputTypeError(
+                f"{fn}: input_moments[{i}] is a {type(e).__name__}; expected None or a mapping "
+                "{module name: InputMoments | None}."
+            )
+        extra = sorted(str(n) for n in e if str(n) not in known)
+        if extra:
+            raise InputError(
+                f"{fn}: input_moments[{i}] names {_checks.few(extra)} that the adapters lack; "
+                "the names must be the adapters' module names (AdapterSet.names)."
+            )
+
+
 def _score_pass(
-    st: _Stream, *, alpha: float | str, lam: Any, mesh: Any = None
+    st: _Stream, *, alpha: float | str, lam: Any, mesh: Any = None, input_moments: Any = None
 ) -> tuple[dict[str, utility.ModuleScores], float, _Energies]:
     """Pass 1: ``(stats, alpha, energies)``: every module's scores with ``lam=0`` (``lam`` if a
     number; :func:`nu.score`'s checks and messages), every process's after the exchange (each
@@ -310,9 +355,18 @@ def _score_pass(
 
     def work() -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for k, _, adapters in st.read():
+        for k, names, adapters in st.read():
             run = utility._score_run(
-                "nu.score", adapters, alphas, lam_k, None, False, mesh, energy=True, defer=auto
+                "nu.score",
+                adapters,
+                alphas,
+                lam_k,
+                None,
+                False,
+                mesh,
+                energy=True,
+                defer=auto,
+                input_moments=_chunk_moments(input_moments, names),
             )
             for a, sc in enumerate(run.scores):
                 out.update({f"s{a}/{n}": jnp.stack(ms) for n, ms in sc.modules.items()})
@@ -557,13 +611,16 @@ def _stream(
 
 
 def _allocation(
-    st: _Stream, *, allocation, budget, scope, alpha, lam, positive_only, min_share, mesh
-) -> tuple[utility.Scores | None, dict[str, Any] | None, _Energies | None]:
+    st: _Stream, *, allocation, budget, scope, alpha, lam, positive_only, min_share, mesh,
+    input_moments=None,
+) -> tuple[utility.Scores | None, dict[str, Any] | None, _Energies | None]:  # fmt: skip
     """Pass 1 and the allocation: ``(scores, masks, energies)``, all None for
     ``allocation="all"`` (which reads nothing here: the merge pass keeps every candidate)."""
     if allocation == "all":
         return None, None, None
-    stats, alpha_v, energies = _score_pass(st, alpha=alpha, lam=lam, mesh=mesh)
+    stats, alpha_v, energies = _score_pass(
+        st, alpha=alpha, lam=lam, mesh=mesh, input_moments=input_moments
+    )
     sc = _global_scores(st.fn, stats, lam, alpha_v, st.dtype)
     masks = _min_share.select(
         sc,
@@ -600,11 +657,14 @@ def score_and_allocate(
     min_share: float | None,
     chunk_bytes: int,
     mesh: Any = None,
+    input_moments: Any = None,
 ) -> tuple[utility.Scores | None, dict[str, Any], float]:
     """What a streamed merge decides before merging, in one process, for a plan
     (:func:`nu.plan`): ``(scores, kept masks, h)``, the arguments already checked. Reads every
     chunk once (pass 1, or for ``allocation="all"`` the candidates)."""
     _check_source(fn, source, chunk_bytes, None)
+    merging.check_input_moments(fn, input_moments, allocation)
+    _check_moment_names(fn, input_moments, source)
     mesh = _mesh.check_mesh(fn, mesh) or _mesh.module_mesh(jax.local_devices()[:1])
     st = _stream(fn, source, chunk_bytes, _exchange.LOCAL)
     if allocation == "all":
@@ -614,6 +674,7 @@ def score_and_allocate(
         sc, kept, energies = _allocation(  # type: ignore[assignment]
             st, allocation=allocation, budget=budget, scope=scope, alpha=alpha, lam=lam,
             positive_only=positive_only, min_share=min_share, mesh=mesh,
+            input_moments=input_moments,
         )  # fmt: skip
     h = energies.heterogeneity(st.dtype, "nu.heterogeneity", strict=False)  # type: ignore[union-attr]
     return sc, {n: kept[n] for n in st.source.names}, h
@@ -638,6 +699,7 @@ def merge_adapters_streaming(
     mesh: Any = None,
     weights: Sequence[float] | None = None,
     min_share: float | None = None,
+    input_moments: Sequence[Mapping[str, Any] | None] | None = None,
     **options: Any,
 ) -> tuple[dict[str, Any], merging.Report]:
     """:func:`nu.merge_adapters` on adapters read from disk a chunk at a time (see the module
@@ -649,6 +711,9 @@ def merge_adapters_streaming(
         min_share, **options: as for :func:`nu.merge_adapters` (``weights`` multiply each
         task's ``scale`` in the merge pass; the scores are those of the unweighted tasks, as in
         memory).
+      input_moments: as for :func:`nu.merge_adapters` (one entry per task, keyed by
+        :attr:`AdapterSet.names`); each chunk is scored with every task's entry restricted to
+        the chunk's modules, so the scores are the in-memory data-aware ones.
       chunk_bytes: every task's factors read at once, in bytes of the compute dtype (a module
         larger than that is read alone).
       on_chunk: called with each chunk's merged modules ``{name: module}``; what it returns is
@@ -707,6 +772,8 @@ def merge_adapters_streaming(
     if res.spec.needs_key:
         _plan.check_key(fn, key, res.spec.name)
     _check_source(fn, source, chunk_bytes, on_chunk)
+    merging.check_input_moments(fn, input_moments, allocation)
+    _check_moment_names(fn, input_moments, source)
     weights = merging.check_weights(fn, weights, len(source.paths))
     # None: this process's first device, the chunks stacked on the host all the same: one small
     # program per stage and chunk shape, not one traced over every module's leaves
@@ -715,7 +782,7 @@ def merge_adapters_streaming(
     _refuse_model_wide(fn, res, st.ex)
     sc, masks, energies = _allocation(
         st, allocation=allocation, budget=budget, scope=scope, alpha=alpha, lam=lam,
-        positive_only=positive_only, min_share=floor, mesh=mesh,
+        positive_only=positive_only, min_share=floor, mesh=mesh, input_moments=input_moments,
     )  # fmt: skip
     call = {"method": method, "space": space, "coef": coef, "key": key, "options": res.options}
     call["mesh"] = mesh
@@ -729,7 +796,7 @@ def merge_adapters_streaming(
     energies = energies or e2  # (the first pass that read everything summed them)
     settings = {
         "budget": budget, "method": method, "space": space, "allocation": allocation,
-        "weights": weights, "min_share": floor,
+        "weights": weights, "min_share": floor, "data_aware": merging.has_data(input_moments),
     }  # fmt: skip
     h = energies.heterogeneity(st.dtype, "nu.heterogeneity", strict=False)  # type: ignore[union-attr]
     zeroed = () if merging._is_zero(coef) else tuple(

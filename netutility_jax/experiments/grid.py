@@ -72,6 +72,10 @@ class AllocationSpec:
       choose_from: a control that merges nothing: per seed and budget, the one of these
         variants (run in the same grid, beside the same row) with the best validation score,
         its test result taken as is (``lam_val``: lambda chosen on validation).
+      data: with ``library="net_utility"``: score with the tasks' input second moments
+        (``nu.merge_adapters(..., input_moments=...)``, the suite's ``input_moments``: each
+        task's LoRA-target inputs under the base model on its training texts), the data-aware
+        geometry of docs/input_moments.md (this project's, not the paper's).
     """
 
     name: str
@@ -84,6 +88,7 @@ class AllocationSpec:
     what: str = ""
     alpha: float | None = None
     choose_from: tuple[str, ...] = ()
+    data: bool = False
 
 
 def _variants(*specs: AllocationSpec) -> dict[str, AllocationSpec]:
@@ -139,6 +144,15 @@ VARIANTS: dict[str, AllocationSpec] = _variants(
             + " instead of the heterogeneity rule",
         )
         for a in (0, 1)
+    ),
+    AllocationSpec(
+        "net_utility_data",
+        "Net Utility, data-aware (ours)",
+        "net_utility",
+        data=True,
+        what="Net Utility with each task's input second moments as its geometry G_i (a few "
+        "hundred unlabelled training texts through the base model; this project's answer to "
+        "the paper's stated limitation, not the paper's method), the same global top-K",
     ),
     AllocationSpec(
         "lam_val",

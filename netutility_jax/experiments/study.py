@@ -23,6 +23,12 @@ data-free indices a user can compute on their own adapters and what the allocati
   Net Utility minus energy-only (lambda = 0, the same top-K), each with the paired bootstrap
   interval over test texts (pooled over seeds) and the t interval over seeds, and per task the
   delta against the task's energy share.
+* **data-aware Net Utility** (``net_utility_data``; this project's, not the paper's: the paper
+  names the data-free geometry as its limitation): the same global top-K scored with each
+  task's input second moments as ``G_i`` (``nu.score(..., input_moments=...)``,
+  docs/input_moments.md), estimated from the inputs of every LoRA target under the base model on
+  :data:`runner.MOMENT_TEXTS` unlabelled training texts per task; reported as NU(data) minus
+  uniform and NU(data) minus NU (the data-free score) at each budget, with the same intervals.
 
 Cells reuse trained adapters wherever they can: the task-subset cells train nothing (the
 centre's adapters, from the cache), the heterogeneity cell retrains only its scaled tasks, and
@@ -138,15 +144,27 @@ def _subset(tasks: Sequence[str], k: int) -> tuple[str, ...]:
     return tuple(t for i, t in enumerate(tasks) if i in pick)
 
 
-def _grid(budgets: tuple[int, ...]) -> gr.GridConfig:
+#: The data-aware control's variant (``grid.VARIANTS``): Net Utility with the tasks' input
+#: second moments, this project's extension.
+DATA = "net_utility_data"
+
+
+def _grid(budgets: tuple[int, ...], *, data: bool = True) -> gr.GridConfig:
+    # the data-aware control last: every other job's coefficient search (and cache key) is as
+    # it was without it
+    data_control = (("ta", "full", DATA),) if data else ()
     return gr.GridConfig(
         rows=(gr.Row("ta", "full"),),
         budgets=budgets,
         no_budget=(("ta", "full"), ("iso_c", "full")),
-        controls=(("ta", "full", "energy"),),
+        controls=(("ta", "full", "energy"), *data_control),
         full_capacity=False,
         weight_average=False,
     )
+
+
+def _has_data(grid: gr.GridConfig) -> bool:
+    return any(v == DATA for _, _, v in grid.controls)
 
 
 def _cells(tasks: tuple[str, ...], scaled: tuple[str, ...], subsets: tuple[int, ...]):
@@ -172,7 +190,8 @@ _FULL_CENTRE = dataclasses.replace(
     gr.FULL, name="regime", train=dataclasses.replace(gr.FULL.train, init="shared")
 )
 #: The full regime study: 7 tasks, 3 seeds, TA at R = 32 and 16 (about 10 CPU hours from an
-#: empty cache on 2 cores; the centre shares its adapters with ``--grid mechanism``).
+#: empty cache on 2 cores; the centre shares its adapters with ``--grid mechanism``), with the
+#: data-aware control (``net_utility_data``, this project's) at both budgets.
 REGIME = Study(
     name="regime",
     centre=_FULL_CENTRE,
@@ -183,10 +202,13 @@ _QUICK_CENTRE = dataclasses.replace(
     gr.QUICK, name="regime-quick", train=dataclasses.replace(gr.QUICK.train, init="shared")
 )
 #: Its quick form (what CI runs): the quick preset's 3 tasks and training, 1 seed, R = 16.
+#: Without the data-aware control: it adds about 11 s per cell and 25 s once (the moments and
+#: the data-aware score's compilation), about 80 s over the 5 cells on a busy 2-core CPU; the
+#: slow tier's toy study (tests/test_study_moments.py) runs it instead.
 REGIME_QUICK = Study(
     name="regime",
     centre=_QUICK_CENTRE,
-    grid=_grid((16,)),
+    grid=_grid((16,), data=False),
     cells=_cells(gr.QUICK.tasks, ("word_sentiment",), (2,)),
 )
 STUDIES = {"regime": (REGIME, REGIME_QUICK)}
@@ -289,24 +311,41 @@ def analyse_cell(cell: Cell, run: Any, *, alpha: Any = "auto") -> CellResult:
         ),
     }
     allocation: dict[str, Any] = {}
+    data = _has_data(grid)
     for r in grid.budgets:
-        u, o, e = (f"ta/full/R{r}/{a}" for a in ("uniform", "net_utility", "energy"))
+        u, o, e, dd = (f"ta/full/R{r}/{a}" for a in ("uniform", "net_utility", "energy", DATA))
         allocation[str(r)] = {
             "uniform": rt.summary_dict(sx.value(u)),
             "net_utility": rt.summary_dict(sx.value(o)),
             "net_utility_minus_uniform": rt.summary_dict(sx.delta(o, u)),
             "net_utility_minus_energy": rt.summary_dict(sx.delta(o, e)),
         }
+        if data:
+            allocation[str(r)] |= {
+                "net_utility_data": rt.summary_dict(sx.value(dd)),
+                "net_utility_data_minus_uniform": rt.summary_dict(sx.delta(dd, u)),
+                "net_utility_data_minus_net_utility": rt.summary_dict(sx.delta(dd, o)),
+            }
     per_task = {}
     du, do = sx.draws(f"ta/full/R{low}/uniform"), sx.draws(f"ta/full/R{low}/net_utility")
+    dd = sx.draws(f"ta/full/R{low}/{DATA}") if data else None
+
+    def delta(a: Any, b: Any, i: int) -> float | None:
+        return (
+            None
+            if a is None or b is None
+            else float(np.nanmean(a.per_task[:, i] - b.per_task[:, i]))
+        )
+
     for i, n in enumerate(names):
         per_task[n] = {
             "energy_share": _mean([p["energy_share"][n] for p in per_seed]),
             "kept_vs_uniform": _mean([p["kept_vs_uniform"][n] for p in per_seed]),
-            "delta": None
-            if du is None or do is None
-            else float(np.nanmean(do.per_task[:, i] - du.per_task[:, i])),
+            "delta": delta(do, du, i),
         }
+        if data:
+            per_task[n]["delta_data"] = delta(dd, du, i)  # NU(data) - uniform
+            per_task[n]["delta_data_vs_net_utility"] = delta(dd, do, i)
     return CellResult(
         cell=cell,
         tasks=names,
@@ -360,6 +399,10 @@ def run_study(
                 f"{[c.name for c in study.cells]}."
             )
         chosen = [c for c in study.cells if c.name in cells]
+    if suite is None and _has_data(study.grid):
+        # one encoder for every cell: the tasks' input moments (base model, training texts)
+        # are then estimated once per task, not once per cell
+        suite = runner.EncoderSuite()
     out = []
     for cell in chosen:
         preset = study.preset(cell)
@@ -434,7 +477,17 @@ def render(
             },
             "budgets": budgets,
             "merges": "TA in full space: uniform and Net Utility (global top-K) at each budget, "
-            "energy only (lambda 0); TA and Iso-C keeping every direction",
+            "energy only (lambda 0)"
+            + (
+                ", data-aware Net Utility (input second moments from "
+                f"{_moment_texts()} unlabelled training texts per task through the base model; "
+                "this project's, not the paper's)"
+                if _has_data(study.grid)
+                else ""
+            )
+            + "; TA and Iso-C keeping every direction",
+            "data_aware": _has_data(study.grid),
+            "moment_texts": _moment_texts() if _has_data(study.grid) else None,
             "cells": [
                 {
                     "name": c.name,
@@ -457,9 +510,16 @@ def render(
     return results, _markdown(results, low), _figure(cells, low, xs, ys)
 
 
+def _moment_texts() -> int:
+    from .runner import MOMENT_TEXTS
+
+    return MOMENT_TEXTS
+
+
 def _markdown(results: Mapping[str, Any], low: int) -> str:
     budgets = results["design"]["budgets"]
     centre = results["design"]["centre"]
+    data = bool(results["design"].get("data_aware"))
     lines = [
         f"# Regime study ({results['study']})",
         "",
@@ -476,8 +536,9 @@ def _markdown(results: Mapping[str, Any], low: int) -> str:
         "| cell | tasks | overlap / chance | h | eff. rank | lambda | keep-all TA | Iso-C - TA "
         f"| uniform R{low} - keep-all | "
         + " | ".join(f"NU - uniform R{r}" for r in budgets)
-        + f" | NU - energy R{low} |",
-        "|" + "---|" * (9 + len(budgets)),
+        + f" | NU - energy R{low} |"
+        + "".join(f" NU(data) - uniform R{r} | NU(data) - NU R{r} |" for r in budgets if data),
+        "|" + "---|" * (9 + len(budgets) + (2 * len(budgets) if data else 0)),
     ]
     for c in results["cells"]:
         ix, rg, al = c["indices"], c["regime"], c["allocation"]
@@ -489,6 +550,12 @@ def _markdown(results: Mapping[str, Any], low: int) -> str:
             f"{_iv(rg['iso_c_minus_ta'])} | {_iv(rg['uniform_minus_keep_all'])} | "
             + " | ".join(_iv(al[str(r)]["net_utility_minus_uniform"]) for r in budgets)
             + f" | {_iv(al[str(low)]['net_utility_minus_energy'])} |"
+            + "".join(
+                f" {_iv(al[str(r)].get('net_utility_data_minus_uniform'))} |"
+                f" {_iv(al[str(r)].get('net_utility_data_minus_net_utility'))} |"
+                for r in budgets
+                if data
+            )
         )
     corr = results["per_task_delta_vs_energy"]["pearson"]
     lines += [
@@ -498,6 +565,21 @@ def _markdown(results: Mapping[str, Any], low: int) -> str:
         "(the paper's heterogeneity). Eff. rank: exp of the entropy of each task's spectrum, "
         "mean over tasks and modules.",
         "",
+        *(
+            [
+                "NU(data): Net Utility scored with each task's input second moments as its "
+                "geometry G_i (`nu.score(..., input_moments=...)`; docs/input_moments.md), "
+                "estimated from the LoRA-target inputs of "
+                f"{results['design']['moment_texts']} unlabelled training "
+                "texts per task under the base model (padding dropped), the same global top-K. "
+                "This variant is this project's answer to the limitation the paper states (its "
+                "geometry is data-free because G_i cannot be estimated without task data), not "
+                "the paper's method. NU(data) - NU compares it with the data-free score.",
+                "",
+            ]
+            if data
+            else []
+        ),
         f"## Per task: Net Utility minus uniform at R={low} against the task's energy",
         "",
         f"Pooled over cells (each task of each cell one point, its delta a mean over seeds): "

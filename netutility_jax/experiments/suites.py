@@ -124,6 +124,23 @@ class SuiteWithData(Suite, Protocol):
         ...
 
 
+@runtime_checkable
+class SuiteWithMoments(Suite, Protocol):
+    """A suite that can estimate each task's input second moments (``runner.EncoderSuite``):
+    what the grid's data-aware control (``grid.VARIANTS["net_utility_data"]``) needs."""
+
+    def input_moments(self, tasks: Sequence[Any]) -> list[dict[str, Any]]:
+        """One ``{module name: nu.InputMoments}`` per task (``nu.input_moments``): the inputs
+        of every LoRA target under the base model (no LoRA) on a few hundred of the task's
+        unlabelled training texts, padding dropped."""
+        ...
+
+    def moments_key(self) -> dict[str, Any]:
+        """What determines :meth:`input_moments` besides the tasks' training texts (part of
+        the data-aware jobs' cache keys only)."""
+        ...
+
+
 class AdapterArg(NamedTuple):
     """One item of ``--adapters``: ``NAME=DIR`` (``name`` set) or ``DIR`` (``name`` None)."""
 
