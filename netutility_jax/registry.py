@@ -41,6 +41,7 @@ from .errors import InputError, InputTypeError
 
 __all__ = [
     "ALLOCATIONS",
+    "COMMAND_FLAGS",
     "METHODS",
     "REQUIRED",
     "RESERVED_OPTION_NAMES",
@@ -339,6 +340,47 @@ RESERVED_OPTION_NAMES = (
     "budget", "allocation", "scope", "alpha", "lam", "positive_only",
     "a", "b", "x", "rtol", "is_svd", "keys", "k_top", "weights", "min_share", "input_moments",
 )  # fmt: skip
+COMMAND_FLAGS = (
+    "--allocation",
+    "--allow-different-base",
+    "--alpha",
+    "--budget",
+    "--chunk-mb",
+    "--coef",
+    "--config",
+    "--coordinator",
+    "--devices",
+    "--diagnose",
+    "--distributed",
+    "--distributed-timeout",
+    "--dry-run",
+    "--dtype",
+    "--help",
+    "--in-memory",
+    "--json",
+    "--keep-nonpositive",
+    "--keep-shards",
+    "--lam",
+    "--method",
+    "--min-share",
+    "--no-compile-cache",
+    "--no-plots",
+    "--num-processes",
+    "--out",
+    "--process-id",
+    "--quiet",
+    "--rank",
+    "--scope",
+    "--seed",
+    "--serving-ranks",
+    "--skip-non-lora",
+    "--space",
+    "--strict-targets",
+    "--weights",
+)
+"""The flags of ``netutility merge`` and ``inspect`` that are not a method's or space's option:
+an option's flag must not be one of them (argparse would refuse the whole parser).
+``tests/test_registry.py`` checks this list against the parser."""
 KINDS = ("low_rank", "elementwise")
 OPTION_KINDS = ("real", "bool", "choice")
 BUDGET_SCOPES = ("global", "local")
@@ -576,6 +618,11 @@ def _check_options(spec: MethodSpec, spaces: tuple[str, ...], ms: _Mistakes) -> 
             continue
         opts[opt.name] = opt
         at = f"option {opt.name!r}: "
+        if opt.cli_flag in COMMAND_FLAGS:
+            ms.add(
+                f"{at}its command-line flag {opt.cli_flag} is one of netutility merge's own flags; "
+                "choose another name."
+            )
         shadows = [sp for sp in spaces if any(o.name == opt.name for o in SPACES[sp].options)]
         for sp in shadows:
             ms.add(

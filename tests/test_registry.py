@@ -141,8 +141,10 @@ def test_cli_flags_are_the_registry_options():
             assert opt.cli_flag in a.option_strings
             # the registry's help, and for an option the command gives a default, that default
             default = cli.args.CLI_DEFAULTS.get(opt.name) if opt.required else None
-            assert a.help == opt.help if default is None else a.help.startswith(
-                f"{opt.help}. Default: {default:g}"
+            assert (
+                a.help == opt.help
+                if default is None
+                else a.help.startswith(f"{opt.help}. Default: {default:g}")
             ), (opt.name, a.help)
             if opt.kind == "choice":
                 assert tuple(a.choices) == opt.choices
@@ -300,6 +302,30 @@ def test_reserved_option_names_cover_the_merge_keywords():
         assert named <= set(registry.RESERVED_OPTION_NAMES), named - set(
             registry.RESERVED_OPTION_NAMES
         )
+
+
+def test_command_flags_are_the_parsers_own_and_options_cannot_take_them():
+    """An option whose --flag is one of the command's own would make argparse refuse the whole
+    parser (every netutility command would fail): register refuses it, naming the flag."""
+    import dataclasses
+
+    parser = cli.build_parser(demo_options=False)
+    sub = next(a for a in parser._actions if a.dest == "command")
+    own = set()
+    for command in ("merge", "inspect"):
+        for a in sub.choices[command]._actions:
+            own |= {s for s in a.option_strings if s.startswith("--")}
+    options = {o.cli_flag for sp in (*registry.METHODS.values(), *registry.SPACES.values())
+               for o in sp.options}  # fmt: skip
+    assert set(registry.COMMAND_FLAGS) == own - options
+    for name in ("rank", "out", "dry_run"):
+        opt = registry.Option(name, "real", 1.0, "x", low=0.0, high=2.0, traced=True)
+        spec = dataclasses.replace(registry.METHODS["ta"], name=f"toy_{name}", options=(opt,))
+        flag = "--" + name.replace("_", "-")
+        with pytest.raises(InputError, match=f"its command-line flag {flag} is one of"):
+            registry.register(spec)
+        assert f"toy_{name}" not in registry.METHODS
+    cli.build_parser(demo_options=False)
 
 
 def test_register_accepts_the_builtins_again():
