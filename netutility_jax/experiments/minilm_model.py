@@ -478,7 +478,7 @@ def target_inputs(
       >>> import jax.numpy as jnp
       >>> cfg = MiniLMConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16)
       >>> m = MiniLM(cfg, rngs=nnx.Rngs(0))
-      >>> x = target_inputs(m, jnp.ones((2, 5), jnp.int32), jnp.ones((2, 5), bool))
+      >>> x = target_inputs(m, jnp.ones((2, 5), jnp.int32), jnp.ones((2, 5), jnp.int32))
       >>> sorted(x), x["layers/0/attention/query"].shape
       (['layers/0/attention/key', 'layers/0/attention/output', 'layers/0/attention/query', \
 'layers/0/attention/value'], (2, 5, 8))
