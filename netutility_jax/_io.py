@@ -33,7 +33,7 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any, Literal
 
 import numpy as np
@@ -141,6 +141,16 @@ def clean_stale_temporaries(folder: str | os.PathLike) -> list[pathlib.Path]:
     process's temporaries are never touched (a reused pid keeps a stale one, never the
     reverse). Failures to look or remove are ignored: this is housekeeping.
     """
+    return remove_stale(folder, ((_TMP_DIR, True), (_TMP_FILE, False)))
+
+
+def remove_stale(
+    folder: str | os.PathLike, patterns: Sequence[tuple[re.Pattern, bool]]
+) -> list[pathlib.Path]:
+    """Remove the entries of ``folder`` whose names match one of ``patterns`` (each with the
+    groups ``host`` and ``pid``; ``True``: a folder, ``False``: a regular file, never a symlink),
+    made on this host by a process that no longer exists and owned by the current user; return
+    them. Failures to look or remove are ignored: this is housekeeping."""
     host, me = host_tag(), os.getpid()
     removed: list[pathlib.Path] = []
     try:
@@ -148,11 +158,12 @@ def clean_stale_temporaries(folder: str | os.PathLike) -> list[pathlib.Path]:
     except OSError:
         return removed
     for entry in entries:
-        m = _TMP_DIR.fullmatch(entry.name)
-        want_dir = m is not None
-        m = m or _TMP_FILE.fullmatch(entry.name)
-        if m is None or m["host"] != host:
+        found = next(
+            ((m, is_dir) for pat, is_dir in patterns if (m := pat.fullmatch(entry.name))), None
+        )
+        if found is None or found[0]["host"] != host:
             continue
+        m, want_dir = found
         pid = int(m["pid"])
         if pid == me or pid_alive(pid):
             continue

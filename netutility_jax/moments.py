@@ -316,6 +316,21 @@ _HOW = (
 )
 
 
+def check_entries(fn: str, input_moments: Any, m_tasks: int, *, how: str = "") -> None:
+    """``input_moments`` is a list of one entry per task (``how``: advice appended to the
+    messages)."""
+    if isinstance(input_moments, (Mapping, str)) or not isinstance(input_moments, Sequence):
+        raise InputTypeError(
+            f"{fn}: input_moments is a {type(input_moments).__name__}; expected a list with one "
+            f"entry per task (M = {m_tasks}), in the adapters' order.{how}"
+        )
+    if len(input_moments) != m_tasks:
+        raise InputError(
+            f"{fn}: input_moments has {len(input_moments)} entries for M = {m_tasks} adapters; "
+            f"expected one per task, in the adapters' order.{how}"
+        )
+
+
 def resolve(
     fn: str, input_moments: Any, buckets: Sequence[_tree.Bucket], m_tasks: int
 ) -> list[tuple[tuple[Any, ...], ...]] | None:
@@ -331,16 +346,7 @@ def resolve(
     """
     if input_moments is None:
         return None
-    if isinstance(input_moments, (Mapping, str)) or not isinstance(input_moments, Sequence):
-        raise InputTypeError(
-            f"{fn}: input_moments is a {type(input_moments).__name__}; expected a list with one "
-            f"entry per task (M = {m_tasks}), in the adapters' order. {_HOW}"
-        )
-    if len(input_moments) != m_tasks:
-        raise InputError(
-            f"{fn}: input_moments has {len(input_moments)} entries for M = {m_tasks} adapters; "
-            f"expected one per task, in the adapters' order. {_HOW}"
-        )
+    check_entries(fn, input_moments, m_tasks, how=f" {_HOW}")
     all_names = {nm for bk in buckets for nm in bk.names}
     where = {nm: (b, n) for b, bk in enumerate(buckets) for n, nm in enumerate(bk.names)}
     rows = [[[None] * m_tasks for _ in bk.names] for bk in buckets]

@@ -104,6 +104,7 @@ from . import (
 )
 from ._ties_model import ties_model_streamed
 from .errors import InputError, InputTypeError
+from .moments import check_entries
 
 if TYPE_CHECKING:  # the peft package is imported on first use (nu.peft), not by the core
     from .peft._lazy import AdapterSet
@@ -310,17 +311,7 @@ def _check_moment_names(fn: str, moments: Any, source: AdapterSet) -> None:
     would drop them silently)."""
     if moments is None:
         return
-    m_tasks = len(source.paths)
-    if isinstance(moments, (Mapping, str)) or not isinstance(moments, Sequence):
-        raise InputTypeError(
-            f"{fn}: input_moments is a {type(moments).__name__}; expected a list with one "
-            f"entry per task (M = {m_tasks}), in the adapters' order."
-        )
-    if len(moments) != m_tasks:
-        raise InputError(
-            f"{fn}: input_moments has {len(moments)} entries for M = {m_tasks} adapters; "
-            "expected one per task, in the adapters' order."
-        )
+    check_entries(fn, moments, len(source.paths))
     known = set(source.names)
     for i, e in enumerate(moments):
         if e is None:

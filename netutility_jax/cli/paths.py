@@ -378,17 +378,13 @@ _STAGING = re.compile(
 )
 
 
-def _host_tag() -> str:
-    return _io.host_tag()
-
-
 def staging_name(out: pathlib.Path) -> pathlib.Path:
     """A fresh path beside ``out`` to assemble the merge in:
     ``.<name>.netutility-staging-<host>-<pid>-<8 hex digits>`` (not created)."""
     name = out.name
     while len(os.fsencode(name)) > 100:  # (room for the suffix within 255 bytes)
         name = name[:-1]
-    prefix = f".{name}.{STAGING_TAG}-{_host_tag()}-{os.getpid()}-"
+    prefix = f".{name}.{STAGING_TAG}-{_io.host_tag()}-{os.getpid()}-"
     while True:
         path = out.parent / f"{prefix}{secrets.token_hex(4)}"
         if not os.path.lexists(path):
@@ -406,10 +402,6 @@ def staging_dir(out: pathlib.Path) -> pathlib.Path:
         return path
 
 
-def _alive(pid: int) -> bool:
-    return _io.pid_alive(pid)
-
-
 def clean_stale_staging(folder: pathlib.Path) -> list[pathlib.Path]:
     """Remove the staging folders that killed merges left in ``folder``; return them.
 
@@ -417,28 +409,7 @@ def clean_stale_staging(folder: pathlib.Path) -> list[pathlib.Path]:
     by a process that no longer exists, owned by the current user, are removed. A live process's
     folder is never touched (a reused pid keeps a stale folder, never the reverse).
     """
-    host, me = _host_tag(), os.getpid()
-    removed: list[pathlib.Path] = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _STAGING.fullmatch(entry.name)
-        if m is None or m["host"] != host:
-            continue
-        pid = int(m["pid"])
-        if pid == me or _alive(pid):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            shutil.rmtree(entry.path)
-        except OSError:
-            continue
-        removed.append(pathlib.Path(entry.path))
-    return removed
+    return _io.remove_stale(folder, ((_STAGING, True),))
 
 
 def write_error(out: str, e: OSError) -> FileAccessError:
