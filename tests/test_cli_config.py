@@ -280,3 +280,33 @@ def test_the_merge_job_is_the_resolved_flags_frozen(folders, tmp_path):
         job.budget = 3  # type: ignore[misc]
     with pytest.raises(AttributeError, match="no_such_flag"):
         _ = job.no_such_flag
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--weights", "1,nan,1"], "--weights"),
+        (["--weights", "1,inf,1"], "--weights"),
+        (["--weights", ""], "--weights"),
+        (["--weights", "1,1"], "--weights"),  # two weights for three adapters
+        (["--weights", "a,b,c"], "--weights"),
+        (["--min-share", "-0.1"], "--min-share"),
+        (["--min-share", "2"], "--min-share"),
+        (["--min-share", "nan"], "--min-share"),
+        (["--min-share", "0.5", "--allocation", "uniform"], "min"),
+        (["--config", "/no/such/merge.yaml"], "--config"),
+    ],
+)
+def test_hostile_weights_min_share_and_config_paths_are_one_line(
+    folders, tmp_path, capsys, flags, message
+):
+    """Every bad value of the new flags: exit 2, one line naming the flag, nothing written."""
+    out = tmp_path / "out"
+    try:
+        rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--out", str(out), *flags)
+    except SystemExit as e:  # (argparse's refusals of a flag's value)
+        rc, err = e.code, capsys.readouterr().err
+    lines = [ln for ln in err.strip().splitlines() if ln]
+    assert rc == 2 and len(lines) == 1, err
+    assert message in lines[0], lines[0]
+    assert not out.exists()
