@@ -190,3 +190,133 @@ def test_lambda_on_validation_takes_the_best_validation_job_and_makes_no_merge()
     bad = dataclasses.replace(grid, controls=(("ta", "full", "energy"), ("ta", "full", "lam_val")))
     with pytest.raises(InputError, match=r"add the controls \['lam_x0.25', 'lam_x0.5', 'lam_x2'\]"):
         gr.grid_jobs(bad, full_capacity=32)
+
+
+# ------------------------------------------------- options searched on validation (TIES, DARE)
+
+
+@pytest.mark.parametrize(
+    "search, match",
+    [
+        ((("nope", "density", (0.1,)),), "unknown method 'nope'"),
+        ((("ties", "p", (0.1,)),), "'p' is not an option of 'ties'"),
+        ((("ties", "density", ()),), "non-empty tuple of distinct values"),
+        ((("ties", "density", (0.2, 0.2)),), "non-empty tuple of distinct values"),
+        ((("ties", "density", (0.2, 1.5)),), "density"),
+        ((("ties", "density", (0.2,)), ("ties", "density", (0.3,))), "searched twice"),
+        ((("ties", "density"),), r"expected \(method, option, candidates\)"),
+    ],
+)
+def test_a_bad_search_is_refused_when_the_grid_is_declared(search, match):
+    with pytest.raises(InputError, match=match):
+        gr.GridConfig(rows=(gr.Row("ties", "full"),), budgets=(8,), search=search)
+
+
+def _dense(merged):
+    def one(m):  # TIES in full space gives dense updates, the others factors
+        return m["delta"] if "delta" in m else np.asarray(m["lora_a"]) @ np.asarray(m["lora_b"])
+
+    return np.concatenate([np.ravel(np.asarray(one(m))) for m in merged.values()])
+
+
+class _FakeEvaluator(runner.ev.MergeSearch):
+    """A validation score that depends on the merge (through its dense updates) and on the
+    coefficient, unimodal in the coefficient; test 'correctness' = the signs of the scaled
+    updates against a fixed threshold. Enough to check what the runner chooses and evaluates."""
+
+    def deltas(self, adapter):
+        return _dense(adapter)
+
+    def val_score(self, deltas, coef):
+        return float(-((coef * np.linalg.norm(deltas) - 3.0) ** 2) - np.abs(deltas).max())
+
+    def test_of(self, deltas, search):
+        ok = deltas * search.coef > 0.01
+        acc = {"t": float(ok.mean())}
+        norm = runner.ev.Normalized({"t": 100 * acc["t"]}, 100 * acc["t"])
+        s = search.scores[search.coef]
+        return runner.ev.MergeEval(search.coef, search.scores, s, ok, acc, norm)
+
+
+class _Suite:
+    def timing(self):
+        return {"passes": 0}
+
+
+def _seed_jobs(ads, grid, tmp_path):
+    sc = nu.score(ads, alpha=1.0)
+    return runner._SeedJobs(
+        0, ads, sc, _FakeEvaluator(), _Suite(), 1.0, runner.JobCache(tmp_path), {"k": 1},
+        grid=grid,
+    )  # fmt: skip
+
+
+def test_a_searched_option_is_chosen_on_validation_and_tested_once(tmp_path):
+    """Each candidate's best validation score over the coefficient grid (brute force, on merges
+    made directly with the library) decides; the record's test result is that merge's, and a
+    grid without the search (density fixed at the chosen value) gives the same test result."""
+    ads = _adapters()
+    cands = (0.7, 0.1, 0.3)
+    grid = gr.GridConfig(
+        rows=(gr.Row("ties", "full"),), budgets=(5,), search=(("ties", "density", cands),)
+    )
+    job = gr.Job("ties/full/R5/uniform", "ties", "full", ("full",), 5, "uniform")
+    rec, ok = _seed_jobs(ads, grid, tmp_path / "a").run(job)
+    ev = _FakeEvaluator()
+    coefs = np.round(np.arange(1, 100) / 10, 1)
+    best = {}
+    for d in cands:
+        merged, _ = nu.merge_adapters(
+            ads, budget=5, method="ties", allocation="uniform", density=d, alpha=1.0
+        )
+        best[d] = max(ev.val_score(_dense(merged), c) for c in coefs)
+    chosen = max(cands, key=lambda d: best[d])
+    assert chosen != cands[0] and len(set(best.values())) == len(cands)  # not a default win
+    assert rec["options"]["density"] == chosen
+    assert rec["option_search"]["option"] == "density"
+    for d in cands:
+        assert rec["option_search"]["validation"][f"{d:g}"] == pytest.approx(best[d], rel=1e-6)
+    # the same merge with the option fixed: the same coefficient and test result
+    fixed = dataclasses.replace(gr.METHODS["ties"], options=(("density", chosen),))
+    saved = gr.METHODS["ties"]
+    gr.METHODS["ties"] = fixed
+    try:
+        plain = gr.GridConfig(rows=(gr.Row("ties", "full"),), budgets=(5,))
+        rec2, ok2 = _seed_jobs(ads, plain, tmp_path / "b").run(job)
+    finally:
+        gr.METHODS["ties"] = saved
+    assert rec2["coef"] == rec["coef"] and "option_search" not in rec2
+    np.testing.assert_array_equal(ok, ok2)
+    # the search is in the job's cache key (a cached fixed-option result is not reused) and a
+    # second run is served from the cache
+    s = _seed_jobs(ads, grid, tmp_path / "a")
+    assert s.job_key(job, 1.0) != _seed_jobs(ads, plain, tmp_path / "a").job_key(job, 1.0)
+    again, ok3 = s.run(job)
+    assert again["cache_hit"] and again["options"]["density"] == chosen
+    np.testing.assert_array_equal(ok, ok3)
+
+
+def test_only_searched_methods_change_their_cache_keys(tmp_path):
+    ads = _adapters()
+    searched = gr.GridConfig(
+        rows=(gr.Row("ta", "full"),), budgets=(5,), search=(("ties", "density", (0.1, 0.2)),)
+    )
+    plain = gr.GridConfig(rows=(gr.Row("ta", "full"),), budgets=(5,))
+    job = gr.Job("ta/full/R5/uniform", "ta", "full", ("full",), 5, "uniform")
+    a = _seed_jobs(ads, searched, tmp_path).job_key(job, 0.3)
+    assert a == _seed_jobs(ads, plain, tmp_path).job_key(job, 0.3)
+    assert gr.PAPER.grid.searched("ties")[0] == "density"
+    assert gr.PAPER.grid.searched("dare")[0] == "p" and gr.FULL.grid.searched("ties") is None
+
+
+def test_the_report_lists_the_options_chosen_per_seed():
+    from netutility_jax.experiments import report_markdown as rm
+
+    rec = {"options": {"density": 0.3}, "coef": 1.0, "val_scores": {"1": 2.0},
+           "option_search": {"option": "density", "validation": {"0.1": 80.0, "0.3": 81.5}}}  # fmt: skip
+    results = {"merges": {"0": {"ties/full/R8/uniform": rec, "ta/full/all": {"coef": 0.3,
+               "val_scores": {}}}, "1": {"ties/full/R8/uniform": {**rec, "options": {"density": 0.1}}}}}  # fmt: skip
+    lines = rm._options_md(results)
+    assert "| ties/full/R8/uniform | density | 0.3 | 0.1 | 0.1: 80.0, 0.3: 81.5 |" in lines
+    assert not any("ta/full/all" in x for x in lines)
+    assert rm._options_md({"merges": {"0": {"ta/full/all": {"coef": 1.0}}}}) == []

@@ -547,19 +547,19 @@ class MergeSearch:
         acc = accuracies(self.correct(self.val, None, coef, deltas=deltas), self.val)
         return normalized_accuracy(acc, self.single_val).mean
 
-    def evaluate(
+    def choose(
         self, adapter: Mapping[str, Any], *, start: float = 1.0, coef: float | None = None
-    ) -> MergeEval:
-        """Choose ``coef`` on validation (:func:`select_coef`), then evaluate the test split once.
-
-        ``coef`` given: no search, that coefficient (e.g. the weight average, ``1 / M``).
-        """
+    ) -> tuple[Any, CoefSearch]:
+        """The validation half of :meth:`evaluate`: ``(the merge's updates, the coefficient
+        search)``; no test text is looked at (options searched on validation compare these)."""
         dk = self.deltas(adapter)
         if coef is None:
-            search = select_coef(lambda c: self.val_score(dk, c), start=start)
-        else:
-            search = CoefSearch(float(coef), {float(coef): self.val_score(dk, coef)})
-        ok = self.correct(self.test, None, search.coef, deltas=dk)
+            return dk, select_coef(lambda c: self.val_score(dk, c), start=start)
+        return dk, CoefSearch(float(coef), {float(coef): self.val_score(dk, coef)})
+
+    def test_of(self, deltas: Any, search: CoefSearch) -> MergeEval:
+        """The test half of :meth:`evaluate`: one test pass at the chosen coefficient."""
+        ok = self.correct(self.test, None, search.coef, deltas=deltas)
         test_acc = accuracies(ok, self.test)
         return MergeEval(
             coef=search.coef,
@@ -569,6 +569,15 @@ class MergeSearch:
             test_accuracy=test_acc,
             test_normalized=normalized_accuracy(test_acc, self.single_test),
         )
+
+    def evaluate(
+        self, adapter: Mapping[str, Any], *, start: float = 1.0, coef: float | None = None
+    ) -> MergeEval:
+        """Choose ``coef`` on validation (:func:`select_coef`), then evaluate the test split once.
+
+        ``coef`` given: no search, that coefficient (e.g. the weight average, ``1 / M``).
+        """
+        return self.test_of(*self.choose(adapter, start=start, coef=coef))
 
 
 class Evaluator(MergeSearch):

@@ -30,6 +30,7 @@ __all__ = [
     "MECHANISM",
     "METHODS",
     "PAPER",
+    "PAPER_SEARCH",
     "PRESETS",
     "QUICK",
     "SPACE_LABELS",
@@ -248,6 +249,11 @@ class GridConfig:
       full_capacity: also merge TA with Net Utility at ``R = M r`` (budget-spent analysis; the
         uniform allocation there keeps everything, i.e. the no-budget TA).
       weight_average: also evaluate the weight average (TA, coefficient ``1 / M``, no search).
+      search: ``(method, option, candidates)``: that option of the grid method (a key of
+        :data:`METHODS`) is chosen per merge on validation, jointly with the coefficient, among
+        ``candidates`` (TIES's ``density``, DARE's ``p``: the paper's searched pruning rate);
+        the method's fixed value in :data:`METHODS` is then unused. The candidates are this
+        project's choice.
     """
 
     rows: tuple[Row, ...]
@@ -258,10 +264,48 @@ class GridConfig:
     controls: tuple[tuple[str, str, str], ...] = ()
     full_capacity: bool = True
     weight_average: bool = True
+    search: tuple[tuple[str, str, tuple[float, ...]], ...] = ()
+
+    def __post_init__(self) -> None:
+        seen = set()
+        for entry in self.search:
+            if not (isinstance(entry, tuple) and len(entry) == 3):
+                raise InputError(
+                    f"GridConfig: search entry {entry!r}; expected (method, option, candidates)."
+                )
+            method, option, cands = entry
+            if method not in METHODS:
+                raise InputError(
+                    f"GridConfig: search entry {entry!r}: unknown method {method!r}; expected "
+                    f"one of {sorted(METHODS)}."
+                )
+            if method in seen:
+                raise InputError(f"GridConfig: method {method!r} is searched twice.")
+            seen.add(method)
+            opts = {o.name: o for o in registry.METHODS[METHODS[method].method].options}
+            if option not in opts:
+                raise InputError(
+                    f"GridConfig: search entry {entry!r}: {option!r} is not an option of "
+                    f"{METHODS[method].method!r} (options {sorted(opts)})."
+                )
+            if not (isinstance(cands, tuple) and cands and len(set(cands)) == len(cands)):
+                raise InputError(
+                    f"GridConfig: search entry {entry!r}: candidates must be a non-empty tuple "
+                    "of distinct values."
+                )
+            for v in cands:
+                try:
+                    opts[option].check("GridConfig.search", v, name=option)
+                except (InputError, TypeError) as e:
+                    raise InputError(f"GridConfig: search entry {entry!r}: {e}") from None
 
     @property
     def spaces(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(r.space for r in self.rows))
+
+    def searched(self, method: str) -> tuple[str, tuple[float, ...]] | None:
+        """``(option, candidates)`` searched on validation for grid method ``method``, or None."""
+        return next(((o, c) for m, o, c in self.search if m == method), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,6 +464,10 @@ FULL = Preset(
     n_val=200,
     n_test=1000,
 )
+#: The paper searches TIES's pruning rate (and DARE's drop rate) per merge; the candidates are
+#: this project's: TIES keeps the top 10-50% of entries, DARE drops 10-70% (at 0.9 a rank-16
+#: update keeps too little; see :data:`METHODS`).
+PAPER_SEARCH = (("ties", "density", (0.1, 0.2, 0.3, 0.5)), ("dare", "p", (0.1, 0.3, 0.5, 0.7)))
 PAPER = dataclasses.replace(
     FULL,
     name="paper",
@@ -431,6 +479,7 @@ PAPER = dataclasses.replace(
             *(Row(m, s) for s in ("full", "knots") for m in ("iso_c", "iso_c_tsv")),
         ),
         random=(("ta", "full"), ("tsv", "full"), ("ties", "full")),
+        search=PAPER_SEARCH,
     ),
 )
 #: The controls that isolate Net Utility's mechanism (this project's design, not the paper's):

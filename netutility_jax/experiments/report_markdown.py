@@ -509,6 +509,38 @@ def _coef_md(results) -> list[str]:
         "method and space in the seed), then bisection of the bracket; scored by mean normalized "
         "accuracy on the validation texts. Test labels are never used to choose.",
     ]
+    return lines + _options_md(results)
+
+
+def _options_md(results) -> list[str]:
+    """The options chosen on validation per merge (``GridConfig.search``), if any."""
+    merges = results["merges"]
+    seeds = list(merges)
+    keys = [k for k in merges[seeds[0]] if "option_search" in merges[seeds[0]][k]]
+    if not keys:
+        return []
+    lines = [
+        "",
+        "## Method options chosen on validation (per seed)",
+        "",
+        "| Merge | option | " + " | ".join(f"seed {s}" for s in seeds)
+        + " | best validation score per candidate (seed " + seeds[0] + ") |",
+        "|---|---|" + "---:|" * len(seeds) + "---|",
+    ]  # fmt: skip
+    for k in keys:
+        name = merges[seeds[0]][k]["option_search"]["option"]
+        chosen = [merges[s][k]["options"][name] if k in merges[s] else None for s in seeds]
+        val = merges[seeds[0]][k]["option_search"]["validation"]
+        lines.append(
+            f"| {k} | {name} | " + " | ".join("–" if c is None else f"{c:g}" for c in chosen)
+            + " | " + ", ".join(f"{v}: {x:.1f}" for v, x in val.items()) + " |"
+        )  # fmt: skip
+    lines += [
+        "",
+        "Each candidate is merged, its coefficient searched on validation as above; the candidate "
+        "with the best validation score is evaluated once on test (the paper searches TIES's "
+        "pruning rate; the candidates are this project's).",
+    ]
     return lines
 
 

@@ -25,7 +25,7 @@ import json
 import os
 import pathlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -156,16 +156,20 @@ def _summary_of_masks(masks: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _merge(adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any, moments: Any = None):
+def _merge(
+    adapters, job: gr.Job, *, seed: int, alpha: Any, scores: Any, moments: Any = None,
+    options: Mapping[str, Any] | None = None,
+):  # fmt: skip
     """``(merged adapter, record fields)`` of one job (coefficient 1). ``moments``: a callable
-    returning the tasks' input moments, called by a data-aware job only."""
+    returning the tasks' input moments, called by a data-aware job only; ``options``: method
+    options that replace the grid method's (an option searched on validation)."""
     import jax
 
     import netutility_jax as nu
 
     spec = gr.METHODS[job.method]
     method = registry.METHODS[spec.method]
-    opts = dict(spec.options)
+    opts = dict(spec.options) | dict(options or {})
     key = jax.random.key(seed) if method.needs_key else None
     m_tasks = len(adapters)
     rank = max(int(np.asarray(m["lora_a"]).shape[1]) for m in adapters[0].values())
@@ -453,6 +457,7 @@ class _SeedJobs:
     base_key: dict[str, Any]
     last_coef: dict[tuple[str, str], float] = dataclasses.field(default_factory=dict)
     moments: Any = None  # (key, thunk) of the tasks' input moments (:func:`_moments_of`)
+    grid: gr.GridConfig | None = None  # its ``search``: options chosen on validation
 
     def run(self, job: gr.Job) -> tuple[dict[str, Any], np.ndarray]:
         """``(record, test correctness)`` of ``job``: from the job cache, else merged and
@@ -482,27 +487,39 @@ class _SeedJobs:
         var = gr.VARIANTS.get(job.allocation)
         if var is not None and var.data and self.moments is not None:
             what["moments"] = self.moments[0]
+        searched = self.grid.searched(job.method) if self.grid is not None else None
+        if searched is not None:  # only then: every other job's key is as it was
+            what["search"] = [searched[0], list(searched[1])]
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
     def _compute(
         self, job: gr.Job, spec: gr.MethodSpec, start: float
     ) -> tuple[dict[str, Any], np.ndarray]:
         ts = time.perf_counter()
-        merged, fields = _merge(
-            self.adapters,
-            job,
-            seed=self.seed,
-            alpha=self.alpha,
-            scores=self.scores,
-            moments=None if self.moments is None else self.moments[1],
-        )
-        tm = time.perf_counter() - ts
+        searched = self.grid.searched(job.method) if self.grid is not None else None
+        coef = 1.0 / len(self.adapters) if job.allocation == "average" else None
         passes0 = self.suite.timing()["passes"]
-        res = self.evaluator.evaluate(
-            merged,
-            start=start,
-            coef=1.0 / len(self.adapters) if job.allocation == "average" else None,
-        )
+        options, option_scores, tm = dict(spec.options), None, 0.0
+        if searched is None:
+            merged, fields = self._merge(job)
+            tm = time.perf_counter() - ts
+            res = self.evaluator.evaluate(merged, start=start, coef=coef)
+        else:  # the option and the coefficient chosen on validation, then one test pass
+            name, candidates = searched
+            best, option_scores = None, {}
+            for value in candidates:
+                tv = time.perf_counter()
+                merged, f = self._merge(job, {name: value})
+                tm += time.perf_counter() - tv
+                dk, search = self.evaluator.choose(merged, start=start, coef=coef)
+                option_scores[f"{value:g}"] = search.scores[search.coef]
+                # ties go to the earlier candidate, as in the coefficient search
+                if best is None or search.scores[search.coef] > best[0]:
+                    best = (search.scores[search.coef], value, dk, search, f)
+                del merged, dk
+            _, value, dk, search, fields = best
+            options[name] = value
+            res = self.evaluator.test_of(dk, search)
         rec = {
             "key": job.key,
             "seed": self.seed,
@@ -513,7 +530,12 @@ class _SeedJobs:
             "budget": job.budget,
             "allocation": job.allocation,
             "draw": job.draw,
-            "options": dict(spec.options),
+            "options": options,
+            **(
+                {"option_search": {"option": searched[0], "validation": option_scores}}
+                if searched is not None
+                else {}
+            ),
             **fields,
             "coef": res.coef,
             "coef_start": start,
@@ -528,6 +550,17 @@ class _SeedJobs:
             "cache_hit": False,
         }
         return rec, res.test_correct
+
+    def _merge(self, job: gr.Job, options: Mapping[str, Any] | None = None):
+        return _merge(
+            self.adapters,
+            job,
+            seed=self.seed,
+            alpha=self.alpha,
+            scores=self.scores,
+            moments=None if self.moments is None else self.moments[1],
+            options=options,
+        )
 
 
 def _run_seed(
@@ -563,8 +596,9 @@ def _run_seed(
         "eval": {**suite.eval_key(preset.train), **fingerprint},
     }
     runs = _SeedJobs(
-        seed, adapters, scores, evaluator, suite, alpha, jobs_cache, base_key, moments=moments
-    )
+        seed, adapters, scores, evaluator, suite, alpha, jobs_cache, base_key, moments=moments,
+        grid=preset.grid,
+    )  # fmt: skip
     records: dict[str, dict[str, Any]] = {}
     correct: dict[str, np.ndarray] = {}
     t0 = time.perf_counter()
