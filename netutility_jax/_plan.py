@@ -232,8 +232,8 @@ def row_block(
     radix selection over blocks; DARE draws a block's rows of the module's mask
     (:func:`_rng.bernoulli_rows`), for keys with ``key_blocks`` (:func:`_rng.blockable`): other
     keys draw a whole module's mask."""
-    dare = res.kernel_method in DARE_KEPT and key_blocks
-    blocks = res.spec.keeps_top or dare
+    blocked = registry.METHODS[res.kernel_method].blocked  # a user kernel: whole modules
+    blocks = blocked == "ties" or (blocked in DARE_KEPT and key_blocks)
     if res.spec.kind != "elementwise" or not blocks:
         return None
     budget_bytes = DENSE_BYTES if budget_bytes is None else budget_bytes

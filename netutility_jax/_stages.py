@@ -648,7 +648,8 @@ def ties_rows(a, b, k_top, coef, *, rows: int):
     return merged[0]
 
 
-#: the methods :func:`dare_rows` merges by blocks: their merge of the dropped tasks, entry by entry
+#: the row-blocked DARE operators (``registry.MethodSpec.blocked``) :func:`dare_rows` runs: their
+#: merge of the dropped tasks, entry by entry
 DARE_KEPT = {"dare": _m.dare_kept, "dare_ties": _m.dare_ties_kept}
 
 
@@ -659,7 +660,9 @@ def dare_block(x, key, j0, coef, nums, *, method: str, shape: tuple[int, int, in
     mask is those rows of the whole module's (:func:`_rng.bernoulli_rows`)."""
     p = nums["p"]
     keep = _rng.bernoulli_rows(key, 1.0 - jnp.asarray(p, jnp.float32), shape, j0, x.shape[-2])
-    return DARE_KEPT[method](_m.dare_rescale(x[0], keep, p), coef=coef)[None]
+    return DARE_KEPT[registry.METHODS[method].blocked](_m.dare_rescale(x[0], keep, p), coef=coef)[
+        None
+    ]
 
 
 def dare_rows(a, b, keys, coef, nums, *, method: str, rows: int):
@@ -815,7 +818,7 @@ def module_dense_rows(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, 
     :func:`ties_rows`, DARE / DARE-TIES: :func:`dare_rows`): the same merge, holding one block of
     every task's dense update and the merged module instead of the module's ``M`` dense tasks."""
     ca, cb, unit = module_kept_coords(a, b, s, r, mask, None, r_max=r_max)
-    if method in DARE_KEPT:
+    if registry.METHODS[method].blocked in DARE_KEPT:
         xm = dare_rows(ca, cb, key[None], coef, nums, method=method, rows=rows)
     else:
         xm = ties_rows(ca, cb, k_top[None], coef, rows=rows)

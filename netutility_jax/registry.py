@@ -175,7 +175,14 @@ class MethodSpec:
       keeps_top: the option that sets a per-task count of kept entries (TIES's ``density``:
         PEFT's ``int(density * n)``, made on the host), or None.
       model_wide: ``(option, value)`` that makes the count global over the model instead of per
-        module (TIES: ``("trim_scope", "model")``), or None.
+        module (TIES: ``("trim_scope", "model")``), or None. Needs ``blocked="ties"``: the
+        model-wide selection is TIES's own blocked code, not the kernel.
+      blocked: the library's row-blocked implementation of this kernel, run instead of it when
+        one module's dense tasks exceed the working memory: ``"ties"`` (TIES's trim by radix
+        selection, then its sign election and disjoint mean), ``"dare"`` or ``"dare_ties"``
+        (the drop a block of rows at a time, then that method's combination); None (user
+        methods): the kernel always sees whole modules. Declare it only for a kernel that
+        computes exactly that operator.
       budget_scope: :func:`nu.merge_adapters`' default budget scope for this method (the paper's:
         global for spectral methods, local for elementwise ones).
       renamed: old option names still accepted with a :class:`DeprecationWarning` (old -> new).
@@ -194,6 +201,7 @@ class MethodSpec:
     needs_key: bool = False
     keeps_top: str | None = None
     model_wide: tuple[str, Any] | None = None
+    blocked: Literal["ties", "dare", "dare_ties"] | None = None
     budget_scope: Literal["global", "local"] = "global"
     renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
     canonical: Callable[[dict], tuple[str, dict]] | None = None
@@ -357,6 +365,7 @@ COMMAND_FLAGS = (
     "--dtype",
     "--help",
     "--in-memory",
+    "--input-moments",
     "--json",
     "--keep-nonpositive",
     "--keep-shards",
@@ -690,6 +699,19 @@ def _check_elementwise_fields(spec: MethodSpec, opts: dict[str, Option], ms: _Mi
                 f"{f' in {opt.interval()}' if opt.kind == 'real' else ''} with "
                 f"traced={opt.traced}."
             )
+    bl = spec.blocked
+    if bl is not None:
+        if bl not in ("ties", "dare", "dare_ties"):
+            ms.value("blocked", bl, "None, 'ties', 'dare' or 'dare_ties'")
+        elif not ew:
+            ms.add(f"blocked={bl!r} needs kind='elementwise' (a row-blocked dense operator).")
+        elif bl == "ties" and kt is None:
+            ms.add("blocked='ties' needs keeps_top (TIES's blocked trim counts kept entries).")
+        elif bl != "ties" and not (spec.needs_key and "p" in opts):
+            ms.add(
+                f"blocked={bl!r} needs needs_key=True and a drop-rate option 'p' (its blocks "
+                "draw DARE's mask)."
+            )
     mw = spec.model_wide
     if mw is not None:
         if not (isinstance(mw, tuple) and len(mw) == 2 and isinstance(mw[0], str)):
@@ -698,6 +720,12 @@ def _check_elementwise_fields(spec: MethodSpec, opts: dict[str, Option], ms: _Mi
             ms.add(
                 f"model_wide={_checks.brief(mw)} needs keeps_top (and kind='elementwise'): it "
                 "makes keeps_top's count over the whole model."
+            )
+        elif spec.blocked != "ties":
+            ms.add(
+                f"model_wide={mw!r} needs blocked='ties': the model-wide count runs TIES's own "
+                "blocked selection, not the method's kernel (for another operator, leave "
+                "model_wide None: the kernel then counts per module)."
             )
         elif mw[0] not in opts:
             ms.add(f"model_wide={mw!r}: {mw[0]!r} is not an option of the method.")
@@ -799,16 +827,18 @@ for _spec in (
     MethodSpec(
         "ties", "TIES", "trim to the top density entries per task, elect signs, disjoint mean",
         "elementwise", _ties, (_DENSITY, _TRIM_SCOPE), keeps_top="density",
-        model_wide=("trim_scope", "model"), budget_scope="local",
+        model_wide=("trim_scope", "model"), blocked="ties", budget_scope="local",
         renamed={"scope": "trim_scope"},
     ),
     MethodSpec(
         "dare", "DARE", "drop entries with probability p, rescale by 1/(1-p), sum",
-        "elementwise", _per_module(_m.dare), (_P,), needs_key=True, budget_scope="local",
+        "elementwise", _per_module(_m.dare), (_P,), needs_key=True, blocked="dare",
+        budget_scope="local",
     ),
     MethodSpec(
         "dare_ties", "DARE-TIES", "DARE's drop, then TIES's sign election and disjoint mean",
-        "elementwise", _per_module(_m.dare_ties), (_P,), needs_key=True, budget_scope="local",
+        "elementwise", _per_module(_m.dare_ties), (_P,), needs_key=True, blocked="dare_ties",
+        budget_scope="local",
     ),
     MethodSpec(
         "tsv", "TSV", "TSV-Merge: every task's singular triplets, each side orthogonalised",

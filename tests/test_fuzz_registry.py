@@ -133,6 +133,7 @@ def specs(draw):
         "needs_key": st.one_of(st.booleans(), ANY),
         "keeps_top": st.one_of(st.none(), NAMES),
         "model_wide": st.one_of(st.none(), st.tuples(NAMES, ANY), ANY),
+        "blocked": st.one_of(st.sampled_from([None, "ties", "dare", "dare_ties"]), ANY),
         "budget_scope": st.one_of(st.sampled_from(["global", "local"]), ANY),
         "renamed": st.one_of(st.dictionaries(NAMES, NAMES, max_size=2), ANY),
         "canonical": st.sampled_from([None, lambda o: ("ta", o), "ta"]),

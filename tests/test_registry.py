@@ -8,6 +8,7 @@ option rename (``scope`` -> ``trim_scope``) with its deprecation, and model-wide
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import _merge_reference as ref
@@ -453,3 +454,71 @@ def test_an_overflowing_coef_in_core_space_is_a_range_error():
             nu.merge(ads, method=method, space="core", coef=1e20, **kw)
     out = nu.merge(ads, method="ties", space="core", coef=1e5)  # large but fine
     assert out["l"]["lora_a"].shape == (16, 4)
+
+
+# ------------------------------------------- a user kernel is never swapped for a built-in one
+
+
+def _top_sum(x, keys, *, coef, k_top):
+    """Each task's k_top largest-magnitude entries, summed (no sign election: not TIES)."""
+    n, m, p, q = x.shape
+    flat = x.reshape(n, m, p * q)
+    srt = -jnp.sort(-jnp.abs(flat), axis=-1)
+    thr = jnp.take_along_axis(srt, jnp.maximum(k_top[:, None, None] - 1, 0), axis=-1)
+    kept = jnp.where((jnp.abs(flat) >= thr) & (k_top[:, None, None] > 0), flat, 0)
+    return coef * kept.sum(1).reshape(n, p, q)
+
+
+_FRACTION = registry.Option(
+    "density", "real", 0.2, "kept fraction", low=0.0, high=1.0, traced=False
+)
+
+
+@pytest.mark.parametrize("space", ["full", "knots"])
+def test_a_user_keeps_top_kernel_runs_itself_when_modules_exceed_the_working_memory(
+    registered, monkeypatch, space
+):
+    """Was: with keeps_top, a module larger than the working memory ran TIES's blocked code
+    instead of the user's kernel (a different operator, silently: 3.3 off on this merge)."""
+    from netutility_jax import _plan
+
+    registered(
+        registry.MethodSpec("top_sum", "TopSum", "top entries summed", "elementwise", _top_sum,
+                            (_FRACTION,), keeps_top="density", budget_scope="local")
+    )  # fmt: skip
+    ads = [
+        {"l": {"lora_a": r.normal(size=(16, 2)), "lora_b": r.normal(size=(2, 12))}}
+        for r in (np.random.default_rng(s) for s in range(3))
+    ]
+    # the operator written out in float64: each task's dense update (or KnOTS coordinates: the
+    # library's own), top 30% entries by magnitude, summed
+    whole = nu.merge(ads, method="top_sum", space=space, density=0.3)
+    monkeypatch.setattr(_plan, "DENSE_BYTES", 2048)  # a block of rows would be a few rows
+    blocked = nu.merge(ads, method="top_sum", space=space, density=0.3)
+
+    def dense(m):
+        m = m["l"]
+        return np.asarray(m["delta"]) if "delta" in m else np.asarray(m["lora_a"] @ m["lora_b"])
+
+    np.testing.assert_array_equal(dense(blocked), dense(whole))
+    if space == "full":
+        tasks = [a["l"]["lora_a"] @ a["l"]["lora_b"] for a in ads]
+        k = int(0.3 * tasks[0].size)
+        want = sum(np.where(np.abs(t) >= np.sort(np.abs(t).ravel())[-k], t, 0) for t in tasks)
+        np.testing.assert_allclose(dense(whole), want, rtol=1e-12, atol=1e-12)
+
+
+def test_model_wide_needs_the_blocked_ties_operator():
+    spec = registry.MethodSpec(
+        "top_sum_mw", "TopSum", "x", "elementwise", _top_sum,
+        (_FRACTION, registry.Option("scope", "choice", "module", "s", choices=("module", "model"))),
+        keeps_top="density", model_wide=("scope", "model"), budget_scope="local",
+    )  # fmt: skip
+    with pytest.raises(InputError, match=r"model_wide=\('scope', 'model'\) needs blocked='ties'"):
+        registry.register(spec)
+    with pytest.raises(InputError, match=r"blocked='dare' needs needs_key=True"):
+        registry.register(dataclasses.replace(spec, model_wide=None, blocked="dare"))
+    with pytest.raises(InputError, match=r"blocked='ties' needs keeps_top"):
+        registry.register(
+            dataclasses.replace(spec, model_wide=None, keeps_top=None, blocked="ties")
+        )
