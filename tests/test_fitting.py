@@ -248,7 +248,7 @@ def test_encoder_trainer_initial_factors():
     backbone = ev.Backbone()
     base = tr.TrainConfig(lora_rank=2, lora_alpha=2.0)
     _assert_init_regimes(
-        lambda init: tr.Trainer(dataclasses.replace(base, init=init), backbone)._init
+        lambda init: tr.Trainer(dataclasses.replace(base, init=init), backbone).init
     )
 
 

@@ -1,11 +1,14 @@
-"""What the encoder's and the decoder's training share: the loop, the adapter cache, the bars.
+"""The pieces of every suite's training: the configs, the loop, the adapter cache, the bars.
 
-Both suites (:mod:`train` for MiniLM, :mod:`lang_train` for the decoder) train one LoRA per task
-the same way and differ only in their model, batches and loss:
+The suites that train (:mod:`train` for MiniLM, :mod:`lang_train` for the decoder,
+:mod:`nli_head` for NLI with its head) train one LoRA per task the same way, through one
+trainer (:class:`trainer.LoraTrainer`, which composes these pieces), and differ only in their
+model, batches and loss:
 
 * :class:`TrainConfigBase`: the integer checks and the learning-rate schedule of their configs
   (AdamW with a linear warmup over ``warmup_fraction`` of ``max_steps``, cosine decay to 0 at
   ``max_steps``);
+* :func:`optimizers`: ``optax.adamw`` with that schedule and the jitted step;
 * :func:`fit_early_stopping`: epochs of steps, validation every ``eval_every`` steps, the best
   adapter kept (validation accuracy, then loss), early stopping after ``patience`` evaluations
   without a better one, the curves; :class:`StepClock` times the steps that did not compile;
@@ -511,15 +514,17 @@ def train_each(
     *,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
-) -> list[TrainedTask]:
+    total: Callable[[Any], int] | None = None,
+) -> list[Any]:
     """``train_one(task, head, tick)`` for every task, with a tqdm bar per task that ``tick``
-    advances; ``log`` gets one line per task when it is done."""
+    advances; ``log`` gets one line per task when it is done. ``total(task)``: the bar's length
+    (default ``task_config(config, task.name).max_steps``)."""
     from tqdm import tqdm
 
     out = []
     for task, head in zip(tasks, heads, strict=True):
         bar = tqdm(
-            total=task_config(config, task.name).max_steps,
+            total=task_config(config, task.name).max_steps if total is None else total(task),
             desc=f"train {task.name} (seed {config.seed})",
             disable=not progress,
             leave=False,

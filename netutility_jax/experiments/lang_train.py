@@ -7,9 +7,9 @@ prompt's label among the task's label words: the LM head's logits of the words' 
 the last prompt position (``llama.last_token_logits`` with ``token_ids``), the same restricted
 head the evaluation scores with (:mod:`lang_eval`), so training optimises what is measured.
 
-Optimisation, as the encoder experiment (:mod:`train`; the loop is
-:func:`fitting.fit_early_stopping`): AdamW (optax) with a linear warmup over ``warmup_fraction``
-of ``max_steps`` and a cosine decay to 0 at ``max_steps``; validation accuracy every
+Optimisation, as the encoder experiment (:mod:`train`; both are a :class:`trainer.LoraTrainer`
+with their own loss and batches): AdamW (optax) with a linear warmup over ``warmup_fraction`` of
+``max_steps`` and a cosine decay to 0 at ``max_steps``; validation accuracy every
 ``eval_every`` steps (the adapter folded into the kernels, :class:`lang_eval.Scorer`); the best
 adapter (validation accuracy, then loss) is kept; training stops after ``patience`` evaluations
 without a better one. The curves are returned in ``info``.
@@ -46,7 +46,6 @@ import hashlib
 import json
 import os
 import pathlib
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,6 +60,7 @@ from . import fitting as ft
 from . import lang_eval as le
 from . import lang_tasks as lt
 from . import llama
+from .trainer import Batch, LoraTrainer, TaskRun, lora_state, train_cached
 
 __all__ = [
     "CODE_VERSION",
@@ -131,9 +131,11 @@ def lora_adapter(model: llama.Llama) -> dict[str, dict[str, Any]]:
     return ft.host_adapter(nu.nnx.extract_adapter(model))
 
 
-class Trainer:
-    """Trains task LoRAs on one shared base decoder; the jitted step compiles once per bucket (and
-    per schedule length, when ``step_scale`` gives a task another).
+class Trainer(LoraTrainer):
+    """Trains task LoRAs on one shared base decoder (the language suite's part of
+    :class:`trainer.LoraTrainer`: its loss, initial state, adapter and padded batches); the
+    jitted step compiles once per bucket (and per schedule length, when ``step_scale`` gives a
+    task another).
 
     Args:
       config: hyperparameters.
@@ -141,6 +143,9 @@ class Trainer:
       tokenizer: its tokenizer.
       scorer: a :class:`lang_eval.Scorer` of ``model`` for validation (default made here).
     """
+
+    where = "lang_train.Trainer"
+    report_slots = True
 
     def __init__(
         self,
@@ -155,11 +160,11 @@ class Trainer:
                 "lang_train.Trainer: the model has LoRA adapters; pass the base model, the trainer "
                 "adds fresh ones per task."
             )
-        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.model, self.tokenizer = model, tokenizer
         self.scorer = le.Scorer(model) if scorer is None else scorer
         self.lora = llama.LoRAConfig(config.lora_rank, config.lora_alpha)
         lmodel = llama.add_lora(model, self.lora, rngs=nnx.Rngs(0))
-        self.graphdef, _, self.base_state = nnx.split(lmodel, nnx.LoRAParam, ...)
+        self.graphdef, _, base_state = nnx.split(lmodel, nnx.LoRAParam, ...)
         graphdef = self.graphdef
 
         def loss_fn(lora, base, ids, mask, token_ids, n_labels, labels, valid):
@@ -170,16 +175,15 @@ class Trainer:
             w = valid.astype(ce.dtype)
             return jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1.0)
 
-        optimizer = ft.optimizers(config, loss_fn)
-        self._optimizer = optimizer
-        self._tx, self._step = optimizer(config.max_steps)
+        super().__init__(config, loss_fn, base_state)
+        self._tx, self._step = self._optimizer(config.max_steps)
         self._loss = jax.jit(loss_fn)
-        self.fits = 0
 
     def init(self, name: str) -> Any:
         """Fresh LoRA factors for task ``name`` (``A`` from ``fitting.init_seed``, ``B = 0``)."""
-        m = llama.add_lora(self.model, self.lora, rngs=nnx.Rngs(ft.init_seed(self.config, name)))
-        return jax.tree.map(jnp.array, nnx.state(m, nnx.LoRAParam))  # own buffers: donated
+        return lora_state(
+            llama.add_lora(self.model, self.lora, rngs=nnx.Rngs(ft.init_seed(self.config, name)))
+        )
 
     def adapter(self, lora: Any) -> dict[str, dict[str, Any]]:
         """The adapter (float32 numpy modules) of LoRA state ``lora``."""
@@ -220,32 +224,12 @@ class Trainer:
         acc = float((val.predict(z) == val.labels).mean())
         return acc, float(-val.log_probs(z).mean())
 
-    def fit(
-        self,
-        task: Any,
-        head: lt.PromptHead,
-        *,
-        val: lt.PromptSet | None = None,
-        progress: Callable[[int, dict], None] | None = None,
-    ) -> ft.TrainedTask:
-        """Train ``task`` (a ``tasks.Task``) with its prompt ``head``; no caching.
-
-        It trains with ``fitting.task_config(config, task.name)`` (its ``step_scale``).
-
-        Args:
-          task: the task (its ``train`` split trains, its ``val`` split validates).
-          head: its :class:`lang_tasks.PromptHead`.
-          val: the validation prompts (default made from ``task.val``).
-          progress: ``progress(step, stats)`` after each step.
-        """
-        cfg = ft.task_config(self.config, task.name)
-        tx, jstep = self._optimizer(cfg.max_steps, cfg.learning_rate)
-        if len(task.train) == 0:
-            raise InputError(
-                f"lang_train.Trainer.fit: task {task.name!r} has an empty train split."
-            )
-        t0 = time.perf_counter()
-        self.fits += 1
+    def prepare(
+        self, task: Any, head: lt.PromptHead, cfg: LanguageTrainConfig, val: lt.PromptSet | None
+    ) -> TaskRun:
+        """Task ``task`` (a ``tasks.Task``) with its prompt ``head``: batches of ``rows``
+        prompts (:func:`epoch_batches`), validation on ``val`` (default made from
+        ``task.val``)."""
         _, ids, lengths = lt.encode_prompts(
             self.tokenizer, head, list(task.train.texts), max_len=cfg.row_len, chat=cfg.chat
         )
@@ -254,41 +238,20 @@ class Trainer:
             val = lt.make_prompt_set(
                 self.tokenizer, [head], [task.val], max_len=cfg.row_len, chat=cfg.chat
             )
-        clock = ft.StepClock()
-        shapes: set[tuple[int, int]] = set()
         tok, k = self.token_ids(head)
 
-        def plan(epoch: int) -> list[np.ndarray]:
-            seed = ft.task_seed(cfg, task.name, 1, epoch)
+        def epoch(seed: np.random.SeedSequence) -> list[np.ndarray]:
             return epoch_batches(lengths, rows=cfg.rows, seed=seed)
 
-        def step(lora, opt_state, chosen, done):
+        def batch(chosen: np.ndarray, done: int) -> Batch:
             b_ids, b_mask, b_lab, b_valid = self.batch(ids, lengths, labels, chosen)
-            ts = time.perf_counter()
-            lora, opt_state, loss = jstep(
-                lora, opt_state, self.base_state, b_ids, b_mask, tok, k, b_lab, b_valid
-            )
-            loss = float(loss)
-            if b_ids.shape in shapes:  # a new shape compiles: not timed
-                clock.add(time.perf_counter() - ts, int(lengths[chosen].sum()), b_ids.size)
-            shapes.add(b_ids.shape)
-            return lora, opt_state, loss
+            args = (b_ids, b_mask, tok, k, b_lab, b_valid)
+            return Batch(args, int(lengths[chosen].sum()), b_ids.shape, b_ids.size)
 
         def validate(lora) -> tuple[float, float]:
             return self._val(self.adapter(lora), val)
 
-        lora = self.init(task.name)
-        fit = ft.fit_early_stopping(
-            cfg, lora, tx.init(lora), plan=plan, step=step, validate=validate,
-            progress=progress,
-        )  # fmt: skip
-        info = {
-            **fit.info,
-            "train_seconds": time.perf_counter() - t0,
-            **clock.rates(slots=True),
-            "shapes": sorted(shapes),
-        }
-        return ft.TrainedTask(task.name, tuple(task.labels), self.adapter(fit.best_lora), info)
+        return TaskRun(epoch, batch, validate)
 
 
 # ------------------------------------------------------------------------------------ caching
@@ -356,23 +319,11 @@ def train_task(
     )
     own = ft.task_config(config, task.name)
     key, what = cache_key(task, head, own, tokenizer=tokenizer, weights=weights)
-
-    def fit() -> ft.TrainedTask:
-        if trainer is None:
-            raise InputError(
-                f"lang_train.train_task: {task.name!r} is not in the cache {cache_dir}; pass a "
-                "trainer to train it."
-            )
-        made = trainer if isinstance(trainer, Trainer) else trainer()
-        if ft.task_config(made.config, task.name) != own:
-            raise InputError(
-                f"lang_train.train_task: the trainer was built for {made.config} but config is "
-                f"{config}; pass a Trainer(config, ...)."
-            )
-        return made.fit(task, head, progress=progress)
-
-    path = ft.cache_path(cache_dir, task, key)
-    return ft.cached_or_trained(path, key, {**what, "task_name": task.name, "key": key}, fit)
+    doc = {**what, "task_name": task.name, "key": key}
+    return train_cached(
+        task, head, config, kind=Trainer, trainer=trainer, cache_dir=cache_dir, key=key,
+        key_doc=doc, where="lang_train.train_task", progress=progress,
+    )  # fmt: skip
 
 
 def train_tasks(

@@ -19,7 +19,7 @@ dropout 0.1 on the LoRA branch's input (PEFT's ``lora_dropout``: ``x W + s B A d
 :class:`DropoutLoRALinear`), the head trained with it (PEFT's ``modules_to_save``), the base
 frozen; AdamW at ``3e-5``, linear schedule with 6% warmup, batch 1, at most 10 epochs,
 validation accuracy every 4,000 steps, the best checkpoint kept, early stopping after 3
-evaluations without improvement (:func:`fitting.fit_early_stopping`). What the paper leaves
+evaluations without improvement (:class:`trainer.LoraTrainer`). What the paper leaves
 unsaid is ours, and follows transformers' ``Trainer`` defaults (our reading: evaluation every
 4,000 steps with a patience of 3 is that ``Trainer`` with its ``EarlyStoppingCallback``):
 weight decay 0, gradient clipping at global norm 1 (:func:`clip_gradient`), warmup of
@@ -80,6 +80,7 @@ from . import nli_data as nd
 from .llama_model import variable_at
 from .minilm_model import LoRALinear
 from .passes import PassCounter, TaskSet
+from .trainer import Batch, LoraTrainer, TaskRun, lora_state, train_cached
 
 __all__ = [
     "CODE_VERSION",
@@ -832,9 +833,11 @@ def _headed(t: ft.TrainedTask) -> HeadedTask:
     return HeadedTask(t.name, tuple(t.labels), t.adapter, info, score)
 
 
-class Trainer:
-    """Trains task LoRAs and heads on one shared base decoder (see the module docstring); the
-    jitted step compiles once per length bucket and schedule.
+class Trainer(LoraTrainer):
+    """Trains task LoRAs and heads on one shared base decoder (see the module docstring; the NLI
+    suite's part of :class:`trainer.LoraTrainer`: its loss with dropout and clipping, a state
+    of LoRA and head, its batches); the jitted step compiles once per length bucket and
+    schedule.
 
     Args:
       config: hyperparameters (:class:`NLITrainConfig`).
@@ -842,6 +845,9 @@ class Trainer:
       tokenizer: its tokenizer.
       scorer: a :class:`Scorer` of ``model`` for validation (default made here).
     """
+
+    where = "nli_head.Trainer"
+    report_slots = True
 
     def __init__(
         self,
@@ -860,15 +866,13 @@ class Trainer:
                 "nli_head.Trainer: the model has LoRA adapters; pass the base model, the trainer "
                 "adds fresh ones per task."
             )
-        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.model, self.tokenizer = model, tokenizer
         self.scorer = Scorer(model) if scorer is None else scorer
         self.lora = llama.LoRAConfig(config.lora_rank, config.lora_alpha)
         lmodel = with_lora_dropout(
             llama.add_lora(model, self.lora, rngs=nnx.Rngs(0)), config.lora_dropout
         )
-        self.graphdef, _, self._keys, self.base_state = nnx.split(
-            lmodel, nnx.LoRAParam, DropoutKey, ...
-        )
+        self.graphdef, _, self._keys, base_state = nnx.split(lmodel, nnx.LoRAParam, DropoutKey, ...)
         graphdef = self.graphdef
         flat_keys = list(nnx.to_flat_state(self._keys))
         max_norm = float(config.max_grad_norm)
@@ -888,17 +892,15 @@ class Trainer:
             z = class_logits(pooled, params["score"][None], head, used[None])
             return masked_loss(z, labels, valid)
 
-        self._optimizer = ft.optimizers(config, loss_fn)
+        super().__init__(config, loss_fn, base_state)
         self._loss = jax.jit(loss_fn)
-        self.fits = 0
 
     def init(self, name: str) -> dict[str, Any]:
         """Fresh parameters of task ``name``: LoRA ``A`` from ``fitting.init_seed``, ``B = 0``, and
         a head drawn as transformers initialises ``score`` (normal, std 0.02, from the same
         seed)."""
         seed = ft.init_seed(self.config, name)
-        m = llama.add_lora(self.model, self.lora, rngs=nnx.Rngs(seed))
-        lora = jax.tree.map(jnp.array, nnx.state(m, nnx.LoRAParam))  # own buffers: donated
+        lora = lora_state(llama.add_lora(self.model, self.lora, rngs=nnx.Rngs(seed)))
         rng = np.random.default_rng([seed, 2])
         score = rng.normal(0.0, _SCORE_STD, (self.model.config.hidden_size, NUM_CLASSES))
         return {"lora": lora, "score": jnp.asarray(score, jnp.float32)}
@@ -919,34 +921,29 @@ class Trainer:
         used = jnp.asarray(head.used)
         return float(self._loss(params, self.base_state, key, ids, mask, labels, valid, used))
 
-    def fit(
-        self,
-        task: Any,
-        head: HeadSpec,
-        *,
-        val: NLISet | None = None,
-        progress: Callable[[int, dict], None] | None = None,
-    ) -> ft.TrainedTask:
-        """Train ``task`` (its ``train`` split; its ``val`` split validates); no caching.
-
-        Returns:
-          ``fitting.TrainedTask`` whose ``info`` holds the head under ``"score_head"``
-          (:func:`train_task` turns it into a :class:`HeadedTask`).
-        """
+    def task_config(self, task: Any) -> NLITrainConfig:
+        """The task's config (``fitting.task_config``) with the schedule's length for its
+        training pairs (:meth:`NLITrainConfig.steps_for`)."""
         cfg = ft.task_config(self.config, task.name)
-        if len(task.train) == 0:
-            raise InputError(f"nli_head.Trainer.fit: task {task.name!r} has an empty train split.")
+        return dataclasses.replace(cfg, max_steps=cfg.steps_for(len(task.train)))
+
+    def prepare(
+        self, task: Any, head: HeadSpec, cfg: NLITrainConfig, val: NLISet | None
+    ) -> TaskRun:
+        """Task ``task`` with its ``head``: batches of ``rows`` pairs
+        (``lang_train.epoch_batches``), a fresh dropout key a step, validation on ``val``
+        (default made from ``task.val``).
+
+        Raises:
+          InputError: a training example of a class the head masks.
+        """
         labels = np.asarray(task.train.labels, np.int32)
         if not np.asarray(head.used)[labels].all():
             raise InputError(
                 f"nli_head.Trainer.fit: task {task.name!r} has training examples of a class its "
                 f"head masks ({head.names})."
             )
-        t0 = time.perf_counter()
-        self.fits += 1
         enc = encode_pairs(self.tokenizer, list(task.train.texts), max_len=cfg.row_len)
-        cfg = dataclasses.replace(cfg, max_steps=cfg.steps_for(len(enc)))
-        _, jstep = self._optimizer(cfg.max_steps, cfg.learning_rate)
         if val is None:
             val = make_set(
                 self.tokenizer, [head], [task.val], max_len=cfg.row_len,
@@ -954,25 +951,14 @@ class Trainer:
             )  # fmt: skip
         used = jnp.asarray(head.used)
         lengths, pad = enc.lengths, lt.pad_id(self.tokenizer)
-        clock = ft.StepClock()
-        shapes: set[tuple[int, int]] = set()
 
-        def plan(epoch: int) -> list[np.ndarray]:
-            seed = ft.task_seed(cfg, task.name, 1, epoch)
+        def epoch(seed: np.random.SeedSequence) -> list[np.ndarray]:
             return ltr.epoch_batches(lengths, rows=cfg.rows, seed=seed)
 
-        def step(params, opt_state, chosen, done):
+        def batch(chosen: np.ndarray, done: int) -> Batch:
             ids, mask, lab, valid = train_batch(enc, labels, chosen, rows=cfg.rows, pad_id=pad)
-            ts = time.perf_counter()
-            params, opt_state, loss = jstep(
-                params, opt_state, self.base_state, self.step_key(task.name, done), ids, mask,
-                lab, valid, used,
-            )  # fmt: skip
-            loss = float(loss)
-            if ids.shape in shapes:  # a new shape compiles: not timed
-                clock.add(time.perf_counter() - ts, int(lengths[chosen].sum()), ids.size)
-            shapes.add(ids.shape)
-            return params, opt_state, loss
+            args = (self.step_key(task.name, done), ids, mask, lab, valid, used)
+            return Batch(args, int(lengths[chosen].sum()), ids.shape, ids.size)
 
         def validate(params) -> tuple[float, float]:
             score = np.asarray(params["score"], np.float32)[None]
@@ -980,21 +966,13 @@ class Trainer:
             acc = float((np.argmax(z, axis=1) == val.labels).mean())
             return acc, float(-_log_probs(z, val.labels).mean())
 
-        tx = self._optimizer(cfg.max_steps, cfg.learning_rate)[0]
-        params = self.init(task.name)
-        fit = ft.fit_early_stopping(
-            cfg, params, tx.init(params), plan=plan, step=step, validate=validate,
-            progress=progress,
-        )  # fmt: skip
-        info = {
-            **fit.info,
-            "train_seconds": time.perf_counter() - t0,
-            **clock.rates(slots=True),
-            "shapes": sorted(shapes),
-            _SCORE_INFO: np.asarray(fit.best_lora["score"], np.float32),
-        }
-        adapter = self.adapter(fit.best_lora["lora"])
-        return ft.TrainedTask(task.name, tuple(task.labels), adapter, info)
+        return TaskRun(epoch, batch, validate)
+
+    def trained(self, task: Any, best: Any, info: dict[str, Any]) -> ft.TrainedTask:
+        """The trained task, its head in ``info`` under ``"score_head"`` (:func:`train_task`
+        turns it into a :class:`HeadedTask`)."""
+        info = {**info, _SCORE_INFO: np.asarray(best["score"], np.float32)}
+        return ft.TrainedTask(task.name, tuple(task.labels), self.adapter(best["lora"]), info)
 
 
 # ------------------------------------------------------------------------------------ caching
@@ -1062,27 +1040,15 @@ def train_task(
     """
     own = ft.task_config(config, task.name)
     key, what = cache_key(task, head, own, tokenizer=tokenizer, weights=weights, dtype=dtype)
-    cache_dir = pathlib.Path(cache_dir)
-
-    def fit() -> ft.TrainedTask:
-        if trainer is None:
-            raise InputError(
-                f"nli_head.train_task: {task.name!r} is not in the cache {cache_dir}; pass a "
-                "trainer to train it."
-            )
-        made = trainer if isinstance(trainer, Trainer) else trainer()
-        if ft.task_config(made.config, task.name) != own:
-            raise InputError(
-                f"nli_head.train_task: the trainer was built for {made.config} but config is "
-                f"{config}; pass a Trainer(config, ...)."
-            )
-        return made.fit(task, head, progress=progress)
-
-    path = ft.cache_path(cache_dir, task, key)
-    got = ft.cached_or_trained(path, key, {**what, "task_name": task.name, "key": key}, fit)
+    doc = {**what, "task_name": task.name, "key": key}
+    got = train_cached(
+        task, head, config, kind=Trainer, trainer=trainer, cache_dir=cache_dir, key=key,
+        key_doc=doc, where="nli_head.train_task", progress=progress,
+    )  # fmt: skip
     if _SCORE_INFO not in got.info:
         raise InputError(
-            f"nli_head.train_task: the cache entry {path} holds no head; delete it to retrain."
+            f"nli_head.train_task: the cache entry {ft.cache_path(cache_dir, task, key)} holds "
+            "no head; delete it to retrain."
         )
     return _headed(got)
 
@@ -1102,42 +1068,19 @@ def train_tasks(
 ) -> list[HeadedTask]:
     """Train (or load) every task, a tqdm bar each; one :class:`Trainer` made on the first cache
     miss and shared; ``log`` gets a line per task."""
-    from tqdm import tqdm
-
     trainer = functools.cache(lambda: Trainer(config, model, tokenizer, scorer=scorer))
     dtype = np.dtype(model.dtype).name
-    out = []
-    for task, head in zip(tasks, heads, strict=True):
-        total = ft.task_config(config, task.name).steps_for(len(task.train))
-        bar = tqdm(
-            total=total, desc=f"train {task.name} (seed {config.seed})", disable=not progress,
-            leave=False, mininterval=1.0, dynamic_ncols=True,
+
+    def one(task: Any, head: HeadSpec, tick: Callable[[int, dict], None]) -> HeadedTask:
+        return train_task(
+            task, head, config, tokenizer=tokenizer, weights=weights, dtype=dtype,
+            cache_dir=cache_dir, trainer=trainer, progress=tick,
         )  # fmt: skip
 
-        def tick(step: int, stats: dict, bar=bar) -> None:
-            bar.update(1)
-            if "val_accuracy" in stats:
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", val=f"{stats['val_accuracy']:.3f}")
+    def total(task: Any) -> int:
+        return ft.task_config(config, task.name).steps_for(len(task.train))
 
-        with bar:
-            t = train_task(
-                task, head, config, tokenizer=tokenizer, weights=weights, dtype=dtype,
-                cache_dir=cache_dir, trainer=trainer, progress=tick,
-            )  # fmt: skip
-        if log is not None:
-            i = t.info
-            how = (
-                "cached"
-                if i["cache_hit"]
-                else f"trained {i['steps']} steps in {i['train_seconds']:.0f} s "
-                f"({i['tokens_per_second']:.0f} tokens/s)"
-            )
-            log(
-                f"{task.name} (seed {config.seed}): {how}; best validation accuracy "
-                f"{i['best_val_accuracy']:.3f} at step {i['best_step']}"
-            )
-        out.append(t)
-    return out
+    return ft.train_each(tasks, heads, config, one, progress=progress, log=log, total=total)
 
 
 # ------------------------------------------------------------------------------------- export

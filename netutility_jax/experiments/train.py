@@ -23,7 +23,8 @@ Deterministic from ``TrainConfig.seed``: the ``A`` factors are drawn from
 ``nnx.Rngs(fitting.init_seed(config, task name))`` (by default from
 ``SeedSequence([seed, crc32(task name)])``; with ``init="shared"`` the same for every task, as in
 the paper's codebase), each epoch's order from a PCG64 stream of
-``(seed, crc32(task name), 1, epoch)``; the loop, the cache and the bars are :mod:`fitting`'s.
+``(seed, crc32(task name), 1, epoch)``; the optimizer, the step, the loop and the cache are
+:class:`trainer.LoraTrainer`'s (over :mod:`fitting`); this module supplies the loss and batches.
 A task trains with ``fitting.task_config(config, task name)`` (``step_scale`` lengthens it).
 
 Caching (:func:`train_task`): the trained adapter is stored with ``nu.checkpoint`` under
@@ -42,7 +43,6 @@ import hashlib
 import json
 import os
 import pathlib
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +65,7 @@ from .fitting import default_cache_dir as default_cache_dir
 from .fitting import load_cached as load_cached
 from .fitting import store as store
 from .fitting import task_fingerprint as task_fingerprint
+from .trainer import Batch, LoraTrainer, TaskRun, lora_state, train_cached
 
 __all__ = [
     "CACHE_ENV",
@@ -180,9 +181,11 @@ def epoch_steps(
     return steps
 
 
-class Trainer:
-    """Trains task LoRAs on one shared MiniLM; the jitted step compiles once for all tasks (and
-    once more for each other length a task's ``step_scale`` gives the schedule).
+class Trainer(LoraTrainer):
+    """Trains task LoRAs on one shared MiniLM (the encoder suite's part of
+    :class:`trainer.LoraTrainer`: its loss, initial state, adapter and packed batches); the
+    jitted step compiles once for all tasks (and once more for each other length a task's
+    ``step_scale`` gives the schedule).
 
     Args:
       config: hyperparameters.
@@ -190,15 +193,13 @@ class Trainer:
         evaluates validation accuracy; default loads the pretrained one).
     """
 
+    where = "train.Trainer"
+
     def __init__(self, config: TrainConfig, backbone: ev.Backbone | None = None):
         from flax import nnx
 
-        self.config = config
         self.backbone = ev.Backbone() if backbone is None else backbone
-        model = minilm.add_lora(
-            self.backbone.model, rank=config.lora_rank, alpha=config.lora_alpha, rngs=nnx.Rngs(0)
-        )
-        self.graphdef, _, self.base_state = nnx.split(model, nnx.LoRAParam, ...)
+        self.graphdef, _, base_state = nnx.split(self._with_lora(config, 0), nnx.LoRAParam, ...)
         graphdef = self.graphdef
         cap = config.row_len // 3
         inv_t = 1.0 / config.temperature
@@ -215,24 +216,22 @@ class Trainer:
             n = jnp.sum(valid.astype(ce.dtype))
             return jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(n, 1.0)
 
-        optimizer = ft.optimizers(config, loss_fn)
-        self._optimizer = optimizer
-        self._tx, self._step = optimizer(config.max_steps)
-        self.fits = 0
+        super().__init__(config, loss_fn, base_state)
 
-    def _init(self, name: str) -> Any:
+    def _with_lora(self, config: TrainConfig, seed: int) -> Any:
         from flax import nnx
 
-        seed = ft.init_seed(self.config, name)
-        model = minilm.add_lora(
-            self.backbone.model,
-            rank=self.config.lora_rank,
-            alpha=self.config.lora_alpha,
+        return minilm.add_lora(
+            self.backbone.model, rank=config.lora_rank, alpha=config.lora_alpha,
             rngs=nnx.Rngs(seed),
-        )
-        return jax.tree.map(jnp.array, nnx.state(model, nnx.LoRAParam))  # own buffers: donated
+        )  # fmt: skip
 
-    def _adapter(self, lora: Any) -> dict[str, dict[str, Any]]:
+    def init(self, name: str) -> Any:
+        """Fresh LoRA factors for task ``name`` (``A`` from ``fitting.init_seed``, ``B = 0``)."""
+        return lora_state(self._with_lora(self.config, ft.init_seed(self.config, name)))
+
+    def adapter(self, lora: Any) -> dict[str, dict[str, Any]]:
+        """The adapter (float32 numpy modules) of LoRA state ``lora``."""
         from flax import nnx
 
         return ft.host_adapter(minilm.lora_adapter(nnx.merge(self.graphdef, lora, self.base_state)))
@@ -245,39 +244,24 @@ class Trainer:
         loss = float(-logp[np.arange(len(val)), val.labels].mean())
         return float((np.argmax(z, axis=1) == val.labels).mean()), loss
 
-    def fit(
-        self,
-        task: Any,
-        head: ev.Head,
-        *,
-        progress: Callable[[int, dict], None] | None = None,
-    ) -> TrainedTask:
-        """Train ``task`` (a ``tasks.Task``) against its frozen ``head``; no caching.
-
-        It trains with ``fitting.task_config(config, task.name)`` (its ``step_scale``).
-        ``progress(step, stats)`` is called after each step.
-        """
-        cfg = ft.task_config(self.config, task.name)
-        tx, jstep = self._optimizer(cfg.max_steps, cfg.learning_rate)
-        if len(task.train) == 0:
-            raise InputError(f"Trainer.fit: task {task.name!r} has an empty train split.")
-        t0 = time.perf_counter()
-        self.fits += 1
+    def prepare(
+        self, task: Any, head: ev.Head, cfg: TrainConfig, val: ev.EvalSet | None
+    ) -> TaskRun:
+        """Task ``task`` (a ``tasks.Task``) against its frozen zero-shot ``head``: packed steps
+        (:func:`epoch_steps`), validation on ``val`` (default ``task.val``)."""
         n_labels = task.num_labels
         ids, lengths = ev.encode(task.train.texts, max_len=cfg.row_len)
         labels = np.asarray(task.train.labels, np.int32)
-        val = ev.make_eval_set([task.name], [task.val])
+        val = ev.make_eval_set([task.name], [task.val]) if val is None else val
         hpad = np.zeros((ft.label_width(n_labels), head.vectors.shape[1]), np.float32)
         hpad[:n_labels] = head.vectors
         hpad = jnp.asarray(hpad)
         nl = jnp.asarray(n_labels, jnp.int32)
-        clock = ft.StepClock()
 
-        def plan(epoch: int) -> list[list[int]]:
-            seed = ft.task_seed(cfg, task.name, 1, epoch)
+        def epoch(seed: np.random.SeedSequence) -> list[list[int]]:
             return epoch_steps(lengths, rows=cfg.rows, row_len=cfg.row_len, seed=seed)
 
-        def step(lora, opt_state, chosen, done):
+        def batch(chosen: Sequence[int], done: int) -> Batch:
             rows = np.asarray(chosen)
             # the same first fit, in the same order, as epoch_steps: one batch of cfg.rows
             (b,) = ev.packed_batches(
@@ -285,27 +269,14 @@ class Trainer:
             )
             slot = b.text
             lab = np.where(slot >= 0, labels[rows][np.maximum(slot, 0)], 0).astype(np.int32)
-            ts = time.perf_counter()
-            lora, opt_state, loss = jstep(
-                lora, opt_state, self.base_state, b.ids, b.segment_ids, b.position_ids, hpad,
-                lab, slot >= 0, nl,
-            )  # fmt: skip
-            loss = float(loss)
-            if done > 0:  # the first step compiles
-                tokens = int(np.minimum(lengths[rows], cfg.row_len).sum())
-                clock.add(time.perf_counter() - ts, tokens)
-            return lora, opt_state, loss
+            args = (b.ids, b.segment_ids, b.position_ids, hpad, lab, slot >= 0, nl)
+            tokens = int(np.minimum(lengths[rows], cfg.row_len).sum())
+            return Batch(args, tokens, b.ids.shape)
 
         def validate(lora) -> tuple[float, float]:
-            return self._val(self._adapter(lora), head, val, n_labels)
+            return self._val(self.adapter(lora), head, val, n_labels)
 
-        lora = self._init(task.name)
-        fit = ft.fit_early_stopping(
-            cfg, lora, tx.init(lora), plan=plan, step=step, validate=validate,
-            progress=progress,
-        )  # fmt: skip
-        info = {**fit.info, "train_seconds": time.perf_counter() - t0, **clock.rates()}
-        return TrainedTask(task.name, tuple(task.labels), self._adapter(fit.best_lora), info)
+        return TaskRun(epoch, batch, validate)
 
 
 def train_task(
@@ -345,18 +316,11 @@ def train_task(
         "weights": weights,
         "key": key,
     }
-
-    def fit() -> TrainedTask:
-        made = Trainer(config) if trainer is None else trainer
-        made = made if isinstance(made, Trainer) else made()
-        if ft.task_config(made.config, task.name) != own:
-            raise InputError(
-                f"train_task: the trainer was built for {made.config} but config is {config}; "
-                "pass a Trainer(config)."
-            )
-        return made.fit(task, head, progress=progress)
-
-    return ft.cached_or_trained(cache_path(cache_dir, task, key), key, key_doc, fit)
+    made = (lambda: Trainer(config)) if trainer is None else trainer
+    return train_cached(
+        task, head, config, kind=Trainer, trainer=made, cache_dir=cache_dir, key=key,
+        key_doc=key_doc, where="train.train_task", progress=progress,
+    )  # fmt: skip
 
 
 def train_tasks(
