@@ -1,15 +1,22 @@
 """The package's structure: layers that never reach up, and a visible public surface.
 
 Static checks on the source (``ast``): no import cycle between the package's modules (imports
-inside functions included: a lazy import is still a dependency), every module declares its
-public names in ``__all__``, the library never imports the command (``netutility_jax.cli``), and
-the command's modules never import a layer above their own.
+inside functions included: a lazy import is still a dependency; the one exception is the
+experiments' plug-in imports, :data:`PLUG_INS`), every module declares its public names in
+``__all__``, the library never imports the command (``netutility_jax.cli``), and the command's
+modules never import a layer above their own. The experiments' layer rule (a suite imports the
+harness, never the reverse) is checked on the source and, for what importing a harness module
+really loads, in a fresh interpreter.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
+import subprocess
+import sys
+import warnings
 
 import pytest
 
@@ -36,12 +43,14 @@ def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
-def _imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+def _imports(mods: dict[str, pathlib.Path], *, lazy: bool = True) -> dict[str, set[str]]:
+    """Each module's imports of the package's modules (``lazy=False``: only those run at import
+    time, i.e. outside function bodies; ``if TYPE_CHECKING:`` blocks count as import time)."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
         is_pkg = path.name == "__init__.py"
-        for node in ast.walk(tree):
+        for node in _walk(tree, lazy=lazy):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -56,11 +65,24 @@ def _imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
     return graph
 
 
+def _walk(node: ast.AST, *, lazy: bool):
+    """``ast.walk``, not entering function bodies unless ``lazy``."""
+    for child in ast.iter_child_nodes(node):
+        if not lazy and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        yield child
+        yield from _walk(child, lazy=lazy)
+
+
 def test_no_import_cycle_inside_the_package():
     graph = _imports(_modules())
     # a package's __init__ re-exporting its submodules is not a cycle: drop package -> child
     for m in graph:
         graph[m] = {t for t in graph[m] if not t.startswith(m + ".")}
+    # the experiments' plug-in imports point against the layers on purpose (harness -> suite,
+    # inside a function only: test_the_harness_reaches_a_suite_only_where_listed)
+    for m, t in PLUG_INS:
+        graph[f"{EXP}.{m}"].discard(f"{EXP}.{t}")
     seen: dict[str, int] = {}
     stack: list[str] = []
 
@@ -142,3 +164,134 @@ def test_the_library_never_imports_the_command():
         if _is_command(t)
     ]
     assert not up, f"the library imports the command: {up}"
+
+
+# --------------------------------------------------------------------- the experiments' layers
+
+# docs/design.md ("The experiments' layers"): a suite imports the harness, never the reverse;
+# the harness (and with it grid and report) imports no model and no suite when it is imported.
+# Every module of netutility_jax.experiments is in exactly one of these lists.
+EXP = "netutility_jax.experiments"
+HARNESS = [
+    "runner", "grid", "stats", "report", "report_tables", "report_markdown", "report_figures",
+    "evaluate", "passes", "fitting", "trainer", "allocations", "suites", "study",
+]  # fmt: skip
+MODELS = [
+    "minilm", "minilm_model", "llama", "llama_config", "llama_load", "llama_model",
+    "llama_tokenizer", "gguf_io", "clip", "clip_model", "clip_load", "clip_image",
+]  # fmt: skip
+DATA = ["tasks", "task_sources", "rdata_reader", "lang_tasks", "nli_data", "vision_data"]
+SUITES = [
+    "encoder", "encoder_eval", "train", "language", "lang_eval", "lang_train", "vision", "nli",
+    "nli_head",
+]  # fmt: skip
+COMMAND = ["demo"]  # ``netutility demo``: above the suites
+
+#: The only imports of a suite by the harness, each inside a function (never at import time):
+#: ``(harness module, suite module): where``. A module ``__getattr__`` serves a name that moved
+#: to a suite from its old module (``grid.FULL``), imported on first use.
+PLUG_INS = {
+    ("suites", "encoder"): "the built-in suites' SuiteSpec callables (the registry)",
+    ("suites", "language"): "the built-in suites' SuiteSpec callables (the registry)",
+    ("suites", "vision"): "the built-in suites' SuiteSpec callables (the registry)",
+    ("suites", "nli"): "the built-in suites' SuiteSpec callables (the registry)",
+    ("runner", "encoder"): "run_experiment's default suite; __getattr__: EncoderSuite",
+    ("grid", "encoder"): "__getattr__: the encoder's presets (QUICK, FULL, PAPER, ...)",
+    ("study", "encoder"): "__getattr__: the encoder's studies (REGIME, REGIME_QUICK, STUDIES)",
+    ("evaluate", "encoder_eval"): "__getattr__: the encoder's evaluation (Backbone, ...)",
+}
+
+
+def test_every_experiments_module_has_a_layer():
+    mods = {m[len(EXP) + 1 :] for m in _modules() if m.startswith(EXP + ".")}
+    listed = [*HARNESS, *MODELS, *DATA, *SUITES, *COMMAND]
+    twice = sorted({m for m in listed if listed.count(m) > 1})
+    assert not twice, f"modules in two layers: {twice}"
+    assert mods == set(listed), (
+        f"experiments modules without a layer: {sorted(mods - set(listed))}; listed but "
+        f"missing: {sorted(set(listed) - mods)} (tests/test_architecture.py, HARNESS ...)"
+    )
+
+
+def test_the_harness_reaches_a_suite_only_where_listed():
+    """On the source: no harness module imports a model, a suite or the command at import time,
+    and the imports of one inside a function are exactly :data:`PLUG_INS`."""
+    at_import, anywhere = _imports(_modules(), lazy=False), _imports(_modules())
+    above = {f"{EXP}.{m}" for m in [*MODELS, *SUITES, *COMMAND]}
+
+    def up(graph):
+        return {(h, t[len(EXP) + 1 :]) for h in HARNESS for t in graph[f"{EXP}.{h}"] if t in above}
+
+    assert not up(at_import), f"harness modules import these at import time: {up(at_import)}"
+    assert up(anywhere) == set(PLUG_INS), (
+        f"harness -> suite or model imports not in PLUG_INS: {sorted(up(anywhere) - set(PLUG_INS))}"
+        f"; listed but gone: {sorted(set(PLUG_INS) - up(anywhere))}"
+    )
+
+
+# run in a fresh interpreter: records who imported each of the package's modules first
+_PROBE = """
+import importlib, json, sys
+parent = {}
+class Probe:
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("netutility_jax") and name not in parent:
+            f = sys._getframe(1)
+            while f is not None and not f.f_globals.get("__name__", "").startswith("netutility_jax"):
+                f = f.f_back
+            parent[name] = None if f is None else f.f_globals["__name__"]
+        return None
+sys.meta_path.insert(0, Probe())
+importlib.import_module(sys.argv[1])
+print(json.dumps({m: parent.get(m) for m in sys.modules if m.startswith("netutility_jax")}))
+"""
+
+
+@pytest.mark.parametrize("name", HARNESS)
+def test_importing_a_harness_module_imports_no_model_or_suite(name):
+    """What ``import netutility_jax.experiments.<name>`` really loads, in a fresh interpreter
+    (a lazy import at module level, a re-export or a package ``__init__`` would show here)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, f"{EXP}.{name}"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    banned = {f"{EXP}.{m}" for m in [*MODELS, *SUITES, *COMMAND]}
+    bad = sorted(m for m in loaded if m in banned)
+
+    def chain(m):
+        seen = [m]
+        while loaded.get(seen[-1]) and loaded[seen[-1]] not in seen:
+            seen.append(loaded[seen[-1]])
+        return " <- ".join(x.rpartition(".")[2] or x for x in seen)
+
+    assert not bad, f"importing {name} imports a model or suite: " + "; ".join(map(chain, bad))
+
+
+# names that moved out of the harness into the encoder suite, still served (silently) by their
+# old modules: (old module, names, new module)
+_EVALUATE_MOVED = (
+    "ROW_LEN", "ROWS", "MAX_TEXTS", "TEMPERATURE", "Backbone", "Batch", "EvalSet", "Evaluator",
+    "Head", "correct", "encode", "logits", "make_eval_set", "packed_batches", "predict",
+    "zero_shot_heads",
+)  # fmt: skip
+MOVED = [
+    ("grid", ("QUICK", "FULL", "PAPER", "MECHANISM", "PRESETS", "DEFAULT_TASKS"), "encoder"),
+    ("runner", ("EncoderSuite",), "encoder"),
+    ("study", ("REGIME", "REGIME_QUICK", "STUDIES"), "encoder"),
+    ("evaluate", _EVALUATE_MOVED, "encoder_eval"),
+]
+
+
+@pytest.mark.parametrize("old, names, new", MOVED)
+def test_moved_names_stay_reachable_from_their_old_module(old, names, new):
+    import importlib
+
+    old_mod = importlib.import_module(f"{EXP}.{old}")
+    new_mod = importlib.import_module(f"{EXP}.{new}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in names:
+            assert getattr(old_mod, n) is getattr(new_mod, n), f"{old}.{n}"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        old_mod.nope  # noqa: B018

@@ -17,12 +17,14 @@
   a 3-way classification head trained with each task's LoRA (the paper's App. B formulation,
   ``nli_head``) on local copies of SNLI, MNLI, SICK, QNLI, RTE and SciTail (``nli_data``).
 
-The experiment in layers: the data (``tasks``, with ``task_sources`` and ``rdata_reader``;
-``lang_tasks`` for prompts), the grid of merges (``grid``), running it (``runner`` with the
-suites' training, ``train`` / ``lang_train`` over ``fitting``, and evaluation, ``evaluate`` /
-``lang_eval`` over ``passes``; ``language`` is the decoder suite), rendering it (``report``:
-``report_tables``, ``report_markdown``, ``report_figures``, with ``stats``), and the command line
-(``demo``).
+The experiment in layers: the models (above), the data (``tasks``, with ``task_sources`` and
+``rdata_reader``; ``lang_tasks`` for prompts), the suites (``encoder``, the built-in MiniLM one,
+with ``encoder_eval`` and ``train``; ``language`` with ``lang_eval`` and ``lang_train``;
+``vision``; ``nli``), the harness that never imports a model or a suite (the grid of merges,
+``grid``; running it, ``runner``, over the suites' training, ``fitting`` and ``trainer``, and
+evaluation, ``evaluate`` and ``passes``; rendering it, ``report``: ``report_tables``,
+``report_markdown``, ``report_figures``, with ``stats``; ``suites``, ``study``), and the command
+line (``demo``).
 
 Submodules are imported explicitly (``from netutility_jax.experiments import minilm``); nothing
 heavy is imported here.

@@ -39,10 +39,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import InputError, NetUtilityError, one_line
+from . import encoder as enc
+from . import fitting as ft
 from . import grid as gr
 from . import suites
 from . import tasks as tk
-from . import train as tr
 
 __all__ = [
     "DEFAULT_OUT",
@@ -72,7 +73,7 @@ DEFAULT_OUT = "netutility-demo"
 
 # re-exported for callers of the old module layout
 METHODS = gr.METHODS
-QUICK, FULL, PAPER = gr.QUICK, gr.FULL, gr.PAPER
+QUICK, FULL, PAPER = enc.QUICK, enc.FULL, enc.PAPER
 
 
 class DemoError(NetUtilityError):
@@ -89,7 +90,7 @@ class DemoError(NetUtilityError):
 def task_args(
     custom: Sequence[str] = (),
     selection: str | None = None,
-    default: Sequence[str] = gr.DEFAULT_TASKS,
+    default: Sequence[str] = enc.DEFAULT_TASKS,
 ) -> list[str]:
     """Task arguments for ``tasks.load_tasks``: the default tasks plus ``--task`` ones, or
     ``--tasks``.
@@ -187,8 +188,8 @@ def check_cache_dir(cache_dir: str | os.PathLike | None) -> pathlib.Path:
     """
     if cache_dir is not None and not str(cache_dir).strip():
         raise DemoError("--cache-dir is empty; give a directory for the adapter cache")
-    path = pathlib.Path(cache_dir) if cache_dir is not None else tr.default_cache_dir()
-    flag = "--cache-dir" if cache_dir is not None else f"the cache directory (${tr.CACHE_ENV})"
+    path = pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()
+    flag = "--cache-dir" if cache_dir is not None else f"the cache directory (${ft.CACHE_ENV})"
     _writable_place(path, flag)
     return path
 
@@ -439,8 +440,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="A,B,C",
         help="run only these tasks (built-in names and --task names); default: "
-        f"{', '.join(gr.DEFAULT_TASKS)} plus every --task (also built in: "
-        f"{', '.join(t for t in tk.BUILTIN_TASKS if t not in gr.DEFAULT_TASKS)})",
+        f"{', '.join(enc.DEFAULT_TASKS)} plus every --task (also built in: "
+        f"{', '.join(t for t in tk.BUILTIN_TASKS if t not in enc.DEFAULT_TASKS)})",
     )
     parser.add_argument(
         "--model-dir",
@@ -468,7 +469,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-dir",
         default=None,
         metavar="DIR",
-        help=f"adapter and merge cache (default: ${tr.CACHE_ENV} or {tr.DEFAULT_CACHE_DIR})",
+        help=f"adapter and merge cache (default: ${ft.CACHE_ENV} or {ft.DEFAULT_CACHE_DIR})",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace existing result files in --out"
@@ -548,7 +549,7 @@ def _run(args: argparse.Namespace) -> int:
         task_list = load_tasks(specs, preset)
     print(
         f"{PROG}: {spec.name} suite, {preset.name} grid, {len(task_list)} tasks, seeds "
-        f"{', '.join(map(str, seeds))}, cache {args.cache_dir or tr.default_cache_dir()}",
+        f"{', '.join(map(str, seeds))}, cache {args.cache_dir or ft.default_cache_dir()}",
         flush=True,
     )
     if not own_data:
@@ -631,7 +632,7 @@ def _run_study(args: argparse.Namespace) -> int:
     print(
         f"{PROG}: {study.name} study ({'quick' if args.quick else 'full'}), "
         f"{len(study.cells)} cells, {len(task_list)} tasks, seeds "
-        f"{', '.join(map(str, seeds))}, cache {args.cache_dir or tr.default_cache_dir()}",
+        f"{', '.join(map(str, seeds))}, cache {args.cache_dir or ft.default_cache_dir()}",
         flush=True,
     )
     commit = _provenance.commit()

@@ -1,4 +1,4 @@
-"""What the built-in experiment merges: methods, the grid of merges, the presets.
+"""What an experiment merges: methods, the grid of merges, the allocation variants, presets.
 
 A **row** of the main table is a merge method in a space (the paper's Table 2 rows); every row is
 merged at every budget ``R`` with the uniform allocation (the paper's baseline) and with Net
@@ -11,28 +11,28 @@ once and reported for every space they stand for (TA in every space; TSV, Iso-C 
 in full and Core space). Labels and identical spaces come from the library's method registry
 (:mod:`netutility_jax.registry`); what is the experiment's own is here: the option values, the
 coefficients the searches start from, and the "Iso-C + TSV" row.
+
+Part of the harness: no model or suite is imported here. A :class:`Preset` is a suite's; the
+encoder's (``QUICK``, ``FULL``, ``PAPER``, ``MECHANISM``, ``PRESETS``, ``DEFAULT_TASKS``) live in
+:mod:`encoder` and stay reachable from this module (``grid.FULL``), imported on first use.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import registry
 from ..errors import InputError
 from . import allocations as al
-from . import train as tr
+
+if TYPE_CHECKING:
+    from .fitting import TrainConfigBase
 
 __all__ = [
     "ALLOCATIONS",
-    "DEFAULT_TASKS",
-    "FULL",
-    "MECHANISM",
     "METHODS",
-    "PAPER",
     "PAPER_SEARCH",
-    "PRESETS",
-    "QUICK",
     "SPACE_LABELS",
     "VARIANTS",
     "AllocationSpec",
@@ -43,6 +43,19 @@ __all__ = [
     "Row",
     "grid_jobs",
 ]
+
+# the encoder's presets, moved to the encoder suite (encoder.py): served from there on first use
+# (importing this module imports no model)
+_MOVED = frozenset({"DEFAULT_TASKS", "FULL", "MECHANISM", "PAPER", "PRESETS", "QUICK", "_MAIN"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from . import encoder
+
+        return getattr(encoder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 SPACE_LABELS = {name: space.label for name, space in registry.SPACES.items()}
 #: The two allocations of the main table (the paper's baseline and Net Utility); every other
@@ -399,10 +412,13 @@ class Preset:
     """A named experiment: tasks, data sizes, training, seeds and grid.
 
     Attributes:
-      name: ``"quick"``, ``"full"`` or ``"paper"``.
+      name: ``"quick"``, ``"full"``, ``"paper"``, ... (a suite's presets: ``encoder.PRESETS``,
+        ``language.PRESETS``, ...).
       tasks: the built-in tasks run when none are chosen.
       seeds: training seeds (the data splits are the same for every seed: split seed 0).
-      train: training settings (its ``seed`` is replaced by each seed).
+      train: training settings, the suite's :class:`fitting.TrainConfigBase` (``train.TrainConfig``
+        for the encoder; its ``seed`` is replaced by each seed). The vision suite, which trains
+        nothing, gives its ``VisionConfig`` (``lora_rank``, ``lora_alpha``, ``seed``).
       grid: the merges.
       max_train, n_val, n_test: split sizes (:func:`tasks.load_task`); at least ``n_val`` and
         ``n_test`` texts per task where the data allow.
@@ -411,104 +427,14 @@ class Preset:
     name: str
     tasks: tuple[str, ...]
     seeds: tuple[int, ...]
-    train: tr.TrainConfig
+    train: TrainConfigBase
     grid: GridConfig
     max_train: int
     n_val: int
     n_test: int
 
 
-DEFAULT_TASKS = (
-    "austen_novel",
-    "tweet_source",
-    "word_sentiment",
-    "word_pos",
-    "wordnet_supersense",
-    "verb_supersense",
-    "word_relation",
-)
-_MAIN = ("ta", "tsv", "ties", "dare")
-
-QUICK = Preset(
-    name="quick",
-    tasks=("word_sentiment", "word_pos", "verb_supersense"),
-    seeds=(0,),
-    train=tr.TrainConfig(max_steps=60, eval_every=20, patience=2, learning_rate=3e-3),
-    grid=GridConfig(
-        rows=(Row("ta", "full"), Row("ties", "full")),
-        budgets=(16,),
-        no_budget=(("ta", "full"),),
-        random=(("ta", "full"),),
-        controls=(("ta", "full", "energy"),),
-    ),
-    max_train=600,
-    n_val=90,
-    n_test=300,
-)
-FULL = Preset(
-    name="full",
-    tasks=DEFAULT_TASKS,
-    seeds=(0, 1, 2),
-    train=tr.TrainConfig(),
-    grid=GridConfig(
-        rows=(
-            *(Row(m, "full") for m in _MAIN),
-            Row("iso_c", "full", budgets=(16,)),
-            Row("iso_c_tsv", "full", budgets=(16,)),
-        ),
-        budgets=(64, 32, 16),
-        no_budget=tuple((m, "full") for m in (*_MAIN, "iso_c")),
-        random=(("ta", "full"),),
-    ),
-    max_train=2000,
-    n_val=200,
-    n_test=1000,
-)
 #: The paper searches TIES's pruning rate (and DARE's drop rate) per merge; the candidates are
 #: this project's: TIES keeps the top 10-50% of entries, DARE drops 10-70% (at 0.9 a rank-16
 #: update keeps too little; see :data:`METHODS`).
 PAPER_SEARCH = (("ties", "density", (0.1, 0.2, 0.3, 0.5)), ("dare", "p", (0.1, 0.3, 0.5, 0.7)))
-PAPER = dataclasses.replace(
-    FULL,
-    name="paper",
-    grid=dataclasses.replace(
-        FULL.grid,
-        rows=(
-            Row("ta", "full"),
-            *(Row(m, s) for s in ("full", "core", "knots") for m in ("tsv", "dare", "ties")),
-            *(Row(m, s) for s in ("full", "knots") for m in ("iso_c", "iso_c_tsv")),
-        ),
-        random=(("ta", "full"), ("tsv", "full"), ("ties", "full")),
-        search=PAPER_SEARCH,
-    ),
-)
-#: The controls that isolate Net Utility's mechanism (this project's design, not the paper's):
-#: energy only (lambda 0), lambda scaled by 1/4, 1/2 and 2, lambda chosen on validation among
-#: those, alpha fixed at 0 and at 1, and the random split that keeps each task's top directions,
-#: beside TA in full space (TSV's rows without controls), with every task starting from the
-#: same LoRA initialisation (the paper's codebase's regime, ``TrainConfig.init="shared"``).
-MECHANISM = dataclasses.replace(
-    FULL,
-    name="mechanism",
-    train=dataclasses.replace(FULL.train, init="shared"),
-    grid=GridConfig(
-        rows=(Row("ta", "full"), Row("tsv", "full")),
-        budgets=(64, 32, 16),
-        no_budget=(("ta", "full"), ("tsv", "full")),
-        random=(("ta", "full"),),
-        controls=tuple(
-            ("ta", "full", v)
-            for v in (
-                "energy",
-                "lam_x0.25",
-                "lam_x0.5",
-                "lam_x2",
-                "random_split",
-                "alpha_0",
-                "alpha_1",
-                "lam_val",
-            )
-        ),
-    ),
-)
-PRESETS = {p.name: p for p in (QUICK, FULL, PAPER, MECHANISM)}

@@ -16,7 +16,7 @@ coefficient or merge never recompiles (one compilation per batch shape).
 **Evaluator** (:class:`Evaluator`): the single-LoRA accuracies (each task's adapter on its own
 prompts: the normalizers), the zero-shot accuracies, and per merge the coefficient search on
 validation and one test pass, with the interface and results (``evaluate.MergeEval``) of
-``evaluate.Evaluator``, so ``runner`` and ``report`` treat both suites alike. Zero-shot and
+``encoder_eval.Evaluator``, so ``runner`` and ``report`` treat both suites alike. Zero-shot and
 single-LoRA correctness are cached on disk when a cache folder is given
 (:func:`cached_correct`).
 """
@@ -260,7 +260,7 @@ def zero_shot_accuracy(
 
 
 class Evaluator(ev.MergeSearch):
-    """Single-LoRA, zero-shot and merged accuracies on val and test (``evaluate.Evaluator``'s
+    """Single-LoRA, zero-shot and merged accuracies on val and test (``encoder_eval.Evaluator``'s
     interface for the language suite; the coefficient search is ``evaluate.MergeSearch``).
 
     Args:

@@ -326,7 +326,7 @@ class PromptSet(TaskSet):
     """The prompts of one split of several tasks, tokenized and batched once.
 
     The attributes :mod:`runner`, :mod:`report` and :mod:`stats` read from an
-    ``evaluate.EvalSet`` are here too (``task_names``, ``task``, ``labels``, ``lengths``,
+    ``encoder_eval.EvalSet`` are here too (``task_names``, ``task``, ``labels``, ``lengths``,
     ``ids``, ``tokens``, ``slot_tokens``, ``rows``, ``only``).
 
     Attributes:

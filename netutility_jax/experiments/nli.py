@@ -19,7 +19,7 @@ and SciTail (:mod:`nli_data`: layouts, fields, label mapping, split protocol):
    the paired bootstrap.
 
 :class:`NLISuite` implements ``suites.Suite``. Presets (built on first use, so that importing
-this module, which ``suites`` does to list it, stays cheap): :data:`PAPER`, the paper's setting
+this module stays cheap): :data:`PAPER`, the paper's setting
 above on the full data (one seed; days of GPU time: SNLI and MNLI alone are ~940k training pairs
 at batch 1), and :data:`QUICK`, the CI form: three tasks (a three-way, a QNLI-like and a
 SciTail-like head), about a hundred training pairs each, two epochs at batch 8, TA, TSV and
@@ -27,8 +27,8 @@ TIES at R = 16. :func:`write_toy` writes what CI runs it on: a tiny random Qwen3
 synthetic data in the six datasets' formats (``python -m netutility_jax.experiments.nli
 --write-toy DIR``).
 
-Declared to ``suites`` by :func:`spec_kwargs` (``suites.SuiteSpec(**nli.spec_kwargs())``); it
-takes the command line's ``--model-dir`` and ``--data-dir``.
+Declared in ``suites`` with the other built-in suites (:func:`spec_kwargs` gives that declaration
+with this module's callables); it takes the command line's ``--model-dir`` and ``--data-dir``.
 """
 
 from __future__ import annotations
@@ -515,19 +515,22 @@ def load_tasks(
 
 
 def spec_kwargs() -> dict[str, Any]:
-    """The keyword arguments of ``suites.SuiteSpec`` declaring this suite (nothing heavy is
-    imported: the callables import the model code when they run)."""
+    """The keyword arguments of ``suites.SuiteSpec`` declaring this suite: its declaration in
+    ``suites`` (with the other built-in suites, so that listing the suites imports none of
+    them) with this module's callables (nothing heavy is imported: they import the model code
+    when they run)."""
+    from . import suites
+
+    spec = suites.get(SUITE)
     return {
         "name": SUITE,
-        "summary": "Qwen3 / Llama decoder (--model-dir) with a 3-way classification head per task "
-        "on SNLI, MNLI, SICK, QNLI, RTE, SciTail (--data-dir): the paper's language setting",
+        "summary": spec.summary,
         "presets": presets,
         "build": build,
         "requires": requires,
-        "grids": ("paper",),
-        "cost": "paper: days on one GPU for Qwen3-4B (full data, batch 1); --quick: a minute on a "
-        "tiny model",
-        "flags": ("model_dir", "data_dir"),
+        "grids": spec.grids,
+        "cost": spec.cost,
+        "flags": spec.flags,
     }
 
 

@@ -508,7 +508,7 @@ def train_batch(
 @dataclasses.dataclass(frozen=True, eq=False)
 class NLISet(TaskSet):
     """The pairs of one split of several tasks, tokenized and batched once (the attributes the
-    runner, report and statistics read from an ``evaluate.EvalSet`` are here too).
+    runner, report and statistics read from an ``encoder_eval.EvalSet`` are here too).
 
     Attributes:
       task_names: the tasks, in the order of the ``task`` indices.
@@ -712,7 +712,7 @@ def _log_probs(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 class Evaluator(ev.MergeSearch):
     """Single-LoRA, zero-shot (trained heads, no LoRA) and merged accuracies on val and test,
-    with the interface of ``evaluate.Evaluator`` (the coefficient search is
+    with the interface of ``encoder_eval.Evaluator`` (the coefficient search is
     ``evaluate.MergeSearch``); each task is always read by its own trained head.
 
     Args:

@@ -1,9 +1,9 @@
 """What both suites' evaluation shares: packed sets of several tasks' examples, passes over them.
 
 * :class:`TaskSet`: the examples of several tasks, tokenized and packed into forward calls once
-  (``evaluate.EvalSet`` for the encoder's texts, ``lang_tasks.PromptSet`` for the decoder's
+  (``encoder_eval.EvalSet`` for the encoder's texts, ``lang_tasks.PromptSet`` for the decoder's
   prompts): its size, the rows of one task, the tokens a pass has to do and does.
-* :class:`PassCounter`: a model that runs passes over such sets (``evaluate.Backbone``,
+* :class:`PassCounter`: a model that runs passes over such sets (``encoder_eval.Backbone``,
   ``lang_eval.Scorer``): it gathers the batches' outputs into one row per example and counts
   the passes, tokens and seconds.
 """

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from . import evaluate as ev
 from . import grid as gr
 from . import stats as st
 from .report_tables import N_BOOT, summary_dict
@@ -42,8 +41,10 @@ class SuiteReport:
 
     def evaluation(self, run: Any, common: dict[str, Any]) -> dict[str, Any]:
         """``results["evaluation"]``: the suite's evaluation settings with ``common`` (the
-        sizes, the bootstrap and the coefficient grid)."""
-        return {"row_len": ev.ROW_LEN, "temperature": ev.TEMPERATURE, **common}
+        sizes, the bootstrap and the coefficient grid); the encoder's ``row_len`` and
+        ``temperature`` from its ``eval_key`` (``runner.Run.eval_key``)."""
+        key = getattr(run, "eval_key", None) or {}
+        return {k: key[k] for k in ("row_len", "temperature") if k in key} | common
 
     def fields(self, run: Any) -> dict[str, Any]:
         """Entries added at the end of ``results`` (none for the encoder)."""

@@ -1,11 +1,12 @@
-"""Run the built-in experiment: train per seed, merge the grid, evaluate, keep every prediction.
+"""Run an experiment: train per seed, merge the grid, evaluate, keep every prediction.
 
-For each training seed (:func:`run_experiment`):
+For each training seed (:func:`run_experiment`), through the suite (``suites.Suite``; the
+default is the encoder's, ``encoder.EncoderSuite``):
 
-1. every task's LoRA is trained against its frozen zero-shot head, or loaded from the cache
-   (:func:`train.train_tasks`);
+1. every task's LoRA is trained against its head, or loaded from the cache
+   (``suite.train_tasks``; the encoder's: :func:`train.train_tasks`);
 2. the single-LoRA and zero-shot accuracies are measured on validation and test
-   (:class:`evaluate.Evaluator`);
+   (``suite.evaluator``; the encoder's: ``encoder_eval.Evaluator``);
 3. every job of the grid (:func:`grid.grid_jobs`) is merged with ``nu.merge_adapters`` (or
    ``nu.merge`` with the random control's masks), its coefficient chosen on validation, and its
    test correctness kept, text by text, for the paired bootstrap (:mod:`stats`).
@@ -15,6 +16,10 @@ A job's result is cached on disk (``<cache>/merges/``), keyed by everything that
 :data:`CODE_VERSION`), so an interrupted run resumes where it stopped and a second run only
 renders. The data splits are the same for every seed (split seed 0): seeds differ in training
 (initialisation and data order) and DARE's mask, and every merge is evaluated on the same texts.
+
+Part of the harness: no model or suite is imported here at import time (the default suite is
+imported when :func:`run_experiment` is called without one). ``EncoderSuite`` moved to
+:mod:`encoder` and stays reachable from this module (``runner.EncoderSuite``).
 """
 
 from __future__ import annotations
@@ -26,24 +31,24 @@ import os
 import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from .. import _io, _provenance, registry
 from ..errors import InputError
 from . import evaluate as ev
+from . import fitting as ft
 from . import grid as gr
-from . import train as tr
 from .allocations import random_allocation as random_allocation
 from .allocations import random_split_allocation as random_split_allocation
-from .report_markdown import SuiteReport
+from .passes import TaskSet
 
 __all__ = [
     "CODE_VERSION",
+    "DEFAULT_SUITE",
     "MOMENT_TEXTS",
     "SPLIT_SEED",
-    "EncoderSuite",
     "JobCache",
     "Run",
     "SeedResult",
@@ -59,9 +64,24 @@ SPLIT_SEED = 0
 #: Training texts per task whose LoRA-target inputs (under the base model) estimate the task's
 #: input second moments for the data-aware control (``grid.VARIANTS["net_utility_data"]``).
 MOMENT_TEXTS = 256
+#: The suite :func:`run_experiment` runs when none is given (``encoder.EncoderSuite``); it caches
+#: at the top of the cache directory, every other suite under ``<cache>/<suite.name>``.
+DEFAULT_SUITE = "encoder"
+
+# the encoder suite, moved to encoder.py: served from there on first use (importing this module
+# imports no model)
+_MOVED = frozenset({"EncoderSuite", "_Unlabelled"})
 
 
-def _fingerprint(es: ev.EvalSet) -> str:
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from . import encoder
+
+        return getattr(encoder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _fingerprint(es: TaskSet) -> str:
     h = hashlib.sha256()
     for x in (es.ids, es.lengths, es.task, es.labels):
         h.update(np.ascontiguousarray(x).tobytes())
@@ -136,14 +156,15 @@ class Run:
     tasks: list[Any]
     jobs: list[gr.Job]
     seeds: list[SeedResult]
-    val: ev.EvalSet
-    test: ev.EvalSet
-    heads: list[ev.Head]
+    val: TaskSet
+    test: TaskSet
+    heads: list[Any]
     alpha_arg: Any
     seconds: dict[str, float]
     backbone: dict[str, float]
-    suite: str = "encoder"
+    suite: str = DEFAULT_SUITE
     commit: dict[str, Any] | None = None
+    eval_key: dict[str, Any] | None = None  # the suite's eval_key: what determines evaluation
 
 
 def _summary_of_masks(masks: dict[str, Any]) -> dict[str, Any]:
@@ -251,93 +272,6 @@ def _progress_bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, mininterval=1.0, dynamic_ncols=True)
 
 
-class EncoderSuite:
-    """The built-in encoder suite: MiniLM with frozen zero-shot heads (the default suite).
-
-    A **suite** is what :func:`run_experiment` needs from a model: its task heads, its
-    validation and test sets, its training, its evaluator and what determines an evaluation
-    (for the job cache key). ``language.LanguageSuite`` is the decoder's.
-
-    Args:
-      backbone: the base model (default :class:`evaluate.Backbone`, the pretrained MiniLM).
-    """
-
-    name = "encoder"
-
-    def __init__(self, backbone: ev.Backbone | None = None):
-        self.backbone = ev.Backbone() if backbone is None else backbone
-
-    def heads(self, tasks: Sequence[Any]) -> list[ev.Head]:
-        return ev.zero_shot_heads(self.backbone, tasks)
-
-    def eval_sets(self, tasks: Sequence[Any], heads: Any, config: Any) -> tuple[Any, Any]:
-        names = [t.name for t in tasks]
-        val = ev.make_eval_set(names, [t.val for t in tasks])
-        return val, ev.make_eval_set(names, [t.test for t in tasks])
-
-    def train_tasks(self, tasks, heads, config, *, cache_dir, progress, log) -> list[Any]:
-        return tr.train_tasks(
-            tasks, heads, config, cache_dir=cache_dir, backbone=self.backbone,
-            progress=progress, log=log,
-        )  # fmt: skip
-
-    def evaluator(self, trained, heads, val, test, *, cache_dir) -> ev.Evaluator:
-        return ev.Evaluator(self.backbone, [t.adapter for t in trained], heads, val, test)
-
-    def eval_key(self, config: Any) -> dict[str, Any]:
-        return {"row_len": ev.ROW_LEN, "rows": ev.ROWS, "temperature": ev.TEMPERATURE}
-
-    def input_moments(self, tasks: Sequence[Any]) -> list[dict[str, Any]]:
-        """Each task's input second moments (:func:`nu.input_moments`) for the data-aware
-        control: the input of every LoRA target (``minilm_model.target_inputs``) under the base
-        model, no LoRA, over the tokens (padding dropped) of the task's first
-        :data:`MOMENT_TEXTS` training texts (unlabelled; never validation or test texts),
-        packed as the evaluation packs them. Memoised per task name and texts."""
-        from netutility_jax.moments import input_moments
-
-        from .minilm_model import target_inputs
-
-        memo = self.__dict__.setdefault("_moments", {})
-        out = []
-        for t in tasks:
-            texts = tuple(t.train.texts[:MOMENT_TEXTS])
-            mk = (t.name, hashlib.sha256("\n".join(texts).encode()).hexdigest())
-            if mk not in memo:
-                es = ev.make_eval_set([t.name], [_Unlabelled(texts, np.zeros(len(texts), int))])
-                acts: dict[str, list[np.ndarray]] = {n: [] for n in self.backbone.module_names}
-                for b in es.batches:
-                    keep = np.asarray(b.segment_ids) > 0  # padding and empty rows dropped
-                    x = target_inputs(
-                        self.backbone.model, b.ids, keep, segment_ids=b.segment_ids,
-                        position_ids=b.position_ids,
-                    )  # fmt: skip
-                    for n in acts:
-                        acts[n].append(np.asarray(x[n])[keep])
-                memo[mk] = input_moments(acts)
-            out.append(memo[mk])
-        return out
-
-    def moments_key(self) -> dict[str, Any]:
-        return {
-            "texts": MOMENT_TEXTS, "split": "train", "model": "base, no LoRA",
-            "positions": "tokens, padding dropped", "version": 1,
-        }  # fmt: skip
-
-    def timing(self) -> dict[str, Any]:
-        return self.backbone.timing()
-
-    def report(self, run: Run) -> SuiteReport:
-        """The encoder's report wording (``report.SuiteReport``)."""
-        return SuiteReport()
-
-
-class _Unlabelled(NamedTuple):
-    """Texts for :func:`evaluate.make_eval_set` whose labels are never read."""
-
-    texts: tuple[str, ...]
-    labels: np.ndarray
-
-
 def run_experiment(
     task_list: Sequence[Any],
     preset: gr.Preset,
@@ -346,7 +280,7 @@ def run_experiment(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
-    backbone: ev.Backbone | None = None,
+    backbone: Any = None,
     alpha: float | str = "auto",
     suite: Any = None,
 ) -> Run:
@@ -354,18 +288,19 @@ def run_experiment(
 
     Args:
       task_list: ``tasks.Task`` objects (at least 2), split with :data:`SPLIT_SEED`.
-      preset: :data:`grid.QUICK`, :data:`grid.FULL`, :data:`grid.PAPER` or your own.
+      preset: a :class:`grid.Preset`: the suite's (``encoder.QUICK``, ``encoder.FULL``,
+        ``encoder.PAPER``, ...) or your own.
       seeds: training seeds (default the preset's).
-      cache_dir: trained-adapter and job cache (default :func:`train.default_cache_dir`); the
+      cache_dir: trained-adapter and job cache (default :func:`fitting.default_cache_dir`); the
         jobs go to its ``merges/`` folder.
       progress: show tqdm bars.
       log: where one-line status messages go.
-      backbone: the base model of the default :class:`EncoderSuite` (default
-        :class:`evaluate.Backbone`, the pretrained MiniLM).
+      backbone: the base model of the default suite, ``encoder.EncoderSuite`` (default
+        ``encoder_eval.Backbone()``, the pretrained MiniLM).
       alpha: scoring geometry: ``"auto"`` (the paper's heterogeneity rule), ``1.0`` (Gram) or
         ``0.0`` (row space).
       suite: the model, heads, training and evaluation (a :class:`suites.Suite`; default
-        :class:`EncoderSuite`); a suite other than the encoder's caches under
+        ``encoder.EncoderSuite``, :data:`DEFAULT_SUITE`); a suite other than it caches under
         ``<cache_dir>/<suite.name>``.
     """
     import jax
@@ -377,12 +312,15 @@ def run_experiment(
     # the code that runs is the checkout's now, not at the end of a run of hours
     commit = _provenance.commit()
     seeds = list(preset.seeds if seeds is None else seeds)
-    cache = pathlib.Path(cache_dir) if cache_dir is not None else tr.default_cache_dir()
+    cache = pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()
     if suite is None:
+        # the default suite, imported on this path only (test_architecture.PLUG_INS)
+        from .encoder import EncoderSuite
+
         suite = EncoderSuite(backbone)
     elif backbone is not None:
         raise InputError("run_experiment: pass a backbone or a suite, not both.")
-    if suite.name != EncoderSuite.name:
+    if suite.name != DEFAULT_SUITE:
         cache = cache / suite.name
     jobs_cache = JobCache(cache / "merges")
     m_tasks = len(task_list)
@@ -419,6 +357,7 @@ def run_experiment(
         backbone={**suite.timing(), "jax": jax.__version__, "nu": nu.__version__},
         suite=suite.name,
         commit=commit,
+        eval_key=suite.eval_key(preset.train),
     )
 
 
@@ -450,7 +389,7 @@ class _SeedJobs:
     seed: int
     adapters: list[Any]
     scores: Any
-    evaluator: Any
+    evaluator: ev.MergeSearch  # the suite's evaluator
     suite: Any
     alpha: Any
     jobs_cache: JobCache

