@@ -32,7 +32,15 @@ from . import _tree
 from ._checks import brief, few, short
 from .errors import InputError, InputTypeError
 
-__all__ = ["InputMoments", "input_moments", "input_moments_dense", "resolve"]
+__all__ = [
+    "MOMENTS_FORMAT",
+    "InputMoments",
+    "input_moments",
+    "input_moments_dense",
+    "load_input_moments",
+    "resolve",
+    "save_input_moments",
+]
 
 
 class InputMoments(NamedTuple):
@@ -427,3 +435,273 @@ def resolve(
     if not any_data:
         return None
     return [tuple(tuple(r) for r in bucket_rows) for bucket_rows in rows]
+
+
+# ------------------------------------------------------------------------------------------------
+# Files: one task's moments, for `netutility merge --input-moments`
+# ------------------------------------------------------------------------------------------------
+
+MOMENTS_FORMAT = "netutility-input-moments"
+"""The ``format`` a moments file written by :func:`save_input_moments` declares."""
+_NPZ_HEADER = "__netutility__"  # an .npz's header: a 0-d string array holding JSON
+_FORMS = ("second_moment", "factor")
+
+
+def _suffix(fn: str, path: Any) -> str:
+    import os
+
+    name = os.fspath(path)
+    suffix = name.rsplit(".", 1)[-1].lower() if "." in os.path.basename(name) else ""
+    if suffix not in ("safetensors", "npz"):
+        raise InputError(
+            f"{fn}: {name} is neither a .safetensors nor an .npz file; a moments file is one of "
+            "the two (docs/input_moments.md)."
+        )
+    return suffix
+
+
+def save_input_moments(
+    moments: Mapping[str, InputMoments | None], path: str | Any, *, form: str = "factor"
+) -> None:
+    """Write one task's input moments to ``path`` (``.safetensors`` or ``.npz``), the file
+    ``netutility merge --input-moments`` reads (one per task, in the adapters' order).
+
+    One array per module, keyed by its name: ``form="factor"`` (default) writes each
+    ``InputMoments.factor`` ``(k, d_in)`` as it is, so the merge reads back exactly the moments
+    given (bit for bit: the same scores as ``nu.merge_adapters(..., input_moments=[moments,
+    ...])``); ``form="second_moment"`` writes ``S = factor^T factor`` ``(d_in, d_in)`` in float64
+    (any program can write that form: the file needs no header, see below). Modules whose
+    value is None (the data-free geometry) are listed in the header. float32 and float64
+    factors are kept as they are; bf16/fp16 ones are written as float32 (exactly).
+
+    The header (safetensors ``__metadata__``, or the ``.npz`` key ``__netutility__`` holding a
+    JSON string) is ``{"format": "netutility-input-moments", "version": "1", "form": ...,
+    "data_free": [names]}``. A file without one holds second moments ``(d_in, d_in)``.
+
+    Args:
+      moments: ``{module name: InputMoments | None}``, as :func:`input_moments` returns.
+      path: the file to write (replaced atomically if it exists); its suffix picks the format.
+      form: ``"factor"`` or ``"second_moment"``.
+
+    Raises:
+      InputError: a suffix other than ``.safetensors``/``.npz``, an unknown ``form``, an empty
+        mapping, a reserved name (``__netutility__``), a factor that is not ``(k, d_in)``.
+      InputTypeError: a value that is neither an InputMoments nor None.
+
+    Example:
+      >>> import numpy as np, tempfile, os
+      >>> from netutility_jax.moments import input_moments, save_input_moments, load_input_moments
+      >>> x = np.random.default_rng(0).normal(size=(12, 8)).astype(np.float32)
+      >>> m = input_moments({"q": x, "v": None})
+      >>> path = os.path.join(tempfile.mkdtemp(), "task0.safetensors")
+      >>> save_input_moments(m, path)
+      >>> back = load_input_moments(path)
+      >>> bool(np.array_equal(back["q"].factor, m["q"].factor)), back["v"]
+      (True, None)
+    """
+    import json
+
+    from . import _io
+
+    fn = "nu.save_input_moments"
+    suffix = _suffix(fn, path)
+    if form not in _FORMS:
+        raise InputError(f"{fn}: form={form!r}; expected 'factor' or 'second_moment'.")
+    if not isinstance(moments, Mapping) or not moments:
+        raise InputTypeError(
+            f"{fn}: expected a non-empty mapping {{module name: InputMoments | None}}, got "
+            f"{brief(moments)}."
+        )
+    arrays: dict[str, np.ndarray] = {}
+    data_free = []
+    for name, v in moments.items():
+        name = str(name)
+        if name == _NPZ_HEADER:
+            raise InputError(f"{fn}: the module name {name!r} is reserved for the file's header.")
+        if v is None:
+            data_free.append(name)
+            continue
+        if not isinstance(v, InputMoments):
+            raise InputTypeError(
+                f"{fn}: module {short(name)!r} is {brief(v)}; expected an InputMoments (from "
+                "nu.input_moments or nu.input_moments_dense) or None."
+            )
+        f = np.asarray(_tree.unwrap(v.factor))
+        if f.ndim != 2 or 0 in f.shape:
+            raise InputError(
+                f"{fn}: module {short(name)!r} has a factor of shape {f.shape}; expected (k, d_in)."
+            )
+        if f.dtype not in (np.float32, np.float64):
+            f = f.astype(np.float32)
+        if form == "second_moment":
+            f64 = f.astype(np.float64)
+            f = f64.T @ f64
+        arrays[name] = np.ascontiguousarray(f)
+    header = {"format": MOMENTS_FORMAT, "version": "1", "form": form, "data_free": data_free}
+    with _io.atomic_file(path, "wb") as fh:
+        if suffix == "safetensors":
+            from safetensors.numpy import save
+
+            meta = {**header, "data_free": json.dumps(data_free)}
+            fh.write(save(arrays, metadata=meta))
+        else:
+            np.savez(fh, **arrays, **{_NPZ_HEADER: np.asarray(json.dumps(header))})
+
+
+def _safetensors_header(fn: str, data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file's bytes (``{}`` if none)."""
+    import json
+
+    if len(data) < 8:
+        raise InputError(f"{fn}: not a safetensors file (only {len(data)} bytes).")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise InputError(f"{fn}: not a safetensors file (its header runs past the end).")
+    try:
+        head = json.loads(data[8 : 8 + n])
+    except (ValueError, UnicodeDecodeError):
+        raise InputError(f"{fn}: not a safetensors file (its header is not JSON).") from None
+    meta = head.get("__metadata__") if isinstance(head, dict) else None
+    return dict(meta) if isinstance(meta, dict) else {}
+
+
+def _read_file(fn: str, suffix: str, data: bytes) -> tuple[dict[str, np.ndarray], dict]:
+    """``(arrays by name, header)`` of a moments file's bytes."""
+    import io
+    import json
+    import zipfile
+
+    if suffix == "safetensors":
+        try:
+            from safetensors.numpy import load
+        except ImportError:
+            raise InputError(
+                f"{fn}: reading .safetensors needs safetensors (pip install safetensors); or "
+                "write the moments as .npz."
+            ) from None
+        meta = _safetensors_header(fn, data)
+        try:
+            arrays = load(data)
+        except Exception as e:  # (safetensors raises its own SafetensorError, or TypeError)
+            raise InputError(f"{fn}: cannot be read as safetensors ({_one(e)}).") from None
+        header = dict(meta)
+        if "data_free" in header:
+            try:
+                header["data_free"] = json.loads(header["data_free"])
+            except ValueError:
+                raise InputError(f"{fn}: its header's data_free is not a JSON list.") from None
+    else:
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
+            raise InputError(
+                f"{fn}: cannot be read as .npz without pickles ({_one(e)}); a moments file holds "
+                "plain float arrays."
+            ) from None
+        header = {}
+        raw = arrays.pop(_NPZ_HEADER, None)
+        if raw is not None:
+            try:
+                header = json.loads(str(raw[()]))
+            except (ValueError, TypeError, IndexError):
+                raise InputError(f"{fn}: its {_NPZ_HEADER} entry is not a JSON header.") from None
+            if not isinstance(header, dict):
+                raise InputError(f"{fn}: its {_NPZ_HEADER} entry is not a JSON mapping.")
+    return arrays, header
+
+
+def _one(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def load_input_moments(
+    path: str | Any, *, data: bytes | None = None, what: str | None = None
+) -> dict[str, InputMoments | None]:
+    """One task's input moments from a file written by :func:`save_input_moments` (or by any
+    program: arrays ``(d_in, d_in)`` ``E[x x^T]`` keyed by module name, in ``.safetensors`` or
+    ``.npz``; the latter read with ``allow_pickle=False``).
+
+    Second moments are checked as :func:`input_moments_dense` checks them (square, finite,
+    symmetric, positive semidefinite, nonzero) and factored; factors (``form: factor`` in the
+    header) are checked 2-D, floating, finite and nonzero, and kept as they are. Names in the
+    header's ``data_free`` list come back as None (the data-free geometry there).
+
+    Args:
+      path: the ``.safetensors`` or ``.npz`` file.
+      data: its bytes, if already read (``netutility merge`` reads each file once, for its
+        digest too).
+      what: how messages name the file (default ``nu.load_input_moments(<path>)``).
+
+    Returns:
+      ``{module name: InputMoments | None}``: one task's entry of ``input_moments=``.
+
+    Raises:
+      InputError: another suffix; a file that cannot be read as its format; an unknown header
+        ``format`` or ``form``; an array that is not 2-D floating, or (second moments) not
+        square, finite, symmetric, PSD; a name both in the file and its data_free list; no
+        module at all.
+      MissingFileError, FileAccessError: no file at ``path``, or it cannot be read.
+    """
+    import os
+
+    from .errors import FileAccessError, MissingFileError
+
+    fn = what or f"nu.load_input_moments({os.fspath(path)!r})"
+    suffix = _suffix(fn, path)
+    if data is None:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise MissingFileError(f"{fn}: no such file.") from None
+        except PermissionError:
+            raise FileAccessError(f"{fn}: cannot be read (permission denied).") from None
+        except OSError as e:
+            raise FileAccessError(f"{fn}: cannot be read ({e.strerror or e}).") from None
+    arrays, header = _read_file(fn, suffix, data)
+    fmt = header.get("format", MOMENTS_FORMAT)
+    if fmt != MOMENTS_FORMAT:
+        raise InputError(f"{fn}: its header says format {fmt!r}; expected {MOMENTS_FORMAT!r}.")
+    form = header.get("form", "second_moment")
+    if form not in _FORMS:
+        raise InputError(f"{fn}: its header says form {form!r}; expected one of {_FORMS}.")
+    data_free = header.get("data_free", [])
+    if not isinstance(data_free, list) or not all(isinstance(n, str) for n in data_free):
+        raise InputError(f"{fn}: its header's data_free is not a list of module names.")
+    both = sorted(set(data_free) & set(arrays))
+    if both:
+        raise InputError(
+            f"{fn}: module {short(both[0])!r} is both in the file and in its data_free list."
+        )
+    if not arrays and not data_free:
+        raise InputError(f"{fn}: holds no module; expected {{module name: array}}.")
+    out: dict[str, InputMoments | None] = {}
+    for name, arr in arrays.items():
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise InputTypeError(
+                f"{fn}: module {short(name)!r} has dtype {arr.dtype}; expected floating arrays."
+            )
+        if form == "second_moment":
+            out[name] = _from_dense(fn, name, arr)
+            continue
+        if arr.ndim != 2 or 0 in arr.shape:
+            raise InputError(
+                f"{fn}: module {short(name)!r} has a factor of shape {tuple(arr.shape)}; "
+                "expected (k, d_in) with S = factor^T factor."
+            )
+        bad = int((~np.isfinite(arr)).sum())
+        if bad:
+            raise InputError(
+                f"{fn}: module {short(name)!r} (factor {tuple(arr.shape)}) has {bad} non-finite "
+                "entries (NaN or Inf)."
+            )
+        if not arr.any():
+            raise InputError(
+                f"{fn}: module {short(name)!r} (factor {tuple(arr.shape)}) is zero; list the "
+                "module as data-free instead (None when saving)."
+            )
+        out[name] = InputMoments(jnp.asarray(arr))
+    for name in data_free:
+        out[name] = None
+    return out

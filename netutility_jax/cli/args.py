@@ -186,7 +186,10 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
         metavar="ADAPTER_DIR",
         help="PEFT adapter folders (adapter_config.json + adapter_model.safetensors), one per "
         "task, all trained on the same base model (or give them in --config). Each task is "
-        "named by its folder's name (with parent folders where two names are equal).",
+        "named by its folder's name (with parent folders where two names are equal). A name "
+        "that is no local file or folder but reads as a Hugging Face Hub id, org/name or "
+        "org/name@revision, is fetched through huggingface_hub (its cache; nothing but the "
+        "cache with HF_HUB_OFFLINE=1); a local folder of the same name wins.",
     )
     m.add_argument(
         "--config",
@@ -247,6 +250,20 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
         "if fewer (per module budget / tasks with --scope local); the rest of the budget then "
         "goes by utility as without it. A floor that does not bind changes nothing. Default: "
         "none (0).",
+    )
+    m.add_argument(
+        "--input-moments",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="FILE",
+        help="data-aware scoring (net_utility; docs/input_moments.md): one file per adapter, "
+        "in the adapters' order, each holding that task's input second moments E[x x^T] per "
+        "module: a .safetensors or .npz (read without pickles) keyed by the module names as "
+        "the merge names them (model.layers.0.self_attn.q_proj), each value a (d_in, d_in) "
+        "matrix, or the factors nu.save_input_moments writes. 'none' for a task without data "
+        "(data-free there). Give the files after the adapters (or repeat the flag). The report "
+        "records data_aware and each file's SHA-256. Default: the data-free score.",
     )
     _add_merge_method(m)
     add_scoring(m)
@@ -486,7 +503,16 @@ def _add_distributed(m: argparse.ArgumentParser) -> None:
         metavar="S",
         help="--distributed: how long a process waits for all the others to join before it "
         "gives up with one line (default: 120 s). A process that dies later ends the others "
-        "within JAX's heartbeat timeout (100 s), each with one line naming it.",
+        "within --heartbeat-timeout, each with one line naming it.",
+    )
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=_bounded_float(1, 86400, low_open=False, high_open=False, what="seconds"),
+        default=None,
+        metavar="S",
+        help="--distributed: once joined, a process silent for S seconds (killed, out of "
+        "memory, a crashed host) is declared dead and every other process stops with one line "
+        "naming it (default: 100 s, JAX's; whole seconds, rounded up).",
     )
 
 

@@ -177,14 +177,15 @@ def _value(what: str, key: str, action: argparse.Action, value: Any) -> Any:
     return parsed
 
 
-def _adapters(what: str, items: Any, folder: pathlib.Path) -> tuple[list[str], list, list]:
-    """``(paths, weights or None each, names or None each)`` of the config's ``adapters``."""
+def _adapters(what: str, items: Any, folder: pathlib.Path) -> tuple[list[str], list, list, list]:
+    """``(paths, weights or None each, names or None each, (text, hub record or None) each)``
+    of the config's ``adapters`` (``text``: the path as written, which may be a Hub id)."""
     if isinstance(items, (str, Mapping)) or not isinstance(items, list) or not items:
         raise UsageError(
             f"{what}: 'adapters' must be a non-empty list, each a path or a mapping {{path, "
             "weight, name}}."
         )
-    paths, weights, names = [], [], []
+    paths, weights, names, refs = [], [], [], []
     for i, item in enumerate(items):
         if isinstance(item, str):
             item = {"path": item}
@@ -193,16 +194,21 @@ def _adapters(what: str, items: Any, folder: pathlib.Path) -> tuple[list[str], l
                 f"{what}: adapters[{i}] is a {type(item).__name__}; expected a path or a "
                 "mapping {path, weight, name}."
             )
-        extra = sorted(set(item) - {"path", "weight", "name"})
+        extra = sorted(set(item) - {"path", "weight", "name", "hub"})
         if extra:
             raise UsageError(
                 f"{what}: adapters[{i}] has the unknown key {extra[0]!r}; an adapter is a "
-                "mapping with 'path' and optionally 'weight' and 'name'."
+                "mapping with 'path' and optionally 'weight' and 'name' ('hub' as a report "
+                "records it)."
             )
         path = item.get("path")
         if not isinstance(path, str) or not path.strip():
-            raise UsageError(f"{what}: adapters[{i}] needs 'path', the adapter's folder.")
+            raise UsageError(
+                f"{what}: adapters[{i}] needs 'path', the adapter's folder (or a Hugging Face "
+                "Hub id org/name[@revision])."
+            )
         paths.append(str(folder / os.path.expanduser(path)))
+        refs.append((path, item.get("hub")))
         w = item.get("weight")
         if w is not None and (
             isinstance(w, bool) or not isinstance(w, (int, float)) or w == 0 or w != w
@@ -217,7 +223,42 @@ def _adapters(what: str, items: Any, folder: pathlib.Path) -> tuple[list[str], l
         if n is not None and (not isinstance(n, str) or not n.strip()):
             raise UsageError(f"{what}: adapters[{i}] 'name' must be a non-empty string.")
         names.append(n)
-    return paths, weights, names
+    return paths, weights, names, refs
+
+
+def _moments_list(what: str, key: str, value: Any, folder: pathlib.Path) -> tuple[list, list]:
+    """``(files or None each, recorded SHA-256 or None each)`` of a config's ``input-moments``:
+    a list, each item a file (relative to the config's folder), ``null`` (that task
+    data-free), or a report's ``{path, sha256}``."""
+    if not isinstance(value, list) or not value:
+        raise UsageError(
+            f"{what}: key {key!r} (--input-moments): expected a list of files, one per adapter "
+            f"(null for a task without data), got {type(value).__name__} {shown(str(value))}."
+        )
+    files, digests = [], []
+    for i, item in enumerate(value):
+        sha = None
+        if isinstance(item, Mapping):
+            if set(item) - {"path", "sha256"} or not isinstance(item.get("path"), str):
+                raise UsageError(
+                    f"{what}: {key}[{i}] is {shown(str(dict(item)))}; expected a file, null, "
+                    "or {path, sha256} as a report records it."
+                )
+            sha = item.get("sha256")
+            if sha is not None and not isinstance(sha, str):
+                raise UsageError(f"{what}: {key}[{i}] 'sha256' must be a hex string.")
+            item = item["path"]
+        if item is None or item == NO_MOMENTS:
+            files.append(None)
+        elif isinstance(item, str) and item.strip():
+            files.append(str(folder / os.path.expanduser(item)))
+        else:
+            raise UsageError(
+                f"{what}: {key}[{i}] is {shown(str(item))}; expected a moments file (.safetensors "
+                "or .npz) or null."
+            )
+        digests.append(sha)
+    return files, digests
 
 
 def apply_config(args: argparse.Namespace, given: set[str]) -> None:
@@ -251,8 +292,9 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
             "in one place."
         )
     if "adapters" in data:
-        paths, weights, names = _adapters(what, data["adapters"], folder)
+        paths, weights, names, refs = _adapters(what, data["adapters"], folder)
         args.adapters = paths
+        args.adapter_refs = refs
         if any(w is not None for w in weights):
             if "weights" in data:
                 raise UsageError(
@@ -266,6 +308,11 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
     for key, value in data.items():
         dest = dests.get(key, "adapters")
         if dest == "adapters" or dest in given or value is None:
+            continue
+        if dest == "input_moments":
+            args.input_moments, args.input_moments_recorded = _moments_list(
+                what, str(key), value, folder
+            )
             continue
         parsed = _value(what, str(key), actions[dest], value)
         if dest == "out":
@@ -307,7 +354,9 @@ def resolve(args: argparse.Namespace) -> None:
             f"--min-share applies to --allocation net_utility (which moves the budget between "
             f"tasks), not {args.allocation}; drop it."
         )
-    derived = task_names(args.adapters)
+    labels = _resolve_adapters(args)
+    _check_moments(args)
+    derived = task_names(labels)
     if args.names is None:
         args.names = derived
     else:
@@ -317,6 +366,108 @@ def resolve(args: argparse.Namespace) -> None:
                 f"--config {args.config}: two adapters have the same name; give each a distinct "
                 "'name'."
             )
+
+
+def _resolve_adapters(args: argparse.Namespace) -> list[str]:
+    """``args.adapters`` as folders to read: Hugging Face Hub ids resolved to their snapshot
+    folders in the Hub cache (:func:`.paths.resolve_adapter`; a local folder of the same name
+    wins). Returns what names each task (the path, or the Hub id)."""
+    from .paths import resolve_adapter
+
+    refs = getattr(args, "adapter_refs", None)
+    if refs is None:  # (from the command line: the path is the text)
+        refs = [(p, None) for p in args.adapters]
+        where = ["ADAPTER_DIR"] * len(refs)
+    else:
+        where = [f"--config {args.config}: adapters[{i}]" for i in range(len(refs))]
+    resolved = [
+        resolve_adapter(text, local=path, what=f"{w} {text}", pinned=pinned)
+        for path, (text, pinned), w in zip(args.adapters, refs, where, strict=True)
+    ]
+    args.adapters = [r.path for r in resolved]
+    return [r.label for r in resolved]
+
+
+NO_MOMENTS = "none"
+"""The ``--input-moments`` argument that stands for a task without data (the data-free
+geometry for it); a file of that name is given as ``./none``."""
+
+_MOMENTS_SUFFIXES = (".safetensors", ".npz")
+
+
+def _digest(path: str, what: str) -> str:
+    """The SHA-256 of the file at ``path`` (read in blocks), its errors in the flag's terms."""
+    import hashlib
+
+    from ..errors import FileAccessError, MissingFileError
+
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+    except (FileNotFoundError, NotADirectoryError):
+        raise MissingFileError(
+            f"{what}: no such file; give one moments file per adapter, in order "
+            f"(nu.save_input_moments writes them; '{NO_MOMENTS}' for a task without data)."
+        ) from None
+    except IsADirectoryError:
+        raise UsageError(f"{what}: is a folder; expected a .safetensors or .npz file.") from None
+    except PermissionError:
+        raise FileAccessError(f"{what}: cannot be read (permission denied).") from None
+    except OSError as e:
+        raise FileAccessError(f"{what}: cannot be read ({e.strerror or e}).") from None
+    return h.hexdigest()
+
+
+def _check_moments(args: argparse.Namespace) -> None:
+    """``--input-moments``: one file per adapter (or ``none``), with net_utility, each a
+    readable ``.safetensors`` or ``.npz`` whose SHA-256 the
+    merge's reading must match (and a replayed report's recorded one, if any):
+    ``args.input_moments`` becomes a :class:`.job.MomentsFile` (or None) per adapter. The files'
+    contents are checked against the adapters once those are open (:func:`.load.load_moments`)."""
+    from .job import MomentsFile
+
+    files = getattr(args, "input_moments", None)
+    if files is None:
+        return
+    files = [None if f is None or f == NO_MOMENTS else f for f in files]
+    if args.allocation != "net_utility":
+        raise UsageError(
+            f"--input-moments applies to --allocation net_utility (the scores use them); "
+            f"--allocation {args.allocation} scores nothing. Drop one of them."
+        )
+    if len(files) != len(args.adapters):
+        raise UsageError(
+            f"--input-moments has {len(files)} file{'s' if len(files) != 1 else ''} for "
+            f"{len(args.adapters)} adapters; give one per adapter, in the adapters' order "
+            f"('{NO_MOMENTS}' for a task without data)."
+        )
+    if all(f is None for f in files):
+        raise UsageError(
+            f"--input-moments: every entry is '{NO_MOMENTS}'; drop the flag for the data-free merge."
+        )
+    recorded = getattr(args, "input_moments_recorded", None) or [None] * len(files)
+    digests = []
+    for f, want in zip(files, recorded, strict=True):
+        if f is None:
+            digests.append(None)
+            continue
+        what = f"--input-moments {f}"
+        if not f.lower().endswith(_MOMENTS_SUFFIXES):
+            raise UsageError(
+                f"{what}: expected a .safetensors or .npz file of input second moments "
+                "(docs/input_moments.md; nu.save_input_moments writes one)."
+            )
+        sha = _digest(f, what)
+        if want is not None and want != sha:
+            raise UsageError(
+                f"{what}: its SHA-256 is {sha[:16]}..., not {want[:16]}... as the config "
+                "records: the file changed since that merge; give the recorded file or drop "
+                "its 'sha256'."
+            )
+        digests.append(MomentsFile(f, sha))
+    args.input_moments = digests
 
 
 def _after(args: argparse.Namespace) -> list[str]:
@@ -331,20 +482,31 @@ def recorded_config(args: argparse.Namespace, options: Mapping[str, Any]) -> dic
     flags, spelled as the flags without dashes; ``options``: the method's and space's options
     with their defaults) and the adapters with absolute paths, weights and names, so that
     ``--config`` of it with a new ``--out`` replays the merge (``out`` is not recorded: the
-    output folder of a replay is new)."""
+    output folder of a replay is new). An adapter read from a snapshot folder of the Hugging
+    Face Hub cache also records its Hub id and commit (``hub``); ``input-moments`` records each
+    file's absolute path and SHA-256 (None for a task without data)."""
+    from .. import hub
+
     weights = args.weights or (1.0,) * len(args.adapters)
-    out: dict[str, Any] = {
-        "adapters": [
-            {"path": os.path.abspath(p), "weight": float(w), "name": n}
-            for p, w, n in zip(args.adapters, weights, args.names, strict=True)
-        ]
-    }
+    adapters = []
+    for p, w, n in zip(args.adapters, weights, args.names, strict=True):
+        item: dict[str, Any] = {"path": os.path.abspath(p), "weight": float(w), "name": n}
+        snapshot = hub.from_snapshot(item["path"])
+        if snapshot is not None:  # (a replay reads the folder, or id@commit if it is gone)
+            item["hub"] = {"id": snapshot.repo_id, "commit": snapshot.commit}
+        adapters.append(item)
+    out: dict[str, Any] = {"adapters": adapters}
     for dest in CONFIG_KEYS:
         if dest in ("weights", "out"):  # (the weights are the adapters'; a replay needs --out)
             continue
         value = getattr(args, dest, None)
         if value is None:
             continue
+        if dest == "input_moments":
+            value = [
+                None if f is None else {"path": os.path.abspath(f.path), "sha256": f.sha256}
+                for f in value
+            ]
         if isinstance(value, tuple):
             value = list(value)
         out[_spelling(dest)] = value

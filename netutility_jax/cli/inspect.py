@@ -72,9 +72,23 @@ def _check_diagnose(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """``netutility inspect``: the adapters (folders, or Hugging Face Hub ids resolved to their
+    snapshots, :func:`.paths.resolve_adapter`) loaded, scored and printed."""
+    from ..planning import task_names
+    from .paths import resolve_adapter
+
     _check_diagnose(args)
-    loaded = load(args.adapters, args, "inspect")
-    info = inspect_dict(loaded.adapters, args.adapters, alpha=args.alpha, lam=args.lam)
+    given = list(args.adapters)
+    resolved = [resolve_adapter(a) for a in given]
+    args.names = task_names([r.label for r in resolved])
+    loaded = load([r.path for r in resolved], args, "inspect")
+    info = inspect_dict(loaded.adapters, given, alpha=args.alpha, lam=args.lam)
+    for task, r in zip(info["tasks"], resolved, strict=True):
+        if r.hub is not None:
+            task["hub"] = {
+                "id": r.hub.repo_id, "revision": r.hub.revision, "commit": r.hub.commit,
+                "path": r.hub.path,
+            }  # fmt: skip
     info["coverage"] = {str(n): [int(i) for i in t] for n, t in loaded.coverage.items()}
     diag = None
     if getattr(args, "diagnose", False):
@@ -82,7 +96,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         diag = diagnose(
             loaded.adapters, budget=args.budget, alpha=args.alpha, lam=args.lam,
-            names=list(args.adapters),
+            names=given,
         )  # fmt: skip
         info["diagnostics"] = diag.to_dict()
     if args.json:

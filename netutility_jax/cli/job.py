@@ -14,11 +14,18 @@ import argparse
 import dataclasses
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from .args import option_names
 
-__all__ = ["MergeJob"]
+__all__ = ["MergeJob", "MomentsFile"]
+
+
+class MomentsFile(NamedTuple):
+    """One ``--input-moments`` file, as :func:`.config.resolve` checked it."""
+
+    path: str
+    sha256: str  # of its bytes: the merge reads these bytes or stops; the report records it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,17 +69,21 @@ class MergeJob:
     process_id: int | None
     keep_shards: bool
     distributed_timeout: float | None
+    heartbeat_timeout: float | None
     option_flags: Mapping[str, Any]
     """The registry's method and space options' flags by name, as given (None or False: not
     given); read as attributes (``job.density``)."""
     argv: tuple[str, ...] = ()
+    input_moments: tuple[MomentsFile | None, ...] | None = None
+    """``--input-moments``: per adapter its file and the digest :func:`.config.resolve` took
+    of it (None: that task data-free), or None without the flag."""
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> MergeJob:
         """The job of ``args``, a ``merge`` namespace completed by :func:`.config.resolve`."""
-        plain = {f.name for f in dataclasses.fields(cls)} - {
-            "adapters", "names", "option_flags", "argv",
-        }  # fmt: skip
+        special = {"adapters", "names", "option_flags", "argv", "input_moments"}
+        plain = {f.name for f in dataclasses.fields(cls)} - special
+        moments = getattr(args, "input_moments", None)
         return cls(
             adapters=tuple(args.adapters),
             names=tuple(args.names),
@@ -80,6 +91,7 @@ class MergeJob:
                 {n: getattr(args, n, None) for n in option_names()}
             ),
             argv=tuple(getattr(args, "argv", None) or ()),
+            input_moments=None if moments is None else tuple(moments),
             **{name: getattr(args, name) for name in plain},
         )
 

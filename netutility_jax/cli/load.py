@@ -5,7 +5,8 @@ file errors as the library's, ``--strict-targets``, and the notes about what was
 :func:`load` reads every adapter into memory (:func:`nu.peft.load_adapters`);
 :func:`open_streamed` opens them for a streamed merge (:func:`nu.peft.open_adapters`: configs
 and headers checked, no tensor read). Tasks are named by their folders
-(:func:`nu.planning.task_names`) or by ``--config``'s names.
+(:func:`nu.planning.task_names`) or by ``--config``'s names. :func:`load_moments` reads
+``--input-moments`` and checks each file against its adapter's modules.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .common import UsageError, say
 from .job import MergeJob
 from .paths import FACTOR_KEY, check_adapter_dir
 
-__all__ = ["coverage_summary", "load", "open_streamed", "skipped_summary"]
+__all__ = ["coverage_summary", "load", "load_moments", "open_streamed", "skipped_summary"]
 
 
 def _read_adapters(reader, paths: Sequence[str], args: argparse.Namespace | MergeJob):
@@ -105,6 +106,91 @@ def open_streamed(paths: Sequence[str], args: argparse.Namespace | MergeJob, *, 
     if notes:
         _notes("merge", paths, args, source.coverage, present)
     return source
+
+
+def _task_modules(adapters: Any, m_tasks: int) -> list[dict[str, int]]:
+    """Per task, ``{module: d_in}`` of the modules it has: from adapters in memory (a list of
+    ``{name: module or None}``) or opened for streaming (an ``AdapterSet``)."""
+    if hasattr(adapters, "shapes") and hasattr(adapters, "coverage"):
+        cov = adapters.coverage
+        return [
+            {n: int(adapters.shapes[n][0]) for n in adapters.names if i in cov[n]}
+            for i in range(m_tasks)
+        ]
+    return [
+        {n: int(mod["lora_a"].shape[0]) for n, mod in ad.items() if mod is not None}
+        for ad in adapters
+    ]
+
+
+def _read_bytes(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise MissingFileError(f"{what}: disappeared after it was checked.") from None
+    except OSError as e:
+        raise FileAccessError(f"{what}: cannot be read ({e.strerror or e}).") from None
+
+
+def load_moments(job: MergeJob, adapters: Any) -> list[Any] | None:
+    """``--input-moments`` as ``input_moments=`` of the merge (None without the flag): each
+    file read once (its bytes must be those :func:`.config.resolve` digested), parsed
+    (:func:`nu.moments.load_input_moments`: second moments checked finite, symmetric, PSD) and
+    checked against its adapter (``adapters``: in memory, or an ``AdapterSet``): every module
+    the task has named (data or data-free), no module it lacks, each ``d_in`` the module's.
+    Every refusal is one line naming the flag, the file, the module and the shapes."""
+    import hashlib
+
+    from .._checks import few
+    from ..moments import load_input_moments
+
+    if job.input_moments is None:
+        return None
+    files = job.input_moments
+    modules = _task_modules(adapters, len(files))
+    out: list[Any] = []
+    for i, entry in enumerate(files):
+        if entry is None:
+            out.append(None)
+            continue
+        what = f"--input-moments {entry.path}"
+        name = job.names[i]
+        data = _read_bytes(entry.path, what)
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise UsageError(f"{what}: changed while the merge ran; run it again.")
+        moments = load_input_moments(entry.path, data=data, what=what)
+        have = modules[i]
+        foreign = [n for n in moments if n not in have]
+        if foreign:
+            where = [job.names[j] for j, m in enumerate(modules) if foreign[0] in m]
+            hint = (
+                f"it is a module of {', '.join(where)}: are the files in the adapters' order?"
+                if where
+                else f"the keys must be the module names as the merge names them, e.g. "
+                f"{next(iter(have), '?')!r}"
+            )
+            raise UsageError(
+                f"{what}: names module {foreign[0]!r}, which adapter {name} (task {i + 1}) does "
+                f"not have{f' ({len(foreign)} such names)' if len(foreign) > 1 else ''}; {hint}."
+            )
+        missing = [n for n in have if n not in moments]
+        if missing:
+            raise UsageError(
+                f"{what}: has no entry for {few(missing)} of adapter {name} (task {i + 1}; "
+                f"{len(missing)} of its {len(have)} modules); write every module, the ones "
+                "without data as data-free (None in nu.save_input_moments)."
+            )
+        for n, m in moments.items():
+            if m is not None and m.d_in != have[n]:
+                raise UsageError(
+                    f"{what}: module {n!r} has inputs of width {m.d_in} (factor "
+                    f"{tuple(m.factor.shape)}, S = factor^T factor), but adapter {name}'s module "
+                    f"{n!r} has d_in = {have[n]}; expected ({have[n]}, {have[n]}) second "
+                    "moments: these are another layer's."
+                )
+        out.append(moments)
+    return out
 
 
 def skipped_summary(

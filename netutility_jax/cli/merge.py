@@ -29,7 +29,7 @@ from .common import PROG, UsageError, check_extras, say
 from .config import resolve
 from .distributed import agreed_facts, check_join, join, write_distributed
 from .job import MergeJob
-from .load import load, open_streamed
+from .load import load, load_moments, open_streamed
 from .output import Merged, finish_output, progress, step, write_merge
 from .paths import (
     OUT_MARGIN,
@@ -154,7 +154,8 @@ def _dry_run(job: MergeJob) -> int:
         positive_only=not job.keep_nonpositive, weights=job.weights,
         min_share=job.min_share, names=list(job.names), rank=None if low_rank else job.rank,
         dtype=job.dtype, serving_ranks=job.serving_ranks,
-        chunk_bytes=max(1, int(job.chunk_mb * 2**20)), mesh=_mesh_of(job), **options,
+        chunk_bytes=max(1, int(job.chunk_mb * 2**20)), mesh=_mesh_of(job),
+        input_moments=load_moments(job, adapters), **options,
     )  # fmt: skip
     print(p, flush=True)
     if p.allocation == "net_utility":
@@ -261,7 +262,10 @@ def _merge(adapters: Sequence[Any], job: MergeJob, key, options: dict[str, Any])
     """The merging step: :func:`nu.merge_adapters` with the flags; ``(merged, report)``."""
     import netutility_jax as nu
 
-    return nu.merge_adapters(adapters, **_merge_settings(job, key), **options)
+    return nu.merge_adapters(
+        adapters, **_merge_settings(job, key), input_moments=load_moments(job, adapters),
+        **options,
+    )  # fmt: skip
 
 
 def _merge_settings(job: MergeJob, key) -> dict[str, Any]:
@@ -321,6 +325,7 @@ def _merge_streaming(source: Any, job: MergeJob, key, options: dict[str, Any]):
         **_merge_settings(job, key),
         chunk_bytes=max(1, int(job.chunk_mb * 2**20)),
         on_chunk=on_chunk,
+        input_moments=load_moments(job, source),
         distributed=job.distributed,
         **options,
     )
@@ -350,6 +355,7 @@ def _merge_writing(tmp: pathlib.Path, source: Any, job, key, options, bar) -> An
             **_merge_settings(job, key),
             chunk_bytes=max(1, int(job.chunk_mb * 2**20)),
             on_chunk=functools.partial(_write_chunk, writer),
+            input_moments=load_moments(job, source),
             **options,
         )
     step(bar, "merged and written", "writing the report")

@@ -118,7 +118,13 @@ def add_inspect_parser(sub) -> None:
         "alpha the paper's rule picks and lambda.",
         epilog=EXIT_CODES,
     )
-    i.add_argument("adapters", nargs="+", metavar="ADAPTER_DIR", help="PEFT adapter folders")
+    i.add_argument(
+        "adapters",
+        nargs="+",
+        metavar="ADAPTER_DIR",
+        help="PEFT adapter folders, or Hugging Face Hub ids (org/name[@revision]) fetched "
+        "through huggingface_hub where no local folder has that name (as for merge)",
+    )
     add_scoring(i)
     add_loading(i)
     add_compile_cache(i)

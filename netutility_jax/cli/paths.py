@@ -1,6 +1,9 @@
 """The file-system checks of ``netutility merge``, ``inspect`` and ``convert``, and their staging
 folders.
 
+An ``ADAPTER_DIR`` that names nothing on disk but is spelled as a Hugging Face Hub id
+(``org/name[@revision]``) is resolved to its snapshot folder in the Hub cache first
+(:func:`resolve_adapter`, :func:`nu.hub.resolve`); a local file or folder of that name wins.
 Before any adapter is loaded, the ``ADAPTER_DIR`` folders and ``--out`` are checked
 (:func:`check_adapter_dir`, :func:`check_out`), the output's size is estimated from the inputs'
 safetensors headers (:func:`estimate_out_bytes`, from :func:`nu.peft.weight_shapes`) and held
@@ -31,6 +34,7 @@ __all__ = [
     "FACTOR_KEY",
     "OUT_MARGIN",
     "STAGING_TAG",
+    "AdapterArg",
     "SizeEstimate",
     "check_adapter_dir",
     "check_convert_out",
@@ -39,6 +43,7 @@ __all__ = [
     "clean_staging",
     "clean_stale_staging",
     "estimate_out_bytes",
+    "resolve_adapter",
     "staging_dir",
     "staging_name",
     "stat_of",
@@ -108,7 +113,6 @@ def check_adapter_dir(text: str) -> pathlib.Path:
       UsageError, InputError: an empty path or one the system cannot use (too long, a loop).
     """
     from .. import peft
-    from ..peft._read import INDEX_NAME
 
     what = f"adapter folder {text}"
     expected = (
@@ -135,7 +139,7 @@ def check_adapter_dir(text: str) -> pathlib.Path:
         if fst is None and name == peft.WEIGHTS_NAME:
             if stat_of(path / peft.PICKLE_NAME, what) is not None:
                 continue  # the loader reads it (torch's zip format, nothing in it run)
-            if stat_of(path / INDEX_NAME, what) is not None:
+            if stat_of(path / peft.INDEX_NAME, what) is not None:
                 continue  # sharded (netutility merge --keep-shards): the loader checks it
         if fst is None:
             raise MissingFileError(f"{what} has no {name}; expected {expected}")
@@ -144,6 +148,59 @@ def check_adapter_dir(text: str) -> pathlib.Path:
         if not os.access(f, os.R_OK):
             raise FileAccessError(f"{f} cannot be read (permission denied)")
     return path
+
+
+class AdapterArg(NamedTuple):
+    """An ``ADAPTER_DIR`` argument resolved (:func:`resolve_adapter`)."""
+
+    path: str  # the folder to read: as given, or the Hub snapshot's
+    hub: Any  # the nu.hub.HubAdapter it came from, or None (a local folder)
+    label: str  # what names its task: the path as given, or the Hub id
+
+
+def resolve_adapter(
+    text: str,
+    *,
+    local: str | None = None,
+    what: str | None = None,
+    pinned: Mapping[str, Any] | None = None,
+) -> AdapterArg:
+    """An ``ADAPTER_DIR`` argument as a folder to read.
+
+    ``local`` (default ``text``; a config's path joined to its folder) is used if anything
+    exists there: a local folder wins over a Hub id of the same spelling. Otherwise, if
+    ``text`` is spelled as a Hugging Face Hub id (``org/name`` or ``org/name@revision``), it is
+    resolved through ``huggingface_hub`` (:func:`nu.hub.resolve`: the cache, and the Hub unless
+    offline). ``pinned`` (a replayed report's ``{"id", "commit"}``) resolves
+    ``id@commit`` where ``local``, the snapshot folder it recorded, is gone. Anything else is
+    returned as it is, for :func:`check_adapter_dir` to refuse.
+
+    Raises:
+      InputError, MissingFileError: as :func:`nu.hub.resolve` (huggingface_hub missing, the id
+        not in the cache while offline...), naming ``what`` (default ``ADAPTER_DIR <text>``).
+      UsageError: a ``pinned`` record that is not ``{"id", "commit"}``.
+    """
+    from .. import hub
+
+    local = text if local is None else local
+    what = what or f"ADAPTER_DIR {text}"
+    if pinned is not None:
+        ok = isinstance(pinned, Mapping) and all(
+            isinstance(pinned.get(k), str) for k in ("id", "commit")
+        )
+        if not ok or hub.parse_id(f"{pinned['id']}@{pinned['commit']}") is None:
+            raise UsageError(
+                f"{what}: its 'hub' record is {shown(str(pinned))}; expected {{id: org/name, "
+                "commit: ...}} as a merge report writes it (or drop it)."
+            )
+        if not os.path.lexists(local):  # (the recorded snapshot is gone: the id at its commit)
+            got = hub.resolve(f"{pinned['id']}@{pinned['commit']}", what=what)
+            return AdapterArg(got.path, got, pinned["id"])
+        return AdapterArg(local, hub.from_snapshot(local), pinned["id"])
+    if os.path.lexists(local) or hub.parse_id(text) is None:
+        return AdapterArg(local, None, local)
+    got = hub.resolve(text, what=what)
+    return AdapterArg(got.path, got, text)
 
 
 def check_out(out: str, inputs: Sequence[str]) -> tuple[pathlib.Path, pathlib.Path]:
@@ -348,9 +405,9 @@ def estimate_out_bytes(
     }
     top = max(ranks.values(), default=0)
     if serving_ranks is not None and ranks:
-        from ..peft import _write
+        from .. import peft
 
-        allowed = _write._serving_ranks(serving_ranks, fn=f"{PROG} merge")
+        allowed = peft.serving_ranks(serving_ranks, fn=f"{PROG} merge")
         top = next((r for r in allowed if r >= top), top)  # (none fits: refused after merging)
         ranks = dict.fromkeys(ranks, top)
     total = OUT_MARGIN
