@@ -17,10 +17,12 @@ forever in a collective for one that gave up. One process (``jax.process_count()
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import ipaddress
 import json
 import math
 import os
+import re
 import socket
 import struct
 import sys
@@ -31,9 +33,10 @@ from typing import Any
 import numpy as np
 
 from . import _checks
-from .errors import InputError, one_line
+from .errors import InputError, PeerLostError, one_line
 
 __all__ = [
+    "DEFAULT_HEARTBEAT_S",
     "DEFAULT_TIMEOUT_S",
     "LOCAL",
     "Exchange",
@@ -48,6 +51,11 @@ __all__ = [
 Arrays = dict[str, np.ndarray]
 _STATUS = struct.Struct("<qqq")  # payload bytes, message bytes, failed (0 / 1)
 _MESSAGE = 1000  # characters of a failing process's message sent to the others
+#: A collective's errors when a peer is gone: Gloo's closed or reset connections, the
+#: coordination service's heartbeat and barrier failures.
+_PEER_LOST = re.compile(
+    r"Gloo|Connection (closed|reset) by peer|heartbeat timeout|UNAVAILABLE|DEADLINE_EXCEEDED"
+)
 
 
 def pack(arrays: Mapping[str, Any]) -> bytes:
@@ -108,17 +116,17 @@ class Exchange:
             data, error = b"", e
         message = b"" if error is None else one_line(error, _MESSAGE).encode()
         head = _STATUS.pack(len(data), len(message), error is not None)
-        status = [_STATUS.unpack(s) for s in self._bytes(head, _STATUS.size)]
+        status = [_STATUS.unpack(s) for s in self._bytes(fn, head, _STATUS.size)]
         failed = [p for p, s in enumerate(status) if s[2]]
         if failed:
-            texts = self._bytes(message, max(s[1] for s in status))
+            texts = self._bytes(fn, message, max(s[1] for s in status))
             if error is not None:
                 raise error
             p = failed[0]
             more = f" (and {len(failed) - 1} more processes)" if len(failed) > 1 else ""
             text = texts[p][: status[p][1]].decode(errors="replace")
             raise InputError(f"{fn}: process {p} of {self.count} failed{more}: {text}")
-        blobs = self._bytes(data, max(s[0] for s in status))
+        blobs = self._bytes(fn, data, max(s[0] for s in status))
         return [unpack(b[: s[0]]) for b, s in zip(blobs, status, strict=True)]
 
     def gather(self, fn: str, batches: Sequence[Mapping[str, Any]]) -> list[Arrays]:
@@ -170,12 +178,24 @@ class Exchange:
                     "run the same command, on the same adapters, in every process."
                 )
 
-    def _bytes(self, data: bytes, size: int) -> list[bytes]:
-        """Each process's ``data``, every one at most ``size`` bytes (zero-padded to it)."""
+    def _bytes(self, fn: str, data: bytes, size: int) -> list[bytes]:
+        """Each process's ``data``, every one at most ``size`` bytes (zero-padded to it). A
+        process that stopped mid-exchange is :class:`PeerLostError` (the collective's own error
+        is a Gloo or coordination-service message)."""
         from jax.experimental import multihost_utils
 
         buf = np.frombuffer(data.ljust(max(size, 1), b"\0"), np.uint8)
-        return [row.tobytes() for row in multihost_utils.process_allgather(buf)]
+        try:
+            rows = multihost_utils.process_allgather(buf)
+        except Exception as e:
+            if not _PEER_LOST.search(str(e)):
+                raise
+            raise PeerLostError(
+                f"{fn}: another process of the distributed run ({self.count} processes) stopped "
+                "during an exchange (killed, out of memory or crashed; see its own output): "
+                f"{one_line(e, 200)}"
+            ) from e
+        return [row.tobytes() for row in rows]
 
 
 def _processes(ps: Sequence[int]) -> str:
@@ -200,6 +220,8 @@ def current(fn: str, distributed: Any) -> Exchange:
 
 
 DEFAULT_TIMEOUT_S = 120
+#: Seconds without a heartbeat after which a joined process is declared dead (JAX's default).
+DEFAULT_HEARTBEAT_S = 100
 """Seconds a process waits for all the others to join (``--distributed-timeout``)."""
 
 
@@ -236,6 +258,7 @@ def initialize(
     process_id: int | None = None,
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
     on_timeout: Callable[[str], Any] | None = None,
 ) -> Exchange:
     """``jax.distributed.initialize`` (before any JAX computation); what is not given is
@@ -247,12 +270,23 @@ def initialize(
     after ``timeout_s`` seconds calls ``on_timeout(message)`` (the command prints the one-line
     message and exits with status 2), or, without ``on_timeout``, writes the message to stderr
     and exits with status 2: JAX's connection cannot be abandoned from Python, so the process
-    cannot go on either way.
+    cannot go on either way. Once joined, a process that sends no heartbeat for ``heartbeat_s``
+    seconds is declared dead and JAX ends every other process (``netutility merge`` turns that
+    into one line, :mod:`._supervise`).
     """
     import jax
 
-    if not (isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0):
-        raise InputError(f"{fn}: timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    for name, v in (("timeout_s", timeout_s), ("heartbeat_s", heartbeat_s)):
+        if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+            raise InputError(f"{fn}: {name} must be a positive number of seconds, got {v!r}")
+    extra = {}
+    if "heartbeat_timeout_seconds" in inspect.signature(jax.distributed.initialize).parameters:
+        extra["heartbeat_timeout_seconds"] = math.ceil(heartbeat_s)
+    elif heartbeat_s != DEFAULT_HEARTBEAT_S:
+        raise InputError(
+            f"{fn}: a heartbeat timeout other than {DEFAULT_HEARTBEAT_S} s needs a JAX whose "
+            f"jax.distributed.initialize takes heartbeat_timeout_seconds (this is {jax.__version__})"
+        )
     if coordinator is not None:
         check_coordinator(fn, coordinator)
     if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
@@ -278,6 +312,7 @@ def initialize(
             process_id=process_id,
             # JAX's own deadline (a fatal error) only after the watchdog's
             initialization_timeout=math.ceil(timeout_s) + 60,
+            **extra,
         )
     except (ValueError, TypeError, RuntimeError) as e:
         raise InputError(

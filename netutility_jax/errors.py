@@ -15,6 +15,7 @@ __all__ = [
     "InputTypeError",
     "MissingFileError",
     "NetUtilityError",
+    "PeerLostError",
     "one_line",
 ]
 
@@ -42,6 +43,13 @@ class MissingFileError(NetUtilityError, FileNotFoundError):
 
 class FileAccessError(NetUtilityError, PermissionError):
     """A file or folder the user named exists but cannot be read or written (permissions)."""
+
+
+class PeerLostError(NetUtilityError, RuntimeError):
+    """Another process of a distributed run stopped (killed, out of memory, a crashed host)
+    while this one exchanged data with it: this process cannot go on either. The command line
+    prints it as one line and exits with status 2 at once, without JAX's shutdown barrier (which
+    would wait for the lost process)."""
 
 
 def one_line(e: BaseException, limit: int = 2000) -> str:

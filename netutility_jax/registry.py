@@ -363,6 +363,7 @@ COMMAND_FLAGS = (
     "--distributed-timeout",
     "--dry-run",
     "--dtype",
+    "--heartbeat-timeout",
     "--help",
     "--in-memory",
     "--input-moments",

@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -290,6 +291,7 @@ def test_scores_beyond_float32_stop_every_process_after_alpha_is_chosen(folders,
         (["--distributed", "--in-memory"], "--in-memory cannot be used with --distributed"),
         (["--keep-shards"], "--keep-shards applies only with --distributed"),
         (["--coordinator", "h:1"], "--coordinator applies only with --distributed"),
+        (["--heartbeat-timeout", "5"], "--heartbeat-timeout applies only with --distributed"),
         (["--distributed", "--num-processes", "2", "--process-id", "2"], "indices run from 0 to 1"),
         (["--distributed", "--method", "ties", "--density", "0.5", "--trim-scope", "model"],
          "model-wide TIES .* cannot run with --distributed"),
@@ -343,6 +345,7 @@ def test_a_process_whose_peers_never_come_gives_up_in_one_line(folders, tmp_path
         (["--coordinator", "localhost:99999"], "port in 1..65535"),
         (["--coordinator", "no-such-host.invalid:80"], "cannot be resolved"),
         (["--distributed-timeout", "0"], "--distributed-timeout: expected a finite number in"),
+        (["--heartbeat-timeout", "0.5"], "--heartbeat-timeout: expected a finite number in"),
     ],
 )  # fmt: skip
 def test_coordinator_and_timeout_are_refused_before_joining(
@@ -449,3 +452,50 @@ def test_four_processes_keep_shards(folders, tmp_path, capsys):
     assert cli.main(["inspect", str(dist), str(ref), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["tasks"][0] == {**info["tasks"][1], "adapter": str(dist)}
+
+
+def test_a_peer_killed_mid_run_ends_the_other_in_one_line_at_once(folders, tmp_path):
+    """Process 1 is killed (SIGKILL, its whole session) once process 0 is merging chunks: process
+    0 ends with status 2 and one line saying another process stopped, within seconds (not a Gloo
+    traceback and an 'internal error', nor JAX's shutdown barrier waiting for the dead one), and
+    writes nothing."""
+    port = _free_port()
+    procs, errs = [], []
+    for i in range(2):
+        cmd = [sys.executable, "-m", "netutility_jax.cli", "merge", *folders, "--budget", "3",
+               "--no-plots", "--chunk-mb", "0.001", "--out", str(tmp_path / "out"),
+               "--distributed", "--coordinator", f"localhost:{port}", "--num-processes", "2",
+               "--process-id", str(i), "--heartbeat-timeout", "10"]  # fmt: skip
+        errs.append(open(tmp_path / f"p{i}.err", "w+"))
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errs[i], text=True,
+                                      env=_env(), start_new_session=True))  # fmt: skip
+    try:
+        start = time.monotonic()
+        # the progress bar (on stderr) names the merging step: both processes have joined and
+        # opened their inputs, and exchanges remain (the score pass, every chunk)
+        while "scoring and merging" not in (tmp_path / "p0.err").read_text():
+            assert procs[0].poll() is None, (tmp_path / "p0.err").read_text()
+            assert time.monotonic() - start < TIMEOUT, "process 0 never reached its chunks"
+            time.sleep(0.02)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        rc = procs[0].wait(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for f in errs:
+            f.close()
+    err = (tmp_path / "p0.err").read_text()
+    lines = [ln for ln in re.split(r"[\r\n]", _no_gloo(err)) if ln.strip() and "%|" not in ln]
+    # the merge's own notes (the fixture's tasks target different modules), then one error
+    lines = [ln for ln in lines if not ln.startswith("netutility merge: note: ")]
+    assert rc == 2 and len(lines) == 1, err
+    assert re.match(
+        r"netutility merge: error: (nu\.merge_adapters_streaming|netutility merge): another "
+        r"process of the distributed run \(2 processes\) stopped during an exchange", lines[0]
+    ), lines[0]  # fmt: skip
+    assert took < 30, took  # the exchange fails at once; at worst the heartbeat (10 s) ends it
+    assert not (tmp_path / "out").exists()

@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-import numpy as np
-
 from ..errors import FileAccessError, InputError, MissingFileError
 from .common import check_extras
 from .paths import check_adapter_dir, check_convert_out, clean_staging, write_folder
@@ -23,37 +21,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
     unchanged) with SRC's ``adapter_config.json`` byte for byte, into OUT atomically
     (:func:`write_folder`); SRC is only read. Prints one line."""
     from .. import peft
-    from ..peft import _read
 
     fn = f"SRC_FOLDER {args.src}"  # (the library's messages start with it; the path follows)
     src = check_adapter_dir(args.src)
     out, replace = check_convert_out(args.out, args.src, overwrite=args.overwrite)
     check_extras(need_plots=False)
-    import safetensors.numpy
-
-    from ..peft._common import _save_file
+    import safetensors
 
     peft.load_config(src)  # (a readable JSON object, or the loader's message)
     try:
         config = (src / peft.CONFIG_NAME).read_bytes()
-        wf = _read._weights_file(src, fn=fn)
-        with _read._open_weights(wf, fn=fn) as fh:
-            tensors = {k: np.ascontiguousarray(fh.get_tensor(k)) for k in fh.keys()}
-    except safetensors.SafetensorError as e:
-        raise InputError(
-            f"{fn}: its tensors cannot be read ({e}); the file is corrupt or truncated: "
-            "download or save it again."
-        ) from e
     except PermissionError as e:
         raise FileAccessError(f"{fn}: cannot be read ({e}).") from e
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:  # changed under us
         raise MissingFileError(f"{fn}: cannot be read ({e}).") from e
-    if not tensors:
-        raise InputError(f"{fn}: {str(wf)!r} holds no tensors; there is no adapter to convert.")
+    wf, tensors = peft.read_tensors(src, fn=fn)
 
     def fill(tmp: pathlib.Path) -> None:
         try:  # (a failed write is an OSError, which write_folder reports)
-            _save_file(tensors, tmp / peft.WEIGHTS_NAME)
+            peft.save_tensors(tensors, tmp / peft.WEIGHTS_NAME)
         except safetensors.SafetensorError as e:  # (a dtype safetensors cannot hold)
             raise InputError(f"{fn}: {str(wf)!r}: cannot be written as safetensors ({e}).") from e
         (tmp / peft.CONFIG_NAME).write_bytes(config)

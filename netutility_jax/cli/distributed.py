@@ -47,6 +47,7 @@ def join(job: MergeJob) -> _exchange.Exchange:
         job.num_processes,
         job.process_id,
         timeout_s=job.distributed_timeout or _exchange.DEFAULT_TIMEOUT_S,
+        heartbeat_s=job.heartbeat_timeout or _exchange.DEFAULT_HEARTBEAT_S,
         on_timeout=lambda message: say("merge", "error", message),
     )
     return ex
@@ -61,6 +62,7 @@ def check_join(job: MergeJob) -> bool:
         "--process-id": job.process_id,
         "--keep-shards": job.keep_shards or None,
         "--distributed-timeout": job.distributed_timeout,
+        "--heartbeat-timeout": job.heartbeat_timeout,
     }
     given = [f for f, v in flags.items() if v is not None]
     if not job.distributed:
@@ -101,7 +103,7 @@ def agreed_facts(job: MergeJob) -> dict[str, str]:
     adapters = config.pop("adapters")
     facts["number of adapters"] = str(len(adapters))
     for key in sorted(config):
-        if key.replace("_", "-") not in ("process-id", "distributed-timeout"):
+        if key.replace("_", "-") not in ("process-id", "distributed-timeout", "heartbeat-timeout"):
             facts[f"--{key.replace('_', '-')}"] = json.dumps(config[key], sort_keys=True)
     for i, a in enumerate(adapters):
         digest = hashlib.sha256()

@@ -12,7 +12,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-from ..errors import NetUtilityError, one_line
+from ..errors import NetUtilityError, PeerLostError, one_line
 from .common import PROG, say
 from .convert import cmd_convert
 from .demo import cmd_demo
@@ -92,6 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command != "demo" and not args.no_compile_cache and cache is not None:
             enable_compile_cache(cache)
         return cmds[args.command](args)
+    except PeerLostError as e:  # JAX's shutdown barrier would wait for the lost process
+        say(args.command, "error", one_line(e, MAX_MESSAGE))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     except NetUtilityError as e:
         say(args.command, "error", one_line(e, MAX_MESSAGE))
         return 2

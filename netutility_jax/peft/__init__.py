@@ -48,6 +48,7 @@ from ._common import PICKLE_NAME as PICKLE_NAME
 from ._common import PREFIX as PREFIX
 from ._common import WEIGHTS_NAME as WEIGHTS_NAME
 from ._common import _natural as _natural
+from ._common import save_tensors as save_tensors
 from ._config import CARRIED_FIELDS as CARRIED_FIELDS
 from ._config import _targeted as _targeted
 from ._config import _untargeted as _untargeted
@@ -57,7 +58,9 @@ from ._load import LoadedAdapters as LoadedAdapters
 from ._load import check_compatible as check_compatible
 from ._load import load_adapter as load_adapter
 from ._load import load_adapters as load_adapters
+from ._read import INDEX_NAME as INDEX_NAME
 from ._read import load_config as load_config
+from ._read import read_tensors as read_tensors
 from ._regex import _glob as _glob
 from ._regex import _glob_full as _glob_full
 from ._regex import _glob_suffix as _glob_suffix
@@ -70,10 +73,12 @@ from ._shards import write_shard as write_shard
 from ._stream import AdapterWriter as AdapterWriter
 from ._write import VLLM_RANKS as VLLM_RANKS
 from ._write import save_adapter as save_adapter
+from ._write import serving_ranks as serving_ranks
 
 __all__ = [
     "CARRIED_FIELDS",
     "CONFIG_NAME",
+    "INDEX_NAME",
     "VLLM_RANKS",
     "WEIGHTS_NAME",
     "AdapterSet",
@@ -85,7 +90,10 @@ __all__ = [
     "load_config",
     "open_adapters",
     "pattern_key",
+    "read_tensors",
     "save_adapter",
+    "save_tensors",
+    "serving_ranks",
     "shard_name",
     "weight_shapes",
     "write_index",
@@ -107,7 +115,10 @@ for _obj in (
     load_adapters,
     load_config,
     pattern_key,
+    read_tensors,
     save_adapter,
+    save_tensors,
+    serving_ranks,
     shard_name,
     weight_shapes,
     write_index,

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import InputTypeError
 
-__all__ = ["CONFIG_NAME", "PICKLE_NAME", "PREFIX", "WEIGHTS_NAME"]
+__all__ = ["CONFIG_NAME", "PICKLE_NAME", "PREFIX", "WEIGHTS_NAME", "save_tensors"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -31,6 +31,13 @@ def _safetensors():
             "or pip install 'netutility-jax[peft]'."
         ) from e
     return safetensors
+
+
+def save_tensors(tensors: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """``{key: numpy array}`` written to the safetensors file ``path`` as PEFT writes its
+    weights (``{"format": "pt"}`` metadata); a failed write (a full disk, a file-size limit,
+    permissions) is the :class:`OSError` it is, naming ``path``."""
+    _save_file(tensors, path)
 
 
 def _save_file(tensors: Mapping[str, Any], path: str | os.PathLike) -> None:

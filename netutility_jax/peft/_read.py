@@ -25,7 +25,7 @@ from ..errors import FileAccessError, InputError, InputTypeError, MissingFileErr
 from ._common import CONFIG_NAME, PICKLE_NAME, PREFIX, WEIGHTS_NAME, _clip, _safetensors
 from ._torch_pickle import TorchArchive, _LegacyFormat
 
-__all__ = ["INDEX_NAME", "READABLE_DTYPES", "load_config"]
+__all__ = ["INDEX_NAME", "READABLE_DTYPES", "load_config", "read_tensors"]
 
 #: The safetensors dtype codes of floating factors this package reads (float8 through
 #: ``ml_dtypes``, which JAX installs; every factor is upcast to float32 when loaded).
@@ -517,3 +517,33 @@ def _factor_pair(
                 "adapter again."
             )
     return slot["lora_A"], slot["lora_B"]
+
+
+def read_tensors(folder: str | os.PathLike, *, fn: str) -> tuple[pathlib.Path, dict[str, Any]]:
+    """Every tensor of the adapter in ``folder``, as stored: ``(weights file, {key: numpy
+    array})``, names, shapes, dtypes and values unchanged (``adapter_model.safetensors``, a
+    sharded adapter's index, or the pickled ``adapter_model.bin`` read without torch and without
+    running its pickle). ``fn`` starts the messages.
+
+    Raises:
+      InputError: a corrupt or truncated file, or one that holds no tensors.
+      FileAccessError: a file that cannot be read; MissingFileError: one that vanished.
+    """
+    st = _safetensors()
+    d = pathlib.Path(folder)
+    try:
+        wf = _weights_file(d, fn=fn)
+        with _open_weights(wf, fn=fn) as fh:
+            tensors = {k: np.ascontiguousarray(fh.get_tensor(k)) for k in fh.keys()}
+    except st.SafetensorError as e:
+        raise InputError(
+            f"{fn}: its tensors cannot be read ({e}); the file is corrupt or truncated: "
+            "download or save it again."
+        ) from e
+    except PermissionError as e:
+        raise FileAccessError(f"{fn}: cannot be read ({e}).") from e
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:  # changed under us
+        raise MissingFileError(f"{fn}: cannot be read ({e}).") from e
+    if not tensors:
+        raise InputError(f"{fn}: {str(wf)!r} holds no tensors.")
+    return wf, tensors

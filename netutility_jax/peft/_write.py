@@ -28,7 +28,7 @@ from ._config import (
 from ._convert import _SAVE_DTYPES, _peft_factors, _peft_tensors, _save_dtype
 from ._read import load_config
 
-__all__ = ["VLLM_RANKS", "save_adapter"]
+__all__ = ["VLLM_RANKS", "save_adapter", "serving_ranks"]
 
 
 def save_adapter(
@@ -204,6 +204,14 @@ def _written_tensors(name: str, a: np.ndarray, b: np.ndarray, dtype: str, *, fn:
 
 #: The LoRA ranks vLLM serves (its ``max_lora_rank`` choices).
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def serving_ranks(spec: Any, *, fn: str) -> tuple[int, ...] | None:
+    """The ranks a merged adapter may be padded to for serving (``save_adapter``'s
+    ``serving_ranks``): ``"vllm"`` (:data:`VLLM_RANKS`), a sequence of allowed ranks, or None (no
+    uniform rank), as a sorted tuple; anything else is an :class:`InputError` starting with
+    ``fn``."""
+    return _serving_ranks(spec, fn=fn)
 
 
 def _serving_ranks(serving_ranks: Any, *, fn: str) -> tuple[int, ...] | None:
