@@ -23,6 +23,7 @@ from ._plan import Job, MergePlan
 from ._results import raise_nonfinite, raise_range
 from ._select import topk_count
 from ._ties_model import ties_model
+from .utility import host_constant
 
 __all__ = ["run"]
 
@@ -79,7 +80,7 @@ def _bucket_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks
         bad, check = jax.tree.map(lambda x: x[:n], (bad, check))
     bads.append((bk, bad))
     checks.append((bk.names, check))
-    ranks = np.asarray(live[:n].sum(-1))
+    ranks = np.asarray(live)[:n].sum(-1)  # (on the host: an eager sum compiles per shape)
     # cut per module on the host and place the pieces with one device_put: eager slices of the
     # device arrays would compile (or load from the cache) a gather per distinct kept rank
     la_h, lb_h = np.asarray(la), np.asarray(lb)
@@ -92,8 +93,8 @@ def _bucket_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks
 def run(plan: MergePlan, *, coef: Any, key: Any) -> dict[str, Any]:
     """Merge every job of ``plan``: ``{name: module}`` (checked: finite inputs, results in the
     dtype's range)."""
-    coef_arr = jnp.asarray(coef, plan.dtype)
-    nums = {k: jnp.asarray(v, plan.dtype) for k, v in plan.numeric.items()}
+    coef_arr = host_constant(coef, plan.dtype)
+    nums = {k: host_constant(v, plan.dtype) for k, v in plan.numeric.items()}
     results: dict[str, Any] = {}
     checks: list = []  # (module names, range status), checked once every bucket is dispatched
     if plan.model_wide:
@@ -107,7 +108,7 @@ def run(plan: MergePlan, *, coef: Any, key: Any) -> dict[str, Any]:
         keys = (
             _keys_for(key, job.index)
             if key is not None
-            else jnp.zeros((len(bk.names),), jnp.uint32)
+            else jax.device_put(np.zeros((len(bk.names),), np.uint32))  # (placed, not compiled)
         )
         if job.route == "dense":
             _dense_job(plan, job, mk, coef_arr, keys, nums, results, checks)

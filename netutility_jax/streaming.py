@@ -190,8 +190,44 @@ class _Energies:
                 f"{fn}: task {int(zero[0])} has a zero update in every module; its log-energy "
                 "is undefined. Drop that adapter or pass alpha= explicitly."
             )
-        rel = jnp.asarray(kmax - kmax[0], dtype) + jnp.log2(jnp.asarray(total, dtype))
+        # (converted on the host, exactly as XLA would: no conversion programs to load)
+        rel = utility.host_constant(kmax - kmax[0], dtype) + jnp.log2(
+            utility.host_constant(total, dtype)
+        )
         return float(jnp.var(rel * np.log(2.0).astype(dtype)))
+
+
+@dataclasses.dataclass
+class _Progress:
+    """``merge_adapters_streaming``'s ``progress`` callback and its count: ``total`` chunk reads
+    planned (this process's chunks times the passes that read them), ``done`` so far."""
+
+    report: Callable[[int, int], None]
+    total: int
+    done: int = 0
+
+    def start(self) -> None:
+        self.report(0, self.total)
+
+    def tick(self) -> None:
+        self.done += 1
+        self.report(self.done, self.total)
+
+    def finish(self) -> None:
+        """A search that stopped early (model-wide TIES keeping nothing) skips its last reads:
+        the count jumps to the total, in one call."""
+        if self.done < self.total:
+            self.done = self.total
+            self.report(self.done, self.total)
+
+
+def _reads(allocation: str, model_wide: bool, dtype: Any) -> int:
+    """How many times a streamed merge reads each chunk: the scoring pass (none for
+    ``allocation="all"``), then the merge pass; model-wide TIES reads every chunk for the common
+    unit, once per 16-bit radix pass of the magnitudes' bit patterns, and to merge
+    (:func:`_ties_model.ties_model_streamed`)."""
+    merge = 2 + np.dtype(dtype).itemsize * 8 // 16 if model_wide else 1
+    return (0 if allocation == "all" else 1) + merge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +243,7 @@ class _Stream:
     ex: _exchange.Exchange
     owner: tuple[int, ...]
     weights: tuple[float, ...] | None = None
+    progress: _Progress | None = None
 
     def names_of(self, p: int) -> list[str]:
         """Process ``p``'s modules, in :attr:`AdapterSet.names` order."""
@@ -224,6 +261,8 @@ class _Stream:
             if self.dtype == np.float64:
                 adapters = [{n: _as(m, self.dtype) for n, m in ad.items()} for ad in adapters]
             yield k, names, adapters
+            if self.progress is not None:  # (the caller asks for the next: this one is done)
+                self.progress.tick()
 
     def weighted(self, adapters: list[dict[str, Any]]) -> list[Any]:
         """A chunk's adapters with the tasks' weights applied (the merge pass's input; the
@@ -242,13 +281,22 @@ def _as(m: dict[str, Any] | None, dtype: Any) -> dict[str, Any] | None:
 
 
 @jax.jit
-def _utilities(stats: dict[str, utility.ModuleScores], lam: jax.Array) -> dict[str, jax.Array]:
+def _utility(s: utility.ModuleScores, lam: jax.Array) -> jax.Array:
     """``benefit - lam * interference`` on candidates (where the ``lam=0`` utility is finite),
-    ``-inf`` elsewhere: :func:`nu.score`'s expression."""
-    return {
-        n: jnp.where(s.utility > -jnp.inf, s.benefit - lam * s.interference, -jnp.inf)
-        for n, s in stats.items()
-    }
+    ``-inf`` elsewhere: :func:`nu.score`'s expression, for one module (one program per module
+    shape; one traced over every module's leaves took 0.2 s to trace in every process)."""
+    return jnp.where(s.utility > -jnp.inf, s.benefit - lam * s.interference, -jnp.inf)
+
+
+# one program, where its dozen eager operations were a program each, traced and loaded again in
+# every process (the same operations: elementwise selections, medians and one division, so the
+# same bits)
+_lam_auto = jax.jit(utility.lam_auto)
+
+
+def _utilities(stats: dict[str, utility.ModuleScores], lam: jax.Array) -> dict[str, jax.Array]:
+    """:func:`_utility` of every module."""
+    return {n: _utility(s, lam) for n, s in stats.items()}
 
 
 def _global_scores(
@@ -266,11 +314,13 @@ def _global_scores(
             "undefined. Check that the adapters are trained (lora_b is zero at initialisation) "
             "and loaded correctly, or pass lam= explicitly (nu.allocate then keeps nothing)."
         )
+    # (joined on the host and placed: eager jnp ravels, concatenations and even jnp.asarray of
+    # a numpy array each compile a program, traced and loaded again in every process)
     lam_v = jnp.asarray(
-        utility.lam_auto(
-            jnp.concatenate([s.benefit.ravel() for s in stats.values()]),
-            jnp.concatenate([s.interference.ravel() for s in stats.values()]),
-            jnp.concatenate([jnp.asarray(c).ravel() for c in cand.values()]),
+        _lam_auto(
+            jax.device_put(np.concatenate([np.ravel(s.benefit) for s in stats.values()])),
+            jax.device_put(np.concatenate([np.ravel(s.interference) for s in stats.values()])),
+            jax.device_put(np.concatenate([c.ravel() for c in cand.values()])),
         ),
         dtype,
     )
@@ -360,7 +410,13 @@ def _score_pass(
                 input_moments=_chunk_moments(input_moments, names),
             )
             for a, sc in enumerate(run.scores):
-                out.update({f"s{a}/{n}": jnp.stack(ms) for n, ms in sc.modules.items()})
+                # stacked on the host (exact; an eager jnp.stack compiles per shape)
+                out.update(
+                    {
+                        f"s{a}/{n}": np.stack([np.asarray(x) for x in ms])
+                        for n, ms in sc.modules.items()
+                    }
+                )
             mine.parts[k] = run.energies
             checks[k] = run.check
         return {**out, **mine.arrays()}
@@ -375,7 +431,7 @@ def _score_pass(
         mine_checks = [checks[k][pick] for k in sorted(checks)]
         st.ex.check(st.fn, lambda: mine_checks and utility._Deferred.join(mine_checks).check())
     stats = {
-        name.split("/", 1)[1]: utility.ModuleScores(*jnp.asarray(a))
+        name.split("/", 1)[1]: utility.ModuleScores(*jax.device_put(list(np.asarray(a))))
         for arrays in shared
         for name, a in arrays.items()
         if name.startswith(f"s{pick}/")
@@ -490,6 +546,14 @@ def _on_chunk(fn: str, on_chunk: Callable, out: dict[str, Any]) -> Mapping[str, 
             f"with the chunk's modules {_checks.few(list(out))}, in that order."
         )
     return kept
+
+
+def _check_progress(fn: str, progress: Any) -> None:
+    if progress is not None and not callable(progress):
+        raise InputTypeError(
+            f"{fn}: progress is a {type(progress).__name__}; expected None or a function "
+            "progress(done, total) of the chunk reads done and planned."
+        )
 
 
 def _check_source(fn: str, source: Any, chunk_bytes: Any, on_chunk: Any) -> None:
@@ -691,6 +755,7 @@ def merge_adapters_streaming(
     weights: Sequence[float] | None = None,
     min_share: float | None = None,
     input_moments: Sequence[Mapping[str, Any] | None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
     **options: Any,
 ) -> tuple[dict[str, Any], merging.Report]:
     """:func:`nu.merge_adapters` on adapters read from disk a chunk at a time (see the module
@@ -716,6 +781,12 @@ def merge_adapters_streaming(
       mesh: a one-axis :class:`jax.sharding.Mesh` of this process's devices
         (:func:`nu.module_mesh`): each chunk's modules are split between them, as
         :func:`nu.merge_adapters`'s ``mesh``. None: one device.
+      progress: called as ``progress(done, total)``: once with ``done=0`` before the first
+        read, announcing ``total``, the chunk reads planned (this process's chunks times the
+        passes that read them: scoring and merging; merging only for ``allocation="all"``;
+        model-wide TIES: the common unit, one per 16-bit radix pass, the merge), then once per
+        chunk read and scored or merged, ``done`` counting up to ``total`` (a model-wide TIES
+        that keeps nothing skips its last reads: one last call then gives ``done=total``).
 
     Returns:
       ``(merged, Report)``, what :func:`nu.merge_adapters` returns for
@@ -763,6 +834,7 @@ def merge_adapters_streaming(
     if res.spec.needs_key:
         _plan.check_key(fn, key, res.spec.name)
     _check_source(fn, source, chunk_bytes, on_chunk)
+    _check_progress(fn, progress)
     merging.check_input_moments(fn, input_moments, allocation)
     _check_moment_names(fn, input_moments, source)
     weights = merging.check_weights(fn, weights, len(source.paths))
@@ -771,6 +843,12 @@ def merge_adapters_streaming(
     mesh = _mesh.check_mesh(fn, mesh) or _mesh.module_mesh(jax.local_devices()[:1])
     st = _stream(fn, source, chunk_bytes, _exchange.current(fn, distributed), weights)
     _refuse_model_wide(fn, res, st.ex)
+    if progress is not None:
+        mine = sum(1 for p in st.owner if p == st.ex.index)
+        st = dataclasses.replace(
+            st, progress=_Progress(progress, mine * _reads(allocation, res.model_wide, st.dtype))
+        )
+        st.progress.start()
     sc, masks, energies = _allocation(
         st, allocation=allocation, budget=budget, scope=scope, alpha=alpha, lam=lam,
         positive_only=positive_only, min_share=floor, mesh=mesh, input_moments=input_moments,
@@ -785,6 +863,8 @@ def merge_adapters_streaming(
     else:
         merged, kept, ranks, e2, zero = _merge_pass(st, call, masks, on_chunk=on_chunk)
     energies = energies or e2  # (the first pass that read everything summed them)
+    if st.progress is not None:
+        st.progress.finish()
     settings = {
         "budget": budget, "method": method, "space": space, "allocation": allocation,
         "weights": weights, "min_share": floor, "data_aware": merging.has_data(input_moments),

@@ -127,6 +127,19 @@ class BucketStats(NamedTuple):
     under: jax.Array
 
 
+def host_constant(x: Any, dtype: Any) -> jax.Array:
+    """``jnp.asarray(x, dtype)`` of a concrete host number (or numpy array) without compiling a
+    conversion: numpy rounds it to ``dtype`` (to nearest, as XLA's conversion does) and it is
+    placed as is (``jax.device_put``). ``jnp.asarray(0.1, jnp.float32)`` compiles a one-operation
+    program per dtype pair (and ``jnp.asarray`` of a numpy array an identity one per shape),
+    which a fresh process traces, lowers and loads again (about 20 ms each on 2 cores; a small
+    merge made a dozen). Anything else (a jax array, a tracer) goes through jnp."""
+    if isinstance(x, (bool, int, float, np.generic, np.ndarray)):
+        with np.errstate(over="ignore"):  # (beyond the dtype's range: inf, as XLA converts)
+            return jax.device_put(np.asarray(x, dtype))
+    return jnp.asarray(x, dtype)
+
+
 def default_rtol(r_max: int, dtype: Any) -> float:
     """Relative singular-value cut of the Gram route: ``sqrt(10 * r_max * eps(dtype))``."""
     return float(np.sqrt(10.0 * r_max * np.finfo(np.dtype(dtype)).eps))
@@ -766,11 +779,14 @@ def _score_run(
     if live:
         meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in live))
         rtols = tuple(
-            jnp.asarray(default_rtol(bk.r_max, dtype) if rtol is None else rtol, dtype)
+            host_constant(default_rtol(bk.r_max, dtype) if rtol is None else rtol, dtype)
             for bk in live
         )
         inputs = _score_inputs(fn, live, dtype, mesh)
-        alpha_arg = jnp.asarray(alphas[0] if n_alpha == 1 else jnp.stack(alphas), dtype)
+        if all(isinstance(a, (bool, int, float, np.generic)) for a in alphas):
+            alpha_arg = host_constant(alphas[0] if n_alpha == 1 else np.asarray(alphas), dtype)
+        else:
+            alpha_arg = jnp.asarray(alphas[0] if n_alpha == 1 else jnp.stack(alphas), dtype)
         kw = {"meta": meta, "lam_is_auto": lam_is_auto, "energy": energy}
         if mrows is not None:
             stacked_moments = _score_moments(fn, buckets, mrows, dtype, mesh)
@@ -835,7 +851,7 @@ def _score_run(
             "utility -inf) and nu.allocate keeps nothing."
         )
     scores = [
-        Scores({k: d[k] for k in names}, f[1], jnp.asarray(a, dtype))
+        Scores({k: d[k] for k in names}, f[1], host_constant(a, dtype))
         for d, f, a in zip(by_name, finished, alphas, strict=True)
     ]
     energies = _sum_energies(parts, m_tasks) if energy else None

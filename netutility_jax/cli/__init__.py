@@ -66,6 +66,7 @@ from .demo import cmd_demo as cmd_demo
 from .entry import default_compile_cache as default_compile_cache
 from .entry import enable_compile_cache as enable_compile_cache
 from .entry import main as main
+from .entry import run as run
 from .inspect import cmd_inspect as cmd_inspect
 from .inspect import inspect_dict as inspect_dict
 from .load import coverage_summary as coverage_summary
@@ -112,6 +113,7 @@ __all__ = [
     "main",
     "method_options",
     "report_dict",
+    "run",
     "skipped_summary",
     "staging_dir",
     "staging_name",

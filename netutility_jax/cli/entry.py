@@ -20,7 +20,7 @@ from .inspect import cmd_inspect
 from .merge import cmd_merge
 from .parser import MAX_MESSAGE, build_parser, required_merge_arguments
 
-__all__ = ["default_compile_cache", "enable_compile_cache", "main"]
+__all__ = ["default_compile_cache", "enable_compile_cache", "exit_now", "main", "run"]
 
 
 def default_compile_cache() -> pathlib.Path | None:
@@ -52,6 +52,25 @@ def enable_compile_cache(folder: pathlib.Path) -> bool:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return True
+
+
+def exit_now(code: int) -> None:
+    """End this ``netutility`` process with ``code``, its work done and written, without
+    Python's teardown: JAX's exit handlers clear its backends and caches and the interpreter
+    then collects every module's objects, about 0.5 s of a small merge on 2 cores. The output
+    streams are flushed and JAX's pending effects awaited first. A process of a
+    ``jax.distributed`` run exits normally (its shutdown tells the others). For the command
+    line only (``python -m netutility_jax.cli``): never call it in a process that has more to
+    do."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        initialized = getattr(jax.distributed, "is_initialized", None)
+        if initialized is None or initialized():  # (an older JAX: exit normally)
+            sys.exit(code)
+        jax.effects_barrier()
+    os._exit(code)
 
 
 def _versions() -> str:
@@ -114,3 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"and the versions ({_versions()})",
         )
         return 1
+
+
+def run() -> None:
+    """The ``netutility`` console script: :func:`main`, then :func:`exit_now` with its code."""
+    exit_now(main())

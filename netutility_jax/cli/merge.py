@@ -30,7 +30,7 @@ from .config import resolve
 from .distributed import agreed_facts, check_join, join, write_distributed
 from .job import MergeJob
 from .load import load, load_moments, open_streamed
-from .output import Merged, finish_output, progress, step, write_merge
+from .output import Merged, chunk_steps, finish_output, progress, step, write_merge
 from .paths import (
     OUT_MARGIN,
     check_adapter_dir,
@@ -191,7 +191,7 @@ def _merge_and_write(job, ex, out: pathlib.Path, options, key, bar) -> Any:
         elif job.distributed or _streams(job):
             loaded = ex.check(_FN, lambda: open_streamed(job.adapters, job, notes=ex.index == 0))
             step(bar, "opened", "scoring and merging (streamed)")
-            merged, report = _merge_streaming(loaded, job, key, options)
+            merged, report = _merge_streaming(loaded, job, key, options, bar)
         else:
             loaded = load(job.adapters, job, "merge")
             step(bar, "loaded", "scoring and merging")
@@ -309,7 +309,7 @@ def _streams(job: MergeJob) -> bool:
     return not job.in_memory
 
 
-def _merge_streaming(source: Any, job: MergeJob, key, options: dict[str, Any]):
+def _merge_streaming(source: Any, job: MergeJob, key, options: dict[str, Any], bar=None):
     """The merging step, streamed (:func:`nu.merge_adapters_streaming`); with ``--rank``, dense
     results are truncated chunk by chunk exactly as :func:`nu.peft.save_adapter` would (so
     memory stays bounded and the written adapter is the same)."""
@@ -325,8 +325,9 @@ def _merge_streaming(source: Any, job: MergeJob, key, options: dict[str, Any]):
         **_merge_settings(job, key),
         chunk_bytes=max(1, int(job.chunk_mb * 2**20)),
         on_chunk=on_chunk,
-        input_moments=load_moments(job, source),
         distributed=job.distributed,
+        progress=chunk_steps(bar, "scoring and merging"),
+        input_moments=load_moments(job, source),
         **options,
     )
 
@@ -356,6 +357,7 @@ def _merge_writing(tmp: pathlib.Path, source: Any, job, key, options, bar) -> An
             chunk_bytes=max(1, int(job.chunk_mb * 2**20)),
             on_chunk=functools.partial(_write_chunk, writer),
             input_moments=load_moments(job, source),
+            progress=chunk_steps(bar, "scoring, merging and writing"),
             **options,
         )
     step(bar, "merged and written", "writing the report")

@@ -23,6 +23,7 @@ from .paths import staging_name, stat_of, write_error
 __all__ = [
     "REPORT_NAME",
     "Merged",
+    "chunk_steps",
     "finish_output",
     "model_card",
     "progress",
@@ -48,6 +49,26 @@ def progress(total: int, desc: str, quiet: bool):
     except ImportError:
         return None
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
+
+
+def chunk_steps(bar, what: str) -> Callable[[int, int], None] | None:
+    """The streamed merge's ``progress`` callback (:func:`nu.merge_adapters_streaming`) on
+    ``bar``: the chunk reads it announces (``done=0``) are added to the bar's total, then the
+    bar advances one step per chunk read and scored or merged; None without a bar."""
+    if bar is None:
+        return None
+    seen = [0]
+
+    def report(done: int, total: int) -> None:
+        if done == 0:
+            bar.total += total
+            bar.refresh()
+        elif done > seen[0]:
+            bar.update(done - seen[0])
+            seen[0] = done
+        bar.set_postfix_str(f"{what}: chunk {done} of {total}")
+
+    return report
 
 
 def step(bar, done: str, next_step: str = "") -> None:
