@@ -32,6 +32,11 @@ def _keys_for(key: jax.Array, idx: Sequence[int]) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(np.asarray(idx, np.int32)))
 
 
+def _kernel_of(plan: MergePlan) -> dict[str, str]:
+    """The kernel that ran and its space, for :func:`raise_range`'s message."""
+    return {"method": plan.resolved.kernel_method, "space": plan.resolved.space}
+
+
 def _dense_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks) -> None:
     """An elementwise method in full space, module by module: at most one module's M dense task
     updates are alive, or a block of their rows when they exceed the working memory."""
@@ -99,7 +104,7 @@ def run(plan: MergePlan, *, coef: Any, key: Any) -> dict[str, Any]:
     checks: list = []  # (module names, range status), checked once every bucket is dispatched
     if plan.model_wide:
         results = ties_model(plan, coef=coef_arr, checks=checks)
-        raise_range(plan.fn, checks, plan.dtype)
+        raise_range(plan.fn, checks, plan.dtype, **_kernel_of(plan))
         return results
     bads: list = []
     for job in plan.jobs:
@@ -116,5 +121,5 @@ def run(plan: MergePlan, *, coef: Any, key: Any) -> dict[str, Any]:
             _bucket_job(plan, job, mk, coef_arr, keys, nums, results, checks, bads)
     if bads:
         raise_nonfinite(plan.fn, [bk for bk, _ in bads], [bad for _, bad in bads], plan.dtype)
-    raise_range(plan.fn, checks, plan.dtype)
+    raise_range(plan.fn, checks, plan.dtype, **_kernel_of(plan))
     return results

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _checks, _tree
 from ._plan import X64_HINT
+from ._stages import RANGE_KERNEL_NAN
 from .errors import InputError
 
 __all__ = ["raise_nonfinite", "raise_range", "rebuild"]
@@ -41,16 +42,29 @@ def _range_message(fn: str, bad, what: str, limit: str, name: str) -> str:
     )
 
 
-def raise_range(fn: str, checks, dtype) -> None:
-    """Merged modules that over- or underflow the compute dtype (:func:`_stages.range_status`)."""
+def raise_range(fn: str, checks, dtype, *, method: str | None = None, space: str = "") -> None:
+    """Merged modules whose method's kernel returned NaN for finite inputs (naming ``method``,
+    the kernel that ran, and ``space``), then modules that over- or underflow the compute dtype
+    (:func:`_stages.range_status`)."""
     over: list[tuple[str, float]] = []
     under: list[tuple[str, float]] = []
+    nan: list[str] = []
     for names, (code, log2) in checks:
         if isinstance(code, jax.core.Tracer):
             return
         for nm, c, lg in zip(names, np.asarray(code), np.asarray(log2), strict=True):
-            if c:
+            if c == RANGE_KERNEL_NAN:
+                nan.append(nm)
+            elif c:
                 (over if c == 1 else under).append((nm, float(lg)))
+    if nan:
+        who = f"method {method!r}" if method is not None else "the method's kernel"
+        raise InputError(
+            f"{fn}: {who} returned NaN for {_checks.few(nan)} ({len(nan)} module"
+            f"{'s' if len(nan) > 1 else ''}{f', space {space!r}' if space else ''}) whose inputs "
+            "are finite. A method's kernel must return finite values for finite inputs: fix the "
+            f"kernel declared for {method!r} (netutility_jax.registry.MethodSpec.kernel)."
+        )
     name = np.dtype(dtype).name
     fi = np.finfo(dtype)
     for bad, what, limit in (

@@ -39,6 +39,7 @@ __all__ = [
     "KERNEL_FINITE",
     "KERNEL_INF",
     "KERNEL_NAN",
+    "RANGE_KERNEL_NAN",
     "BucketConfig",
     "CoordsConfig",
     "LowRankConfig",
@@ -393,36 +394,34 @@ def check_elementwise_output(method: str, x, out) -> jax.Array:
     return out
 
 
-def _with_kernel_status(method: str, space: str, status, bad, check, shape):
+def _with_kernel_status(status, bad, check):
     """A bucket's range ``check`` with its kernel's :func:`kernel_status` folded in, for the
     modules whose inputs are finite (``bad (n, M, 3)`` all zero; the others are reported as bad
     inputs). An inf is an overflow (an extreme ``coef``): range code 1, as an overflow found
-    later. A NaN is the kernel's fault: an :class:`InputError` naming the method. Both small
-    arrays are read on the host where the bucket's ranks are read anyway (:func:`map_back`, after
-    the kernel ran), so nothing waits; under a trace the inf is folded in and nothing is raised
-    (as for the range check)."""
+    later. A NaN is the kernel's fault: :data:`RANGE_KERNEL_NAN`, which
+    :func:`_results.raise_range` reports naming the method and the modules. Without a NaN or an
+    inf (the usual case) nothing is done on the device."""
     if status is None:
         return check
     code, log2 = check
     if isinstance(status, jax.core.Tracer) or isinstance(bad, jax.core.Tracer):
-        over = (status == KERNEL_INF) & (jnp.sum(bad, axis=(1, 2)) == 0)
-        return jnp.where(over, 1, code).astype(code.dtype), jnp.where(over, jnp.nan, log2)
+        ok = jnp.sum(bad, axis=(1, 2)) == 0
+        code = jnp.where(ok & (status == KERNEL_INF), 1, code)
+        code = jnp.where(ok & (status == KERNEL_NAN), RANGE_KERNEL_NAN, code).astype(code.dtype)
+        return code, log2
     status = np.asarray(status)
     inputs_ok = ~np.asarray(bad).any(axis=(1, 2))
-    nan = (status == KERNEL_NAN) & inputs_ok
-    if nan.any():
-        k = int(nan.sum())
-        raise InputError(
-            f"nu.merge: method {method!r} returned NaN in {k} module{'s' if k > 1 else ''} of "
-            f"shape (d_in, d_out) = {shape} (space {space!r}) whose inputs are finite. A method's "
-            "kernel must return finite values for finite inputs: fix the kernel declared for "
-            f"{method!r} (netutility_jax.registry.MethodSpec.kernel)."
-        )
     over = (status == KERNEL_INF) & inputs_ok
-    if not over.any():  # the usual case: no device work at all
+    nan = (status == KERNEL_NAN) & inputs_ok
+    if not (over.any() or nan.any()):
         return check
-    over = jnp.asarray(over)
-    return jnp.where(over, 1, code).astype(code.dtype), jnp.where(over, jnp.nan, log2)
+    fix = np.where(nan, RANGE_KERNEL_NAN, np.where(over, 1, 0)).astype(np.int32)
+    return jnp.where(fix > 0, fix, code).astype(code.dtype), log2
+
+
+#: :func:`range_status`'s code of a module whose method's kernel returned NaN for finite inputs
+#: (folded in by :func:`_with_kernel_status` and :func:`module_dense`).
+RANGE_KERNEL_NAN = 3
 
 
 def range_status(w, y, unit, axes):
@@ -752,7 +751,7 @@ def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
     # a kernel's NaN or inf would otherwise decode to rank-0 modules (no singular value is
     # above the cut), silently; its status is read where map_back reads the ranks anyway
     la, lb, live, check = map_back(la, lb, live, red.qa, red.qb, expand_in, unit)
-    check = _with_kernel_status(cfg.method, cfg.space, status, bad, check, (cfg.d_in, cfg.d_out))
+    check = _with_kernel_status(status, bad, check)
     return la, lb, live, check, bad
 
 
@@ -806,7 +805,10 @@ def module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max
     its :func:`range_status`."""
     x, unit = _dense_kept(a, b, s, r, mask, None, r_max=r_max)
     xm = elementwise(x, key[None], method=method, coef=coef, nums=nums, k_top=k_top[None])
-    return _scale_dense(xm[0], unit)
+    y, (code, log2) = _scale_dense(xm[0], unit)
+    # a NaN from the kernel itself (the inputs are checked finite before): not an overflow
+    code = jnp.where(kernel_status(xm) == KERNEL_NAN, RANGE_KERNEL_NAN, code).astype(code.dtype)
+    return y, (code, log2)
 
 
 #: One module's kept task updates as full-space coordinates (jitted :func:`_kept_coords`).

@@ -380,21 +380,38 @@ def test_a_kernel_returning_nan_is_an_error_naming_the_method(registered, space)
     """Was: rank-0 modules and no error (the NaN columns count as zero singular values)."""
     registered(_spec_of("nan_lr", "low_rank", _lr_then(lambda a, b: (a * jnp.nan, b))))
     want = (
-        r"nu\.merge: method 'nan_lr' returned NaN in 1 module of shape \(d_in, d_out\) = "
-        rf"\(16, 16\) \(space '{space}'\) whose inputs are finite"
+        r"nu\.merge: method 'nan_lr' returned NaN for module 'l' \(1 module, space "
+        rf"'{space}'\) whose inputs are finite"
     )
     with pytest.raises(InputError, match=want):
         nu.merge(_sq_ads(), method="nan_lr", space=space)
 
 
-@pytest.mark.parametrize("space", ["core", "knots"])
+@pytest.mark.parametrize("space", ["full", "core", "knots"])
 def test_an_elementwise_kernel_returning_nan_is_an_error(registered, space):
+    """Was: in full space 'the merged update of module 'l' overflows' (a NaN is not an
+    overflow), and in Core / KnOTS space no module named."""
     registered(_spec_of("nan_ew", "elementwise", _ew_then(lambda x: x * jnp.nan)))
-    with pytest.raises(InputError, match=r"method 'nan_ew' returned NaN"):
-        nu.merge(_sq_ads(), method="nan_ew", space=space)
-    # full space (dense, module by module): the range check of the result names the module
+    ads = [{**ad, "m": ad["l"]} for ad in _sq_ads()]
+    with pytest.raises(
+        InputError,
+        match=rf"method 'nan_ew' returned NaN for modules 'l', 'm' \(2 modules, space '{space}'\) "
+        "whose inputs are finite",
+    ):
+        nu.merge(ads, method="nan_ew", space=space)
+
+
+def test_a_kernel_returning_inf_is_an_overflow_not_a_nan(registered):
+    """A kernel's inf (no NaN) is reported as the overflow it is, not as the kernel's NaN."""
+    registered(
+        _spec_of(
+            "big_ew",
+            "elementwise",
+            _ew_then(lambda x: jnp.where(x > 0, jnp.inf, -jnp.inf).astype(x.dtype)),
+        )
+    )
     with pytest.raises(InputError, match=r"merged update of module 'l' overflows"):
-        nu.merge(_sq_ads(), method="nan_ew", space="full")
+        nu.merge(_sq_ads(np.float32), method="big_ew", space="full")
 
 
 def test_an_elementwise_kernel_of_the_wrong_shape_is_an_error(registered):
