@@ -388,15 +388,9 @@ def _write_chunk(writer: Any, modules: dict[str, Any]) -> dict[str, Any]:
 
 def _truncate_dense(modules: dict[str, Any], *, rank: int) -> dict[str, Any]:
     """Dense modules of a chunk as the rank-``rank`` LoRA modules save_adapter writes."""
-    from ..peft._convert import _peft_factors
+    from .. import peft
 
-    out = {}
-    for name, mod in modules.items():
-        if "delta" in mod:
-            a, b = _peft_factors(name, mod, rank, fn="netutility merge")
-            mod = {"lora_a": a.T, "lora_b": b.T, "scale": 1.0}
-        out[name] = mod
-    return out
+    return peft.truncate_dense(modules, rank, fn="netutility merge")
 
 
 def _check_dense(job: MergeJob, report: Any) -> None:

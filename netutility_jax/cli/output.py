@@ -338,9 +338,9 @@ def write_plots(
 def uniform_rank(serving_ranks: Any, ranks: Mapping[str, int | None]) -> int | None:
     """``--serving-ranks``' rank for the merged ``ranks`` of every module, as
     :func:`nu.peft.save_adapter` picks it (a rank-0 module is written at rank 1)."""
-    from ..peft import _write
+    from .. import peft
 
-    allowed = _write._serving_ranks(serving_ranks, fn=f"{PROG} merge") or ()
+    allowed = peft.serving_ranks(serving_ranks, fn=f"{PROG} merge") or ()
     top = max(max(1, r or 0) for r in ranks.values())
     fits = [r for r in allowed if r >= top]
     if allowed and not fits:

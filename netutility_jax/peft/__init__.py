@@ -52,6 +52,7 @@ from ._common import save_tensors as save_tensors
 from ._config import CARRIED_FIELDS as CARRIED_FIELDS
 from ._config import _targeted as _targeted
 from ._config import _untargeted as _untargeted
+from ._convert import truncate_dense as truncate_dense
 from ._lazy import AdapterSet as AdapterSet
 from ._lazy import open_adapters as open_adapters
 from ._load import LoadedAdapters as LoadedAdapters
@@ -95,6 +96,7 @@ __all__ = [
     "save_tensors",
     "serving_ranks",
     "shard_name",
+    "truncate_dense",
     "weight_shapes",
     "write_index",
     "write_shard",
@@ -120,6 +122,7 @@ for _obj in (
     save_tensors,
     serving_ranks,
     shard_name,
+    truncate_dense,
     weight_shapes,
     write_index,
     write_shard,

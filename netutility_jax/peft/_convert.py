@@ -24,7 +24,7 @@ from ..errors import InputError, InputTypeError
 from ._common import PREFIX, _clip
 from ._config import _Setting
 
-__all__: list[str] = []
+__all__ = ["truncate_dense"]
 
 _SAVE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -201,6 +201,30 @@ def _peft_factors(
         # nothing kept here: PEFT needs r >= 1, so write one zero direction (update exactly 0)
         return np.zeros((1, a.shape[0])), np.zeros((b.shape[1], 1))
     return a.T, (float(scale) * b).T
+
+
+def truncate_dense(
+    modules: Mapping[str, Any], rank: int, *, fn: str = "nu.peft.truncate_dense"
+) -> dict[str, Any]:
+    """``modules`` with each dense module ``{"delta": (d_in, d_out)}`` (TIES or DARE in full
+    space) as the rank-``rank`` LoRA module :func:`save_adapter` writes for it with ``rank=``:
+    its best rank-``rank`` approximation by SVD, both factors carrying the square roots of the
+    singular values (float64, scale 1); LoRA modules pass unchanged.
+
+    Example:
+      >>> import numpy as np
+      >>> d = np.outer([1.0, 2.0], [3.0, 0.0, 4.0])  # rank 1
+      >>> m = truncate_dense({"w": {"delta": d}}, 1)["w"]
+      >>> m["lora_a"].shape, m["lora_b"].shape, bool(np.allclose(m["lora_a"] @ m["lora_b"], d))
+      ((2, 1), (1, 3), True)
+    """
+    out = {}
+    for name, mod in modules.items():
+        if mod is not None and "delta" in mod:
+            a, b = _peft_factors(name, mod, rank, fn=fn)
+            mod = {"lora_a": a.T, "lora_b": b.T, "scale": 1.0}
+        out[name] = mod
+    return out
 
 
 def _save_dtype(dtype: str) -> Any:
