@@ -16,8 +16,8 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+from test_cli_config import _adapter  # the same small adapters
 
 import netutility_jax as nu
 from netutility_jax import cli, hub
@@ -25,23 +25,9 @@ from netutility_jax import cli, hub
 pytest.importorskip("safetensors")
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
-NAMES = [f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj")]
-D_IN, D_OUT = 24, 16
 BASE = {"base_model_name_or_path": "tiny-test-model", "task_type": "CAUSAL_LM"}
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 FLAGS = ["--budget", "3", "--alpha", "1", "--no-plots", "--quiet"]
-
-
-def _adapter(seed: int, r: int) -> dict:
-    rng = np.random.default_rng(seed)
-    return {
-        n: {
-            "lora_a": rng.normal(size=(D_IN, r)).astype(np.float32),
-            "lora_b": (rng.normal(size=(r, D_OUT)) / 4).astype(np.float32),
-            "scale": 2.0,
-        }
-        for n in NAMES
-    }
 
 
 def _commit(text: str) -> str:

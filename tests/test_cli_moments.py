@@ -14,6 +14,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from test_cli_config import D_IN, NAMES, _adapter  # the same small adapters
 
 import netutility_jax as nu
 from netutility_jax import cli
@@ -21,24 +22,10 @@ from netutility_jax.moments import input_moments_dense, load_input_moments, save
 
 pytest.importorskip("safetensors")
 
-NAMES = [f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj")]
-D_IN, D_OUT = 24, 16
 RANKS = (4, 3, 4)
 BASE = {"base_model_name_or_path": "tiny-test-model", "task_type": "CAUSAL_LM"}
 FLAGS = ["--budget", "3", "--alpha", "1", "--no-plots", "--quiet"]
 API = {"budget": 3, "alpha": 1.0}
-
-
-def _adapter(seed: int, r: int) -> dict:
-    rng = np.random.default_rng(seed)
-    return {
-        n: {
-            "lora_a": rng.normal(size=(D_IN, r)).astype(np.float32),
-            "lora_b": (rng.normal(size=(r, D_OUT)) / 4).astype(np.float32),
-            "scale": 2.0,
-        }
-        for n in NAMES
-    }
 
 
 def _activations(seed: int, n: int) -> dict[str, np.ndarray]:
