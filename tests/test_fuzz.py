@@ -662,10 +662,15 @@ _CLI_FLAGS = {  # flag: a valid value (the rest of the time the value is garbage
     "--serving-ranks": "vllm",
     "--chunk-mb": "1",
     "--devices": "all",
+    "--min-share": "0.5",
+    # one file for two adapters (refused: the count), or garbage (refused: no such file)
+    "--input-moments": "none",
     # without --distributed (never drawn: it would wait for other processes) these are refused
     "--coordinator": "localhost:1",
     "--num-processes": "2",
     "--process-id": "0",
+    "--distributed-timeout": "5",
+    "--heartbeat-timeout": "5",
 }
 
 
