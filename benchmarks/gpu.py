@@ -287,7 +287,8 @@ def qwen_flops_forward(cfg, batch: int, seq: int) -> float:
 def qwen_section(args, peak: float | None) -> dict[str, Any]:
     from flax import nnx
 
-    from netutility_jax.experiments import lang_train, llama
+    from netutility_jax.experiments.models import llama
+    from netutility_jax.experiments.suites import lang_train
 
     shape = (
         QWEN3_4B
@@ -384,7 +385,7 @@ def clip_section(args, peak: float | None) -> dict[str, Any]:
     import optax
     from flax import nnx
 
-    from netutility_jax.experiments import clip
+    from netutility_jax.experiments.models import clip
 
     if args.tiny:
         cfg = clip.CLIPConfig(

@@ -172,39 +172,43 @@ def test_the_library_never_imports_the_command():
 # the harness (and with it grid and report) imports no model and no suite when it is imported.
 # Every module of netutility_jax.experiments is in exactly one of these lists.
 EXP = "netutility_jax.experiments"
-HARNESS = [
+HARNESS = [f"harness.{m}" for m in [
     "runner", "grid", "stats", "report", "report_tables", "report_markdown", "report_figures",
     "evaluate", "passes", "fitting", "trainer", "allocations", "suites", "study",
-]  # fmt: skip
-MODELS = [
+]]  # fmt: skip
+MODELS = [f"models.{m}" for m in [
     "minilm", "minilm_model", "llama", "llama_config", "llama_load", "llama_model",
     "llama_tokenizer", "gguf_io", "clip", "clip_model", "clip_load", "clip_image",
-]  # fmt: skip
-DATA = ["tasks", "task_sources", "rdata_reader", "lang_tasks", "nli_data", "vision_data"]
-SUITES = [
+]]  # fmt: skip
+DATA = [f"data.{m}" for m in [
+    "tasks", "task_sources", "rdata_reader", "lang_tasks", "nli_data", "vision_data",
+]]  # fmt: skip
+SUITES = [f"suites.{m}" for m in [
     "encoder", "encoder_eval", "train", "language", "lang_eval", "lang_train", "vision", "nli",
     "nli_head",
-]  # fmt: skip
+]]  # fmt: skip
 COMMAND = ["demo"]  # ``netutility demo``: above the suites
+#: The folders (each a layer): their packages import nothing of the package at import time
+FOLDERS = ["models", "data", "suites", "harness"]
 
 #: The only imports of a suite by the harness, each inside a function (never at import time):
 #: ``(harness module, suite module): where``. A module ``__getattr__`` serves a name that moved
 #: to a suite from its old module (``grid.FULL``), imported on first use.
 PLUG_INS = {
-    ("suites", "encoder"): "the built-in suites' SuiteSpec callables (the registry)",
-    ("suites", "language"): "the built-in suites' SuiteSpec callables (the registry)",
-    ("suites", "vision"): "the built-in suites' SuiteSpec callables (the registry)",
-    ("suites", "nli"): "the built-in suites' SuiteSpec callables (the registry)",
-    ("runner", "encoder"): "run_experiment's default suite; __getattr__: EncoderSuite",
-    ("grid", "encoder"): "__getattr__: the encoder's presets (QUICK, FULL, PAPER, ...)",
-    ("study", "encoder"): "__getattr__: the encoder's studies (REGIME, REGIME_QUICK, STUDIES)",
-    ("evaluate", "encoder_eval"): "__getattr__: the encoder's evaluation (Backbone, ...)",
-}
+    ("harness.suites", "suites.encoder"): "the built-in suites' SuiteSpec callables (the registry)",
+    ("harness.suites", "suites.language"): "the built-in suites' SuiteSpec callables (the registry)",
+    ("harness.suites", "suites.vision"): "the built-in suites' SuiteSpec callables (the registry)",
+    ("harness.suites", "suites.nli"): "the built-in suites' SuiteSpec callables (the registry)",
+    ("harness.runner", "suites.encoder"): "run_experiment's default suite; __getattr__: EncoderSuite",
+    ("harness.grid", "suites.encoder"): "__getattr__: the encoder's presets (QUICK, FULL, PAPER, ...)",
+    ("harness.study", "suites.encoder"): "run_study's default suite; __getattr__: REGIME, STUDIES",
+    ("harness.evaluate", "suites.encoder_eval"): "__getattr__: the encoder's evaluation (Backbone, ...)",
+}  # fmt: skip
 
 
 def test_every_experiments_module_has_a_layer():
     mods = {m[len(EXP) + 1 :] for m in _modules() if m.startswith(EXP + ".")}
-    listed = [*HARNESS, *MODELS, *DATA, *SUITES, *COMMAND]
+    listed = [*HARNESS, *MODELS, *DATA, *SUITES, *COMMAND, *FOLDERS]
     twice = sorted({m for m in listed if listed.count(m) > 1})
     assert not twice, f"modules in two layers: {twice}"
     assert mods == set(listed), (
@@ -268,18 +272,22 @@ def test_importing_a_harness_module_imports_no_model_or_suite(name):
     assert not bad, f"importing {name} imports a model or suite: " + "; ".join(map(chain, bad))
 
 
-# names that moved out of the harness into the encoder suite, still served (silently) by their
-# old modules: (old module, names, new module)
+# names that moved out of the harness into the encoder suite, still served by their old modules
+# with a DeprecationWarning: (old module, names, new module)
 _EVALUATE_MOVED = (
     "ROW_LEN", "ROWS", "MAX_TEXTS", "TEMPERATURE", "Backbone", "Batch", "EvalSet", "Evaluator",
     "Head", "correct", "encode", "logits", "make_eval_set", "packed_batches", "predict",
     "zero_shot_heads",
 )  # fmt: skip
 MOVED = [
-    ("grid", ("QUICK", "FULL", "PAPER", "MECHANISM", "PRESETS", "DEFAULT_TASKS"), "encoder"),
-    ("runner", ("EncoderSuite",), "encoder"),
-    ("study", ("REGIME", "REGIME_QUICK", "STUDIES"), "encoder"),
-    ("evaluate", _EVALUATE_MOVED, "encoder_eval"),
+    (
+        "harness.grid",
+        ("QUICK", "FULL", "PAPER", "MECHANISM", "PRESETS", "DEFAULT_TASKS"),
+        "suites.encoder",
+    ),
+    ("harness.runner", ("EncoderSuite",), "suites.encoder"),
+    ("harness.study", ("REGIME", "REGIME_QUICK", "STUDIES"), "suites.encoder"),
+    ("harness.evaluate", _EVALUATE_MOVED, "suites.encoder_eval"),
 ]
 
 
@@ -289,9 +297,85 @@ def test_moved_names_stay_reachable_from_their_old_module(old, names, new):
 
     old_mod = importlib.import_module(f"{EXP}.{old}")
     new_mod = importlib.import_module(f"{EXP}.{new}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for n in names:
+    for n in names:
+        with pytest.warns(DeprecationWarning, match=rf"{old_mod.__name__}\.{n} moved to "
+                          rf"{new_mod.__name__}\.{n}"):  # fmt: skip
             assert getattr(old_mod, n) is getattr(new_mod, n), f"{old}.{n}"
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         old_mod.nope  # noqa: B018
+
+
+# ------------------------------------------------------------------ the modules' old flat paths
+
+
+def test_the_old_flat_paths_are_the_layout():
+    """``experiments.MOVED`` (the old paths the package still serves) names every module of a
+    folder once, at the path where it is (``suites``, now a folder, is served by its package)."""
+    import netutility_jax.experiments as exp
+
+    moved = {f"{new}" for new in exp.MOVED.values()}
+    assert moved | {"harness.suites"} == {*HARNESS, *MODELS, *DATA, *SUITES}
+    assert all(new.rpartition(".")[2] == old for old, new in exp.MOVED.items())
+    assert {f"{k}.{m}" for k, ms in exp.LAYOUT.items() for m in ms} == moved | {"harness.suites"}
+
+
+@pytest.mark.parametrize("old", sorted([*HARNESS, *MODELS, *DATA, *SUITES]))
+def test_an_old_flat_path_warns_and_is_the_moved_module(old):
+    """``import netutility_jax.experiments.<old>`` (and ``from netutility_jax.experiments import
+    <old>``) gives the module at its new path, the same object, with a DeprecationWarning that
+    names the new path; ``from netutility_jax.experiments.<old> import X`` gives the same X."""
+    import importlib
+
+    import netutility_jax.experiments as exp
+
+    new = f"{EXP}.{old}"
+    leaf = old.rpartition(".")[2]
+    if leaf == "suites":  # the path is the suites' folder now: its package serves the registry
+        pkg = importlib.import_module(f"{EXP}.suites")
+        with pytest.warns(DeprecationWarning, match=rf"{EXP}\.suites\.SUITES moved to {new}\."):
+            assert pkg.SUITES is importlib.import_module(new).SUITES
+        with pytest.raises(AttributeError, match="no attribute 'nope'"):
+            pkg.nope  # noqa: B018
+        return
+    want = importlib.import_module(new)
+    gone = f"{EXP}.{leaf}"
+
+    def forget():
+        sys.modules.pop(gone, None)
+        exp.__dict__.pop(leaf, None)
+
+    forget()
+    if leaf in exp.PUBLIC:  # a public path (experiments.clip): the same module, no warning
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert importlib.import_module(gone) is want
+                forget()
+                assert getattr(__import__(EXP, fromlist=[leaf]), leaf) is want
+        finally:
+            forget()
+        return
+    try:
+        with pytest.warns(DeprecationWarning, match=rf"{gone} moved to {new};"):
+            got = importlib.import_module(gone)
+        assert got is want and sys.modules[gone] is want
+        assert want.__name__ == new and want.__spec__.name == new  # the module's own spec kept
+        forget()
+        with pytest.warns(DeprecationWarning, match=rf"{gone} moved to {new};"):
+            got = getattr(__import__(EXP, fromlist=[leaf]), leaf)
+        assert got is want
+        name = want.__all__[0] if want.__all__ else None
+        if name is not None:
+            assert getattr(importlib.import_module(gone), name) is getattr(want, name)
+    finally:
+        forget()
+
+
+def test_an_old_flat_path_runs_with_python_m(tmp_path):
+    """``python -m netutility_jax.experiments.nli`` (the path .ci/run uses) still runs the module
+    now at ``suites/nli.py``."""
+    out = subprocess.run(
+        [sys.executable, "-m", f"{EXP}.nli", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--write-toy" in out.stdout

@@ -676,7 +676,9 @@ def test_stale_staging_of_a_dead_process_is_removed(folders, tmp_path, capsys):
 
 def test_demo_checks_before_any_training(tmp_path, capsys, monkeypatch):
     pytest.importorskip("optax")
-    from netutility_jax.experiments import runner, tasks, train
+    from netutility_jax.experiments.data import tasks
+    from netutility_jax.experiments.harness import runner
+    from netutility_jax.experiments.suites import train
 
     def fail(*args, **kwargs):
         pytest.fail("the demo started working before checking its arguments")

@@ -30,8 +30,8 @@ from flax import nnx
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError, InputTypeError, MissingFileError
-from netutility_jax.experiments import clip
-from netutility_jax.experiments.minilm import LoRALinear
+from netutility_jax.experiments.models import clip
+from netutility_jax.experiments.models.minilm import LoRALinear
 
 torch = pytest.importorskip("torch", reason="torch is needed for the transformers peer")
 transformers = pytest.importorskip("transformers", reason="transformers is the reference")
@@ -601,7 +601,7 @@ def test_preprocessor_config_json(folders, tmp_path):
 @pytest.mark.slow
 def test_docstring_examples():
     for name in ("clip", "clip_model", "clip_load", "clip_image"):
-        mod = importlib.import_module(f"netutility_jax.experiments.{name}")
+        mod = importlib.import_module(f"netutility_jax.experiments.models.{name}")
         res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
         assert res.failed == 0, name
 

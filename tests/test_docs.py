@@ -28,10 +28,10 @@ MODULES = [
     "nnx",
     "checkpoint",
     "plots",
-    "experiments.evaluate",
+    "experiments.harness.evaluate",
     "experiments.demo",
-    "experiments.stats",
-    "experiments.report_markdown",
+    "experiments.harness.stats",
+    "experiments.harness.report_markdown",
 ]
 
 

@@ -21,10 +21,15 @@ import pytest
 from flax import nnx
 
 import netutility_jax as nu
-from netutility_jax.experiments import demo, minilm, report, runner, tasks
-from netutility_jax.experiments import evaluate as ev
-from netutility_jax.experiments import grid as gr
-from netutility_jax.experiments import train as tr
+from netutility_jax.experiments import demo
+from netutility_jax.experiments.data import tasks
+from netutility_jax.experiments.harness import evaluate as ev
+from netutility_jax.experiments.harness import grid as gr
+from netutility_jax.experiments.harness import report, runner
+from netutility_jax.experiments.models import minilm
+from netutility_jax.experiments.suites import encoder as enc
+from netutility_jax.experiments.suites import encoder_eval as ee
+from netutility_jax.experiments.suites import train as tr
 
 HAVE_WEIGHTS = importlib.util.find_spec(minilm.PACKAGE) is not None
 needs_weights = pytest.mark.skipif(
@@ -74,12 +79,12 @@ def tiny_tasks(tmp_path_factory) -> list[tasks.Task]:
 def backbone():
     if not HAVE_WEIGHTS:
         pytest.skip(f"pretrained weights not installed ({minilm.INSTALL})")
-    return ev.Backbone()
+    return ee.Backbone()
 
 
 @pytest.fixture(scope="module")
 def heads(backbone, tiny_tasks):
-    return ev.zero_shot_heads(backbone, tiny_tasks)
+    return ee.zero_shot_heads(backbone, tiny_tasks)
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +152,12 @@ def test_pack_layout(lengths, decreasing, row_len):
 @needs_weights
 def test_packed_forward_equals_one_text_at_a_time(backbone):
     texts = ["a", "the movie was lovely", "stocks fell sharply on friday", "x y z", "hello"] * 3
-    es = ev.make_eval_set(["t"], [ev._Texts(tuple(texts), np.zeros(len(texts), np.int32))])
+    es = ee.make_eval_set(["t"], [ee._Texts(tuple(texts), np.zeros(len(texts), np.int32))])
     assert len(es.batches) == 1 and es.slot_tokens > es.tokens
     got = backbone.embed(es)
     f = nnx.jit(minilm.embed)
     for i, t in enumerate(texts):
-        tok = minilm.tokenize([t], max_length=ev.ROW_LEN)
+        tok = minilm.tokenize([t], max_length=ee.ROW_LEN)
         want = np.asarray(f(backbone.model, tok.ids, tok.mask))[0]
         np.testing.assert_allclose(got[i], want, atol=2e-5)
 
@@ -170,7 +175,7 @@ def test_fold_in_jit_equals_the_lora_branch(backbone):
     }
     coef = 0.7
     texts = ["the movie was lovely", "the bank sold shares", "run"]
-    es = ev.make_eval_set(["t"], [ev._Texts(tuple(texts), np.zeros(3, np.int32))])
+    es = ee.make_eval_set(["t"], [ee._Texts(tuple(texts), np.zeros(3, np.int32))])
     got = backbone.embed(es, adapter, coef)
     model = minilm.add_lora(backbone.model, rank=4, rngs=nnx.Rngs(0))
     for path, lin in minilm._lora_layers(model):
@@ -179,7 +184,7 @@ def test_fold_in_jit_equals_the_lora_branch(backbone):
         b = mod["lora_b"] if mod else np.zeros((4, 384), np.float32)
         lin.lora.lora_a.set_value(jax.numpy.asarray(a))
         lin.lora.lora_b.set_value(jax.numpy.asarray(b * (mod["scale"] * coef if mod else 0.0)))
-    tok = minilm.tokenize(texts, max_length=ev.ROW_LEN)
+    tok = minilm.tokenize(texts, max_length=ee.ROW_LEN)
     want = np.asarray(minilm.embed(model, tok.ids, tok.mask))
     np.testing.assert_allclose(got, want, atol=3e-5)
     # the delta is formed once; a second coefficient reuses it
@@ -192,7 +197,7 @@ def test_fold_in_jit_equals_the_lora_branch(backbone):
 @needs_weights
 def test_zero_shot_heads_are_the_label_embeddings(backbone, tiny_tasks, heads):
     for task, head in zip(tiny_tasks, heads, strict=True):
-        tok = minilm.tokenize(list(task.label_texts), max_length=ev.ROW_LEN)
+        tok = minilm.tokenize(list(task.label_texts), max_length=ee.ROW_LEN)
         want = np.asarray(minilm.embed(backbone.model, tok.ids, tok.mask))
         np.testing.assert_allclose(head.vectors, want, atol=2e-5)
         np.testing.assert_allclose(np.linalg.norm(head.vectors, axis=1), 1.0, atol=1e-5)
@@ -210,7 +215,7 @@ def test_epoch_steps_always_advance(lengths, rows):
     assert all(steps) and sorted(itertools.chain(*steps)) == list(range(len(lengths)))
     ids = np.ones((len(lengths), 50), np.int32)
     for s in steps:  # each step fits one fixed-shape batch, packed in its own order
-        (b,) = ev.packed_batches(ids[s], lengths[s], rows=rows, row_len=16, decreasing=False)
+        (b,) = ee.packed_batches(ids[s], lengths[s], rows=rows, row_len=16, decreasing=False)
         assert (b.text >= 0).sum() == len(s)
 
 
@@ -221,8 +226,8 @@ def test_training_learns(trained, tiny_tasks, heads, backbone):
         hist = t.info["history"]
         assert [h["step"] for h in hist] == [6, 12]
         assert hist[-1]["train_loss"] < hist[0]["train_loss"], hist
-        val = ev.make_eval_set([task.name], [task.val])
-        zero = ev.correct(backbone.embed(val), [head], val).mean()
+        val = ee.make_eval_set([task.name], [task.val])
+        zero = ee.correct(backbone.embed(val), [head], val).mean()
         assert t.info["best_val_accuracy"] > max(zero, 0.75), (task.name, zero, hist)
         assert set(t.adapter) == set(backbone.module_names)
 
@@ -234,7 +239,7 @@ def test_training_a_split_smaller_than_a_step_terminates(tmp_path, backbone):
     rows = [(f"word{i}", "ab"[i % 2]) for i in range(20)]
     task = tasks.load_csv_task("small", _write_csv(tmp_path / "s.csv", rows), n_val=4, n_test=4)
     cfg = dataclasses.replace(TINY, rows=64, max_steps=5, eval_every=2)
-    (head,) = ev.zero_shot_heads(backbone, [task])
+    (head,) = ee.zero_shot_heads(backbone, [task])
     out = tr.Trainer(cfg, backbone).fit(task, head)
     assert out.info["steps"] == 5 and out.info["epochs"] == 5  # one step per epoch
     assert out.info["texts_seen"] == 5 * len(task.train)
@@ -302,7 +307,7 @@ def test_select_coef_finds_the_grid_optimum_of_unimodal_scores(peak, width, star
 def test_coefficient_is_chosen_on_validation_only():
     """A fake evaluator whose validation prefers 0.5 and test prefers 2: 0.5 must win."""
 
-    class Fake(ev.Evaluator):
+    class Fake(ee.Evaluator):
         def __init__(self):
             self.val, self.test = "val", "test"
             self.task_names = ("a",)
@@ -335,9 +340,9 @@ def test_normalized_accuracy():
 @needs_weights
 def test_evaluator_matches_numpy(trained, tiny_tasks, heads, backbone):
     names = [t.name for t in tiny_tasks]
-    val = ev.make_eval_set(names, [t.val for t in tiny_tasks])
-    test = ev.make_eval_set(names, [t.test for t in tiny_tasks])
-    e = ev.Evaluator(backbone, [t.adapter for t in trained], heads, val, test)
+    val = ee.make_eval_set(names, [t.val for t in tiny_tasks])
+    test = ee.make_eval_set(names, [t.test for t in tiny_tasks])
+    e = ee.Evaluator(backbone, [t.adapter for t in trained], heads, val, test)
     for i, (t, h) in enumerate(zip(trained, heads, strict=True)):
         sub = test.only(i)
         emb = backbone.embed(sub, t.adapter)
@@ -602,9 +607,9 @@ def test_cli_arguments(capsys):
     assert (a.quick, a.task, a.seeds, a.out, a.overwrite, a.grid, a.suite) == (
         True, ["x=a.csv", "y=b.csv"], (3, 4), "netutility-demo", False, None, "encoder",
     )  # fmt: skip
-    assert demo.preset_of(a) is gr.QUICK
-    assert demo.preset_of(parser.parse_args(["--grid", "paper"])) is gr.PAPER
-    assert demo.task_args(["x=a.csv"]) == [*gr.DEFAULT_TASKS, "x=a.csv"]
+    assert demo.preset_of(a) is enc.QUICK
+    assert demo.preset_of(parser.parse_args(["--grid", "paper"])) is enc.PAPER
+    assert demo.task_args(["x=a.csv"]) == [*enc.DEFAULT_TASKS, "x=a.csv"]
     assert demo.task_args(["x=a.csv"], "x,word_pos") == ["x=a.csv", "word_pos"]
     for bad in ("1,1", "-1", "a", "", str(2**32)):
         with pytest.raises(SystemExit):
@@ -615,9 +620,9 @@ def test_cli_arguments(capsys):
 def test_presets_meet_the_issue():
     """The full run: >= 1000 test and >= 200 validation texts per task, 3 seeds, and every
     individual LoRA is compared with zero-shot; the quick run stays small."""
-    assert gr.FULL.n_test >= 1000 and gr.FULL.n_val >= 200 and len(gr.FULL.seeds) >= 3
-    assert gr.FULL.grid.random and gr.FULL.grid.no_budget and gr.FULL.grid.weight_average
-    assert set(gr.FULL.grid.budgets) == {64, 32, 16}
-    assert len(gr.DEFAULT_TASKS) == 7 and set(gr.DEFAULT_TASKS) <= set(tasks.BUILTIN_TASKS)
-    assert any(tasks.TASK_INFO[t].pair for t in gr.DEFAULT_TASKS)
-    assert len(gr.QUICK.tasks) <= 3 and gr.QUICK.seeds == (0,)
+    assert enc.FULL.n_test >= 1000 and enc.FULL.n_val >= 200 and len(enc.FULL.seeds) >= 3
+    assert enc.FULL.grid.random and enc.FULL.grid.no_budget and enc.FULL.grid.weight_average
+    assert set(enc.FULL.grid.budgets) == {64, 32, 16}
+    assert len(enc.DEFAULT_TASKS) == 7 and set(enc.DEFAULT_TASKS) <= set(tasks.BUILTIN_TASKS)
+    assert any(tasks.TASK_INFO[t].pair for t in enc.DEFAULT_TASKS)
+    assert len(enc.QUICK.tasks) <= 3 and enc.QUICK.seeds == (0,)

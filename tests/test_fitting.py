@@ -1,4 +1,4 @@
-"""The training configs' ``init`` and ``step_scale`` (:mod:`netutility_jax.experiments.fitting`).
+"""The training configs' ``init`` and ``step_scale`` (:mod:`netutility_jax.experiments.harness.fitting`).
 
 Peers: the seed and cache-key formulas from before these fields existed, written out here, so a
 config at the defaults keeps the seeds and the cache keys (hours of cached training) it had. The
@@ -21,12 +21,12 @@ import pytest
 from flax import nnx
 
 from netutility_jax.errors import InputError
-from netutility_jax.experiments import fitting as ft
-from netutility_jax.experiments import lang_tasks as lt
-from netutility_jax.experiments import lang_train as ltr
-from netutility_jax.experiments import llama, minilm
-from netutility_jax.experiments import tasks as tk
-from netutility_jax.experiments import train as tr
+from netutility_jax.experiments.data import lang_tasks as lt
+from netutility_jax.experiments.data import tasks as tk
+from netutility_jax.experiments.harness import fitting as ft
+from netutility_jax.experiments.models import llama, minilm
+from netutility_jax.experiments.suites import lang_train as ltr
+from netutility_jax.experiments.suites import train as tr
 
 WORDS = ["good", "bad", "fine", "poor", "nice", "sad", "warm", "cold"]
 SPEC = lt.PromptSpec('Mood of "{text}"?', ("negative", "positive"))
@@ -243,7 +243,7 @@ def test_language_trainer_initial_factors():
     reason=f"pretrained weights not installed ({minilm.INSTALL})",
 )
 def test_encoder_trainer_initial_factors():
-    from netutility_jax.experiments import evaluate as ev
+    from netutility_jax.experiments.suites import encoder_eval as ev
 
     backbone = ev.Backbone()
     base = tr.TrainConfig(lora_rank=2, lora_alpha=2.0)

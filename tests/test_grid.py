@@ -11,9 +11,10 @@ import pytest
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError
-from netutility_jax.experiments import grid as gr
-from netutility_jax.experiments import report_tables as rt
-from netutility_jax.experiments import runner
+from netutility_jax.experiments.harness import grid as gr
+from netutility_jax.experiments.harness import report_tables as rt
+from netutility_jax.experiments.harness import runner
+from netutility_jax.experiments.suites import encoder as enc
 
 
 def _adapters(m=3, seed=0, ranks=(4, 4, 4)):
@@ -305,12 +306,12 @@ def test_only_searched_methods_change_their_cache_keys(tmp_path):
     job = gr.Job("ta/full/R5/uniform", "ta", "full", ("full",), 5, "uniform")
     a = _seed_jobs(ads, searched, tmp_path).job_key(job, 0.3)
     assert a == _seed_jobs(ads, plain, tmp_path).job_key(job, 0.3)
-    assert gr.PAPER.grid.searched("ties")[0] == "density"
-    assert gr.PAPER.grid.searched("dare")[0] == "p" and gr.FULL.grid.searched("ties") is None
+    assert enc.PAPER.grid.searched("ties")[0] == "density"
+    assert enc.PAPER.grid.searched("dare")[0] == "p" and enc.FULL.grid.searched("ties") is None
 
 
 def test_the_report_lists_the_options_chosen_per_seed():
-    from netutility_jax.experiments import report_markdown as rm
+    from netutility_jax.experiments.harness import report_markdown as rm
 
     rec = {"options": {"density": 0.3}, "coef": 1.0, "val_scores": {"1": 2.0},
            "option_search": {"option": "density", "validation": {"0.1": 80.0, "0.3": 81.5}}}  # fmt: skip

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from netutility_jax.errors import InputError
-from netutility_jax.experiments import evaluate as ev
-from netutility_jax.experiments import minilm
+from netutility_jax.experiments.models import minilm
+from netutility_jax.experiments.suites import encoder_eval as ev
 
 HAVE_WEIGHTS = importlib.util.find_spec(minilm.PACKAGE) is not None
 

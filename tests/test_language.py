@@ -30,12 +30,13 @@ from flax import nnx
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError
-from netutility_jax.experiments import gguf_io, language, llama, llama_tokenizer
-from netutility_jax.experiments import grid as gr
-from netutility_jax.experiments import lang_eval as le
-from netutility_jax.experiments import lang_tasks as lt
-from netutility_jax.experiments import lang_train as ltr
-from netutility_jax.experiments import tasks as tk
+from netutility_jax.experiments.data import lang_tasks as lt
+from netutility_jax.experiments.data import tasks as tk
+from netutility_jax.experiments.harness import grid as gr
+from netutility_jax.experiments.models import gguf_io, llama, llama_tokenizer
+from netutility_jax.experiments.suites import lang_eval as le
+from netutility_jax.experiments.suites import lang_train as ltr
+from netutility_jax.experiments.suites import language
 
 # transformers' PreTrainedModel.is_gradient_checkpointing, which PEFT calls when wrapping a model,
 # emits this deprecation in transformers 5.x; it is not ours to fix (as in test_llama.py).
@@ -733,7 +734,9 @@ def test_demo_suite_language_options(monkeypatch, tmp_path, capsys):
     # missing model package is one line and exit 2, all before any work
     import argparse
 
-    from netutility_jax.experiments import demo, gguf_io, language
+    from netutility_jax.experiments import demo
+    from netutility_jax.experiments.models import gguf_io
+    from netutility_jax.experiments.suites import language
 
     def parse(*argv):
         p = argparse.ArgumentParser()

@@ -39,8 +39,8 @@ from hypothesis import given, settings
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError, InputTypeError, MissingFileError
-from netutility_jax.experiments import gguf_io, llama, llama_tokenizer
-from netutility_jax.experiments.minilm import LoRALinear
+from netutility_jax.experiments.models import gguf_io, llama, llama_tokenizer
+from netutility_jax.experiments.models.minilm import LoRALinear
 
 
 def _have_smol() -> bool:

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import netutility_jax as nu
-from netutility_jax.experiments import minilm, minilm_model
+from netutility_jax.experiments.models import minilm, minilm_model
 
 HAVE_WEIGHTS = importlib.util.find_spec(minilm.PACKAGE) is not None
 needs_weights = pytest.mark.skipif(

@@ -34,14 +34,16 @@ from flax import nnx
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError, MissingFileError
-from netutility_jax.experiments import evaluate as ev_
-from netutility_jax.experiments import fitting as ft
-from netutility_jax.experiments import grid as gr
-from netutility_jax.experiments import llama, nli, runner, suites
-from netutility_jax.experiments import nli_data as nd
-from netutility_jax.experiments import nli_head as nh
-from netutility_jax.experiments import tasks as tk
-from netutility_jax.experiments.minilm import LoRALinear
+from netutility_jax.experiments.data import nli_data as nd
+from netutility_jax.experiments.data import tasks as tk
+from netutility_jax.experiments.harness import evaluate as ev_
+from netutility_jax.experiments.harness import fitting as ft
+from netutility_jax.experiments.harness import grid as gr
+from netutility_jax.experiments.harness import runner, suites
+from netutility_jax.experiments.models import llama
+from netutility_jax.experiments.models.minilm import LoRALinear
+from netutility_jax.experiments.suites import nli
+from netutility_jax.experiments.suites import nli_head as nh
 
 # transformers' PreTrainedModel.is_gradient_checkpointing, which PEFT calls when wrapping a model,
 # emits this deprecation in transformers 5.x; it is not ours to fix (as in test_llama.py).
@@ -891,7 +893,7 @@ def test_end_to_end_quick_run_cached_rendered_exported(toy, tmp_path):
     for k in s.records:
         assert s2.records[k]["normalized"] == s.records[k]["normalized"]
     # rendered in the suite's wording; adapters exported with their heads
-    from netutility_jax.experiments import report
+    from netutility_jax.experiments.harness import report
 
     exp = report.render(run, suite.report(run), command="test")
     assert exp.results["suite"] == "nli"

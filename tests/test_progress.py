@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from netutility_jax.experiments import runner
+from netutility_jax.experiments.harness import runner
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""netutility_jax.experiments.stats: bootstrap, seed intervals, correlations, against numpy."""
+"""netutility_jax.experiments.harness.stats: bootstrap, seed intervals, correlations, against numpy."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import hypothesis.strategies as hs
 import numpy as np
 import pytest
 
-from netutility_jax.experiments import stats as st
+from netutility_jax.experiments.harness import stats as st
 
 
 def _normalized(correct, single, task):

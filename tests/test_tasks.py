@@ -1,4 +1,4 @@
-"""netutility_jax.experiments.tasks: built-in tasks from Debian data, CSV tasks, the R reader.
+"""netutility_jax.experiments.data.tasks: built-in tasks from Debian data, CSV tasks, the R reader.
 
 The built-in tasks need Debian packages (``tasks.APT_INSTALL_COMMAND``); without them those tests
 skip and say what to install. The CSV, error and R-reader tests need nothing installed.
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from netutility_jax.experiments import task_sources
-from netutility_jax.experiments import tasks as T
+from netutility_jax.experiments.data import task_sources
+from netutility_jax.experiments.data import tasks as T
 
 
 def _needs_data(name: str):

@@ -1,4 +1,4 @@
-"""The one LoRA trainer (:mod:`netutility_jax.experiments.trainer`) on a toy suite.
+"""The one LoRA trainer (:mod:`netutility_jax.experiments.harness.trainer`) on a toy suite.
 
 The toy suite: a LoRA ``W0 + s A B`` on a linear map, trained by mean squared error on random
 data, validated on data whose best map is part of the way to the training map (so the
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from netutility_jax.errors import InputError
-from netutility_jax.experiments import fitting as ft
-from netutility_jax.experiments import trainer as trn
+from netutility_jax.experiments.harness import fitting as ft
+from netutility_jax.experiments.harness import trainer as trn
 
 D_IN, D_OUT, RANK, N_TRAIN, N_VAL, ROWS = 6, 4, 2, 24, 16, 4
 

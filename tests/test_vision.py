@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from netutility_jax.errors import InputError, MissingFileError
-from netutility_jax.experiments import demo, suites
-from netutility_jax.experiments import vision_data as vd
+from netutility_jax.experiments import demo
+from netutility_jax.experiments.data import vision_data as vd
+from netutility_jax.experiments.harness import suites
 
 HAVE_PEERS = all(
     __import__("importlib").util.find_spec(m) is not None
@@ -209,7 +210,7 @@ def test_the_seven_datasets_are_declared_as_knots_does():
 def test_class_names_come_from_folders_as_knots_names_sun397():
     import doctest
 
-    from netutility_jax.experiments import vision
+    from netutility_jax.experiments.suites import vision
 
     for mod in (vd, vision, suites):  # the docstring examples (class_name's among them)
         res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
@@ -376,7 +377,7 @@ def _write_parquet(path: pathlib.Path, images, labels, names=None, column="image
 
 def test_parquet_files_of_a_hugging_face_dataset(tmp_path):
     pytest.importorskip("pyarrow", reason="pyarrow reads parquet (an optional extra)")
-    from netutility_jax.experiments import clip
+    from netutility_jax.experiments.models import clip
 
     rng = np.random.default_rng(0)
     ims = [rng.integers(0, 256, (20 + i, 17, 3), dtype=np.uint8) for i in range(12)]
@@ -422,7 +423,7 @@ def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, monkeypatch):
     ):
         vd.load_task(tmp_path, "mnist")
     # and the up-front check says so before any work (empty files stand in for the real ones)
-    from netutility_jax.experiments import vision
+    from netutility_jax.experiments.suites import vision
 
     model, ads = tmp_path / "model", tmp_path / "ads"
     for f in ("config.json", "tokenizer.json", "model.safetensors"):
@@ -459,7 +460,7 @@ def test_the_vision_suite_is_registered_with_its_flags():
         suites.SuiteSpec(
             name="t", summary="", presets=dict, build=dict, requires=dict, flags=("gpu",)
         )
-    from netutility_jax.experiments import vision
+    from netutility_jax.experiments.suites import vision
 
     paper = spec.preset(None, quick=False)
     assert paper is vision.PAPER and (paper.n_val, paper.n_test) == (None, None)
@@ -481,7 +482,7 @@ def test_the_vision_suite_is_registered_with_its_flags():
 
 
 def test_parse_and_match_adapters():
-    from netutility_jax.experiments import vision
+    from netutility_jax.experiments.suites import vision
 
     items = suites.parse_adapters("dtd=/a/x, /m/KnOTS-ViT-B-32_lora_R16_mnist,/b/one,/b/two")
     assert items[0] == suites.AdapterArg("dtd", "/a/x") and items[2] == (None, "/b/one")
@@ -503,7 +504,7 @@ def test_parse_and_match_adapters():
 
 
 def test_vision_names_map_peft_module_names_to_the_tower():
-    from netutility_jax.experiments import vision
+    from netutility_jax.experiments.suites import vision
 
     got = vision.vision_names({
         "vision_model.encoder.layers.3.self_attn.q_proj": 1,  # PEFT on CLIPModel
@@ -570,7 +571,7 @@ def fixture(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def suite(fixture):
-    from netutility_jax.experiments import vision
+    from netutility_jax.experiments.suites import vision
 
     return vision.VisionSuite(
         fixture["model"], fixture["data"], suites.parse_adapters(adapters_arg(fixture["adapters"]))
@@ -579,7 +580,7 @@ def suite(fixture):
 
 @pytest.fixture(scope="module")
 def loaded(suite):
-    from netutility_jax.experiments import vision
+    from netutility_jax.experiments.suites import vision
 
     return suite.load_tasks(vision.QUICK)
 
@@ -590,7 +591,7 @@ def test_suite_wiring_tasks_adapters_and_heads(fixture, suite, loaded):
     to an independent float64 computation from the text tower's features."""
     from transformers import CLIPTokenizer
 
-    from netutility_jax.experiments import vision
+    from netutility_jax.experiments.suites import vision
 
     assert isinstance(suite, suites.SuiteWithData) and isinstance(suite, suites.Suite)
     tasks, preset = loaded
@@ -645,7 +646,8 @@ def test_merged_adapter_folded_as_peft_applies_it(fixture, suite, loaded):
     import peft
     import torch
 
-    from netutility_jax.experiments import clip, vision
+    from netutility_jax.experiments.models import clip
+    from netutility_jax.experiments.suites import vision
 
     tasks, preset = loaded
     val = vision.make_image_set(

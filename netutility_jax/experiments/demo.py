@@ -1,7 +1,7 @@
 """``netutility demo``: train task LoRAs on MiniLM, merge them under rank budgets, compare allocations.
 
 The built-in experiment of netutility-jax, the analogue of the paper's vision suite on 7 real
-text classification tasks (:mod:`netutility_jax.experiments.tasks`):
+text classification tasks (:mod:`netutility_jax.experiments.data.tasks`):
 
 1. every task classifies with a **frozen zero-shot head** (the base model's embeddings of its
    label descriptions, like CLIP's text heads), and only its LoRA (rank 16, alpha 16 on q, k,
@@ -39,11 +39,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import InputError, NetUtilityError, one_line
-from . import encoder as enc
-from . import fitting as ft
-from . import grid as gr
-from . import suites
-from . import tasks as tk
+from .data import tasks as tk
+from .harness import fitting as ft
+from .harness import grid as gr
+from .harness import suites
+from .suites import encoder as enc
 
 __all__ = [
     "DEFAULT_OUT",
@@ -276,7 +276,7 @@ def suite_flags(args: argparse.Namespace, spec: suites.SuiteSpec) -> dict[str, A
 
 def load_tasks(args: Sequence[str], preset: gr.Preset) -> list[Any]:
     """The tasks, split with the fixed split seed and the preset's sizes."""
-    from . import runner
+    from .harness import runner
 
     try:
         return tk.load_tasks(
@@ -307,7 +307,7 @@ def check_out(out: str | os.PathLike, *, overwrite: bool) -> pathlib.Path:
         not a directory, its nearest existing ancestor is not a writable directory, or ``out``
         is empty.
     """
-    from . import report
+    from .harness import report
 
     if not str(out).strip():  # (pathlib would read "" as ".")
         raise DemoError("--out is empty; give a directory for the results")
@@ -506,7 +506,7 @@ def preset_of(args: argparse.Namespace) -> gr.Preset:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import report, runner
+    from .harness import report, runner
 
     if getattr(args, "study", None) is not None:
         return _run_study(args)
@@ -587,7 +587,7 @@ def _command(args: argparse.Namespace) -> str:
 def _run_study(args: argparse.Namespace) -> int:
     """``netutility demo --study NAME``: every cell of the study, then study.json/md/png."""
     from .. import _provenance
-    from . import study as sd
+    from .harness import study as sd
 
     t0 = time.perf_counter()
     if getattr(args, "suite", "encoder") != "encoder":
@@ -603,7 +603,7 @@ def _run_study(args: argparse.Namespace) -> int:
             raise DemoError(
                 f"--study {args.study} runs on the encoder suite, which takes no {flag}"
             )
-    full, quick = sd.STUDIES[args.study]
+    full, quick = enc.STUDIES[args.study]
     study = quick if args.quick else full
     if args.seed is not None and args.seeds is not None:
         raise DemoError("give --seed or --seeds, not both")

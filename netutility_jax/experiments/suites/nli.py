@@ -1,0 +1,760 @@
+"""The NLI suite: the paper's language setting (Qwen3-4B, six NLI tasks, a classification head).
+
+``netutility demo --suite nli --model-dir QWEN_FOLDER --data-dir DATA`` runs the paper's second
+suite as Appendix B describes it, on a Hugging Face ``Qwen3ForCausalLM`` / ``LlamaForCausalLM``
+folder (the paper's base is Qwen3-4B-Instruct) and local copies of SNLI, MNLI, SICK, QNLI, RTE
+and SciTail (:mod:`nli_data`: layouts, fields, label mapping, split protocol):
+
+1. every task is a premise-hypothesis pair classified by a linear head over the last token's
+   final hidden state, in one three-way label space, a binary task's unused class masked at
+   ``-1e10`` (:mod:`nli_head`);
+2. each task's LoRA (r 16, alpha 16, dropout 0.1 on q, k, v, o of every layer) trains with its
+   head: AdamW 3e-5, linear schedule with 6% warmup, batch 1, up to 10 epochs, validation every
+   4,000 steps, early stopping after 3 (Appendix B and its hyperparameter table; cached on disk; exported as PEFT
+   folders with the head in ``modules_to_save``, :func:`export_adapters`);
+3. the grid of the paper's Table 2 (TA; TSV, DARE, TIES in full, Core and KnOTS space, at
+   R = 64, 32, 16, uniform vs Net Utility) and its Iso-C table, Table 3 (Iso-C + TA, Iso-C + TSV at
+   R = 16, full space) is merged by ``runner.run_experiment``, each merged model evaluated with
+   every task's own head, its coefficient chosen on validation, its test correctness kept for
+   the paired bootstrap.
+
+:class:`NLISuite` implements ``suites.Suite``. Presets (built on first use, so that importing
+this module stays cheap): :data:`PAPER`, the paper's setting
+above on the full data (one seed; days of GPU time: SNLI and MNLI alone are ~940k training pairs
+at batch 1), and :data:`QUICK`, the CI form: three tasks (a three-way, a QNLI-like and a
+SciTail-like head), about a hundred training pairs each, two epochs at batch 8, TA, TSV and
+TIES at R = 16. :func:`write_toy` writes what CI runs it on: a tiny random Qwen3 folder and
+synthetic data in the six datasets' formats (``python -m netutility_jax.experiments.suites.nli
+--write-toy DIR``).
+
+Declared in ``suites`` with the other built-in suites (:func:`spec_kwargs` gives that declaration
+with this module's callables); it takes the command line's ``--model-dir`` and ``--data-dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ...errors import InputError, MissingFileError
+
+if TYPE_CHECKING:  # the heavy modules are imported where they are used
+    from ..harness import grid as gr
+    from . import nli_head as nh
+
+__all__ = [
+    "CODE_VERSION",
+    "PAPER",
+    "PRESETS",
+    "QUICK",
+    "SUITE",
+    "TASKS",
+    "NLIReport",
+    "NLISuite",
+    "NLITasks",
+    "NLIUnavailable",
+    "build",
+    "export_adapters",
+    "load_tasks",
+    "main",
+    "presets",
+    "requires",
+    "spec_kwargs",
+    "write_toy",
+]
+
+#: Bump when a change here changes what a merge job produces: invalidates the job caches.
+CODE_VERSION = 1
+SUITE = "nli"
+#: The paper's six tasks (``nli_data.NAMES``).
+TASKS = ("snli", "mnli", "sick", "qnli", "rte", "scitail")
+_LAZY = ("QUICK", "PAPER", "PRESETS", "NLIReport")
+
+# Built on first use (module ``__getattr__``), so that importing this module stays cheap:
+#: The CI form (three tasks, ~100 pairs each, 2 epochs at batch 8, TA/TSV/TIES at R = 16).
+QUICK: gr.Preset
+#: The paper's setting: six tasks, full data, App. B's training, Table 2's grid, Table 3's Iso-C.
+PAPER: gr.Preset
+#: ``{"quick": QUICK, "paper": PAPER}``.
+PRESETS: dict[str, gr.Preset]
+#: The NLI suite's ``report.SuiteReport`` (its class is made on first use).
+NLIReport: type
+
+
+class NLIUnavailable(InputError):
+    """The NLI suite's model folder, data folder or readers are missing (the message says what
+    to pass or install)."""
+
+
+# -------------------------------------------------------------------------------------- presets
+
+
+def presets() -> dict[str, gr.Preset]:
+    """``{"quick": QUICK, "paper": PAPER}`` (built on first call)."""
+    return dict(_presets())
+
+
+_CACHE: dict[str, Any] = {}
+
+
+def _presets() -> dict[str, gr.Preset]:
+    if "presets" in _CACHE:
+        return _CACHE["presets"]
+    from ..data import nli_data as nd
+    from ..harness import grid as gr
+    from . import nli_head as nh
+
+    paper = gr.Preset(
+        name="paper",
+        tasks=TASKS,
+        seeds=(0,),
+        train=nh.NLITrainConfig(),  # Appendix B's hyperparameter table
+        grid=gr.GridConfig(
+            rows=(
+                gr.Row("ta", "full"),
+                *(gr.Row(m, s) for s in ("full", "core", "knots") for m in ("tsv", "dare", "ties")),
+                gr.Row("iso_c", "full", budgets=(16,)),  # the Iso-C table: Iso-C + TA ...
+                gr.Row("iso_c_tsv", "full", budgets=(16,)),  # ... and Iso-C + TSV, at R = 16
+            ),
+            budgets=(64, 32, 16),
+            full_capacity=False,
+            weight_average=False,
+        ),
+        max_train=nd.ALL,
+        n_val=nd.ALL,
+        n_test=nd.ALL,
+    )
+    quick = gr.Preset(
+        name="quick",
+        tasks=("snli", "qnli", "scitail"),
+        seeds=(0,),
+        train=nh.NLITrainConfig(
+            rows=8,
+            row_len=64,
+            learning_rate=2e-3,
+            warmup_fraction=0.1,
+            max_epochs=2,
+            eval_every=6,
+            patience=2,
+            eval_tokens=1024,
+        ),
+        grid=gr.GridConfig(
+            rows=(gr.Row("ta", "full"), gr.Row("tsv", "full"), gr.Row("ties", "full")),
+            budgets=(16,),
+            full_capacity=False,
+            weight_average=False,
+        ),
+        max_train=96,
+        n_val=24,
+        n_test=48,
+    )
+    _CACHE["presets"] = {"quick": quick, "paper": paper}
+    return _CACHE["presets"]
+
+
+def __getattr__(name: str) -> Any:  # QUICK, PAPER, PRESETS and NLIReport, built on first use
+    if name == "NLIReport":
+        return _report_class()
+    if name in _LAZY:
+        p = _presets()
+        return dict(p) if name == "PRESETS" else p[name.lower()]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------------------------------- suite
+
+
+class NLITasks(NamedTuple):
+    """What :meth:`NLISuite.load_tasks` returns: the tasks and the preset they were loaded with
+    (``suites.SuiteWithData``)."""
+
+    tasks: list[Any]
+    preset: Any
+
+
+def _compute_dtype(dtype: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    if dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return dtype
+
+
+class NLISuite:
+    """The decoder, its tokenizer and everything ``runner.run_experiment`` needs from the NLI
+    suite (``suites.Suite``): :meth:`heads`, :meth:`eval_sets`, :meth:`train_tasks`,
+    :meth:`evaluator`, :meth:`eval_key`, :meth:`timing`, :meth:`report`; and
+    ``suites.SuiteWithData``'s :meth:`load_tasks`, which reads the tasks from the data folder.
+
+    Args:
+      model, tokenizer: the base decoder and its tokenizer (or ``model_dir``).
+      model_dir: a Hugging Face ``Qwen3ForCausalLM`` / ``LlamaForCausalLM`` folder
+        (``llama.from_pretrained``).
+      data_dir: the NLI data folder (:mod:`nli_data`), for :meth:`load_tasks`.
+      dtype: compute dtype: ``"auto"`` (bfloat16 on an accelerator, float32 on CPU) or a dtype.
+      param_dtype: stored base weights (float32; ``jnp.bfloat16`` halves their memory).
+    """
+
+    name = SUITE
+
+    def __init__(
+        self,
+        model: Any = None,
+        tokenizer: Any = None,
+        *,
+        model_dir: str | os.PathLike | None = None,
+        data_dir: str | os.PathLike | None = None,
+        dtype: Any = "auto",
+        param_dtype: Any = None,
+    ):
+        import jax.numpy as jnp
+
+        from ..models import llama
+        from . import nli_head as nh
+
+        if (model is None) != (tokenizer is None):
+            raise InputError("NLISuite: pass both model and tokenizer, or neither.")
+        if model is None:
+            if model_dir is None:
+                raise NLIUnavailable(
+                    "NLISuite: pass model and tokenizer, or model_dir (--model-dir): a Hugging "
+                    "Face Qwen3 / Llama folder such as Qwen/Qwen3-4B-Instruct-2507."
+                )
+            model, tokenizer, _ = llama.from_pretrained(
+                model_dir,
+                dtype=_compute_dtype(dtype),
+                param_dtype=jnp.float32 if param_dtype is None else param_dtype,
+            )
+        elif dtype != "auto":
+            model = llama.with_dtype(model, dtype)
+        self.model, self.tokenizer = model, tokenizer
+        self.model_dir = None if model_dir is None else pathlib.Path(model_dir)
+        self.data_dir = None if data_dir is None else pathlib.Path(data_dir)
+        self.scorer = nh.Scorer(model)
+        self._weights: str | None = None
+
+    @property
+    def weights(self) -> str:
+        """The model's fingerprint (computed once; part of every cache key)."""
+        if self._weights is None:
+            from . import lang_eval as le
+
+            self._weights = le.model_fingerprint(self.model)
+        return self._weights
+
+    @property
+    def dtype(self) -> str:
+        import numpy as np
+
+        return np.dtype(self.model.dtype).name
+
+    @property
+    def description(self) -> str:
+        c = self.model.config
+        where = f" from {self.model_dir}" if self.model_dir is not None else ""
+        return (
+            f"a {c.num_layers}-layer {c.model_type} decoder{where} (hidden {c.hidden_size}, "
+            f"{c.num_heads}/{c.num_kv_heads} query/key-value heads, vocabulary {c.vocab_size}, "
+            f"{self.dtype} compute)"
+        )
+
+    def load_tasks(self, preset: Any, names: Sequence[str] | None = None) -> NLITasks:
+        """The preset's tasks (or ``names``) from :attr:`data_dir`, with its sizes
+        (:func:`load_tasks`), and the preset unchanged (``suites.SuiteWithData``).
+
+        Returns:
+          :class:`NLITasks`.
+        """
+        if self.data_dir is None:
+            raise NLIUnavailable("NLISuite.load_tasks: the suite was built without data_dir.")
+        names = preset.tasks if names is None else names
+        return NLITasks(load_tasks(names, preset, data_dir=self.data_dir), preset)
+
+    def heads(self, tasks: Sequence[Any]) -> list[nh.HeadSpec]:
+        """One ``nli_head.HeadSpec`` per task (its classes; a binary task's unused one masked)."""
+        from . import nli_head as nh
+
+        return [nh.head_spec(t) for t in tasks]
+
+    def eval_sets(self, tasks: Sequence[Any], heads: Sequence[Any], config: Any) -> tuple[Any, Any]:
+        """The validation and test pairs (at most ``config.row_len`` tokens each)."""
+        from . import nli_head as nh
+
+        kw = {"max_len": config.row_len, "eval_tokens": config.eval_tokens}
+        val = nh.make_set(self.tokenizer, heads, [t.val for t in tasks], **kw)
+        return val, nh.make_set(self.tokenizer, heads, [t.test for t in tasks], **kw)
+
+    def train_tasks(
+        self,
+        tasks: Sequence[Any],
+        heads: Sequence[Any],
+        config: Any,
+        *,
+        cache_dir: str | os.PathLike,
+        progress: bool = True,
+        log: Callable[[str], None] | None = None,
+    ) -> list[Any]:
+        """Train (or load from ``cache_dir``) every task's LoRA and head
+        (``nli_head.train_tasks``)."""
+        from . import nli_head as nh
+
+        return nh.train_tasks(
+            tasks, heads, config, model=self.model, tokenizer=self.tokenizer,
+            weights=self.weights, cache_dir=cache_dir, scorer=self.scorer, progress=progress,
+            log=log,
+        )  # fmt: skip
+
+    def evaluator(
+        self, trained: Sequence[Any], heads: Sequence[Any], val: Any, test: Any, *, cache_dir: Any
+    ) -> Any:
+        """Single-LoRA and zero-shot accuracies (cached), and the merge evaluator, each task
+        read by its own trained head."""
+        from . import nli_head as nh
+
+        return nh.Evaluator(
+            self.scorer,
+            [t.adapter for t in trained],
+            [t.score for t in trained],
+            val,
+            test,
+            cache_dir=cache_dir,
+            adapter_keys=[t.info["cache_key"] for t in trained],
+            weights=self.weights,
+        )
+
+    def eval_key(self, config: Any) -> dict[str, Any]:
+        """The evaluation settings that determine a merge's result (for the job cache key)."""
+        from . import nli_head as nh
+
+        return {
+            "suite": self.name,
+            "code_version": [nh.CODE_VERSION, CODE_VERSION],
+            "weights": self.weights,
+            "dtype": self.dtype,
+            "row_len": config.row_len,
+            "eval_tokens": config.eval_tokens,
+            "mask_logit": nh.MASK_LOGIT,
+        }
+
+    def timing(self) -> dict[str, Any]:
+        """The scorer's work so far (passes, tokens, seconds, tokens/s)."""
+        return self.scorer.timing()
+
+    def report(self, run: Any) -> Any:
+        """The NLI suite's report wording (:data:`NLIReport`, a ``report.SuiteReport``)."""
+        return _report_class()(self.description, run)
+
+
+def _report_class() -> type:
+    if "report" in _CACHE:
+        return _CACHE["report"]
+
+    from ..harness.report_markdown import SuiteReport
+
+    class NLIReport(SuiteReport):
+        """The report's wording and fields for the NLI suite (``report.SuiteReport`` is the
+        encoder's): the decoder, its pair classification and the label mapping.
+
+        Args:
+          description: the model (:attr:`NLISuite.description`).
+          run: the run (its tasks' label mappings are described).
+        """
+
+        unit = "pairs"
+        layers = "every layer"
+        zero_shot_model = "base model with each task's trained head"
+
+        def __init__(self, description: str, run: Any):
+            self.description = description
+            self.mapping = "; ".join(
+                f"{t.name}: " + ", ".join(
+                    f"{lab} <- {txt}" for lab, txt in zip(t.labels, t.label_texts, strict=True)
+                )
+                for t in run.tasks
+            )  # fmt: skip
+
+        def evaluation(self, run: Any, common: dict[str, Any]) -> dict[str, Any]:
+            from . import nli_head as nh
+
+            tc = run.preset.train
+            return {
+                **common,
+                "model": self.description,
+                "max_pair_tokens": tc.row_len,
+                "eval_tokens": tc.eval_tokens,
+                "formulation": "sequence classification: last-token pooling of the final hidden "
+                "state, linear head (no bias) over entailment/neutral/contradiction per task",
+                "mask_logit": nh.MASK_LOGIT,
+            }
+
+        def title(self, results: Mapping[str, Any]) -> str:
+            return f"# netutility demo --suite nli ({results['preset']})"
+
+        def model(self, results: Mapping[str, Any]) -> str:
+            tc = results["train_config"]
+            return (
+                f"NLI suite: {self.description}; each task is a premise-hypothesis pair of at "
+                f"most {tc['row_len']} tokens classified by its own linear head over the last "
+                "token's final hidden state (entailment, neutral, contradiction; a binary task's "
+                "unused class masked at -1e10), trained with the task's LoRA (dropout "
+                f"{tc['lora_dropout']:g}); every merged model is read by each task's own head"
+            )
+
+        def heads(self, results: Mapping[str, Any]) -> str:
+            return (
+                f"Heads: trained per task with its LoRA. Label mapping (class <- the dataset's "
+                f"label): {self.mapping}."
+            )
+
+        def step(self, train_config: Mapping[str, Any]) -> str:
+            return (
+                f"a step has {train_config['rows']} pair(s) of at most {train_config['row_len']} "
+                "tokens"
+            )
+
+    NLIReport.__module__ = __name__
+    _CACHE["report"] = NLIReport
+    return NLIReport
+
+
+# --------------------------------------------------------------------------- declaration (suites)
+
+
+def build(
+    *, model_dir: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None
+) -> NLISuite:
+    """The suite for ``--model-dir`` / ``--data-dir`` (``SuiteSpec.build``): loads the model."""
+    return NLISuite(model_dir=model_dir, data_dir=data_dir)
+
+
+def requires(
+    *, model_dir: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None
+) -> None:
+    """Fail before any work (``SuiteSpec.requires``) without a usable model folder, data folder or
+    reader.
+
+    Raises:
+      NLIUnavailable: a flag not given, a folder missing its files (named), ``tokenizers`` or
+        ``safetensors`` not installed, or parquet data without pyarrow.
+    """
+    usage = (
+        "the nli suite needs --model-dir FOLDER (a Hugging Face Qwen3 or Llama folder with "
+        "config.json, *.safetensors and tokenizer.json; the paper's is Qwen3-4B-Instruct) and "
+        "--data-dir DATA (one folder per dataset: " + ", ".join(TASKS) + ")"
+    )
+    if model_dir is None or data_dir is None:
+        missing = [
+            f for f, v in (("--model-dir", model_dir), ("--data-dir", data_dir)) if v is None
+        ]
+        raise NLIUnavailable(f"{usage}; {' and '.join(missing)} not given.")
+    for mod, pip in (
+        ("tokenizers", "tokenizers"),
+        ("safetensors", "safetensors"),
+        ("tqdm", "tqdm"),
+    ):
+        try:
+            __import__(mod)
+        except ImportError:
+            raise NLIUnavailable(
+                f"the nli suite needs {mod}; install it with: pip install {pip}"
+            ) from None
+    m = pathlib.Path(model_dir)
+    if not m.is_dir():
+        raise NLIUnavailable(f"--model-dir {m} is not a folder; {usage}.")
+    lacks = [f for f in ("config.json", "tokenizer.json") if not (m / f).is_file()]
+    if not any(m.glob("*.safetensors")):
+        lacks.append("*.safetensors")
+    if lacks:
+        raise NLIUnavailable(f"--model-dir {m} has no {', '.join(lacks)}; {usage}.")
+    from ..data import nli_data as nd
+
+    d = pathlib.Path(data_dir)
+    if not d.is_dir():
+        raise NLIUnavailable(f"--data-dir {d} is not a folder; {usage}.")
+    present = [n for n in nd.NAMES if (d / n).is_dir()]
+    if not present:
+        raise NLIUnavailable(f"--data-dir {d} holds none of the folders {', '.join(TASKS)}.")
+    try:
+        nd.check_data(d, present)
+    except (MissingFileError, nd.NLIDataError) as e:
+        raise NLIUnavailable(str(e)) from None
+
+
+def load_tasks(
+    names: Sequence[str],
+    preset: Any,
+    *,
+    data_dir: str | os.PathLike | None = None,
+    **_: Any,
+) -> list[Any]:
+    """The NLI tasks ``names`` from ``data_dir`` (``nli_data.load_tasks``, split seed
+    ``runner.SPLIT_SEED``, the preset's ``max_train``, ``n_val``, ``n_test``; 0: all).
+
+    Raises:
+      NLIUnavailable: no ``data_dir``; an unknown task name.
+      MissingFileError, nli_data.NLIDataError: a missing or unreadable file (named).
+    """
+    from ..data import nli_data as nd
+
+    if data_dir is None:
+        raise NLIUnavailable("the nli suite reads its tasks from --data-dir DATA; none given.")
+    unknown = [n for n in names if n not in nd.DATASETS]
+    if unknown:
+        raise NLIUnavailable(
+            f"the nli suite has no task {unknown[0]!r}; its tasks are {', '.join(TASKS)}."
+        )
+    return nd.load_tasks(
+        data_dir, list(names), seed=nd.SPLIT_SEED, max_train=preset.max_train,
+        n_val=preset.n_val, n_test=preset.n_test,
+    )  # fmt: skip
+
+
+def spec_kwargs() -> dict[str, Any]:
+    """The keyword arguments of ``suites.SuiteSpec`` declaring this suite: its declaration in
+    ``suites`` (with the other built-in suites, so that listing the suites imports none of
+    them) with this module's callables (nothing heavy is imported: they import the model code
+    when they run)."""
+    from ..harness import suites
+
+    spec = suites.get(SUITE)
+    return {
+        "name": SUITE,
+        "summary": spec.summary,
+        "presets": presets,
+        "build": build,
+        "requires": requires,
+        "grids": spec.grids,
+        "cost": spec.cost,
+        "flags": spec.flags,
+    }
+
+
+# --------------------------------------------------------------------------------------- export
+
+
+def export_adapters(
+    run_: Any, out: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, **config: Any
+) -> list[pathlib.Path]:
+    """Write every trained adapter of a run, with its head, as a PEFT folder
+    ``<out>/seed<S>/<task>`` (``nli_head.export_peft``), read back from the cache the run used.
+
+    Raises:
+      InputError: an adapter is no longer in the cache.
+    """
+    from ..harness import fitting as ft
+    from . import nli_head as nh
+
+    base = (pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()) / SUITE
+    written = []
+    for s in run_.seeds:
+        for task in run_.tasks:
+            key = s.training[task.name]["cache_key"]
+            trained = nh.load_cached(ft.cache_path(base, task, key))
+            if trained is None:
+                raise InputError(
+                    f"nli.export_adapters: the adapter of {task.name!r} (seed {s.seed}) is not in "
+                    f"the cache {base}; pass the cache_dir the run used."
+                )
+            path = pathlib.Path(out) / f"seed{s.seed}" / task.name
+            nh.export_peft(trained, path, **config)
+            written.append(path)
+    return written
+
+
+# ------------------------------------------------------------------------------------ toy setup
+
+_WORDS = {
+    "who": ["the cat", "a dog", "the man", "a girl", "the bird", "a child", "the woman", "a boy"],
+    "act": ["runs", "sleeps", "eats", "sings", "jumps", "reads", "swims", "plays"],
+    "where": ["in the park", "at home", "on the beach", "in the garden", "at school", "in town"],
+    "extra": ["with a friend", "for an hour", "every morning", "in the rain", "very slowly"],
+}
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _toy_pairs(rng: Any, n: int) -> list[tuple[str, str, int]]:
+    """``n`` synthetic ``(premise, hypothesis, class)``: entailment repeats the premise's actor
+    and act, contradiction negates it, neutral adds what the premise does not say."""
+    out = []
+    for _ in range(n):
+        who, act, where = (rng.choice(_WORDS[k]) for k in ("who", "act", "where"))
+        y = int(rng.integers(3))
+        premise = f"{who.capitalize()} {act} {where}."
+        if y == 0:
+            hyp = f"{who.capitalize()} {act}."
+        elif y == 2:
+            hyp = f"{who.capitalize()} does not {act[:-1]}."
+        else:
+            hyp = f"{who.capitalize()} {act} {rng.choice(_WORDS['extra'])}."
+        out.append((premise, hyp, y))
+    return out
+
+
+def _write_rows(path: pathlib.Path, fields: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    import csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(dict(zip(fields, r, strict=True))) + "\n" for r in rows))
+    elif path.suffix == ".json":
+        path.write_text(json.dumps([dict(zip(fields, r, strict=True)) for r in rows]))
+    else:
+        tsv = path.suffix == ".tsv"
+        with path.open("w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f, delimiter="\t" if tsv else ",", lineterminator="\n")
+            if fields:
+                w.writerow(fields)
+            w.writerows(rows)
+
+
+def _write_toy_data(data: pathlib.Path, rng: Any, sizes: Mapping[str, int]) -> None:
+    """The six datasets in their hub formats (jsonl, json, csv, GLUE-style tsv, SciTail's
+    headerless tsv), each split of ``sizes`` pairs; GLUE test files carry label -1 (hidden)."""
+    for split, n in sizes.items():
+        rows = _toy_pairs(rng, n)
+        hidden = split == "test"
+        # snli: jsonl with integer labels, a few without gold label (-1)
+        snli = [(p, h, -1 if i % 17 == 5 else y) for i, (p, h, y) in enumerate(rows)]
+        _write_rows(data / "snli" / f"{split}.jsonl", ("premise", "hypothesis", "label"), snli)
+        # mnli: GLUE's parquet layout as json (validation_matched; hidden test labels)
+        stem = {"validation": "validation_matched", "test": "test_matched"}.get(split, split)
+        mnli = [(p, h, -1 if hidden else y, i) for i, (p, h, y) in enumerate(rows)]
+        _write_rows(data / "mnli" / f"{stem}.json", ("premise", "hypothesis", "label", "idx"), mnli)
+        # sick: csv with the hub's fields
+        sick = [(i, p, h, y, 3.5) for i, (p, h, y) in enumerate(rows)]
+        fields = ("pair_ID", "sentence_A", "sentence_B", "label", "relatedness_score")
+        _write_rows(data / "sick" / f"{split}.csv", fields, sick)
+        # qnli: csv, 0 = entailment, 1 = not_entailment
+        qnli = [(f"What does {p[:-1]}?", h, -1 if hidden else int(y != 0), i) for i, (p, h, y) in
+                enumerate(rows)]  # fmt: skip
+        _write_rows(data / "qnli" / f"{split}.csv", ("question", "sentence", "label", "idx"), qnli)
+        # rte: GLUE's original tsv, string labels
+        rte = [(i, p, h, "entailment" if y == 0 else "not_entailment") for i, (p, h, y) in
+               enumerate(rows)]  # fmt: skip
+        if not hidden:
+            _write_rows(
+                data / "rte" / f"{split}.tsv", ("index", "sentence1", "sentence2", "label"), rte
+            )
+        # scitail: SciTail's own headerless tsv in the hub's tsv_format folder
+        sci = [(p, h, "entails" if y == 0 else "neutral") for p, h, y in rows]
+        _write_rows(data / "scitail" / "tsv_format" / f"{split}.tsv", (), sci)
+
+
+def _toy_tokenizer(corpus: Sequence[str]) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer=trainer)
+    return backend
+
+
+def _write_toy_model(folder: pathlib.Path, backend: Any, seed: int) -> None:
+    """A random ``Qwen3ForCausalLM`` folder (hidden 32, 2 layers, 4/2 heads of 8, tied head)."""
+    import numpy as np
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from ..models import llama
+
+    vocab = backend.get_vocab_size()
+    hf = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "pad_token_id": backend.token_to_id("<|endoftext|>"),
+        "eos_token_id": backend.token_to_id("<|im_end|>"),
+        "torch_dtype": "float32",
+    }
+    cfg = llama.LlamaConfig.from_hf(hf)
+    model = nnx.eval_shape(lambda: llama.Llama(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        shape = var.get_value().shape
+        leaf = str(path[-1])
+        value = (leaf == "scale") + rng.normal(scale=0.1 if leaf == "scale" else 0.3, size=shape)
+        value = value.astype(np.float32)
+        name = ".".join(map(str, path[:-1])) + (".weight" if leaf != "bias" else ".bias")
+        tensors[name] = np.ascontiguousarray(value.T if leaf == "kernel" else value)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf, indent=1))
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "pad_token": "<|endoftext|>",
+                "eos_token": "<|im_end|>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
+
+
+def write_toy(
+    folder: str | os.PathLike, *, seed: int = 0, sizes: Mapping[str, int] | None = None
+) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write a tiny setup the NLI suite runs on in CI: ``(model_dir, data_dir)``.
+
+    ``<folder>/model``: a random ``Qwen3ForCausalLM`` (hidden 32, 2 layers) with a byte-level BPE
+    ``tokenizer.json`` trained on the synthetic text; ``<folder>/data``: the six datasets with
+    synthetic pairs (:func:`_toy_pairs`) in their hub formats and fields (SNLI jsonl with some
+    -1 labels, MNLI json with ``validation_matched`` and hidden test labels, SICK csv, QNLI csv,
+    RTE GLUE tsv without a test file, SciTail headerless tsv under ``tsv_format/``); ``sizes``
+    ``{"train": 200, "validation": 48, "test": 64}`` by default.
+    """
+    import numpy as np
+
+    root = pathlib.Path(folder)
+    sizes = dict(sizes or {"train": 200, "validation": 48, "test": 64})
+    rng = np.random.default_rng(seed)
+    data = root / "data"
+    _write_toy_data(data, rng, sizes)
+    corpus = [f"{p} {h}" for p, h, _ in _toy_pairs(np.random.default_rng(seed + 1), 400)]
+    corpus += [f"What does {p[:-1]}?" for p, _, _ in _toy_pairs(np.random.default_rng(seed), 50)]
+    _write_toy_model(root / "model", _toy_tokenizer(corpus), seed)
+    return root / "model", data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m netutility_jax.experiments.suites.nli --write-toy DIR``: write :func:`write_toy`'s
+    setup (for ``netutility demo --suite nli --quick --model-dir DIR/model --data-dir
+    DIR/data``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m netutility_jax.experiments.suites.nli")
+    parser.add_argument("--write-toy", metavar="DIR", required=True, help="folder to write")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    model, data = write_toy(args.write_toy, seed=args.seed)
+    print(f"--model-dir {model} --data-dir {data}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
