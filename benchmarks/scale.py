@@ -28,7 +28,7 @@ Timing, machine and code info and the JSON writer come from ``_harness.py``.
 
 Usage:
   python benchmarks/scale.py [--model llama3-8b|llama3-70b] [--layers 32] [--tasks 16] [--rank 16] [--dtype float32]
-      [--budget 16] [--chunk-mb 256] [--data DIR] [--only floor,in_memory,stream_ta,stream_tsv]
+      [--budget 16] [--chunk-mb 64] [--data DIR] [--only floor,in_memory,stream_ta,stream_tsv]
       [--timeout 7200] [--out benchmarks/results/scale.json] [--keep-out DIR]
 
 A quick check: ``python benchmarks/scale.py --layers 2 --tasks 4``. ``--data DIR`` keeps the
@@ -202,6 +202,11 @@ def _merge_summary(merged, report) -> dict:
     for name in sorted(report.masks):
         digest.update(name.encode() + np.packbits(np.asarray(report.masks[name])).tobytes())
     ranks = [r for r in report.ranks.values() if r is not None]
+    merged_digest = hashlib.sha256()  # the merged factors, bit for bit
+    for name in sorted(merged):
+        for f in ("lora_a", "lora_b"):
+            merged_digest.update(np.ascontiguousarray(np.asarray(merged[name][f])).tobytes())
+        merged_digest.update(np.float64(merged[name]["scale"]).tobytes())
     return {
         "lam": report.lam,
         "alpha": report.alpha,
@@ -209,6 +214,7 @@ def _merge_summary(merged, report) -> dict:
         "rank_total": int(sum(ranks)),
         "modules": len(merged),
         "masks_sha256": digest.hexdigest()[:16],
+        "merged_sha256": merged_digest.hexdigest()[:16],
     }
 
 
@@ -270,6 +276,7 @@ def run_case(
         keep = os.path.join(keep_out, case) if keep_out else None
         return _cli_case(paths, budget, chunk_bytes, CLI_CASES[case], keep)
     sw = h.Stopwatch()
+    phases = None
     if case == "in_memory":
         loaded = sw.lap(peft.load_adapters(paths))
         merged, report = sw.lap(
@@ -277,18 +284,60 @@ def run_case(
         )
     else:
         method = {"stream_ta": "ta", "stream_tsv": "tsv"}[case]
+        phases = _Phases()
         source = sw.lap(peft.open_adapters(paths))
+        phases.opened(source, chunk_bytes)
         merged, report = sw.lap(
             merge_adapters_streaming(
-                source, budget=budget, method=method, space="core", chunk_bytes=chunk_bytes
+                source, budget=budget, method=method, space="core", chunk_bytes=chunk_bytes,
+                progress=phases,
             )
-        )
+        )  # fmt: skip
+        phases.returned(merged)
     return {
         "open_or_load_s": sw.laps[0],
         "merge_s": sw.laps[1],
-        "vm_hwm_mb": h.hwm_mb(),
+        "vm_hwm_mb": h.hwm_mb() if phases is None else phases.peak(),
+        **({} if phases is None else {"phases": phases.record}),
         **_merge_summary(merged, report),
     }
+
+
+class _Phases:
+    """A streamed merge's resident memory by phase, read from ``/proc/self/status`` through its
+    ``progress`` callback: after the imports (the Python, JAX and XLA runtime), after opening the
+    headers, then each pass's peak (``VmHWM``, reset when the pass starts; the second pass's
+    includes lambda and the allocation, between the passes) and its resident set once its last
+    chunk is dropped, and the resident set with the merged result returned (``merged_mb``: its
+    factors' bytes). Resetting ``VmHWM`` also resets the kernel's ``ru_maxrss``, so the process's
+    peak is the largest of the phases' (:meth:`peak`), which :func:`_run_all` reports."""
+
+    def __init__(self) -> None:
+        self.record: dict = {"imports_rss_mb": h.rss_mb()}
+        self.chunks = 0
+        self.peaks: list[float] = []
+
+    def peak(self) -> float:
+        return max([*self.peaks, h.hwm_mb()])
+
+    def opened(self, source, chunk_bytes: int) -> None:
+        from netutility_jax.streaming import plan_chunks
+
+        self.chunks = len(plan_chunks(source.shapes, len(source.paths), chunk_bytes=chunk_bytes,
+                                      itemsize=4))  # fmt: skip
+        self.record.update(open_rss_mb=h.rss_mb(), chunks=self.chunks, passes=[])
+        self.peaks.append(h.hwm_mb())
+        h.reset_peak()
+
+    def __call__(self, done: int, total: int) -> None:
+        if done and done % self.chunks == 0:  # a pass's last chunk is dropped
+            self.peaks.append(h.hwm_mb())
+            self.record["passes"].append({"peak_rss_mb": self.peaks[-1], "end_rss_mb": h.rss_mb()})
+            h.reset_peak()
+
+    def returned(self, merged) -> None:
+        nbytes = sum(np.asarray(m[f]).nbytes for m in merged.values() for f in ("lora_a", "lora_b"))
+        self.record.update(returned_rss_mb=h.rss_mb(), merged_mb=nbytes / 2**20)
 
 
 def spawn(argv: list[str], timeout: float | None) -> dict:
@@ -327,7 +376,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--budget", type=int, default=16)
-    ap.add_argument("--chunk-mb", type=float, default=256, help="streamed chunk size, MiB")
+    ap.add_argument("--chunk-mb", type=float,
+                    help="streamed chunk size, MiB (default: the library's, CHUNK_BYTES)")  # fmt: skip
     ap.add_argument("--data", help="keep the adapter folders here (reused if they match)")
     ap.add_argument("--only", help=f"comma list of cases ({', '.join(CASES)})")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per case")
@@ -359,6 +409,8 @@ def _run_all(args, paths: list[str]) -> list[dict]:
             if run["status"] == 0 and os.path.exists(rec_path):
                 with open(rec_path) as f:
                     rec = json.load(f)
+            if rec and "phases" in rec:  # (the child reset its counter by phase: see _Phases)
+                run["peak_rss_mb"] = max(run["peak_rss_mb"], rec["vm_hwm_mb"])
         results.append({"case": case, **run, "record": rec})
         print(
             f"scale: {case:>10}: {run['wall_s']:8.1f} s, peak RSS {run['peak_rss_mb']:8.0f} MB"
@@ -371,6 +423,10 @@ def _run_all(args, paths: list[str]) -> list[dict]:
 
 def main() -> None:
     args = _args()
+    if args.chunk_mb is None:
+        from netutility_jax.streaming import CHUNK_BYTES
+
+        args.chunk_mb = CHUNK_BYTES / 2**20
     if args.case:
         chunk = int(args.chunk_mb * 2**20)
         rec = run_case(args.case, json.loads(args.paths), args.budget, chunk, args.keep_out)

@@ -74,6 +74,10 @@ def _bucket_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks
             _mesh.pad_rows(mk, n_pad),
             _mesh.pad_rows(keys, n_pad),
         )
+        if _mesh.spmd(plan.mesh):
+            # placed now (per_device places them the same way, then keeps them), so that the
+            # host copy of the stacked factors is freed before the stages run, not after
+            args = _mesh.shard(args, plan.mesh)
         out = _mesh.per_device(
             lambda x: _stages.bucket_merge(x[0], x[1], coef, x[2], nums, cfg=job.cfg),
             args,

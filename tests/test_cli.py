@@ -230,6 +230,19 @@ def test_convert_is_a_command_whose_options_all_have_help():
     assert (args.src, args.out, args.overwrite, args.no_compile_cache) == ("src", "out", True, True)
 
 
+def test_chunk_mb_default_is_the_librarys_chunk_size():
+    """``--chunk-mb`` states the streamed merge's default (``nu.streaming.CHUNK_BYTES``), which the
+    parser writes out as a number so that parsing never imports jax."""
+    from netutility_jax import streaming
+
+    args = cli.build_parser().parse_args(["merge", "a", "b", "--out", "o", "--budget", "4"])
+    assert args.chunk_mb * 2**20 == streaming.CHUNK_BYTES
+    assert f"default {streaming.CHUNK_BYTES >> 20})" in next(
+        a.help for a in cli.build_parser()._subparsers._group_actions[0].choices["merge"]._actions
+        if a.dest == "chunk_mb"
+    )
+
+
 def test_console_entry_point_runs():
     proc = subprocess.run(
         [sys.executable, "-m", "netutility_jax.cli", "merge", "--help"],

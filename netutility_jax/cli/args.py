@@ -424,9 +424,9 @@ def _add_merge_output(m: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--chunk-mb",
         type=_bounded_float(0, 2**20, low_open=True, high_open=False, what="megabytes"),
-        default=256.0,
+        default=64.0,  # nu.streaming.CHUNK_BYTES (not imported: parsing does not load jax)
         help="streaming: the factors of all tasks read at once, in MB (a chunk holds whole "
-        "modules of one shape; default 256)",
+        "modules of one shape; default 64)",
     )
     m.add_argument(
         "--devices",
