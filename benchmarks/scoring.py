@@ -13,7 +13,14 @@ For each case of a table of model shapes (modules x tasks x rank) this measures:
   jit) and (b) from pre-stacked bucket arrays ``(n_modules, d_in, M r)``;
 * a dense baseline as in the PyTorch reference code: ``scale * a @ b`` and a full float32 SVD per
   task and module, timed on a few modules of each distinct shape and scaled to the whole model;
-* peak RSS and the adapters' own size.
+* peak RSS and the adapters' own size;
+* a breakdown of one steady score + allocate call into its stages (:func:`breakdown`), each timed
+  on its own with ``block_until_ready`` in between: input checks and bucketing, the kernel's
+  arguments, Python dispatch of the jitted scoring, the kernel itself (with its stacking + Grams
+  part timed as a separate program, the rest being the ``eigh`` / overlap / lambda stages), the
+  eager checks (host transfers of the kernel's flags), the per-module outputs, and the
+  allocation (its checks and ``top_k`` kernel, then the per-module masks); with the number of
+  jitted dispatches and of arrays moved between host and device in one call.
 
 Usage::
 
@@ -52,6 +59,7 @@ __all__ = [
     "CASES",
     "Case",
     "aot_times",
+    "breakdown",
     "buckets_of",
     "dense_baseline",
     "format_table",
@@ -210,14 +218,14 @@ def aot_times(adapters, scores, *, alpha: float, budget: int) -> dict[str, float
     Rebuilds the exact arguments ``nu.score`` / ``nu.allocate`` pass to ``_score_impl`` /
     ``_allocate_impl`` (private helpers of the library; this is a benchmark of its internals).
     """
-    from netutility_jax import _buckets, _tree
+    from netutility_jax import _tree
 
     jax.clear_caches()
     _, buckets, _ = _tree.collect(adapters, fn="benchmark")
     dtype = _tree.compute_dtype(buckets)
     meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
     rtols = tuple(jnp.asarray(nu_utility.default_rtol(bk.r_max, dtype), dtype) for bk in buckets)
-    inputs = tuple(_buckets.bucket_arrays(bk) for bk in buckets)
+    inputs = nu_utility._score_inputs("benchmark", buckets, dtype, None)
     sw = h.Stopwatch()
     lowered = sw.lap(
         nu_utility._score_impl.lower(
@@ -236,6 +244,130 @@ def aot_times(adapters, scores, *, alpha: float, budget: int) -> dict[str, float
     sw.lap(lowered_a.compile())
     keys = ("score_lower_s", "score_compile_s", "allocate_lower_s", "allocate_compile_s")
     return dict(zip(keys, sw.laps, strict=True))
+
+
+# ----------------------------------------------------------------------------- breakdown
+
+# (key, description) of each lap of :func:`breakdown`, in call order; they add up to one call.
+STAGES = (
+    ("collect", "input checks + bucketing (host: options, names, shapes, scales)"),
+    ("inputs", "kernel arguments (host: leaves, scales as one array, rtol, alpha)"),
+    ("dispatch", "score: Python dispatch of the jitted kernel (jit arguments)"),
+    ("kernel", "score kernel (XLA: stacking + Grams, eigh, overlaps, lambda)"),
+    ("checks", "score: eager checks (raw route, NaN/Inf, range; host transfers)"),
+    ("outputs", "score: per-module outputs (device_get + device_put of 4 fields)"),
+    # (XLA:CPU runs a program this small within its dispatch: one lap)
+    ("allocate", "allocate: checks of the scores, dispatch, kernel (concatenate + top_k)"),
+    ("allocate_outputs", "allocate: flags and masks to the host, per-module masks"),
+)
+
+
+@functools.partial(jax.jit, static_argnames=("meta",))
+def _grams_only(inputs, *, meta):
+    """The scoring kernel's first stage alone: each bucket's stacking + Grams (raw route), from
+    the same arguments, chained as in the kernel (``utility._score_buckets``)."""
+    from netutility_jax import _buckets, _grams
+
+    dtype, out, after = meta[0], [], None
+    for (a, b, s), (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True):
+        scale, _ = _buckets.scales_ranks(a, s, dtype)
+        leaves = _buckets.Leaves(a, b, d_in, d_out, r_max, dtype)
+        gr = _grams.grams(leaves, None, scale, "raw", after=after)
+        out.append(gr)
+        after = gr.h
+    return out
+
+
+def breakdown(adapters, *, alpha: float, budget: int, repeats: int) -> dict[str, Any]:
+    """Where one steady ``nu.score(lam="auto")`` + global ``nu.allocate`` call spends its time.
+
+    Replays the library's eager path (``utility._score_run`` and ``nu.allocate`` for concrete
+    inputs, one device, no input moments) stage by stage, blocking on each stage's arrays so that
+    each lap is its own: see :data:`STAGES`. A first, untimed replay warms every program up.
+    ``grams_ms`` times the kernel's stacking + Grams as a separate program, with the kernel's own
+    arguments (``kernel_ms - grams_ms``: its ``eigh``, overlap and lambda stages).
+    Also counts, per call, the jitted programs dispatched and the arrays moved between host and
+    device (``transfers``), as the library's code makes them.
+
+    Returns:
+      ``{"stages_ms": {key: median ms}, "grams_ms": ..., "total_ms": ..., "dispatches": ...,
+      "transfers": {...}}``.
+    """
+    from netutility_jax import _tree
+
+    u, fn = nu_utility, "nu.score"
+
+    def replay(sw):
+        u._check_options(fn, alpha, "auto", None, 1.0)
+        _, buckets, _ = _tree.collect(adapters, fn=fn)
+        sw.lap(None)
+        dtype = _tree.compute_dtype(buckets)
+        meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
+        rtols = tuple(u.host_constant(u.default_rtol(bk.r_max, dtype), dtype) for bk in buckets)
+        inputs = u._score_inputs(fn, buckets, dtype, None)
+        alpha_arg = u.host_constant(alpha, dtype)
+        sw.lap(inputs)
+        finished, raw_ok, _ = u._score_impl(
+            inputs, alpha_arg, 0.0, rtols, meta=meta, lam_is_auto=True, route="raw"
+        )
+        sw.lap(None)
+        sw.lap(finished)
+        assert bool(raw_ok), "benchmark adapters are in the raw route's range"
+        outs, lam_used, lam_bad, _ = finished[0]
+        _tree.raise_nonfinite(fn, buckets, [o[1] for o in outs], dtype=dtype)
+        u._Deferred(fn, buckets, list(outs), lam_used, lam_bad, dtype, True).check()
+        sw.lap(None)
+        modules = {}
+        for bk, (mods, *_) in zip(buckets, outs, strict=True):
+            per_module = zip(*(u.unstack(f) for f in mods), strict=True)
+            modules.update(zip(bk.names, (u.ModuleScores(*f) for f in per_module), strict=True))
+        assert any(np.asarray(ms.sigma).any() for ms in modules.values())
+        sw.lap(modules)
+        scores = u.Scores(modules, lam_used, alpha_arg)
+        names = nu_allocate._check_scores("nu.allocate", scores)
+        utils = tuple(scores.modules[k].utility for k in names)
+        sigmas = tuple(scores.modules[k].sigma for k in names)
+        cap = min(budget, max(1, *(int(np.prod(x.shape)) for x in utils)))
+        flat, bad = nu_allocate._allocate_impl(
+            utils, sigmas, budget=cap, scope="global", positive_only=True
+        )
+        sw.lap((flat, bad))
+        assert not np.asarray(bad).any()
+        masks = nu_allocate._split_masks(flat, [tuple(x.shape) for x in utils], "global")
+        sw.lap(masks)
+        g = h.Stopwatch()
+        g.lap(_grams_only(inputs, meta=meta))
+        return g.laps[0], len(buckets), len(names)
+
+    replay(h.Stopwatch())  # warm-up: compiles _grams_only, loads everything
+    laps, grams = [], []
+    for _ in range(repeats):
+        sw = h.Stopwatch()
+        g, n_buckets, n_modules = replay(sw)
+        laps.append(sw.laps)
+        grams.append(g)
+    stages = {
+        key: 1e3 * float(np.median([lp[k] for lp in laps])) for k, (key, _) in enumerate(STAGES)
+    }
+    return {
+        "stages_ms": stages,
+        "grams_ms": 1e3 * float(np.median(grams)),
+        "total_ms": sum(stages.values()),
+        # _score_impl and _allocate_impl (nu.score's host_constant calls are device_puts)
+        "dispatches": 2,
+        "transfers": {
+            # per bucket its scales (one array) and rtol, and alpha (the leaves are on the device)
+            "host_to_device_args": 2 * n_buckets + 1,
+            # raw_ok, NaN/Inf counts and range flags per bucket, lambda's flag, one sigma
+            "device_to_host_flags": 1 + 2 * n_buckets + 1 + 1,
+            # ModuleScores' 4 fields: one device_get per field and bucket, one put per module
+            "device_to_host_scores": 4 * n_buckets,
+            "device_put_scores": 4 * n_modules,
+            # the allocation's bad counts and flat mask, then one mask per module
+            "device_to_host_allocate": 2,
+            "device_put_masks": n_modules,
+        },
+    }
 
 
 # ----------------------------------------------------------------------------- irreducible work
@@ -431,6 +563,19 @@ def run_case(
         f"{rec['irreducible_prestacked_s']:.4f} s (pre-stacked)"
     )
 
+    bd = breakdown(adapters, alpha=alpha, budget=case.budget, repeats=repeats)
+    pre_ms = 1e3 * rec["irreducible_prestacked_s"]
+    bd["irreducible_prestacked_ms"] = pre_ms
+    bd["ratio_to_prestacked"] = {k: v / pre_ms for k, v in bd["stages_ms"].items()}
+    bd["ratio_to_prestacked"]["grams"] = bd["grams_ms"] / pre_ms
+    bd["ratio_to_prestacked"]["total"] = bd["total_ms"] / pre_ms
+    rec["breakdown"] = bd
+    log(
+        "breakdown (ms): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in bd["stages_ms"].items())
+        + f"; of the kernel, stacking + Grams {bd['grams_ms']:.1f}"
+    )
+
     rec.update(aot_times(adapters, scores, alpha=alpha, budget=case.budget))
     rec["compile_aot_s"] = rec["score_compile_s"] + rec["allocate_compile_s"]
     log(f"AOT score: lower {rec['score_lower_s']:.2f} s, compile {rec['score_compile_s']:.2f} s")
@@ -534,12 +679,42 @@ def _table_rows(records: list[dict]) -> list[tuple[str, list[str], str]]:
             ],
             "",
         ),
+        *_breakdown_rows(records),
         ("dense SVD baseline, est. (s)", col("dense_est_s", ".1f"), ""),
         ("speedup dense / steady", col("speedup_dense", ",.0f"), f">= {TARGET_SPEEDUP:g}"),
         ("peak RSS after library (MB)", col("peak_rss_library_mb", ".0f"), "< 10240"),
         ("peak RSS whole case (MB)", col("peak_rss_mb", ".0f"), ""),
         ("load average at start", [str(r.get("load_avg_start", "-")) for r in records], ""),
     ]
+    return rows
+
+
+def _breakdown_rows(records: list[dict]) -> list[tuple[str, list[str], str]]:
+    """Rows of :func:`breakdown`'s stages: ms (x the pre-stacked irreducible work)."""
+
+    def cell(r, key):
+        bd = r.get("breakdown")
+        if bd is None:
+            return "-"
+        ms = {"grams": bd["grams_ms"], "total": bd["total_ms"]}.get(key)
+        ms = bd["stages_ms"][key] if ms is None else ms
+        return f"{ms:.1f} ({bd['ratio_to_prestacked'][key]:.2f}x)"
+
+    def moves(r):
+        bd = r.get("breakdown")
+        if bd is None:
+            return "-"
+        t = bd["transfers"]
+        return f"{bd['dispatches']} / {t['device_put_scores'] + t['device_put_masks']}"
+
+    rows = [("breakdown of one call, ms (x irreducible (b))", ["" for _ in records], "")]
+    for key, what in STAGES:
+        rows.append((f"  {what}", [cell(r, key) for r in records], ""))
+        if key == "kernel":
+            grams = [cell(r, "grams") for r in records]
+            rows.append(("    of which stacking + Grams (own program)", grams, ""))
+    rows.append(("  sum of the stages", [cell(r, "total") for r in records], ""))
+    rows.append(("  jitted dispatches / arrays device_put", [moves(r) for r in records], ""))
     return rows
 
 

@@ -18,9 +18,12 @@ import numpy as np
 from ._tree import Bucket
 
 __all__ = [
+    "Leaves",
     "StackedMoments",
     "bucket_arrays",
+    "host_scales",
     "moment_iso",
+    "scales_ranks",
     "split_bucket",
     "stack_bucket",
     "stack_bucket_cat",
@@ -60,6 +63,50 @@ def _scales_ranks(a: Any, s: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
     return S, jnp.asarray(R)
 
 
+def scales_ranks(a: Any, s: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """``scale (n, M)`` and ``rank (n, M)`` int32 of a bucket's leaves (traceable); ``s`` may be
+    the scales stacked already (:func:`host_scales`)."""
+    if isinstance(s, (tuple, list)):
+        return _scales_ranks(a, s, dtype)
+    R = np.array([[0 if x is None else x.shape[1] for x in row] for row in a], np.int32)
+    return jnp.asarray(s, dtype), jnp.asarray(R)
+
+
+def host_scales(s: Any, dtype: Any) -> np.ndarray | None:
+    """The scales of :func:`bucket_arrays` as one ``(n, M)`` numpy array of ``dtype``, rounded
+    as XLA converts them (to nearest), if all are concrete (else None): one argument for the
+    jitted kernel instead of one per task-module."""
+    leaves = [x for row in s for x in row]
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):  # beyond the dtype: inf, as XLA converts
+        return np.array([[np.asarray(x).astype(dtype) for x in row] for row in s], dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaves:
+    """A bucket's leaves (:func:`bucket_arrays`) inside a trace, for kernels that read them
+    module by module (:func:`_grams.leaf_grams`) and stack them only where they must."""
+
+    a: Any  # rows (modules) of M lora_a leaves, None where a task lacks the module
+    b: Any  # likewise lora_b
+    d_in: int
+    d_out: int
+    r_max: int
+    dtype: Any
+
+    def padders(self):
+        """Zero-padding of one ``lora_a`` / ``lora_b`` leaf to ``r_max`` (see :func:`_padders`)."""
+        return _padders(self.d_in, self.d_out, self.r_max, self.dtype)
+
+    def stack(self) -> tuple[jax.Array, jax.Array]:
+        """``a (n, M, d_in, r_max)``, ``b (n, M, r_max, d_out)`` as :func:`stack_bucket`."""
+        pad_a, pad_b = self.padders()
+        A = jnp.stack([jnp.stack([pad_a(x) for x in row]) for row in self.a])
+        B = jnp.stack([jnp.stack([pad_b(x) for x in row]) for row in self.b])
+        return A, B
+
+
 def stack_bucket(
     a: Any, b: Any, s: Any, *, d_in: int, d_out: int, r_max: int, dtype: Any
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -70,10 +117,8 @@ def stack_bucket(
       (int32, 0 where a task lacks the module).
     """
 
-    pad_a, pad_b = _padders(d_in, d_out, r_max, dtype)
-    A = jnp.stack([jnp.stack([pad_a(x) for x in row]) for row in a])
-    B = jnp.stack([jnp.stack([pad_b(x) for x in row]) for row in b])
-    S, R = _scales_ranks(a, s, dtype)
+    A, B = Leaves(a, b, d_in, d_out, r_max, dtype).stack()
+    S, R = scales_ranks(a, s, dtype)
     return A, B, S, R
 
 

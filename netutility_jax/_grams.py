@@ -5,15 +5,25 @@ pairs, or each task alone) and each task's ``b' b'^T``, on factors divided by po
 neither overflows nor flushes to zero, with the exponents and the scale kept apart exactly
 (docs/math.md §8, §10). Three routes (:data:`ROUTES`) trade speed for range; see
 :func:`safe_grams`.
+
+From the per-(module, task) leaves (:class:`_buckets.Leaves`, what :func:`nu.score` passes its
+kernel), the raw route never stacks the whole bucket: :func:`leaf_grams` takes a few modules at a
+time, each group's ``X = [a_1 .. a_M]`` made right before its Gram and chained to the previous
+group through data, so XLA keeps one group's copy alive instead of every module's (on XLA:CPU a
+bucket-sized temporary is fresh memory every call: its page faults cost as much as the Gram).
+The Gram of stacked factors (:data:`CROSS`) is the same product, ``X^T X`` batched over modules,
+so both give the same bits (tests/test_utility.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from ._buckets import Leaves
 from ._linalg import exponent, pow2, pow2_normalise
 
 __all__ = [
@@ -22,7 +32,9 @@ __all__ = [
     "ROUTES",
     "GramKind",
     "Grams",
+    "RawGrams",
     "grams",
+    "leaf_grams",
     "moment_grams",
     "safe_grams",
 ]
@@ -57,9 +69,30 @@ class GramKind(NamedTuple):
     rescale: Any  # (Gram, ea (n, M)) -> Gram of a * 2^-ea, for |ea| <= _RAW_GRAM_RANGE + 1
 
 
+# Modules per group of leaf_grams: at most this many groups per bucket (compile time grows with
+# them), and groups of at least _GROUP_BYTES of factors (smaller ones gain nothing).
+_MAX_GROUPS = 64
+_GROUP_BYTES = 2 << 20
+
+
+def _columns_gram(x: jax.Array, m_tasks: int) -> jax.Array:
+    """``X^T X`` of ``x (n, d_in, M r)`` (tasks side by side) as ``(n, M, r, M, r)`` blocks."""
+    n, _, mr = x.shape
+    g = jnp.einsum("ndk,ndl->nkl", x, x, precision=_HI)
+    return g.reshape(n, m_tasks, mr // m_tasks, m_tasks, mr // m_tasks)
+
+
+def _cross_gram(a: jax.Array) -> jax.Array:
+    """All task pairs' ``a_i^T a_j`` of stacked ``a (n, M, d_in, r)``: one ``X^T X`` per module
+    with ``X = [a_1 .. a_M]``, as :func:`leaf_grams` computes it (the same bits)."""
+    n, m_tasks, d_in, r = a.shape
+    x = jnp.swapaxes(a, 1, 2).reshape(n, d_in, m_tasks * r)
+    return _columns_gram(x, m_tasks)
+
+
 # rescale: exponents are within +-(_RAW_GRAM_RANGE + 1) there, so one power of two is exact
 CROSS = GramKind(  # all task pairs: (n, M, r, M, r)
-    lambda a: jnp.einsum("nidk,njdl->nikjl", a, a, precision=_HI),
+    _cross_gram,
     lambda g: jnp.einsum("nikik->nik", g),
     lambda g, e: g * pow2(-(e[:, :, None, None, None] + e[:, None, None, :, None]), g.dtype),
 )
@@ -75,6 +108,61 @@ def _b_gram(b: jax.Array) -> jax.Array:
 
 
 ROUTES = ("raw", "normalise", "cond")
+
+
+class RawGrams(NamedTuple):
+    """The Grams of the raw factors and each task-module's largest entries (the raw route)."""
+
+    ga: jax.Array  # the kind's Gram of a
+    h: jax.Array  # (n, M, r, r) = b_i b_i^T
+    amax: jax.Array  # (n, M): max |a|
+    bmax: jax.Array  # (n, M): max |b|
+
+
+def _raw_grams(a: jax.Array, b: jax.Array, kind: GramKind) -> RawGrams:
+    return RawGrams(
+        kind.gram(a),
+        _b_gram(b),
+        jnp.max(jnp.abs(a), axis=(-2, -1), initial=0.0),
+        jnp.max(jnp.abs(b), axis=(-2, -1), initial=0.0),
+    )
+
+
+def _after(x: jax.Array, dep: Any) -> jax.Array:
+    """``x`` plus an exact zero computed from ``dep``: a data dependency that orders XLA's work
+    (never NaN, whatever ``dep`` holds; ``x`` unchanged but for the sign of a zero)."""
+    if dep is None:
+        return x
+    z = jnp.isnan(dep.reshape(-1)[0]).astype(x.dtype) * jnp.zeros((), x.dtype)
+    return x + z
+
+
+def leaf_grams(leaves: Leaves, after: Any = None) -> RawGrams:
+    """:class:`RawGrams` of the :data:`CROSS` kind from a bucket's leaves, a group of modules at
+    a time (see the module docstring), each group's stacking after ``after`` (an array: the
+    previous bucket's last output, or None) and the previous group's Grams."""
+    pad_a, pad_b = leaves.padders()
+    n = len(leaves.a)
+    m_tasks = len(leaves.a[0])
+    itemsize = jnp.dtype(leaves.dtype).itemsize
+    per = max(1, m_tasks * leaves.r_max * (leaves.d_in + leaves.d_out) * itemsize)
+    size = max(-(-n // _MAX_GROUPS), min(n, max(1, _GROUP_BYTES // per)))
+    parts = []
+    for s in range(0, n, size):
+        rows_a = [[pad_a(x) for x in row] for row in leaves.a[s : s + size]]
+        rows_b = [[pad_b(x) for x in row] for row in leaves.b[s : s + size]]
+        rows_a[0][0] = _after(rows_a[0][0], after)
+        rows_b[0][0] = _after(rows_b[0][0], after)
+        x = jnp.stack([jnp.concatenate(row, 1) for row in rows_a])  # (c, d_in, M r)
+        b = jnp.stack([jnp.stack(row) for row in rows_b])  # (c, M, r, d_out)
+        ga, h = _columns_gram(x, m_tasks), _b_gram(b)
+        # max |a| per task: over d_in first (the minor axis stays whole), then over r
+        amax = jnp.max(jnp.max(jnp.abs(x), axis=1).reshape(-1, m_tasks, leaves.r_max), axis=-1)
+        bmax = jnp.max(jnp.abs(b), axis=(-2, -1))
+        parts.append(RawGrams(ga, h, amax, bmax))
+        after = h
+    fields = zip(*parts, strict=True)
+    return RawGrams(*(jnp.concatenate(f) if len(parts) > 1 else f[0] for f in fields))
 
 
 def safe_grams(
@@ -100,9 +188,22 @@ def safe_grams(
       (NaN/Inf entries of lora_a, lora_b, scale, read as 0; 0 on the raw route, whose inputs are
       finite when ``raw_ok``), and the scalar bool ``raw_ok``.
     """
+    return _safe(lambda: _raw_grams(a, b, kind), lambda: (a, b), scale, kind, route)
+
+
+def _safe(
+    raw: Callable[[], RawGrams],
+    stacked: Callable[[], tuple[jax.Array, jax.Array]],
+    scale: jax.Array,
+    kind: GramKind,
+    route: str,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`safe_grams` from ``raw()`` (called unless the route is ``"normalise"``) and
+    ``stacked()``, the factors ``(a, b)`` stacked (called only where ``"normalise"`` runs)."""
     s, es, ns = pow2_normalise(scale, ())
 
     def normalised():
+        a, b = stacked()
         a2, ea, na = pow2_normalise(a, (-2, -1))
         b2, eb, nb = pow2_normalise(b, (-2, -1))
         return kind.gram(a2), _b_gram(b2), ea + eb, jnp.stack([na, nb], -1)
@@ -111,9 +212,7 @@ def safe_grams(
         gs, hs, e_ab, bad = normalised()
         raw_ok = jnp.ones((), bool)
     else:
-        amax = jnp.max(jnp.abs(a), axis=(-2, -1), initial=0.0)
-        bmax = jnp.max(jnp.abs(b), axis=(-2, -1), initial=0.0)
-        ga, h = kind.gram(a), _b_gram(b)
+        ga, h, amax, bmax = raw()
         lo, hi = 2.0**-_RAW_GRAM_RANGE, 2.0**_RAW_GRAM_RANGE
 
         def in_range(x):
@@ -139,10 +238,19 @@ def safe_grams(
     return gs, hs, s, e_ab + es, jnp.concatenate([bad, ns[..., None]], -1), raw_ok
 
 
-def grams(a: jax.Array, b: jax.Array, scale: jax.Array, route: str) -> Grams:
+def grams(
+    a: jax.Array | Leaves, b: jax.Array | None, scale: jax.Array, route: str, after: Any = None
+) -> Grams:
     """Stage 1: the only d-sized work, two Grams per module, scale-safe (see
-    :func:`safe_grams`)."""
-    g, h, s, e, nonfinite, raw_ok = safe_grams(a, b, scale, CROSS, route)
+    :func:`safe_grams`), from the stacked factors ``a``, ``b``, or from a bucket's
+    :class:`_buckets.Leaves` ``a`` (``b`` None; :func:`leaf_grams`, after ``after``)."""
+    if isinstance(a, Leaves):
+        leaves = a
+        g, h, s, e, nonfinite, raw_ok = _safe(
+            lambda: leaf_grams(leaves, after), leaves.stack, scale, CROSS, route
+        )
+    else:
+        g, h, s, e, nonfinite, raw_ok = safe_grams(a, b, scale, CROSS, route)
     return Grams(g, jnp.einsum("nikil->nikl", g), h, s, e, nonfinite, raw_ok)
 
 

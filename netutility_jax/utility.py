@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _buckets, _mesh, _tree, moments
+from ._buckets import Leaves
 from ._checks import brief, check_auto, check_bool, check_real, real_option, real_value
 from ._grams import PER_TASK, ROUTES, Grams, grams, moment_grams, safe_grams
 from ._linalg import eigh_batched as eigh_batched
@@ -333,12 +334,16 @@ def _score_buckets(
     grams)``, ``stats[a][b]`` alpha ``a``'s :class:`BucketStats` of bucket ``b``. ``moments``:
     per bucket ``(f (n, M, k, d_in), iso (n, M))`` (:func:`_buckets.stack_moments`) for the
     data-aware score, or None."""
-    grs = [grams(a, b, s, route) for a, b, s, _ in buckets]
+    grs: list[Grams] = []
+    for a, b, s, _ in buckets:
+        # from leaves, each bucket's Grams after the previous one's: XLA then holds one group
+        # of modules' stacked factors at a time (see _grams.leaf_grams)
+        grs.append(grams(a, b, s, route, after=grs[-1].h if grs else None))
     if moments is None:
         qs = [None] * len(buckets)
     else:
         qs = [
-            (*moment_grams(f, bk[0], iso), iso)
+            (*moment_grams(f, bk[0].stack()[0] if isinstance(bk[0], Leaves) else bk[0], iso), iso)
             for (f, iso), bk in zip(moments, buckets, strict=True)
         ]
     eig_h = eigh_batched([gr.h for gr in grs])
@@ -379,7 +384,12 @@ def _score_stats(inputs, alpha, rtols, *, meta, route, energy=False, moments=Non
     stacked = [
         tuple(x)
         if isinstance(x, _mesh.Stacked)  # stacked on the host, sharded over a mesh
-        else _buckets.stack_bucket(*x, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
+        # the leaves, read module by module (_grams.leaf_grams)
+        else (
+            _buckets.Leaves(x[0], x[1], d_in, d_out, r_max, dtype),
+            None,
+            *_buckets.scales_ranks(x[0], x[2], dtype),
+        )
         for x, (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True)
     ]
     alphas = [alpha] if jnp.ndim(alpha) == 0 else list(alpha)
@@ -559,7 +569,11 @@ def _score_inputs(fn: str, live: Sequence[_tree.Bucket], dtype: Any, mesh: Any) 
     factors stacked on the host and sharded over it (:mod:`netutility_jax._mesh`)."""
     leaves = tuple(_buckets.bucket_arrays(bk) for bk in live)
     if _mesh.check_mesh(fn, mesh) is None:
-        return leaves
+        # concrete scales as one (n, M) array per bucket: one argument each, not one per scale
+        host = [_buckets.host_scales(s, dtype) for _, _, s in leaves]
+        return tuple(
+            (a, b, s if h is None else h) for (a, b, s), h in zip(leaves, host, strict=True)
+        )
     if _traced(leaves):
         raise InputError(
             f"{fn}: mesh= stacks the factors on the host, so it needs concrete arrays, not "

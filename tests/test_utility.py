@@ -1352,3 +1352,98 @@ def test_strict_promotion_float64_x64():
                 nu.allocate(sc, 3, scope=scope)
         assert sc.modules["q"].sigma.dtype == jnp.float64
         assert e.dtype == jnp.float64
+
+
+# ------------------------------------------------------------------ the kernel's Grams from leaves
+
+_buckets_mod = importlib.import_module("netutility_jax._buckets")
+_grams_mod = importlib.import_module("netutility_jax._grams")
+_tree_mod = importlib.import_module("netutility_jax._tree")
+
+# 6 modules (one bucket, ranks differing between tasks, a task lacking one) and a second bucket
+LEAF_SPEC = (
+    *((f"layers/{i}/q", 40, 24, (3, 5, None if i == 2 else 4)) for i in range(6)),
+    ("layers/0/o", 24, 40, (2, 2, 5)),
+)
+
+
+def _leaf_and_stacked_grams(ads, route):
+    """Each bucket's kernel Grams from its leaves (as nu.score) and from its stacked factors."""
+    _, buckets, _ = _tree_mod.collect(ads, fn="t")
+    out = []
+    for bk in buckets:
+        a, b, s = _buckets_mod.bucket_arrays(bk)
+        kw = {"d_in": bk.d_in, "d_out": bk.d_out, "r_max": bk.r_max, "dtype": jnp.float32}
+
+        def leaf(a, b, s, kw=kw):
+            scale, _ = _buckets_mod.scales_ranks(a, s, jnp.float32)
+            leaves = _buckets_mod.Leaves(a, b, kw["d_in"], kw["d_out"], kw["r_max"], jnp.float32)
+            return _grams_mod.grams(leaves, None, scale, route)
+
+        def stacked(a, b, s, kw=kw):
+            A, B, S, _ = _buckets_mod.stack_bucket(a, b, s, **kw)
+            return _grams_mod.grams(A, B, S, route)
+
+        out.append((jax.jit(leaf)(a, b, s), jax.jit(stacked)(a, b, s)))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("route", "group_bytes"), [("raw", None), ("raw", 1), ("normalise", None), ("cond", 1)]
+)
+def test_leaf_grams_are_the_stacked_grams_bit_for_bit(monkeypatch, route, group_bytes):
+    # nu.score reads the leaves a group of modules at a time; the mesh and streamed paths pass
+    # the factors stacked: both must give the same bits (their scores are compared exactly)
+    if group_bytes is not None:  # one module per group
+        monkeypatch.setattr(_grams_mod, "_GROUP_BYTES", group_bytes)
+    ads = make_adapters(3, 3, LEAF_SPEC)
+    for leaf, stacked in _leaf_and_stacked_grams(ads, route):
+        for f, x, y in zip(leaf._fields, leaf, stacked, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f)
+
+
+def test_leaf_grams_equal_the_float64_products():
+    # g' = a'^T a' with a'_i = a_i 2^-e_i, e_i the exponent of max |a_i| (largest entry in [0.5, 1))
+    ads = make_adapters(4, 3, LEAF_SPEC)
+    _, buckets, _ = _tree_mod.collect(ads, fn="t")
+    for bk, (leaf, _) in zip(buckets, _leaf_and_stacked_grams(ads, "raw"), strict=True):
+        for n, mods in enumerate(bk.modules):
+            a = [np.zeros((bk.d_in, bk.r_max)) for _ in mods]
+            for i, m in enumerate(mods):
+                if m is not None:
+                    x = np.asarray(m.lora_a, np.float64)
+                    a[i][:, : x.shape[1]] = x * 2.0 ** -np.frexp(np.abs(x).max())[1]
+            x = np.concatenate(a, 1)
+            ref = (x.T @ x).reshape(len(mods), bk.r_max, len(mods), bk.r_max)
+            got = np.asarray(leaf.g[n], np.float64)
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+def test_score_kernel_keeps_one_group_of_stacked_factors_in_memory():
+    # the Grams come from the leaves a group at a time, chained through data: XLA's temporary
+    # memory holds about one group's stacked copy, not the bucket's (on XLA:CPU a bucket-sized
+    # temporary is fresh memory every call, whose page faults cost as much as the Grams)
+    spec = tuple((f"layers/{i}/q", 2048, 256, (16, 16, 16, 16)) for i in range(24))
+    ads = make_adapters(0, 4, spec, with_scale=False)
+    _, buckets, _ = _tree_mod.collect(ads, fn="t")
+    dtype = jnp.float32
+    meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
+    inputs = utility_mod._score_inputs("t", buckets, dtype, None)
+    rtols = tuple(jnp.asarray(utility_mod.default_rtol(bk.r_max, dtype), dtype) for bk in buckets)
+    compiled = utility_mod._score_impl.lower(
+        inputs, jnp.asarray(1.0, dtype), 0.0, rtols, meta=meta, lam_is_auto=True
+    ).compile()
+    factors = sum(np.asarray(x).nbytes for x in jax.tree.leaves(ads) if np.ndim(x) == 2)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < factors / 4, (temp, factors)
+
+
+def test_one_device_mesh_scores_are_the_plain_scores_bit_for_bit():
+    # the mesh path stacks the factors on the host (the streamed merge too); nu.score reads the
+    # leaves: the Grams are the same product, so the scores are the same bits
+    ads = make_adapters(5, 3, LEAF_SPEC)
+    sc, sc_m = nu.score(ads), nu.score(ads, mesh=nu.module_mesh())
+    for n, ms in sc.modules.items():
+        for f, x, y in zip(ms._fields, ms, sc_m.modules[n], strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{n} {f}")
+    np.testing.assert_array_equal(np.asarray(sc.lam), np.asarray(sc_m.lam))
