@@ -202,5 +202,23 @@ def test_a_study_runs_end_to_end_and_its_numbers_agree(tmp_path):
     assert back["design"]["centre"]["seeds"] == [0] and "seeds 0, up to" in markdown
     assert [c["cell"] for c in back["cells"]] == ["centre", "h=4x", "tasks=2"]
     assert "| tasks=2 | 2 |" in markdown
+    # across seeds: no such table from one seed; from three, each delta seed by seed with the t
+    # interval over seeds it was given (mean 1.0, sd 0.5, t(0.975, 2 df) = 4.3027)
+    assert "## Across seeds" not in markdown
+    multi = json.loads(json.dumps(results))
+    multi["design"]["centre"]["seeds"] = [0, 1, 2]
+    d = multi["cells"][0]["allocation"]["8"]["net_utility_minus_uniform"]
+    half = 4.302652729911275 * 0.5 / np.sqrt(3)
+    d.update(per_seed=[0.5, 1.5, 1.0], seed_ci=[1.0 - half, 1.0 + half], seeds_exclude_zero=False)
+    e = multi["cells"][1]["allocation"]["8"]["net_utility_minus_uniform"]
+    e.update(per_seed=[0.9, 1.1, 1.0], seed_ci=[0.75, 1.25], seeds_exclude_zero=True)
+    md = sd._markdown(multi, 8)
+    assert "| centre | NU - uniform R8 | +0.5, +1.5, +1.0 | [-0.2, +2.2] | " in md
+    assert "| h=4x | NU - uniform R8 | +0.9, +1.1, +1.0 | [+0.8, +1.2]* | " in md
+    rows = [ln for ln in md.split("## Across seeds")[1].split("\n## ")[0].splitlines()
+            if ln.startswith("| ") and not ln.startswith("| cell")]  # fmt: skip
+    n_rows = len(rows)
+    assert n_rows == 3 * len([ln for ln in rows if ln.startswith("| centre |")])
+    assert f"Of these {n_rows} comparisons" in md and "and 1 over seeds exclude 0" in md
     with pytest.raises(FileExistsError):
         sd.write_outputs(results, markdown, fig, tmp_path / "out")

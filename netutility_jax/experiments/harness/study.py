@@ -583,6 +583,7 @@ def _markdown(results: Mapping[str, Any], low: int) -> str:
             if data
             else []
         ),
+        *_across_seeds(results, budgets, low, data),
         f"## Per task: Net Utility minus uniform at R={low} against the task's energy",
         "",
         f"Pooled over cells (each task of each cell one point, its delta a mean over seeds): "
@@ -611,6 +612,62 @@ def _markdown(results: Mapping[str, Any], low: int) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _seeds_iv(d: Mapping[str, Any] | None) -> tuple[str, str, int]:
+    """``(per-seed values, t interval over seeds, intervals that exclude 0)`` of one delta."""
+    if not d:
+        return "n/a", "n/a", 0
+    lo, hi = d["seed_ci"]
+    mark = "*" if d.get("seeds_exclude_zero") else ""
+    seeds = (
+        "n/a" if lo is None or not (math.isfinite(lo) and math.isfinite(hi))
+        else f"[{lo:+.1f}, {hi:+.1f}]{mark}"
+    )  # fmt: skip
+    return ", ".join(f"{v:+.1f}" for v in d["per_seed"]), seeds, int(bool(mark))
+
+
+def _across_seeds(
+    results: Mapping[str, Any], budgets: Sequence[int], low: int, data: bool
+) -> list[str]:
+    """The Net Utility deltas seed by seed, with the t interval over seeds: the main table's
+    bootstrap resamples test texts and does not see how much a new training seed moves a delta."""
+    cells = results["cells"]
+    if len(results["design"]["centre"]["seeds"]) < 2:
+        return []
+    rows = [(f"NU - uniform R{r}", r, "net_utility_minus_uniform") for r in budgets]
+    rows.append((f"NU - energy R{low}", low, "net_utility_minus_energy"))
+    if data:
+        rows += [(f"NU(data) - uniform R{r}", r, "net_utility_data_minus_uniform") for r in budgets]
+        rows += [(f"NU(data) - NU R{r}", r, "net_utility_data_minus_net_utility") for r in budgets]
+    lines = [
+        "## Across seeds",
+        "",
+        "Each delta seed by seed, and the 95% t interval over seeds (`*`: it excludes 0). The "
+        "intervals above resample test texts and do not cover seed-to-seed variation; these do, "
+        "from few seeds, so they are wide.",
+        "",
+        "| cell | comparison | per seed | over seeds | over texts |",
+        "|---|---|---|---|---|",
+    ]
+    boot = seeds_ex = total = 0
+    for c in cells:
+        for label, r, key in rows:
+            d = c["allocation"][str(r)].get(key)
+            per_seed, over, ex = _seeds_iv(d)
+            lines.append(f"| {c['cell']} | {label} | {per_seed} | {over} | {_iv(d)} |")
+            if d:
+                total += 1
+                seeds_ex += ex
+                boot += int(bool(d.get("bootstrap_excludes_zero")))
+    lines += [
+        "",
+        f"Of these {total} comparisons, {boot} intervals over texts and {seeds_ex} over seeds "
+        "exclude 0; were no allocation different from another, a calibrated 95% interval would "
+        f"exclude 0 in about {0.05 * total:.1f} of them.",
+        "",
+    ]
+    return lines
 
 
 def _figure(cells: Sequence[CellResult], low: int, xs, ys):
