@@ -100,9 +100,12 @@ class _Released(_Spy):
         self.lingering = 0
 
     def read(self, names, **kw):
-        # (collected first: an array kept only by a reference cycle goes at the next collection,
-        # which the timing of a test run decides; a loop variable holding the chunk is no cycle)
-        gc.collect()
+        # An array kept only by a reference cycle goes at the next collection, which the timing
+        # of a test run decides (a loop variable holding the chunk is no cycle): collect before
+        # counting, but only when something is alive (a full collection in a worker that has run
+        # many tests costs seconds, at every read).
+        if any(r() is not None for r in self.alive):
+            gc.collect()
         self.lingering += sum(r() is not None for r in self.alive)
         out = super().read(names, **kw)
         self.alive = [
