@@ -14,6 +14,13 @@ positively homogeneous of degree one and a power of two rounds nothing, so resul
 the unscaled computation wherever that one does not over- or underflow. The last stage also
 reports, per module, whether the result is representable (:func:`range_status`): the caller
 raises instead of returning an infinite or flushed-to-zero module.
+
+The stages are kernels of :func:`_executables.kernel` (``jax.jit`` whose executables the
+command line keeps on disk whole, so that a warm run neither traces nor lowers them). Host-side
+work between them stays on the host (numpy): an eager ``jnp`` operation on a concrete array is
+a program of its own, traced, lowered and loaded in every process. Merging stages into fewer
+programs is not done: XLA fuses across what was a program boundary and rounds differently (a
+contracted multiply-add), so the merged bits would move.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import numpy as np
 from . import _buckets, _checks, _mesh, _rng, _select, _tree, registry
 from . import methods as _m
 from . import spaces as _s
+from ._executables import kernel
 from ._linalg import mm as _mm
 from ._linalg import mul_pow2
 from ._linalg import t as _t
@@ -65,6 +73,7 @@ __all__ = [
     "pad_rows",
     "range_status",
     "real_entries",
+    "reduce_bucket",
     "row_blocks",
     "row_units",
     "stack_masks",
@@ -183,7 +192,7 @@ def _coords(k, a, b, ts, *, space, variant, rtol):
 # an infinite or flushed-to-zero module.
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@kernel(static_argnames=("cfg",))
 def stage_stack(leaves, *, cfg: StackConfig):
     """Zero-padded stacked factors of a bucket (see ``_buckets.stack_bucket``), as given."""
     d_in, d_out, r_max, dtype = cfg
@@ -191,7 +200,7 @@ def stage_stack(leaves, *, cfg: StackConfig):
     return _buckets.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("r_max",))
+@kernel(static_argnames=("r_max",))
 def stage_keep(a, b, s, r, *, r_max: int):
     """Every candidate of a stacked bucket ``(n, M, r_max)`` (``allocation="all"``)."""
     a, b, ts, _ = _s.normalise_tasks(a, b, s, a_axes=(2, 3), b_axes=(2, 3))
@@ -200,7 +209,7 @@ def stage_keep(a, b, s, r, *, r_max: int):
     return k.keep
 
 
-@jax.jit
+@kernel
 def stage_scales(a, b, s):
     """Per module the unit (:func:`spaces.module_unit`), per task the :class:`spaces.TaskScales`
     and the non-finite counts ``(n, M, 3)`` of stacked factors ``a (n, M, d_in, r)``, ``b``."""
@@ -208,7 +217,27 @@ def stage_scales(a, b, s):
     return ts, _s.module_unit(ts), bad
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+def reduce_bucket(leaves, *, cfg: ReduceConfig):
+    """:func:`stage_reduce`, in two programs where the factors are stacked on the host
+    (:class:`_mesh.Stacked`, concrete): their scales (:func:`stage_scales`), then the reduction
+    that those call for, plain or scaled (:func:`_reduce_stacked`'s two branches, decided on
+    the host). One branch is compiled, not both, for the same arithmetic (in one program, the
+    branch not taken was half of a cold streamed merge's compilation)."""
+    if isinstance(leaves, _mesh.Stacked) and not any(
+        isinstance(x, jax.core.Tracer) for x in leaves
+    ):
+        A, B, S, R = leaves
+        ts, unit, bad = stage_scales(A, B, S)
+        moderate = (np.abs(np.asarray(ts.a_exp)) <= 24) & (np.abs(np.asarray(ts.b_exp)) <= 24)
+        if moderate.all() and not np.asarray(bad).any():
+            red = _reduce_plain(A, B, ts.a_exp, ts.b_exp, m_tasks=cfg.m_tasks)
+        else:
+            red = _reduce_scaled(A, B, S, m_tasks=cfg.m_tasks)
+        return red, ts, R, bad, unit
+    return stage_reduce(leaves, cfg=cfg)
+
+
+@kernel(static_argnames=("cfg",))
 def stage_reduce(leaves, *, cfg: ReduceConfig):
     """A bucket's factors, normalised per task by powers of two, in the bases of their own spans
     (:class:`spaces.Reduced`); their :class:`spaces.TaskScales`, ranks, non-finite counts
@@ -242,28 +271,44 @@ def stage_reduce(leaves, *, cfg: ReduceConfig):
     return red, ts, R, bad, _s.module_unit(ts)
 
 
+def _reduce_cat(a, b, m_tasks: int):
+    """:func:`spaces.reduce_factors` of stacked ``a (n, M, d_in, r)``, ``b (n, M, r, d_out)``,
+    the tasks side by side as :func:`_buckets.stack_bucket_cat` lays them out."""
+    n, _, d_in, r = a.shape
+    xa = jnp.moveaxis(a, 1, 2).reshape(n, d_in, m_tasks * r)
+    return _s.reduce_factors(xa, b.reshape(n, m_tasks * r, b.shape[-1]), m_tasks)
+
+
+def _plain(A, B, a_exp, b_exp, m_tasks: int):
+    """Factors of moderate size: their Grams are safe; the small reduced factors normalised."""
+    red = _reduce_cat(A, B, m_tasks)
+    ra = mul_pow2(red.a, -a_exp[..., None, None])
+    rb = mul_pow2(red.b, -b_exp[..., None, None])
+    return red._replace(a=ra, b=rb)
+
+
+def _scaled(A, B, S, m_tasks: int):
+    """Extreme (or non-finite) factors: normalised before any Gram."""
+    a_n, b_n, _, _ = _s.normalise_tasks(A, B, S, a_axes=(2, 3), b_axes=(2, 3))
+    return _reduce_cat(a_n, b_n, m_tasks)
+
+
+_reduce_plain = kernel(_plain, static_argnames=("m_tasks",))
+_reduce_scaled = kernel(_scaled, static_argnames=("m_tasks",))
+
+
 def _reduce_stacked(st: _mesh.Stacked, *, m_tasks: int):
     """:func:`stage_reduce` of factors stacked on the host (:func:`_mesh.host_stack`, e.g.
-    sharded over a mesh): the same arithmetic on the same values, from ``(n, M, ...)`` arrays."""
+    sharded over a mesh), traced as one program: the same arithmetic on the same values, from
+    ``(n, M, ...)`` arrays."""
     A, B, S, R = st
-    a_n, b_n, ts, bad = _s.normalise_tasks(A, B, S, a_axes=(2, 3), b_axes=(2, 3))
-
-    def reduce(a, b):  # the tasks side by side, as _buckets.stack_bucket_cat lays them out
-        n, _, d_in, r = a.shape
-        xa = jnp.moveaxis(a, 1, 2).reshape(n, d_in, m_tasks * r)
-        return _s.reduce_factors(xa, b.reshape(n, m_tasks * r, b.shape[-1]), m_tasks)
-
-    def plain():
-        red = reduce(A, B)
-        ra = mul_pow2(red.a, -ts.a_exp[..., None, None])
-        rb = mul_pow2(red.b, -ts.b_exp[..., None, None])
-        return red._replace(a=ra, b=rb)
-
-    def scaled():
-        return reduce(a_n, b_n)
-
+    _, _, ts, bad = _s.normalise_tasks(A, B, S, a_axes=(2, 3), b_axes=(2, 3))
     moderate = (jnp.abs(ts.a_exp) <= 24) & (jnp.abs(ts.b_exp) <= 24)
-    red = jax.lax.cond(jnp.all(moderate) & ~jnp.any(bad), plain, scaled)
+    red = jax.lax.cond(
+        jnp.all(moderate) & ~jnp.any(bad),
+        lambda: _plain(A, B, ts.a_exp, ts.b_exp, m_tasks),
+        lambda: _scaled(A, B, S, m_tasks),
+    )
     return red, ts, R, bad, _s.module_unit(ts)
 
 
@@ -273,7 +318,7 @@ def _expand_in(qa, x):
     return _mm(q1, _mm(m, x))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@kernel(static_argnames=("cfg",))
 def stage_coords(red, ts, R, mask, unit, *, cfg: CoordsConfig):
     """Kept components of a bucket in a space's coordinates (:class:`spaces.Coords`), in units
     of ``2**unit`` (``unit (n,)``: each task's singular values get ``2**(exp_i - unit)``).
@@ -298,7 +343,7 @@ def stage_coords(red, ts, R, mask, unit, *, cfg: CoordsConfig):
     return c
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@kernel(static_argnames=("cfg",))
 def stage_low_rank(ca, cb, coef, nums, *, cfg: LowRankConfig):
     """A spectral method (TA, TSV, Iso-C, Iso-CTS: the registry's kernel of ``cfg.method``) on
     factored coordinates ``ca (n, M, p, r)``, ``cb (n, M, q, r)``; ``nums`` holds its traced
@@ -445,7 +490,7 @@ def _log2_norm(x, axis):
     return jnp.log2(jnp.max(cols, axis=-1, initial=0)).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@kernel(static_argnames=("cfg",))
 def stage_map_back(la, lb, qa, qb, unit, *, cfg: MapBackConfig):
     """Reduced results in units of ``2**unit`` to ``(lora_a (n, d_in, width), lora_b (n, width,
     d_out))`` of their true size, and per module ``(code, log2)``: code 0 representable, 1 not
@@ -498,13 +543,15 @@ def map_back(la, lb, live, qa, qb, expand_in, unit):
     if isinstance(live, jax.core.Tracer):
         width = live.shape[-1]
     else:
-        most = int(np.asarray(live.sum(-1)).max(initial=0))
+        # on the host: an eager sum and slice of the device array are programs of their own
+        live = np.asarray(live)
+        most = int(live.sum(-1).max(initial=0))
         width = min(live.shape[-1], -(-most // 16) * 16)
     la, lb, check = stage_map_back(la, lb, qa, qb, unit, cfg=MapBackConfig(width, expand_in))
     return la, lb, live[..., :width], check
 
 
-@functools.partial(jax.jit, static_argnames=("rtol", "compact"))
+@kernel(static_argnames=("rtol", "compact"))
 def stage_decode(coords, am, bm, *, rtol: float, compact: bool):
     """A low-rank method's merged factors back to LoRA form (:func:`spaces.decode_factored`)."""
     return _s.decode_factored(coords, am, bm, rtol=rtol, compact=compact)
@@ -526,7 +573,7 @@ def real_entries(c):
     return np.asarray(rows, np.int64) * np.asarray(cols, np.int64)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk",))
+@kernel(static_argnames=("chunk",))
 def stage_split(coords, keys, table, *, chunk: int):
     """A bucket's coordinates cut into chunks of whole modules for :func:`stage_elementwise`:
     ``[(a, b, keys, k_top)]`` per chunk. TIES keeps ``k_top = int(density * n)`` of the ``n``
@@ -542,7 +589,7 @@ def stage_split(coords, keys, table, *, chunk: int):
     return [tuple(x[j0 : j0 + chunk] for x in (c.a, c.b, keys, k_top)) for j0 in range(0, n, chunk)]
 
 
-@functools.partial(jax.jit, static_argnames=("method",))
+@kernel(static_argnames=("method",))
 def stage_elementwise(a, b, keys, k_top, coef, nums, *, method: str):
     """TIES / DARE on a chunk of modules' dense core or KnOTS coordinates ``a b^T``: the merged
     ``(n, p, q)`` and per module its :func:`kernel_status`."""
@@ -550,7 +597,7 @@ def stage_elementwise(a, b, keys, k_top, coef, nums, *, method: str):
     return xm, kernel_status(xm)
 
 
-@functools.partial(jax.jit, static_argnames=("rtol",))
+@kernel(static_argnames=("rtol",))
 def stage_decode_chunks(coords, xms, *, rtol: float):
     """The merged chunks back to LoRA form: KnOTS blocks ``(d_in, k)`` are kept as the input
     factor, core matrices are re-factored by SVD."""
@@ -583,18 +630,24 @@ def _elementwise_bucket(coords, coef, keys, nums, table, *, method, rtol, chunk,
             for a, b, kk, kt in stage_split(coords, keys, table, chunk=chunk)
         ]
         xms = [xm for xm, _ in outs]
-        status = jnp.concatenate([st for _, st in outs]) if len(outs) > 1 else outs[0][1]
+        sts = [st for _, st in outs]
+        if len(sts) == 1:
+            status = sts[0]
+        elif any(isinstance(st, jax.core.Tracer) for st in sts):
+            status = jnp.concatenate(sts)
+        else:  # on the host: an eager concatenation is a program per count of chunks
+            status = np.concatenate([np.asarray(st) for st in sts])
     return (*stage_decode_chunks(coords, xms, rtol=rtol), status)
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
+@kernel(static_argnames=("rows",))
 def pad_rows(a, *, rows: int):
     """``a (..., p, r)`` zero-padded to a whole number of ``rows``-row blocks."""
     p = a.shape[-2]
     return jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, -p % rows), (0, 0)])
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
+@kernel(static_argnames=("rows",))
 def block_tasks(a, b, j0, *, rows: int):
     """Rows ``j0 : j0 + rows`` of the dense coordinates ``a b^T`` (``a`` from :func:`pad_rows`)."""
     return _mm(jax.lax.dynamic_slice_in_dim(a, j0, rows, axis=-2), _t(b))
@@ -613,7 +666,7 @@ def row_blocks(a, b, rows: int) -> list:
     ]
 
 
-@functools.partial(jax.jit, static_argnames=("flat_ties",))
+@kernel(static_argnames=("flat_ties",))
 def ties_apply(x, t, room, coef, *, flat_ties):
     """Trim at the thresholds ``t`` and take the disjoint mean. Without ``flat_ties`` every entry
     at a task's threshold is known to fit (``room`` = their count), so the running count that
@@ -652,7 +705,7 @@ def ties_rows(a, b, k_top, coef, *, rows: int):
 DARE_KEPT = {"dare": _m.dare_kept, "dare_ties": _m.dare_ties_kept}
 
 
-@functools.partial(jax.jit, static_argnames=("method", "shape"))
+@kernel(static_argnames=("method", "shape"))
 def dare_block(x, key, j0, coef, nums, *, method: str, shape: tuple[int, int, int]):
     """DARE / DARE-TIES on rows ``j0 :`` of one module's dense coordinates, ``x (1, M, rows, q)``
     from :func:`row_blocks`, ``shape = (M, p, q)`` the whole module's: ``(1, rows, q)``. The drop
@@ -719,7 +772,7 @@ def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
     """
     spec = registry.METHODS[cfg.method]
     m_tasks = leaves.a.shape[1] if isinstance(leaves, _mesh.Stacked) else len(leaves[0][0])
-    red, ts, R, bad, unit = stage_reduce(
+    red, ts, R, bad, unit = reduce_bucket(
         leaves, cfg=ReduceConfig(cfg.d_in, cfg.d_out, cfg.r_max, cfg.dtype, m_tasks)
     )
     rtol = _m.rank_rtol((cfg.d_in, cfg.d_out, m_tasks * cfg.r_max), cfg.dtype)
@@ -799,7 +852,7 @@ def _scale_dense(x, unit):
     return y, (code, log2)
 
 
-@functools.partial(jax.jit, static_argnames=("method", "r_max"))
+@kernel(static_argnames=("method", "r_max"))
 def module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max: int):
     """One module, elementwise method in full space: dense ``(d_in, d_out)`` merged update and
     its :func:`range_status`."""
@@ -812,7 +865,7 @@ def module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max
 
 
 #: One module's kept task updates as full-space coordinates (jitted :func:`_kept_coords`).
-module_kept_coords = jax.jit(_kept_coords, static_argnames=("r_max",))
+module_kept_coords = kernel(_kept_coords, static_argnames=("r_max",))
 
 
 def module_dense_rows(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max: int, rows):
@@ -827,7 +880,7 @@ def module_dense_rows(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, 
     return stage_scale_dense(xm[0], unit)
 
 
-@functools.partial(jax.jit, static_argnames=("r_max",))
+@kernel(static_argnames=("r_max",))
 def module_tasks(a, b, s, r, mask, unit, *, r_max: int):
     """One module's kept dense task updates, full space, in units of ``2**unit``:
     ``(1, M, d_in, d_out)``."""
@@ -835,17 +888,19 @@ def module_tasks(a, b, s, r, mask, unit, *, r_max: int):
 
 
 #: A dense merged update back to its size, and its range status (model-wide TIES).
-stage_scale_dense = jax.jit(_scale_dense)
+stage_scale_dense = kernel(_scale_dense)
 
 
-@jax.jit
+@kernel
 def coords_tasks(ca, cb):
     """Dense task coordinates ``a b^T`` of a chunk of modules (model-wide TIES)."""
     return _mm(ca, _t(cb))
 
 
-def stack_masks(masks, bk: _tree.Bucket, m_tasks: int) -> jax.Array:
-    """A bucket's stacked masks ``(n, M, r_max)`` (all True without masks)."""
+def stack_masks(masks, bk: _tree.Bucket, m_tasks: int) -> np.ndarray:
+    """A bucket's stacked masks ``(n, M, r_max)`` (all True without masks), stacked on the host:
+    an eager ``jnp.stack`` (or ``jnp.ones``) is a program of its own per bucket shape, traced,
+    lowered and loaded in every process; the jitted stages take the numpy array as it is."""
     if masks is None:
-        return jnp.ones((len(bk.names), m_tasks, bk.r_max), bool)
-    return jnp.stack([jnp.asarray(masks[nm], bool) for nm in bk.names])
+        return np.ones((len(bk.names), m_tasks, bk.r_max), bool)
+    return np.stack([np.asarray(masks[nm], bool) for nm in bk.names])

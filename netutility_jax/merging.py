@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from . import _buckets, _checks, _min_share, _pipeline, _plan, _results, _stages, _tree, registry
+from . import analysis as _analysis
 from ._linalg import settle
 from ._module_ops import fold as fold
 from ._module_ops import module_update as module_update
@@ -697,6 +698,16 @@ def _ranks(merged: Any) -> dict[str, int | None]:
     }
 
 
+def _kept_per_task(masks: Mapping[str, Any]) -> np.ndarray:
+    """:func:`nu.kept_per_task` (its checks, values and dtype) summed on the host: its
+    ``jnp.asarray`` of the sum is a program of its own, traced and loaded in every process."""
+    m = _analysis._np("nu.kept_per_task", masks)
+    if len({v.shape[0] for v in m.values()}) > 1:
+        return np.asarray(kept_per_task(masks))  # (its error)
+    total = np.asarray(sum(v.sum(1) for v in m.values()))
+    return total.astype(jax.dtypes.canonicalize_dtype(total.dtype))
+
+
 def _report(adapters, merged, names, kept_masks, sc, *, h=None, zeroed=(), **settings) -> Report:
     """The :class:`Report` of a merge (``h``: the heterogeneity if already known, else computed
     from ``adapters``; NaN if a task is all zero)."""
@@ -713,7 +724,7 @@ def _report(adapters, merged, names, kept_masks, sc, *, h=None, zeroed=(), **set
         budget=None if settings["budget"] is None else int(settings["budget"]),
         budget_spent=budget_spent(kept_masks),
         kept={nm: np.asarray(v, bool).sum(1) for nm, v in kept_masks.items()},
-        kept_per_task=np.asarray(kept_per_task(kept_masks)),
+        kept_per_task=_kept_per_task(kept_masks),
         non_prefix_fraction=non_prefix_fraction(kept_masks),
         heterogeneity=h,
         ranks={nm: ranks[nm] for nm in names},

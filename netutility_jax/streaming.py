@@ -110,6 +110,7 @@ from . import (
     registry,
     utility,
 )
+from ._executables import kernel
 from ._ties_model import ties_model_streamed
 from .errors import InputError, InputTypeError
 from .moments import check_entries
@@ -222,11 +223,12 @@ class _Energies:
                 f"{fn}: task {int(zero[0])} has a zero update in every module; its log-energy "
                 "is undefined. Drop that adapter or pass alpha= explicitly."
             )
-        # (converted on the host, exactly as XLA would: no conversion programs to load)
-        rel = utility.host_constant(kmax - kmax[0], dtype) + jnp.log2(
-            utility.host_constant(total, dtype)
+        # (converted on the host, exactly as XLA would: no conversion programs to load; each
+        # operation its own kept program, as eagerly: fused, XLA rounds some h differently)
+        rel = _add(
+            utility.host_constant(kmax - kmax[0], dtype), _log2(utility.host_constant(total, dtype))
         )
-        return float(jnp.var(rel * np.log(2.0).astype(dtype)))
+        return float(_var(_multiply(rel, np.log(2.0).astype(dtype))))
 
 
 @dataclasses.dataclass
@@ -315,7 +317,15 @@ def _as(m: dict[str, Any] | None, dtype: Any) -> dict[str, Any] | None:
     }
 
 
-@jax.jit
+# The heterogeneity's operations, one program each as jnp runs them eagerly (the same programs,
+# so the same h), kept whole (:mod:`._executables`): not traced and lowered in every process.
+_log2 = kernel(jnp.log2)
+_add = kernel(jnp.add)
+_multiply = kernel(jnp.multiply)
+_var = kernel(jnp.var)
+
+
+@kernel
 def _utility(s: utility.ModuleScores, lam: jax.Array) -> jax.Array:
     """``benefit - lam * interference`` on candidates (where the ``lam=0`` utility is finite),
     ``-inf`` elsewhere: :func:`nu.score`'s expression, for one module (one program per module
@@ -326,7 +336,7 @@ def _utility(s: utility.ModuleScores, lam: jax.Array) -> jax.Array:
 # one program, where its dozen eager operations were a program each, traced and loaded again in
 # every process (the same operations: elementwise selections, medians and one division, so the
 # same bits)
-_lam_auto = jax.jit(utility.lam_auto)
+_lam_auto = kernel(utility.lam_auto)
 
 
 def _utilities(stats: dict[str, utility.ModuleScores], lam: jax.Array) -> dict[str, jax.Array]:
@@ -340,7 +350,9 @@ def _global_scores(
     """The whole model's :class:`nu.Scores` from the chunks' ``lam=0`` statistics and ``lam``
     (``"auto"``: the median ratio over every candidate, :func:`utility.lam_auto`)."""
     if not isinstance(lam, str):
-        return utility.Scores(stats, jnp.asarray(lam, dtype), jnp.asarray(alpha, dtype))
+        return utility.Scores(
+            stats, utility.host_constant(lam, dtype), utility.host_constant(alpha, dtype)
+        )
     cand = {n: np.asarray(s.utility) > -np.inf for n, s in stats.items()}
     if not any(c.any() for c in cand.values()):
         raise InputError(
@@ -351,14 +363,13 @@ def _global_scores(
         )
     # (joined on the host and placed: eager jnp ravels, concatenations and even jnp.asarray of
     # a numpy array each compile a program, traced and loaded again in every process)
-    lam_v = jnp.asarray(
-        _lam_auto(
-            jax.device_put(np.concatenate([np.ravel(s.benefit) for s in stats.values()])),
-            jax.device_put(np.concatenate([np.ravel(s.interference) for s in stats.values()])),
-            jax.device_put(np.concatenate([c.ravel() for c in cand.values()])),
-        ),
-        dtype,
+    lam_v = _lam_auto(
+        jax.device_put(np.concatenate([np.ravel(s.benefit) for s in stats.values()])),
+        jax.device_put(np.concatenate([np.ravel(s.interference) for s in stats.values()])),
+        jax.device_put(np.concatenate([c.ravel() for c in cand.values()])),
     )
+    if lam_v.dtype != dtype:  # (a conversion to its own dtype is a program, and changes nothing)
+        lam_v = jnp.asarray(lam_v, dtype)
     utils = _utilities(stats, lam_v)
     fi = np.finfo(dtype)
     lam_f = float(lam_v)
@@ -377,7 +388,7 @@ def _global_scores(
             "in size. Check the LoRA scales (lora_alpha / r), pass a smaller lam, or use float64."
         )
     modules = {n: s._replace(utility=utils[n]) for n, s in stats.items()}
-    return utility.Scores(modules, lam_v, jnp.asarray(alpha, dtype))
+    return utility.Scores(modules, lam_v, utility.host_constant(alpha, dtype))
 
 
 def _chunk_moments(moments: Any, names: Sequence[str]) -> list[Any] | None:
