@@ -20,11 +20,17 @@ For each case of a table of model shapes (modules x tasks x rank) this measures:
   part timed as a separate program, the rest being the ``eigh`` / overlap / lambda stages), the
   eager checks (host transfers of the kernel's flags), the per-module outputs, and the
   allocation (its checks and ``top_k`` kernel, then the per-module masks); with the number of
-  jitted dispatches and of arrays moved between host and device in one call.
+  jitted dispatches and of arrays moved between host and device in one call. Each stage is
+  timed in wall time and in this process's CPU time (steadier on a shared machine).
+
+The ``many-small`` case has Llama-3-70B's module count (560 modules x 8 tasks, r 16) at tiny dims
+(d 16..128): there the Grams are small and what is left is each module's fixed cost (input
+checks, the kernel's per-module ``eigh``s and small products, outputs, allocation), the part of
+scoring that dominates on a GPU.
 
 Usage::
 
-    python benchmarks/scoring.py [--cases vit,qwen,large] [--repeats N] [--out results.json]
+    python benchmarks/scoring.py [--cases vit,qwen,large,many-small] [--repeats N] [--out results.json]
 
 Each case runs in a fresh subprocess (``--no-isolate`` to run in-process), so its compile time is
 cold and its peak RSS is its own. A score + allocate call that makes no progress for ``--watchdog``
@@ -43,6 +49,7 @@ import functools
 import importlib
 import os
 import sys
+import time
 from typing import Any
 
 # This checkout's library, not whichever one is installed (a second worktree measures its own code).
@@ -82,6 +89,16 @@ _DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results
 # (d_in, d_out) of each adapted projection, in module order within a layer.
 VIT_B32 = {"q": (768, 768), "k": (768, 768), "v": (768, 768), "o": (768, 768)}
 QWEN3_4B = {"q": (2560, 4096), "k": (2560, 1024), "v": (2560, 1024), "o": (4096, 2560)}
+# Llama-3's seven adapted projections (attention and MLP) at tiny dims: 4 buckets of shapes
+TINY_LLAMA = {
+    "q": (64, 64),
+    "k": (64, 16),
+    "v": (64, 16),
+    "o": (64, 64),
+    "gate": (64, 128),
+    "up": (64, 128),
+    "down": (128, 64),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +161,17 @@ CASES = {
         tasks=10,
         rank=64,
         budget=64,
+    ),
+    # Llama-3-70B's module count at tiny dims: the Grams are negligible, so this measures the
+    # per-module fixed costs (checks, dispatch, outputs, allocation) that dominate on a GPU
+    "many-small": Case(
+        "many-small",
+        "Llama-3-70B module count, tiny dims: 80 layers x 7 projections (d 16..128), 8 tasks, r=16",
+        layers=80,
+        projections=TINY_LLAMA,
+        tasks=8,
+        rank=16,
+        budget=16,
     ),
 }
 
@@ -254,8 +282,8 @@ STAGES = (
     ("inputs", "kernel arguments (host: leaves, scales as one array, rtol, alpha)"),
     ("dispatch", "score: Python dispatch of the jitted kernel (jit arguments)"),
     ("kernel", "score kernel (XLA: stacking + Grams, eigh, overlaps, lambda)"),
-    ("checks", "score: eager checks (raw route, NaN/Inf, range; host transfers)"),
-    ("outputs", "score: per-module outputs (device_get + device_put of 4 fields)"),
+    ("checks", "score: eager checks (one transfer of the flags; details only if one is set)"),
+    ("outputs", "score: per-module outputs (one device_get per bucket, put_views of 4 fields)"),
     # (XLA:CPU runs a program this small within its dispatch: one lap)
     ("allocate", "allocate: checks of the scores, dispatch, kernel (concatenate + top_k)"),
     ("allocate_outputs", "allocate: flags and masks to the host, per-module masks"),
@@ -307,23 +335,24 @@ def breakdown(adapters, *, alpha: float, budget: int, repeats: int) -> dict[str,
         inputs = u._score_inputs(fn, buckets, dtype, None)
         alpha_arg = u.host_constant(alpha, dtype)
         sw.lap(inputs)
-        finished, raw_ok, _ = u._score_impl(
+        finished, _, _ = u._score_impl(
             inputs, alpha_arg, 0.0, rtols, meta=meta, lam_is_auto=True, route="raw"
         )
         sw.lap(None)
         sw.lap(finished)
-        assert bool(raw_ok), "benchmark adapters are in the raw route's range"
-        outs, lam_used, lam_bad, _ = finished[0]
-        _tree.raise_nonfinite(fn, buckets, [o[1] for o in outs], dtype=dtype)
-        u._Deferred(fn, buckets, list(outs), lam_used, lam_bad, dtype, True).check()
+        status = u._status(finished)
+        assert status[0, u._RAW_OK], "benchmark adapters are in the raw route's range"
+        f = finished[0]
+        if status[0, u._NONFINITE]:
+            _tree.raise_nonfinite(fn, buckets, [o.nonfinite for o in f.outs], dtype=dtype)
+        flagged = bool(status[0, u._BEYOND])
+        u._Deferred(fn, buckets, list(f.outs), f.lam, f.lam_bad, dtype, True, flagged).check()
         sw.lap(None)
-        modules = {}
-        for bk, (mods, *_) in zip(buckets, outs, strict=True):
-            per_module = zip(*(u.unstack(f) for f in mods), strict=True)
-            modules.update(zip(bk.names, (u.ModuleScores(*f) for f in per_module), strict=True))
-        assert any(np.asarray(ms.sigma).any() for ms in modules.values())
+        host = jax.device_get([o.stats for o in f.outs])
+        modules = u._module_scores(buckets, f.outs, host)
+        assert status[0, u._ANY_SIGMA]
         sw.lap(modules)
-        scores = u.Scores(modules, lam_used, alpha_arg)
+        scores = u.Scores(modules, f.lam, alpha_arg)
         names = nu_allocate._check_scores("nu.allocate", scores)
         utils = tuple(scores.modules[k].utility for k in names)
         sigmas = tuple(scores.modules[k].sigma for k in names)
@@ -332,42 +361,69 @@ def breakdown(adapters, *, alpha: float, budget: int, repeats: int) -> dict[str,
             utils, sigmas, budget=cap, scope="global", positive_only=True
         )
         sw.lap((flat, bad))
-        assert not np.asarray(bad).any()
+        flat, bad = jax.device_get((flat, bad))
+        assert not bad
         masks = nu_allocate._split_masks(flat, [tuple(x.shape) for x in utils], "global")
         sw.lap(masks)
         g = h.Stopwatch()
         g.lap(_grams_only(inputs, meta=meta))
         return g.laps[0], len(buckets), len(names)
 
-    replay(h.Stopwatch())  # warm-up: compiles _grams_only, loads everything
-    laps, grams = [], []
+    replay(_CpuStopwatch())  # warm-up: compiles _grams_only, loads everything
+    laps, cpu, grams = [], [], []
     for _ in range(repeats):
-        sw = h.Stopwatch()
+        sw = _CpuStopwatch()
         g, n_buckets, n_modules = replay(sw)
         laps.append(sw.laps)
+        cpu.append(sw.cpu_laps)
         grams.append(g)
-    stages = {
-        key: 1e3 * float(np.median([lp[k] for lp in laps])) for k, (key, _) in enumerate(STAGES)
-    }
+
+    def per_stage(runs):
+        return {
+            key: 1e3 * float(np.median([lp[k] for lp in runs])) for k, (key, _) in enumerate(STAGES)
+        }
+
+    stages, stages_cpu = per_stage(laps), per_stage(cpu)
     return {
         "stages_ms": stages,
+        # this process's CPU time (all its threads: XLA's too) per stage: steadier than wall
+        # time on a shared machine
+        "stages_cpu_ms": stages_cpu,
         "grams_ms": 1e3 * float(np.median(grams)),
         "total_ms": sum(stages.values()),
+        "total_cpu_ms": sum(stages_cpu.values()),
         # _score_impl and _allocate_impl (nu.score's host_constant calls are device_puts)
         "dispatches": 2,
         "transfers": {
             # per bucket its scales (one array) and rtol, and alpha (the leaves are on the device)
             "host_to_device_args": 2 * n_buckets + 1,
-            # raw_ok, NaN/Inf counts and range flags per bucket, lambda's flag, one sigma
-            "device_to_host_flags": 1 + 2 * n_buckets + 1 + 1,
-            # ModuleScores' 4 fields: one device_get per field and bucket, one put per module
-            "device_to_host_scores": 4 * n_buckets,
+            # every flag in one array (raw route, NaN/Inf, range, lambda, any candidate)
+            "device_to_host_flags": 1,
+            # ModuleScores' 4 fields side by side: one device_get per bucket, one put per field
+            # and module (utility.put_views)
+            "device_to_host_scores": n_buckets,
             "device_put_scores": 4 * n_modules,
-            # the allocation's bad counts and flat mask, then one mask per module
+            # the allocation's flat mask and bad count (one round trip), then one mask per module
             "device_to_host_allocate": 2,
             "device_put_masks": n_modules,
         },
     }
+
+
+class _CpuStopwatch(h.Stopwatch):
+    """:class:`_harness.Stopwatch` that also records this process's CPU time per lap."""
+
+    def __init__(self) -> None:
+        self.cpu_last = time.process_time()
+        self.cpu_laps: list[float] = []
+        super().__init__()
+
+    def lap(self, value: Any) -> Any:
+        out = super().lap(value)
+        now = time.process_time()
+        self.cpu_laps.append(now - self.cpu_last)
+        self.cpu_last = now
+        return out
 
 
 # ----------------------------------------------------------------------------- irreducible work
@@ -575,6 +631,7 @@ def run_case(
         + ", ".join(f"{k} {v:.1f}" for k, v in bd["stages_ms"].items())
         + f"; of the kernel, stacking + Grams {bd['grams_ms']:.1f}"
     )
+    log("breakdown, CPU (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in bd["stages_cpu_ms"].items()))
 
     rec.update(aot_times(adapters, scores, alpha=alpha, budget=case.budget))
     rec["compile_aot_s"] = rec["score_compile_s"] + rec["allocate_compile_s"]
@@ -698,7 +755,9 @@ def _breakdown_rows(records: list[dict]) -> list[tuple[str, list[str], str]]:
             return "-"
         ms = {"grams": bd["grams_ms"], "total": bd["total_ms"]}.get(key)
         ms = bd["stages_ms"][key] if ms is None else ms
-        return f"{ms:.1f} ({bd['ratio_to_prestacked'][key]:.2f}x)"
+        cpu = {"total": bd.get("total_cpu_ms")}.get(key, bd.get("stages_cpu_ms", {}).get(key))
+        cpu = "" if cpu is None else f" [cpu {cpu:.1f}]"
+        return f"{ms:.1f}{cpu} ({bd['ratio_to_prestacked'][key]:.2f}x)"
 
     def moves(r):
         bd = r.get("breakdown")
@@ -707,7 +766,7 @@ def _breakdown_rows(records: list[dict]) -> list[tuple[str, list[str], str]]:
         t = bd["transfers"]
         return f"{bd['dispatches']} / {t['device_put_scores'] + t['device_put_masks']}"
 
-    rows = [("breakdown of one call, ms (x irreducible (b))", ["" for _ in records], "")]
+    rows = [("breakdown of one call, ms [CPU ms] (x irreducible (b))", ["" for _ in records], "")]
     for key, what in STAGES:
         rows.append((f"  {what}", [cell(r, key) for r in records], ""))
         if key == "kernel":

@@ -164,11 +164,13 @@ def raise_blind_moments(
 ) -> None:
     """Refuse a task-module whose update has candidate directions but no energy on its own
     inputs (``E ||dW x||^2 = 0`` under its ``input_moments``): its benefit (and its share of
-    every interference) would be 0 / 0. ``scores`` per bucket: stacked ``(sigma, benefit, ...)``
-    ``(n, M, r)``; ``isos`` per bucket ``(n, M)`` bool, True where a task-module has no data."""
+    every interference) would be 0 / 0. ``scores`` per bucket: the fields ``(sigma, benefit,
+    ...)`` side by side, ``(n, 4, M, r)``; ``isos`` per bucket ``(n, M)`` bool, True where a
+    task-module has no data."""
     hits = []
     for bk, sc, iso in zip(buckets, scores, isos, strict=True):
-        sigma, benefit = np.asarray(sc[0]), np.asarray(sc[1])
+        sc = np.asarray(sc)
+        sigma, benefit = sc[:, 0], sc[:, 1]
         n_mod = len(bk.names)
         blind = (
             ~np.asarray(iso)[:n_mod]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._checks import brief, check_bool, check_budget, check_choice, few, short
+from ._executables import kernel
 from .errors import InputError, InputTypeError
-from .utility import Scores
+from .utility import Scores, put_views
 
 __all__ = ["SCOPES", "allocate"]
 
@@ -52,21 +53,36 @@ def _uniform_keys(sigma: jax.Array, cand: jax.Array, budget: int) -> jax.Array:
     return key.reshape(n, m_tasks * r)
 
 
-def _bad_counts(utils, sigmas) -> jax.Array:
-    """Per module: utilities that are NaN or +inf, sigmas that are NaN, inf or negative."""
-    return jnp.stack(
-        [
-            jnp.sum(jnp.isnan(u) | (u == jnp.inf), dtype=jnp.int32)
-            + jnp.sum(~(jnp.isfinite(s) & (s >= 0)), dtype=jnp.int32)
-            for u, s in zip(utils, sigmas, strict=True)
-        ]
-    )
+def _bad_count(utils, sigmas) -> jax.Array:
+    """How many utilities are NaN or +inf and sigmas NaN, inf or negative, over all modules:
+    one reduction per dtype (of the modules concatenated), not one per module (a count per
+    module is made on the host only when this is not 0: :func:`_bad_counts`)."""
+    total = jnp.zeros((), jnp.int32)
+    for xs, bad in (
+        (utils, lambda u: jnp.isnan(u) | (u == jnp.inf)),
+        (sigmas, lambda s: ~(jnp.isfinite(s) & (s >= 0))),
+    ):
+        by_dtype: dict[Any, list[jax.Array]] = {}
+        for x in xs:
+            by_dtype.setdefault(jnp.dtype(x.dtype), []).append(jnp.ravel(x))
+        for group in by_dtype.values():
+            total = total + jnp.sum(bad(jnp.concatenate(group)), dtype=jnp.int32)
+    return total
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "scope", "positive_only"))
+def _bad_counts(utils, sigmas) -> np.ndarray:
+    """Per module, what :func:`_bad_count` counts (numpy, for the message)."""
+    out = []
+    for u, s in zip(jax.device_get(utils), jax.device_get(sigmas), strict=True):
+        u, s = np.asarray(u), np.asarray(s)
+        out.append(int(np.sum(np.isnan(u) | (u == np.inf)) + np.sum(~(np.isfinite(s) & (s >= 0)))))
+    return np.asarray(out)
+
+
+@kernel(static_argnames=("budget", "scope", "positive_only"))  # (jax.jit, kept on disk by the CLI)
 def _allocate_impl(utils, sigmas, *, budget, scope, positive_only):
     return _select(utils, sigmas, budget=budget, scope=scope, positive_only=positive_only), (
-        _bad_counts(utils, sigmas)
+        _bad_count(utils, sigmas)
     )
 
 
@@ -110,14 +126,15 @@ def _split_masks(flat: jax.Array, shapes: list[tuple[int, int]], scope: str) -> 
             groups.setdefault(s, []).append(i)
         order = [i for idx in groups.values() for i in idx]
     traced = isinstance(flat, jax.core.Tracer)
-    h = flat if traced else np.asarray(flat)
+    h = flat if traced else jax.device_get(flat)
     pieces: list = [None] * len(shapes)
     off = 0
     for i in order:
         size = shapes[i][0] * shapes[i][1]
         pieces[i] = h[off : off + size].reshape(shapes[i])
         off += size
-    return pieces if traced else jax.device_put(pieces)
+    # (on the default device, uncommitted, as jax.device_put(pieces) puts them)
+    return pieces if traced else put_views(pieces)
 
 
 def _check_scores(fn: str, scores: Any) -> list[str]:
@@ -130,14 +147,27 @@ def _check_scores(fn: str, scores: Any) -> list[str]:
     names = list(scores.modules)
     bad_type, bad_shape = [], []
     shapes = {}
+    floating: dict[Any, bool] = {}  # per dtype (a handful), not per module
+
+    def is_floating(x: Any) -> bool:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            return False
+        dt = x.dtype
+        try:
+            return floating[dt]
+        except (KeyError, TypeError):  # (TypeError: an unhashable dtype-like, not cached)
+            ok = bool(jnp.issubdtype(dt, jnp.floating))
+        try:
+            floating[dt] = ok
+        except TypeError:
+            pass
+        return ok
+
     for nm in names:
         ms = scores.modules[nm]
         u = getattr(ms, "utility", None)
         sg = getattr(ms, "sigma", None)
-        if not all(
-            hasattr(x, "shape") and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-            for x in (u, sg)
-        ):
+        if not (is_floating(u) and is_floating(sg)):
             bad_type.append(nm)
             continue
         if len(u.shape) != 2 or tuple(sg.shape) != tuple(u.shape):
@@ -228,13 +258,14 @@ def allocate(
     utils = tuple(scores.modules[k].utility for k in names)
     sigmas = tuple(scores.modules[k].sigma for k in names)
     # R at or above a module's slots keeps all of them: cap it (exact, and a small static int)
-    budget = min(budget, max(1, *(int(np.prod(u.shape)) for u in utils)))
+    budget = min(budget, max(1, *(math.prod(u.shape) for u in utils)))
     flat, bad = _allocate_impl(
         utils, sigmas, budget=budget, scope=scope, positive_only=positive_only
     )
     if not isinstance(bad, jax.core.Tracer):
-        b = np.asarray(bad)
-        if b.any():
+        flat, bad = jax.device_get((flat, bad))  # both in one round trip
+        if bad:
+            b = _bad_counts(utils, sigmas)
             hit = [nm for nm, c in zip(names, b, strict=True) if c]
             nm = hit[0]
             raise InputError(

@@ -53,6 +53,7 @@ import numpy as np
 from . import _buckets, _mesh, _tree, moments
 from ._buckets import Leaves
 from ._checks import brief, check_auto, check_bool, check_real, real_option, real_value
+from ._executables import kernel
 from ._grams import PER_TASK, ROUTES, Grams, grams, moment_grams, safe_grams
 from ._linalg import eigh_batched as eigh_batched
 from ._linalg import mul_pow2, settle
@@ -364,13 +365,62 @@ def lam_auto(benefit: jax.Array, interference: jax.Array, candidate: jax.Array) 
     If more than half the candidates have zero interference the median is 0; the ratio then uses
     the median of the positive interferences. With no interference at all (M = 1, or mutually
     orthogonal tasks) lambda is 0: the utility is the benefit whatever lambda is.
+
+    Each median is :func:`jnp.nanmedian`'s of the candidates' values (NaN ones left out), the
+    same number, from integer sorts (:func:`_median_runs`; XLA:CPU sorts integers about four
+    times faster than floats): both interference medians come from one sort.
     """
-    nan = jnp.nan
-    mb = jnp.nanmedian(jnp.where(candidate, benefit, nan))
-    mi = jnp.nanmedian(jnp.where(candidate, interference, nan))
-    mi_pos = jnp.nanmedian(jnp.where(candidate & (interference > 0), interference, nan))
+    (mb,) = _median_runs(benefit, candidate, positive=False)
+    mi, mi_pos = _median_runs(interference, candidate, positive=True)
     denom = jnp.where(mi > 0, mi, mi_pos)
     return jnp.where(jnp.isfinite(denom) & (denom > 0), mb / jnp.where(denom > 0, denom, 1), 0.0)
+
+
+def _flip(bits: jax.Array) -> jax.Array:
+    """A float's bit pattern (as a signed integer) to an integer ordered as the floats are in
+    IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < inf < NaN, the order of XLA's float
+    sort), and back: negative patterns get every bit but the sign flipped (an involution)."""
+    sign = jax.lax.shift_right_arithmetic(
+        bits, jnp.full((), 8 * bits.dtype.itemsize - 1, bits.dtype)
+    )
+    return bits ^ (sign & jnp.full((), np.iinfo(np.dtype(bits.dtype)).max, bits.dtype))
+
+
+def _median_runs(x: jax.Array, candidate: jax.Array, *, positive: bool) -> tuple[jax.Array, ...]:
+    """``jnp.nanmedian(jnp.where(candidate, x, nan))`` and, with ``positive``, the same over
+    the candidates with ``x > 0``, from one sort.
+
+    The candidates' values that are not NaN, sorted (as ordered integers, :func:`_flip`; the
+    others after them, as nanmedian's NaNs), with the positive ones a run at their end; each
+    median is the midpoint ``(low + high) * 0.5`` of the values at ``floor((n - 1) / 2)`` and
+    ``ceil((n - 1) / 2)`` of its run of ``n``, as jnp computes it; NaN if ``n`` is 0.
+    """
+    dtype = x.dtype
+    x, candidate = x.ravel(), candidate.ravel()
+    if x.size == 0 or dtype.itemsize not in (4, 8):  # (no integer of the width: a float sort)
+        out = [jnp.nanmedian(jnp.where(candidate, x, jnp.nan))]
+        if positive:
+            out.append(jnp.nanmedian(jnp.where(candidate & (x > 0), x, jnp.nan)))
+        return tuple(out)
+    ity = jnp.int64 if dtype.itemsize == 8 else jnp.int32
+    ok = candidate & ~jnp.isnan(x)
+    top = jnp.full((), np.iinfo(np.dtype(ity)).max, ity)
+    keys = jnp.sort(jnp.where(ok, _flip(jax.lax.bitcast_convert_type(x, ity)), top))
+    n = ok.sum(dtype=jnp.int32)
+
+    def median(start, count):
+        def value(i):
+            k = keys[jnp.clip(start + i, 0, keys.shape[0] - 1)]
+            return jax.lax.bitcast_convert_type(_flip(k), dtype)
+
+        mid = (value((count - 1) // 2) + value(count // 2)) * jnp.asarray(0.5, dtype)
+        return jnp.where(count > 0, mid, jnp.asarray(jnp.nan, dtype))
+
+    out = [median(0, n)]
+    if positive:
+        n_pos = (ok & (x > 0)).sum(dtype=jnp.int32)
+        out.append(median(n - n_pos, n_pos))
+    return tuple(out)
 
 
 def _score_stats(inputs, alpha, rtols, *, meta, route, energy=False, moments=None):
@@ -439,13 +489,51 @@ def _score_finish(stats, lam, *, dtype, lam_is_auto, nan_fill):
             -1,
         )
         pos_interference = pos_interference | (cand & (st.interference > 0)).any()
-        out.append((ModuleScores(*fields), st.nonfinite, ranges, st.log10_smax))
-    lam_bad = pos_interference & ~((lam >= fi.tiny) & (lam <= fi.max)) if lam_is_auto else False
+        # the four fields side by side: one transfer per bucket, each module's (M, r) contiguous
+        out.append(_BucketOut(jnp.stack(fields, 1), st.nonfinite, ranges, st.log10_smax))
+    lam_bad = jnp.asarray(
+        pos_interference & ~((lam >= fi.tiny) & (lam <= fi.max)) if lam_is_auto else False
+    )
     raw_ok = jnp.stack([st.raw_ok for st in stats]).all()
-    return tuple(out), lam, jnp.asarray(lam_bad), raw_ok
+    status = jnp.stack(
+        [
+            raw_ok,
+            jnp.stack([(st.nonfinite > 0).any() for st in stats]).any(),
+            jnp.stack([o.ranges.any() for o in out]).any() | lam_bad,
+            jnp.stack([(st.sigma != 0).any() for st in stats]).any(),
+        ]
+    )
+    return _Finished(tuple(out), lam, lam_bad, raw_ok, status)
 
 
-@functools.partial(jax.jit, static_argnames=("meta", "lam_is_auto", "route", "energy"))
+class _BucketOut(NamedTuple):
+    """One bucket's part of :func:`_score_finish` (``n`` modules, ``M`` tasks)."""
+
+    stats: jax.Array  # (n, 4, M, r_max): the fields of ModuleScores, in its order
+    nonfinite: jax.Array  # (n, M, 3) int32: NaN/Inf entries of lora_a, lora_b, scale
+    ranges: jax.Array  # (n, M, 3) bool: sigma, interference, utility not a normal number
+    log10_smax: jax.Array  # (n, M)
+
+
+# _Finished.status: what an eager call reads first, in one transfer (the rest only on a problem)
+_RAW_OK, _NONFINITE, _BEYOND, _ANY_SIGMA = range(4)
+
+
+class _Finished(NamedTuple):
+    """:func:`_score_finish` for one alpha."""
+
+    outs: tuple[_BucketOut, ...]
+    lam: jax.Array  # the lambda used
+    lam_bad: jax.Array  # () bool: lam="auto" is not a normal number of the dtype
+    raw_ok: jax.Array  # () bool: see safe_grams
+    # (4,) bool: raw_ok; a NaN/Inf input; a range flag or lam_bad; a nonzero sigma anywhere.
+    # None without live buckets.
+    status: jax.Array | None
+
+
+@kernel(
+    static_argnames=("meta", "lam_is_auto", "route", "energy")
+)  # (jax.jit, kept on disk by the CLI)
 def _score_impl(
     inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw", energy=False, moments=None
 ):
@@ -457,7 +545,7 @@ def _score_impl(
         inputs, alpha, rtols, meta=meta, route=route, energy=energy, moments=moments
     )
     finished = _finish_all(stats, lam, meta, lam_is_auto, route)
-    return finished, finished[0][3], energies
+    return finished, finished[0].raw_ok, energies
 
 
 def _finish_all(stats, lam, meta, lam_is_auto, route):
@@ -495,19 +583,92 @@ def _score_by_device(
             mesh,
         )
     finished = _finish_all_jit(stats, lam, meta=meta, lam_is_auto=lam_is_auto, route=route)
-    return finished, finished[0][3], energies
+    return finished, finished[0].raw_ok, energies
 
 
 def unstack(x: jax.Array) -> list[jax.Array]:
     """Split the leading axis of a bucket-level array into one array per module.
 
-    Done on the host (one device_put of numpy views): slicing many outputs inside a jitted graph
-    costs XLA seconds of compile time per bucket shape. Traced inputs are sliced in the graph.
+    Done on the host (one transfer, then :func:`put_views` of numpy views): slicing many
+    outputs inside a jitted graph costs XLA seconds of compile time per bucket shape. Traced
+    inputs are sliced in the graph.
     """
     if isinstance(x, jax.core.Tracer):
         return [x[i] for i in range(x.shape[0])]
-    h = np.asarray(x)
-    return jax.device_put([h[i] for i in range(h.shape[0])], x.sharding)
+    h = jax.device_get(x)
+    return put_views([h[i] for i in range(h.shape[0])], x.sharding)
+
+
+try:  # the one jaxlib call jax.device_put ends in, for one array on one device (see put_views)
+    from jax._src import config as _jax_config
+    from jax._src import core as _jax_core
+    from jax._src.interpreters.pxla import get_default_device as _default_device
+    from jax._src.lib import xla_client as _xc
+
+    _batched_put = _xc.batched_device_put
+    _explicit_put = _jax_config.explicit_device_put_scope
+    _ShapedArray = _jax_core.ShapedArray
+except (ImportError, AttributeError):  # another jax: jax.device_put, the same arrays, slower
+    _batched_put = None
+
+
+@functools.lru_cache(maxsize=64)
+def _put_aval(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    return _ShapedArray(shape, dtype)
+
+
+def put_views(views: Sequence[np.ndarray], sharding: Any = None) -> list[jax.Array]:
+    """``jax.device_put(list(views), sharding)``: the same arrays, at a few microseconds each.
+
+    ``jax.device_put`` spends 15-20 us of Python on each array of a list (abstract values,
+    sharding checks, deferred arguments, result handlers): 60 ms for the 2800 small arrays of a
+    Llama-3-70B-sized score + allocate (four fields and a mask per module). For the common case,
+    numpy arrays of canonical dtypes placed on one device (``sharding`` a
+    :class:`~jax.sharding.SingleDeviceSharding`: committed; None: the default device,
+    uncommitted, as ``jax.device_put`` does), each array is made by the jaxlib call that
+    ``jax.device_put`` ends in (``batched_device_put``, same aliasing of host memory, inside
+    jax's explicit-transfer scope); anything else, or a jax without that internal, takes
+    ``jax.device_put`` itself. tests/test_utility.py checks that both give the same arrays.
+    """
+    views = list(views)
+    if _batched_put is None or not views:
+        return jax.device_put(views, sharding)
+    if sharding is None:
+        device, committed = _default_device(), False
+        sharding = jax.sharding.SingleDeviceSharding(device)
+    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        committed = True
+    else:
+        return jax.device_put(views, sharding)
+    # dtypes jax keeps as they are (not float64 with x64 off, nor float0): read per call, since
+    # the x64 setting can change between calls
+    kept: dict[np.dtype, bool] = {}
+    avals = []
+    for v in views:
+        if type(v) is not np.ndarray:
+            return jax.device_put(views, sharding if committed else None)
+        dt = v.dtype
+        if dt not in kept:
+            kept[dt] = dt != jax.dtypes.float0 and jax.dtypes.canonicalize_dtype(dt) == dt
+        if not kept[dt]:
+            return jax.device_put(views, sharding if committed else None)
+        avals.append(_put_aval(v.shape, dt))
+    devices = [device]
+    try:
+        with _explicit_put():
+            return [
+                _batched_put(aval, sharding, [v], devices, committed)
+                for aval, v in zip(avals, views, strict=True)
+            ]
+    except (TypeError, AttributeError):  # a jaxlib whose call differs: the public path from now on
+        _disable_batched_put()
+        return jax.device_put(views, sharding if committed else None)
+
+
+def _disable_batched_put() -> None:
+    global _batched_put
+    _batched_put = None
 
 
 _ALPHA_EXPECTED = (
@@ -732,9 +893,14 @@ class _Deferred(NamedTuple):
     lam_bad: Any
     dtype: Any
     lam_is_auto: bool
+    # whether the kernel flagged a result beyond the dtype (_Finished.status): if not, check()
+    # has nothing to find and reads nothing back
+    flagged: bool = True
 
     def check(self) -> None:
         """Raise :class:`InputError` if a result is beyond the compute dtype (as :func:`score`)."""
+        if not self.flagged:
+            return
         raise_unrepresentable(
             self.fn, self.buckets, self.outs, self.lam, self.lam_bad, dtype=self.dtype,
             lam_is_auto=self.lam_is_auto,
@@ -749,6 +915,7 @@ class _Deferred(NamedTuple):
             buckets=[b for p in parts for b in p.buckets],
             outs=[o for p in parts for o in p.outs],
             lam_bad=any(bool(np.asarray(p.lam_bad)) for p in parts),
+            flagged=any(p.flagged for p in parts),
         )
 
 
@@ -810,66 +977,93 @@ def _score_run(
         with np.errstate(over="ignore"):
             args = (inputs, alpha_arg, lam_val, rtols)
             impl = _score_impl if mesh is None else functools.partial(_score_by_device, mesh=mesh)
-            finished, raw_ok, parts = impl(*args, **kw, route="cond" if traced else "raw")
-            # extreme or non-finite factors: the exact route (after the first call is done: one
-            # LAPACK-using executable in flight at a time, see eigh_batched)
-            if not traced and not bool(settle((finished, raw_ok))[1]):
-                finished, _, parts = impl(*args, **kw, route="normalise")
+            finished, _, parts = impl(*args, **kw, route="cond" if traced else "raw")
+            if not traced:
+                # every alpha's flags in one transfer; the details are read only where one is set
+                status = _status(finished)
+                # extreme or non-finite factors: the exact route (after the first call is done:
+                # one LAPACK-using executable in flight at a time, see eigh_batched)
+                if not status[0, _RAW_OK]:
+                    finished, _, parts = impl(*args, **kw, route="normalise")
+                    status = _status(finished)
     else:
-        none = ((), jnp.asarray(lam_val, dtype), jnp.asarray(False), None)
+        none = _Finished((), jnp.asarray(lam_val, dtype), jnp.asarray(False), None, None)
         finished = (none,) * n_alpha
         traced = _traced(alphas, lam_val)
+        status = np.zeros((n_alpha, 4), bool)
     if mesh is not None and live:  # drop the padding modules of each bucket
         sizes = [len(bk.names) for bk in live]
         # (no eager slice without padding: each would compile a gather)
         cut = functools.partial(_unpad, sizes=sizes)
-        finished = tuple((cut(f[0]), *f[1:]) for f in finished)
+        finished = tuple(f._replace(outs=cut(f.outs)) for f in finished)
         parts = None if parts is None else cut(parts)
     checks = []
-    if not traced:
-        # Finish before returning on CPU: two LAPACK-using executables in flight at once can
-        # deadlock jaxlib's CPU thread pool (see _linalg.settle).
-        settle(finished)
+    if traced:
+        for f, d in zip(finished, by_name, strict=True):
+            if checked:
+                checkify_score(fn, names, live, f.outs, f.lam_bad)
+            for bk, o in zip(live, f.outs, strict=True):
+                fields = [[o.stats[i, k] for k in range(4)] for i in range(len(bk.names))]
+                d.update(zip(bk.names, (ModuleScores(*x) for x in fields), strict=True))
+    else:
         # (the non-finite counts come from the Grams: the same for every alpha)
-        _tree.raise_nonfinite(fn, live, [o[1] for o in finished[0][0]], dtype=dtype)
+        if status[0, _NONFINITE]:
+            _tree.raise_nonfinite(fn, live, [o.nonfinite for o in finished[0].outs], dtype=dtype)
+        # each bucket's four fields of every alpha, one transfer each
+        host = jax.device_get([[o.stats for o in f.outs] for f in finished])
         if stacked_moments is not None:
             isos = [
                 _buckets.moment_iso(r)
                 for bk, r in zip(buckets, mrows, strict=True)
                 if not _dead(bk)
             ]
-            raise_blind_moments(fn, live, [o[0] for o in finished[0][0]], isos)
+            raise_blind_moments(fn, live, host[0], isos)
         held = [_shell(bk) for bk in live] if defer else live
-    for (outs, lam_used, lam_bad, _), d in zip(finished, by_name, strict=True):
-        if not traced:
-            check = _Deferred(fn, held, list(outs), lam_used, lam_bad, dtype, lam_is_auto)
+        for a, (f, d) in enumerate(zip(finished, by_name, strict=True)):
+            check = _Deferred(
+                fn, held, list(f.outs), f.lam, f.lam_bad, dtype, lam_is_auto,
+                bool(status[a, _BEYOND]),
+            )  # fmt: skip
             if defer:
                 checks.append(check)
             else:
                 check.check()
-        elif checked:
-            checkify_score(fn, names, live, outs, lam_bad)
-        for bk, (mods, *_) in zip(live, outs, strict=True):
-            per_module = zip(*(unstack(f) for f in mods), strict=True)
-            d.update(zip(bk.names, (ModuleScores(*f) for f in per_module), strict=True))
-    if (
-        not traced
-        and lam_is_auto
-        and not any(np.asarray(ms.sigma).any() for ms in by_name[0].values())
-    ):
-        raise InputError(
-            f"{fn}: no candidate directions: the update of every task is zero (or below rtol, or "
-            f"of rank 0) in all {len(names)} modules, so lam='auto' (a median over candidates) is "
-            "undefined. Check that the adapters are trained (lora_b is zero at initialisation) "
-            "and loaded correctly; with lam= given explicitly the scores are defined (every "
-            "utility -inf) and nu.allocate keeps nothing."
-        )
+            d.update(_module_scores(live, f.outs, host[a]))
+        if lam_is_auto and not status[0, _ANY_SIGMA]:
+            raise InputError(
+                f"{fn}: no candidate directions: the update of every task is zero (or below "
+                f"rtol, or of rank 0) in all {len(names)} modules, so lam='auto' (a median over "
+                "candidates) is undefined. Check that the adapters are trained (lora_b is zero "
+                "at initialisation) and loaded correctly; with lam= given explicitly the scores "
+                "are defined (every utility -inf) and nu.allocate keeps nothing."
+            )
     scores = [
-        Scores({k: d[k] for k in names}, f[1], host_constant(a, dtype))
+        Scores({k: d[k] for k in names}, f.lam, host_constant(a, dtype))
         for d, f, a in zip(by_name, finished, alphas, strict=True)
     ]
     energies = _sum_energies(parts, m_tasks) if energy else None
     return _Run(scores, energies, checks)
+
+
+def _status(finished: Sequence[_Finished]) -> np.ndarray:
+    """Every alpha's :attr:`_Finished.status` ``(A, 4)`` on the host, in one transfer, once the
+    kernel is done (on CPU: one LAPACK-using executable in flight, see _linalg.settle)."""
+    settle(finished)
+    return np.stack(jax.device_get([f.status for f in finished]))
+
+
+def _module_scores(
+    buckets: Sequence[_tree.Bucket], outs: Sequence[_BucketOut], host: Sequence[np.ndarray]
+) -> dict[str, ModuleScores]:
+    """Each module's :class:`ModuleScores` from its bucket's fields on the host ``host[b]``
+    ``(n, 4, M, r)``: numpy views, placed by :func:`put_views` all at once, on the device (and
+    with the sharding) of the kernel's output."""
+    out: dict[str, ModuleScores] = {}
+    for bk, o, h in zip(buckets, outs, host, strict=True):
+        n = len(bk.names)
+        arrays = put_views([h[i, k] for i in range(n) for k in range(4)], o.stats.sharding)
+        out.update((nm, ModuleScores(*arrays[4 * i : 4 * i + 4])) for i, nm in enumerate(bk.names))
+    return out
 
 
 def _unpad(tree: Any, *, sizes: Sequence[int]) -> Any:

@@ -1,0 +1,233 @@
+"""The per-module fixed costs of nu.score + nu.allocate (benchmarks/scoring.py, case many-small).
+
+Each shortcut is checked against what it replaces: ``utility.put_views`` against
+``jax.device_put``, the integer-sort medians of lam="auto" against the sorted values written out
+in numpy, the per-module outputs and masks against their buckets' values and placement, and the
+flags read in one transfer against the errors they stand for.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _reference import make_adapters
+
+import netutility_jax as nu
+from netutility_jax import InputError
+
+utility_mod = importlib.import_module("netutility_jax.utility")
+allocate_mod = importlib.import_module("netutility_jax.allocate")
+
+SPEC = (  # three buckets, flat names
+    ("l0.q", 24, 16, (3, 4, 2)),
+    ("l0.v", 24, 8, (3, 4, 2)),
+    ("l1.q", 24, 16, (3, 4, 2)),
+    ("l1.v", 24, 8, (3, 4, 2)),
+    ("l2.o", 16, 24, (2, 2, 2)),
+)
+
+
+def _same_array(x: jax.Array, y: jax.Array) -> None:
+    assert type(x) is type(y)
+    assert (x.shape, x.dtype, x.weak_type) == (y.shape, y.dtype, y.weak_type)
+    assert x.sharding == y.sharding
+    assert x.committed == y.committed
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ------------------------------------------------------------------------------------------------
+# put_views == jax.device_put
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("committed", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_, np.float64, np.float16])
+def test_put_views_gives_what_device_put_gives(committed, dtype):
+    h = (np.arange(5 * 3 * 4) % 7 - 2).astype(dtype).reshape(5, 3, 4)
+    views = [h[i] for i in range(5)] + [h[:, 1], h[2, :, ::2]]  # contiguous and strided
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if committed else None
+    got = utility_mod.put_views(views, sharding)
+    want = jax.device_put(views, sharding)
+    assert len(got) == len(want)
+    for x, y in zip(got, want, strict=True):
+        _same_array(x, y)
+        # usable as any array: in a jitted function and with another committed array
+        np.testing.assert_array_equal(
+            np.asarray(jax.jit(lambda a: a[::-1][::-1])(x)), np.asarray(y)
+        )
+
+
+def test_put_views_of_nothing_and_of_other_leaves():
+    assert utility_mod.put_views([]) == []
+    got = utility_mod.put_views([np.float32(2.0), np.ones(3, np.float32)])
+    want = jax.device_put([np.float32(2.0), np.ones(3, np.float32)])
+    for x, y in zip(got, want, strict=True):
+        _same_array(x, y)
+
+
+@pytest.mark.parametrize("internal", ["missing", "changed"])
+def test_put_views_without_the_jaxlib_call_is_device_put(monkeypatch, internal):
+    # a jax without batched_device_put (import failed), or whose call differs (it raises): the
+    # public jax.device_put, from then on
+    def changed(*args, **kwargs):
+        raise TypeError("batched_device_put(): incompatible function arguments")
+
+    monkeypatch.setattr(utility_mod, "_batched_put", None if internal == "missing" else changed)
+    h = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for sharding in (None, jax.sharding.SingleDeviceSharding(jax.devices()[0])):
+        got = utility_mod.put_views([h[0], h[1]], sharding)
+        for x, y in zip(got, jax.device_put([h[0], h[1]], sharding), strict=True):
+            _same_array(x, y)
+    assert utility_mod._batched_put is None
+
+
+def test_put_views_keeps_its_values_after_the_host_array_goes():
+    h = np.arange(12, dtype=np.float32).reshape(3, 4)
+    got = utility_mod.put_views([h[i] for i in range(3)])
+    del h
+    np.testing.assert_array_equal(np.asarray(got[2]), [8, 9, 10, 11])
+
+
+# ------------------------------------------------------------------------------------------------
+# lam="auto" from integer sorts
+# ------------------------------------------------------------------------------------------------
+
+
+def _np_median(values: np.ndarray) -> np.float32 | float:
+    """nanmedian written out: the midpoint (low + high) * 0.5 of the sorted values."""
+    v = np.sort(values)
+    if v.size == 0:
+        return np.nan
+    lo, hi = v[(v.size - 1) // 2], v[v.size // 2]
+    return (lo + hi) * v.dtype.type(0.5)
+
+
+def _np_lam(benefit, interference, candidate):
+    ok_b = candidate & ~np.isnan(benefit)
+    ok_i = candidate & ~np.isnan(interference)
+    mb = _np_median(benefit[ok_b])
+    mi = _np_median(interference[ok_i])
+    mi_pos = _np_median(interference[ok_i & (interference > 0)])
+    denom = mi if mi > 0 else mi_pos
+    return mb / denom if np.isfinite(denom) and denom > 0 else 0.0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("seed", range(12))
+def test_lam_auto_is_the_median_ratio_bit_for_bit(dtype, seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 400))
+    benefit = (rng.random(n) * 10.0 ** rng.integers(-30, 30)).astype(dtype)
+    zero = rng.random(n) < rng.choice([0.0, 0.3, 0.7, 1.0])  # a zero-interference majority too
+    interference = np.where(zero, 0.0, rng.random(n) ** 3).astype(dtype)
+    candidate = rng.random(n) < rng.choice([0.0, 0.5, 0.9, 1.0])
+    if seed % 3 == 0:  # NaN (traced calls' NaN inputs), -0 and inf are left to the medians
+        benefit[rng.integers(0, n)] = np.nan
+        interference[rng.integers(0, n)] = np.nan
+        interference[rng.integers(0, n)] = -0.0
+        benefit[rng.integers(0, n)] = np.inf
+    want = _np_lam(benefit, interference, candidate)
+    with jax.enable_x64(dtype == np.float64):
+        got = utility_mod.lam_auto(jnp.asarray(benefit), jnp.asarray(interference), candidate)
+        jitted = jax.jit(utility_mod.lam_auto)(benefit, interference, candidate)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want, dtype))
+        np.testing.assert_array_equal(np.asarray(jitted), np.asarray(got))
+
+
+def test_lam_auto_medians_of_runs_are_nanmedians():
+    # the medians themselves, including an empty run (NaN) and ties at zero
+    x = np.asarray([0.0, 3.0, 0.0, np.nan, 1.0, 2.0, -0.0, 5.0], np.float32)
+    cand = np.asarray([1, 1, 1, 1, 1, 0, 1, 1], bool)
+    med, med_pos = utility_mod._median_runs(jnp.asarray(x), jnp.asarray(cand), positive=True)
+    np.testing.assert_array_equal(np.asarray(med), _np_median(x[cand & ~np.isnan(x)]))
+    np.testing.assert_array_equal(
+        np.asarray(med_pos), _np_median(np.asarray([3, 1, 5], np.float32))
+    )
+    (none,) = utility_mod._median_runs(jnp.asarray(x), jnp.zeros(8, bool), positive=False)
+    assert np.isnan(np.asarray(none))
+
+
+# ------------------------------------------------------------------------------------------------
+# per-module outputs, masks and flags
+# ------------------------------------------------------------------------------------------------
+
+
+def test_module_scores_are_their_buckets_rows_placed_as_before():
+    ads = make_adapters(3, 2, SPEC[:2])  # (two buckets, small: the jitted call compiles quickly)
+    sc = nu.score(ads)
+    _, buckets, _ = importlib.import_module("netutility_jax._tree").collect(ads, fn="t")
+    assert list(sc.modules) == [name for name, *_ in SPEC[:2]]
+    # each module's four fields: committed float32 (M, r_max) arrays on the default device, and
+    # the same values as a jitted call (whose outputs are sliced inside the graph)
+    jitted = jax.jit(lambda a: nu.score(a))(ads)
+    for bk in buckets:
+        for name in bk.names:
+            ms, mj = sc.modules[name], jitted.modules[name]
+            for f, x, y in zip(ms._fields, ms, mj, strict=True):
+                assert isinstance(x, jax.Array) and x.committed, f
+                assert x.shape == (2, bk.r_max) and x.dtype == jnp.float32, f
+                assert x.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0]), f
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name} {f}")
+
+
+@pytest.mark.parametrize("scope", ["global", "local", "uniform"])
+def test_masks_are_uncommitted_bools_of_each_module(scope):
+    ads = make_adapters(4, 3, SPEC)
+    sc = nu.score(ads)
+    masks = nu.allocate(sc, 2, scope=scope)
+    jitted = jax.jit(lambda s: nu.allocate(s, 2, scope=scope))(sc)
+    assert list(masks) == list(sc.modules)
+    for name, m in masks.items():
+        assert isinstance(m, jax.Array) and not m.committed
+        assert m.dtype == jnp.bool_ and m.shape == sc.modules[name].utility.shape
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(jitted[name]), err_msg=name)
+    if scope == "global":  # the top L R utilities over everything, positive ones only
+        u = np.concatenate([np.asarray(ms.utility).ravel() for ms in sc.modules.values()])
+        kept = np.concatenate([np.asarray(m).ravel() for m in masks.values()])
+        k = min(2 * len(masks), int((u > 0).sum()))
+        np.testing.assert_array_equal(np.sort(u[kept]), np.sort(u)[::-1][:k][::-1])
+
+
+def test_allocate_counts_bad_entries_per_module_only_when_there_are_some():
+    ads = make_adapters(5, 3, SPEC)
+    sc = nu.score(ads)
+    mods = dict(sc.modules)
+    u = np.array(mods["l1.q"].utility)
+    u[0, 0], u[1, 0] = np.nan, np.inf
+    s = np.array(mods["l2.o"].sigma)
+    s[2, 1] = -1.0
+    mods["l1.q"] = mods["l1.q"]._replace(utility=jnp.asarray(u))
+    mods["l2.o"] = mods["l2.o"]._replace(sigma=jnp.asarray(s))
+    bad = sc._replace(modules=mods)
+    with pytest.raises(
+        InputError, match=r"modules 'l1.q', 'l2.o' hold NaN .*\(2 such entries in 'l1.q'\)"
+    ):
+        nu.allocate(bad, 2)
+    counts = allocate_mod._bad_counts(
+        [ms.utility for ms in mods.values()], [ms.sigma for ms in mods.values()]
+    )
+    np.testing.assert_array_equal(counts, [0, 0, 2, 0, 1])
+
+
+def test_status_flags_stand_for_the_checks():
+    # the kernel's flags (one transfer) say what the detailed checks would find: nothing here
+    ads = make_adapters(6, 3, SPEC)
+    run = utility_mod._score_run("t", ads, (1.0, 0.0), "auto", None, False, None, defer=True)
+    assert all(not c.flagged for c in run.check)
+    joined = utility_mod._Deferred.join(run.check)
+    assert not joined.flagged
+    joined.check()  # nothing to raise
+    # a deferred check that was flagged still reads the details and raises them
+    big = [
+        {n: {**m, "scale": 1e25 if t == 0 else 1.0} for n, m in ad.items()}
+        for t, ad in enumerate(ads)
+    ]
+    run = utility_mod._score_run("t", big, (1.0,), "auto", None, False, None, defer=True)
+    assert run.check[0].flagged
+    with pytest.raises(InputError, match="beyond the range of float32"):
+        run.check[0].check()
