@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _buckets, _mesh, _stages
+from ._host import host_constant
 from ._linalg import settle
 from ._plan import Job, MergePlan
 from ._results import raise_nonfinite, raise_range
 from ._select import topk_count
 from ._ties_model import ties_model
-from .utility import host_constant
 
 __all__ = ["run"]
 

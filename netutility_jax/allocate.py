@@ -12,8 +12,9 @@ import numpy as np
 
 from ._checks import brief, check_bool, check_budget, check_choice, few, short
 from ._executables import kernel
+from ._host import put_views
 from .errors import InputError, InputTypeError
-from .utility import Scores, put_views
+from .utility import Scores
 
 __all__ = ["SCOPES", "allocate"]
 

@@ -111,6 +111,7 @@ from . import (
     utility,
 )
 from ._executables import kernel
+from ._host import host_constant
 from ._ties_model import ties_model_streamed
 from .errors import InputError, InputTypeError
 from .moments import check_entries
@@ -225,9 +226,7 @@ class _Energies:
             )
         # (converted on the host, exactly as XLA would: no conversion programs to load; each
         # operation its own kept program, as eagerly: fused, XLA rounds some h differently)
-        rel = _add(
-            utility.host_constant(kmax - kmax[0], dtype), _log2(utility.host_constant(total, dtype))
-        )
+        rel = _add(host_constant(kmax - kmax[0], dtype), _log2(host_constant(total, dtype)))
         return float(_var(_multiply(rel, np.log(2.0).astype(dtype))))
 
 
@@ -350,9 +349,7 @@ def _global_scores(
     """The whole model's :class:`nu.Scores` from the chunks' ``lam=0`` statistics and ``lam``
     (``"auto"``: the median ratio over every candidate, :func:`utility.lam_auto`)."""
     if not isinstance(lam, str):
-        return utility.Scores(
-            stats, utility.host_constant(lam, dtype), utility.host_constant(alpha, dtype)
-        )
+        return utility.Scores(stats, host_constant(lam, dtype), host_constant(alpha, dtype))
     cand = {n: np.asarray(s.utility) > -np.inf for n, s in stats.items()}
     if not any(c.any() for c in cand.values()):
         raise InputError(
@@ -388,7 +385,7 @@ def _global_scores(
             "in size. Check the LoRA scales (lora_alpha / r), pass a smaller lam, or use float64."
         )
     modules = {n: s._replace(utility=utils[n]) for n, s in stats.items()}
-    return utility.Scores(modules, lam_v, utility.host_constant(alpha, dtype))
+    return utility.Scores(modules, lam_v, host_constant(alpha, dtype))
 
 
 def _chunk_moments(moments: Any, names: Sequence[str]) -> list[Any] | None:

@@ -55,6 +55,8 @@ from ._buckets import Leaves
 from ._checks import brief, check_auto, check_bool, check_real, real_option, real_value
 from ._executables import kernel
 from ._grams import PER_TASK, ROUTES, Grams, grams, moment_grams, safe_grams
+from ._host import host_constant as host_constant
+from ._host import put_views as put_views
 from ._linalg import eigh_batched as eigh_batched
 from ._linalg import mul_pow2, settle
 from ._score_errors import (
@@ -127,19 +129,6 @@ class BucketStats(NamedTuple):
     # (n, M) bool: a candidate's interference is positive but below the dtype's normal numbers
     # (it underflowed to zero or a subnormal: refused like one too large)
     under: jax.Array
-
-
-def host_constant(x: Any, dtype: Any) -> jax.Array:
-    """``jnp.asarray(x, dtype)`` of a concrete host number (or numpy array) without compiling a
-    conversion: numpy rounds it to ``dtype`` (to nearest, as XLA's conversion does) and it is
-    placed as is (``jax.device_put``). ``jnp.asarray(0.1, jnp.float32)`` compiles a one-operation
-    program per dtype pair (and ``jnp.asarray`` of a numpy array an identity one per shape),
-    which a fresh process traces, lowers and loads again (about 20 ms each on 2 cores; a small
-    merge made a dozen). Anything else (a jax array, a tracer) goes through jnp."""
-    if isinstance(x, (bool, int, float, np.generic, np.ndarray)):
-        with np.errstate(over="ignore"):  # (beyond the dtype's range: inf, as XLA converts)
-            return jax.device_put(np.asarray(x, dtype))
-    return jnp.asarray(x, dtype)
 
 
 def default_rtol(r_max: int, dtype: Any) -> float:
@@ -597,78 +586,6 @@ def unstack(x: jax.Array) -> list[jax.Array]:
         return [x[i] for i in range(x.shape[0])]
     h = jax.device_get(x)
     return put_views([h[i] for i in range(h.shape[0])], x.sharding)
-
-
-try:  # the one jaxlib call jax.device_put ends in, for one array on one device (see put_views)
-    from jax._src import config as _jax_config
-    from jax._src import core as _jax_core
-    from jax._src.interpreters.pxla import get_default_device as _default_device
-    from jax._src.lib import xla_client as _xc
-
-    _batched_put = _xc.batched_device_put
-    _explicit_put = _jax_config.explicit_device_put_scope
-    _ShapedArray = _jax_core.ShapedArray
-except (ImportError, AttributeError):  # another jax: jax.device_put, the same arrays, slower
-    _batched_put = None
-
-
-@functools.lru_cache(maxsize=64)
-def _put_aval(shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    return _ShapedArray(shape, dtype)
-
-
-def put_views(views: Sequence[np.ndarray], sharding: Any = None) -> list[jax.Array]:
-    """``jax.device_put(list(views), sharding)``: the same arrays, at a few microseconds each.
-
-    ``jax.device_put`` spends 15-20 us of Python on each array of a list (abstract values,
-    sharding checks, deferred arguments, result handlers): 60 ms for the 2800 small arrays of a
-    Llama-3-70B-sized score + allocate (four fields and a mask per module). For the common case,
-    numpy arrays of canonical dtypes placed on one device (``sharding`` a
-    :class:`~jax.sharding.SingleDeviceSharding`: committed; None: the default device,
-    uncommitted, as ``jax.device_put`` does), each array is made by the jaxlib call that
-    ``jax.device_put`` ends in (``batched_device_put``, same aliasing of host memory, inside
-    jax's explicit-transfer scope); anything else, or a jax without that internal, takes
-    ``jax.device_put`` itself. tests/test_utility.py checks that both give the same arrays.
-    """
-    views = list(views)
-    if _batched_put is None or not views:
-        return jax.device_put(views, sharding)
-    if sharding is None:
-        device, committed = _default_device(), False
-        sharding = jax.sharding.SingleDeviceSharding(device)
-    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        (device,) = sharding.device_set
-        committed = True
-    else:
-        return jax.device_put(views, sharding)
-    # dtypes jax keeps as they are (not float64 with x64 off, nor float0): read per call, since
-    # the x64 setting can change between calls
-    kept: dict[np.dtype, bool] = {}
-    avals = []
-    for v in views:
-        if type(v) is not np.ndarray:
-            return jax.device_put(views, sharding if committed else None)
-        dt = v.dtype
-        if dt not in kept:
-            kept[dt] = dt != jax.dtypes.float0 and jax.dtypes.canonicalize_dtype(dt) == dt
-        if not kept[dt]:
-            return jax.device_put(views, sharding if committed else None)
-        avals.append(_put_aval(v.shape, dt))
-    devices = [device]
-    try:
-        with _explicit_put():
-            return [
-                _batched_put(aval, sharding, [v], devices, committed)
-                for aval, v in zip(avals, views, strict=True)
-            ]
-    except (TypeError, AttributeError):  # a jaxlib whose call differs: the public path from now on
-        _disable_batched_put()
-        return jax.device_put(views, sharding if committed else None)
-
-
-def _disable_batched_put() -> None:
-    global _batched_put
-    _batched_put = None
 
 
 _ALPHA_EXPECTED = (

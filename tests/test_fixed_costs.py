@@ -1,6 +1,6 @@
 """The per-module fixed costs of nu.score + nu.allocate (benchmarks/scoring.py, case many-small).
 
-Each shortcut is checked against what it replaces: ``utility.put_views`` against
+Each shortcut is checked against what it replaces: ``_host.put_views`` against
 ``jax.device_put``, the integer-sort medians of lam="auto" against the sorted values written out
 in numpy, the per-module outputs and masks against their buckets' values and placement, and the
 flags read in one transfer against the errors they stand for.
@@ -20,6 +20,7 @@ import netutility_jax as nu
 from netutility_jax import InputError
 
 utility_mod = importlib.import_module("netutility_jax.utility")
+host_mod = importlib.import_module("netutility_jax._host")
 allocate_mod = importlib.import_module("netutility_jax.allocate")
 
 SPEC = (  # three buckets, flat names
@@ -50,7 +51,7 @@ def test_put_views_gives_what_device_put_gives(committed, dtype):
     h = (np.arange(5 * 3 * 4) % 7 - 2).astype(dtype).reshape(5, 3, 4)
     views = [h[i] for i in range(5)] + [h[:, 1], h[2, :, ::2]]  # contiguous and strided
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if committed else None
-    got = utility_mod.put_views(views, sharding)
+    got = host_mod.put_views(views, sharding)
     want = jax.device_put(views, sharding)
     assert len(got) == len(want)
     for x, y in zip(got, want, strict=True):
@@ -62,8 +63,8 @@ def test_put_views_gives_what_device_put_gives(committed, dtype):
 
 
 def test_put_views_of_nothing_and_of_other_leaves():
-    assert utility_mod.put_views([]) == []
-    got = utility_mod.put_views([np.float32(2.0), np.ones(3, np.float32)])
+    assert host_mod.put_views([]) == []
+    got = host_mod.put_views([np.float32(2.0), np.ones(3, np.float32)])
     want = jax.device_put([np.float32(2.0), np.ones(3, np.float32)])
     for x, y in zip(got, want, strict=True):
         _same_array(x, y)
@@ -76,18 +77,18 @@ def test_put_views_without_the_jaxlib_call_is_device_put(monkeypatch, internal):
     def changed(*args, **kwargs):
         raise TypeError("batched_device_put(): incompatible function arguments")
 
-    monkeypatch.setattr(utility_mod, "_batched_put", None if internal == "missing" else changed)
+    monkeypatch.setattr(host_mod, "_batched_put", None if internal == "missing" else changed)
     h = np.arange(6, dtype=np.float32).reshape(2, 3)
     for sharding in (None, jax.sharding.SingleDeviceSharding(jax.devices()[0])):
-        got = utility_mod.put_views([h[0], h[1]], sharding)
+        got = host_mod.put_views([h[0], h[1]], sharding)
         for x, y in zip(got, jax.device_put([h[0], h[1]], sharding), strict=True):
             _same_array(x, y)
-    assert utility_mod._batched_put is None
+    assert host_mod._batched_put is None
 
 
 def test_put_views_keeps_its_values_after_the_host_array_goes():
     h = np.arange(12, dtype=np.float32).reshape(3, 4)
-    got = utility_mod.put_views([h[i] for i in range(3)])
+    got = host_mod.put_views([h[i] for i in range(3)])
     del h
     np.testing.assert_array_equal(np.asarray(got[2]), [8, 9, 10, 11])
 

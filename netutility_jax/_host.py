@@ -1,0 +1,104 @@
+"""Values placed on a device from the host without compiling a program.
+
+``jnp.asarray`` of a host number compiles a one-operation conversion program per dtype pair, and
+``jax.device_put`` of many small arrays spends most of its time in Python: both are fixed costs
+that a small merge (a fresh process) or a many-module score (a GPU) pays again and again. These
+give the same arrays (values, dtypes, placement, commitment) without either.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["host_constant", "put_views"]
+
+
+def host_constant(x: Any, dtype: Any) -> jax.Array:
+    """``jnp.asarray(x, dtype)`` of a concrete host number (or numpy array) without compiling a
+    conversion: numpy rounds it to ``dtype`` (to nearest, as XLA's conversion does) and it is
+    placed as is (``jax.device_put``). ``jnp.asarray(0.1, jnp.float32)`` compiles a one-operation
+    program per dtype pair (and ``jnp.asarray`` of a numpy array an identity one per shape),
+    which a fresh process traces, lowers and loads again (about 20 ms each on 2 cores; a small
+    merge made a dozen). Anything else (a jax array, a tracer) goes through jnp."""
+    if isinstance(x, (bool, int, float, np.generic, np.ndarray)):
+        with np.errstate(over="ignore"):  # (beyond the dtype's range: inf, as XLA converts)
+            return jax.device_put(np.asarray(x, dtype))
+    return jnp.asarray(x, dtype)
+
+
+try:  # the one jaxlib call jax.device_put ends in, for one array on one device (see put_views)
+    from jax._src import config as _jax_config
+    from jax._src import core as _jax_core
+    from jax._src.interpreters.pxla import get_default_device as _default_device
+    from jax._src.lib import xla_client as _xc
+
+    _batched_put = _xc.batched_device_put
+    _explicit_put = _jax_config.explicit_device_put_scope
+    _ShapedArray = _jax_core.ShapedArray
+except (ImportError, AttributeError):  # another jax: jax.device_put, the same arrays, slower
+    _batched_put = None
+
+
+@functools.lru_cache(maxsize=64)
+def _put_aval(shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    return _ShapedArray(shape, dtype)
+
+
+def put_views(views: Sequence[np.ndarray], sharding: Any = None) -> list[jax.Array]:
+    """``jax.device_put(list(views), sharding)``: the same arrays, at a few microseconds each.
+
+    ``jax.device_put`` spends 15-20 us of Python on each array of a list (abstract values,
+    sharding checks, deferred arguments, result handlers): 60 ms for the 2800 small arrays of a
+    Llama-3-70B-sized score + allocate (four fields and a mask per module). For the common case,
+    numpy arrays of canonical dtypes placed on one device (``sharding`` a
+    :class:`~jax.sharding.SingleDeviceSharding`: committed; None: the default device,
+    uncommitted, as ``jax.device_put`` does), each array is made by the jaxlib call that
+    ``jax.device_put`` ends in (``batched_device_put``, same aliasing of host memory, inside
+    jax's explicit-transfer scope); anything else, or a jax without that internal, takes
+    ``jax.device_put`` itself. tests/test_fixed_costs.py checks that both give the same arrays.
+    """
+    views = list(views)
+    if _batched_put is None or not views:
+        return jax.device_put(views, sharding)
+    if sharding is None:
+        device, committed = _default_device(), False
+        sharding = jax.sharding.SingleDeviceSharding(device)
+    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        committed = True
+    else:
+        return jax.device_put(views, sharding)
+    # dtypes jax keeps as they are (not float64 with x64 off, nor float0): read per call, since
+    # the x64 setting can change between calls
+    kept: dict[np.dtype, bool] = {}
+    avals = []
+    for v in views:
+        if type(v) is not np.ndarray:
+            return jax.device_put(views, sharding if committed else None)
+        dt = v.dtype
+        if dt not in kept:
+            kept[dt] = dt != jax.dtypes.float0 and jax.dtypes.canonicalize_dtype(dt) == dt
+        if not kept[dt]:
+            return jax.device_put(views, sharding if committed else None)
+        avals.append(_put_aval(v.shape, dt))
+    devices = [device]
+    try:
+        with _explicit_put():
+            return [
+                _batched_put(aval, sharding, [v], devices, committed)
+                for aval, v in zip(avals, views, strict=True)
+            ]
+    except (TypeError, AttributeError):  # a jaxlib whose call differs: the public path from now on
+        _disable_batched_put()
+        return jax.device_put(views, sharding if committed else None)
+
+
+def _disable_batched_put() -> None:
+    global _batched_put
+    _batched_put = None
