@@ -3,7 +3,7 @@
 For each case of a table of model shapes (modules x tasks x rank) this measures:
 
 * compile time: first call of score + allocate minus the steady-state time, and the ahead-of-time
-  ``lower()`` / ``compile()`` times of the library's jitted kernels (``utility._score_impl``,
+  ``lower()`` / ``compile()`` times of the library's jitted kernels (``_score_kernels.score_impl``,
   ``allocate._allocate_impl``) after ``jax.clear_caches()``;
 * steady-state time of score + global allocation (warm-up, then median and min over repeats, with
   ``jax.block_until_ready`` on every output) and directions scored per second;
@@ -82,6 +82,8 @@ __all__ = [
 # The package re-exports the function `allocate` under the module's name: import the modules.
 nu_allocate = importlib.import_module("netutility_jax.allocate")
 nu_utility = importlib.import_module("netutility_jax.utility")
+nu_kernels = importlib.import_module("netutility_jax._score_kernels")
+nu_scoring = importlib.import_module("netutility_jax._scoring")
 
 _HI = jax.lax.Precision.HIGHEST
 _DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "scoring.json")
@@ -243,7 +245,7 @@ def library_call(adapters, *, alpha: float, budget: int):
 def aot_times(adapters, scores, *, alpha: float, budget: int) -> dict[str, float]:
     """``lower()`` and ``compile()`` times of the library's jitted kernels, with cold caches.
 
-    Rebuilds the exact arguments ``nu.score`` / ``nu.allocate`` pass to ``_score_impl`` /
+    Rebuilds the exact arguments ``nu.score`` / ``nu.allocate`` pass to ``score_impl`` /
     ``_allocate_impl`` (private helpers of the library; this is a benchmark of its internals).
     """
     from netutility_jax import _tree
@@ -253,10 +255,10 @@ def aot_times(adapters, scores, *, alpha: float, budget: int) -> dict[str, float
     dtype = _tree.compute_dtype(buckets)
     meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
     rtols = tuple(jnp.asarray(nu_utility.default_rtol(bk.r_max, dtype), dtype) for bk in buckets)
-    inputs = nu_utility._score_inputs("benchmark", buckets, dtype, None)
+    inputs = nu_scoring.score_inputs("benchmark", buckets, dtype, None)
     sw = h.Stopwatch()
     lowered = sw.lap(
-        nu_utility._score_impl.lower(
+        nu_kernels.score_impl.lower(
             inputs, jnp.asarray(alpha, dtype), 0.0, rtols, meta=meta, lam_is_auto=True
         )
     )
@@ -293,7 +295,7 @@ STAGES = (
 @functools.partial(jax.jit, static_argnames=("meta",))
 def _grams_only(inputs, *, meta):
     """The scoring kernel's first stage alone: each bucket's stacking + Grams (raw route), from
-    the same arguments, chained as in the kernel (``utility._score_buckets``)."""
+    the same arguments, chained as in the kernel (``_score_kernels._score_buckets``)."""
     from netutility_jax import _buckets, _grams
 
     dtype, out, after = meta[0], [], None
@@ -309,7 +311,7 @@ def _grams_only(inputs, *, meta):
 def breakdown(adapters, *, alpha: float, budget: int, repeats: int) -> dict[str, Any]:
     """Where one steady ``nu.score(lam="auto")`` + global ``nu.allocate`` call spends its time.
 
-    Replays the library's eager path (``utility._score_run`` and ``nu.allocate`` for concrete
+    Replays the library's eager path (``_scoring.score_run`` and ``nu.allocate`` for concrete
     inputs, one device, no input moments) stage by stage, blocking on each stage's arrays so that
     each lap is its own: see :data:`STAGES`. A first, untimed replay warms every program up.
     ``grams_ms`` times the kernel's stacking + Grams as a separate program, with the kernel's own
@@ -323,34 +325,34 @@ def breakdown(adapters, *, alpha: float, budget: int, repeats: int) -> dict[str,
     """
     from netutility_jax import _tree
 
-    u, fn = nu_utility, "nu.score"
+    u, k, sc, fn = nu_utility, nu_kernels, nu_scoring, "nu.score"
 
     def replay(sw):
-        u._check_options(fn, alpha, "auto", None, 1.0)
+        sc.check_options(fn, alpha, "auto", None, 1.0)
         _, buckets, _ = _tree.collect(adapters, fn=fn)
         sw.lap(None)
         dtype = _tree.compute_dtype(buckets)
         meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
         rtols = tuple(u.host_constant(u.default_rtol(bk.r_max, dtype), dtype) for bk in buckets)
-        inputs = u._score_inputs(fn, buckets, dtype, None)
+        inputs = sc.score_inputs(fn, buckets, dtype, None)
         alpha_arg = u.host_constant(alpha, dtype)
         sw.lap(inputs)
-        finished, _, _ = u._score_impl(
+        finished, _, _ = k.score_impl(
             inputs, alpha_arg, 0.0, rtols, meta=meta, lam_is_auto=True, route="raw"
         )
         sw.lap(None)
         sw.lap(finished)
-        status = u._status(finished)
-        assert status[0, u._RAW_OK], "benchmark adapters are in the raw route's range"
+        status = sc._status(finished)
+        assert status[0, k.RAW_OK], "benchmark adapters are in the raw route's range"
         f = finished[0]
-        if status[0, u._NONFINITE]:
+        if status[0, k.NONFINITE]:
             _tree.raise_nonfinite(fn, buckets, [o.nonfinite for o in f.outs], dtype=dtype)
-        flagged = bool(status[0, u._BEYOND])
-        u._Deferred(fn, buckets, list(f.outs), f.lam, f.lam_bad, dtype, True, flagged).check()
+        flagged = bool(status[0, k.BEYOND])
+        sc.Deferred(fn, buckets, list(f.outs), f.lam, f.lam_bad, dtype, True, flagged).check()
         sw.lap(None)
         host = jax.device_get([o.stats for o in f.outs])
-        modules = u._module_scores(buckets, f.outs, host)
-        assert status[0, u._ANY_SIGMA]
+        modules = sc._module_scores(buckets, f.outs, host)
+        assert status[0, k.ANY_SIGMA]
         sw.lap(modules)
         scores = u.Scores(modules, f.lam, alpha_arg)
         names = nu_allocate._check_scores("nu.allocate", scores)
@@ -392,7 +394,7 @@ def breakdown(adapters, *, alpha: float, budget: int, repeats: int) -> dict[str,
         "grams_ms": 1e3 * float(np.median(grams)),
         "total_ms": sum(stages.values()),
         "total_cpu_ms": sum(stages_cpu.values()),
-        # _score_impl and _allocate_impl (nu.score's host_constant calls are device_puts)
+        # score_impl and _allocate_impl (nu.score's host_constant calls are device_puts)
         "dispatches": 2,
         "transfers": {
             # per bucket its scales (one array) and rtol, and alpha (the leaves are on the device)
@@ -711,7 +713,7 @@ def _table_rows(records: list[dict]) -> list[tuple[str, list[str], str]]:
         ),
         ("first call (s)", col("first_call_s", ".2f"), ""),
         ("compile = first - steady (s)", col("compile_est_s", ".2f"), f"< {TARGET_COMPILE_S:g}"),
-        ("  AOT _score_impl lower+compile (s)", pair("score_lower_s", "score_compile_s"), ""),
+        ("  AOT score_impl lower+compile (s)", pair("score_lower_s", "score_compile_s"), ""),
         (
             "  AOT _allocate_impl lower+compile (s)",
             pair("allocate_lower_s", "allocate_compile_s"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numbers
 import operator
 import reprlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -197,3 +197,49 @@ def check_budget(fn: str, budget: Any) -> int:
             f"{fn}: budget={value}; expected a positive integer (directions per module)."
         )
     return value
+
+
+def check_masks(fn: str, masks: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
+    """The ``{name: bool (M, r_max)}`` masks of :func:`nu.allocate` as numpy bool arrays,
+    validated (``fn`` names the caller in messages)."""
+    if not isinstance(masks, Mapping):
+        raise InputTypeError(
+            f"{fn}: masks is a {type(masks).__name__}; expected the {{name: bool (M, r_max)}} "
+            "masks returned by nu.allocate."
+        )
+    if not masks:
+        raise InputError(
+            f"{fn}: masks is empty; expected the {{name: bool (M, r_max)}} masks returned by "
+            "nu.allocate (one entry per module)."
+        )
+    out: dict[str, np.ndarray] = {}
+    bad_type: list = []
+    bad_shape: list = []
+    for k, v in masks.items():
+        if isinstance(v, jax.core.Tracer) or not (hasattr(v, "dtype") and hasattr(v, "shape")):
+            bad_type.append(k)
+            continue
+        try:
+            is_bool = np.dtype(v.dtype) == np.bool_
+        except TypeError:
+            is_bool = False
+        if not is_bool:
+            bad_type.append(k)
+        elif len(v.shape) != 2:
+            bad_shape.append(k)
+        else:
+            out[k] = np.asarray(v)
+    if bad_type:
+        first = masks[bad_type[0]]
+        what = getattr(first, "dtype", type(first).__name__)
+        raise InputTypeError(
+            f"{fn}: the masks of {few(bad_type)} are not concrete bool arrays (the first "
+            f"is {what}); expected the {{name: bool (M, r_max)}} masks returned by nu.allocate "
+            "(cast 0/1 arrays with .astype(bool))."
+        )
+    if bad_shape:
+        raise InputError(
+            f"{fn}: the masks of {few(bad_shape)} are not 2-D (the first has shape "
+            f"{tuple(masks[bad_shape[0]].shape)}); expected (M, r_max) per module."
+        )
+    return out

@@ -371,3 +371,18 @@ def settle(tree: Any) -> Any:
     executable in flight, and bounded memory in loops over modules); ``tree`` as it is, still
     being computed, on other backends."""
     return jax.block_until_ready(tree) if lapack_serial() else tree
+
+
+def concat_tasks(x: jax.Array) -> jax.Array:
+    """``(..., M, p, r)`` -> ``(..., p, M r)``: the tasks' columns side by side."""
+    *lead, m, p, r = x.shape
+    return jnp.moveaxis(x, -3, -2).reshape(*lead, p, m * r)
+
+
+def column_norms(a: jax.Array) -> jax.Array:
+    """Euclidean norms of the columns of ``a (..., p, k)`` without under- or overflow in the
+    squares: each column is divided by its largest ``|entry|`` first (a column of tiny but
+    nonzero entries has a tiny nonzero norm, not 0)."""
+    m = jnp.max(jnp.abs(a), axis=-2, keepdims=True, initial=0)
+    safe = jnp.where(m > 0, m, 1)
+    return (m * jnp.linalg.norm(a / safe, axis=-2, keepdims=True))[..., 0, :]

@@ -34,11 +34,11 @@ __all__ = [
 _BLOCK = 64  # entries per packed partial count in kth_largest_count
 
 
-def _uint_of(dtype):
+def uint_of(dtype):
     return {4: jnp.uint32, 8: jnp.uint64, 2: jnp.uint16}[jnp.dtype(dtype).itemsize]
 
 
-def _int_of(dtype):
+def int_of(dtype):
     return {4: jnp.int32, 8: jnp.int64, 2: jnp.int16}[jnp.dtype(dtype).itemsize]
 
 
@@ -54,13 +54,13 @@ def kth_largest(x: jax.Array, k: jax.Array) -> jax.Array:
 def kth_largest_count(x: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
     """:func:`kth_largest` and how many entries are at least that large (``>= k``; ``== k`` when
     the entries at the threshold all fit in the top ``k``), at no extra pass over ``x``."""
-    t, ge = _kth_pattern(jax.lax.bitcast_convert_type(x, _int_of(x.dtype)), k)
+    t, ge = _kth_pattern(jax.lax.bitcast_convert_type(x, int_of(x.dtype)), k)
     return jax.lax.bitcast_convert_type(t, x.dtype), ge
 
 
 def _magnitude_pattern(x: jax.Array) -> jax.Array:
     """``|x|``'s bit patterns as signed integers (sign bit cleared): ordered like ``|x|``."""
-    it = _int_of(x.dtype)
+    it = int_of(x.dtype)
     return jax.lax.bitcast_convert_type(x, it) & jnp.iinfo(it).max
 
 
@@ -188,7 +188,7 @@ def digit_histogram(x: jax.Array, hi: jax.Array, *, shift: int, width: int) -> j
     ``bits[shift : shift + width]``. Returns ``(M, 2**width)`` int32 counts of each digit over
     the entries whose prefix equals the task's ``hi``.
     """
-    ut = _uint_of(x.dtype)
+    ut = uint_of(x.dtype)
     nbits = jnp.dtype(ut).itemsize * 8
     m = x.shape[-3]
     bits = jnp.moveaxis(jax.lax.bitcast_convert_type(jnp.abs(x), ut), -3, 0).reshape(m, -1)
@@ -211,7 +211,7 @@ def trim_at(x: jax.Array, t: jax.Array, room: jax.Array) -> tuple[jax.Array, jax
     ``room (M,)`` int32. Ties are taken in flat order over the leading axes, then ``p``, ``q``.
     Returns ``(trimmed x, ties taken (M,))``.
     """
-    ut = _uint_of(x.dtype)
+    ut = uint_of(x.dtype)
     m = x.shape[-3]
     xt = jnp.moveaxis(x, -3, 0)
     bits = jax.lax.bitcast_convert_type(jnp.abs(xt), ut).reshape(m, -1)
@@ -272,7 +272,7 @@ def radix_threshold(
     units are counted as they are streamed)."""
     if iter(units) is units:
         units = list(units)
-    ut = np.dtype(_uint_of(dtype))
+    ut = np.dtype(uint_of(dtype))
     nbits, width = ut.itemsize * 8, 16
     zero = np.zeros(m_tasks, np.int64)
     nothing = np.full(m_tasks, np.iinfo(ut).max, ut), zero, zero

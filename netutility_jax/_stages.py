@@ -36,11 +36,11 @@ from . import _buckets, _checks, _mesh, _rng, _select, _tree, registry
 from . import methods as _m
 from . import spaces as _s
 from ._executables import kernel
+from ._linalg import column_norms, mul_pow2
 from ._linalg import mm as _mm
-from ._linalg import mul_pow2
 from ._linalg import t as _t
+from ._score_kernels import default_rtol
 from .errors import InputError, InputTypeError
-from .utility import default_rtol
 
 __all__ = [
     "DARE_KEPT",
@@ -486,7 +486,7 @@ def _log2_norm(x, axis):
     """``log2`` of the largest column norm of ``x (n, p, k)`` over ``axis`` (-2: columns, -1:
     rows), scale-safely; ``-inf`` for an all-zero module. An entry of ``Q x`` (``Q`` with
     orthonormal columns) is at most its column's norm, and at least one is ``norm / sqrt(p)``."""
-    cols = _m._column_norms(x if axis == -2 else _t(x))
+    cols = column_norms(x if axis == -2 else _t(x))
     return jnp.log2(jnp.max(cols, axis=-1, initial=0)).astype(jnp.float32)
 
 

@@ -57,11 +57,12 @@ import numpy as np
 
 from . import _io, _tree
 from ._checks import as_integer, brief, check_budget, check_choice, given
+from ._scoring import check_options
 from .allocate import allocate
 from .analysis import kept_per_module, kept_per_task
 from .decompose import lora_svd
 from .errors import InputError, InputTypeError
-from .utility import Scores, _check_options, score, task_energies
+from .utility import Scores, score, task_energies
 
 __all__ = [
     "LAMBDA_FACTORS",
@@ -500,7 +501,7 @@ def diagnose(
       [0.333, 0.333, 0.333]
     """
     budget = check_budget(_FN, budget)
-    _check_options(_FN, alpha, lam, None, 1.0)
+    check_options(_FN, alpha, lam, None, 1.0)
     check_choice(_FN, "scope", scope, _SCOPES, " (the uniform scope ignores the utilities)")
     seed = _check_seed(rotation_seed)
     if isinstance(adapters, Sequence) and not isinstance(adapters, (str, bytes, Mapping)):

@@ -23,25 +23,26 @@ one module's ``M`` dense task updates are alive at a time (:func:`to_lora` trunc
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import numbers
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _buckets, _checks, _min_share, _pipeline, _plan, _results, _stages, _tree, registry
-from . import analysis as _analysis
-from ._linalg import settle
+from . import _checks, _pipeline, _plan, _results, _tree, registry
 from ._module_ops import fold as fold
 from ._module_ops import module_update as module_update
 from ._module_ops import to_lora as to_lora
-from .analysis import budget_spent, kept_per_task, non_prefix_fraction
-from .errors import InputError, InputTypeError
-from .utility import heterogeneity, score
+from ._report import Report as Report
+from ._report import ZeroUpdateWarning as ZeroUpdateWarning
+from ._report import build_report, heterogeneity_or_nan, ranks_of
+from ._report import warn_zeroed as warn_zeroed
+from ._report import zeroed_modules as zeroed_modules
+from ._report import zeroed_text as zeroed_text
+from ._request import MergeRequest
+from ._request import check_weights as check_weights
+from .errors import InputError
 
 __all__ = [
     "ALLOCATIONS",
@@ -74,13 +75,6 @@ METHOD_OPTIONS: dict[str, dict[str, Any]] = {
 SPACE_OPTIONS: dict[str, dict[str, Any]] = {
     n: {o.name: o.default for o in s.options} for n, s in registry.SPACES.items()
 }
-
-
-class ZeroUpdateWarning(UserWarning):
-    """A merge kept components of a module, yet its merged update is exactly zero: TIES whose
-    ``density`` keeps no entry (PEFT's ``int(density * n)`` is 0), DARE dropping every entry
-    (``p`` near 1), or tasks that cancel. Written, such a module changes nothing.
-    :func:`merge_adapters` warns with it and records the modules in :attr:`Report.zeroed`."""
 
 
 def merge(
@@ -310,97 +304,6 @@ def scale_results(
     return out
 
 
-# ------------------------------------------------------------------------ all-zero merges
-
-
-def zeroed_modules(merged: Mapping[str, Any], kept: Mapping[str, Any]) -> list[str]:
-    """The modules of ``merged`` (``{name: module}``) whose update is exactly zero although
-    ``kept`` (``{name: bool (M, r_max)}``) keeps components there."""
-    out = []
-    for name, mod in merged.items():
-        if mod is None or name not in kept or not np.asarray(kept[name]).any():
-            continue
-        if "delta" in mod:
-            zero = not np.any(np.asarray(mod["delta"]))
-        else:
-            a, b = mod["lora_a"], mod["lora_b"]
-            zero = a.shape[-1] == 0 or not np.any(np.asarray(a)) or not np.any(np.asarray(b))
-        if zero:
-            out.append(name)
-    return out
-
-
-def zeroed_text(zeroed: Sequence[str], total: int, method: str, options: Mapping[str, Any]) -> str:
-    """What the warning about all-zero merged modules says (without the caller's name)."""
-    opts = ", ".join(f"{k}={v!r}" for k, v in options.items())
-    return (
-        f"the merged update of {_checks.few(zeroed)} ({len(zeroed)} of {total} modules) is "
-        f"exactly zero although components were kept there: method {method!r}"
-        f"{f' ({opts})' if opts else ''} kept nothing of them (TIES keeps PEFT's "
-        "int(density * n) entries per task, DARE drops each entry with probability p). Written, "
-        "these modules change nothing; raise the density or lower p."
-    )
-
-
-def warn_zeroed(
-    fn: str, zeroed: Sequence[str], total: int, method: str, options: Mapping[str, Any]
-) -> None:
-    """:class:`ZeroUpdateWarning` naming the all-zero merged modules (none: nothing)."""
-    if zeroed:
-        warnings.warn(
-            ZeroUpdateWarning(f"{fn}: {zeroed_text(zeroed, total, method, options)}"),
-            stacklevel=3,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """What :func:`merge_adapters` did.
-
-    Attributes:
-      lam: interference weight used (None for ``allocation="all"``, which does not score).
-      alpha: geometry exponent used (None for ``"all"``).
-      budget: the budget R asked for (average directions per module); None if none was given
-        (``allocation="all"``).
-      budget_spent: average directions kept per module.
-      kept: ``{name: (M,) int}`` directions kept per module and task.
-      kept_per_task: ``(M,)`` directions kept per task over all modules.
-      non_prefix_fraction: fraction of per-(module, task) kept sets that are not a spectral prefix.
-      heterogeneity: ``h = Var_i[log ||dW_i||_F^2]`` (paper Eq. h); NaN if a task is all zero.
-      ranks: ``{name: int}`` rank of each merged module (None for dense modules).
-      method, space, allocation, scope: the settings used.
-      masks: ``{name: bool (M, r_max)}`` the kept components (for plots and analyses).
-      scores: the :class:`nu.Scores` the allocation used (None for ``allocation="all"``).
-      zeroed: the modules whose merged update is exactly zero although components were kept
-        there (TIES keeping no entry, DARE dropping all; :class:`ZeroUpdateWarning`).
-      weights: the per-task weights the updates were multiplied by (None: none given).
-      min_share: the per-task floor of the allocation (None: none).
-      data_aware: whether the scores used input second moments (``input_moments`` with data
-        for at least one task-module; this project's extension, not the paper's, see
-        docs/input_moments.md). False: the paper's data-free score (or no score).
-    """
-
-    lam: float | None
-    alpha: float | None
-    budget: int | None
-    budget_spent: float
-    kept: dict[str, np.ndarray]
-    kept_per_task: np.ndarray
-    non_prefix_fraction: float
-    heterogeneity: float
-    ranks: dict[str, int | None]
-    method: str
-    space: str
-    allocation: str
-    scope: str | None
-    masks: dict[str, Any] | None = None
-    scores: Any = None
-    zeroed: tuple[str, ...] = ()
-    weights: tuple[float, ...] | None = None
-    min_share: float | None = None
-    data_aware: bool = False
-
-
 def merge_adapters(
     adapters: Sequence[Any],
     *,
@@ -497,21 +400,14 @@ def merge_adapters(
       >>> bool(np.allclose(nu.module_update(out["m0"]), want, atol=1e-3))
       True
     """
-    fn = "nu.merge_adapters"
-    res = registry.resolve_options(fn, method, space, options)
-    scope = _check_budget_args(fn, res, allocation, scope, budget, alpha, lam, positive_only)
-    floor = _min_share.check_min_share(fn, min_share, allocation)
-    check_input_moments(fn, input_moments, allocation)
-    _plan.check_coef(fn, coef)
-    if res.spec.needs_key:
-        _plan.check_key(fn, key, res.spec.name)
-    weighted, weights = _weighted_input(fn, adapters, weights)
-    names, buckets, _m_tasks = _tree.collect(adapters, fn=fn)
-    sc, masks, kept_masks = _allocation(
-        fn, adapters, names, buckets, allocation=allocation, budget=budget, scope=scope,
-        alpha=alpha, lam=lam, positive_only=positive_only, min_share=floor, mesh=mesh,
-        input_moments=input_moments,
+    req = MergeRequest.check(
+        "nu.merge_adapters", budget=budget, method=method, space=space, allocation=allocation,
+        scope=scope, alpha=alpha, lam=lam, positive_only=positive_only, min_share=min_share,
+        input_moments=input_moments, options=options, weights=weights, coef=coef, key=key,
     )  # fmt: skip
+    weighted, req = _weighted_input(adapters, req)
+    names, buckets, _m_tasks = _tree.collect(adapters, fn=req.fn)
+    sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
     merged = merge(
         weighted, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
     )
@@ -519,91 +415,17 @@ def merge_adapters(
         "/".join(path) or "lora": node
         for path, node in _tree.walk_modules(merged, is_module=_tree.has_update, max_depth=None)
     }
-    zeroed = () if _is_zero(coef) else tuple(zeroed_modules(flat, kept_masks))
-    warn_zeroed(fn, zeroed, len(names), method, options)
-    report = _report(
-        adapters, merged, names, kept_masks, sc, budget=budget, method=method, space=space,
-        allocation=allocation, scope=scope, zeroed=zeroed, weights=weights, min_share=floor,
-        data_aware=has_data(input_moments),
+    zeroed = () if req.zero_merge else tuple(zeroed_modules(flat, kept_masks))
+    warn_zeroed(req.fn, zeroed, len(names), method, options)
+    ranks = ranks_of(merged)
+    report = build_report(
+        req, kept_masks, sc, h=heterogeneity_or_nan(adapters),
+        ranks={nm: ranks[nm] for nm in names}, zeroed=zeroed,
     )  # fmt: skip
     return merged, report
 
 
-def check_input_moments(fn: str, input_moments: Any, allocation: str) -> None:
-    """Refuse ``input_moments`` with an allocation that does not score (``"uniform"`` keeps
-    spectral prefixes, ``"all"`` every candidate): the moments would be silently unused. The
-    entries themselves are checked against the adapters by :func:`nu.score`."""
-    if input_moments is not None and allocation != "net_utility":
-        raise InputError(
-            f"{fn}: input_moments was given with allocation={allocation!r}, which does not use "
-            "the scores' geometry (uniform keeps each task's spectral prefix, 'all' every "
-            "direction); pass allocation='net_utility' for the data-aware score, or drop "
-            "input_moments."
-        )
-
-
-def has_data(input_moments: Any) -> bool:
-    """Whether ``input_moments`` (checked by :func:`nu.score`) holds data for at least one
-    task-module (every entry None, or None at every name, is the data-free score)."""
-    if input_moments is None:
-        return False
-    return any(
-        entry is not None and any(v is not None for v in entry.values()) for entry in input_moments
-    )
-
-
-def _allocation(
-    fn: str, adapters, names, buckets, *, allocation, budget, scope, alpha, lam, positive_only,
-    min_share, mesh, input_moments=None,
-) -> tuple[Any, dict[str, Any] | None, dict[str, Any]]:  # fmt: skip
-    """``(scores, masks, kept masks)`` of an in-memory merge: ``allocation="all"`` scores
-    nothing (``masks=None``: every candidate, which the kept masks list); otherwise
-    :func:`nu.score` (data-aware with ``input_moments``) and the allocation's masks (with
-    ``min_share``'s floor)."""
-    if allocation == "all":
-        return None, None, _all_candidates(fn, names, buckets)
-    sc = score(adapters, alpha=alpha, lam=lam, mesh=mesh, input_moments=input_moments)
-    masks = _min_share.select(
-        sc,
-        budget,
-        allocation=allocation,
-        scope=scope,
-        positive_only=_checks.check_bool(fn, "positive_only", positive_only),
-        min_share=min_share,
-    )
-    return sc, masks, masks
-
-
 # ------------------------------------------------------------------------------ task weights
-
-
-def check_weights(fn: str, weights: Any, m_tasks: int) -> tuple[float, ...] | None:
-    """``weights`` as a tuple of ``m_tasks`` finite nonzero floats (None: no weights).
-
-    Raises:
-      InputTypeError: not a sequence of real numbers.
-      InputError: the wrong number of weights, or one that is zero, NaN or infinite.
-    """
-    if weights is None:
-        return None
-    if isinstance(weights, (str, bytes, Mapping)) or not hasattr(weights, "__len__"):
-        raise InputTypeError(
-            f"{fn}: weights={_checks.given(weights)}; expected a sequence of {m_tasks} numbers, "
-            "one per task."
-        )
-    values = list(np.asarray(weights).ravel()) if hasattr(weights, "shape") else list(weights)
-    if len(values) != m_tasks:
-        raise InputError(
-            f"{fn}: {len(values)} weights for {m_tasks} tasks; pass one weight per task (adapter)."
-        )
-    out = []
-    for i, w in enumerate(values):
-        v = _checks.real_option(
-            fn, f"weights[{i}]", w, "a finite nonzero number (task i's update is multiplied by "
-            "it; drop the adapter instead of weighting it 0)", lambda x: x != 0, traced=False,
-        )  # fmt: skip
-        out.append(v)
-    return tuple(out)
 
 
 def weight_adapters(adapters: Sequence[Any], weights: Sequence[float] | None) -> list[Any]:
@@ -626,116 +448,12 @@ def _weighted(adapter: Any, w: float) -> Any:
     return _tree.map_modules(adapter, scaled)
 
 
-def _weighted_input(fn: str, adapters: Any, weights: Any) -> tuple[Any, tuple[float, ...] | None]:
-    """``(adapters weighted, weights checked)``, for the merge (the scores are the unweighted
-    adapters'); the adapters are checked first (their own messages), so that a bad adapter is
-    not reported as a bad weight."""
-    if weights is None:
-        return adapters, None
-    _tree.collect(adapters, fn=fn)
-    checked = check_weights(fn, weights, len(adapters))
-    return weight_adapters(adapters, checked), checked
-
-
-def _is_zero(coef: Any) -> bool:
-    """``coef == 0`` (a zero merge asked for: nothing to warn about); False if traced."""
-    return not isinstance(coef, jax.core.Tracer) and float(np.asarray(coef, np.float64)) == 0
-
-
-def _check_budget_args(fn, res, allocation, scope, budget, alpha, lam, positive_only) -> str:
-    """merge_adapters' own arguments checked; returns the budget scope (the paper's default for
-    the method if None)."""
-    _checks.check_choice(fn, "allocation", allocation, registry.ALLOCATIONS)
-    if scope is not None:
-        _checks.check_choice(
-            fn, "scope", scope, ("global", "local"), " or None (the paper's choice per method)"
-        )
-    if budget is None:
-        if allocation != "all":
-            raise InputError(
-                f"{fn}: budget=None with allocation={allocation!r}; pass budget=R, a positive "
-                "integer (directions per module on average). Only allocation='all' needs none."
-            )
-    elif isinstance(budget, (bool, np.bool_)) or not isinstance(budget, numbers.Integral):
-        raise InputTypeError(
-            f"{fn}: budget={_checks.given(budget)}; expected a positive integer R (directions "
-            "per module on average)."
-        )
-    elif budget <= 0:
-        raise InputError(
-            f"{fn}: budget={_checks.given(budget)}; expected a positive integer R (directions "
-            "per module on average)."
-        )
-    _checks.check_auto(
-        fn, "alpha", alpha, "a finite number >= 0 (1.0 Gram geometry, 0.0 row space) or 'auto'"
-    )
-    _checks.check_auto(fn, "lam", lam, "a finite number >= 0 (the interference weight) or 'auto'")
-    _checks.check_bool(fn, "positive_only", positive_only)
-    return res.spec.budget_scope if scope is None else scope
-
-
-def _all_candidates(fn: str, names, buckets) -> dict[str, Any]:
-    """``allocation="all"``: every candidate direction of every module (no scoring)."""
-    dtype = _tree.compute_dtype(buckets)
-    _plan.check_scale_range(fn, buckets, dtype)
-    kept: dict[str, Any] = {}
-    for bk in buckets:
-        stacked = _stages.stage_stack(
-            _buckets.bucket_arrays(bk), cfg=_stages.StackConfig(bk.d_in, bk.d_out, bk.r_max, dtype)
-        )
-        keep = settle(_stages.stage_keep(*stacked, r_max=bk.r_max))  # one LAPACK call at a time
-        for j, nm in enumerate(bk.names):
-            kept[nm] = keep[j]
-    return {nm: kept[nm] for nm in names}
-
-
-def _ranks(merged: Any) -> dict[str, int | None]:
-    """Each merged module's rank (None for dense modules)."""
-    return {
-        "/".join(path) or "lora": int(node["lora_a"].shape[1]) if "lora_a" in node.keys() else None
-        for path, node in _tree.walk_modules(merged, is_module=_tree.has_update, max_depth=None)
-        if node is not None
-    }
-
-
-def _kept_per_task(masks: Mapping[str, Any]) -> np.ndarray:
-    """:func:`nu.kept_per_task` (its checks, values and dtype) summed on the host: its
-    ``jnp.asarray`` of the sum is a program of its own, traced and loaded in every process."""
-    m = _analysis._np("nu.kept_per_task", masks)
-    if len({v.shape[0] for v in m.values()}) > 1:
-        return np.asarray(kept_per_task(masks))  # (its error)
-    total = np.asarray(sum(v.sum(1) for v in m.values()))
-    return total.astype(jax.dtypes.canonicalize_dtype(total.dtype))
-
-
-def _report(adapters, merged, names, kept_masks, sc, *, h=None, zeroed=(), **settings) -> Report:
-    """The :class:`Report` of a merge (``h``: the heterogeneity if already known, else computed
-    from ``adapters``; NaN if a task is all zero)."""
-    if h is None:
-        try:
-            h = float(heterogeneity(adapters))
-        except ValueError:
-            h = float("nan")
-    ranks = _ranks(merged)
-    allocation = settings["allocation"]
-    return Report(
-        lam=None if sc is None else float(sc.lam),
-        alpha=None if sc is None else float(sc.alpha),
-        budget=None if settings["budget"] is None else int(settings["budget"]),
-        budget_spent=budget_spent(kept_masks),
-        kept={nm: np.asarray(v, bool).sum(1) for nm, v in kept_masks.items()},
-        kept_per_task=_kept_per_task(kept_masks),
-        non_prefix_fraction=non_prefix_fraction(kept_masks),
-        heterogeneity=h,
-        ranks={nm: ranks[nm] for nm in names},
-        method=settings["method"],
-        space=settings["space"],
-        allocation=allocation,
-        scope=settings["scope"] if allocation == "net_utility" else None,
-        masks=dict(kept_masks),
-        scores=sc,
-        zeroed=tuple(zeroed),
-        weights=settings.get("weights"),
-        min_share=settings.get("min_share"),
-        data_aware=bool(settings.get("data_aware", False)),
-    )
+def _weighted_input(adapters: Any, req: MergeRequest) -> tuple[Any, MergeRequest]:
+    """``(adapters weighted, request with its weights checked)``, for the merge (the scores are
+    the unweighted adapters'); the adapters are checked first (their own messages), so that a
+    bad adapter is not reported as a bad weight."""
+    if req.weights is None:
+        return adapters, req
+    _tree.collect(adapters, fn=req.fn)
+    req = req.with_tasks(len(adapters))
+    return weight_adapters(adapters, req.weights), req

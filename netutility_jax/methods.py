@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._linalg import column_norms as _column_norms
+from ._linalg import concat_tasks as _concat_tasks
 from ._linalg import mm as _mm
 from ._linalg import mul_pow2, orth_qr_lazy_many, pow2_normalise, svd_many
 from ._linalg import t as _t
-from ._select import _int_of as _int_of
-from ._select import _uint_of as _uint_of
 from ._select import digit_histogram as digit_histogram
 from ._select import kth_largest as kth_largest
 from ._select import kth_largest_count as kth_largest_count
@@ -156,26 +156,11 @@ def polar(x: jax.Array, *, rtol: float) -> jax.Array:
     return polar_many([x], rtol=rtol)[0]
 
 
-def _concat_tasks(x: jax.Array) -> jax.Array:
-    """``(..., M, p, r)`` -> ``(..., p, M r)``: the tasks' columns side by side."""
-    *lead, m, p, r = x.shape
-    return jnp.moveaxis(x, -3, -2).reshape(*lead, p, m * r)
-
-
 def _flatten(s: jax.Array, keep: jax.Array) -> jax.Array:
     """Replace the kept singular values by their mean; zeros stay zero (none kept -> all zero)."""
     n = keep.sum(-1, keepdims=True, dtype=jnp.int32)
     mean = jnp.where(keep, s, 0).sum(-1, keepdims=True) / jnp.maximum(n, 1).astype(s.dtype)
     return jnp.where(keep, mean, 0)
-
-
-def _column_norms(a: jax.Array) -> jax.Array:
-    """Euclidean norms of the columns of ``a (..., p, k)`` without under- or overflow in the
-    squares: each column is divided by its largest ``|entry|`` first (a column of tiny but
-    nonzero entries has a tiny nonzero norm, not 0)."""
-    m = jnp.max(jnp.abs(a), axis=-2, keepdims=True, initial=0)
-    safe = jnp.where(m > 0, m, 1)
-    return (m * jnp.linalg.norm(a / safe, axis=-2, keepdims=True))[..., 0, :]
 
 
 def ta(a: jax.Array, b: jax.Array, *, coef) -> tuple[jax.Array, jax.Array]:

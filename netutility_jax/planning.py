@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks, _min_share, _tree, merging, registry, streaming, utility
+from . import _checks, _min_share, _tree, merging, streaming
+from ._report import heterogeneity_or_nan
+from ._request import MergeRequest
 from .errors import InputError
 
 __all__ = ["LOW_SHARE", "Plan", "plan", "report_shares", "task_names"]
@@ -297,7 +299,7 @@ def _written_ranks(
     if serving_ranks is not None:
         from .peft import _write
 
-        allowed = _write._serving_ranks(serving_ranks, fn=fn) or ()
+        allowed = _write.check_serving_ranks(serving_ranks, fn=fn) or ()
         top = max((r or 0 for r in out.values()), default=0)
         fits = [r for r in allowed if r >= top]
         if fits:
@@ -377,12 +379,12 @@ def plan(
     """
     fn = "nu.plan"
     start = time.perf_counter()
-    res = registry.resolve_options(fn, method, space, options)
-    scope = merging._check_budget_args(
-        fn, res, allocation, scope, budget, alpha, lam, positive_only
-    )
-    floor = _min_share.check_min_share(fn, min_share, allocation)
-    merging.check_input_moments(fn, input_moments, allocation)
+    req = MergeRequest.check(
+        fn, budget=budget, method=method, space=space, allocation=allocation, scope=scope,
+        alpha=alpha, lam=lam, positive_only=positive_only, min_share=min_share,
+        input_moments=input_moments, options=options, weights=weights, merges=False,
+    )  # fmt: skip
+    res, scope, floor = req.resolved, req.scope, req.min_share
     _checks.check_choice(fn, "dtype", dtype, ("float32", "bfloat16", "float16"))
     if rank is not None:
         r = _checks.as_integer(rank)
@@ -395,29 +397,21 @@ def plan(
     streamed = all(hasattr(adapters, a) for a in ("names", "shapes", "paths", "read"))
     if streamed:
         m_tasks = len(adapters.paths)
-        weights = merging.check_weights(fn, weights, m_tasks)
+        req = req.with_tasks(m_tasks)
         sc, kept_masks, h = streaming.score_and_allocate(
-            adapters, fn=fn, budget=budget, allocation=allocation, scope=scope, alpha=alpha,
-            lam=lam, positive_only=positive_only, min_share=floor, chunk_bytes=chunk_bytes,
-            mesh=mesh, input_moments=input_moments,
-        )  # fmt: skip
+            adapters, req, chunk_bytes=chunk_bytes, mesh=mesh
+        )
         shapes = {n: tuple(adapters.shapes[n][:2]) for n in adapters.names}
         default_names = task_names(adapters.paths)
     else:
         mod_names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
-        weights = merging.check_weights(fn, weights, m_tasks)
-        sc, _, kept_masks = merging._allocation(
-            fn, adapters, mod_names, buckets, allocation=allocation, budget=budget, scope=scope,
-            alpha=alpha, lam=lam, positive_only=positive_only, min_share=floor, mesh=mesh,
-            input_moments=input_moments,
-        )  # fmt: skip
+        req = req.with_tasks(m_tasks)
+        sc, _, kept_masks = req.allocate(adapters, mod_names, buckets, mesh)
         shapes = {n: (bk.d_in, bk.d_out) for bk in buckets for n in bk.names}
         shapes = {n: shapes[n] for n in mod_names}
-        try:
-            h = float(utility.heterogeneity(adapters))
-        except ValueError:
-            h = float("nan")
+        h = heterogeneity_or_nan(adapters)
         default_names = [f"task {i}" for i in range(m_tasks)]
+    weights = req.weights
     tasks = _check_names(fn, names, m_tasks) if names is not None else tuple(default_names)
     seconds = time.perf_counter() - start
     kept = {n: np.asarray(m, bool).sum(1) for n, m in kept_masks.items()}
@@ -441,7 +435,7 @@ def plan(
         method=method,
         space=space,
         allocation=allocation,
-        scope=scope if allocation == "net_utility" else None,
+        scope=req.report_scope,
         budget=None if budget is None else int(budget),
         min_share=floor,
         weights=weights,

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from . import methods as _m
-from ._linalg import LazyQR, mul_pow2, orth_qr_lazy_many, svd_many
+from ._linalg import LazyQR, concat_tasks, mul_pow2, orth_qr_lazy_many, svd_many
 from ._linalg import mm as _mm
 from ._linalg import t as _t
 
@@ -376,7 +376,7 @@ def core_coords(
     # a_i' = P_i (P_i^T a_i): the input factor restricted to the kept input directions.
     a_p = _mm(k.in_dirs, _mm(_t(k.in_dirs), a))  # (n, M, d_in, r)
     b_p = _mm(k.out_dirs, _mm(_t(k.out_dirs), _t(b)))  # (n, M, d_out, r)
-    stacked = [_m._concat_tasks(a_p), _m._concat_tasks(b_p)]
+    stacked = [concat_tasks(a_p), concat_tasks(b_p)]
     if basis == "qr":
         left, right = (f.q for f in orth_qr_lazy_many(stacked, rtol=rtol))
     else:
@@ -404,7 +404,7 @@ def knots_coords(
     ``2**120`` weaker has blocks near float32's smallest normal number; :func:`nu.merge` passes
     :data:`HEADROOM`, which keeps them as far from it as the scaled blocks are in working units.
     """
-    z = _m._concat_tasks(k.out_dirs * k.s[..., None, :])  # (n, d_out, M r)
+    z = concat_tasks(k.out_dirs * k.s[..., None, :])  # (n, d_out, M r)
     (fz,), (ez,) = _m.qr_equilibrated([z], rtol=rtol)
     rz = mul_pow2(fz.r, ez[..., None, :])
     w, s, _ = jnp.linalg.svd(rz, full_matrices=False)  # rz: (n, M r, M r)

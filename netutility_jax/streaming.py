@@ -87,7 +87,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import inspect
 import numbers
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -102,9 +101,9 @@ from . import (
     _checks,
     _exchange,
     _mesh,
-    _min_share,
     _plan,
     _results,
+    _scoring,
     _tree,
     merging,
     registry,
@@ -112,6 +111,8 @@ from . import (
 )
 from ._executables import kernel
 from ._host import host_constant
+from ._report import Report, build_report, ranks_of, warn_zeroed, zeroed_modules
+from ._request import MergeRequest, all_candidates
 from ._ties_model import ties_model_streamed
 from .errors import InputError, InputTypeError
 from .moments import check_entries
@@ -122,8 +123,6 @@ if TYPE_CHECKING:  # the peft package is imported on first use (nu.peft), not by
 __all__ = ["CHUNK_BYTES", "merge_adapters_streaming", "plan_chunks"]
 
 CHUNK_BYTES = 64 << 20  # every task's factors of one chunk, in the compute dtype
-
-_H_THRESHOLD = inspect.signature(utility.score).parameters["h_threshold"].default
 
 
 def plan_chunks(
@@ -179,7 +178,7 @@ class _Energies:
 
     def add(self, chunk: int, adapters: Sequence[Any], fn: str, *, strict: bool) -> None:
         try:
-            k, t, _ = utility._log_energies(adapters, fn, False, stacked=True)
+            k, t, _ = _scoring.log_energies(adapters, fn, False, stacked=True)
         except ValueError:
             if strict:
                 raise
@@ -212,7 +211,7 @@ class _Energies:
         if self.failed:
             return float("nan")
         # each chunk's (k, t) is a (mantissa, exponent) pair like a module's: summed the same way
-        kmax, total = utility._sum_energies(
+        kmax, total = _scoring.sum_energies(
             [(self.parts[c][1][None], self.parts[c][0][None]) for c in sorted(self.parts)],
             len(next(iter(self.parts.values()))[0]),
         )
@@ -435,12 +434,12 @@ def _score_pass(
     alphas = (0.0, 1.0) if auto else (float(alpha),)
     lam_k = 0.0 if isinstance(lam, str) else lam
     mine = _Energies()
-    checks: dict[int, list[utility._Deferred]] = {}
+    checks: dict[int, list[_scoring.Deferred]] = {}
 
     def work() -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, names, adapters in st.read():
-            run = utility._score_run(
+            run = _scoring.score_run(
                 "nu.score",
                 adapters,
                 alphas,
@@ -470,10 +469,10 @@ def _score_pass(
     pick = 0
     if auto:
         h = energies.heterogeneity(st.dtype, f"{st.fn} (alpha='auto')", strict=True)
-        pick = 0 if h > float(_H_THRESHOLD) else 1  # alphas[pick]: 0 above the threshold
+        pick = 0 if h > _scoring.H_THRESHOLD else 1  # alphas[pick]: 0 above the threshold
         # one check over this process's chunks: the error counts all their affected modules
         mine_checks = [checks[k][pick] for k in sorted(checks)]
-        st.ex.check(st.fn, lambda: mine_checks and utility._Deferred.join(mine_checks).check())
+        st.ex.check(st.fn, lambda: mine_checks and _scoring.Deferred.join(mine_checks).check())
     stats = {
         name.split("/", 1)[1]: utility.ModuleScores(*jax.device_put(list(np.asarray(a))))
         for arrays in shared
@@ -517,7 +516,7 @@ def _chunk_result(
     of the all-zero ones go to ``zero`` first (``on_chunk`` may replace them)."""
     out = _results.rebuild(adapters[0], results)
     every = dict.fromkeys(results, np.ones((1, 1), bool))  # (which were kept: decided later)
-    zero.update(merging.zeroed_modules(results, every))
+    zero.update(zeroed_modules(results, every))
     return out if on_chunk is None else _on_chunk(fn, on_chunk, out)
 
 
@@ -525,7 +524,7 @@ def _all_kept(fn: str, k: int, names, adapters, kept: dict, energies: _Energies)
     """``masks=None`` (every candidate kept): the chunk's kept masks and task energies, which
     the merge pass is then the first to read."""
     _, buckets, _ = _tree.collect(adapters, fn=fn)
-    kept.update(merging._all_candidates(fn, list(names), buckets))
+    kept.update(all_candidates(fn, list(names), buckets))
     energies.add(k, adapters, "nu.heterogeneity", strict=False)
 
 
@@ -555,9 +554,7 @@ def _merge_pass(
                 _merge_chunk(st, call, names, st.weighted(adapters), masks, index, on_chunk, zero)
             )
             del adapters  # (before the next read: one chunk alive at a time)
-        out = {
-            f"r/{n}": np.asarray(-1 if r is None else r) for n, r in merging._ranks(merged).items()
-        }
+        out = {f"r/{n}": np.asarray(-1 if r is None else r) for n, r in ranks_of(merged).items()}
         out.update({f"m/{n}": m for n, m in kept.items()})
         out.update({f"z/{n}": np.asarray(True) for n in zero})
         return out if masks is not None else {**out, **mine.arrays()}
@@ -681,7 +678,7 @@ def _merge_pass_model_wide(
         density=density,
         coef=jnp.asarray(mant, st.dtype),
     )
-    ranks = merging._ranks(merged)
+    ranks = ranks_of(merged)
     kept = dict(masks) if masks is not None else kept
     return (
         {n: merged[n] for n in names_all},
@@ -712,25 +709,17 @@ def _stream(
 
 
 def _allocation(
-    st: _Stream, *, allocation, budget, scope, alpha, lam, positive_only, min_share, mesh,
-    input_moments=None,
-) -> tuple[utility.Scores | None, dict[str, Any] | None, _Energies | None]:  # fmt: skip
+    st: _Stream, req: MergeRequest, mesh: Any
+) -> tuple[utility.Scores | None, dict[str, Any] | None, _Energies | None]:
     """Pass 1 and the allocation: ``(scores, masks, energies)``, all None for
     ``allocation="all"`` (which reads nothing here: the merge pass keeps every candidate)."""
-    if allocation == "all":
+    if req.allocation == "all":
         return None, None, None
     stats, alpha_v, energies = _score_pass(
-        st, alpha=alpha, lam=lam, mesh=mesh, input_moments=input_moments
+        st, alpha=req.alpha, lam=req.lam, mesh=mesh, input_moments=req.input_moments
     )
-    sc = _global_scores(st.fn, stats, lam, alpha_v, st.dtype)
-    masks = _min_share.select(
-        sc,
-        budget,
-        allocation=allocation,
-        scope=scope,
-        positive_only=_checks.check_bool(st.fn, "positive_only", positive_only),
-        min_share=min_share,
-    )
+    sc = _global_scores(st.fn, stats, req.lam, alpha_v, st.dtype)
+    masks = req.select(sc)
     _agree(st, sc, masks)
     return sc, masks, energies
 
@@ -747,37 +736,21 @@ def _kept_pass(st: _Stream) -> tuple[dict[str, Any], _Energies]:
 
 
 def score_and_allocate(
-    source: AdapterSet,
-    *,
-    fn: str,
-    budget: int | None,
-    allocation: str,
-    scope: str,
-    alpha: float | str,
-    lam: float | str,
-    positive_only: bool,
-    min_share: float | None,
-    chunk_bytes: int,
-    mesh: Any = None,
-    input_moments: Any = None,
+    source: AdapterSet, req: MergeRequest, *, chunk_bytes: int, mesh: Any = None
 ) -> tuple[utility.Scores | None, dict[str, Any], float]:
     """What a streamed merge decides before merging, in one process, for a plan
-    (:func:`nu.plan`): ``(scores, kept masks, h)``, the arguments already checked. Reads every
+    (:func:`nu.plan`): ``(scores, kept masks, h)`` for the checked request ``req``. Reads every
     chunk once (pass 1, or for ``allocation="all"`` the candidates)."""
+    fn = req.fn
     _check_source(fn, source, chunk_bytes, None)
-    merging.check_input_moments(fn, input_moments, allocation)
-    _check_moment_names(fn, input_moments, source)
+    _check_moment_names(fn, req.input_moments, source)
     mesh = _mesh.check_mesh(fn, mesh) or _mesh.module_mesh(jax.local_devices()[:1])
     st = _stream(fn, source, chunk_bytes, _exchange.LOCAL)
-    if allocation == "all":
+    if req.allocation == "all":
         kept, energies = _kept_pass(st)
         sc = None
     else:
-        sc, kept, energies = _allocation(  # type: ignore[assignment]
-            st, allocation=allocation, budget=budget, scope=scope, alpha=alpha, lam=lam,
-            positive_only=positive_only, min_share=min_share, mesh=mesh,
-            input_moments=input_moments,
-        )  # fmt: skip
+        sc, kept, energies = _allocation(st, req, mesh)  # type: ignore[assignment]
     h = energies.heterogeneity(st.dtype, "nu.heterogeneity", strict=False)  # type: ignore[union-attr]
     return sc, {n: kept[n] for n in st.source.names}, h
 
@@ -804,7 +777,7 @@ def merge_adapters_streaming(
     input_moments: Sequence[Mapping[str, Any] | None] | None = None,
     progress: Callable[[int, int], None] | None = None,
     **options: Any,
-) -> tuple[dict[str, Any], merging.Report]:
+) -> tuple[dict[str, Any], Report]:
     """:func:`nu.merge_adapters` on adapters read from disk a chunk at a time (see the module
     docstring: the passes, the memory, what agrees with the in-memory merge).
 
@@ -871,24 +844,21 @@ def merge_adapters_streaming(
       True
       >>> tmp.cleanup()
     """
-    fn = "nu.merge_adapters_streaming"
-    res = registry.resolve_options(fn, method, space, options)
-    scope = merging._check_budget_args(
-        fn, res, allocation, scope, budget, alpha, lam, positive_only
-    )
-    floor = _min_share.check_min_share(fn, min_share, allocation)
-    _plan.check_coef(fn, coef)
-    if res.spec.needs_key:
-        _plan.check_key(fn, key, res.spec.name)
+    req = MergeRequest.check(
+        "nu.merge_adapters_streaming", budget=budget, method=method, space=space,
+        allocation=allocation, scope=scope, alpha=alpha, lam=lam, positive_only=positive_only,
+        min_share=min_share, input_moments=input_moments, options=options, weights=weights,
+        coef=coef, key=key,
+    )  # fmt: skip
+    fn, res = req.fn, req.resolved
     _check_source(fn, source, chunk_bytes, on_chunk)
     _check_progress(fn, progress)
-    merging.check_input_moments(fn, input_moments, allocation)
     _check_moment_names(fn, input_moments, source)
-    weights = merging.check_weights(fn, weights, len(source.paths))
+    req = req.with_tasks(len(source.paths))
     # None: this process's first device, the chunks stacked on the host all the same: one small
     # program per stage and chunk shape, not one traced over every module's leaves
     mesh = _mesh.check_mesh(fn, mesh) or _mesh.module_mesh(jax.local_devices()[:1])
-    st = _stream(fn, source, chunk_bytes, _exchange.current(fn, distributed), weights)
+    st = _stream(fn, source, chunk_bytes, _exchange.current(fn, distributed), req.weights)
     _refuse_model_wide(fn, res, st.ex)
     if progress is not None:
         mine = sum(1 for p in st.owner if p == st.ex.index)
@@ -896,10 +866,7 @@ def merge_adapters_streaming(
             st, progress=_Progress(progress, mine * _reads(allocation, res.model_wide, st.dtype))
         )
         st.progress.start()
-    sc, masks, energies = _allocation(
-        st, allocation=allocation, budget=budget, scope=scope, alpha=alpha, lam=lam,
-        positive_only=positive_only, min_share=floor, mesh=mesh, input_moments=input_moments,
-    )  # fmt: skip
+    sc, masks, energies = _allocation(st, req, mesh)
     call = {"method": method, "space": space, "coef": coef, "key": key, "options": res.options}
     call["mesh"] = mesh
     if res.model_wide:
@@ -912,16 +879,9 @@ def merge_adapters_streaming(
     energies = energies or e2  # (the first pass that read everything summed them)
     if st.progress is not None:
         st.progress.finish()
-    settings = {
-        "budget": budget, "method": method, "space": space, "allocation": allocation,
-        "weights": weights, "min_share": floor, "data_aware": merging.has_data(input_moments),
-    }  # fmt: skip
     h = energies.heterogeneity(st.dtype, "nu.heterogeneity", strict=False)  # type: ignore[union-attr]
-    zeroed = () if merging._is_zero(coef) else tuple(
+    zeroed = () if req.zero_merge else tuple(
         n for n in st.source.names if n in zero and np.asarray(kept[n]).any()
     )  # fmt: skip
-    merging.warn_zeroed(fn, zeroed, len(st.source.names), method, options)
-    report = merging._report(
-        None, merged, list(merged), kept, sc, h=h, scope=scope, zeroed=zeroed, **settings
-    )
-    return merged, dataclasses.replace(report, ranks=ranks)
+    warn_zeroed(fn, zeroed, len(st.source.names), method, options)
+    return merged, build_report(req, kept, sc, h=h, ranks=ranks, zeroed=zeroed)

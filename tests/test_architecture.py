@@ -119,6 +119,71 @@ def test_every_module_declares_all():
     assert not missing, f"modules without __all__: {missing}"
 
 
+def _private_uses(mods: dict[str, pathlib.Path]) -> list[tuple[str, str, int]]:
+    """Every use of another module's underscored name: ``from .x import _y`` and ``x._y`` where
+    ``x`` names one of the package's modules; ``(user, "x._y", line)``."""
+    out = []
+    for mod, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_pkg = path.name == "__init__.py"
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, is_pkg, node)
+                for a in node.names:
+                    full = f"{base}.{a.name}"
+                    if full in mods:
+                        aliases[a.asname or a.name] = full
+                    elif base in mods and a.name.startswith("_") and not a.name.startswith("__"):
+                        out.append((mod, f"{base}.{a.name}", node.lineno))
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods and a.asname:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                out.append((mod, f"{aliases[node.value.id]}.{node.attr}", node.lineno))
+    return out
+
+
+def _shares_private(user: str, owner: str) -> bool:
+    """A private module's internals are shared within its package (``peft._write`` and
+    ``peft._load`` are one implementation split in files), never outside it nor from a public
+    module (whose underscored names are its own)."""
+    return owner.rpartition(".")[2].startswith("_") and (
+        user.rpartition(".")[0] == owner.rpartition(".")[0]
+    )
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """What two modules share has a public name in a module of its own (scoring internals in
+    ``_scoring``, a merge's checks in ``_request``, the report in ``_report``), so a module's
+    underscored names can change without breaking another."""
+    mods = _modules()
+    bad = [
+        f"{user}:{line} uses {name}"
+        for user, name, line in _private_uses(mods)
+        if not _shares_private(user, name.rpartition(".")[0])
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_name_check_sees_a_reach_across(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("def _x():\n    pass\n")
+    (tmp_path / "pkg" / "b.py").write_text("from . import a\nfrom .a import _x\na._x()\n")
+    mods = {"pkg.a": tmp_path / "pkg" / "a.py", "pkg.b": tmp_path / "pkg" / "b.py"}
+    assert sorted(n for _, n, _ in _private_uses(mods)) == ["pkg.a._x", "pkg.a._x"]
+    assert not _shares_private("pkg.b", "pkg.a")
+    assert _shares_private("pkg.b", "pkg._a") and not _shares_private("other.b", "pkg._a")
+
+
 # the command (docs/design.md, "Who owns what"), top layer first: each module imports only
 # modules of its own layer or below (within a layer, the cycle check above applies)
 CLI_LAYERS = [

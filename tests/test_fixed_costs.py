@@ -20,6 +20,8 @@ import netutility_jax as nu
 from netutility_jax import InputError
 
 utility_mod = importlib.import_module("netutility_jax.utility")
+kernels_mod = importlib.import_module("netutility_jax._score_kernels")
+scoring_mod = importlib.import_module("netutility_jax._scoring")
 host_mod = importlib.import_module("netutility_jax._host")
 allocate_mod = importlib.import_module("netutility_jax.allocate")
 
@@ -144,12 +146,12 @@ def test_lam_auto_medians_of_runs_are_nanmedians():
     # the medians themselves, including an empty run (NaN) and ties at zero
     x = np.asarray([0.0, 3.0, 0.0, np.nan, 1.0, 2.0, -0.0, 5.0], np.float32)
     cand = np.asarray([1, 1, 1, 1, 1, 0, 1, 1], bool)
-    med, med_pos = utility_mod._median_runs(jnp.asarray(x), jnp.asarray(cand), positive=True)
+    med, med_pos = kernels_mod._median_runs(jnp.asarray(x), jnp.asarray(cand), positive=True)
     np.testing.assert_array_equal(np.asarray(med), _np_median(x[cand & ~np.isnan(x)]))
     np.testing.assert_array_equal(
         np.asarray(med_pos), _np_median(np.asarray([3, 1, 5], np.float32))
     )
-    (none,) = utility_mod._median_runs(jnp.asarray(x), jnp.zeros(8, bool), positive=False)
+    (none,) = kernels_mod._median_runs(jnp.asarray(x), jnp.zeros(8, bool), positive=False)
     assert np.isnan(np.asarray(none))
 
 
@@ -218,9 +220,9 @@ def test_allocate_counts_bad_entries_per_module_only_when_there_are_some():
 def test_status_flags_stand_for_the_checks():
     # the kernel's flags (one transfer) say what the detailed checks would find: nothing here
     ads = make_adapters(6, 3, SPEC)
-    run = utility_mod._score_run("t", ads, (1.0, 0.0), "auto", None, False, None, defer=True)
+    run = scoring_mod.score_run("t", ads, (1.0, 0.0), "auto", None, False, None, defer=True)
     assert all(not c.flagged for c in run.check)
-    joined = utility_mod._Deferred.join(run.check)
+    joined = scoring_mod.Deferred.join(run.check)
     assert not joined.flagged
     joined.check()  # nothing to raise
     # a deferred check that was flagged still reads the details and raises them
@@ -228,7 +230,7 @@ def test_status_flags_stand_for_the_checks():
         {n: {**m, "scale": 1e25 if t == 0 else 1.0} for n, m in ad.items()}
         for t, ad in enumerate(ads)
     ]
-    run = utility_mod._score_run("t", big, (1.0,), "auto", None, False, None, defer=True)
+    run = scoring_mod.score_run("t", big, (1.0,), "auto", None, False, None, defer=True)
     assert run.check[0].flagged
     with pytest.raises(InputError, match="beyond the range of float32"):
         run.check[0].check()

@@ -99,7 +99,7 @@ def test_one_device_mesh_is_the_plain_path_bit_for_bit(method, space, opts):
 
 def test_host_stack_pads_modules_and_ranks():
     ads = _mesh_child.adapters()
-    bk = nu.merging._tree.collect(ads, fn="t")[1][1]  # the v bucket: task 2 lacks l5.v
+    bk = nu._tree.collect(ads, fn="t")[1][1]  # the v bucket: task 2 lacks l5.v
     st = _mesh.host_stack(bk, np.float32, 12)
     assert st.a.shape == (12, 3, 64, 6) and st.b.shape == (12, 3, 6, 48)
     j = bk.names.index("l5.v")

@@ -35,6 +35,8 @@ import netutility_jax as nu
 from netutility_jax import InputError, InputTypeError
 
 utility_mod = importlib.import_module("netutility_jax.utility")
+kernels_mod = importlib.import_module("netutility_jax._score_kernels")
+scoring_mod = importlib.import_module("netutility_jax._scoring")
 
 RTOL32 = 1e-4  # float32 library vs float64 reference, relative to each quantity's max
 ALPHAS = [1.0, 0.0, 0.5]
@@ -778,7 +780,7 @@ def test_heterogeneity_of_energies_beyond_float32():
 
 def _run_both(ads, **kw):
     kw = {"lam": "auto", "rtol": None, "checked": False, "mesh": None, **kw}
-    return utility_mod._score_run(
+    return scoring_mod.score_run(
         "nu.score", ads, (0.0, 1.0), kw["lam"], kw["rtol"], kw["checked"], kw["mesh"],
         energy=True, defer=kw.get("defer", False),
     )  # fmt: skip
@@ -1268,22 +1270,22 @@ class _CompileCounter:
 def test_score_does_not_recompile():
     spec = (("x", 7, 5, (2, 3, 2)), ("z", 7, 5, (3, 2, 2)))
     nu.score(make_adapters(0, 3, spec))  # compile (shapes used nowhere else)
-    n0 = utility_mod._score_impl._cache_size()
+    n0 = kernels_mod.score_impl._cache_size()
     with _CompileCounter() as cc:
         sc = nu.score(make_adapters(1, 3, spec))
         jax.block_until_ready(sc)
     assert cc.n == 0
-    assert utility_mod._score_impl._cache_size() == n0
+    assert kernels_mod.score_impl._cache_size() == n0
     # float alpha / lam values are traced, not static: one compile for the float-lam variant only
     nu.score(make_adapters(1, 3, spec), alpha=0.3, lam=0.2)
-    n1 = utility_mod._score_impl._cache_size()
+    n1 = kernels_mod.score_impl._cache_size()
     with _CompileCounter() as cc:
         for alpha, lam in [(0.0, 1.5), (0.7, 0.01), (1.0, 3.0)]:
             jax.block_until_ready(nu.score(make_adapters(2, 3, spec), alpha=alpha, lam=lam))
         for alpha in (0.0, 0.25):
             jax.block_until_ready(nu.score(make_adapters(2, 3, spec), alpha=alpha))
     assert cc.n == 0
-    assert utility_mod._score_impl._cache_size() == n1
+    assert kernels_mod.score_impl._cache_size() == n1
 
 
 def test_heterogeneity_does_not_recompile():
@@ -1428,9 +1430,9 @@ def test_score_kernel_keeps_one_group_of_stacked_factors_in_memory():
     _, buckets, _ = _tree_mod.collect(ads, fn="t")
     dtype = jnp.float32
     meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
-    inputs = utility_mod._score_inputs("t", buckets, dtype, None)
+    inputs = scoring_mod.score_inputs("t", buckets, dtype, None)
     rtols = tuple(jnp.asarray(utility_mod.default_rtol(bk.r_max, dtype), dtype) for bk in buckets)
-    compiled = utility_mod._score_impl.lower(
+    compiled = kernels_mod.score_impl.lower(
         inputs, jnp.asarray(1.0, dtype), 0.0, rtols, meta=meta, lam_is_auto=True
     ).compile()
     factors = sum(np.asarray(x).nbytes for x in jax.tree.leaves(ads) if np.ndim(x) == 2)

@@ -131,7 +131,7 @@ def save_adapter(
     fn = "nu.peft.save_adapter"
     _safetensors()  # (without it: an ImportError saying what to install, before any work)
     _check_options(rank, dtype, config, fn=fn)
-    allowed = _serving_ranks(serving_ranks, fn=fn)
+    allowed = check_serving_ranks(serving_ranks, fn=fn)
     out_dir = pathlib.Path(os.fspath(path))
     _check_free(out_dir, fn=fn)
     modules = _modules_for_save(adapter, fn=fn)
@@ -211,10 +211,10 @@ def serving_ranks(spec: Any, *, fn: str) -> tuple[int, ...] | None:
     ``serving_ranks``): ``"vllm"`` (:data:`VLLM_RANKS`), a sequence of allowed ranks, or None (no
     uniform rank), as a sorted tuple; anything else is an :class:`InputError` starting with
     ``fn``."""
-    return _serving_ranks(spec, fn=fn)
+    return check_serving_ranks(spec, fn=fn)
 
 
-def _serving_ranks(serving_ranks: Any, *, fn: str) -> tuple[int, ...] | None:
+def check_serving_ranks(serving_ranks: Any, *, fn: str) -> tuple[int, ...] | None:
     """``serving_ranks`` as a sorted tuple of allowed ranks (None: no uniform rank)."""
     if serving_ranks is None:
         return None
