@@ -31,6 +31,7 @@ __all__ = [
     "check_bool",
     "check_budget",
     "check_choice",
+    "check_masks",
     "check_real",
     "few",
     "given",
@@ -39,6 +40,7 @@ __all__ = [
     "real_option",
     "real_value",
     "short",
+    "size_text",
 ]
 
 _REPR = reprlib.Repr()
@@ -243,3 +245,12 @@ def check_masks(fn: str, masks: Mapping[str, jax.Array]) -> dict[str, np.ndarray
             f"{tuple(masks[bad_shape[0]].shape)}); expected (M, r_max) per module."
         )
     return out
+
+
+def size_text(n: float) -> str:
+    """A byte count for people: ``"512 bytes"``, ``"3.41 MB"`` (powers of 1000, up to TB)."""
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")

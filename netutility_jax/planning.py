@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _checks, _min_share, _tree, merging, streaming
+from ._checks import size_text
 from ._report import heterogeneity_or_nan
 from ._request import MergeRequest
 from .errors import InputError
@@ -73,14 +74,6 @@ def report_shares(report: merging.Report) -> np.ndarray | None:
         report.budget,
         scope=report.scope if report.allocation == "net_utility" else "local",
     )
-
-
-def _size(n: float) -> str:
-    for unit in ("bytes", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -195,15 +188,15 @@ class Plan:
         else:
             ranks = f"at ranks {min(known)}-{max(known)}"
         lines.append(
-            f"output: {total} directions kept; about {_size(self.out_bytes)} of adapter tensors "
+            f"output: {total} directions kept; about {size_text(self.out_bytes)} of adapter tensors "
             f"in {self.dtype} ({n_mod} modules {ranks})"
         )
         lines.append(
             f"estimate: about {self.est_seconds:.3g} s to merge (this plan took "
             f"{self.seconds:.3g} s to read and score every module)"
             + (
-                f", about {_size(self.est_memory)} of memory (this process's peak so far: "
-                f"{_size(self.peak_memory)})"  # type: ignore[arg-type]
+                f", about {size_text(self.est_memory)} of memory (this process's peak so far: "
+                f"{size_text(self.peak_memory)})"  # type: ignore[arg-type]
                 if self.est_memory is not None
                 else ""
             )

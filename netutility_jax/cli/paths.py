@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from .. import _io
+from .._checks import size_text
 from ..errors import FileAccessError, InputError, MissingFileError, NetUtilityError
 from .common import PROG, UsageError, say, shown
 
@@ -53,14 +54,6 @@ __all__ = [
 
 
 STAGING_TAG = "netutility-staging"
-
-
-def _size(n: float) -> str:
-    for unit in ("bytes", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
 
 
 def _user_path(text: str, what: str) -> pathlib.Path:
@@ -424,8 +417,8 @@ def check_space(out: str, folder: pathlib.Path, est: SizeEstimate, dtype: str) -
     if est.bytes > free:
         raise UsageError(
             f"--out {out}: not enough free space in {folder}: the merge needs about "
-            f"{_size(est.bytes)} (estimated from the inputs: {est.modules} modules at rank up to "
-            f"{est.rank} in {dtype}, plus the report and plots) but {_size(free)} is free; free "
+            f"{size_text(est.bytes)} (estimated from the inputs: {est.modules} modules at rank up to "
+            f"{est.rank} in {dtype}, plus the report and plots) but {size_text(free)} is free; free "
             "some space or choose another --out."
         )
 
