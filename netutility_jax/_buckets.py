@@ -77,6 +77,11 @@ def host_scales(s: Any, dtype: Any) -> np.ndarray | None:
     as XLA converts them (to nearest), if all are concrete (else None): one argument for the
     jitted kernel instead of one per task-module."""
     leaves = [x for row in s for x in row]
+    if leaves and set(map(type, leaves)) == {float}:
+        # Python floats only (the common case): converted in one call, each rounded once from
+        # its exact float64 value, as np.asarray(x).astype(dtype) rounds it
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.array(s, np.float64).astype(dtype)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None
     with np.errstate(over="ignore", invalid="ignore"):  # beyond the dtype: inf, as XLA converts

@@ -100,10 +100,20 @@ class Bucket:
     modules: tuple[tuple[Module | None, ...], ...]
 
 
+# types whose instances :func:`unwrap` returns as they are (arrays, numbers): a per-type
+# decision, cached so that a walk over thousands of factors makes it once per type
+_PLAIN_TYPES: set[type] = {float, int, np.ndarray}
+
+
 def unwrap(x: Any) -> Any:
     """A leaf's array: ``flax.nnx`` Variables (``Param``, ``LoRAParam``) give their value
     (``get_value``, or ``value`` on older flax); anything else is returned as it is."""
+    t = type(x)
+    if t in _PLAIN_TYPES:
+        return x
     if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float)):
+        if x.__class__ is t:  # decided by the type alone (no __class__ override)
+            _PLAIN_TYPES.add(t)
         return x
     if hasattr(x, "get_value"):
         return x.get_value()
@@ -254,6 +264,68 @@ def _as_module(fn: str, task: int, name: str, node: Any) -> Module:
     return Module(unwrap(node["lora_a"]), unwrap(node["lora_b"]), unwrap(node.get("scale", 1.0)))
 
 
+def _new_module(
+    lora_a: Any, lora_b: Any, scale: Any, _new=object.__new__, _set=object.__setattr__
+) -> Module:
+    """``Module(lora_a, lora_b, scale)``: what the frozen dataclass's ``__init__`` does (three
+    ``object.__setattr__``), without its call; made once per module and task."""
+    m = _new(Module)
+    _set(m, "lora_a", lora_a)
+    _set(m, "lora_b", lora_b)
+    _set(m, "scale", scale)
+    return m
+
+
+def _flatten_dicts(adapter: Any) -> dict[str, Module | None] | None:
+    """:func:`flatten_modules` of a tree of plain dicts with nothing to report, or None.
+
+    The common case in one recursive pass over the dicts: inner nodes and modules are ``dict``s
+    (not subclasses, not other mappings), every module has exactly ``lora_a``, ``lora_b`` and
+    optionally ``scale``, and no other leaf than None. None (not an error) as soon as anything
+    else is met: another mapping type, a leaf, a module with missing or extra keys, a repeated
+    name, a dict that contains an ancestor, nesting beyond :data:`MAX_DEPTH`, a root that is a
+    module, or any exception; :func:`flatten_modules` then walks the tree in full and gives the
+    result or the error, in the order it always has.
+    """
+    if type(adapter) is not dict or "lora_a" in adapter or "lora_b" in adapter:
+        return None
+    out: dict[str, Module | None] = {}
+    plain = _PLAIN_TYPES
+
+    def walk(node: dict, prefix: str, depth: int, ancestors: tuple[dict, ...]) -> bool:
+        if depth >= MAX_DEPTH and node:  # its children's paths would be too long
+            return False
+        for k, v in node.items():
+            name = prefix + str(k)
+            if name in out:
+                return False
+            if v is None:
+                out[name] = None
+            elif type(v) is not dict:
+                return False
+            elif "lora_a" in v or "lora_b" in v:
+                has_scale = "scale" in v
+                if len(v) != 2 + has_scale or "lora_a" not in v or "lora_b" not in v:
+                    return False
+                a, b = v["lora_a"], v["lora_b"]
+                s = v["scale"] if has_scale else 1.0
+                out[name] = _new_module(
+                    a if type(a) in plain else unwrap(a),
+                    b if type(b) in plain else unwrap(b),
+                    s if type(s) in plain else unwrap(s),
+                )
+            elif any(u is v for u in ancestors) or not walk(
+                v, name + "/", depth + 1, (*ancestors, v)
+            ):
+                return False
+        return True
+
+    try:
+        return out if walk(adapter, "", 0, (adapter,)) else None
+    except Exception:  # the full walk meets it again and reports it where it always has
+        return None
+
+
 def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | None]:
     """Map module name -> :class:`Module` (or None where the task lacks the module).
 
@@ -282,6 +354,9 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
             "dicts); pass a tree of LoRA modules."
         )
 
+    fast = _flatten_dicts(adapter)
+    if fast is not None:
+        return fast
     out: dict[str, Module | None] = {}
     for path, node in walk_modules(adapter, inner=True, too_deep=too_deep, cycle=cycle):
         name = "/".join(path)
@@ -413,6 +488,123 @@ def _check_module(fn: str, name: str, task: int, m: Module) -> None:
         )
 
 
+# floating dtypes met so far (np.dtype instances): the factors' dtype check, decided once per dtype
+_FLOATING_DTYPES: set[Any] = set()
+
+
+def _is_floating(dt: Any) -> bool:
+    """:func:`_check_module`'s dtype rule (``jnp.issubdtype(dt, jnp.floating)``, False where that
+    raises ``TypeError``), remembered for ``np.dtype`` instances found floating."""
+    if dt in _FLOATING_DTYPES:
+        return True
+    try:
+        floating = bool(jnp.issubdtype(dt, jnp.floating))
+    except TypeError:
+        return False
+    if floating and isinstance(dt, np.dtype):
+        _FLOATING_DTYPES.add(dt)
+    return floating
+
+
+def _scale_ok(s: Any) -> bool:
+    """True where :func:`_check_module` accepts ``s`` as a module's scale (a finite real scalar,
+    or a traced one), False where it raises its error; an exception where its own steps raise one
+    (``np.asarray`` of an int beyond float64), which :func:`_check_module` raises too."""
+    t = type(s)
+    if t is float:
+        return s - s == 0.0  # finite (inf - inf and nan - nan are nan)
+    if hasattr(s, "shape") and hasattr(s, "dtype") and tuple(s.shape) != ():
+        return False
+    if not is_real_scalar(s):
+        return False
+    return isinstance(s, jax.core.Tracer) or bool(np.isfinite(np.asarray(s, np.float64)))
+
+
+_Groups = dict[tuple[int, int, int], list[tuple[str, tuple[Module | None, ...]]]]
+
+
+def _group_fast(names: list[str], flat: list[dict[str, Module | None]]) -> _Groups | None:
+    """:func:`_group_checked`'s groups where every module passes its checks, else None.
+
+    One pass over the (module, task) pairs that reads each factor's shape and dtype once and
+    decides the dtype rule once per dtype (:func:`_is_floating`); ``None`` (not an error) on
+    anything :func:`_check_module` or the shape checks across tasks would refuse, or might
+    (a shape that is not a tuple, any exception): :func:`_group_checked` then runs the checks
+    one by one, in their order, and raises the first error.
+    """
+    groups: _Groups = {}
+    floating = _FLOATING_DTYPES
+    try:
+        rows = zip(*([f[n] for n in names] for f in flat), strict=True)
+        for name, mods in zip(names, rows, strict=True):
+            d_in0 = d_out0 = None
+            r_max = 0
+            for m in mods:
+                if m is None:
+                    continue
+                a, b = m.lora_a, m.lora_b
+                sa, sb = a.shape, b.shape
+                if type(sa) is not tuple or type(sb) is not tuple:
+                    return None
+                d_in, r = sa  # a ValueError if not 2-D
+                r_b, d_out = sb
+                if (
+                    r != r_b
+                    or type(d_in) is not int
+                    or type(r) is not int
+                    or type(d_out) is not int
+                ):
+                    return None
+                da, db = a.dtype, b.dtype
+                if not (
+                    (da in floating or _is_floating(da)) and (db in floating or _is_floating(db))
+                ):
+                    return None
+                sc = m.scale
+                if not (sc - sc == 0.0 if type(sc) is float else _scale_ok(sc)):
+                    return None
+                if d_in0 is None:
+                    d_in0, d_out0 = d_in, d_out
+                elif d_in != d_in0 or d_out != d_out0:
+                    return None
+                if r > r_max:
+                    r_max = r
+            if d_in0 is None:  # None in every task
+                return None
+            groups.setdefault((d_in0, d_out0, r_max), []).append((name, mods))
+    except Exception:  # the checks one by one meet it again and report it in their order
+        return None
+    return groups
+
+
+def _group_checked(fn: str, names: list[str], flat: list[dict[str, Module | None]]) -> _Groups:
+    """Check every module of every task, one by one in module then task order, and group the
+    modules by ``(d_in, d_out, r_max)``: the reference for :func:`_group_fast`."""
+    groups: _Groups = {}
+    for name in names:
+        mods = tuple(f[name] for f in flat)
+        present = [(i, m) for i, m in enumerate(mods) if m is not None]
+        if not present:
+            raise InputError(
+                f"{fn}: module {short(name)!r} is None in every task; drop it from the adapters."
+            )
+        for i, m in present:
+            _check_module(fn, name, i, m)
+        i0, m0 = present[0]
+        for i, m in present[1:]:
+            if (m.d_in, m.d_out) != (m0.d_in, m0.d_out):
+                raise InputError(
+                    f"{fn}: module {short(name)!r} has update shape (d_in, d_out) = ({m0.d_in}, "
+                    f"{m0.d_out}) in task {i0} (lora_a {tuple(m0.lora_a.shape)}, lora_b "
+                    f"{tuple(m0.lora_b.shape)}) but ({m.d_in}, {m.d_out}) in task {i} (lora_a "
+                    f"{tuple(m.lora_a.shape)}, lora_b {tuple(m.lora_b.shape)}); the adapters must "
+                    "target the same base model."
+                )
+        r_max = max(m.rank for _, m in present)
+        groups.setdefault((m0.d_in, m0.d_out, r_max), []).append((name, mods))
+    return groups
+
+
 def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket], int]:
     """Validate M adapters and group their modules into buckets of equal shape.
 
@@ -443,6 +635,8 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
         raise InputError(f"{fn}: adapter 0 has no LoRA modules ('lora_a'/'lora_b' dicts).")
     ref = set(names)
     for i, f in enumerate(flat[1:], start=1):
+        if f.keys() == ref:
+            continue
         diff = name_mismatch(
             ref,
             f,
@@ -456,28 +650,9 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
                 "lacks a module, put None at that name."
             )
     m_tasks = len(flat)
-    groups: dict[tuple[int, int, int], list[tuple[str, tuple[Module | None, ...]]]] = {}
-    for name in names:
-        mods = tuple(f[name] for f in flat)
-        present = [(i, m) for i, m in enumerate(mods) if m is not None]
-        if not present:
-            raise InputError(
-                f"{fn}: module {short(name)!r} is None in every task; drop it from the adapters."
-            )
-        for i, m in present:
-            _check_module(fn, name, i, m)
-        i0, m0 = present[0]
-        for i, m in present[1:]:
-            if (m.d_in, m.d_out) != (m0.d_in, m0.d_out):
-                raise InputError(
-                    f"{fn}: module {short(name)!r} has update shape (d_in, d_out) = ({m0.d_in}, "
-                    f"{m0.d_out}) in task {i0} (lora_a {tuple(m0.lora_a.shape)}, lora_b "
-                    f"{tuple(m0.lora_b.shape)}) but ({m.d_in}, {m.d_out}) in task {i} (lora_a "
-                    f"{tuple(m.lora_a.shape)}, lora_b {tuple(m.lora_b.shape)}); the adapters must "
-                    "target the same base model."
-                )
-        r_max = max(m.rank for _, m in present)
-        groups.setdefault((m0.d_in, m0.d_out, r_max), []).append((name, mods))
+    groups = _group_fast(names, flat)
+    if groups is None:
+        groups = _group_checked(fn, names, flat)
     buckets = [
         Bucket(
             names=tuple(n for n, _ in items),
@@ -574,13 +749,9 @@ def float_dtype(*dtypes: Any) -> np.dtype:
 
 def compute_dtype(buckets: Sequence[Bucket]) -> np.dtype:
     """The compute dtype of a set of buckets (see :func:`float_dtype`)."""
-    return float_dtype(
-        *(
-            d
-            for bk in buckets
-            for mods in bk.modules
-            for m in mods
-            if m is not None
-            for d in (m.lora_a.dtype, m.lora_b.dtype)
-        )
-    )
+    mods = [m for bk in buckets for mods in bk.modules for m in mods if m is not None]
+    try:  # each distinct dtype once: a handful, not two per module and task
+        dtypes = {m.lora_a.dtype for m in mods} | {m.lora_b.dtype for m in mods}
+    except TypeError:  # an unhashable dtype: every one
+        dtypes = [d for m in mods for d in (m.lora_a.dtype, m.lora_b.dtype)]
+    return float_dtype(*dtypes)
