@@ -51,8 +51,9 @@ import importlib.util
 import sys
 import warnings
 from types import MappingProxyType, ModuleType
+from typing import Any
 
-__all__ = ["LAYOUT", "MOVED", "PUBLIC"]
+__all__ = ["LAYOUT", "MOVED", "PUBLIC", "moved_name"]
 
 #: The modules of each folder (``harness`` also holds ``suites``, the registry).
 LAYOUT = MappingProxyType(
@@ -99,6 +100,18 @@ def _moved(old: str) -> str:
         stacklevel=3,
     )
     return new
+
+
+def moved_name(module: str, name: str, new: ModuleType) -> Any:
+    """A name that moved from the module ``module`` to ``new``, served (``new.<name>``) by the
+    old module's ``__getattr__`` after a ``DeprecationWarning`` pointing at the caller."""
+    warnings.warn(
+        f"{module}.{name} moved to {new.__name__}.{name}; import it from there (the old name will "
+        "be removed)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return getattr(new, name)
 
 
 class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -133,6 +133,17 @@ def task_args(
     return out
 
 
+def _stat(path: str | os.PathLike, missing: str, cannot: str) -> os.stat_result:
+    """``os.stat(path)``, or a ``DemoError``: ``missing`` when nothing is there, ``cannot`` with
+    the reason when it cannot be looked at."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise DemoError(missing) from None
+    except OSError as e:  # (permission denied on a folder above it, a name too long)
+        raise DemoError(f"{cannot} ({e.strerror or e})") from None
+
+
 def check_task_files(args: Sequence[str]) -> None:
     """Refuse, before any work, a ``--task NAME=PATH.csv`` whose file cannot be read.
 
@@ -145,12 +156,9 @@ def check_task_files(args: Sequence[str]) -> None:
             continue
         name, path = tk.parse_task_arg(arg)
         where, expected = f"--task {name}={path}", "expected a CSV file with columns text,label"
-        try:
-            st = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            raise DemoError(f"{where}: {path} does not exist; {expected}") from None
-        except OSError as e:  # (permission denied on a folder above it, a name too long)
-            raise DemoError(f"{where}: cannot use {path} ({e.strerror or e})") from None
+        st = _stat(
+            path, f"{where}: {path} does not exist; {expected}", f"{where}: cannot use {path}"
+        )
         if stat.S_ISDIR(st.st_mode):
             raise DemoError(f"{where}: {path} is a folder; {expected}")
         if not os.access(path, os.R_OK):
@@ -227,12 +235,7 @@ def check_folder(path: str, flag: str, *, shown: str | None = None) -> str:
     if not str(path).strip():
         raise DemoError(f"{flag} is empty; give a folder")
     p = pathlib.Path(path)
-    try:
-        st = os.stat(p)
-    except (FileNotFoundError, NotADirectoryError):
-        raise DemoError(f"{where}: no such folder") from None
-    except OSError as e:  # (permission denied on a folder above it, a name too long)
-        raise DemoError(f"{where}: cannot use it ({e.strerror or e})") from None
+    st = _stat(p, f"{where}: no such folder", f"{where}: cannot use it")
     if not stat.S_ISDIR(st.st_mode):
         raise DemoError(f"{where}: a file, not a folder; give a folder")
     if not os.access(p, os.R_OK | os.X_OK):
@@ -505,6 +508,21 @@ def preset_of(args: argparse.Namespace) -> gr.Preset:
     return preset
 
 
+def _chosen_seeds(args: argparse.Namespace, default: Sequence[int]) -> tuple[int, ...]:
+    """The training seeds ``--seed`` or ``--seeds`` give, else ``default`` (the preset's).
+
+    Raises:
+      DemoError: both given, or a ``--seed`` outside ``[0, 2**32)``.
+    """
+    if args.seed is not None and args.seeds is not None:
+        raise DemoError("give --seed or --seeds, not both")
+    if args.seed is not None:
+        if not 0 <= args.seed < 2**32:
+            raise DemoError(f"--seed must be in [0, 2**32), got {args.seed}")
+        return (args.seed,)
+    return args.seeds or default
+
+
 def _run(args: argparse.Namespace) -> int:
     from .harness import report, runner
 
@@ -523,14 +541,7 @@ def _run(args: argparse.Namespace) -> int:
                     "(--data-dir, --adapters); drop it"
                 )
     preset = preset_of(args)
-    if args.seed is not None and args.seeds is not None:
-        raise DemoError("give --seed or --seeds, not both")
-    if args.seed is not None:
-        if not 0 <= args.seed < 2**32:
-            raise DemoError(f"--seed must be in [0, 2**32), got {args.seed}")
-        seeds: tuple[int, ...] = (args.seed,)
-    else:
-        seeds = args.seeds or preset.seeds
+    seeds = _chosen_seeds(args, preset.seeds)
     # every check before any work: a run's results must not be lost at the end
     out = check_out(args.out, overwrite=args.overwrite)
     given = suite_flags(args, spec)
@@ -605,14 +616,7 @@ def _run_study(args: argparse.Namespace) -> int:
             )
     full, quick = enc.STUDIES[args.study]
     study = quick if args.quick else full
-    if args.seed is not None and args.seeds is not None:
-        raise DemoError("give --seed or --seeds, not both")
-    if args.seed is not None:
-        if not 0 <= args.seed < 2**32:
-            raise DemoError(f"--seed must be in [0, 2**32), got {args.seed}")
-        seeds: tuple[int, ...] = (args.seed,)
-    else:
-        seeds = args.seeds or study.centre.seeds
+    seeds = _chosen_seeds(args, study.centre.seeds)
     out = pathlib.Path(args.out) if str(args.out).strip() else None
     if out is None:
         raise DemoError("--out is empty; give a directory for the results")

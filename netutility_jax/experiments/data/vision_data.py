@@ -89,6 +89,7 @@ __all__ = [
     "holdout",
     "load_images",
     "load_task",
+    "parquet_reader",
     "read_index_file",
     "read_split",
     "subset",
@@ -403,7 +404,8 @@ def _image_folder(folder: pathlib.Path) -> Split:
     return Split(tuple(refs), np.asarray(labels, np.int32), tuple(keys))
 
 
-def _pyarrow() -> Any:
+def parquet_reader() -> Any:
+    """``pyarrow.parquet``, or a :class:`VisionDataError` saying how to install it."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -438,7 +440,7 @@ def _label_names(schema: Any, label: str) -> tuple[str, ...] | None:
 
 
 def _parquet(files: Sequence[pathlib.Path]) -> Split:
-    pq = _pyarrow()
+    pq = parquet_reader()
     refs: list[ImageRef] = []
     labels: list[np.ndarray] = []
     classes = None
@@ -777,7 +779,7 @@ def _sources(refs: Sequence[ImageRef]) -> Iterable[tuple[int, _Source]]:
         else:
             by_file.setdefault(r.path, []).append((r.row, i))
     for path, wanted in by_file.items():
-        pq = _pyarrow()
+        pq = parquet_reader()
         pf = pq.ParquetFile(path)
         image, _ = _columns(pf.schema_arrow, pathlib.Path(path))
         rows = dict(wanted)

@@ -10,7 +10,8 @@ local optimum on that grid. Test labels are never seen.
 
 **Evaluation of a merge** (:class:`MergeSearch`): the coefficient chosen on validation, then one
 test pass; each suite's evaluator subclasses it (``encoder_eval.Evaluator`` for the encoder,
-``lang_eval``, ``vision``, ``nli_head`` for the others).
+``lang_eval``, ``vision``, ``nli_head`` for the others), the encoder's and the vision suite's
+through :class:`BackboneSearch` (a backbone that embeds, a head per task that reads).
 
 Part of the harness: no model is imported here. The encoder's evaluation (MiniLM, its zero-shot
 heads, ``Backbone``, ``Evaluator``, ``EvalSet``, ...) moved to :mod:`encoder_eval`; its names
@@ -20,22 +21,24 @@ stay reachable from this module (``evaluate.Backbone``), imported on first use, 
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from ...errors import InputError
+from .. import moved_name
 from .passes import TaskSet
 
 __all__ = [
+    "BackboneSearch",
     "CoefSearch",
     "MergeEval",
     "MergeSearch",
     "Normalized",
     "accuracies",
     "balanced_subset",
+    "check_modules",
     "module_delta",
     "normalized_accuracy",
     "select_coef",
@@ -54,14 +57,26 @@ def __getattr__(name: str) -> Any:
     if name in _MOVED:
         from ..suites import encoder_eval
 
-        warnings.warn(
-            f"{__name__}.{name} moved to {encoder_eval.__name__}.{name}; import it from there (the "
-            "old name will be removed)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(encoder_eval, name)
+        return moved_name(__name__, name, encoder_eval)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_modules(
+    who: str, adapter: Mapping[str, Any], names: Sequence[str], *, noun: str, what: str
+) -> None:
+    """Refuse an adapter with modules not in ``names`` (a backbone's adapted modules): the
+    message names ``who``, the first three (``noun``, e.g. ``"adapter modules"``) and ``what``
+    the known ones are.
+
+    Raises:
+      InputError: a module not in ``names``.
+    """
+    unknown = sorted(set(adapter) - set(names))
+    if unknown:
+        raise InputError(
+            f"{who}: {noun} {unknown[:3]} (of {len(unknown)}) are not {what}; expected names "
+            f"like {names[0]!r}."
+        )
 
 
 def balanced_subset(split: Any, n: int | None) -> Any:
@@ -288,3 +303,65 @@ class MergeSearch:
         ``coef`` given: no search, that coefficient (e.g. the weight average, ``1 / M``).
         """
         return self.test_of(*self.choose(adapter, start=start, coef=coef))
+
+
+class BackboneSearch(MergeSearch):
+    """A :class:`MergeSearch` whose backbone embeds an evaluation set under an adapter and whose
+    heads, one per task, read the embeddings: the encoder's and the vision suite's evaluators.
+
+    A subclass provides ``_predictions(emb, heads, es)``, the ``(N,)`` predicted labels of the
+    embeddings ``emb`` of ``es`` (each row by its own task's head), and calls :meth:`_hold` then
+    :meth:`_hold_baselines` on construction.
+    """
+
+    def _hold(
+        self, backbone: Any, adapters: Sequence[Any], heads: Sequence[Any], val: Any, test: Any,
+        *, who: str, unit: str,
+    ) -> None:  # fmt: skip
+        """Check and keep the evaluator's arguments: one adapter and one head per task of
+        ``val``, the same tasks in ``test`` (``who`` and ``unit``, ``"task"``, name them in
+        messages)."""
+        if val.task_names != test.task_names:
+            raise InputError(
+                f"{who}: validation {unit}s {val.task_names} differ from test {unit}s "
+                f"{test.task_names}."
+            )
+        if not len(adapters) == len(heads) == len(val.task_names):
+            raise InputError(
+                f"{who}: {len(adapters)} adapters and {len(heads)} heads for "
+                f"{len(val.task_names)} {unit}s; pass one of each per {unit}."
+            )
+        self.backbone, self.adapters, self.heads = backbone, list(adapters), list(heads)
+        self.val, self.test = val, test
+        self.task_names = val.task_names
+
+    def _hold_baselines(self, sv: Any, st: Any, zv: Any, zt: Any) -> None:
+        """Keep the single-adapter correctness on val and test (``sv``, ``st``: the
+        normalizers) and the zero-shot one (``zv``, ``zt``), and their accuracies."""
+        self.single_val_correct, self.single_test_correct = sv, st
+        self.single_val = accuracies(sv, self.val)
+        self.single_test = accuracies(st, self.test)
+        self.zero_shot_test_correct = zt
+        self.zero_shot_val = accuracies(zv, self.val)
+        self.zero_shot_test = accuracies(zt, self.test)
+
+    def _single(self, es: Any) -> np.ndarray:
+        """Each task's own adapter folded in, on that task's rows only."""
+        ok = np.zeros(len(es), bool)
+        for i in range(len(self.task_names)):
+            sub = es.only(i)
+            emb = self.backbone.embed(sub, self.adapters[i])
+            ok[es.rows(i)] = self._predictions(emb, [self.heads[i]], sub) == sub.labels
+        return ok
+
+    def correct(
+        self, es: Any, adapter: Mapping[str, Any] | None, coef: float = 1.0, *, deltas=None
+    ) -> np.ndarray:
+        """``(N,)`` bool: each row of ``es`` classified right by its own task's head under the
+        backbone plus ``coef * adapter`` (or its dense updates ``deltas``)."""
+        emb = self.backbone.embed(es, adapter, coef, deltas=deltas)
+        return self._predictions(emb, self.heads, es) == es.labels
+
+    def deltas(self, adapter: Mapping[str, Any]) -> Any:
+        """The dense updates of ``adapter`` (the backbone's ``deltas``)."""
+        return self.backbone.deltas(adapter)

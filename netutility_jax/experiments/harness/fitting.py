@@ -59,6 +59,7 @@ __all__ = [
     "cached_or_trained",
     "config_key_doc",
     "default_cache_dir",
+    "export_cached",
     "fit_early_stopping",
     "host_adapter",
     "init_seed",
@@ -303,6 +304,38 @@ def load_cached(path: pathlib.Path) -> TrainedTask | None:
         return _from_checkpoint(checkpoint.restore(ckpt))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def export_cached(
+    fn: str,
+    run: Any,
+    out: str | os.PathLike,
+    cache_dir: pathlib.Path,
+    load: Callable[[pathlib.Path], Any],
+    write: Callable[[Any, pathlib.Path], None],
+) -> list[pathlib.Path]:
+    """Write every trained task of a run (``runner.Run``: its seeds' ``training`` cache keys) to
+    ``<out>/seed<S>/<task>`` with ``write(trained, path)``, each read back by ``load`` from its
+    entry under ``cache_dir`` (the suite's cache, as the run used it); the suites'
+    ``export_adapters``.
+
+    Raises:
+      InputError: an entry is no longer in the cache (``fn``, the public call, names it).
+    """
+    written = []
+    for s in run.seeds:
+        for task in run.tasks:
+            key = s.training[task.name]["cache_key"]
+            trained = load(cache_path(cache_dir, task, key))
+            if trained is None:
+                raise InputError(
+                    f"{fn}: the adapter of {task.name!r} (seed {s.seed}) is not in the cache "
+                    f"{cache_dir}; pass the cache_dir the run used."
+                )
+            path = pathlib.Path(out) / f"seed{s.seed}" / task.name
+            write(trained, path)
+            written.append(path)
+    return written
 
 
 def store(path: pathlib.Path, trained: TrainedTask, key_doc: dict[str, Any]) -> None:

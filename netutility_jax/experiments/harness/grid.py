@@ -21,11 +21,11 @@ encoder's (``QUICK``, ``FULL``, ``PAPER``, ``MECHANISM``, ``PRESETS``, ``DEFAULT
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from ... import registry
 from ...errors import InputError
+from .. import moved_name
 from . import allocations as al
 
 if TYPE_CHECKING:
@@ -55,13 +55,7 @@ def __getattr__(name: str) -> Any:
     if name in _MOVED:
         from ..suites import encoder
 
-        warnings.warn(
-            f"{__name__}.{name} moved to {encoder.__name__}.{name}; import it from there (the "
-            "old name will be removed)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(encoder, name)
+        return moved_name(__name__, name, encoder)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

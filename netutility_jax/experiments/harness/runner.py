@@ -30,7 +30,6 @@ import json
 import os
 import pathlib
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ import numpy as np
 
 from ... import _io, _provenance, registry
 from ...errors import InputError
+from .. import moved_name
 from . import evaluate as ev
 from . import fitting as ft
 from . import grid as gr
@@ -78,13 +78,7 @@ def __getattr__(name: str) -> Any:
     if name in _MOVED:
         from ..suites import encoder
 
-        warnings.warn(
-            f"{__name__}.{name} moved to {encoder.__name__}.{name}; import it from there (the "
-            "old name will be removed)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(encoder, name)
+        return moved_name(__name__, name, encoder)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -48,7 +48,6 @@ import json
 import math
 import os
 import pathlib
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -56,6 +55,7 @@ import numpy as np
 
 from ... import _io, _provenance
 from ...errors import InputError
+from .. import moved_name
 from . import grid as gr
 from . import report_tables as rt
 from . import stats as st
@@ -83,13 +83,7 @@ def __getattr__(name: str) -> Any:
     if name in _MOVED:
         from ..suites import encoder
 
-        warnings.warn(
-            f"{__name__}.{name} moved to {encoder.__name__}.{name}; import it from there (the "
-            "old name will be removed)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(encoder, name)
+        return moved_name(__name__, name, encoder)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "FLAGS",
     "SUITES",
     "AdapterArg",
+    "ScoredSuite",
     "Suite",
     "SuiteSpec",
     "SuiteUnavailable",
@@ -57,6 +58,7 @@ __all__ = [
     "get",
     "parse_adapters",
     "register",
+    "require_modules",
     "unregister",
 ]
 
@@ -141,6 +143,62 @@ class SuiteWithMoments(Suite, Protocol):
         """What determines :meth:`input_moments` besides the tasks' training texts (part of
         the data-aware jobs' cache keys only)."""
         ...
+
+
+class ScoredSuite:
+    """The plumbing of a suite that evaluates with a scorer of its own model (the language and
+    NLI suites): the model's fingerprint, computed once by :meth:`fingerprint` (``weights``, part
+    of every cache key), the scorer's counters as the suite's :meth:`timing`, and what its
+    evaluator and job key start with.
+
+    Attributes:
+      name: the suite's name.
+      model: the model :meth:`fingerprint` reads.
+      scorer: what evaluates the model; its ``timing()`` is the suite's.
+    """
+
+    name: str
+    model: Any
+    scorer: Any
+    _weights: str | None = None
+
+    def fingerprint(self) -> str:
+        """The model's fingerprint (a subclass's: e.g. ``lang_eval.model_fingerprint``)."""
+        raise NotImplementedError
+
+    @property
+    def weights(self) -> str:
+        """The model's fingerprint (computed once; part of every cache key)."""
+        if self._weights is None:
+            self._weights = self.fingerprint()
+        return self._weights
+
+    def timing(self) -> dict[str, Any]:
+        """The scorer's work so far (passes, tokens, seconds, tokens/s)."""
+        return self.scorer.timing()
+
+    def cache_args(self, trained: Sequence[Any], cache_dir: Any) -> dict[str, Any]:
+        """The evaluator's cache keywords: ``cache_dir``, the trained tasks' ``adapter_keys``
+        and ``weights``."""
+        keys = [t.info["cache_key"] for t in trained]
+        return {"cache_dir": cache_dir, "adapter_keys": keys, "weights": self.weights}
+
+    def key_start(self, code_version: Any) -> dict[str, Any]:
+        """The first entries of :meth:`eval_key`: the suite, its code version and ``weights``."""
+        return {"suite": self.name, "code_version": code_version, "weights": self.weights}
+
+
+def require_modules(
+    modules: Sequence[tuple[str, str]], error: Callable[[str, str], Exception]
+) -> None:
+    """Import each of ``modules`` (``(module, pip package)`` pairs) in turn; raise
+    ``error(module, package)`` for the first that is not installed (a suite's ``requires``).
+    """
+    for mod, pip in modules:
+        try:
+            __import__(mod)
+        except ImportError:
+            raise error(mod, pip) from None
 
 
 class AdapterArg(NamedTuple):

@@ -91,7 +91,7 @@ from .clip_model import LoRAConfig as LoRAConfig
 from .clip_model import ModelOptions
 from .clip_model import add_lora as add_lora
 from .clip_model import with_dtype as with_dtype
-from .llama_model import variable_at
+from .llama_model import rename_modules, variable_at
 
 __all__ = [
     "ACTIVATIONS",
@@ -200,11 +200,7 @@ def peft_names(adapter: Mapping[str, Any]) -> dict[str, Any]:
       >>> peft_names({"vision_model/encoder/layers/0/self_attn/q_proj": 1})
       {'vision_model.encoder.layers.0.self_attn.q_proj': 1}
     """
-    out = {}
-    for name, mod in adapter.items():
-        _check_name("clip.peft_names", name, "/")
-        out[name.replace("/", ".")] = mod
-    return out
+    return rename_modules("clip.peft_names", adapter, _check_name, "/")
 
 
 def nnx_names(adapter: Mapping[str, Any]) -> dict[str, Any]:

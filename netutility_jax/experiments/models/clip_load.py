@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ...errors import InputError, MissingFileError
+from ...errors import InputError
 from .clip_model import CLIPConfig, CLIPModel, ModelOptions, abstract_model, add_lora
-from .llama_load import Tensors, _safetensors
-from .llama_model import BASE_WEIGHTS, check_dtype, check_filled, variable_at
+from .llama_load import Tensors, check_folder, check_options, safetensors_tensors
+from .llama_model import BASE_WEIGHTS, check_filled, variable_at
 from .llama_tokenizer import read_json
 
 __all__ = ["Tensors", "build", "hf_name", "read_folder"]
@@ -81,13 +81,7 @@ def build(
       InputError: ``lora`` without ``rngs``; a missing, misshapen or unused tensor (named).
       InputTypeError: a dtype other than float32, bfloat16, float16.
     """
-    lora, dtype, param_dtype, rngs = options
-    if lora is not None and rngs is None:
-        raise InputError(
-            f"{fn}: lora={lora} needs rngs to draw the LoRA A factors, e.g. rngs=nnx.Rngs(0)."
-        )
-    dtype = check_dtype(fn, "dtype", dtype)
-    param_dtype = check_dtype(fn, "param_dtype", param_dtype)
+    lora, dtype, param_dtype, rngs = check_options(fn, options)
     model = abstract_model(cfg, None, dtype, param_dtype)
     used = set()
     for path, var in nnx.to_flat_state(nnx.state(model, BASE_WEIGHTS)):
@@ -131,18 +125,12 @@ def read_folder(d: pathlib.Path, fn: str) -> tuple[CLIPConfig, Tensors]:
       InputError: a bad config (the field named), a shard path leaving the folder, a
         pickle-only folder, an unreadable file.
     """
-    if not d.is_dir():
-        raise MissingFileError(
-            f"{fn}: {'a file, not a folder' if d.exists() else 'no such folder'}; pass a "
-            "Hugging Face CLIPModel folder (config.json, model.safetensors)."
-        )
-    if not (d / "config.json").is_file():
-        raise MissingFileError(f"{fn}: no config.json in the folder.")
+    check_folder(d, fn, "a Hugging Face CLIPModel folder (config.json, model.safetensors)")
     cfg = CLIPConfig.from_hf(read_json(d / "config.json", fn), source=str(d / "config.json"))
     index = d / "model.safetensors.index.json"
     if index.is_file():
         _check_index(fn, d, read_json(index, fn))
-    return cfg, _safetensors(d, fn)
+    return cfg, safetensors_tensors(d, fn)
 
 
 def _check_index(fn: str, d: pathlib.Path, index: Any) -> None:

@@ -21,8 +21,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from ...errors import InputError, InputTypeError
-from .llama_model import BASE_WEIGHTS, check_dtype, check_filled, variable_at
-from .minilm_model import LORA_A_INIT, LORA_B_INIT, LoRALinear
+from .llama_model import init_model, linear, retyped, with_fresh_lora
 
 __all__ = [
     "ACTIVATIONS",
@@ -383,17 +382,6 @@ class ModelOptions(NamedTuple):
     rngs: nnx.Rngs
 
 
-def _linear(d_in: int, d_out: int, name: str, o: ModelOptions, *, bias: bool = True) -> nnx.Linear:
-    kw = dict(
-        use_bias=bias, dtype=o.dtype, param_dtype=o.param_dtype, kernel_init=_INIT, rngs=o.rngs
-    )
-    if o.lora is not None and name in o.lora.targets:
-        return LoRALinear(
-            d_in, d_out, lora_rank=o.lora.rank, lora_scale=o.lora.scale, lora_dtype=o.dtype, **kw
-        )
-    return nnx.Linear(d_in, d_out, **kw)
-
-
 def _layer_norm(d: int, eps: float, o: ModelOptions) -> nnx.LayerNorm:
     # Float32 always; two-pass variance as torch computes it.
     return nnx.LayerNorm(
@@ -421,10 +409,10 @@ class SelfAttention(nnx.Module):
 
     def __init__(self, cfg: Tower, o: ModelOptions):
         d = cfg.hidden_size
-        self.q_proj = _linear(d, d, "q_proj", o)
-        self.k_proj = _linear(d, d, "k_proj", o)
-        self.v_proj = _linear(d, d, "v_proj", o)
-        self.out_proj = _linear(d, d, "out_proj", o)
+        self.q_proj = linear(d, d, "q_proj", o)
+        self.k_proj = linear(d, d, "k_proj", o)
+        self.v_proj = linear(d, d, "v_proj", o)
+        self.out_proj = linear(d, d, "out_proj", o)
         self.num_heads = cfg.num_heads
         self.dtype = o.dtype
 
@@ -449,8 +437,8 @@ class MLP(nnx.Module):
     """``fc2(act(fc1(x)))`` with the config's ``hidden_act``."""
 
     def __init__(self, cfg: Tower, o: ModelOptions):
-        self.fc1 = _linear(cfg.hidden_size, cfg.intermediate_size, "fc1", o)
-        self.fc2 = _linear(cfg.intermediate_size, cfg.hidden_size, "fc2", o)
+        self.fc1 = linear(cfg.hidden_size, cfg.intermediate_size, "fc1", o)
+        self.fc2 = linear(cfg.intermediate_size, cfg.hidden_size, "fc2", o)
         self.hidden_act = cfg.hidden_act
         self.dtype = o.dtype
 
@@ -634,20 +622,9 @@ class CLIPModel(nnx.Module):
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        if not isinstance(config, CLIPConfig):
-            raise InputTypeError(
-                f"CLIPModel: config is a {type(config).__name__}; expected a clip.CLIPConfig."
-            )
-        if lora is not None and not isinstance(lora, LoRAConfig):
-            raise InputTypeError(
-                f"CLIPModel: lora is a {type(lora).__name__}; expected a clip.LoRAConfig or None."
-            )
-        dtype = check_dtype("CLIPModel", "dtype", dtype)
-        param_dtype = check_dtype("CLIPModel", "param_dtype", param_dtype)
-        self.config = config
-        self.lora = lora
-        self.dtype = dtype
-        self.param_dtype = param_dtype
+        dtype, param_dtype = init_model(
+            self, ("CLIPModel", "clip"), config, lora, dtype, param_dtype, (CLIPConfig, LoRAConfig)
+        )
 
         def options(tower: str) -> ModelOptions:
             on = lora is not None and tower in lora.towers
@@ -657,8 +634,8 @@ class CLIPModel(nnx.Module):
         self.text_model = TextTransformer(tc, options("text"))
         self.vision_model = VisionTransformer(vc, options("vision"))
         plain = ModelOptions(None, dtype, param_dtype, rngs)
-        self.visual_projection = _linear(vc.hidden_size, p, "visual_projection", plain, bias=False)
-        self.text_projection = _linear(tc.hidden_size, p, "text_projection", plain, bias=False)
+        self.visual_projection = linear(vc.hidden_size, p, "visual_projection", plain, bias=False)
+        self.text_projection = linear(tc.hidden_size, p, "text_projection", plain, bias=False)
         self.logit_scale = nnx.Param(jnp.asarray(2.6592, param_dtype))
 
     def get_image_features(self, pixel_values: ArrayLike) -> jax.Array:
@@ -776,25 +753,12 @@ def add_lora(model: CLIPModel, lora: LoRAConfig, *, rngs: nnx.Rngs) -> CLIPModel
       lora: rank, alpha, targets and towers.
       rngs: draws the ``A`` factors.
     """
-    if not isinstance(lora, LoRAConfig):
-        raise InputTypeError(
-            f"clip.add_lora: lora is a {type(lora).__name__}; expected clip.LoRAConfig."
-        )
-    new = abstract_model(model.config, lora, model.dtype, model.param_dtype)
-    for p, var in nnx.to_flat_state(nnx.state(model, BASE_WEIGHTS)):
-        variable_at(new, p).set_value(var.get_value())
-    for _, m in nnx.iter_modules(new):
-        if isinstance(m, LoRALinear):
-            a, b = m.lora.lora_a, m.lora.lora_b
-            a.set_value(LORA_A_INIT(rngs.params(), a.get_value().shape, jnp.float32))
-            b.set_value(LORA_B_INIT(rngs.params(), b.get_value().shape, jnp.float32))
-    check_filled("clip.add_lora", new)
-    return new
+    return with_fresh_lora(
+        ("clip.add_lora", "clip.LoRAConfig"), model, lora, rngs, LoRAConfig, abstract_model
+    )
 
 
 def with_dtype(model: CLIPModel, dtype: Any) -> CLIPModel:
     """The same model (weights and adapters shared, not copied) computing in another dtype,
     e.g. ``clip.with_dtype(model, jnp.bfloat16)``."""
-    dtype = check_dtype("clip.with_dtype", "dtype", dtype)
-    abstract = abstract_model(model.config, model.lora, dtype, model.param_dtype)
-    return nnx.merge(nnx.split(abstract)[0], nnx.state(model))
+    return retyped("clip.with_dtype", model, dtype, abstract_model)

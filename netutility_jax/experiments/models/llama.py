@@ -81,7 +81,7 @@ from .llama_model import Attention as Attention
 from .llama_model import Decoder as Decoder
 from .llama_model import DecoderLayer as DecoderLayer
 from .llama_model import Llama as Llama
-from .llama_model import ModelOptions
+from .llama_model import ModelOptions, rename_modules
 from .llama_model import add_lora as add_lora
 from .llama_model import apply_rope as apply_rope
 from .llama_model import last_token_index as last_token_index
@@ -142,23 +142,15 @@ def peft_names(adapter: Mapping[str, Any]) -> dict[str, Any]:
       >>> peft_names({"model/layers/0/self_attn/q_proj": 1})
       {'model.layers.0.self_attn.q_proj': 1}
     """
-    out = {}
-    for name, mod in adapter.items():
-        _check_name("llama.peft_names", name, "/")
-        out[name.replace("/", ".")] = mod
-    return out
+    return rename_modules("llama.peft_names", adapter, _check_name, "/")
 
 
 def nnx_names(adapter: Mapping[str, Any]) -> dict[str, Any]:
     """The inverse of :func:`peft_names`: PEFT names (``nu.peft.load_adapter``) to nnx paths,
     for ``nu.nnx.apply_adapter(model, nnx_names(adapter))``. A leading ``base_model.model.``
     is dropped."""
-    out = {}
-    for name, mod in adapter.items():
-        name = name.removeprefix("base_model.model.")
-        _check_name("llama.nnx_names", name, ".")
-        out[name.replace(".", "/")] = mod
-    return out
+    names = {name.removeprefix("base_model.model."): mod for name, mod in adapter.items()}
+    return rename_modules("llama.nnx_names", names, _check_name, ".")
 
 
 def _check_name(fn: str, name: str, sep: str) -> None:

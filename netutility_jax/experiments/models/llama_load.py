@@ -36,7 +36,10 @@ from .llama_tokenizer import read_json
 __all__ = [
     "Tensors",
     "build",
+    "check_folder",
+    "check_options",
     "read_folder",
+    "safetensors_tensors",
 ]
 
 Tensors = Mapping[str, Callable[[], np.ndarray]]
@@ -137,19 +140,42 @@ def build(
       InputError: ``lora`` without ``rngs``; a missing, misshapen or unused tensor.
       InputTypeError: a dtype other than float32, bfloat16, float16.
     """
+    lora, dtype, param_dtype, rngs = check_options(fn, options)
+    model = abstract_model(cfg, None, dtype, param_dtype)
+    _fill(fn, model, tensors, where, label)
+    check_filled(fn, model)
+    return model if lora is None else add_lora(model, lora, rngs=rngs)
+
+
+def check_options(fn: str, options: Any) -> tuple[Any, np.dtype, np.dtype, Any]:
+    """A loader's ``ModelOptions`` (the decoder's or CLIP's), its dtypes checked
+    (:func:`check_dtype`): ``(lora, dtype, param_dtype, rngs)``.
+
+    Raises:
+      InputError: ``lora`` without ``rngs``.
+      InputTypeError: a dtype other than float32, bfloat16, float16.
+    """
     lora, dtype, param_dtype, rngs = options
     if lora is not None and rngs is None:
         raise InputError(
             f"{fn}: lora={lora} needs rngs to draw the LoRA A factors, e.g. rngs=nnx.Rngs(0)."
         )
-    dtype, param_dtype = (
-        check_dtype(fn, "dtype", dtype),
-        check_dtype(fn, "param_dtype", param_dtype),
-    )
-    model = abstract_model(cfg, None, dtype, param_dtype)
-    _fill(fn, model, tensors, where, label)
-    check_filled(fn, model)
-    return model if lora is None else add_lora(model, lora, rngs=rngs)
+    return lora, check_dtype(fn, "dtype", dtype), check_dtype(fn, "param_dtype", param_dtype), rngs
+
+
+def check_folder(d: pathlib.Path, fn: str, what: str) -> None:
+    """A model folder ``d`` with a ``config.json``; ``what`` is the folder to pass, for the
+    message (``"a Hugging Face model folder (config.json, ...)"``).
+
+    Raises:
+      MissingFileError: no folder or no ``config.json``.
+    """
+    if not d.is_dir():
+        raise MissingFileError(
+            f"{fn}: {'a file, not a folder' if d.exists() else 'no such folder'}; pass {what}."
+        )
+    if not (d / "config.json").is_file():
+        raise MissingFileError(f"{fn}: no config.json in the folder.")
 
 
 def read_folder(d: pathlib.Path, fn: str) -> tuple[LlamaConfig, Tensors]:
@@ -162,18 +188,12 @@ def read_folder(d: pathlib.Path, fn: str) -> tuple[LlamaConfig, Tensors]:
         path or symlink leaves the folder (:func:`_roots`: the Hugging Face cache's blobs are
         inside).
     """
-    if not d.is_dir():
-        raise MissingFileError(
-            f"{fn}: {'a file, not a folder' if d.exists() else 'no such folder'}; pass a "
-            "Hugging Face model folder (config.json, *.safetensors, tokenizer.json)."
-        )
-    if not (d / "config.json").is_file():
-        raise MissingFileError(f"{fn}: no config.json in the folder.")
+    check_folder(d, fn, "a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
     cfg = LlamaConfig.from_hf(_read_json(d / "config.json", fn), source=str(d / "config.json"))
-    return cfg, _safetensors(d, fn)
+    return cfg, safetensors_tensors(d, fn)
 
 
-def _safetensors(d: pathlib.Path, fn: str) -> Tensors:
+def safetensors_tensors(d: pathlib.Path, fn: str) -> Tensors:
     """Every tensor of the folder's safetensors files (sharded or not): name -> loader."""
     from safetensors import SafetensorError, safe_open
 

@@ -8,7 +8,7 @@ model (state paths, LoRA layout, padding, dtypes); its loaders fill an abstract 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -34,11 +34,16 @@ __all__ = [
     "apply_rope",
     "check_dtype",
     "check_filled",
+    "init_model",
     "last_token_index",
     "last_token_logits",
+    "linear",
+    "rename_modules",
+    "retyped",
     "rope_frequencies",
     "variable_at",
     "with_dtype",
+    "with_fresh_lora",
 ]
 
 _DTYPES = {np.dtype(d).name: np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16)}
@@ -113,7 +118,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # -------------------------------------------------------------------------------------- model
 
 
-def _linear(d_in: int, d_out: int, name: str, bias: bool, o: ModelOptions) -> nnx.Linear:
+def linear(d_in: int, d_out: int, name: str, o: Any, *, bias: bool = True) -> nnx.Linear:
+    """A linear layer of a model built with the options ``o`` (a ``ModelOptions``: the decoder's or
+    a CLIP tower's): a :class:`LoRALinear` when ``name`` is among ``o.lora.targets``."""
     kw = dict(
         use_bias=bias, dtype=o.dtype, param_dtype=o.param_dtype, kernel_init=_INIT, rngs=o.rngs
     )
@@ -159,10 +166,10 @@ class Attention(_Part):
 
     def _build(self, cfg: LlamaConfig, o: ModelOptions) -> None:
         d, dh, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.q_proj = _linear(d, cfg.num_heads * dh, "q_proj", bias, o)
-        self.k_proj = _linear(d, cfg.num_kv_heads * dh, "k_proj", bias, o)
-        self.v_proj = _linear(d, cfg.num_kv_heads * dh, "v_proj", bias, o)
-        self.o_proj = _linear(cfg.num_heads * dh, d, "o_proj", bias, o)
+        self.q_proj = linear(d, cfg.num_heads * dh, "q_proj", o, bias=bias)
+        self.k_proj = linear(d, cfg.num_kv_heads * dh, "k_proj", o, bias=bias)
+        self.v_proj = linear(d, cfg.num_kv_heads * dh, "v_proj", o, bias=bias)
+        self.o_proj = linear(cfg.num_heads * dh, d, "o_proj", o, bias=bias)
         if cfg.qk_norm:
             self.q_norm = _rms_norm(dh, cfg, o)
             self.k_norm = _rms_norm(dh, cfg, o)
@@ -198,9 +205,9 @@ class MLP(_Part):
 
     def _build(self, cfg: LlamaConfig, o: ModelOptions) -> None:
         d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = _linear(d, f, "gate_proj", bias, o)
-        self.up_proj = _linear(d, f, "up_proj", bias, o)
-        self.down_proj = _linear(f, d, "down_proj", bias, o)
+        self.gate_proj = linear(d, f, "gate_proj", o, bias=bias)
+        self.up_proj = linear(d, f, "up_proj", o, bias=bias)
+        self.down_proj = linear(f, d, "down_proj", o, bias=bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
@@ -305,22 +312,9 @@ class Llama(nnx.Module):
         param_dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        if not isinstance(config, LlamaConfig):
-            raise InputTypeError(
-                f"Llama: config is a {type(config).__name__}; expected a llama.LlamaConfig."
-            )
-        if lora is not None and not isinstance(lora, LoRAConfig):
-            raise InputTypeError(
-                f"Llama: lora is a {type(lora).__name__}; expected a llama.LoRAConfig or None."
-            )
-        dtype, param_dtype = (
-            check_dtype("Llama", "dtype", dtype),
-            check_dtype("Llama", "param_dtype", param_dtype),
+        dtype, param_dtype = init_model(
+            self, ("Llama", "llama"), config, lora, dtype, param_dtype, (LlamaConfig, LoRAConfig)
         )
-        self.config = config
-        self.lora = lora
-        self.dtype = dtype
-        self.param_dtype = param_dtype
         self.model = Decoder(config, lora=lora, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -385,6 +379,47 @@ def check_dtype(fn: str, name: str, dtype: Any) -> np.dtype:
     return _DTYPES[d.name]
 
 
+def init_model(
+    model: nnx.Module,
+    names: tuple[str, str],
+    config: Any,
+    lora: Any,
+    dtype: Any,
+    param_dtype: Any,
+    types: tuple[type, type],
+) -> tuple[np.dtype, np.dtype]:
+    """A model constructor's checks and settings (``Llama``'s, ``CLIPModel``'s): ``config`` and
+    ``lora`` (or None) of the model's classes ``types``, the two dtypes (:func:`check_dtype`);
+    stores the four on ``model`` and returns the checked dtypes.
+
+    Args:
+      names: the model's class and its public module, for messages (``("Llama", "llama")``).
+
+    Raises:
+      InputTypeError: a wrong config, lora or dtype.
+    """
+    (fn, module), (config_type, lora_type) = names, types
+    if not isinstance(config, config_type):
+        raise InputTypeError(
+            f"{fn}: config is a {type(config).__name__}; expected a "
+            f"{module}.{config_type.__name__}."
+        )
+    if lora is not None and not isinstance(lora, lora_type):
+        raise InputTypeError(
+            f"{fn}: lora is a {type(lora).__name__}; expected a {module}.{lora_type.__name__} "
+            "or None."
+        )
+    dtype, param_dtype = (
+        check_dtype(fn, "dtype", dtype),
+        check_dtype(fn, "param_dtype", param_dtype),
+    )
+    model.config = config
+    model.lora = lora
+    model.dtype = dtype
+    model.param_dtype = param_dtype
+    return dtype, param_dtype
+
+
 def _check_batch(fn: str, ids: jax.Array, mask: jax.Array | None) -> None:
     if ids.ndim != 2 or (mask is not None and mask.shape != ids.shape):
         raise InputError(
@@ -402,9 +437,16 @@ def with_dtype(model: Llama, dtype: Any) -> Llama:
     E.g. ``llama.with_dtype(model, jnp.bfloat16)`` to time or check bfloat16 matrix products
     against the float32 model without reloading.
     """
-    dtype = check_dtype("llama.with_dtype", "dtype", dtype)
-    abstract = abstract_model(model.config, model.lora, dtype, model.param_dtype)
-    return nnx.merge(nnx.split(abstract)[0], nnx.state(model))
+    return retyped("llama.with_dtype", model, dtype, abstract_model)
+
+
+def retyped(fn: str, model: Any, dtype: Any, abstract: Callable[..., Any]) -> Any:
+    """The ``with_dtype`` of each model: ``model`` (weights and adapters shared, not copied)
+    computing in ``dtype``, its structure rebuilt by ``abstract`` (the model's
+    ``abstract_model``)."""
+    dtype = check_dtype(fn, "dtype", dtype)
+    new = abstract(model.config, model.lora, dtype, model.param_dtype)
+    return nnx.merge(nnx.split(new)[0], nnx.state(model))
 
 
 def last_token_index(mask: ArrayLike) -> jax.Array:
@@ -456,11 +498,35 @@ def add_lora(model: Llama, lora: LoRAConfig, *, rngs: nnx.Rngs) -> Llama:
       lora: rank, alpha and targets.
       rngs: draws the ``A`` factors.
     """
-    if not isinstance(lora, LoRAConfig):
-        raise InputTypeError(
-            f"llama.add_lora: lora is a {type(lora).__name__}; expected LoRAConfig."
-        )
-    new = abstract_model(model.config, lora, model.dtype, model.param_dtype)
+    return with_fresh_lora(
+        ("llama.add_lora", "LoRAConfig"), model, lora, rngs, LoRAConfig, abstract_model
+    )
+
+
+def with_fresh_lora(
+    names: tuple[str, str],
+    model: Any,
+    lora: Any,
+    rngs: nnx.Rngs,
+    lora_type: type,
+    abstract: Callable[..., Any],
+) -> Any:
+    """The ``add_lora`` of each model: a new model of ``model``'s structure with ``lora``
+    (built by ``abstract``, the model's ``abstract_model``), the base weights of ``model``
+    (shared) and fresh adapters: ``A`` He-uniform from ``rngs.params()``, one draw per module in
+    order, ``B`` zero.
+
+    Args:
+      names: the public call and the name of ``lora_type`` in its messages
+        (``("llama.add_lora", "LoRAConfig")``).
+
+    Raises:
+      InputTypeError: ``lora`` is not a ``lora_type``.
+    """
+    fn, expected = names
+    if not isinstance(lora, lora_type):
+        raise InputTypeError(f"{fn}: lora is a {type(lora).__name__}; expected {expected}.")
+    new = abstract(model.config, lora, model.dtype, model.param_dtype)
     for p, var in nnx.to_flat_state(nnx.state(model, BASE_WEIGHTS)):
         variable_at(new, p).set_value(var.get_value())
     for _, m in nnx.iter_modules(new):
@@ -468,7 +534,7 @@ def add_lora(model: Llama, lora: LoRAConfig, *, rngs: nnx.Rngs) -> Llama:
             a, b = m.lora.lora_a, m.lora.lora_b
             a.set_value(LORA_A_INIT(rngs.params(), a.get_value().shape, jnp.float32))
             b.set_value(LORA_B_INIT(rngs.params(), b.get_value().shape, jnp.float32))
-    check_filled("llama.add_lora", new)
+    check_filled(fn, new)
     return new
 
 
@@ -478,6 +544,20 @@ def variable_at(model: nnx.Module, path: Sequence[Any]) -> nnx.Variable:
     for p in path:
         node = node[p] if isinstance(p, int) else getattr(node, p)
     return node
+
+
+def rename_modules(
+    fn: str, adapter: Mapping[str, Any], check: Callable[[str, Any, str], None], sep: str
+) -> dict[str, Any]:
+    """``adapter`` with each module name checked (``check(fn, name, sep)``, the model's) and its
+    separator ``sep`` turned into the other one: nnx paths (``/``) to PEFT names (``.``) or back.
+    """
+    other = "." if sep == "/" else "/"
+    out = {}
+    for name, mod in adapter.items():
+        check(fn, name, sep)
+        out[name.replace(sep, other)] = mod
+    return out
 
 
 def abstract_model(

@@ -44,6 +44,7 @@ __all__ = [
     "Tokenizer",
     "Tokens",
     "bytes_to_unicode",
+    "check_texts",
     "read_json",
 ]
 
@@ -298,7 +299,7 @@ class Tokenizer:
         self, texts: Sequence[str], *, add_special_tokens: bool = True
     ) -> list[list[int]]:
         """Token ids of each text, unpadded."""
-        _check_texts("Tokenizer.encode_batch", texts)
+        check_texts("Tokenizer.encode_batch", texts)
         enc = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [list(e.ids) for e in enc]
 
@@ -339,7 +340,7 @@ class Tokenizer:
             ``max_length <= pad_to``).
         """
         fn = "Tokenizer"
-        _check_texts(fn, texts)
+        check_texts(fn, texts)
         for name, side in (("padding_side", padding_side), ("truncation_side", truncation_side)):
             if side not in ("left", "right"):
                 raise InputError(f"{fn}: {name}={side!r}; expected 'left' or 'right'.")
@@ -433,7 +434,7 @@ class Tokenizer:
           InputError: an empty word, or two words whose first tokens coincide.
         """
         fn = "Tokenizer.label_token_ids"
-        _check_texts(fn, words)
+        check_texts(fn, words)
         out = []
         for w in words:
             ids = self.encode((" " + w) if leading_space else w, add_special_tokens=False)
@@ -452,15 +453,22 @@ class Tokenizer:
         return np.asarray(out, np.int32)
 
 
-def _check_texts(fn: str, texts: Any) -> None:
+def check_texts(fn: str, texts: Any, what: str = "text") -> None:
+    """A tokenizer's input: a non-empty sequence of strings (``what``: a text's name in the
+    messages, e.g. ``"sentence"``).
+
+    Raises:
+      InputTypeError: a string or non-string items.
+      InputError: no texts.
+    """
     if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
         raise InputTypeError(
             f"{fn}: expected a sequence of strings, got {type(texts).__name__}"
-            f"{'' if isinstance(texts, str) else ' with non-string items'}; wrap a single text "
+            f"{'' if isinstance(texts, str) else ' with non-string items'}; wrap a single {what} "
             "in a list: [text]."
         )
     if len(texts) == 0:
-        raise InputError(f"{fn}: no texts given; pass at least one.")
+        raise InputError(f"{fn}: no {what}s given; pass at least one.")
 
 
 def read_json(path: pathlib.Path, fn: str) -> Any:

@@ -43,7 +43,8 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
-from ...errors import InputError, InputTypeError
+from ...errors import InputError
+from .llama_tokenizer import check_texts
 
 # the network (config, layers: minilm_model), also reachable here
 from .minilm_model import INSTALL as INSTALL
@@ -143,14 +144,7 @@ def tokenize(
       [5, 3]
     """
     fn = "minilm.tokenize"
-    if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
-        raise InputTypeError(
-            f"{fn}: expected a sequence of strings, got {type(texts).__name__}"
-            f"{'' if isinstance(texts, str) else ' with non-string items'}; wrap a single "
-            "sentence in a list: [text]."
-        )
-    if len(texts) == 0:
-        raise InputError(f"{fn}: no sentences given; pass at least one.")
+    check_texts(fn, texts, "sentence")
     if not 2 <= max_length <= 512:
         raise InputError(
             f"{fn}: max_length={max_length}; expected 2 <= max_length <= 512 ([CLS] and [SEP] "

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...errors import InputError
-from ..harness.evaluate import MergeSearch, accuracies, module_delta
+from ..harness.evaluate import BackboneSearch, check_modules, module_delta
 from ..harness.passes import PassCounter, TaskSet
 from ..models import minilm
 
@@ -233,12 +233,10 @@ class Backbone(PassCounter):
         """
         if adapter is None:
             return self._zero
-        unknown = sorted(set(adapter) - set(self.module_names))
-        if unknown:
-            raise InputError(
-                f"Backbone: adapter modules {unknown[:3]} (of {len(unknown)}) are not LoRA targets "
-                f"of the model; expected names like {self.module_names[0]!r}."
-            )
+        check_modules(
+            "Backbone", adapter, self.module_names, noun="adapter modules",
+            what="LoRA targets of the model",
+        )  # fmt: skip
         out = np.zeros(self._zero.shape, np.float32)
         for k, name in enumerate(self.module_names):
             mod = adapter.get(name)
@@ -350,7 +348,7 @@ def correct(emb: np.ndarray, heads: Sequence[Head], es: EvalSet) -> np.ndarray:
 # ---------------------------------------------------------------------------------- evaluator
 
 
-class Evaluator(MergeSearch):
+class Evaluator(BackboneSearch):
     """Accuracies of single task LoRAs, of the zero-shot model and of merges, on val and test.
 
     Args:
@@ -372,41 +370,9 @@ class Evaluator(MergeSearch):
         val: EvalSet,
         test: EvalSet,
     ):
-        if val.task_names != test.task_names:
-            raise InputError(
-                f"Evaluator: validation tasks {val.task_names} differ from test tasks "
-                f"{test.task_names}."
-            )
-        if not len(adapters) == len(heads) == len(val.task_names):
-            raise InputError(
-                f"Evaluator: {len(adapters)} adapters and {len(heads)} heads for "
-                f"{len(val.task_names)} tasks; pass one of each per task."
-            )
-        self.backbone, self.adapters, self.heads = backbone, list(adapters), list(heads)
-        self.val, self.test = val, test
-        self.task_names = val.task_names
-        self.single_val_correct = self._single(val)
-        self.single_test_correct = self._single(test)
-        self.single_val = accuracies(self.single_val_correct, val)
-        self.single_test = accuracies(self.single_test_correct, test)
-        self.zero_shot_test_correct = self.correct(test, None)
-        self.zero_shot_val = accuracies(self.correct(val, None), val)
-        self.zero_shot_test = accuracies(self.zero_shot_test_correct, test)
+        self._hold(backbone, adapters, heads, val, test, who="Evaluator", unit="task")
+        sv, st = self._single(val), self._single(test)
+        zt = self.correct(test, None)
+        self._hold_baselines(sv, st, self.correct(val, None), zt)
 
-    def _single(self, es: EvalSet) -> np.ndarray:
-        ok = np.zeros(len(es), bool)
-        for i in range(len(self.task_names)):
-            sub = es.only(i)
-            emb = self.backbone.embed(sub, self.adapters[i])
-            ok[es.rows(i)] = correct(emb, [self.heads[i]], sub)
-        return ok
-
-    def correct(
-        self, es: EvalSet, adapter: Mapping[str, Any] | None, coef: float = 1.0, *, deltas=None
-    ) -> np.ndarray:
-        """``(N,)`` bool correctness on ``es`` of the backbone plus ``coef * adapter``."""
-        return correct(self.backbone.embed(es, adapter, coef, deltas=deltas), self.heads, es)
-
-    def deltas(self, adapter: Mapping[str, Any]) -> jax.Array:
-        """The dense updates of ``adapter`` (:meth:`Backbone.deltas`)."""
-        return self.backbone.deltas(adapter)
+    _predictions = staticmethod(predict)

@@ -39,6 +39,7 @@ from ..data import lang_tasks as lt
 from ..harness import fitting as ft
 from ..harness import grid as gr
 from ..harness.report_markdown import SuiteReport
+from ..harness.suites import ScoredSuite
 from ..models import llama
 from . import lang_eval as le
 from . import lang_train as ltr
@@ -118,7 +119,7 @@ FULL = gr.Preset(
 PRESETS = {p.name: p for p in (QUICK, FULL)}
 
 
-class LanguageSuite:
+class LanguageSuite(ScoredSuite):
     """The decoder, its tokenizer and everything the experiment loop needs from a suite.
 
     The methods are the suite interface ``runner.run_experiment`` drives (``encoder.EncoderSuite``
@@ -149,12 +150,9 @@ class LanguageSuite:
         self.specs = dict(specs or {})
         self._weights: str | None = None
 
-    @property
-    def weights(self) -> str:
-        """The model's fingerprint (computed once; part of every cache key)."""
-        if self._weights is None:
-            self._weights = le.model_fingerprint(self.model)
-        return self._weights
+    def fingerprint(self) -> str:
+        """The model's fingerprint (:func:`lang_eval.model_fingerprint`)."""
+        return le.model_fingerprint(self.model)
 
     @property
     def description(self) -> str:
@@ -211,30 +209,17 @@ class LanguageSuite:
         cache_dir: str | os.PathLike | None,
     ) -> le.Evaluator:
         """Single-LoRA and zero-shot accuracies (cached), and the merge evaluator."""
-        return le.Evaluator(
-            self.scorer,
-            [t.adapter for t in trained],
-            val,
-            test,
-            cache_dir=cache_dir,
-            adapter_keys=[t.info["cache_key"] for t in trained],
-            weights=self.weights,
-        )
+        adapters = [t.adapter for t in trained]
+        return le.Evaluator(self.scorer, adapters, val, test, **self.cache_args(trained, cache_dir))
 
     def eval_key(self, config: Any) -> dict[str, Any]:
         """The evaluation settings that determine a merge's result (for the job cache key)."""
         return {
-            "suite": self.name,
-            "code_version": [le.CODE_VERSION, CODE_VERSION],
-            "weights": self.weights,
+            **self.key_start([le.CODE_VERSION, CODE_VERSION]),
             "row_len": config.row_len,
             "rows": lt.EVAL_ROWS,
             "chat": getattr(config, "chat", False),
         }
-
-    def timing(self) -> dict[str, Any]:
-        """The scorer's work so far (passes, tokens, seconds, tokens/s)."""
-        return self.scorer.timing()
 
     def report(self, run: Any) -> LanguageReport:
         """The language suite's report wording (:class:`LanguageReport`)."""
@@ -421,20 +406,9 @@ def export_adapters(
       InputError: an adapter is no longer in the cache.
     """
     base = pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()
-    written = []
-    for s in run_.seeds:
-        for task in run_.tasks:
-            key = s.training[task.name]["cache_key"]
-            trained = ft.load_cached(ft.cache_path(base / SUITE, task, key))
-            if trained is None:
-                raise InputError(
-                    f"language.export_adapters: the adapter of {task.name!r} (seed {s.seed}) is "
-                    f"not in the cache {base / SUITE}; pass the cache_dir the run used."
-                )
-            path = pathlib.Path(out) / f"seed{s.seed}" / task.name
-            ltr.export_peft(trained, path)
-            written.append(path)
-    return written
+    return ft.export_cached(
+        "language.export_adapters", run_, out, base / SUITE, ft.load_cached, ltr.export_peft
+    )
 
 
 def run(

@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import InputError, MissingFileError
+from ..harness.suites import ScoredSuite, require_modules
 
 if TYPE_CHECKING:  # the heavy modules are imported where they are used
     from ..harness import grid as gr
@@ -185,7 +186,7 @@ def _compute_dtype(dtype: Any) -> Any:
     return dtype
 
 
-class NLISuite:
+class NLISuite(ScoredSuite):
     """The decoder, its tokenizer and everything ``runner.run_experiment`` needs from the NLI
     suite (``suites.Suite``): :meth:`heads`, :meth:`eval_sets`, :meth:`train_tasks`,
     :meth:`evaluator`, :meth:`eval_key`, :meth:`timing`, :meth:`report`; and
@@ -238,14 +239,11 @@ class NLISuite:
         self.scorer = nh.Scorer(model)
         self._weights: str | None = None
 
-    @property
-    def weights(self) -> str:
-        """The model's fingerprint (computed once; part of every cache key)."""
-        if self._weights is None:
-            from . import lang_eval as le
+    def fingerprint(self) -> str:
+        """The model's fingerprint (``lang_eval.model_fingerprint``)."""
+        from . import lang_eval as le
 
-            self._weights = le.model_fingerprint(self.model)
-        return self._weights
+        return le.model_fingerprint(self.model)
 
     @property
     def dtype(self) -> str:
@@ -316,34 +314,21 @@ class NLISuite:
         read by its own trained head."""
         from . import nli_head as nh
 
-        return nh.Evaluator(
-            self.scorer,
-            [t.adapter for t in trained],
-            [t.score for t in trained],
-            val,
-            test,
-            cache_dir=cache_dir,
-            adapter_keys=[t.info["cache_key"] for t in trained],
-            weights=self.weights,
-        )
+        adapters, scores = [t.adapter for t in trained], [t.score for t in trained]
+        kw = self.cache_args(trained, cache_dir)
+        return nh.Evaluator(self.scorer, adapters, scores, val, test, **kw)
 
     def eval_key(self, config: Any) -> dict[str, Any]:
         """The evaluation settings that determine a merge's result (for the job cache key)."""
         from . import nli_head as nh
 
         return {
-            "suite": self.name,
-            "code_version": [nh.CODE_VERSION, CODE_VERSION],
-            "weights": self.weights,
+            **self.key_start([nh.CODE_VERSION, CODE_VERSION]),
             "dtype": self.dtype,
             "row_len": config.row_len,
             "eval_tokens": config.eval_tokens,
             "mask_logit": nh.MASK_LOGIT,
         }
-
-    def timing(self) -> dict[str, Any]:
-        """The scorer's work so far (passes, tokens, seconds, tokens/s)."""
-        return self.scorer.timing()
 
     def report(self, run: Any) -> Any:
         """The NLI suite's report wording (:data:`NLIReport`, a ``report.SuiteReport``)."""
@@ -452,17 +437,12 @@ def requires(
             f for f, v in (("--model-dir", model_dir), ("--data-dir", data_dir)) if v is None
         ]
         raise NLIUnavailable(f"{usage}; {' and '.join(missing)} not given.")
-    for mod, pip in (
-        ("tokenizers", "tokenizers"),
-        ("safetensors", "safetensors"),
-        ("tqdm", "tqdm"),
-    ):
-        try:
-            __import__(mod)
-        except ImportError:
-            raise NLIUnavailable(
-                f"the nli suite needs {mod}; install it with: pip install {pip}"
-            ) from None
+    require_modules(
+        [("tokenizers", "tokenizers"), ("safetensors", "safetensors"), ("tqdm", "tqdm")],
+        lambda mod, pip: NLIUnavailable(
+            f"the nli suite needs {mod}; install it with: pip install {pip}"
+        ),
+    )
     m = pathlib.Path(model_dir)
     if not m.is_dir():
         raise NLIUnavailable(f"--model-dir {m} is not a folder; {usage}.")
@@ -550,20 +530,10 @@ def export_adapters(
     from . import nli_head as nh
 
     base = (pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()) / SUITE
-    written = []
-    for s in run_.seeds:
-        for task in run_.tasks:
-            key = s.training[task.name]["cache_key"]
-            trained = nh.load_cached(ft.cache_path(base, task, key))
-            if trained is None:
-                raise InputError(
-                    f"nli.export_adapters: the adapter of {task.name!r} (seed {s.seed}) is not in "
-                    f"the cache {base}; pass the cache_dir the run used."
-                )
-            path = pathlib.Path(out) / f"seed{s.seed}" / task.name
-            nh.export_peft(trained, path, **config)
-            written.append(path)
-    return written
+    return ft.export_cached(
+        "nli.export_adapters", run_, out, base, nh.load_cached,
+        lambda trained, path: nh.export_peft(trained, path, **config),
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ toy setup

@@ -63,6 +63,7 @@ from ..harness import evaluate as ev
 from ..harness import grid as gr
 from ..harness.passes import PassCounter, TaskSet
 from ..harness.report_markdown import SuiteReport
+from ..harness.suites import require_modules
 
 __all__ = [
     "CODE_VERSION",
@@ -458,12 +459,10 @@ class VisionBackbone(PassCounter):
 
         if adapter is None:
             return self._zero
-        unknown = sorted(set(adapter) - set(self.names))
-        if unknown:
-            raise InputError(
-                f"VisionBackbone: modules {unknown[:3]} (of {len(unknown)}) are not among the "
-                f"adapted vision modules; expected names like {self.names[0]!r}."
-            )
+        ev.check_modules(
+            "VisionBackbone", adapter, self.names, noun="modules",
+            what="among the adapted vision modules",
+        )  # fmt: skip
         out = dict(self._zero)
         for n, mod in adapter.items():
             if mod is None:
@@ -513,7 +512,7 @@ def _predict(emb: np.ndarray, heads: Sequence[ZeroShotHead], es: ImageSet) -> np
     return pred
 
 
-class VisionEvaluator(ev.MergeSearch):
+class VisionEvaluator(ev.BackboneSearch):
     """Accuracies of each dataset's own adapter, of the zero-shot model and of merges.
 
     Args:
@@ -531,19 +530,7 @@ class VisionEvaluator(ev.MergeSearch):
         heads: Sequence[ZeroShotHead], val: ImageSet, test: ImageSet, *,
         memo: dict | None = None, keys: Sequence[str] = (),
     ):  # fmt: skip
-        if val.task_names != test.task_names:
-            raise InputError(
-                f"VisionEvaluator: validation datasets {val.task_names} differ from test "
-                f"datasets {test.task_names}."
-            )
-        if not len(adapters) == len(heads) == len(val.task_names):
-            raise InputError(
-                f"VisionEvaluator: {len(adapters)} adapters and {len(heads)} heads for "
-                f"{len(val.task_names)} datasets; pass one of each per dataset."
-            )
-        self.backbone, self.adapters, self.heads = backbone, list(adapters), list(heads)
-        self.val, self.test = val, test
-        self.task_names = val.task_names
+        self._hold(backbone, adapters, heads, val, test, who="VisionEvaluator", unit="dataset")
         key = (tuple(keys), id(val), id(test))
         memo = {} if memo is None else memo
         if key not in memo or not keys:
@@ -551,32 +538,9 @@ class VisionEvaluator(ev.MergeSearch):
                 self._single(val), self._single(test), self.correct(val, None),
                 self.correct(test, None),
             )  # fmt: skip
-        sv, stest, zv, zt = memo[key]
-        self.single_val_correct, self.single_test_correct = sv, stest
-        self.single_val = ev.accuracies(sv, val)
-        self.single_test = ev.accuracies(stest, test)
-        self.zero_shot_test_correct = zt
-        self.zero_shot_val = ev.accuracies(zv, val)
-        self.zero_shot_test = ev.accuracies(zt, test)
+        self._hold_baselines(*memo[key])
 
-    def _single(self, es: ImageSet) -> np.ndarray:
-        ok = np.zeros(len(es), bool)
-        for i in range(len(self.task_names)):
-            sub = es.only(i)
-            emb = self.backbone.embed(sub, self.adapters[i])
-            ok[es.rows(i)] = _predict(emb, [self.heads[i]], sub) == sub.labels
-        return ok
-
-    def correct(
-        self, es: ImageSet, adapter: Mapping[str, Any] | None, coef: float = 1.0, *, deltas=None
-    ) -> np.ndarray:
-        """``(N,)`` bool: each image classified right under the base model + ``coef * adapter``."""
-        emb = self.backbone.embed(es, adapter, coef, deltas=deltas)
-        return _predict(emb, self.heads, es) == es.labels
-
-    def deltas(self, adapter: Mapping[str, Any]) -> Any:
-        """The dense updates of ``adapter`` (:meth:`VisionBackbone.deltas`)."""
-        return self.backbone.deltas(adapter)
+    _predictions = staticmethod(_predict)
 
 
 # -------------------------------------------------------------------------------- adapters
@@ -703,15 +667,10 @@ def check_folders(
             "model.safetensors, tokenizer.json), --data-dir DATA (DATA/<dataset>/test/...) and "
             "--adapters NAME=DIR,... (PEFT LoRA folders)"
         )
-    for mod, what in (
-        ("tokenizers", "tokenizers"),
-        ("PIL", "pillow"),
-        ("safetensors", "safetensors"),
-    ):
-        try:
-            __import__(mod)
-        except ImportError:
-            raise InputError(f"the vision suite needs {what}: pip install {what}") from None
+    require_modules(
+        [("tokenizers", "tokenizers"), ("PIL", "pillow"), ("safetensors", "safetensors")],
+        lambda _, what: InputError(f"the vision suite needs {what}: pip install {what}"),
+    )
     m = pathlib.Path(model_dir)
     for f in ("config.json", "tokenizer.json"):
         if not (m / f).is_file():
@@ -742,7 +701,7 @@ def check_folders(
             for f in (found, vd.find_split(ds, "val"), vd.find_split(ds, "train"))
         ):
             try:
-                vd._pyarrow()
+                vd.parquet_reader()
             except vd.VisionDataError:
                 raise InputError(
                     f"--data-dir: {ds} holds parquet files; reading them needs pyarrow: pip "
