@@ -472,6 +472,17 @@ def test_run_experiment_and_its_job_cache(
                 )
     assert run.seeds[0].training["sentiment"]["cache_hit"]
     assert not run.seeds[1].training["sentiment"]["cache_hit"]
+    # CPU time (process_time: every thread) of disjoint phases within the run's own
+    for s in run.seeds:
+        assert all(s.seconds[f"{p}_cpu"] >= 0 for p in ("training", "single_eval", "grid"))
+        assert s.seconds["grid_cpu"] > 0
+    assert run.seeds[1].seconds["training_cpu"] > 0  # (seed 1 trains)
+    sec = run.seconds
+    phases = sum(
+        s.seconds[f"{p}_cpu"] for s in run.seeds for p in ("training", "single_eval", "grid")
+    )
+    assert sec["total_cpu"] >= phases - 1e-6
+    assert sec["training_cpu"] + sec["grid_cpu"] <= phases + 1e-6
 
     def boom(*a, **k):
         raise AssertionError("a cached job or adapter was recomputed")
@@ -493,6 +504,7 @@ def test_run_experiment_and_its_job_cache(
     lo, hi = d["bootstrap_ci"]
     assert lo <= d["estimate"] <= hi
     assert "| all | TA |" in exp.markdown and "Ours - Random" in exp.markdown
+    assert "- CPU time of this process (every thread) " in exp.markdown
     assert len(res["table"]) == 1 and exp.markdown.count("| all TA | 8 |") == 1
     json.dumps(res, allow_nan=False)
     written = report.write_outputs(exp, tmp_path / "out")

@@ -583,6 +583,15 @@ def _timings_md(results) -> list[str]:
         "",
         f"- total {tm['total']:.0f} s: training {tm['training']:.0f} s, merge grid {tm['grid']:.0f} s "
         f"({total} merges, {hits} from the job cache)",
+        *(
+            [
+                f"- CPU time of this process (every thread) {tm['total_cpu'] / 3600:.2f} h: "
+                f"training {tm['training_cpu'] / 3600:.2f} h, merge grid "
+                f"{tm['grid_cpu'] / 3600:.2f} h"
+            ]
+            if "total_cpu" in tm
+            else []
+        ),
         f"- evaluation forward: {bb['passes']} passes, {bb['tokens']} real tokens "
         f"({bb['slot_tokens']} computed, packing), {fmt(bb['tokens_per_second'], 0)} tokens/s",
         f"- machine: {results['environment']['cpus']} CPUs, {results['environment']['machine']}, "

@@ -308,7 +308,7 @@ def run_experiment(
 
     import netutility_jax as nu
 
-    t_start = time.perf_counter()
+    t_start, c_start = time.perf_counter(), time.process_time()
     progress = _bars_enabled(progress)
     # the code that runs is the checkout's now, not at the end of a run of hours
     commit = _provenance.commit()
@@ -354,6 +354,9 @@ def run_experiment(
             "total": time.perf_counter() - t_start,
             "training": sum(r.seconds["training"] for r in results),
             "grid": sum(r.seconds["grid"] for r in results),
+            "total_cpu": time.process_time() - c_start,
+            "training_cpu": sum(r.seconds["training_cpu"] for r in results),
+            "grid_cpu": sum(r.seconds["grid_cpu"] for r in results),
         },
         backbone={**suite.timing(), "jax": jax.__version__, "nu": nu.__version__},
         suite=suite.name,
@@ -512,13 +515,14 @@ def _run_seed(
     import netutility_jax as nu
 
     tcfg = dataclasses.replace(preset.train, seed=seed)
-    t0 = time.perf_counter()
+    # wall and CPU time (this process, every thread: what a run costs in CPU hours) per phase
+    t0, c0 = time.perf_counter(), time.process_time()
     trained = suite.train_tasks(task_list, heads, tcfg, cache_dir=cache, progress=progress, log=log)
-    train_wall = time.perf_counter() - t0
+    train_wall, train_cpu = time.perf_counter() - t0, time.process_time() - c0
     adapters = [t.adapter for t in trained]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     evaluator = suite.evaluator(trained, heads, val, test, cache_dir=cache)
-    single_wall = time.perf_counter() - t0
+    single_wall, single_cpu = time.perf_counter() - t0, time.process_time() - c0
     names = evaluator.task_names
     log(
         f"seed {seed}: test accuracy zero-shot -> single LoRA: "
@@ -541,7 +545,7 @@ def _run_seed(
     )  # fmt: skip
     records: dict[str, dict[str, Any]] = {}
     correct: dict[str, np.ndarray] = {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for job in jobs:
         bar.set_postfix_str(f"seed {seed} {job.key}")
         rec, ok = runs.run(job)
@@ -552,7 +556,7 @@ def _run_seed(
                 f"seed {seed} {job.key}: normalized accuracy {rec['normalized']:.1f} "
                 f"(coef {rec['coef']:g}{', cached' if rec['cache_hit'] else ''})"
             )
-    grid_wall = time.perf_counter() - t0
+    grid_wall, grid_cpu = time.perf_counter() - t0, time.process_time() - c0
     _choose_on_validation(preset.grid, records, correct)
     mnu = _mean_net_utility(scores)
     return SeedResult(
@@ -576,7 +580,14 @@ def _run_seed(
         retention=[float(x) for x in np.asarray(nu.retention_by_rank(masks, scores))],
         masks=masks,
         scores=scores,
-        seconds={"training": train_wall, "single_eval": single_wall, "grid": grid_wall},
+        seconds={
+            "training": train_wall,
+            "single_eval": single_wall,
+            "grid": grid_wall,
+            "training_cpu": train_cpu,
+            "single_eval_cpu": single_cpu,
+            "grid_cpu": grid_cpu,
+        },
         adapters=adapters,
     )
 

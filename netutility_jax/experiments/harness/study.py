@@ -597,10 +597,17 @@ def _markdown(results: Mapping[str, Any], low: int) -> str:
                 f"{_num(t['kept_vs_uniform'])} | {delta} |"
             )
     seconds = sum(c["seconds"].get("total", 0.0) for c in results["cells"])
+    cpu = [c["seconds"].get("total_cpu") for c in results["cells"]]
+    cpu_text = (
+        f", CPU time {sum(cpu) / 3600:.2f} h (this process, every thread)"
+        if cpu and None not in cpu
+        else ""
+    )
     commit = results.get("commit") or {}
     lines += [
         "",
-        f"Wall time {seconds / 3600:.2f} h (cached jobs count as their load time). Command: "
+        f"Wall time {seconds / 3600:.2f} h{cpu_text} (cached jobs count as their load time). "
+        f"Command: "
         f"`{results.get('command') or 'a Python call'}`; commit {commit.get('head', 'unknown')}"
         f"{' (uncommitted changes)' if commit.get('dirty') else ''}.",
         "",
