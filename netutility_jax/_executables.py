@@ -36,15 +36,17 @@ import pathlib
 import pickle
 import sys
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-__all__ = ["Kernel", "enable", "folder", "kernel", "stats"]
+__all__ = ["Kernel", "enable", "folder", "kernel", "release", "stats"]
 
 _FOLDER: pathlib.Path | None = None
 _STATS = {"hits": 0, "loads": 0, "compiles": 0, "bypassed": 0}
+_KERNELS: weakref.WeakSet[Kernel] = weakref.WeakSet()  # every kernel, for release()
 
 
 def enable(path: str | os.PathLike | None) -> None:
@@ -169,6 +171,7 @@ class Kernel:
         name = getattr(fun, "__qualname__", None) or fun.__name__  # (a jnp.ufunc has no qualname)
         self._name = f"{fun.__module__}.{name}"
         functools.update_wrapper(self, fun)
+        _KERNELS.add(self)
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._jit, attr)
@@ -288,6 +291,16 @@ def _store(path: pathlib.Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def release() -> None:
+    """Drop the compiled executables of every kernel held in this process (JAX's caches of
+    them, and those loaded from :func:`folder`): a later call traces and compiles, or loads,
+    again. For callers that know a batch of shapes is done with (a streamed merge, once the
+    last chunk of a shape is merged), so that its programs do not stay resident."""
+    for k in list(_KERNELS):
+        k._loaded.clear()
+        k._jit.clear_cache()
 
 
 def kernel(fun: Callable | None = None, *, static_argnames: Sequence[str] = ()) -> Any:

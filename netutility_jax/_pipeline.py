@@ -93,7 +93,13 @@ def _bucket_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks
     # cut per module on the host and place the pieces with one device_put: eager slices of the
     # device arrays would compile (or load from the cache) a gather per distinct kept rank
     la_h, lb_h = np.asarray(la), np.asarray(lb)
-    pieces = [(la_h[j, :, : int(r)], lb_h[j, : int(r), :]) for j, r in enumerate(ranks)]
+    # each piece copied to an array of its own size: placed from a view, a piece would share
+    # (on CPU, without a copy) the buffer of the whole piece of the bucket, padded to its
+    # largest rank, and keep all of it alive for as long as the merged module is kept
+    pieces = [
+        (np.array(la_h[j, :, : int(r)]), np.array(lb_h[j, : int(r), :]))
+        for j, r in enumerate(ranks)
+    ]
     placed = jax.device_put(pieces)
     for nm, (a, b) in zip(bk.names, placed, strict=True):
         results[nm] = {"lora_a": a, "lora_b": b, "scale": 1.0}

@@ -28,8 +28,12 @@ r_max)`` in natural order whose factors (every task, in the compute dtype) fit `
 
 Peak memory: one chunk and its working memory, plus the statistics, plus the merged result
 (rank about ``budget`` per module for the low-rank methods), plus the runtime (Python, JAX and
-XLA, about 170 MB) and its compiled programs. A chunk is dropped before the next is read and
-the freed heap handed back to the OS (:func:`_release_heap`); its working memory is about four
+XLA, about 170 MB) and the compiled programs of the chunk shape at hand: chunks of one shape are
+read one after another, and after the last of them its programs are dropped
+(:func:`_executables.release`: the next shape, or the next pass, compiles its own). A chunk is
+dropped before the next is read and the freed heap handed back to the OS
+(:func:`_release_heap`); each merged module is kept in an array of its own size (not a view of
+its chunk's output, padded to the chunk's largest rank). A chunk's working memory is about four
 times ``chunk_bytes`` (the factors as read, stacked on the host, on the device, and the
 kernels' QR factors), hence the default of 64 MiB (on a Llama-3-8B-shaped set of 16 tasks,
 peak 1.85 GB with 256 MiB chunks, 0.87 GB with 64 MiB; TA in Core space merged the same
@@ -109,7 +113,7 @@ from . import (
     registry,
     utility,
 )
-from ._executables import kernel
+from ._executables import kernel, release
 from ._host import host_constant
 from ._report import Report, build_report, ranks_of, warn_zeroed, zeroed_modules
 from ._request import MergeRequest, all_candidates
@@ -153,6 +157,26 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
+
+
+@functools.cache
+def _bound_heap() -> None:
+    """glibc's allocation thresholds fixed, once per process: blocks of 1 MiB or more (a chunk's
+    factors, its stacks, XLA's buffers) mapped on their own and unmapped when freed, and free
+    space over 1 MiB at the top of a heap returned as it is freed. By default both thresholds
+    grow with the largest block freed (up to 32 and 64 MiB), and the tops of the heaps that
+    XLA's threads allocate from are not returned by ``malloc_trim`` at all: freed, a chunk's
+    memory stayed resident (on a Llama-3-70B-shaped set of 20 tasks, 32 layers: the peak fell
+    from 987 to 766 MiB with this). The settings stay for the rest of the process (glibc cannot
+    go back to its adaptive thresholds); large allocations elsewhere are then mapped and
+    unmapped on their own too. Elsewhere (musl, macOS, Windows) nothing."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):
+        return
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
 
 
 def _release_heap() -> None:
@@ -276,6 +300,7 @@ class _Stream:
     owner: tuple[int, ...]
     weights: tuple[float, ...] | None = None
     progress: _Progress | None = None
+    release_programs: bool = True  # drop each shape's compiled programs after its last chunk
 
     def names_of(self, p: int) -> list[str]:
         """Process ``p``'s modules, in :attr:`AdapterSet.names` order."""
@@ -286,18 +311,30 @@ class _Stream:
         """``(chunk index, names, adapters)`` of each of this process's chunks, read from disk,
         in the compute dtype (float32 factors become float64 when another task's are float64
         and x64 is on, as in memory)."""
-        for k, names in enumerate(self.chunks):
-            if self.owner[k] != self.ex.index:
-                continue
+        _bound_heap()
+        mine = [k for k in range(len(self.chunks)) if self.owner[k] == self.ex.index]
+        for i, k in enumerate(mine):
+            names = self.chunks[k]
             adapters = self.source.read(names, host=True)  # stacked on the host (_mesh)
             if self.dtype == np.float64:
                 adapters = [{n: _as(m, self.dtype) for n, m in ad.items()} for ad in adapters]
             yield k, names, adapters
             # (the caller asks for the next: this one is done, and the caller has dropped it)
             del adapters
+            if self.release_programs and (
+                i + 1 == len(mine) or self._shape(mine[i + 1]) != self._shape(k)
+            ):
+                # the last chunk of its shape in this read: its compiled programs are done with
+                # (chunks of one shape are consecutive), dropped rather than held to the end
+                release()
             _release_heap()
             if self.progress is not None:
                 self.progress.tick()
+
+    def _shape(self, k: int) -> tuple[Any, int]:
+        """What chunk ``k``'s compiled programs are specific to: its modules' shape, their count."""
+        names = self.chunks[k]
+        return tuple(self.source.shapes[names[0]]), len(names)
 
     def weighted(self, adapters: list[dict[str, Any]]) -> list[Any]:
         """A chunk's adapters with the tasks' weights applied (the merge pass's input; the
@@ -644,6 +681,7 @@ def _merge_pass_model_wide(
     """:func:`_merge_pass` for model-wide TIES (one process): every chunk read once for the
     common unit, once per radix pass and once to merge (:func:`_ties_model.ties_model_streamed`);
     the kept masks and energies of ``masks=None`` come from the first read."""
+    st = dataclasses.replace(st, release_programs=False)  # (each chunk is read in several passes)
     fn, names_all = st.fn, st.source.names
     index = {n: i for i, n in enumerate(names_all)}
     merged: dict[str, Any] = {}

@@ -364,3 +364,58 @@ def test_a_loaded_executable_runs_lapack_in_a_fresh_process(tmp_path):
         outs.append(proc.stdout.split())
     assert outs[0][1] == "0" and outs[1][1] == "1"
     assert outs[0][0] == outs[1][0]
+
+
+def test_release_drops_every_kernels_executables():
+    """``_executables.release()``: every library kernel's compiled programs are dropped (a
+    streamed merge calls it once a chunk shape is done with), and a later call compiles again
+    and gives the same result."""
+
+    @kernel
+    def double(x):
+        return 2 * x
+
+    x = jnp.arange(D_IN, dtype=jnp.float32)
+    want = np.asarray(double(x))
+    assert double._cache_size() == 1
+    _executables.release()
+    assert double._cache_size() == 0
+    np.testing.assert_array_equal(np.asarray(double(x)), want)
+
+
+@pytest.mark.slow  # (two cold streamed merges: about 10 s)
+def test_a_streamed_merge_drops_a_shapes_programs_after_its_last_chunk(tmp_path, monkeypatch):
+    """Chunks of one shape are read one after another, so the programs of a shape are dropped
+    after its last chunk (pass by pass) without compiling anything again within the pass: the
+    same programs, counted from a cold start, as a merge that holds them to the end, the same
+    result, and no library kernel holding executables afterwards."""
+    from netutility_jax import streaming
+
+    ads = _adapters(41)
+    paths = [tmp_path / f"t{i}" for i in range(M)]
+    for ad, p in zip(ads, paths, strict=True):
+        nu.peft.save_adapter({f"model.{n}": m for n, m in ad.items()}, p)
+    per_module = M * R * (D_IN + max(OUTS.values())) * 4
+
+    def run():
+        jax.clear_caches()
+        with _Programs() as p:
+            out, rep = nu.merge_adapters_streaming(
+                nu.peft.open_adapters(paths), budget=3, space="core", chunk_bytes=per_module
+            )  # a module a chunk: two chunks of each shape
+        return p.programs, out, rep
+
+    held_programs, held, held_rep = None, None, None
+    with monkeypatch.context() as mp:
+        mp.setattr(streaming, "release", lambda: None)
+        held_programs, held, held_rep = run()
+    programs, out, rep = run()
+    assert rep.ranks == held_rep.ranks
+    for n in held:
+        for k in ("lora_a", "lora_b"):
+            np.testing.assert_array_equal(np.asarray(out[n][k]), np.asarray(held[n][k]))
+    # (a program used by both shapes, e.g. of the scores' scalars, may compile once more)
+    assert held_programs <= programs <= held_programs + 2 * len(OUTS), (programs, held_programs)
+    # (what runs after the last chunk, h from the summed energies, holds its small programs)
+    held_now = [k._name for k in _executables._KERNELS if k._cache_size()]
+    assert not [n for n in held_now if n.startswith("netutility_jax.")], held_now
