@@ -315,9 +315,11 @@ def test_a_second_process_loads_the_merge_pass_and_merges_the_same(tmp_path):
 
     exe = str(tmp_path / "exe")
     first, second = run(exe, "first.npz"), run(exe, "second.npz")
-    assert first["stats"]["compiles"] > 0 and first["stats"]["loads"] == 0
+    # (a kernel the streamed merge dropped after a chunk shape's last chunk, needed again later
+    # in the run, is loaded from the folder this process wrote: a load, not a compile)
+    assert first["stats"]["compiles"] > 0
     assert second["stats"]["compiles"] == 0
-    assert second["stats"]["loads"] == first["stats"]["compiles"]
+    assert second["stats"]["loads"] == first["stats"]["compiles"] + first["stats"]["loads"]
     merge_pass = {"stage_scales", "_plain", "stage_coords", "stage_low_rank", "stage_decode",
                   "stage_map_back", "_utility", "lam_auto", "log2", "add", "multiply", "var"}  # fmt: skip
     assert {"stage_scales", "_plain", "stage_coords", "stage_map_back"} <= set(first["traced"])
