@@ -251,10 +251,10 @@ DATA = [f"data.{m}" for m in [
 ]]  # fmt: skip
 SUITES = [f"suites.{m}" for m in [
     "encoder", "encoder_eval", "train", "language", "lang_eval", "lang_train", "vision", "nli",
-    "nli_head",
+    "nli_head", "language_head",
 ]]  # fmt: skip
 #: Modules added to the folders after the move: no old flat path serves them.
-ADDED = {"models.sharding"}
+ADDED = {"models.sharding", "suites.language_head"}
 COMMAND = ["demo"]  # ``netutility demo``: above the suites
 #: The folders (each a layer): their packages import nothing of the package at import time
 FOLDERS = ["models", "data", "suites", "harness"]
@@ -265,6 +265,7 @@ FOLDERS = ["models", "data", "suites", "harness"]
 PLUG_INS = {
     ("harness.suites", "suites.encoder"): "the built-in suites' SuiteSpec callables (the registry)",
     ("harness.suites", "suites.language"): "the built-in suites' SuiteSpec callables (the registry)",
+    ("harness.suites", "suites.language_head"): "the built-in suites' SuiteSpec callables (the registry)",
     ("harness.suites", "suites.vision"): "the built-in suites' SuiteSpec callables (the registry)",
     ("harness.suites", "suites.nli"): "the built-in suites' SuiteSpec callables (the registry)",
     ("harness.runner", "suites.encoder"): "run_experiment's default suite; __getattr__: EncoderSuite",

@@ -392,6 +392,18 @@ def _language_requires() -> None:
     language.requires()
 
 
+def _language_head_presets() -> Mapping[str, Any]:
+    from ..suites import language_head
+
+    return language_head.PRESETS
+
+
+def _language_head_build() -> Suite:
+    from ..suites import language_head
+
+    return language_head.LanguageHeadSuite()
+
+
 def _vision_presets() -> Mapping[str, Any]:
     from ..suites import vision
 
@@ -431,7 +443,7 @@ def _nli_requires(**given: Any) -> None:
     nli.requires(**given)
 
 
-_BUILTIN = ("encoder", "language", "vision", "nli")
+_BUILTIN = ("encoder", "language", "language_head", "vision", "nli")
 register(
     SuiteSpec(
         name="encoder",
@@ -450,6 +462,19 @@ register(
         "its LM head",
         presets=_language_presets,
         build=_language_build,
+        requires=_language_requires,
+        grids=("full",),
+        cost="hours on a 2-core CPU; --quick: minutes",
+    )
+)
+register(
+    SuiteSpec(
+        name="language_head",
+        summary="SmolLM2-135M with a classification head trained with each LoRA (the paper's "
+        "App. B formulation: last-token pooling, one label space, unused classes masked) on "
+        "this project's tasks",
+        presets=_language_head_presets,
+        build=_language_head_build,
         requires=_language_requires,
         grids=("full",),
         cost="hours on a 2-core CPU; --quick: minutes",

@@ -119,7 +119,8 @@ __all__ = [
 
 #: Bump when a change here changes what training or evaluation produces: invalidates the caches.
 CODE_VERSION = 1
-#: Classes of the unified label space (:data:`nli_data.LABELS`).
+#: Classes of the NLI suite's unified label space (:data:`nli_data.LABELS`); a head of another
+#: suite may have any number (its :class:`HeadSpec`'s ``used`` gives it: :func:`num_classes`).
 NUM_CLASSES = len(nd.LABELS)
 #: The logit of a task's unused class (Appendix B: "setting its logit to -10^10").
 MASK_LOGIT = -1e10
@@ -212,7 +213,8 @@ class HeadSpec(NamedTuple):
 
     Attributes:
       task: the task's name.
-      used: ``(C,)`` bools, class ``c`` of :data:`nli_data.LABELS` in use.
+      used: ``(C,)`` bools, class ``c`` of the label space (:data:`nli_data.LABELS` for the NLI
+        suite) in use.
       names: what the task calls each class (``nli_data.UNUSED`` for a masked one).
     """
 
@@ -221,18 +223,26 @@ class HeadSpec(NamedTuple):
     names: tuple[str, ...]
 
 
-def head_spec(task: Any) -> HeadSpec:
-    """The head of an NLI task (``nli_data.load_task``): its classes and which are masked.
+def head_spec(task: Any, labels: Sequence[str] = nd.LABELS) -> HeadSpec:
+    """The head of a task in the label space ``labels`` (default the NLI suite's,
+    :data:`nli_data.LABELS`, as ``nli_data.load_task`` maps a dataset into it): its classes and
+    which are masked (a label text of :data:`nli_data.UNUSED`).
 
     Raises:
-      InputError: the task's labels are not :data:`nli_data.LABELS` (the heads of all tasks
-        must share one label space to be merged), or it uses no class.
+      InputError: the task's labels are not ``labels`` (the heads of all tasks must share one
+        label space to be merged), or it uses no class.
     """
-    if tuple(task.labels) != nd.LABELS:
+    labels = tuple(labels)
+    if tuple(task.labels) != labels:
+        where = (
+            "the NLI suite's tasks share the label space "
+            f"{list(nd.LABELS)} (load them with nli_data.load_task, which maps a binary dataset "
+            "into it)"
+            if labels == nd.LABELS
+            else f"the suite's tasks share the label space {list(labels)}"
+        )
         raise InputError(
-            f"nli_head.head_spec: task {task.name!r} has labels {list(task.labels)}; the NLI "
-            f"suite's tasks share the label space {list(nd.LABELS)} (load them with "
-            "nli_data.load_task, which maps a binary dataset into it)."
+            f"nli_head.head_spec: task {task.name!r} has labels {list(task.labels)}; {where}."
         )
     names = tuple(task.label_texts)
     used = tuple(t != nd.UNUSED for t in names)
@@ -241,9 +251,24 @@ def head_spec(task: Any) -> HeadSpec:
     return HeadSpec(task.name, used, names)
 
 
+def num_classes(heads: Sequence[HeadSpec]) -> int:
+    """``C``, the classes of the label space every head of ``heads`` reads.
+
+    Raises:
+      InputError: no heads, or heads of different class counts (named).
+    """
+    sizes = {h.task: len(h.used) for h in heads}
+    if not sizes or len(set(sizes.values())) != 1:
+        raise InputError(
+            "nli_head.num_classes: the heads must share one label space; they have "
+            f"{sizes or 'no heads'} classes."
+        )
+    return next(iter(sizes.values()))
+
+
 def used_mask(heads: Sequence[HeadSpec]) -> np.ndarray:
     """``(T, C)`` bool: the classes each head uses."""
-    return np.asarray([h.used for h in heads], bool).reshape(len(heads), NUM_CLASSES)
+    return np.asarray([h.used for h in heads], bool).reshape(len(heads), num_classes(heads))
 
 
 def pool_last(hidden: jax.Array, mask: jax.Array) -> jax.Array:
@@ -414,10 +439,14 @@ def _pair_backend(tokenizer: Any, max_len: int) -> Any:
     return backend
 
 
-def encode_pairs(tokenizer: Any, pairs: Sequence[tuple[str, str]], *, max_len: int) -> Encoded:
+def encode_pairs(
+    tokenizer: Any, pairs: Sequence[tuple[str, str] | str], *, max_len: int
+) -> Encoded:
     """Token ids of ``(premise, hypothesis)`` pairs, as transformers' fast tokenizer encodes
     ``tokenizer(premises, hypotheses, truncation=True, max_length=max_len)``: the tokenizer's
     pair template (its special tokens, if any), longest-first truncation to ``max_len`` tokens.
+    A single text (a ``str`` in place of a pair) is encoded alone, as ``tokenizer(text,
+    truncation=True, max_length=max_len)``.
 
     Raises:
       InputError: a pair that encodes to no token; ``max_len`` below the template's special
@@ -427,7 +456,7 @@ def encode_pairs(tokenizer: Any, pairs: Sequence[tuple[str, str]], *, max_len: i
         return Encoded(np.zeros(0, np.int32), np.zeros(1, np.int64))
     try:
         enc = _pair_backend(tokenizer, int(max_len)).encode_batch(
-            [(p, h) for p, h in pairs], add_special_tokens=True
+            [x if isinstance(x, str) else tuple(x) for x in pairs], add_special_tokens=True
         )
     except Exception as e:  # tokenizers raises bare exceptions (e.g. max_len below specials)
         raise InputError(
@@ -597,9 +626,10 @@ def make_set(
             f"nli_head.make_set: {len(heads)} heads for {len(splits)} splits; pass one per task."
         )
     encs, task, labels = [], [], []
+    c = num_classes(heads) if heads else NUM_CLASSES
     for i, (h, sp) in enumerate(zip(heads, splits, strict=True)):
         lab = np.asarray(sp.labels, np.int64)
-        bad = lab[(lab < 0) | (lab >= NUM_CLASSES)]
+        bad = lab[(lab < 0) | (lab >= c)]
         if bad.size or not np.asarray(h.used)[lab].all():
             v = int(bad[0]) if bad.size else int(lab[~np.asarray(h.used)[lab]][0])
             raise InputError(
@@ -691,7 +721,7 @@ class Scorer(PassCounter):
             pooled = self._pool(kernels, self.folder.rest, b.ids, b.mask)
             head = jnp.asarray(np.where(b.index >= 0, ds.head[np.maximum(b.index, 0)], 0))
             pending.append((b.index, self._classify(pooled, scores, head, used)))
-        return self.gather(pending, (len(ds), NUM_CLASSES), ds, t0)
+        return self.gather(pending, (len(ds), int(scores.shape[-1])), ds, t0)
 
     def correct(
         self, ds: NLISet, scores, used, adapter=None, coef: float = 1.0, **kw
@@ -750,12 +780,14 @@ class Evaluator(ev.MergeSearch):
             )
         if adapter_keys is not None and len(adapter_keys) != n:
             raise InputError(f"nli_head.Evaluator: {len(adapter_keys)} adapter keys for {n} tasks.")
-        stacked = np.stack([np.asarray(s, np.float32) for s in scores])
-        if stacked.shape[1:] != (scorer.model.config.hidden_size, NUM_CLASSES):
+        c = num_classes(val.heads)
+        shapes = sorted({np.shape(s) for s in scores})
+        if shapes != [(scorer.model.config.hidden_size, c)]:
             raise InputError(
-                f"nli_head.Evaluator: heads of shape {stacked.shape[1:]}; expected "
-                f"({scorer.model.config.hidden_size}, {NUM_CLASSES}) (hidden size x classes)."
+                f"nli_head.Evaluator: heads of shape {', '.join(map(str, shapes))}; expected "
+                f"({scorer.model.config.hidden_size}, {c}) (hidden size x classes)."
             )
+        stacked = np.stack([np.asarray(s, np.float32) for s in scores])
         self.scorer, self.adapters = scorer, list(adapters)
         self.scores = jnp.asarray(stacked)
         self.used = jnp.asarray(used_mask(val.heads))
@@ -844,6 +876,8 @@ class Trainer(LoraTrainer):
       model: the base :class:`llama.Llama` (no adapters).
       tokenizer: its tokenizer.
       scorer: a :class:`Scorer` of ``model`` for validation (default made here).
+      num_classes: the classes of the label space the heads read (:data:`NUM_CLASSES`, the NLI
+        suite's three, by default).
     """
 
     where = "nli_head.Trainer"
@@ -856,7 +890,13 @@ class Trainer(LoraTrainer):
         tokenizer: Any,
         *,
         scorer: Scorer | None = None,
+        num_classes: int = NUM_CLASSES,
     ):
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
+            raise InputError(
+                f"nli_head.Trainer: num_classes={num_classes!r}; expected an integer >= 2."
+            )
+        self.num_classes = num_classes
         if not isinstance(config, NLITrainConfig):
             raise InputTypeError(
                 f"nli_head.Trainer: config is a {type(config).__name__}; expected NLITrainConfig."
@@ -902,7 +942,7 @@ class Trainer(LoraTrainer):
         seed = ft.init_seed(self.config, name)
         lora = lora_state(llama.add_lora(self.model, self.lora, rngs=nnx.Rngs(seed)))
         rng = np.random.default_rng([seed, 2])
-        score = rng.normal(0.0, _SCORE_STD, (self.model.config.hidden_size, NUM_CLASSES))
+        score = rng.normal(0.0, _SCORE_STD, (self.model.config.hidden_size, self.num_classes))
         return {"lora": lora, "score": jnp.asarray(score, jnp.float32)}
 
     def adapter(self, lora: Any) -> dict[str, dict[str, Any]]:
@@ -938,6 +978,11 @@ class Trainer(LoraTrainer):
           InputError: a training example of a class the head masks.
         """
         labels = np.asarray(task.train.labels, np.int32)
+        if len(head.used) != self.num_classes:
+            raise InputError(
+                f"nli_head.Trainer.fit: task {task.name!r}'s head reads {len(head.used)} classes; "
+                f"the trainer's heads have {self.num_classes} (Trainer(num_classes=...))."
+            )
         if not np.asarray(head.used)[labels].all():
             raise InputError(
                 f"nli_head.Trainer.fit: task {task.name!r} has training examples of a class its "
@@ -995,13 +1040,14 @@ def cache_key(
     tokenizer: Any,
     weights: str,
     dtype: str,
+    suite: str = "nli",
 ) -> tuple[str, dict[str, Any]]:
-    """``(hex key, the document hashed)`` naming the result of training ``task``: the task's
-    data, its tokenized train and validation pairs, its head, the config (with its seed), the
-    model's weights and compute dtype, and :data:`CODE_VERSION`."""
+    """``(hex key, the document hashed)`` naming the result of training ``task``: the suite, the
+    task's data, its tokenized train and validation pairs, its head, the config (with its seed),
+    the model's weights and compute dtype, and :data:`CODE_VERSION`."""
     what = {
         "code_version": CODE_VERSION,
-        "suite": "nli",
+        "suite": suite,
         "task": ft.task_fingerprint(task),
         "pairs": _pairs_fingerprint(tokenizer, task, config),
         "head": {"used": list(head.used), "names": list(head.names)},
@@ -1031,15 +1077,18 @@ def train_task(
     cache_dir: str | os.PathLike,
     trainer: Trainer | Callable[[], Trainer] | None = None,
     progress: Callable[[int, dict], None] | None = None,
+    suite: str = "nli",
 ) -> HeadedTask:
     """Train ``task`` with ``config`` (as ``fitting.task_config`` gives it), or load it from
-    ``cache_dir/<task>-<key>``.
+    ``cache_dir/<task>-<key>`` (``suite`` names the suite in the key).
 
     Returns:
       :class:`HeadedTask`; ``info["cache_hit"]`` says whether it came from the cache.
     """
     own = ft.task_config(config, task.name)
-    key, what = cache_key(task, head, own, tokenizer=tokenizer, weights=weights, dtype=dtype)
+    key, what = cache_key(
+        task, head, own, tokenizer=tokenizer, weights=weights, dtype=dtype, suite=suite
+    )
     doc = {**what, "task_name": task.name, "key": key}
     got = train_cached(
         task, head, config, kind=Trainer, trainer=trainer, cache_dir=cache_dir, key=key,
@@ -1065,16 +1114,21 @@ def train_tasks(
     scorer: Scorer | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    suite: str = "nli",
 ) -> list[HeadedTask]:
-    """Train (or load) every task, a tqdm bar each; one :class:`Trainer` made on the first cache
-    miss and shared; ``log`` gets a line per task."""
-    trainer = functools.cache(lambda: Trainer(config, model, tokenizer, scorer=scorer))
+    """Train (or load) every task, a tqdm bar each; one :class:`Trainer` (its heads as wide as
+    ``heads``' label space) made on the first cache miss and shared; ``log`` gets a line per
+    task; ``suite`` names the suite in the cache keys."""
+    c = num_classes(heads) if heads else NUM_CLASSES
+    trainer = functools.cache(
+        lambda: Trainer(config, model, tokenizer, scorer=scorer, num_classes=c)
+    )
     dtype = np.dtype(model.dtype).name
 
     def one(task: Any, head: HeadSpec, tick: Callable[[int, dict], None]) -> HeadedTask:
         return train_task(
             task, head, config, tokenizer=tokenizer, weights=weights, dtype=dtype,
-            cache_dir=cache_dir, trainer=trainer, progress=tick,
+            cache_dir=cache_dir, trainer=trainer, progress=tick, suite=suite,
         )  # fmt: skip
 
     def total(task: Any) -> int:
@@ -1123,8 +1177,8 @@ def export_peft(
     if score is None:
         raise InputError(f"{fn}: pass the task's head (score=) with a bare adapter.")
     w = np.asarray(score, np.float32)
-    if w.ndim != 2 or w.shape[1] != NUM_CLASSES:
-        raise InputError(f"{fn}: score has shape {w.shape}; expected (D, {NUM_CLASSES}).")
+    if w.ndim != 2 or w.shape[1] < 2:
+        raise InputError(f"{fn}: score has shape {w.shape}; expected (D, C) with C >= 2 classes.")
     out = pathlib.Path(path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{fn}: {out} exists and is not an empty folder; choose another.")
@@ -1164,9 +1218,10 @@ def load_peft(path: str | os.PathLike) -> tuple[dict[str, dict[str, Any]], np.nd
             f"nli_head.load_peft: {d} holds no head ({_SCORE_KEY}); it has {sorted(keys) or 'none'}."
         )
     w = np.asarray(stn.load_file(str(d / nu.peft.WEIGHTS_NAME))[_SCORE_KEY], np.float32)
-    if w.ndim != 2 or w.shape[0] != NUM_CLASSES:
+    if w.ndim != 2 or w.shape[0] < 2:
         raise InputError(
-            f"nli_head.load_peft: {d}: the head has shape {w.shape}; expected ({NUM_CLASSES}, D)."
+            f"nli_head.load_peft: {d}: the head has shape {w.shape}; expected (C, D) with C >= 2 "
+            "classes."
         )
     return {k: dict(v) for k, v in adapter.items()}, np.ascontiguousarray(w.T)
 
