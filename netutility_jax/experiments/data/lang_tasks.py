@@ -5,7 +5,8 @@ model's chat template, ``chat=True``) that ends with the answer cue ``"Answer:"`
 one of the task's **label words** (:class:`PromptSpec`), one per label. A prompt is scored by the
 decoder's own LM head at the last position, restricted to the first token of each label word
 (``" positive"`` with its leading space), and the prediction is the label whose token has the
-largest logit: the paper's protocol for its NLI suite (Qwen3-4B), here on SmolLM2-135M.
+largest logit. This formulation is this project's own; the paper trains a classification head
+with each LoRA instead (its App. B; the ``language_head`` suite runs that on the same tasks).
 
 A task's **head** (:class:`PromptHead`) is its spec and the label words' first-token ids; the
 words of a task must start with distinct tokens (checked, with the clashing words named).

@@ -1,8 +1,11 @@
-"""The language suite: LoRAs of a real decoder LLM merged under rank budgets (the paper's NLI suite).
+"""The language suite: LoRAs of a real decoder LLM merged under rank budgets, tasks as prompts.
 
-The analogue of the paper's second suite (Qwen3-4B, LoRA r=16 on q, k, v, o, six NLI tasks,
-answers scored by the model's own LM head) on SmolLM2-135M-Instruct (Llama architecture, 30
-layers, grouped-query attention like Qwen3; :mod:`llama`), on this project's real tasks:
+A counterpart of the paper's second suite (Qwen3-4B, LoRA r=16 on q, k, v, o, six NLI tasks) on
+SmolLM2-135M-Instruct (Llama architecture, 30 layers, grouped-query attention like Qwen3;
+:mod:`llama`), on this project's real tasks, in a formulation of **this project's own**: the
+paper trains a classification head with each LoRA (its App. B; :mod:`language_head` runs that
+formulation on the same model and tasks, :mod:`nli` on the paper's data); here every task is
+answered by label words scored by the frozen LM head:
 
 1. every task is asked as a short prompt whose answer is one of its label words, scored by the
    LM head restricted to the label words' first tokens at the last position
