@@ -26,10 +26,12 @@ What is the paper's and what is ours:
   Since every task keeps its own head, the slots only fix the head's shape; what the merge
   shares is the LoRA. The inputs are the task's raw texts (a pair task's two parts as a
   pair, as the paper's premise and hypothesis), with no prompt;
-* ours: the **training length** (a CPU's): AdamW at ``1e-3`` (the paper: ``3e-5``), 16 texts a
+* ours: the **training length** (a CPU's): AdamW at ``3e-4`` (the paper: ``3e-5``), 16 texts a
   step (the paper: 1), at most 250 steps (the paper: up to 10 epochs), validation every 25
   steps with a patience of 3 (the paper: every 4,000 steps, patience 3). :data:`FULL` and
-  :data:`QUICK` say so in their configs, which every result records.
+  :data:`QUICK` say so in their configs, which every result records. The learning rate was
+  chosen on word_sentiment's validation texts (seed 0): ``1e-3`` peaked at step 50 (0.77) and
+  stopped early, ``3e-4`` rose to 0.81 at step 250; no test label was read.
 
 The label-word formulation (:mod:`language`: the frozen LM head restricted to the label words)
 is this project's own and stays the ``language`` suite. Both suites share the tasks, splits,
@@ -116,7 +118,7 @@ FULL = gr.Preset(
     train=nh.NLITrainConfig(
         rows=16,
         row_len=40,
-        learning_rate=1e-3,
+        learning_rate=3e-4,
         warmup_fraction=0.06,
         max_steps=250,
         max_epochs=10,
