@@ -37,6 +37,8 @@ from .errors import InputError, InputTypeError
 
 __all__ = [
     "AXIS",
+    "MODULES",
+    "MeshWording",
     "Stacked",
     "check_mesh",
     "host_stack",
@@ -75,28 +77,61 @@ def module_mesh(devices: Any = None) -> Mesh:
     return Mesh(np.array(devs), (AXIS,))
 
 
-def check_mesh(fn: str, mesh: Any) -> Mesh | None:
-    """``mesh`` checked: None, or a one-axis :class:`jax.sharding.Mesh` of this process's
-    devices."""
-    if mesh is None:
+class MeshWording(NamedTuple):
+    """How :func:`check_mesh` words its errors for one kind of caller (each caller's messages
+    are pinned by its tests).
+
+    Attributes:
+      optional: whether None is accepted (no mesh: one device).
+      make: the call that makes a good mesh (``"nu.module_mesh"``).
+      split: what is split over the mesh's axis (``"the modules are sharded"``).
+      local: the fix for a mesh holding other processes' devices.
+    """
+
+    optional: bool
+    make: str
+    split: str
+    local: str
+
+
+MODULES = MeshWording(
+    optional=True,
+    make="nu.module_mesh",
+    split="the modules are sharded",
+    local="each process shards its own modules over its own devices: build the mesh from "
+    "jax.local_devices() (nu.module_mesh()).",
+)
+"""The library's wording (``mesh=`` of :func:`nu.score`, :func:`nu.merge` ...)."""
+
+
+def check_mesh(fn: str, mesh: Any, *, wording: MeshWording = MODULES) -> Mesh | None:
+    """``mesh`` checked: a one-axis :class:`jax.sharding.Mesh` of this process's devices, or
+    None where ``wording.optional``; errors name ``fn`` and are worded by ``wording``
+    (:data:`MODULES` by default).
+
+    Raises:
+      InputTypeError: not a mesh (nor None where allowed).
+      InputError: several axes, or devices of other processes.
+    """
+    if mesh is None and wording.optional:
         return None
     if not isinstance(mesh, Mesh):
+        expected = "None or a jax.sharding.Mesh" if wording.optional else "a jax.sharding.Mesh"
         raise InputTypeError(
-            f"{fn}: mesh is a {type(mesh).__name__}; expected None or a jax.sharding.Mesh with "
-            "one axis (nu.module_mesh() makes one of every local device)."
+            f"{fn}: mesh is a {type(mesh).__name__}; expected {expected} with one axis "
+            f"({wording.make}() makes one of every local device)."
         )
     if len(mesh.axis_names) != 1:
         raise InputError(
             f"{fn}: mesh has axes {mesh.axis_names} (shape {dict(mesh.shape)}); expected one axis, "
-            "over which the modules are sharded: nu.module_mesh(devices)."
+            f"over which {wording.split}: {wording.make}(devices)."
         )
     local = set(jax.local_devices())
     foreign = [d for d in mesh.devices.flat if d not in local]
     if foreign:
         raise InputError(
             f"{fn}: mesh holds {len(foreign)} device(s) of other processes (e.g. {foreign[0]}); "
-            "each process shards its own modules over its own devices: build the mesh from "
-            "jax.local_devices() (nu.module_mesh())."
+            f"{wording.local}"
         )
     return mesh
 

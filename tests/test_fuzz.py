@@ -17,6 +17,7 @@ import datetime
 import itertools
 import json
 import math
+import os
 import signal
 
 import hypothesis
@@ -867,3 +868,185 @@ def test_adapter_writer_refuses_bad_names(tmp_path, names, error):
     with pytest.raises(errors.NetUtilityError, match=error):
         peft.AdapterWriter(tmp_path / "out", names=names)
     assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# A model's weights sharded over a mesh (experiments.models.sharding)
+# ---------------------------------------------------------------------------------------------
+# Mesh sizes are drawn from 1 to this process' devices: one in the default tier; the slow
+# variant runs the same properties in a child process with 8 forced CPU devices.
+
+# the slow variant's child runs more examples (NETUTILITY_FUZZ_SHARDING_EXAMPLES)
+SHARDING = {
+    "max_examples": int(os.environ.get("NETUTILITY_FUZZ_SHARDING_EXAMPLES", "12")),
+    "deadline": DEADLINE,
+}
+_NAMES = ["q_proj", "o_proj", "down_proj", "fc1", "query", "embed_tokens", "norm", "mlp", "x"]
+_LEAVES = ["kernel", "lora_a", "lora_b", "embedding", "scale", "bias"]
+
+
+@st.composite
+def _param_st(draw):
+    path = (*draw(st.lists(st.sampled_from(_NAMES), max_size=3)), draw(st.sampled_from(_LEAVES)))
+    shape = tuple(draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 24]), max_size=4)))
+    dtype = draw(st.sampled_from([np.float32, np.float16, np.int32]))
+    return path, shape, np.dtype(dtype)
+
+
+def _check_spec(spec, shape, nbytes, n, min_bytes, axis="model"):
+    """The rule's invariants: at most one split axis, named ``axis``, of a size the mesh divides,
+    only for parameters of at least ``min_bytes`` on several devices; replicated only when no
+    axis qualifies."""
+    from jax.sharding import PartitionSpec
+
+    assert isinstance(spec, PartitionSpec) and len(spec) <= len(shape)
+    split = [i for i, a in enumerate(spec) if a is not None]
+    assert len(split) <= 1 and all(spec[i] == axis for i in split)
+    if split:
+        (d,) = split
+        assert n > 1 and nbytes >= min_bytes and shape[d] % n == 0 and shape[d] >= n
+        assert spec[-1] == axis  # no trailing None (as jit writes its outputs' specs)
+    else:
+        assert n <= 1 or nbytes < min_bytes or not any(s >= n and s % n == 0 for s in shape)
+
+
+@hypothesis.settings(**SHARDING)
+@hypothesis.given(
+    param=_param_st(),
+    n=st.integers(1, 8),
+    min_bytes=st.integers(0, 4096),
+    axis=st.sampled_from(["model", "x"]),
+)
+def test_sharding_partition_spec_random_shapes(param, n, min_bytes, axis):
+    from netutility_jax.experiments.models import sharding
+
+    path, shape, dtype = param
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    spec = sharding.partition_spec(path, shape, nbytes, n, axis=axis, min_bytes=min_bytes)
+    _check_spec(spec, shape, nbytes, n, min_bytes, axis)
+
+
+@st.composite
+def _state_st(draw):
+    """A state of 1..4 arrays at random paths (``p<i>/<layer names>/<leaf>``: the rule's
+    names among others), shapes and dtypes, a mesh size among this process' devices and a
+    ``min_bytes``: ``(state, [(keys, array)], n, min_bytes)``."""
+    import jax
+
+    state: dict = {}
+    arrays = []
+    for i, (path, shape, dtype) in enumerate(draw(st.lists(_param_st(), min_size=1, max_size=4))):
+        size = int(np.prod(shape, dtype=np.int64))
+        x = (np.arange(size, dtype=np.int64).reshape(shape) % 97).astype(dtype)
+        keys = (f"p{i}", *path)
+        node = state
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = x
+        arrays.append((keys, x))
+    n = draw(st.integers(1, len(jax.local_devices())))
+    return state, arrays, n, draw(st.integers(0, 2048))
+
+
+def _shard_state_property(case):
+    import jax
+
+    from netutility_jax.experiments.models import sharding
+
+    state, arrays, n, min_bytes = case
+    hypothesis.event(f"mesh of {n} of {len(jax.local_devices())} devices")
+    mesh = sharding.model_mesh(n)
+    assert mesh.size == n and mesh.axis_names == ("model",)
+    placed, summary = sharding.shard_state(state, mesh, min_bytes=min_bytes)
+    assert jax.tree.structure(placed) == jax.tree.structure(state)
+    assert summary.devices == n and summary.sharded + summary.replicated == len(arrays)
+    assert summary.bytes_per_device <= summary.total_bytes
+    assert summary.total_bytes == sum(x.nbytes for _, x in arrays)
+    for keys, x in arrays:
+        got = placed
+        for k in keys:
+            got = got[k]
+        np.testing.assert_array_equal(np.asarray(got), x)  # the placed array is the input
+        assert got.dtype == x.dtype and len(got.sharding.device_set) == n
+        spec = summary.specs["/".join(keys)]
+        assert tuple(got.sharding.spec) == tuple(spec)
+        assert spec == sharding.partition_spec(keys, x.shape, x.nbytes, n, min_bytes=min_bytes)
+        _check_spec(spec, x.shape, x.nbytes, n, min_bytes)
+        split = any(a is not None for a in spec)
+        for s in got.addressable_shards:  # each device holds its share of the split axis
+            assert s.data.nbytes * (n if split else 1) == x.nbytes
+
+
+@hypothesis.settings(**SHARDING)
+@hypothesis.given(case=_state_st())
+def test_sharding_shard_state_random_states(case):
+    _shard_state_property(case)
+
+
+_GARBAGE = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 20), st.floats(allow_nan=True), st.text(max_size=3),
+    st.binary(max_size=3), st.lists(st.integers(-1, 3), max_size=3), st.just([]),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+)  # fmt: skip
+
+
+@hypothesis.settings(**SHARDING)
+@hypothesis.given(devices=_GARBAGE, axis=st.one_of(_GARBAGE, st.just("model")))
+def test_sharding_model_mesh_garbage_gives_documented_errors(devices, axis):
+    """Any ``devices`` and ``axis``: a mesh, or InputError / InputTypeError only."""
+    import jax
+
+    from netutility_jax.experiments.models import sharding
+
+    try:
+        mesh = sharding.model_mesh(devices, axis=axis)
+    except (InputError, InputTypeError) as e:
+        assert str(e).startswith("sharding.model_mesh: ")
+        hypothesis.event(type(e).__name__)
+        return
+    assert mesh.axis_names == (axis,) and 1 <= mesh.size <= len(jax.local_devices())
+
+
+@hypothesis.settings(**SHARDING)
+@hypothesis.given(mesh=st.one_of(_GARBAGE, st.just("mesh")), min_bytes=_GARBAGE)
+def test_sharding_shard_state_garbage_gives_documented_errors(mesh, min_bytes):
+    """A bad ``mesh`` or ``min_bytes`` (a real mesh where ``mesh`` is ``"mesh"``): InputError or
+    InputTypeError, naming the function, never another exception."""
+    from netutility_jax.experiments.models import sharding
+
+    real = sharding.model_mesh(1)
+    state = {"w": np.ones((8, 8), np.float32)}
+    try:
+        placed, _ = sharding.shard_state(
+            state, real if mesh == "mesh" else mesh, min_bytes=min_bytes
+        )
+    except (InputError, InputTypeError) as e:
+        assert str(e).startswith("sharding.shard_state: ")
+        hypothesis.event(type(e).__name__)
+        return
+    assert mesh == "mesh" and isinstance(min_bytes, int) and min_bytes >= 0
+    np.testing.assert_array_equal(np.asarray(placed["w"]), state["w"])
+
+
+@pytest.mark.slow  # (a child process with 8 CPU devices: mesh sizes 1..8)
+def test_sharding_properties_on_8_devices():
+    """The sharding properties above, run by pytest in a child with 8 forced CPU devices (JAX
+    fixes its device count when it starts), with more examples."""
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=8"])
+    env["NETUTILITY_COMPILE_CACHE"] = "off"
+    env["NETUTILITY_FUZZ_SHARDING_EXAMPLES"] = "60"
+    here = pathlib.Path(__file__).resolve()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+         str(here), "-k", "test_sharding_ and not on_8_devices", "--hypothesis-show-statistics"],
+        cwd=here.parents[1], env=env, capture_output=True, text=True, timeout=SLOW_WALL_SECONDS,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "4 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "mesh of 8 of 8 devices" in proc.stdout, proc.stdout[-2000:]

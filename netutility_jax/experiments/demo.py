@@ -62,6 +62,7 @@ __all__ = [
     "check_weights",
     "load_tasks",
     "main",
+    "model_devices",
     "preset_of",
     "run",
     "suite_flags",
@@ -243,16 +244,52 @@ def check_folder(path: str, flag: str, *, shown: str | None = None) -> str:
     return str(path)
 
 
-_FLAG_NAMES = {"model_dir": "--model-dir", "data_dir": "--data-dir", "adapters": "--adapters"}
+_FLAG_NAMES = {
+    "model_dir": "--model-dir",
+    "data_dir": "--data-dir",
+    "adapters": "--adapters",
+    "model_devices": "--model-devices",
+}
+
+
+def model_devices(text: str) -> int:
+    """``--model-devices {all,N}`` as a number of this process' devices: ``all`` (every local
+    device) or ``N`` from 1 to the number present.
+
+    Raises:
+      DemoError: one line naming the flag: not ``all`` nor a whole number, below 1, or more
+        devices than this machine has.
+    """
+    import jax
+
+    devs = jax.local_devices()
+    have = f"this machine has {len(devs)} {devs[0].platform} device{'s' * (len(devs) > 1)}"
+    value = str(text).strip()
+    if value.lower() == "all":
+        return len(devs)
+    try:
+        n = int(value)
+    except ValueError:
+        raise DemoError(
+            f"--model-devices {text!r}: expected all or a whole number of devices "
+            f"(1 to {len(devs)}; {have})"
+        ) from None
+    if n < 1:
+        raise DemoError(f"--model-devices {n}: expected at least 1 device (or all; {have})")
+    if n > len(devs):
+        raise DemoError(f"--model-devices {n}: {have}; give 1 to {len(devs)}, or all")
+    return n
 
 
 def suite_flags(args: argparse.Namespace, spec: suites.SuiteSpec) -> dict[str, Any]:
-    """The folder flags given (``--model-dir``, ``--data-dir``, ``--adapters``) as keywords of
-    ``spec.build`` / ``spec.requires`` (:data:`suites.FLAGS`), every folder checked.
+    """The flags given (``--model-dir``, ``--data-dir``, ``--adapters``, ``--model-devices``)
+    as keywords of ``spec.build`` / ``spec.requires`` (:data:`suites.FLAGS`), every folder
+    checked and ``--model-devices`` resolved to a number of devices (:func:`model_devices`).
 
     Raises:
       DemoError: a flag the suite does not accept (:attr:`suites.SuiteSpec.flags`), a bad
-        ``--adapters`` list, or a folder that is not there (:func:`check_folder`).
+        ``--adapters`` list, a folder that is not there (:func:`check_folder`), or a bad
+        ``--model-devices``.
     """
     given: dict[str, Any] = {}
     for key, flag in _FLAG_NAMES.items():
@@ -272,6 +309,8 @@ def suite_flags(args: argparse.Namespace, spec: suites.SuiteSpec) -> dict[str, A
             for a in items:
                 check_folder(a.path, flag, shown=f"{a.name}={a.path}" if a.name else None)
             given[key] = items
+        elif key == "model_devices":
+            given[key] = model_devices(value)
         else:
             given[key] = check_folder(value, flag)
     return given
@@ -467,6 +506,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the task LoRAs of a suite that merges given adapters (PEFT folders): NAME=DIR "
         "pairs, or folders matched by name (..._dtd) or else by order "
         "(vision: dtd, eurosat, gtsrb, mnist, resisc45, sun397, svhn)",
+    )
+    parser.add_argument(
+        "--model-devices",
+        default=None,
+        metavar="{all,N}",
+        help="split the model's weights over all local devices or the first N (a model that "
+        "does not fit one accelerator; suites that load a model folder: vision, nli); the run "
+        "records the mesh size in results.json (placement); default: one device",
     )
     parser.add_argument(
         "--cache-dir",

@@ -25,7 +25,10 @@ of ``--model-dir``, ``--data-dir`` and ``--adapters`` it accepts (:attr:`SuiteSp
 :data:`FLAGS`). ``netutility demo`` refuses any other, checks that every folder given exists
 before any work, and calls ``spec.requires(**given)`` and ``spec.build(**given)`` with the flags
 given only (``model_dir=``, ``data_dir=``: the folders as strings; ``adapters=``: a tuple of
-:class:`AdapterArg`, ``--adapters NAME=DIR,DIR,...`` parsed by :func:`parse_adapters`). A suite
+:class:`AdapterArg`, ``--adapters NAME=DIR,DIR,...`` parsed by :func:`parse_adapters`;
+``model_devices=``: ``--model-devices {all,N}`` as the number of local devices to split the
+model's weights over, checked against the devices present: a suite that takes it builds
+``sharding.model_mesh(model_devices)``). A suite
 that accepts ``data_dir`` reads its own tasks: its suite object also has ``load_tasks(preset) ->
 (tasks, preset)`` (:class:`SuiteWithData`), which ``netutility demo`` calls in place of the
 built-in text tasks (``--task``, ``--tasks`` are refused for it), and a suite that accepts
@@ -63,8 +66,9 @@ __all__ = [
 ]
 
 #: The flags a suite may accept (``SuiteSpec.flags``), as keyword names of ``build`` and
-#: ``requires``; on the command line ``--model-dir``, ``--data-dir``, ``--adapters``.
-FLAGS = ("model_dir", "data_dir", "adapters")
+#: ``requires``; on the command line ``--model-dir``, ``--data-dir``, ``--adapters``,
+#: ``--model-devices``.
+FLAGS = ("model_dir", "data_dir", "adapters", "model_devices")
 
 
 class SuiteUnavailable(NetUtilityError):
@@ -250,8 +254,8 @@ class SuiteSpec:
       grids: the presets ``--grid`` may name (the first is the default); ``--quick`` picks
         ``"quick"``.
       cost: what a full run costs, for ``--help``.
-      flags: which of :data:`FLAGS` (``--model-dir``, ``--data-dir``, ``--adapters``) the suite
-        accepts; ``netutility demo`` refuses the others.
+      flags: which of :data:`FLAGS` (``--model-dir``, ``--data-dir``, ``--adapters``,
+        ``--model-devices``) the suite accepts; ``netutility demo`` refuses the others.
     """
 
     name: str
@@ -413,7 +417,7 @@ def _vision_presets() -> Mapping[str, Any]:
 def _vision_build(**given: Any) -> Suite:
     from ..suites import vision
 
-    return vision.VisionSuite(given["model_dir"], given["data_dir"], given["adapters"])
+    return vision.build(**given)
 
 
 def _vision_requires(**given: Any) -> None:
@@ -507,6 +511,6 @@ register(
         grids=("paper",),
         cost="paper: days on one GPU for Qwen3-4B (full data, batch 1); --quick: a minute on a "
         "tiny model",
-        flags=("model_dir", "data_dir"),
+        flags=("model_dir", "data_dir", "model_devices"),
     )
 )

@@ -21,6 +21,17 @@ state), :meth:`~LoraTrainer.adapter` (the trained state as an adapter) and
 :meth:`~LoraTrainer.prepare` (a task's :class:`TaskRun`: its epochs, its steps' batches and its
 validation). ``tests/test_trainer.py`` trains a toy suite (a LoRA on a linear map) this way
 against an AdamW loop written out in float64.
+
+**A sharded base model.** When the base model's weights lie on a mesh of several devices
+(``sharding.shard_model``, e.g. a suite built with ``mesh=``), every fresh trainable state and
+its optimizer state are placed on the same mesh before the first step (:meth:`LoraTrainer.place`),
+so that the jitted step runs as one SPMD program over the mesh: by the ``place`` given to the
+trainer (e.g. ``lambda t: sharding.shard_state(t, mesh)[0]``: the model's rule, the moments
+beside their factors), or else replicated over the base state's mesh (what ``shard_state`` does
+with every array under its ``min_bytes``, 1 MiB: the LoRA factors and heads of ordinary sizes).
+The harness imports no model code, so the rule is an argument. The step's outputs come back in
+the shardings XLA chose, so its second call may compile once more (then no more); the updates
+are those of one device up to float32 rounding (``tests/test_sharding.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ import numpy as np
 from ...errors import InputError
 from . import fitting as ft
 
-__all__ = ["Batch", "LoraTrainer", "TaskRun", "lora_state", "train_cached"]
+__all__ = ["Batch", "LoraTrainer", "TaskRun", "base_mesh", "lora_state", "train_cached"]
 
 
 class Batch(NamedTuple):
@@ -75,6 +86,18 @@ class TaskRun(NamedTuple):
     validate: Callable[[Any], tuple[float, float]]
 
 
+def base_mesh(state: Any) -> Any:
+    """The mesh of several devices ``state``'s arrays lie on (the first found:
+    ``sharding.shard_model`` puts a whole model on one), or None."""
+    from jax.sharding import NamedSharding
+
+    for x in jax.tree.leaves(state):
+        on = getattr(x, "sharding", None)
+        if isinstance(on, NamedSharding) and on.mesh.size > 1:
+            return on.mesh
+    return None
+
+
 def lora_state(model: Any) -> Any:
     """The ``nnx.LoRAParam`` state of ``model`` in buffers of its own (the step donates them)."""
     from flax import nnx
@@ -91,9 +114,15 @@ class LoraTrainer:
       loss_fn: ``loss_fn(state, base_state, *batch.args)`` -> the scalar training loss;
         differentiated in ``state``.
       base_state: the frozen state every step reads (the base model's weights).
+      place: ``place(tree) -> tree`` puts a fresh trainable state and its optimizer state on
+        the devices (module docstring); None: replicated over the base state's mesh when it
+        lies on several devices, else left where it is.
 
     Attributes:
       config, base_state: as given.
+      placer: ``place`` as given (a suite may set it after construction).
+      mesh: the mesh the base state lies on (its first array split or replicated over several
+        devices), or None (one device).
       fits: how many tasks :meth:`fit` has trained.
     """
 
@@ -102,11 +131,43 @@ class LoraTrainer:
     #: Whether ``info`` reports ``slot_tokens_per_second`` and the batch ``shapes``.
     report_slots: ClassVar[bool] = False
 
-    def __init__(self, config: ft.TrainConfigBase, loss_fn: Callable[..., jax.Array], base_state):
+    def __init__(
+        self,
+        config: ft.TrainConfigBase,
+        loss_fn: Callable[..., jax.Array],
+        base_state,
+        *,
+        place: Callable[[Any], Any] | None = None,
+    ):
         self.config = config
         self.base_state = base_state
+        self.placer = place
+        self.mesh = base_mesh(base_state)
         self._optimizer = ft.optimizers(config, loss_fn)
         self.fits = 0
+
+    def place(self, tree: Any) -> Any:
+        """``tree`` (a fresh trainable state, or its optimizer state) on the devices the steps
+        run on: ``placer(tree)`` if set; else, with the base state on a :attr:`mesh`, each array
+        not on that mesh replicated over it (an array already on it stays as it is); else
+        ``tree`` unchanged."""
+        if self.placer is not None:
+            return self.placer(tree)
+        if self.mesh is None:
+            return tree
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        mesh, everywhere = self.mesh, NamedSharding(self.mesh, PartitionSpec())
+
+        def put(x: Any) -> Any:
+            if not isinstance(x, (jax.Array, np.ndarray)):
+                return x
+            on = getattr(x, "sharding", None)
+            if isinstance(on, NamedSharding) and on.mesh == mesh:
+                return x
+            return jax.device_put(x, everywhere)
+
+        return jax.tree.map(put, tree)
 
     # ------------------------------------------------------------------ what a suite supplies
 
@@ -175,10 +236,10 @@ class LoraTrainer:
             shapes.add(b.shape)
             return state, opt_state, loss
 
-        state = self.init(task.name)
+        state = self.place(self.init(task.name))
         fit = ft.fit_early_stopping(
-            cfg, state, tx.init(state), plan=plan, step=step, validate=run.validate,
-            progress=progress,
+            cfg, state, self.place(tx.init(state)), plan=plan, step=step,
+            validate=run.validate, progress=progress,
         )  # fmt: skip
         info = {
             **fit.info,

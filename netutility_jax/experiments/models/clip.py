@@ -72,7 +72,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from ...errors import InputError, InputTypeError
-from . import clip_load
+from . import clip_load, llama_load
 from .clip_image import ALPHA_MODES as ALPHA_MODES
 from .clip_image import OPENAI_CLIP_MEAN as OPENAI_CLIP_MEAN
 from .clip_image import OPENAI_CLIP_STD as OPENAI_CLIP_STD
@@ -135,6 +135,8 @@ def from_pretrained(
     dtype: Any = jnp.float32,
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs | None = None,
+    mesh: Any = None,
+    min_bytes: int | None = None,
 ) -> Loaded:
     """Load a Hugging Face ``CLIPModel`` folder (e.g. openai/clip-vit-base-patch32 on disk).
 
@@ -145,6 +147,11 @@ def from_pretrained(
       dtype: compute dtype (see :class:`CLIPModel`).
       param_dtype: dtype of the stored weights (any stored dtype is converted to it).
       rngs: draws the LoRA ``A`` factors; required with ``lora``.
+      mesh: None (the default device), or a one-axis mesh (``sharding.model_mesh``) to split
+        the weights over as they are read (``sharding.placer``, the rule of
+        ``sharding.shard_model``): no device ever holds the whole model.
+      min_bytes: with ``mesh``: weights smaller than this are replicated (None:
+        ``sharding.MIN_BYTES``).
 
     Returns:
       ``Loaded(model, config, image_config)``; ``image_config`` is CLIP's default when the folder
@@ -155,14 +162,18 @@ def from_pretrained(
       InputError: a bad ``config.json`` (the field named) or ``preprocessor_config.json``; a
         shard path leaving the folder; a pickle-only folder; a missing, misshapen or unused
         tensor (named).
-      InputTypeError: a dtype other than float32, bfloat16, float16.
+      InputTypeError: a dtype other than float32, bfloat16, float16; a ``mesh`` that is not a
+        ``jax.sharding.Mesh`` (checked before any read).
     """
     d = pathlib.Path(folder)
     fn = f"clip.from_pretrained({str(d)!r})"
+    llama_load.placement(fn, mesh, min_bytes)  # a bad mesh fails before the read
     cfg, tensors = clip_load.read_folder(d, fn)
     image_config = ImageProcessorConfig.from_pretrained(d)
     options = ModelOptions(lora, dtype, param_dtype, rngs)
-    model = clip_load.build(fn, cfg, tensors, "the safetensors files", options)
+    model = clip_load.build(
+        fn, cfg, tensors, "the safetensors files", options, mesh=mesh, min_bytes=min_bytes
+    )
     return Loaded(model, cfg, image_config)
 
 

@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 
 from ...errors import InputError
+from . import sharding
 from .clip_model import CLIPConfig, CLIPModel, ModelOptions, abstract_model, add_lora
-from .llama_load import Tensors, check_folder, check_options, safetensors_tensors
+from .llama_load import Tensors, check_folder, check_options, placement, safetensors_tensors
 from .llama_model import BASE_WEIGHTS, check_filled, variable_at
 from .llama_tokenizer import read_json
 
@@ -65,10 +66,20 @@ def _torch_shape(shape: tuple[int, ...], leaf: str) -> tuple[int, ...]:
 
 
 def build(
-    fn: str, cfg: CLIPConfig, tensors: Tensors, where: str, options: ModelOptions
+    fn: str,
+    cfg: CLIPConfig,
+    tensors: Tensors,
+    where: str,
+    options: ModelOptions,
+    *,
+    mesh: Any = None,
+    min_bytes: int | None = None,
 ) -> CLIPModel:
     """A :class:`CLIPModel` of ``cfg`` with its base weights from ``tensors`` and, with
     ``options.lora``, fresh adapters (:func:`add_lora`).
+
+    With ``mesh``, each weight is placed on the mesh as it is read (``sharding.placer``, as
+    ``llama_load.build``): no device ever holds the whole model.
 
     Args:
       fn: the public call, for messages.
@@ -76,12 +87,18 @@ def build(
       tensors: Hugging Face name -> loader of the array in the torch layout.
       where: the checkpoint, for messages.
       options: adapters, dtypes and ``rngs`` (needed only with ``lora``).
+      mesh: None (the default device), or a one-axis mesh (``sharding.model_mesh``).
+      min_bytes: with ``mesh``: parameters smaller than this are replicated (None:
+        ``sharding.MIN_BYTES``).
 
     Raises:
-      InputError: ``lora`` without ``rngs``; a missing, misshapen or unused tensor (named).
-      InputTypeError: a dtype other than float32, bfloat16, float16.
+      InputError: ``lora`` without ``rngs``; a missing, misshapen or unused tensor (named); a
+        mesh of several axes or of other processes' devices, a negative ``min_bytes``.
+      InputTypeError: a dtype other than float32, bfloat16, float16; a ``mesh`` that is not a
+        ``jax.sharding.Mesh``, a ``min_bytes`` that is not an int.
     """
     lora, dtype, param_dtype, rngs = check_options(fn, options)
+    place, min_bytes = placement(fn, mesh, min_bytes)
     model = abstract_model(cfg, None, dtype, param_dtype)
     used = set()
     for path, var in nnx.to_flat_state(nnx.state(model, BASE_WEIGHTS)):
@@ -101,7 +118,11 @@ def build(
                 "weights."
             )
         value = _to_flax(arr, leaf)
-        variable_at(model, path).set_value(jnp.asarray(value, dtype=param_dtype))
+        if place is None:
+            value = jnp.asarray(value, dtype=param_dtype)
+        else:  # converted on the host: each device receives only its own share
+            value = place(path, np.ascontiguousarray(value).astype(param_dtype))
+        variable_at(model, path).set_value(value)
         used.add(name)
     # position_ids are buffers older transformers saved with the weights.
     unused = sorted(k for k in tensors if k not in used and not k.endswith(".position_ids"))
@@ -111,7 +132,10 @@ def build(
             f"{' ...' if len(unused) > 5 else ''}; is it a transformers CLIPModel checkpoint?"
         )
     check_filled(fn, model)
-    return model if lora is None else add_lora(model, lora, rngs=rngs)
+    model = model if lora is None else add_lora(model, lora, rngs=rngs)
+    if mesh is not None:
+        sharding.shard_model(model, mesh, min_bytes=min_bytes)
+    return model
 
 
 def read_folder(d: pathlib.Path, fn: str) -> tuple[CLIPConfig, Tensors]:

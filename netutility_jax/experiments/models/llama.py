@@ -179,6 +179,8 @@ def from_pretrained(
     dtype: Any = jnp.float32,
     param_dtype: Any = jnp.float32,
     rngs: nnx.Rngs | None = None,
+    mesh: Any = None,
+    min_bytes: int | None = None,
 ) -> Loaded:
     """Load a Hugging Face ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` folder.
 
@@ -193,12 +195,18 @@ def from_pretrained(
       dtype: compute dtype (see :class:`Llama`).
       param_dtype: dtype of the stored weights (``jnp.bfloat16`` for a 4B model on a small GPU).
       rngs: draws the LoRA ``A`` factors; required with ``lora``.
+      mesh: None (the default device), or a one-axis mesh (``sharding.model_mesh``) to split
+        the weights over as they are read (``sharding.placer``: no device ever holds the whole
+        model; the rule of ``sharding.shard_model``), for a model that does not fit one device.
+      min_bytes: with ``mesh``: weights smaller than this are replicated (None:
+        ``sharding.MIN_BYTES``).
 
     Returns:
       ``Loaded(model, tokenizer, config)``.
 
     Raises:
       MissingFileError: no folder, ``config.json``, weights, shard or ``tokenizer.json``.
+      InputTypeError: a ``mesh`` that is not a ``jax.sharding.Mesh`` (checked before any read).
       InputError: another architecture, a pickle-only folder, a missing/unexpected tensor (named)
         or one of the wrong shape, a bad file; a ``config.json`` that is not a JSON object or has
         a field of the wrong JSON type (named with the file and what is expected: integers are
@@ -209,10 +217,13 @@ def from_pretrained(
     """
     d = pathlib.Path(folder)
     fn = f"llama.from_pretrained({str(d)!r})"
+    llama_load.placement(fn, mesh, min_bytes)  # a bad mesh fails before the (long) read
     cfg, tensors = llama_load.read_folder(d, fn)
     tokenizer = Tokenizer.from_pretrained(d)
     options = ModelOptions(lora, dtype, param_dtype, rngs)
-    model = llama_load.build(fn, cfg, tensors, "the safetensors files", options)
+    model = llama_load.build(
+        fn, cfg, tensors, "the safetensors files", options, mesh=mesh, min_bytes=min_bytes
+    )
     return Loaded(model, tokenizer, cfg)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from ...errors import InputError, MissingFileError
+from . import sharding
 from .llama_config import ARCHITECTURES, LlamaConfig
 from .llama_model import (
     BASE_WEIGHTS,
@@ -38,6 +39,7 @@ __all__ = [
     "build",
     "check_folder",
     "check_options",
+    "placement",
     "read_folder",
     "safetensors_tensors",
 ]
@@ -61,8 +63,11 @@ def _fill(
     tensors: Tensors,
     where: str,
     label: Callable[[str], str] = repr,
+    place: Callable[[Sequence[Any], np.ndarray], Any] | None = None,
 ) -> None:
-    """Set every base weight of an abstract model from ``tensors`` (HF names, torch layout)."""
+    """Set every base weight of an abstract model from ``tensors`` (HF names, torch layout);
+    ``place(path, host_array)`` puts each on the devices (``sharding.placer``; None: the
+    default device)."""
     used = set()
     for path, var in nnx.to_flat_state(nnx.state(model, BASE_WEIGHTS)):
         name, transpose = _hf_key(path)
@@ -83,7 +88,11 @@ def _fill(
                 "the weights."
             )
         arr = arr.T if transpose else arr
-        variable_at(model, path).set_value(jnp.asarray(arr, dtype=model.param_dtype))
+        if place is None:
+            value = jnp.asarray(arr, dtype=model.param_dtype)
+        else:  # converted on the host: each device receives only its own share
+            value = place(path, np.asarray(arr).astype(model.param_dtype))
+        variable_at(model, path).set_value(value)
         used.add(name)
     unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq"))
     if "lm_head.weight" in unused and model.config.tie_word_embeddings:
@@ -124,9 +133,17 @@ def build(
     where: str,
     options: ModelOptions,
     label: Callable[[str], str] = repr,
+    *,
+    mesh: Any = None,
+    min_bytes: int | None = None,
 ) -> Llama:
     """A :class:`Llama` of ``cfg`` with its base weights from ``tensors`` and, with
     ``options.lora``, fresh adapters (:func:`add_lora`).
+
+    With ``mesh``, each weight is placed on the mesh as it is read (``sharding.placer``: read
+    to the host, converted to ``param_dtype`` there, and each device sent only its share), so no
+    device ever holds the whole model; the adapters and the rest of the state are placed after
+    (``sharding.shard_model``, the same rule).
 
     Args:
       fn: the public call, for messages.
@@ -135,16 +152,40 @@ def build(
       where: the checkpoint, for messages (``"the GGUF file"``).
       options: adapters, dtypes and ``rngs`` (needed only with ``lora``).
       label: how a tensor is named in messages.
+      mesh: None (the default device), or a one-axis mesh (``sharding.model_mesh``).
+      min_bytes: with ``mesh``: parameters smaller than this are replicated (None:
+        ``sharding.MIN_BYTES``).
 
     Raises:
-      InputError: ``lora`` without ``rngs``; a missing, misshapen or unused tensor.
-      InputTypeError: a dtype other than float32, bfloat16, float16.
+      InputError: ``lora`` without ``rngs``; a missing, misshapen or unused tensor; a mesh of
+        several axes or of other processes' devices, a negative ``min_bytes``.
+      InputTypeError: a dtype other than float32, bfloat16, float16; a ``mesh`` that is not a
+        ``jax.sharding.Mesh``, a ``min_bytes`` that is not an int.
     """
     lora, dtype, param_dtype, rngs = check_options(fn, options)
+    place, min_bytes = placement(fn, mesh, min_bytes)
     model = abstract_model(cfg, None, dtype, param_dtype)
-    _fill(fn, model, tensors, where, label)
+    _fill(fn, model, tensors, where, label, place)
     check_filled(fn, model)
-    return model if lora is None else add_lora(model, lora, rngs=rngs)
+    model = model if lora is None else add_lora(model, lora, rngs=rngs)
+    if mesh is not None:
+        sharding.shard_model(model, mesh, min_bytes=min_bytes)
+    return model
+
+
+def placement(
+    fn: str, mesh: Any, min_bytes: int | None
+) -> tuple[Callable[[Sequence[Any], np.ndarray], Any] | None, int]:
+    """A loader's ``mesh`` and ``min_bytes`` checked before any tensor is read: ``(place,
+    min_bytes)``, ``place`` None without a mesh (``sharding.placer``).
+
+    Raises:
+      InputError, InputTypeError: as ``sharding.placer``.
+    """
+    min_bytes = sharding.MIN_BYTES if min_bytes is None else min_bytes
+    if mesh is None:
+        return None, min_bytes
+    return sharding.placer(mesh, min_bytes=min_bytes, fn=fn), min_bytes
 
 
 def check_options(fn: str, options: Any) -> tuple[Any, np.dtype, np.dtype, Any]:

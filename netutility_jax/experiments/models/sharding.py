@@ -26,6 +26,10 @@ The rule (:func:`partition_spec`), per array of the state:
 On a one-device mesh nothing is split. The batch needs no placing: a jitted function replicates
 host (numpy) inputs over the mesh.
 
+A loader places each weight as it reads it with :func:`placer` (``llama_load.build`` and
+``clip_load.build`` with ``mesh=``), so that no device holds the whole model;
+:func:`placement_record` is what a run records of it (``results.json``'s ``placement``).
+
 Example (on a machine with several devices):
 
     mesh = sharding.model_mesh()                 # every local device, axis "model"
@@ -35,7 +39,7 @@ Example (on a machine with several devices):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..._mesh import MeshWording, check_mesh
 from ...errors import InputError, InputTypeError
 
 __all__ = [
@@ -53,6 +58,8 @@ __all__ = [
     "ShardSummary",
     "model_mesh",
     "partition_spec",
+    "placement_record",
+    "placer",
     "shard_model",
     "shard_state",
 ]
@@ -69,6 +76,14 @@ COLUMN_LAYERS = frozenset(
 
 ROW_LAYERS = frozenset({"o_proj", "down_proj", "out_proj", "fc2", "output"})
 """Layers whose kernel ``(d_in, d_out)`` is split along ``d_in`` (they take split inputs)."""
+
+#: How a bad mesh is refused here (the one check, ``_mesh.check_mesh``, in this module's words).
+_WORDING = MeshWording(
+    optional=False,
+    make="sharding.model_mesh",
+    split="the weights are split",
+    local="build it from this process' devices (sharding.model_mesh()).",
+)
 
 
 class ShardSummary(NamedTuple):
@@ -90,6 +105,33 @@ class ShardSummary(NamedTuple):
     sharded: int
     replicated: int
     specs: dict[str, P]
+
+
+def placement_record(summary: ShardSummary | None) -> dict[str, Any]:
+    """Where a run's model lies, as its results record it (``results.json``'s ``placement``):
+    ``model_devices`` (the mesh's size; 1 without a mesh), the devices' ``platform`` and
+    ``device_kind``, and with a ``summary`` (:func:`shard_model`'s) its ``total_bytes``,
+    ``bytes_per_device``, ``sharded`` and ``replicated``.
+
+    Example:
+      >>> from netutility_jax.experiments.models import sharding
+      >>> sharding.placement_record(None)["model_devices"]
+      1
+    """
+    dev = jax.local_devices()[0]
+    out: dict[str, Any] = {
+        "model_devices": 1 if summary is None else int(summary.devices),
+        "platform": dev.platform,
+        "device_kind": dev.device_kind,
+    }
+    if summary is not None:
+        out.update(
+            total_bytes=int(summary.total_bytes),
+            bytes_per_device=int(summary.bytes_per_device),
+            sharded=int(summary.sharded),
+            replicated=int(summary.replicated),
+        )
+    return out
 
 
 def model_mesh(devices: Any = None, *, axis: str = "model") -> Mesh:
@@ -192,6 +234,40 @@ def partition_spec(
     return P(*(axis if i == dim else None for i in range(dim + 1)))  # no trailing Nones
 
 
+def placer(
+    mesh: Mesh, *, min_bytes: int = MIN_BYTES, fn: str = "sharding.placer"
+) -> Callable[[Sequence[Any], Any], jax.Array]:
+    """``place(path, x)``: one parameter ``x`` (numpy or a ``jax.Array``, at its stored dtype)
+    of state path ``path`` put on ``mesh`` by the module docstring's rule, as
+    :func:`shard_model` would put it. For loaders that place each weight as they read it
+    (``llama_load.build(mesh=...)``), so that no device ever holds the whole model.
+
+    Args:
+      mesh: a one-axis mesh of this process' devices (:func:`model_mesh`).
+      min_bytes: parameters smaller than this are replicated.
+      fn: the caller's name in error messages.
+
+    Raises:
+      InputTypeError, InputError: as :func:`shard_state` (checked here, before any array).
+
+    Example:
+      >>> import numpy as np
+      >>> from netutility_jax.experiments.models import sharding
+      >>> place = sharding.placer(sharding.model_mesh(1), min_bytes=0)
+      >>> place(("mlp", "up_proj", "kernel"), np.ones((4, 8), np.float32)).shape
+      (4, 8)
+    """
+    mesh = check_mesh(fn, mesh, wording=_WORDING)
+    min_bytes = _check_min_bytes(fn, min_bytes)
+    n, axis = mesh.size, mesh.axis_names[0]
+
+    def place(path: Sequence[Any], x: Any) -> jax.Array:
+        spec = partition_spec(path, x.shape, int(x.nbytes), n, axis=axis, min_bytes=min_bytes)
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return place
+
+
 def _split_axis(
     path: Sequence[Any], shape: tuple[int, ...], nbytes: int, n: int, min_bytes: int
 ) -> int | None:
@@ -213,27 +289,6 @@ def _split_axis(
     if want in fits:
         return want
     return max(fits, key=lambda i: (shape[i], i))
-
-
-def _check_mesh(fn: str, mesh: Any) -> Mesh:
-    if not isinstance(mesh, Mesh):
-        raise InputTypeError(
-            f"{fn}: mesh is a {type(mesh).__name__}; expected a jax.sharding.Mesh with one axis "
-            "(sharding.model_mesh() makes one of every local device)."
-        )
-    if len(mesh.axis_names) != 1:
-        raise InputError(
-            f"{fn}: mesh has axes {mesh.axis_names} (shape {dict(mesh.shape)}); expected one "
-            "axis, over which the weights are split: sharding.model_mesh(devices)."
-        )
-    local = set(jax.local_devices())
-    foreign = [d for d in mesh.devices.flat if d not in local]
-    if foreign:
-        raise InputError(
-            f"{fn}: mesh holds {len(foreign)} device(s) of other processes (e.g. {foreign[0]}); "
-            "build it from this process' devices (sharding.model_mesh())."
-        )
-    return mesh
 
 
 def _check_min_bytes(fn: str, min_bytes: Any) -> int:
@@ -267,7 +322,7 @@ def _place(fn: str, state: Any, mesh: Mesh, min_bytes: int) -> tuple[Any, ShardS
                 f"{fn}: {where} is a placeholder (jax.ShapeDtypeStruct), not an array: load or "
                 "fill the model's weights before sharding it."
             )
-        if not isinstance(x, (jax.Array, np.ndarray)):
+        if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
             return leaf  # not an array (None, a Python number): left as it is
         path = tuple(_key_name(k) for k in keypath)
         nbytes = int(x.nbytes)
@@ -312,7 +367,7 @@ def shard_state(state: Any, mesh: Mesh, *, min_bytes: int = MIN_BYTES) -> tuple[
         ``min_bytes``; a placeholder (``jax.ShapeDtypeStruct``) in ``state``.
     """
     fn = "sharding.shard_state"
-    mesh = _check_mesh(fn, mesh)
+    mesh = check_mesh(fn, mesh, wording=_WORDING)
     return _place(fn, state, mesh, _check_min_bytes(fn, min_bytes))
 
 
@@ -346,7 +401,7 @@ def shard_model(model: Any, mesh: Mesh, *, min_bytes: int = MIN_BYTES) -> tuple[
             f"{fn}: model is a {type(model).__name__}; expected an nnx.Module (e.g. a "
             "llama.Llama or a clip.CLIPModel); shard a state with sharding.shard_state."
         )
-    mesh = _check_mesh(fn, mesh)
+    mesh = check_mesh(fn, mesh, wording=_WORDING)
     state, summary = _place(fn, nnx.state(model), mesh, _check_min_bytes(fn, min_bytes))
     nnx.update(model, state)
     return model, summary

@@ -28,7 +28,8 @@ synthetic data in the six datasets' formats (``python -m netutility_jax.experime
 --write-toy DIR``).
 
 Declared in ``suites`` with the other built-in suites (:func:`spec_kwargs` gives that declaration
-with this module's callables); it takes the command line's ``--model-dir`` and ``--data-dir``.
+with this module's callables); it takes the command line's ``--model-dir``, ``--data-dir`` and
+``--model-devices`` (the decoder split over that many local devices, :class:`NLISuite`'s ``mesh``).
 """
 
 from __future__ import annotations
@@ -199,6 +200,21 @@ class NLISuite(ScoredSuite):
       data_dir: the NLI data folder (:mod:`nli_data`), for :meth:`load_tasks`.
       dtype: compute dtype: ``"auto"`` (bfloat16 on an accelerator, float32 on CPU) or a dtype.
       param_dtype: stored base weights (float32; ``jnp.bfloat16`` halves their memory).
+      mesh: None (one device), or a one-axis mesh (``sharding.model_mesh``; ``netutility demo
+        --model-devices``) to split the decoder's weights over, for a model that does not fit
+        one accelerator: with ``model_dir`` each weight is placed as it is read
+        (``llama.from_pretrained(mesh=...)``: no device holds the whole model), a ``model``
+        given is placed by ``sharding.shard_model``, before the scorer and the trainer see it;
+        the trainer places each task's LoRA, head and optimizer state by the same rule
+        (``sharding.shard_state``; they are under ``min_bytes``, so replicated, at the paper's
+        sizes). Results match one device's up to float32 rounding; the run records the mesh
+        (``results.json``'s ``placement``).
+      min_bytes: with ``mesh``: parameters smaller than this are replicated (None:
+        ``sharding.MIN_BYTES``).
+
+    Attributes:
+      mesh, min_bytes: as given (``min_bytes`` resolved).
+      placement: where ``shard_model`` put the model (a ``sharding.ShardSummary``), or None.
     """
 
     name = SUITE
@@ -212,14 +228,19 @@ class NLISuite(ScoredSuite):
         data_dir: str | os.PathLike | None = None,
         dtype: Any = "auto",
         param_dtype: Any = None,
+        mesh: Any = None,
+        min_bytes: int | None = None,
     ):
         import jax.numpy as jnp
 
-        from ..models import llama
+        from ..models import llama, sharding
         from . import nli_head as nh
 
         if (model is None) != (tokenizer is None):
             raise InputError("NLISuite: pass both model and tokenizer, or neither.")
+        min_bytes = sharding.MIN_BYTES if min_bytes is None else min_bytes
+        if mesh is not None:  # checked before the (long) load
+            sharding.placer(mesh, min_bytes=min_bytes, fn="NLISuite")
         if model is None:
             if model_dir is None:
                 raise NLIUnavailable(
@@ -230,9 +251,14 @@ class NLISuite(ScoredSuite):
                 model_dir,
                 dtype=_compute_dtype(dtype),
                 param_dtype=jnp.float32 if param_dtype is None else param_dtype,
+                mesh=mesh,
+                min_bytes=min_bytes,
             )
         elif dtype != "auto":
             model = llama.with_dtype(model, dtype)
+        self.mesh, self.placement, self.min_bytes = mesh, None, min_bytes
+        if mesh is not None:  # (a folder's weights are in place already: this summarises where)
+            model, self.placement = sharding.shard_model(model, mesh, min_bytes=min_bytes)
         self.model, self.tokenizer = model, tokenizer
         self.model_dir = None if model_dir is None else pathlib.Path(model_dir)
         self.data_dir = None if data_dir is None else pathlib.Path(data_dir)
@@ -252,13 +278,19 @@ class NLISuite(ScoredSuite):
         return np.dtype(self.model.dtype).name
 
     @property
+    def model_devices(self) -> int:
+        """The devices the model's weights are split over (1 without a mesh)."""
+        return 1 if self.mesh is None else int(self.mesh.size)
+
+    @property
     def description(self) -> str:
         c = self.model.config
         where = f" from {self.model_dir}" if self.model_dir is not None else ""
+        split = f", on a {self.model_devices}-device mesh" * (self.model_devices > 1)
         return (
             f"a {c.num_layers}-layer {c.model_type} decoder{where} (hidden {c.hidden_size}, "
             f"{c.num_heads}/{c.num_kv_heads} query/key-value heads, vocabulary {c.vocab_size}, "
-            f"{self.dtype} compute)"
+            f"{self.dtype} compute{split})"
         )
 
     def load_tasks(self, preset: Any, names: Sequence[str] | None = None) -> NLITasks:
@@ -299,12 +331,17 @@ class NLISuite(ScoredSuite):
     ) -> list[Any]:
         """Train (or load from ``cache_dir``) every task's LoRA and head
         (``nli_head.train_tasks``)."""
+        from ..models import sharding
         from . import nli_head as nh
 
+        mesh, min_bytes = self.mesh, self.min_bytes
+        place = None if mesh is None else (
+            lambda tree: sharding.shard_state(tree, mesh, min_bytes=min_bytes)[0]
+        )  # fmt: skip
         return nh.train_tasks(
             tasks, heads, config, model=self.model, tokenizer=self.tokenizer,
             weights=self.weights, cache_dir=cache_dir, scorer=self.scorer, progress=progress,
-            log=log,
+            log=log, place=place,
         )  # fmt: skip
 
     def evaluator(
@@ -322,17 +359,23 @@ class NLISuite(ScoredSuite):
         """The evaluation settings that determine a merge's result (for the job cache key)."""
         from . import nli_head as nh
 
+        # a split model sums in another order (float32 rounding): its own key; one device's
+        # keys are unchanged
+        split = {"model_devices": self.model_devices} if self.model_devices > 1 else {}
         return {
             **self.key_start([nh.CODE_VERSION, CODE_VERSION]),
             "dtype": self.dtype,
             "row_len": config.row_len,
             "eval_tokens": config.eval_tokens,
             "mask_logit": nh.MASK_LOGIT,
+            **split,
         }
 
     def report(self, run: Any) -> Any:
         """The NLI suite's report wording (:data:`NLIReport`, a ``report.SuiteReport``)."""
-        return _report_class()(self.description, run)
+        from ..models import sharding
+
+        return _report_class()(self.description, run, sharding.placement_record(self.placement))
 
 
 def _report_class() -> type:
@@ -348,14 +391,17 @@ def _report_class() -> type:
         Args:
           description: the model (:attr:`NLISuite.description`).
           run: the run (its tasks' label mappings are described).
+          placement: where the model lies (``sharding.placement_record``), recorded as
+            ``results["placement"]``; None: not recorded.
         """
 
         unit = "pairs"
         layers = "every layer"
         zero_shot_model = "base model with each task's trained head"
 
-        def __init__(self, description: str, run: Any):
+        def __init__(self, description: str, run: Any, placement: dict[str, Any] | None = None):
             self.description = description
+            self.placement = placement
             self.mapping = "; ".join(
                 f"{t.name}: " + ", ".join(
                     f"{lab} <- {txt}" for lab, txt in zip(t.labels, t.label_texts, strict=True)
@@ -376,6 +422,9 @@ def _report_class() -> type:
                 "state, linear head (no bias) over entailment/neutral/contradiction per task",
                 "mask_logit": nh.MASK_LOGIT,
             }
+
+        def fields(self, run: Any) -> dict[str, Any]:
+            return {} if self.placement is None else {"placement": self.placement}
 
         def title(self, results: Mapping[str, Any]) -> str:
             return f"# netutility demo --suite nli ({results['preset']})"
@@ -411,14 +460,25 @@ def _report_class() -> type:
 
 
 def build(
-    *, model_dir: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None
+    *,
+    model_dir: str | os.PathLike | None = None,
+    data_dir: str | os.PathLike | None = None,
+    model_devices: int | None = None,
 ) -> NLISuite:
-    """The suite for ``--model-dir`` / ``--data-dir`` (``SuiteSpec.build``): loads the model."""
-    return NLISuite(model_dir=model_dir, data_dir=data_dir)
+    """The suite for ``--model-dir`` / ``--data-dir`` / ``--model-devices`` (``SuiteSpec.build``):
+    loads the model, split over the first ``model_devices`` local devices
+    (``sharding.model_mesh``) when given."""
+    from ..models import sharding
+
+    mesh = None if model_devices is None else sharding.model_mesh(model_devices)
+    return NLISuite(model_dir=model_dir, data_dir=data_dir, mesh=mesh)
 
 
 def requires(
-    *, model_dir: str | os.PathLike | None = None, data_dir: str | os.PathLike | None = None
+    *,
+    model_dir: str | os.PathLike | None = None,
+    data_dir: str | os.PathLike | None = None,
+    model_devices: int | None = None,
 ) -> None:
     """Fail before any work (``SuiteSpec.requires``) without a usable model folder, data folder or
     reader.

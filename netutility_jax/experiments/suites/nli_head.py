@@ -878,6 +878,9 @@ class Trainer(LoraTrainer):
       scorer: a :class:`Scorer` of ``model`` for validation (default made here).
       num_classes: the classes of the label space the heads read (:data:`NUM_CLASSES`, the NLI
         suite's three, by default).
+      place: puts a fresh LoRA-and-head state and its optimizer state on the devices
+        (``trainer.LoraTrainer``'s ``place``: e.g. ``sharding.shard_state`` on the model's mesh);
+        None: replicated over the base model's mesh when it is split, else left as it is.
     """
 
     where = "nli_head.Trainer"
@@ -891,6 +894,7 @@ class Trainer(LoraTrainer):
         *,
         scorer: Scorer | None = None,
         num_classes: int = NUM_CLASSES,
+        place: Callable[[Any], Any] | None = None,
     ):
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
             raise InputError(
@@ -932,7 +936,7 @@ class Trainer(LoraTrainer):
             z = class_logits(pooled, params["score"][None], head, used[None])
             return masked_loss(z, labels, valid)
 
-        super().__init__(config, loss_fn, base_state)
+        super().__init__(config, loss_fn, base_state, place=place)
         self._loss = jax.jit(loss_fn)
 
     def init(self, name: str) -> dict[str, Any]:
@@ -1115,13 +1119,15 @@ def train_tasks(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     suite: str = "nli",
+    place: Callable[[Any], Any] | None = None,
 ) -> list[HeadedTask]:
     """Train (or load) every task, a tqdm bar each; one :class:`Trainer` (its heads as wide as
-    ``heads``' label space) made on the first cache miss and shared; ``log`` gets a line per
-    task; ``suite`` names the suite in the cache keys."""
+    ``heads``' label space, its states put on the devices by ``place``) made on the first cache
+    miss and shared; ``log`` gets a line per task; ``suite`` names the suite in the cache
+    keys."""
     c = num_classes(heads) if heads else NUM_CLASSES
     trainer = functools.cache(
-        lambda: Trainer(config, model, tokenizer, scorer=scorer, num_classes=c)
+        lambda: Trainer(config, model, tokenizer, scorer=scorer, num_classes=c, place=place)
     )
     dtype = np.dtype(model.dtype).name
 

@@ -80,6 +80,7 @@ __all__ = [
     "VisionSuite",
     "VisionTasks",
     "ZeroShotHead",
+    "build",
     "check_folders",
     "load_tokenizer",
     "make_image_set",
@@ -647,11 +648,15 @@ def _adapter_files(d: pathlib.Path) -> list[pathlib.Path]:
 
 
 def check_folders(
-    model_dir: Any = None, data_dir: Any = None, adapters: Sequence[Any] | None = None
+    model_dir: Any = None,
+    data_dir: Any = None,
+    adapters: Sequence[Any] | None = None,
+    model_devices: int | None = None,
 ) -> None:
     """The up-front checks of ``netutility demo --suite vision`` (before any work): every flag
     given, the model folder's files, each adapter folder's files, each dataset's folder with a
-    test split, and the readers the files need.
+    test split, and the readers the files need (``model_devices``, checked by ``netutility
+    demo``, is not looked at).
 
     Raises:
       InputError: a missing flag, file or reader (one line, naming the flag; the suite's spec
@@ -721,6 +726,22 @@ def _fingerprint_files(d: pathlib.Path) -> dict[str, list[int]]:
     return out
 
 
+def build(
+    *,
+    model_dir: str | os.PathLike,
+    data_dir: str | os.PathLike,
+    adapters: Sequence[Any] | Mapping[str, Any],
+    model_devices: int | None = None,
+) -> VisionSuite:
+    """The suite for ``--model-dir``, ``--data-dir``, ``--adapters`` and ``--model-devices``
+    (``SuiteSpec.build``): loads CLIP, split over the first ``model_devices`` local devices
+    (``sharding.model_mesh``) when given."""
+    from ..models import sharding
+
+    mesh = None if model_devices is None else sharding.model_mesh(model_devices)
+    return VisionSuite(model_dir, data_dir, adapters, mesh=mesh)
+
+
 class VisionSuite:
     """CLIP, its zero-shot heads and the given adapters: the suite interface
     ``runner.run_experiment`` drives (see ``suites.Suite``), plus :meth:`load_tasks` (a suite
@@ -730,23 +751,43 @@ class VisionSuite:
       model_dir: a Hugging Face ``CLIPModel`` folder (module doc).
       data_dir: the datasets (:mod:`vision_data`).
       adapters: ``--adapters`` items (``suites.AdapterArg``) or ``{dataset: folder}``.
+      mesh: None (one device), or a one-axis mesh (``sharding.model_mesh``; ``netutility demo
+        --model-devices``) to split CLIP's weights over: each weight is placed as it is read
+        (``clip.from_pretrained(mesh=...)``: no device holds the whole model), before the heads
+        and the backbone are built. Results match one device's up to float32 rounding; the run
+        records the mesh (``results.json``'s ``placement``).
+      min_bytes: with ``mesh``: parameters smaller than this are replicated (None:
+        ``sharding.MIN_BYTES``).
+
+    Attributes:
+      mesh: as given.
+      placement: where ``shard_model`` put the model (a ``sharding.ShardSummary``), or None.
     """
 
     name = SUITE
 
     def __init__(
         self, model_dir: str | os.PathLike, data_dir: str | os.PathLike,
-        adapters: Sequence[Any] | Mapping[str, Any],
+        adapters: Sequence[Any] | Mapping[str, Any], *, mesh: Any = None,
+        min_bytes: int | None = None,
     ):  # fmt: skip
-        from ..models import clip
+        from ..models import clip, sharding
 
+        min_bytes = sharding.MIN_BYTES if min_bytes is None else min_bytes
+        if mesh is not None:  # checked before the load
+            sharding.placer(mesh, min_bytes=min_bytes, fn="VisionSuite")
         self.model_dir, self.data_dir = pathlib.Path(model_dir), pathlib.Path(data_dir)
         self.adapter_dirs = (
             {k: pathlib.Path(v) for k, v in adapters.items()}
             if isinstance(adapters, Mapping)
             else match_adapters(adapters)
         )
-        self.model, self.config, self.image_config = clip.from_pretrained(self.model_dir)
+        self.model, self.config, self.image_config = clip.from_pretrained(
+            self.model_dir, mesh=mesh, min_bytes=min_bytes
+        )
+        self.mesh, self.placement = mesh, None
+        if mesh is not None:  # (already in place: this only summarises where)
+            self.model, self.placement = sharding.shard_model(self.model, mesh, min_bytes=min_bytes)
         self.tokenizer = load_tokenizer(self.model_dir, self.config)
         self._loaded: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._backbone: VisionBackbone | None = None
@@ -757,11 +798,17 @@ class VisionSuite:
         self.tokens = vc.num_positions
 
     @property
+    def model_devices(self) -> int:
+        """The devices the model's weights are split over (1 without a mesh)."""
+        return 1 if self.mesh is None else int(self.mesh.size)
+
+    @property
     def description(self) -> str:
         vc = self.config.vision_config
+        split = f", on a {self.model_devices}-device mesh" * (self.model_devices > 1)
         return (
             f"CLIP ViT (patch {vc.patch_size}, {vc.num_layers} layers, width {vc.hidden_size}, "
-            f"{vc.image_size} px) from {self.model_dir.name}"
+            f"{vc.image_size} px) from {self.model_dir.name}{split}"
         )
 
     # -- data and adapters ---------------------------------------------------------------------
@@ -904,6 +951,8 @@ class VisionSuite:
             "weights": self._weights,
             "image_config": dataclasses.asdict(self.image_config),
             "heads": self._heads_digest,
+            # a split model sums in another order (float32 rounding): its own key
+            **({"model_devices": self.model_devices} if self.model_devices > 1 else {}),
         }
 
     def timing(self) -> dict[str, Any]:
@@ -930,11 +979,14 @@ class VisionReport(SuiteReport):
     trained = False
 
     def __init__(self, suite: VisionSuite, run: Any):
+        from ..models import sharding
+
         self.description = suite.description
         self.layers = f"the {suite.config.vision_config.num_layers} layers of the vision tower"
         self.tasks = list(run.tasks)
         self.adapters = {n: str(p) for n, p in suite.adapter_dirs.items()}
         self.train = dataclasses.asdict(run.preset.train)
+        self.placement = sharding.placement_record(getattr(suite, "placement", None))
 
     def evaluation(self, run: Any, common: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -948,7 +1000,11 @@ class VisionReport(SuiteReport):
 
     def fields(self, run: Any) -> dict[str, Any]:
         own = {k: v for k, v in self.train.items() if k != "seed"}  # nothing trains here
-        return {"train_config": {**own, "trained": False}, "adapters": self.adapters}
+        return {
+            "train_config": {**own, "trained": False},
+            "adapters": self.adapters,
+            "placement": self.placement,
+        }
 
     def title(self, results: Mapping[str, Any]) -> str:
         return f"# netutility demo --suite vision ({results['preset']})"
