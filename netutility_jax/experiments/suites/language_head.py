@@ -52,7 +52,6 @@ from typing import Any, NamedTuple
 from ...errors import InputError, InputTypeError
 from ..data import nli_data as nd
 from ..data import tasks as tk
-from ..harness import fitting as ft
 from ..harness import grid as gr
 from ..harness.report_markdown import SuiteReport
 from ..harness.suites import ScoredSuite
@@ -388,11 +387,9 @@ def export_adapters(
     Raises:
       InputError: an adapter is no longer in the cache.
     """
-    base = (pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()) / SUITE
-    return ft.export_cached(
-        "language_head.export_adapters", run_, out, base, nh.load_cached,
-        lambda trained, path: nh.export_peft(trained, path, **config),
-    )  # fmt: skip
+    return nh.export_run(
+        "language_head.export_adapters", SUITE, run_, out, cache_dir=cache_dir, **config
+    )
 
 
 def run(

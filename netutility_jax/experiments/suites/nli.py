@@ -586,14 +586,9 @@ def export_adapters(
     Raises:
       InputError: an adapter is no longer in the cache.
     """
-    from ..harness import fitting as ft
     from . import nli_head as nh
 
-    base = (pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()) / SUITE
-    return ft.export_cached(
-        "nli.export_adapters", run_, out, base, nh.load_cached,
-        lambda trained, path: nh.export_peft(trained, path, **config),
-    )  # fmt: skip
+    return nh.export_run("nli.export_adapters", SUITE, run_, out, cache_dir=cache_dir, **config)
 
 
 # ------------------------------------------------------------------------------------ toy setup

@@ -104,6 +104,7 @@ __all__ = [
     "encode_pairs",
     "export_merged",
     "export_peft",
+    "export_run",
     "head_spec",
     "load_cached",
     "load_peft",
@@ -1230,6 +1231,29 @@ def load_peft(path: str | os.PathLike) -> tuple[dict[str, dict[str, Any]], np.nd
             "classes."
         )
     return {k: dict(v) for k, v in adapter.items()}, np.ascontiguousarray(w.T)
+
+
+def export_run(
+    fn: str,
+    suite: str,
+    run_: Any,
+    out: str | os.PathLike,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    **config: Any,
+) -> list[pathlib.Path]:
+    """Write every trained adapter of a run of ``suite``, with its head, as a PEFT folder
+    ``<out>/seed<S>/<task>`` (:func:`export_peft`), read back from ``<cache_dir>/<suite>``, the
+    cache the run used (``fn`` names the public call in messages).
+
+    Raises:
+      InputError: an adapter is no longer in the cache.
+    """
+    base = (pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()) / suite
+    return ft.export_cached(
+        fn, run_, out, base, load_cached,
+        lambda trained, path: export_peft(trained, path, **config),
+    )  # fmt: skip
 
 
 def export_merged(
