@@ -477,6 +477,26 @@ def hf_env():
         yield torch, transformers, peft
 
 
+def save_hf_llama(hf_env, tok, folder, *, seed: int = 0, **config) -> None:
+    """A tiny random transformers ``LlamaForCausalLM`` (this module's tiny shape; norm gains near
+    1, weights of std 0.3 drawn from ``seed``) saved to ``folder`` with ``tok``'s tokenizer.json;
+    ``config``: more ``LlamaConfig`` fields."""
+    torch, transformers, _ = hf_env
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=64, **config,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            z = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * z if name.endswith("norm.weight") else 0.3 * z)
+    hf.save_pretrained(folder)
+    tok.backend.save(str(folder / "tokenizer.json"))
+
+
 # 29 s: in the slow tier, which CI runs
 @pytest.mark.slow
 @HF_WARNINGS
@@ -487,20 +507,8 @@ def test_exported_adapters_and_cli_merge_match_peft(hf_env, tiny_tok, tmp_path):
     torch, transformers, peft = hf_env
     from netutility_jax import cli
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=tiny_tok.vocab_size, hidden_size=32, intermediate_size=48,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=64,
-    )  # fmt: skip
-    hf = transformers.LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            z = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * z if name.endswith("norm.weight") else 0.3 * z)
     folder = tmp_path / "base"
-    hf.save_pretrained(folder)
-    tiny_tok.backend.save(str(folder / "tokenizer.json"))
+    save_hf_llama(hf_env, tiny_tok, folder)
     model = llama.from_pretrained(folder).model
     tasks = tiny_tasks()
     heads = [

@@ -22,7 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_language import HF_WARNINGS, hf_env, random_model, tiny_config, tiny_tasks, tiny_tok
+from test_language import (
+    HF_WARNINGS,
+    hf_env,
+    random_adapter,
+    random_model,
+    save_hf_llama,
+    tiny_config,
+    tiny_tasks,
+    tiny_tok,
+)
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError, InputTypeError
@@ -263,30 +272,12 @@ def test_export_loads_on_llama_for_sequence_classification(hf_env, tiny_tok, tmp
     ``PeftModel.from_pretrained`` on transformers' ``LlamaForSequenceClassification``: its
     logits are ours (before masking)."""
     torch, transformers, peft = hf_env
-    cfg = transformers.LlamaConfig(
-        vocab_size=tiny_tok.vocab_size, hidden_size=32, intermediate_size=48,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=64,
-        pad_token_id=tiny_tok.pad_id,
-    )  # fmt: skip
-    hf = transformers.LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            z = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * z if name.endswith("norm.weight") else 0.3 * z)
     folder = tmp_path / "base"
-    hf.save_pretrained(folder)
-    tiny_tok.backend.save(str(folder / "tokenizer.json"))
+    save_hf_llama(hf_env, tiny_tok, folder, seed=1, pad_token_id=tiny_tok.pad_id)
     model = llama.from_pretrained(folder).model
     scorer = nh.Scorer(model)
+    adapter = random_adapter(scorer.folder, 4, seed=0, scale=2.0)
     rng = np.random.default_rng(0)
-    adapter = {}
-    for name in scorer.module_names:
-        d_in, d_out = scorer.folder._shapes[name]
-        adapter[name] = {"lora_a": rng.normal(scale=0.3, size=(d_in, 4)).astype(np.float32),
-                         "lora_b": rng.normal(scale=0.3, size=(4, d_out)).astype(np.float32),
-                         "scale": 2.0}  # fmt: skip
     score = rng.normal(scale=0.5, size=(32, 5)).astype(np.float32)
     texts = ["good day", "awful trip", ("day", "large"), "kind song"]
     head = nh.HeadSpec("t", (True,) * 5, tuple("abcde"))
