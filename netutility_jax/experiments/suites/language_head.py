@@ -305,7 +305,7 @@ class LanguageHeadSuite(ScoredSuite):
 
     def report(self, run: Any) -> LanguageHeadReport:
         """The report's wording (:class:`LanguageHeadReport`)."""
-        return LanguageHeadReport(self.description, run)
+        return LanguageHeadReport(self.description, run, self.classes(run.tasks))
 
 
 class LanguageHeadReport(SuiteReport):
@@ -315,15 +315,16 @@ class LanguageHeadReport(SuiteReport):
     Args:
       description: the model (:attr:`LanguageHeadSuite.description`).
       run: the run (its tasks' labels are described).
+      num_classes: the label space's slots (:meth:`LanguageHeadSuite.classes`).
     """
 
     unit = "texts"
     layers = "every layer"
     zero_shot_model = "base model with each task's trained head"
 
-    def __init__(self, description: str, run: Any):
+    def __init__(self, description: str, run: Any, num_classes: int):
         self.description = description
-        self.num_classes = max(2, *(len(t.labels) for t in run.tasks))
+        self.num_classes = num_classes
         self.mapping = "; ".join(
             f"{t.name}: " + ", ".join(f"{k} {lab}" for k, lab in enumerate(t.labels))
             for t in run.tasks
