@@ -457,6 +457,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=int, default=None, help="one training seed (the same as --seeds N)"
     )
     parser.add_argument(
+        "--seeds-from",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="report the seeds of an earlier run of the same suite, grid and tasks (a --out "
+        "directory: its results.json and predictions.npz) with this run's --seeds, e.g. seeds "
+        "run on another machine; checked to be the same experiment before any training; no "
+        "seed twice (repeatable)",
+    )
+    parser.add_argument(
         "--alpha",
         type=_alpha,
         default="auto",
@@ -591,6 +601,7 @@ def _run(args: argparse.Namespace) -> int:
     seeds = _chosen_seeds(args, preset.seeds)
     # every check before any work: a run's results must not be lost at the end
     out = check_out(args.out, overwrite=args.overwrite)
+    seeds_from = _seeds_from(getattr(args, "seeds_from", []), out, seeds)
     given = suite_flags(args, spec)
     specs = [] if own_data else task_args(args.task, args.tasks, preset.tasks)
     check_task_files(specs)
@@ -621,6 +632,7 @@ def _run(args: argparse.Namespace) -> int:
         log=lambda s: print(s, flush=True),
         alpha=args.alpha,
         suite=suite,
+        seeds_from=seeds_from,
     )
     argv = getattr(args, "argv", None)  # set by main() and by the netutility command
     command = shlex.join(["netutility", *(argv if argv is not None else ["demo", *sys.argv[2:]])])
@@ -637,6 +649,33 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seeds_from(dirs: Sequence[str], out: pathlib.Path, seeds: Sequence[int]) -> list[Any]:
+    """``--seeds-from``: each directory's seeds (``seeds.load``), none of them ``--out`` and no
+    seed twice; whether they belong to this experiment is checked by the runner, before any
+    training.
+
+    Raises:
+      DemoError: a directory that is --out, is missing, or holds no readable run; a seed twice.
+    """
+    from .harness import seeds as sds
+
+    loaded = []
+    for d in dirs:
+        check_folder(d, "--seeds-from")
+        path = pathlib.Path(d)
+        if path.resolve() == out.resolve():
+            raise DemoError(
+                f"--seeds-from {d} is also --out: its results would be replaced by the report "
+                "that reads them; choose another --out"
+            )
+        try:
+            loaded.append(sds.load(path, label="--seeds-from"))
+            sds.check_distinct(seeds, loaded)
+        except InputError as e:
+            raise DemoError(str(e).replace("this run's seeds", "--seeds")) from None
+    return loaded
+
+
 def _command(args: argparse.Namespace) -> str:
     argv = getattr(args, "argv", None)  # set by main() and by the netutility command
     return shlex.join(["netutility", *(argv if argv is not None else ["demo", *sys.argv[2:]])])
@@ -650,6 +689,8 @@ def _run_study(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if getattr(args, "suite", "encoder") != "encoder":
         raise DemoError(f"--study {args.study} runs on the encoder suite; drop --suite")
+    if getattr(args, "seeds_from", None):
+        raise DemoError(f"--seeds-from: --study {args.study} reads no earlier seeds; drop it")
     for flag, given in (
         ("--grid", args.grid), ("--init", args.init), ("--tasks", args.tasks),
         ("--task", args.task),

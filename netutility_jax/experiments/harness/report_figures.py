@@ -25,7 +25,8 @@ def figures(run: Any, results: Mapping[str, Any]) -> dict[str, Any]:
 
     names = [t.name for t in run.tasks]
     top = max(run.preset.grid.budgets)
-    s0 = run.seeds[0]
+    # the first seed computed in this run (seeds read back from a rendered run have no masks)
+    s0 = next(s for s in run.seeds if s.masks is not None)
     kept = results["analyses"]["kept_per_module"]["mean_over_seeds"]
     heat_masks = {}
     m_tasks = len(names)

@@ -230,6 +230,7 @@ def render_markdown(
         "interval over seeds (training noise included) excludes 0 as well. TA is identical in "
         "every space; † rows are identical to their Full row (computed once).",
     ]
+    lines += _seeds_from_md(results)
     lines += _deltas_md(results)
     lines += _controls_md(results, grid, suite)
     lines += _single_md(results, suite)
@@ -239,6 +240,25 @@ def render_markdown(
     lines += suite.training(results)
     lines += _timings_md(results)
     return "\n".join(lines) + "\n"
+
+
+def _seeds_from_md(results: Mapping[str, Any]) -> list[str]:
+    """Where the seeds read back from earlier runs came from (``results["seeds_from"]``)."""
+    out = []
+    for src in results.get("seeds_from") or []:
+        commit = (src.get("commit") or {}).get("head") or "unknown"
+        out.append(
+            f"- seed(s) {', '.join(map(str, src['seeds']))}: read from `{src['directory']}`, "
+            f"computed there by `{src.get('command') or 'a Python call'}` at commit {commit[:12]}"
+        )
+    if not out:
+        return []
+    return [
+        "",
+        "Seeds from earlier runs (their merges and test predictions, as rendered there):",
+        "",
+        *out,
+    ]
 
 
 def _intro(results: Mapping[str, Any], suite: SuiteReport) -> str:
@@ -573,16 +593,22 @@ def _training_md(results, suite: SuiteReport) -> list[str]:
 def _timings_md(results) -> list[str]:
     tm = results["timings"]
     bb = tm["backbone"]
+    read = {s for src in results.get("seeds_from") or [] for s in src["seeds"]}
+    total = sum(len(per) for seed, per in results["merges"].items() if int(seed) not in read)
     hits = sum(
-        r.get("cache_hit", False) for per in results["merges"].values() for r in per.values()
+        r.get("cache_hit", False)
+        for seed, per in results["merges"].items()
+        if int(seed) not in read
+        for r in per.values()
     )
-    total = sum(len(per) for per in results["merges"].values())
     return [
         "",
         "## Timings (wall clock; other processes may share the CPUs)",
         "",
         f"- total {tm['total']:.0f} s: training {tm['training']:.0f} s, merge grid {tm['grid']:.0f} s "
-        f"({total} merges, {hits} from the job cache)",
+        f"({total} merges, {hits} from the job cache"
+        + (f"; seed(s) {', '.join(map(str, sorted(read)))} read from earlier runs" if read else "")
+        + ")",
         *(
             [
                 f"- CPU time of this process (every thread) {tm['total_cpu'] / 3600:.2f} h: "

@@ -26,9 +26,12 @@ __all__ = [
     "N_BOOT",
     "Stats",
     "collect",
+    "evaluation",
     "main_rows",
     "predictions",
     "summary_dict",
+    "task_info",
+    "train_config",
 ]
 
 N_BOOT = 2000
@@ -129,14 +132,6 @@ def collect(
     Every result records its suite, command, commit and versions; ``results["summary"]`` is the
     main table as flat records (what the console prints; nothing parses the markdown back)."""
     grid = run.preset.grid
-    evaluation = {
-        "val_texts": len(run.val),
-        "test_texts": len(run.test),
-        "val_tokens": run.val.tokens,
-        "test_tokens": run.test.tokens,
-        "bootstrap_resamples": N_BOOT,
-        "coefficient_grid": "0.1, 0.2, ..., 9.9 (ladder of doublings, then bisection)",
-    }
     table = [
         {
             **{k: v for k, v in row.items() if k != "cells"},
@@ -151,19 +146,20 @@ def collect(
         "preset": run.preset.name,
         "seeds": [s.seed for s in run.seeds],
         "command": command,
+        # seeds read from earlier runs (seeds.load), each with its own command and commit
+        "seeds_from": list(getattr(run, "seeds_from", []) or []),
         "commit": run.commit if run.commit is not None else _provenance.commit(),
         "versions": _provenance.versions(),
         "summary": _summary(table, len(run.seeds), len(run.test)),
-        "tasks": _task_info(run),
-        "train_config": {
-            k: v for k, v in dataclasses.asdict(run.preset.train).items() if k != "seed"
-        },
+        "tasks": task_info(run),
+        "train_config": train_config(run),
         "grid": _io.to_jsonable(dataclasses.asdict(grid)),
+        "alpha_arg": run.alpha_arg,
         "methods": {
             m: {"label": s.label, "method": s.method, "options": dict(s.options), "start": s.start}
             for m, s in gr.METHODS.items()
         },
-        "evaluation": suite.evaluation(run, evaluation),
+        "evaluation": evaluation(run, suite),
         "scoring": {str(s.seed): s.scoring for s in run.seeds},
         "single": _single(run),
         "table": table,
@@ -214,7 +210,27 @@ def _summary(table: list[dict[str, Any]], n_seeds: int, n_test: int) -> list[dic
     return out
 
 
-def _task_info(run: Any) -> list[dict[str, Any]]:
+def evaluation(run: Any, suite: Any) -> dict[str, Any]:
+    """``results["evaluation"]``: the texts and tokens evaluated, the bootstrap and coefficient
+    grid, and the suite's own settings (``suite``: a ``report.SuiteReport``)."""
+    common = {
+        "val_texts": len(run.val),
+        "test_texts": len(run.test),
+        "val_tokens": run.val.tokens,
+        "test_tokens": run.test.tokens,
+        "bootstrap_resamples": N_BOOT,
+        "coefficient_grid": "0.1, 0.2, ..., 9.9 (ladder of doublings, then bisection)",
+    }
+    return suite.evaluation(run, common)
+
+
+def train_config(run: Any) -> dict[str, Any]:
+    """``results["train_config"]``: the preset's training settings, the seed left out."""
+    return {k: v for k, v in dataclasses.asdict(run.preset.train).items() if k != "seed"}
+
+
+def task_info(run: Any) -> list[dict[str, Any]]:
+    """``results["tasks"]``: each task's name, labels, source and split sizes."""
     return [
         {
             "name": t.name,
@@ -239,6 +255,8 @@ def _single(run: Any) -> dict[str, Any]:
         out[n] = {
             "zero_shot_test": zs,
             "zero_shot_val": run.seeds[0].zero_shot_val[n],
+            "zero_shot_test_per_seed": [s.zero_shot_test[n] for s in run.seeds],
+            "zero_shot_val_per_seed": [s.zero_shot_val[n] for s in run.seeds],
             "individual_test": st.seed_interval(ind)._asdict(),
             "individual_test_per_seed": ind,
             "individual_val_per_seed": [s.single_val[n] for s in run.seeds],
@@ -345,10 +363,12 @@ def _analyses(run: Any, sx: Stats) -> dict[str, Any]:
         "kept_per_module": {
             "budget": max(grid.budgets),
             "mean_over_seeds": {m: float(np.mean(v)) for m, v in kept.items()},
+            "per_seed": {str(s.seed): dict(s.kept_per_module) for s in run.seeds},
         },
         "retention_by_rank": {
             "budget": max(grid.budgets),
             "mean_over_seeds": np.mean([s.retention for s in run.seeds], 0).tolist(),
+            "per_seed": {str(s.seed): list(s.retention) for s in run.seeds},
         },
     }
 

