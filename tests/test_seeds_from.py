@@ -9,6 +9,7 @@ together and requires the same report.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -137,6 +138,17 @@ def test_other_test_or_validation_texts_are_refused(sv):
             sv.check(exp, test, n_val)
     with pytest.raises(InputError, match=f"{n_val} validation texts there, {n_val + 1} here"):
         sv.check(exp, _Test(sv), n_val + 1)
+    # hashes of the token ids: compared when both runs recorded them (this one did not)
+    assert "texts" not in sv.results
+    sv.check({**exp, "texts": {"val": "a", "test": "b"}}, _Test(sv), n_val)
+    hashed = dataclasses.replace(sv, results={**sv.results, "texts": {"val": "a", "test": "b"}})
+    hashed.check({**exp, "texts": {"val": "a", "test": "b"}}, _Test(sv), n_val)
+    for other, word in (
+        ({"val": "a", "test": "c"}, "test"),
+        ({"val": "c", "test": "b"}, "validation"),
+    ):
+        with pytest.raises(InputError, match=f"their {word} texts are not this run's .the hashes"):
+            hashed.check({**exp, "texts": other}, _Test(sv), n_val)
 
 
 def test_a_seed_given_twice_is_refused(sv):
@@ -255,8 +267,6 @@ def _drop_run_fields(res: dict) -> dict:
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_WEIGHTS, reason="the pretrained MiniLM is not installed")
 def test_seeds_run_apart_report_what_they_report_together(tmp_path, capsys, monkeypatch):
-    import dataclasses
-
     from test_suites import _TOY_QUICK, _csv, _ToySuite
 
     from netutility_jax.experiments.harness import suites
@@ -306,7 +316,7 @@ def test_seeds_run_apart_report_what_they_report_together(tmp_path, capsys, monk
     j = json.loads((joint / "results.json").read_text())
     assert a["seeds"] == j["seeds"] == [0, 1]
     assert a["seeds_from"][0]["directory"] == str(d0) and a["seeds_from"][0]["seeds"] == [0]
-    assert j["seeds_from"] == []
+    assert j["seeds_from"] == [] and a["texts"] == j["texts"] and set(a["texts"]) == {"val", "test"}
     # every number of the report: the same whether the seeds ran apart or together
     assert _drop_run_fields(a) == _drop_run_fields(j)
     assert a["summary"][0]["seeds"] == 2 and a["summary"][0]["seed_ci"][0] is not None

@@ -155,6 +155,8 @@ def collect(
         "train_config": train_config(run),
         "grid": _io.to_jsonable(dataclasses.asdict(grid)),
         "alpha_arg": run.alpha_arg,
+        # hashes of the validation and test sets (what a job's cache key holds of them)
+        "texts": getattr(run, "fingerprint", None),
         "methods": {
             m: {"label": s.label, "method": s.method, "options": dict(s.options), "start": s.start}
             for m, s in gr.METHODS.items()

@@ -147,6 +147,9 @@ class Run:
     eval_key: dict[str, Any] | None = None  # the suite's eval_key: what determines evaluation
     #: where the seeds read from earlier runs came from (``seeds.SavedSeeds.provenance``)
     seeds_from: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: hashes of the validation and test sets (token ids, lengths, tasks, labels): ``{"val",
+    #: "test"}``, part of every job's cache key
+    fingerprint: dict[str, str] | None = None
 
 
 def _summary_of_masks(masks: dict[str, Any]) -> dict[str, Any]:
@@ -334,7 +337,7 @@ def run_experiment(
         expected = _expected(
             Run(preset=preset, tasks=list(task_list), jobs=jobs, seeds=[], val=val, test=test,
                 heads=heads, alpha_arg=alpha, seconds={}, backbone={}, suite=suite.name,
-                eval_key=suite.eval_key(preset.train)),
+                eval_key=suite.eval_key(preset.train), fingerprint=fingerprint),
             suite,
         )  # fmt: skip
         for sv in seeds_from:
@@ -374,6 +377,7 @@ def run_experiment(
         commit=commit,
         eval_key=suite.eval_key(preset.train),
         seeds_from=[sv.provenance() for sv in seeds_from],
+        fingerprint=fingerprint,
     )
 
 
@@ -391,6 +395,7 @@ def _expected(run: Run, suite: Any) -> dict[str, Any]:
         "alpha_arg": run.alpha_arg,
         "evaluation": rt.evaluation(run, suite.report(run)),
         "jobs": [j.key for j in run.jobs],
+        "texts": run.fingerprint,
     }
 
 

@@ -8,8 +8,9 @@ together. :func:`load` reads the seeds a rendered run wrote (``results.json`` an
 ``predictions.npz``, what ``netutility demo --out DIR`` writes) back into
 :class:`SeedResult` objects; ``runner.run_experiment(..., seeds_from=[...])`` checks
 that they belong to the same experiment (:meth:`SavedSeeds.check`: suite, preset, grid,
-training settings, tasks, the scoring geometry, the exact test and validation texts and the
-evaluation settings) before it trains anything, runs only its own seeds, and reports all of
+training settings, tasks, the scoring geometry, each test text's task and label, the validation
+and test sizes, the evaluation settings and, where both runs recorded them, hashes of the
+validation and test sets' token ids) before it trains anything, runs only its own seeds, and reports all of
 them; the report names where each read seed came from (``results["seeds_from"]``).
 
 What a rendered run does not keep is its seeds' adapters, scores and masks: the figures drawn
@@ -108,8 +109,10 @@ class SavedSeeds:
 
         Args:
           expected: what the run about to start will record, with the keys ``suite``,
-            ``preset``, ``grid``, ``train_config``, ``tasks``, ``alpha_arg`` and ``evaluation``
-            (``results.json``'s fields of the same names) and ``jobs`` (the grid's job keys).
+            ``preset``, ``grid``, ``train_config``, ``tasks``, ``alpha_arg``, ``evaluation``
+            and ``texts`` (``results.json``'s fields of the same names; ``texts``: hashes of
+            the validation and test sets, compared when both runs recorded them) and ``jobs``
+            (the grid's job keys).
           test: the run's test set (its ``task``, ``labels`` and ``task_names``).
           val_texts: the number of validation texts.
 
@@ -139,6 +142,14 @@ class SavedSeeds:
                 f"there, {len(test.task)} here, or the same number in another order or with "
                 "other labels)"
             )
+        theirs_texts, ours_texts = r.get("texts"), expected.get("texts")
+        if theirs_texts is not None and ours_texts is not None:
+            for part in ("test", "val"):
+                if theirs_texts.get(part) != ours_texts.get(part):
+                    raise InputError(
+                        f"{where}: their {'validation' if part == 'val' else part} texts are "
+                        "not this run's (the hashes of their token ids, tasks and labels differ)"
+                    )
         ev = r.get("evaluation", {})
         if ev.get("val_texts") != val_texts:
             raise InputError(
