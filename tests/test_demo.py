@@ -97,3 +97,70 @@ def test_model_devices_reaches_the_suite_as_a_number(tmp_path, monkeypatch, caps
                     "--out", str(tmp_path / "out"))  # fmt: skip
     assert rc == 2 and "stop here" in err
     assert seen["model_devices"] == N and isinstance(seen["model_devices"], int)
+
+
+# ------------------------------------------------------------------------------- --min-bytes
+
+
+def test_min_bytes_is_a_flag_of_the_suites_that_split_a_model():
+    assert "min_bytes" in suites.FLAGS
+    for name in ("nli", "vision"):
+        assert {"model_devices", "min_bytes"} <= set(suites.get(name).flags)
+    for name in ("encoder", "language", "language_head"):
+        assert "min_bytes" not in suites.get(name).flags
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [("0", 0), ("4096", 4096), ("1MiB", 2**20), ("64 KiB", 64 * 2**10), ("2gib", 2 * 2**30),
+     ("3MB", 3 * 10**6), ("5kB", 5000), ("7B", 7), (" 12 ", 12)],
+)  # fmt: skip
+def test_min_bytes_values(text, want):
+    assert demo.min_bytes(text) == want
+
+
+@pytest.mark.parametrize("text", ["-1", "1.5MiB", "MiB", "", "12 parsecs", "1e6", "0x10"])
+def test_a_bad_min_bytes_names_the_flag(text):
+    with pytest.raises(
+        demo.DemoError, match=rf"--min-bytes {text!r}: expected a whole number"
+    ) as e:
+        demo.min_bytes(text)
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize("suite", ["nli", "vision"])
+def test_min_bytes_without_model_devices_is_refused_before_any_work(suite, tmp_path, capsys):
+    rc, err = _demo(capsys, "--suite", suite, "--quick", "--model-dir", str(tmp_path),
+                    "--data-dir", str(tmp_path), "--min-bytes", "0",
+                    "--out", str(tmp_path / "out"))  # fmt: skip
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert (
+        "--min-bytes sets which weights a split model replicates; it needs --model-devices" in err
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_suite_that_splits_nothing_refuses_min_bytes(tmp_path, capsys):
+    rc, err = _demo(capsys, "--suite", "language", "--quick", "--min-bytes", "0",
+                    "--out", str(tmp_path / "out"))  # fmt: skip
+    assert rc == 2 and "--min-bytes is not used by the language suite" in err
+
+
+def test_min_bytes_reaches_the_suite_in_bytes(tmp_path, monkeypatch, capsys):
+    seen = {}
+
+    def requires(**given):
+        seen.update(given)
+        raise suites.SuiteUnavailable("stop here")
+
+    spec = suites.get("vision")
+    monkeypatch.setitem(suites.SUITES, "vision", suites.SuiteSpec(
+        name="vision", summary=spec.summary, presets=spec.presets, build=spec.build,
+        requires=requires, grids=spec.grids, flags=spec.flags,
+    ))  # fmt: skip
+    rc, err = _demo(capsys, "--suite", "vision", "--quick", "--model-dir", str(tmp_path),
+                    "--data-dir", str(tmp_path), "--adapters", str(tmp_path),
+                    "--model-devices", "1", "--min-bytes", "64KiB",
+                    "--out", str(tmp_path / "out"))  # fmt: skip
+    assert rc == 2 and "stop here" in err
+    assert seen["min_bytes"] == 65536 and seen["model_devices"] == 1

@@ -654,6 +654,16 @@ def test_nli_suite_on_a_one_device_mesh_records_its_placement(tmp_path):
     np.testing.assert_array_equal(np.asarray(llama.last_token_logits(loaded, ids, mask)), want)
     with pytest.raises(InputTypeError, match=r"test: mesh is a str; expected a jax\.sharding"):
         llama_load.build(fn, hf, tensors, "t", opts, mesh="cpu")
+    # --min-bytes 0: recorded with the placement; one device's job keys still unchanged
+    small = nli.build(
+        model_dir=str(model_dir), data_dir=str(data_dir), model_devices=1, min_bytes=0
+    )
+    assert small.min_bytes == 0 and small.eval_key(cfg) == plain.eval_key(cfg)
+    rec = small.report(types.SimpleNamespace(tasks=[])).fields(None)["placement"]
+    assert rec["min_bytes"] == 0
+    assert fields["placement"]["min_bytes"] == sharding.MIN_BYTES
+    assert sharding.split_key(8, 0) == {"model_devices": 8, "min_bytes": 0}
+    assert sharding.split_key(8, sharding.MIN_BYTES) == {"model_devices": 8}
 
 
 def test_trainer_places_fresh_state_by_the_placer_given_or_the_base_mesh():

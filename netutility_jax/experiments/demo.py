@@ -31,6 +31,7 @@ import dataclasses
 import math
 import os
 import pathlib
+import re
 import shlex
 import stat
 import sys
@@ -249,7 +250,33 @@ _FLAG_NAMES = {
     "data_dir": "--data-dir",
     "adapters": "--adapters",
     "model_devices": "--model-devices",
+    "min_bytes": "--min-bytes",
 }
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9}  # fmt: skip
+
+
+def min_bytes(text: str) -> int:
+    """``--min-bytes N`` as a number of bytes: a whole number with an optional unit (B, KiB, MiB,
+    GiB, kB, MB, GB; case ignored), at least 0.
+
+    Raises:
+      DemoError: one line naming the flag.
+
+    Example:
+      >>> min_bytes("1MiB"), min_bytes("64 KiB"), min_bytes("0")
+      (1048576, 65536, 0)
+    """
+    value = str(text).strip()
+    m = re.fullmatch(r"(\d+)\s*([a-zA-Z]*)", value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise DemoError(
+            f"--min-bytes {text!r}: expected a whole number of bytes, optionally with a unit "
+            "(B, KiB, MiB, GiB, kB, MB, GB), e.g. 1MiB"
+        )
+    return int(m.group(1)) * _UNITS[unit]
 
 
 def model_devices(text: str) -> int:
@@ -282,14 +309,15 @@ def model_devices(text: str) -> int:
 
 
 def suite_flags(args: argparse.Namespace, spec: suites.SuiteSpec) -> dict[str, Any]:
-    """The flags given (``--model-dir``, ``--data-dir``, ``--adapters``, ``--model-devices``)
-    as keywords of ``spec.build`` / ``spec.requires`` (:data:`suites.FLAGS`), every folder
-    checked and ``--model-devices`` resolved to a number of devices (:func:`model_devices`).
+    """The flags given (``--model-dir``, ``--data-dir``, ``--adapters``, ``--model-devices``,
+    ``--min-bytes``) as keywords of ``spec.build`` / ``spec.requires`` (:data:`suites.FLAGS`),
+    every folder checked, ``--model-devices`` resolved to a number of devices
+    (:func:`model_devices`) and ``--min-bytes`` to bytes (:func:`min_bytes`).
 
     Raises:
       DemoError: a flag the suite does not accept (:attr:`suites.SuiteSpec.flags`), a bad
-        ``--adapters`` list, a folder that is not there (:func:`check_folder`), or a bad
-        ``--model-devices``.
+        ``--adapters`` list, a folder that is not there (:func:`check_folder`), a bad
+        ``--model-devices`` or ``--min-bytes``, or ``--min-bytes`` without ``--model-devices``.
     """
     given: dict[str, Any] = {}
     for key, flag in _FLAG_NAMES.items():
@@ -311,8 +339,15 @@ def suite_flags(args: argparse.Namespace, spec: suites.SuiteSpec) -> dict[str, A
             given[key] = items
         elif key == "model_devices":
             given[key] = model_devices(value)
+        elif key == "min_bytes":
+            given[key] = min_bytes(value)
         else:
             given[key] = check_folder(value, flag)
+    if "min_bytes" in given and "model_devices" not in given:
+        raise DemoError(
+            "--min-bytes sets which weights a split model replicates; it needs --model-devices "
+            "(give both, or drop --min-bytes)"
+        )
     return given
 
 
@@ -524,6 +559,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="split the model's weights over all local devices or the first N (a model that "
         "does not fit one accelerator; suites that load a model folder: vision, nli); the run "
         "records the mesh size in results.json (placement); default: one device",
+    )
+    parser.add_argument(
+        "--min-bytes",
+        default=None,
+        metavar="N",
+        help="with --model-devices: weights smaller than N bytes (units B, KiB, MiB, GiB, kB, "
+        "MB, GB) are copied to every device instead of split (default 1MiB; 0 splits every "
+        "weight a mesh axis divides)",
     )
     parser.add_argument(
         "--cache-dir",

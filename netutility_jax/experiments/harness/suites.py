@@ -28,7 +28,9 @@ given only (``model_dir=``, ``data_dir=``: the folders as strings; ``adapters=``
 :class:`AdapterArg`, ``--adapters NAME=DIR,DIR,...`` parsed by :func:`parse_adapters`;
 ``model_devices=``: ``--model-devices {all,N}`` as the number of local devices to split the
 model's weights over, checked against the devices present: a suite that takes it builds
-``sharding.model_mesh(model_devices)``). A suite
+``sharding.model_mesh(model_devices)``; ``min_bytes=``: ``--min-bytes N``, with
+``--model-devices`` only, the size under which a weight is replicated instead of split, the
+suite's ``min_bytes=``). A suite
 that accepts ``data_dir`` reads its own tasks: its suite object also has ``load_tasks(preset) ->
 (tasks, preset)`` (:class:`SuiteWithData`), which ``netutility demo`` calls in place of the
 built-in text tasks (``--task``, ``--tasks`` are refused for it), and a suite that accepts
@@ -68,7 +70,7 @@ __all__ = [
 #: The flags a suite may accept (``SuiteSpec.flags``), as keyword names of ``build`` and
 #: ``requires``; on the command line ``--model-dir``, ``--data-dir``, ``--adapters``,
 #: ``--model-devices``.
-FLAGS = ("model_dir", "data_dir", "adapters", "model_devices")
+FLAGS = ("model_dir", "data_dir", "adapters", "model_devices", "min_bytes")
 
 
 class SuiteUnavailable(NetUtilityError):
@@ -511,6 +513,6 @@ register(
         grids=("paper",),
         cost="paper: days on one GPU for Qwen3-4B (full data, batch 1); --quick: a minute on a "
         "tiny model",
-        flags=("model_dir", "data_dir", "model_devices"),
+        flags=("model_dir", "data_dir", "model_devices", "min_bytes"),
     )
 )

@@ -107,11 +107,30 @@ class ShardSummary(NamedTuple):
     specs: dict[str, P]
 
 
-def placement_record(summary: ShardSummary | None) -> dict[str, Any]:
+def split_key(model_devices: int, min_bytes: int = MIN_BYTES) -> dict[str, Any]:
+    """What a model split over ``model_devices`` devices adds to an evaluation's cache key: a
+    split model sums in another order (float32 rounding), so its results are its own. Empty on
+    one device (one device's keys are unchanged); ``min_bytes`` only when it is not
+    :data:`MIN_BYTES` (the keys of the default split are unchanged).
+
+    Example:
+      >>> from netutility_jax.experiments.models import sharding
+      >>> sharding.split_key(1), sharding.split_key(8), sharding.split_key(8, 0)
+      ({}, {'model_devices': 8}, {'model_devices': 8, 'min_bytes': 0})
+    """
+    if model_devices <= 1:
+        return {}
+    return {"model_devices": int(model_devices)} | (
+        {} if min_bytes == MIN_BYTES else {"min_bytes": int(min_bytes)}
+    )
+
+
+def placement_record(summary: ShardSummary | None, min_bytes: int | None = None) -> dict[str, Any]:
     """Where a run's model lies, as its results record it (``results.json``'s ``placement``):
     ``model_devices`` (the mesh's size; 1 without a mesh), the devices' ``platform`` and
     ``device_kind``, and with a ``summary`` (:func:`shard_model`'s) its ``total_bytes``,
-    ``bytes_per_device``, ``sharded`` and ``replicated``.
+    ``bytes_per_device``, ``sharded`` and ``replicated``, and ``min_bytes`` (the size under
+    which a weight was replicated) when given.
 
     Example:
       >>> from netutility_jax.experiments.models import sharding
@@ -131,6 +150,8 @@ def placement_record(summary: ShardSummary | None) -> dict[str, Any]:
             sharded=int(summary.sharded),
             replicated=int(summary.replicated),
         )
+        if min_bytes is not None:
+            out["min_bytes"] = int(min_bytes)
     return out
 
 

@@ -357,11 +357,12 @@ class NLISuite(ScoredSuite):
 
     def eval_key(self, config: Any) -> dict[str, Any]:
         """The evaluation settings that determine a merge's result (for the job cache key)."""
+        from ..models import sharding
         from . import nli_head as nh
 
         # a split model sums in another order (float32 rounding): its own key; one device's
         # keys are unchanged
-        split = {"model_devices": self.model_devices} if self.model_devices > 1 else {}
+        split = sharding.split_key(self.model_devices, self.min_bytes)
         return {
             **self.key_start([nh.CODE_VERSION, CODE_VERSION]),
             "dtype": self.dtype,
@@ -375,7 +376,8 @@ class NLISuite(ScoredSuite):
         """The NLI suite's report wording (:data:`NLIReport`, a ``report.SuiteReport``)."""
         from ..models import sharding
 
-        return _report_class()(self.description, run, sharding.placement_record(self.placement))
+        record = sharding.placement_record(self.placement, self.min_bytes)
+        return _report_class()(self.description, run, record)
 
 
 def _report_class() -> type:
@@ -464,14 +466,15 @@ def build(
     model_dir: str | os.PathLike | None = None,
     data_dir: str | os.PathLike | None = None,
     model_devices: int | None = None,
+    min_bytes: int | None = None,
 ) -> NLISuite:
-    """The suite for ``--model-dir`` / ``--data-dir`` / ``--model-devices`` (``SuiteSpec.build``):
-    loads the model, split over the first ``model_devices`` local devices
-    (``sharding.model_mesh``) when given."""
+    """The suite for ``--model-dir`` / ``--data-dir`` / ``--model-devices`` / ``--min-bytes``
+    (``SuiteSpec.build``): loads the model, split over the first ``model_devices`` local devices
+    (``sharding.model_mesh``) when given, weights under ``min_bytes`` replicated."""
     from ..models import sharding
 
     mesh = None if model_devices is None else sharding.model_mesh(model_devices)
-    return NLISuite(model_dir=model_dir, data_dir=data_dir, mesh=mesh)
+    return NLISuite(model_dir=model_dir, data_dir=data_dir, mesh=mesh, min_bytes=min_bytes)
 
 
 def requires(
@@ -479,6 +482,7 @@ def requires(
     model_dir: str | os.PathLike | None = None,
     data_dir: str | os.PathLike | None = None,
     model_devices: int | None = None,
+    min_bytes: int | None = None,
 ) -> None:
     """Fail before any work (``SuiteSpec.requires``) without a usable model folder, data folder or
     reader.

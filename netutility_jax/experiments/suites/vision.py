@@ -652,11 +652,12 @@ def check_folders(
     data_dir: Any = None,
     adapters: Sequence[Any] | None = None,
     model_devices: int | None = None,
+    min_bytes: int | None = None,
 ) -> None:
     """The up-front checks of ``netutility demo --suite vision`` (before any work): every flag
     given, the model folder's files, each adapter folder's files, each dataset's folder with a
-    test split, and the readers the files need (``model_devices``, checked by ``netutility
-    demo``, is not looked at).
+    test split, and the readers the files need (``model_devices`` and ``min_bytes``, checked by
+    ``netutility demo``, are not looked at).
 
     Raises:
       InputError: a missing flag, file or reader (one line, naming the flag; the suite's spec
@@ -732,14 +733,16 @@ def build(
     data_dir: str | os.PathLike,
     adapters: Sequence[Any] | Mapping[str, Any],
     model_devices: int | None = None,
+    min_bytes: int | None = None,
 ) -> VisionSuite:
-    """The suite for ``--model-dir``, ``--data-dir``, ``--adapters`` and ``--model-devices``
-    (``SuiteSpec.build``): loads CLIP, split over the first ``model_devices`` local devices
-    (``sharding.model_mesh``) when given."""
+    """The suite for ``--model-dir``, ``--data-dir``, ``--adapters``, ``--model-devices`` and
+    ``--min-bytes`` (``SuiteSpec.build``): loads CLIP, split over the first ``model_devices``
+    local devices (``sharding.model_mesh``) when given, weights under ``min_bytes``
+    replicated."""
     from ..models import sharding
 
     mesh = None if model_devices is None else sharding.model_mesh(model_devices)
-    return VisionSuite(model_dir, data_dir, adapters, mesh=mesh)
+    return VisionSuite(model_dir, data_dir, adapters, mesh=mesh, min_bytes=min_bytes)
 
 
 class VisionSuite:
@@ -785,7 +788,7 @@ class VisionSuite:
         self.model, self.config, self.image_config = clip.from_pretrained(
             self.model_dir, mesh=mesh, min_bytes=min_bytes
         )
-        self.mesh, self.placement = mesh, None
+        self.mesh, self.placement, self.min_bytes = mesh, None, min_bytes
         if mesh is not None:  # (already in place: this only summarises where)
             self.model, self.placement = sharding.shard_model(self.model, mesh, min_bytes=min_bytes)
         self.tokenizer = load_tokenizer(self.model_dir, self.config)
@@ -945,6 +948,8 @@ class VisionSuite:
 
     def eval_key(self, config: Any) -> dict[str, Any]:
         """What determines a merge's evaluation besides the images (part of every job key)."""
+        from ..models import sharding
+
         return {
             "suite": self.name,
             "code_version": CODE_VERSION,
@@ -952,7 +957,7 @@ class VisionSuite:
             "image_config": dataclasses.asdict(self.image_config),
             "heads": self._heads_digest,
             # a split model sums in another order (float32 rounding): its own key
-            **({"model_devices": self.model_devices} if self.model_devices > 1 else {}),
+            **sharding.split_key(self.model_devices, self.min_bytes),
         }
 
     def timing(self) -> dict[str, Any]:
@@ -986,7 +991,9 @@ class VisionReport(SuiteReport):
         self.tasks = list(run.tasks)
         self.adapters = {n: str(p) for n, p in suite.adapter_dirs.items()}
         self.train = dataclasses.asdict(run.preset.train)
-        self.placement = sharding.placement_record(getattr(suite, "placement", None))
+        self.placement = sharding.placement_record(
+            getattr(suite, "placement", None), getattr(suite, "min_bytes", None)
+        )
 
     def evaluation(self, run: Any, common: dict[str, Any]) -> dict[str, Any]:
         return {
