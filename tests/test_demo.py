@@ -79,23 +79,29 @@ def test_a_bad_model_devices_is_a_usage_error_before_any_work(suite, value, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_model_devices_reaches_the_suite_as_a_number(tmp_path, monkeypatch, capsys):
-    """A valid value reaches ``spec.requires`` and ``spec.build`` as an int."""
+def _given_to(suite, monkeypatch, capsys, *argv) -> dict:
+    """The keywords ``netutility demo --suite SUITE --quick ARGV`` passes to the suite's
+    ``spec.requires`` (which stops the run there)."""
     seen = {}
 
     def requires(**given):
         seen.update(given)
         raise suites.SuiteUnavailable("stop here")
 
-    spec = suites.get("nli")
-    monkeypatch.setitem(suites.SUITES, "nli", suites.SuiteSpec(
-        name="nli", summary=spec.summary, presets=spec.presets, build=spec.build,
+    spec = suites.get(suite)
+    monkeypatch.setitem(suites.SUITES, suite, suites.SuiteSpec(
+        name=suite, summary=spec.summary, presets=spec.presets, build=spec.build,
         requires=requires, grids=spec.grids, flags=spec.flags,
     ))  # fmt: skip
-    rc, err = _demo(capsys, "--suite", "nli", "--quick", "--model-dir", str(tmp_path),
-                    "--data-dir", str(tmp_path), "--model-devices", "all",
-                    "--out", str(tmp_path / "out"))  # fmt: skip
+    rc, err = _demo(capsys, "--suite", suite, "--quick", *argv)
     assert rc == 2 and "stop here" in err
+    return seen
+
+
+def test_model_devices_reaches_the_suite_as_a_number(tmp_path, monkeypatch, capsys):
+    """A valid value reaches ``spec.requires`` and ``spec.build`` as an int."""
+    seen = _given_to("nli", monkeypatch, capsys, "--model-dir", str(tmp_path), "--data-dir",
+                     str(tmp_path), "--model-devices", "all", "--out", str(tmp_path / "out"))  # fmt: skip
     assert seen["model_devices"] == N and isinstance(seen["model_devices"], int)
 
 
@@ -147,20 +153,7 @@ def test_a_suite_that_splits_nothing_refuses_min_bytes(tmp_path, capsys):
 
 
 def test_min_bytes_reaches_the_suite_in_bytes(tmp_path, monkeypatch, capsys):
-    seen = {}
-
-    def requires(**given):
-        seen.update(given)
-        raise suites.SuiteUnavailable("stop here")
-
-    spec = suites.get("vision")
-    monkeypatch.setitem(suites.SUITES, "vision", suites.SuiteSpec(
-        name="vision", summary=spec.summary, presets=spec.presets, build=spec.build,
-        requires=requires, grids=spec.grids, flags=spec.flags,
-    ))  # fmt: skip
-    rc, err = _demo(capsys, "--suite", "vision", "--quick", "--model-dir", str(tmp_path),
-                    "--data-dir", str(tmp_path), "--adapters", str(tmp_path),
-                    "--model-devices", "1", "--min-bytes", "64KiB",
-                    "--out", str(tmp_path / "out"))  # fmt: skip
-    assert rc == 2 and "stop here" in err
+    seen = _given_to("vision", monkeypatch, capsys, "--model-dir", str(tmp_path), "--data-dir",
+                     str(tmp_path), "--adapters", str(tmp_path), "--model-devices", "1",
+                     "--min-bytes", "64KiB", "--out", str(tmp_path / "out"))  # fmt: skip
     assert seen["min_bytes"] == 65536 and seen["model_devices"] == 1
