@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import json
 import pathlib
+import re
 import shutil
 
 import numpy as np
@@ -99,6 +100,9 @@ def _changed(exp, path, value):
 
 
 def test_seeds_of_the_same_experiment_pass_the_check(sv):
+    """The baseline of the refusals below: every field as recorded passes (runner._expected,
+    which builds these fields for a real run, is checked against rendered runs in the slow
+    tier: test_suites' toy suite and test_vision's quick run)."""
     sv.check(_expected(sv), _Test(sv), sv.results["evaluation"]["val_texts"])
 
 
@@ -149,6 +153,22 @@ def test_other_test_or_validation_texts_are_refused(sv):
             hashed.check({**exp, "texts": other}, _Test(sv), n_val)
 
 
+@pytest.mark.parametrize(
+    "key, match",
+    [("eval_key", "their evaluation key .* differs from this run's .its hash"),
+     ("train_data", "their training data .every task's training texts and labels. differs")],
+)  # fmt: skip
+def test_other_weights_settings_or_training_data_are_refused(sv, key, match):
+    """The suite's evaluation key (weights, code versions) and the training data are compared
+    by their hashes when both runs recorded them."""
+    exp, n_val = _expected(sv), sv.results["evaluation"]["val_texts"]
+    hashed = dataclasses.replace(sv, results={**sv.results, key: "aa"})
+    hashed.check({**exp, key: "aa"}, _Test(sv), n_val)
+    sv.check({**exp, key: "bb"}, _Test(sv), n_val)  # (not recorded there: not compared)
+    with pytest.raises(InputError, match=match):
+        hashed.check({**exp, key: "bb"}, _Test(sv), n_val)
+
+
 def test_a_seed_given_twice_is_refused(sv):
     sds.check_distinct([1, 2], [sv])
     with pytest.raises(
@@ -157,6 +177,8 @@ def test_a_seed_given_twice_is_refused(sv):
         sds.check_distinct([0], [sv])
     with pytest.raises(InputError, match=r"seed 0 is both in .*language_head and in"):
         sds.check_distinct([1], [sv, sv])
+    with pytest.raises(InputError, match=r"seed 0 is both in --seed and in"):
+        sds.check_distinct([0], [sv], own_label="--seed")
     with pytest.raises(InputError, match="at least one seed must run here"):
         runner.run_experiment([], None, seeds=[], seeds_from=[sv])
 
@@ -229,6 +251,8 @@ def test_the_command_line_refuses_bad_seeds_from_before_any_work(tmp_path, capsy
                        str(tmp_path / "o")], capsys)  # fmt: skip
     assert code == 2 and "seed 0 is both in --seeds and in" in err
     assert err.count("\n") == 0
+    code, err = _main([*base, "--seeds-from", str(RENDERED), "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "seed 0 is both in this run's seeds (the preset's 0, 1, 2; --seeds " in err
     d = _copy(tmp_path)
     code, err = _main([*base, "--seeds", "1", "--seeds-from", str(d), "--out", str(d),
                        "--overwrite"], capsys)  # fmt: skip
@@ -252,7 +276,8 @@ def _drop_run_fields(res: dict) -> dict:
     """``res`` without what differs between two runs of the same seeds: timings, the command,
     where seeds came from, and each record's cache and timing fields."""
     out = {k: v for k, v in res.items() if k not in {"timings", "command", "seeds_from", "commit"}}
-    run_only = {"cache_hit", "merge_seconds", "eval_seconds", "seconds"}
+    run_only = {"cache_hit", "merge_seconds", "eval_seconds", "seconds", "train_seconds",
+                "steps_per_second", "tokens_per_second"}  # fmt: skip
     for part in ("merges", "training"):
         out[part] = {
             s: {k: {f: x for f, x in r.items() if f not in run_only} for k, r in per.items()}
@@ -268,13 +293,16 @@ def check_seeds_apart_and_together(common, d0, tmp_path, capsys) -> None:
     trains (called by test_suites' end-to-end test, which has the toy suite registered)."""
     cache = pathlib.Path(common[common.index("--cache-dir") + 1])
     apart, joint = tmp_path / "apart", tmp_path / "joint"
+    # the joint run computes both seeds again, in a cache of its own
+    fresh = [*common]
+    fresh[fresh.index("--cache-dir") + 1] = str(tmp_path / "joint-cache")
     files = sorted(cache.rglob("*"))
     code, err = _main([*common, "--seeds", "1", "--alpha", "0", "--seeds-from", str(d0),
                        "--out", str(apart)], capsys)  # fmt: skip
     assert code == 2 and "scored with alpha 'auto', this run with 0.0" in err
     assert sorted(cache.rglob("*")) == files and not apart.exists()
     assert demo.main([*common, "--seeds", "1", "--seeds-from", str(d0), "--out", str(apart)]) == 0
-    assert demo.main([*common, "--seeds", "0,1", "--out", str(joint)]) == 0
+    assert demo.main([*fresh, "--seeds", "0,1", "--out", str(joint)]) == 0
     capsys.readouterr()
     a = json.loads((apart / "results.json").read_text())
     j = json.loads((joint / "results.json").read_text())
@@ -292,7 +320,14 @@ def check_seeds_apart_and_together(common, d0, tmp_path, capsys) -> None:
     md = (apart / "results.md").read_text()
     assert f"- seed(s) 0: read from `{d0}`, computed there by `netutility demo " in md
     assert "seed(s) 0 read from earlier runs" in md
-    assert "read from" not in (joint / "results.md").read_text()
+    jmd = (joint / "results.md").read_text()
+    assert "read from" not in jmd
+    # the markdown too, but for the lines naming where seed 0 came from and the sections of
+    # timings (training speed, wall clock)
+    cut = "\n## Training"
+    source = r"\n\nSeeds from earlier runs[^\n]*\n\n- seed\(s\) 0: read from [^\n]*"
+    assert len(re.findall(source, md)) == 1
+    assert re.sub(source, "", md).split(cut)[0] == jmd.split(cut)[0]
     assert {p.name for p in apart.iterdir()} == set(report.RESULT_FILES)
     # a report of several seeds reads back seed by seed (its per-seed fields)
     both = sds.load(apart)

@@ -693,7 +693,7 @@ def test_merged_adapter_folded_as_peft_applies_it(fixture, suite, loaded):
 
 @pytest.mark.slow  # ~40 s on 2 cores: 7 merges, each compiled and searched on validation
 @HF_WARNINGS
-def test_quick_run_end_to_end_through_the_demo(fixture, tmp_path, capsys):
+def test_quick_run_end_to_end_through_the_demo(fixture, suite, loaded, tmp_path, capsys):
     out, cache = tmp_path / "out", tmp_path / "cache"
     argv = [
         "--suite", "vision", "--quick", "--no-progress", "--out", str(out), "--cache-dir",
@@ -729,6 +729,26 @@ def test_quick_run_end_to_end_through_the_demo(fixture, tmp_path, capsys):
     again = json.loads((out / "results.json").read_text())
     assert all(r["cache_hit"] for r in again["merges"]["0"].values())
     assert again["summary"] == res["summary"]
+    # the run's seed reads back (--seeds-from) and passes the check of a run of the same
+    # experiment: what the runner expects is what the report wrote (the suite's train_config)
+    from netutility_jax.experiments.harness import grid as gr
+    from netutility_jax.experiments.harness import runner
+    from netutility_jax.experiments.harness import seeds as sds
+
+    tasks, preset = loaded
+    heads = suite.heads(tasks)
+    val, test = suite.eval_sets(tasks, heads, preset.train)
+    run = runner.Run(
+        preset=preset, tasks=tasks, seeds=[], val=val, test=test, heads=heads, alpha_arg="auto",
+        jobs=gr.grid_jobs(preset.grid, full_capacity=len(tasks) * preset.train.lora_rank),
+        seconds={}, backbone={}, suite=suite.name, eval_key=suite.eval_key(preset.train),
+        fingerprint={"val": runner._fingerprint(val), "test": runner._fingerprint(test)},
+    )  # fmt: skip
+    expected = runner._expected(run, suite)
+    assert expected["train_config"] == again["train_config"]
+    assert expected["eval_key"] == again["eval_key"] and again["train_data"] is None
+    assert expected["texts"] == again["texts"]
+    sds.load(out).check(expected, test, len(val))
 
 
 if __name__ == "__main__":  # python tests/test_vision.py DIR: the demo's flags for the fixture

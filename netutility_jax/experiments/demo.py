@@ -644,7 +644,11 @@ def _run(args: argparse.Namespace) -> int:
     seeds = _chosen_seeds(args, preset.seeds)
     # every check before any work: a run's results must not be lost at the end
     out = check_out(args.out, overwrite=args.overwrite)
-    seeds_from = _seeds_from(getattr(args, "seeds_from", []), out, seeds)
+    own = (
+        "--seed" if args.seed is not None else "--seeds" if args.seeds is not None
+        else f"this run's seeds (the preset's {', '.join(map(str, seeds))}; --seeds chooses)"
+    )  # fmt: skip
+    seeds_from = _seeds_from(getattr(args, "seeds_from", []), out, seeds, own)
     given = suite_flags(args, spec)
     specs = [] if own_data else task_args(args.task, args.tasks, preset.tasks)
     check_task_files(specs)
@@ -692,7 +696,9 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seeds_from(dirs: Sequence[str], out: pathlib.Path, seeds: Sequence[int]) -> list[Any]:
+def _seeds_from(
+    dirs: Sequence[str], out: pathlib.Path, seeds: Sequence[int], own: str
+) -> list[Any]:
     """``--seeds-from``: each directory's seeds (``seeds.load``), none of them ``--out`` and no
     seed twice; whether they belong to this experiment is checked by the runner, before any
     training.
@@ -713,9 +719,9 @@ def _seeds_from(dirs: Sequence[str], out: pathlib.Path, seeds: Sequence[int]) ->
             )
         try:
             loaded.append(sds.load(path, label="--seeds-from"))
-            sds.check_distinct(seeds, loaded)
+            sds.check_distinct(seeds, loaded, own_label=own)
         except InputError as e:
-            raise DemoError(str(e).replace("this run's seeds", "--seeds")) from None
+            raise DemoError(str(e)) from None
     return loaded
 
 

@@ -10,6 +10,8 @@ read.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import platform
 import re
@@ -26,12 +28,14 @@ __all__ = [
     "N_BOOT",
     "Stats",
     "collect",
+    "eval_key_digest",
     "evaluation",
     "main_rows",
     "predictions",
     "summary_dict",
     "task_info",
     "train_config",
+    "train_data_digest",
 ]
 
 N_BOOT = 2000
@@ -155,8 +159,11 @@ def collect(
         "train_config": train_config(run),
         "grid": _io.to_jsonable(dataclasses.asdict(grid)),
         "alpha_arg": run.alpha_arg,
-        # hashes of the validation and test sets (what a job's cache key holds of them)
+        # hashes of the validation and test sets (what a job's cache key holds of them), of the
+        # suite's evaluation key (model weights, code versions) and of the training data
         "texts": getattr(run, "fingerprint", None),
+        "eval_key": eval_key_digest(run),
+        "train_data": train_data_digest(run),
         "methods": {
             m: {"label": s.label, "method": s.method, "options": dict(s.options), "start": s.start}
             for m, s in gr.METHODS.items()
@@ -224,6 +231,29 @@ def evaluation(run: Any, suite: Any) -> dict[str, Any]:
         "coefficient_grid": "0.1, 0.2, ..., 9.9 (ladder of doublings, then bisection)",
     }
     return suite.evaluation(run, common)
+
+
+def eval_key_digest(run: Any) -> str | None:
+    """sha256 of the suite's evaluation key (``suite.eval_key``: the model's weights or files,
+    code versions, evaluation settings; part of every job's cache key), or None without one."""
+    key = getattr(run, "eval_key", None)
+    if key is None:
+        return None
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def train_data_digest(run: Any) -> str | None:
+    """sha256 of every task's training texts and labels, or None when a task's training split
+    is not texts (the vision suite's images; it trains nothing)."""
+    h = hashlib.sha256()
+    for t in run.tasks:
+        split = getattr(t, "train", None)
+        texts = getattr(split, "texts", None)
+        if texts is None:
+            return None
+        h.update(json.dumps([t.name, list(texts)]).encode())
+        h.update(np.ascontiguousarray(np.asarray(split.labels, np.int64)).tobytes())
+    return h.hexdigest()
 
 
 def train_config(run: Any) -> dict[str, Any]:

@@ -354,7 +354,10 @@ def run_experiment(
                 )
             )  # fmt: skip
     computed = list(results)
-    results = sorted([*results, *(s for sv in seeds_from for s in sv.seeds)], key=lambda s: s.seed)
+    if seeds_from:  # in seed order (seeds run here keep the order given)
+        results = sorted(
+            [*results, *(s for sv in seeds_from for s in sv.seeds)], key=lambda s: s.seed
+        )
     return Run(
         preset=preset,
         tasks=list(task_list),
@@ -383,20 +386,25 @@ def run_experiment(
 
 def _expected(run: Run, suite: Any) -> dict[str, Any]:
     """What ``run`` will record that seeds read from another run must share
-    (:meth:`seeds.SavedSeeds.check`)."""
+    (:meth:`seeds.SavedSeeds.check`): the fields ``report_tables.collect`` writes, with the
+    suite report's own fields over them as there (the vision suite's ``train_config``)."""
     from . import report_tables as rt
 
-    return {
+    wording = suite.report(run)
+    base = {
         "suite": run.suite,
         "preset": run.preset.name,
         "grid": dataclasses.asdict(run.preset.grid),
         "train_config": rt.train_config(run),
         "tasks": rt.task_info(run),
         "alpha_arg": run.alpha_arg,
-        "evaluation": rt.evaluation(run, suite.report(run)),
-        "jobs": [j.key for j in run.jobs],
+        "evaluation": rt.evaluation(run, wording),
         "texts": run.fingerprint,
+        "eval_key": rt.eval_key_digest(run),
+        "train_data": rt.train_data_digest(run),
     }
+    fields = wording.fields(run)
+    return {**{k: fields.get(k, v) for k, v in base.items()}, "jobs": [j.key for j in run.jobs]}
 
 
 def _moments_of(suite: Any, task_list: Sequence[Any], jobs: Sequence[gr.Job]):

@@ -110,9 +110,9 @@ class SavedSeeds:
         Args:
           expected: what the run about to start will record, with the keys ``suite``,
             ``preset``, ``grid``, ``train_config``, ``tasks``, ``alpha_arg``, ``evaluation``
-            and ``texts`` (``results.json``'s fields of the same names; ``texts``: hashes of
-            the validation and test sets, compared when both runs recorded them) and ``jobs``
-            (the grid's job keys).
+            ``texts``, ``eval_key`` and ``train_data`` (``results.json``'s fields of the same
+            names; the last three are hashes, compared when both runs recorded them) and
+            ``jobs`` (the grid's job keys).
           test: the run's test set (its ``task``, ``labels`` and ``task_names``).
           val_texts: the number of validation texts.
 
@@ -150,6 +150,10 @@ class SavedSeeds:
                         f"{where}: their {'validation' if part == 'val' else part} texts are "
                         "not this run's (the hashes of their token ids, tasks and labels differ)"
                     )
+        for key, what in _HASHED.items():
+            theirs_h, ours_h = r.get(key), expected.get(key)
+            if theirs_h is not None and ours_h is not None and theirs_h != ours_h:
+                raise InputError(f"{where}: {what} differs from this run's (its hash)")
         ev = r.get("evaluation", {})
         if ev.get("val_texts") != val_texts:
             raise InputError(
@@ -170,6 +174,13 @@ class SavedSeeds:
                     f"grid's {len(expected['jobs'])} merges (first: {missing[0]!r})"
                 )
 
+
+#: Hashes compared when both runs recorded them (runs before these fields have none).
+_HASHED = {
+    "eval_key": "their evaluation key (model weights, code versions, evaluation settings; the "
+    "vision suite's also has its model files' sizes and modification times)",
+    "train_data": "their training data (every task's training texts and labels)",
+}
 
 #: ``results["evaluation"]`` entries that are not settings (none so far; the sizes are checked
 #: on their own).
@@ -303,9 +314,12 @@ def _build(
                 correct=correct,
                 scoring=results["scoring"][str(seed)],
                 kept_per_module=(kept["mean_over_seeds"] if old else kept["per_seed"][str(seed)]),
-                retention=list(
-                    retention["mean_over_seeds"] if old else retention["per_seed"][str(seed)]
-                ),
+                retention=[  # (a rank slot with no candidate: NaN, written as null)
+                    np.nan if v is None else float(v)
+                    for v in (
+                        retention["mean_over_seeds"] if old else retention["per_seed"][str(seed)]
+                    )
+                ],
                 masks=None,
                 scores=None,
                 seconds=results["timings"]["per_seed"][str(seed)],
@@ -334,13 +348,16 @@ def _build(
     )
 
 
-def check_distinct(own: Sequence[int], saved: Sequence[SavedSeeds]) -> None:
+def check_distinct(
+    own: Sequence[int], saved: Sequence[SavedSeeds], *, own_label: str = "this run's seeds"
+) -> None:
     """Refuse a seed given twice: run here and read, or read from two directories.
+    ``own_label`` names the seeds run here in the message (the command line: ``--seeds``).
 
     Raises:
       InputError: naming the seed and where it is given.
     """
-    where: dict[int, str] = {s: "this run's seeds" for s in own}
+    where: dict[int, str] = {s: own_label for s in own}
     for sv in saved:
         for s in sv.seed_ids:
             if s in where:
