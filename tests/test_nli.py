@@ -798,7 +798,7 @@ def test_suite_declaration_and_wiring(toy, tmp_path):
     kw = nli.spec_kwargs()
     fields = {f.name for f in dataclasses.fields(suites.SuiteSpec)}
     spec = suites.SuiteSpec(**{k: v for k, v in kw.items() if k in fields})
-    assert spec.name == "nli" and kw["flags"] == ("model_dir", "data_dir", "model_devices")
+    assert spec.name == "nli" and kw["flags"] == ("model_dir", "data_dir", "model_devices", "min_bytes")
     assert spec.preset(None, quick=False).name == "paper" and spec.preset(None, quick=True) is (
         nli.QUICK
     )

@@ -453,7 +453,8 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_the_vision_suite_is_registered_with_its_flags():
     spec = suites.get("vision")
-    assert spec.flags == suites.FLAGS == ("model_dir", "data_dir", "adapters", "model_devices")
+    assert spec.flags == suites.FLAGS
+    assert suites.FLAGS == ("model_dir", "data_dir", "adapters", "model_devices", "min_bytes")
     assert spec.grids == ("paper",)
     assert suites.get("encoder").flags == suites.get("language").flags == ()
     with pytest.raises(ValueError, match="flags=\\('gpu',\\); expected a tuple of names among"):
