@@ -25,7 +25,7 @@ from netutility_jax.experiments.harness import report, runner
 from netutility_jax.experiments.harness import seeds as sds
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RENDERED = ROOT / "docs" / "language_head"
+RENDERED = ROOT / "docs" / "language_head" / "seed0"
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,10 @@ def test_a_seed_given_twice_is_refused(sv):
         InputError, match=r"seed 0 is both in this run's seeds and in .*language_head"
     ):
         sds.check_distinct([0], [sv])
-    with pytest.raises(InputError, match=r"seed 0 is both in .*language_head and in"):
+    with pytest.raises(
+        InputError,
+        match=r"seed 0 is both in .*seed0 and in .*seed0 .seeds from.; give each seed once",
+    ):
         sds.check_distinct([1], [sv, sv])
     with pytest.raises(InputError, match=r"seed 0 is both in --seed and in"):
         sds.check_distinct([0], [sv], own_label="--seed")
