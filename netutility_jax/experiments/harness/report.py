@@ -100,7 +100,9 @@ def write_outputs(exp: Experiment, out: str | os.PathLike, *, overwrite: bool = 
     """Write results.json, results.md, predictions.npz and the figures into ``out``.
 
     Every file is rendered before any is written, and each is written atomically (a temporary
-    file renamed into place), so a failure leaves no half-written result.
+    file renamed into place), so a failure leaves no half-written result. With ``overwrite``, a
+    result file of an earlier run that this one does not produce (a figure of one seed's masks,
+    when every seed was read back) is removed once the new files are in place.
 
     Returns:
       The paths written, in the order of :data:`RESULT_FILES`.
@@ -120,6 +122,9 @@ def write_outputs(exp: Experiment, out: str | os.PathLike, *, overwrite: bool = 
             with _io.atomic_file(out / name, "wb") as f:
                 f.write(files[name])
             written.append(str(out / name))
+    for path in existing:  # an earlier run's figure this run does not draw would pass for its own
+        if path.name not in files:
+            path.unlink()
     return written
 
 

@@ -25,8 +25,9 @@ def figures(run: Any, results: Mapping[str, Any]) -> dict[str, Any]:
 
     names = [t.name for t in run.tasks]
     top = max(run.preset.grid.budgets)
-    # the first seed computed in this run (seeds read back from a rendered run have no masks)
-    s0 = next(s for s in run.seeds if s.masks is not None)
+    # the first seed computed in this run (seeds read back from a rendered run have no masks):
+    # with none, the three figures of one seed's masks are not drawn
+    s0 = next((s for s in run.seeds if s.masks is not None), None)
     kept = results["analyses"]["kept_per_module"]["mean_over_seeds"]
     heat_masks = {}
     m_tasks = len(names)
@@ -40,19 +41,24 @@ def figures(run: Any, results: Mapping[str, Any]) -> dict[str, Any]:
             title=f"Directions kept per layer x module (TA, Net Utility, R={top}, mean of "
             f"{len(run.seeds)} seed(s))",
         ),
-        "kept_per_task.png": nu.plots.kept_per_task(
-            s0.masks,
-            names,
-            title=f"Directions kept per task (Net Utility, R={top}, seed {s0.seed})",
-        ),
-        "prefix_retention.png": nu.plots.prefix_retention(
-            s0.masks, s0.scores, title=f"Retention by rank (Net Utility, R={top}, seed {s0.seed})"
-        ),
-        "utility_distribution.png": nu.plots.utility_distribution(s0.scores, s0.masks, names),
         "utility_vs_accuracy.png": _scatter(results),
         "deltas.png": _forest(results),
         "training_curves.png": _curves(results),
     }
+    if s0 is not None:
+        figs |= {
+            "kept_per_task.png": nu.plots.kept_per_task(
+                s0.masks,
+                names,
+                title=f"Directions kept per task (Net Utility, R={top}, seed {s0.seed})",
+            ),
+            "prefix_retention.png": nu.plots.prefix_retention(
+                s0.masks,
+                s0.scores,
+                title=f"Retention by rank (Net Utility, R={top}, seed {s0.seed})",
+            ),
+            "utility_distribution.png": nu.plots.utility_distribution(s0.scores, s0.masks, names),
+        }
     return figs
 
 

@@ -499,10 +499,26 @@ def _analyses_md(results) -> list[str]:
         f"R = {an['kept_per_module']['budget']}, mean over seeds)",
         "- `deltas.png`: every Δ with its interval; `training_curves.png`: loss and validation "
         "curves per task and seed",
-        "- `kept_per_task.png`, `prefix_retention.png`, `utility_distribution.png` (seed "
-        "shown in the title), `utility_vs_accuracy.png`",
+        *(
+            [
+                "- `kept_per_task.png`, `prefix_retention.png`, `utility_distribution.png` (seed "
+                "shown in the title), `utility_vs_accuracy.png`"
+            ]
+            if _computed_seeds(results)
+            else [
+                "- `utility_vs_accuracy.png`; every seed was read from an earlier run, which "
+                "keeps no masks, so the figures of one seed's masks (kept per task, retention by "
+                "rank, the utility distribution) are in each source's own directory"
+            ]
+        ),
     ]
     return lines
+
+
+def _computed_seeds(results: Mapping[str, Any]) -> list[int]:
+    """The seeds this run computed (those not read from ``results["seeds_from"]``)."""
+    read = {s for src in results.get("seeds_from") or [] for s in src["seeds"]}
+    return [s for s in results["seeds"] if s not in read]
 
 
 def _coef_md(results) -> list[str]:
@@ -593,12 +609,13 @@ def _training_md(results, suite: SuiteReport) -> list[str]:
 def _timings_md(results) -> list[str]:
     tm = results["timings"]
     bb = tm["backbone"]
-    read = {s for src in results.get("seeds_from") or [] for s in src["seeds"]}
-    total = sum(len(per) for seed, per in results["merges"].items() if int(seed) not in read)
+    computed = set(_computed_seeds(results))
+    read = set(results["seeds"]) - computed
+    total = sum(len(per) for seed, per in results["merges"].items() if int(seed) in computed)
     hits = sum(
         r.get("cache_hit", False)
         for seed, per in results["merges"].items()
-        if int(seed) not in read
+        if int(seed) in computed
         for r in per.values()
     )
     return [

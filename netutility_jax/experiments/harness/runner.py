@@ -276,7 +276,7 @@ def run_experiment(
       task_list: ``tasks.Task`` objects (at least 2), split with :data:`SPLIT_SEED`.
       preset: a :class:`grid.Preset`: the suite's (``encoder.QUICK``, ``encoder.FULL``,
         ``encoder.PAPER``, ...) or your own.
-      seeds: training seeds (default the preset's).
+      seeds: training seeds (default the preset's, less those read from ``seeds_from``).
       cache_dir: trained-adapter and job cache (default :func:`fitting.default_cache_dir`); the
         jobs go to its ``merges/`` folder.
       progress: show tqdm bars.
@@ -292,12 +292,13 @@ def run_experiment(
         ``seeds.load(directory)``), reported with this run's own: each is checked against this
         run (suite, preset, grid, training, tasks, alpha, test and validation texts, evaluation
         settings, every job of the grid) before anything trains, and no seed may be given
-        twice. The run's ``seeds`` are then sorted by seed. At least one seed must be run here
-        (the figures of one seed's masks are drawn from it).
+        twice. The run's ``seeds`` are then sorted by seed. Every seed may come from here
+        (``seeds=[]``, or the preset's seeds all read); the figures drawn from one seed's masks
+        then are not drawn (a rendered run keeps no masks).
 
     Raises:
-      InputError: a seed given twice, no seed to run with ``seeds_from``, or seeds from
-        another experiment (:meth:`seeds.SavedSeeds.check`).
+      InputError: a seed given twice, no seed at all, or seeds from another experiment
+        (:meth:`seeds.SavedSeeds.check`).
     """
     import jax
 
@@ -307,15 +308,15 @@ def run_experiment(
     progress = _bars_enabled(progress)
     # the code that runs is the checkout's now, not at the end of a run of hours
     commit = _provenance.commit()
-    seeds = list(preset.seeds if seeds is None else seeds)
     seeds_from = list(seeds_from)
+    sds.check_distinct([], seeds_from)  # no seed read from two directories
+    read = {s for sv in seeds_from for s in sv.seed_ids}
+    # by default the preset's seeds that were not read back (none, when every one was)
+    seeds = [s for s in preset.seeds if s not in read] if seeds is None else list(seeds)
     if seeds_from:
-        if not seeds:
-            raise InputError(
-                "run_experiment: with seeds_from, at least one seed must run here (the figures "
-                "of one seed's masks are drawn from it)"
-            )
         sds.check_distinct(seeds, seeds_from)
+    elif not seeds:
+        raise InputError("run_experiment: no seeds to run (seeds=[]) and none read (seeds_from)")
     cache = pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()
     if suite is None:
         # the default suite, imported on this path only (test_architecture.PLUG_INS)

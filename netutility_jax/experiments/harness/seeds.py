@@ -15,7 +15,8 @@ them; the report names where each read seed came from (``results["seeds_from"]``
 
 What a rendered run does not keep is its seeds' adapters, scores and masks: the figures drawn
 from one seed's masks (kept per task, retention by rank, the utility distribution) are drawn
-from the first seed computed in this run, so at least one seed must be computed here.
+from the first seed computed in this run, and not drawn when every seed is read back (each
+source's own directory has them).
 ``results.json`` keeps every seed's kept directions per module and retention by rank from this
 version on; a directory written before that is read only when it holds one seed, whose means
 are its own values.
