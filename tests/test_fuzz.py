@@ -1050,3 +1050,200 @@ def test_sharding_properties_on_8_devices():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "4 passed" in proc.stdout, proc.stdout[-2000:]
     assert "mesh of 8 of 8 devices" in proc.stdout, proc.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# netutility demo: --min-bytes values and --seeds-from directories
+# ---------------------------------------------------------------------------------------------
+
+_UNIT_BYTES = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9}  # fmt: skip
+
+
+def _min_bytes_reference(text: str) -> int | None:
+    """``--min-bytes`` read by hand: ASCII digits, optional blanks, a unit in any case."""
+    s = text.strip()
+    i = 0
+    while i < len(s) and s[i] in "0123456789":
+        i += 1
+    rest = s[i:].lstrip(" \t")
+    if i == 0 or rest.lower() not in _UNIT_BYTES or not rest.isascii():
+        return None
+    return int(s[:i]) * _UNIT_BYTES[rest.lower()]
+
+
+_MIN_BYTES_TEXT = st.one_of(
+    _GARBAGE_TEXT,
+    st.tuples(
+        st.integers(0, 2**40).map(str) | st.sampled_from(["", "-1", "1.5", "１２", "٣", "0x10"]),
+        st.sampled_from(["", " ", "  ", "\t", "\u00a0"]),
+        st.sampled_from([*_UNIT_BYTES, "KIB", "Mb", "gB", "KiB", "TiB", "bytes", "k", "µB"]),
+        st.sampled_from(["", " ", "x"]),
+    ).map("".join),
+)
+
+
+def _min_bytes_property(text: str) -> None:
+    from netutility_jax.experiments import demo
+
+    want = _min_bytes_reference(text)
+    try:
+        got = demo.min_bytes(text)
+    except demo.DemoError as e:
+        assert want is None, (text, want)
+        assert str(e).startswith(f"--min-bytes {text!r}: expected a whole number of bytes"), e
+        assert "\n" not in str(e)
+        hypothesis.event("refused")
+        return
+    assert got == want and isinstance(got, int) and got >= 0, (text, got, want)
+    hypothesis.event("read")
+
+
+@hypothesis.settings(max_examples=200, deadline=DEADLINE)
+@hypothesis.given(text=_MIN_BYTES_TEXT)
+def test_demo_min_bytes_any_text_is_read_as_written_or_refused(text):
+    _min_bytes_property(text)
+
+
+@pytest.mark.slow
+@hypothesis.settings(max_examples=3000, deadline=DEADLINE)
+@hypothesis.given(text=_MIN_BYTES_TEXT)
+def test_demo_min_bytes_any_text_is_read_as_written_or_refused_slow(text):
+    _min_bytes_property(text)
+
+
+def test_demo_min_bytes_garbage_on_the_command_line_exits_2_before_any_work(tmp_path, capsys):
+    """Each refused value through ``netutility demo --suite nli --model-devices 1``: one line,
+    exit 2, no output folder and no cache."""
+    from netutility_jax.experiments import demo
+
+    for i, text in enumerate(["-1", "1.5", "١٢", "0x10", "1e6", "KiB", "", "12 TiB", "nan"]):
+        argv = ["--suite", "nli", "--model-devices", "1", "--min-bytes", text, "--no-progress",
+                "--out", str(tmp_path / f"o{i}"), "--cache-dir", str(tmp_path / f"c{i}")]  # fmt: skip
+        code = demo.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err.count("\n") == 0 and "--min-bytes" in err, (text, err)
+        assert not (tmp_path / f"o{i}").exists() and not (tmp_path / f"c{i}").exists()
+
+
+_SEED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                         "language_head", "seed0")  # fmt: skip
+_JSON_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                               max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+
+
+@st.composite
+def _seed_dir_case_st(draw):
+    """A mutation of a real rendered seed: a JSON value replaced or removed somewhere in
+    results.json, or its bytes cut or replaced, or predictions.npz's bytes cut or garbled."""
+    kind = draw(st.sampled_from(["replace", "replace", "delete", "json_bytes", "npz_bytes",
+                                 "deep", "npy"]))  # fmt: skip
+    path = []
+    if kind in ("replace", "delete"):
+        with open(os.path.join(_SEED_DIR, "results.json")) as f:
+            node = json.load(f)
+        while True:  # walk down to a random node (at least one step)
+            keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+            if not keys:
+                break
+            k = draw(st.sampled_from(keys))
+            path.append(k)
+            node = node[k]
+            if not isinstance(node, dict | list) or draw(st.integers(0, 3)) == 0:
+                break
+    value = draw(_JSON_VALUE) if kind == "replace" else None
+    cut = draw(st.floats(0.0, 1.0))
+    garble = draw(st.binary(max_size=16))
+    return kind, path, value, cut, garble
+
+
+def _seed_dir_property(tmp_path_factory, case):
+    import copy
+    import shutil
+
+    from netutility_jax.experiments.harness import seeds as sds
+
+    kind, path, value, cut, garble = case
+    d = tmp_path_factory.mktemp("seeds")
+    shutil.copy(os.path.join(_SEED_DIR, "predictions.npz"), d / "predictions.npz")
+    with open(os.path.join(_SEED_DIR, "results.json")) as f:
+        original = json.load(f)
+    results = copy.deepcopy(original)
+    if path:
+        node = results
+        for k in path[:-1]:
+            node = node[k]
+        if kind == "delete":
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    text = json.dumps(results)
+    if kind == "json_bytes":
+        text = text[: int(cut * len(text))] + garble.decode("latin-1")
+    elif kind == "deep":  # nesting deeper than the JSON reader's recursion limit
+        text = "[" * 100_000 + "]" * 100_000
+    (d / "results.json").write_text(text, encoding="utf-8", errors="surrogatepass")
+    if kind == "npz_bytes":
+        raw = (d / "predictions.npz").read_bytes()
+        (d / "predictions.npz").write_bytes(raw[: int(cut * len(raw))] + garble)
+    elif kind == "npy":  # one array where the archive belongs
+        with open(d / "predictions.npz", "wb") as f:
+            np.save(f, np.frombuffer(garble, np.uint8))
+    try:
+        sv = sds.load(d, label="--seeds-from")
+    except InputError as e:
+        assert str(e).startswith(f"--seeds-from {d}: "), e
+        hypothesis.event(f"{kind}: refused by load")
+        return
+    # read: every merge with a record has its test correctness, and the other way round
+    assert all(set(s.records) == set(s.correct) for s in sv.seeds)
+    # then it is checked against the experiment it came from; a changed field the check
+    # compares must be refused there
+    exp = {
+        "suite": original["suite"], "preset": original["preset"], "grid": original["grid"],
+        "train_config": original["train_config"], "tasks": original["tasks"],
+        "alpha_arg": "auto", "evaluation": original["evaluation"],
+        "jobs": [k for k, v in original["merges"]["0"].items() if not v.get("derived")],
+    }  # fmt: skip
+
+    class _Test:
+        task, labels, task_names = sv.task, sv.labels, sv.task_names
+
+    compared = {"suite", "preset", "grid", "train_config", "tasks", "evaluation"}
+    touched = (
+        bool(path) and path[0] in compared and json.dumps(results.get(path[0]), sort_keys=True)
+        != json.dumps(original[path[0]], sort_keys=True)
+    )  # fmt: skip
+    try:
+        sv.check(exp, _Test(), original["evaluation"]["val_texts"])
+    except InputError as e:
+        assert str(e).startswith(f"--seeds-from {d}: "), e
+        hypothesis.event(f"{kind}: refused by the check")
+        return
+    assert not touched, f"a changed {path} passed the check"
+    hypothesis.event(f"{kind}: read and passed ({path[:1]})")
+
+
+@hypothesis.settings(
+    max_examples=25, deadline=DEADLINE,
+    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+)  # fmt: skip
+@hypothesis.given(case=_seed_dir_case_st())
+def test_seeds_from_damaged_directories_are_read_or_refused_in_one_error(tmp_path_factory, case):
+    _seed_dir_property(tmp_path_factory, case)
+
+
+@pytest.mark.slow
+@hypothesis.settings(
+    max_examples=300, deadline=DEADLINE,
+    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+)  # fmt: skip
+@hypothesis.given(case=_seed_dir_case_st())
+def test_seeds_from_damaged_directories_are_read_or_refused_in_one_error_slow(
+    tmp_path_factory, case
+):
+    _seed_dir_property(tmp_path_factory, case)

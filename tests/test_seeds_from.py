@@ -222,6 +222,17 @@ def test_unusable_directories_are_refused_naming_what_is_wrong(tmp_path):
     _edit(d, lambda r: r.pop("training"))
     with pytest.raises(InputError, match=r"lacks what a seed needs \(KeyError: 'training'\)"):
         sds.load(d)
+    (d / "results.json").write_text("[" * 100_000 + "]" * 100_000)  # deeper than the reader goes
+    with pytest.raises(InputError, match=r"results\.json is not readable JSON"):
+        sds.load(d)
+    for key, value, what in (("evaluation", None, "of type NoneType, not an object"),
+                             ("texts", [1], "of type list, not an object"),
+                             ("eval_key", 3, "of type int, not a hash"),
+                             ("alpha_arg", "gram", "'gram' is neither 'auto' nor a number")):  # fmt: skip
+        shutil.copy(RENDERED / "results.json", d / "results.json")
+        _edit(d, lambda r, key=key, value=value: r.update({key: value}))
+        with pytest.raises(InputError, match=re.escape(what)):
+            sds.load(d)
     shutil.copy(RENDERED / "results.json", d / "results.json")
     # written before the per-seed fields, with two seeds: their means cannot be split
     _edit(d, lambda r: r.update(seeds=[0, 1]))
@@ -237,6 +248,17 @@ def test_unusable_directories_are_refused_naming_what_is_wrong(tmp_path):
     short = {k: v for k, v in arrays.items() if k != "s0/ta/full/R64/uniform"}
     np.savez(d / "predictions.npz", **short)
     with pytest.raises(InputError, match="no test correctness for seed 0's 'ta/full/R64/uniform'"):
+        sds.load(d)
+    # found by the fuzz suite: an empty file, and a prediction without its record
+    (d / "predictions.npz").write_bytes(b"")
+    with pytest.raises(InputError, match=r"predictions\.npz is not readable"):
+        sds.load(d)
+    with open(d / "predictions.npz", "wb") as f:  # one array, not an archive
+        np.save(f, arrays["task"])
+    with pytest.raises(InputError, match=r"predictions\.npz is not readable \(one array, not"):
+        sds.load(d)
+    np.savez(d / "predictions.npz", **dict(arrays, **{"s0/ta/full/R8/uniform": arrays["task"]}))
+    with pytest.raises(InputError, match="no record of seed 0's 'ta/full/R8/uniform'"):
         sds.load(d)
     # an object array would need unpickling: refused, nothing is unpickled
     np.savez(d / "predictions.npz", **dict(arrays, task=np.array([object()] * 3)))

@@ -258,8 +258,8 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, 
 
 
 def min_bytes(text: str) -> int:
-    """``--min-bytes N`` as a number of bytes: a whole number with an optional unit (B, KiB, MiB,
-    GiB, kB, MB, GB; case ignored), at least 0.
+    """``--min-bytes N`` as a number of bytes: a whole number in ASCII digits with an optional
+    unit (B, KiB, MiB, GiB, kB, MB, GB; case ignored), at least 0.
 
     Raises:
       DemoError: one line naming the flag.
@@ -269,7 +269,7 @@ def min_bytes(text: str) -> int:
       (1048576, 65536, 0)
     """
     value = str(text).strip()
-    m = re.fullmatch(r"(\d+)\s*([a-zA-Z]*)", value)
+    m = re.fullmatch(r"([0-9]+)[ \t]*([a-zA-Z]*)", value)  # ASCII only: "１２" is not 12
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
         raise DemoError(

@@ -31,6 +31,8 @@ import json
 import os
 import pathlib
 import shlex
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -205,12 +207,18 @@ def load(directory: str | os.PathLike, *, label: str = "seeds from") -> SavedSee
             )
     try:
         results = json.loads((d / "results.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # (nested too deep)
         raise InputError(f"{where}: results.json is not readable JSON ({e})") from None
     try:
-        with np.load(d / "predictions.npz", allow_pickle=False) as z:
-            pred = {k: np.asarray(z[k]) for k in z.files}
-    except (OSError, ValueError, KeyError) as e:
+        # (opened here, so a file numpy refuses is closed too)
+        with open(d / "predictions.npz", "rb") as f:
+            z = np.load(f, allow_pickle=False)
+            if not isinstance(z, np.lib.npyio.NpzFile):  # one .npy array, not an archive
+                raise ValueError("one array, not an .npz archive of arrays")
+            with z:
+                pred = {k: np.asarray(z[k]) for k in z.files}
+    # (an empty or cut file: EOFError, a damaged zip: BadZipFile, a damaged member: zlib.error)
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise InputError(f"{where}: predictions.npz is not readable ({e})") from None
     try:
         return _build(d, results, pred, where, label)
@@ -258,7 +266,18 @@ def _alpha_word(word: str, where: str) -> str | float:
 
 
 def _alpha(x: Any) -> str | float:
+    if (isinstance(x, str) and x != "auto") or isinstance(x, bool):
+        raise ValueError(f"alpha_arg {x!r} is neither 'auto' nor a number")
     return x if isinstance(x, str) else float(x)
+
+
+#: results.json's fields that :meth:`SavedSeeds.check` reads, their types, and their wording.
+_FIELD_TYPES = (
+    ("evaluation", (dict,), "an object"),
+    ("texts", (dict, type(None)), "an object"),
+    ("eval_key", (str, type(None)), "a hash (text)"),
+    ("train_data", (str, type(None)), "a hash (text)"),
+)
 
 
 def _build(
@@ -268,6 +287,12 @@ def _build(
     where: str,
     label: str,
 ) -> SavedSeeds:
+    for key, types, what in _FIELD_TYPES:  # what check() compares, of the type it compares
+        if not isinstance(results.get(key, types[-1]()), types):
+            raise InputError(
+                f"{where}: results.json's {key!r} is of type {type(results[key]).__name__}, not {what}"
+            )
+    alpha_arg(results, where)  # (readable: a number, "auto", or the command's --alpha)
     seeds = [int(s) for s in results["seeds"]]
     names = [t["name"] for t in results["tasks"]]
     task = pred["task"].astype(np.int64)
@@ -292,6 +317,12 @@ def _build(
         if missing:
             raise InputError(
                 f"{where}: predictions.npz has no test correctness for seed {seed}'s {missing[0]!r}"
+            )
+        unrecorded = [key for key in correct if key not in records]
+        if unrecorded:
+            raise InputError(
+                f"{where}: results.json has no record of seed {seed}'s {unrecorded[0]!r} "
+                "(predictions.npz has its test correctness)"
             )
         if "zero_shot_test_per_seed" in single[names[0]]:
             zs_test = {n: single[n]["zero_shot_test_per_seed"][i] for n in names}
