@@ -309,11 +309,10 @@ def run_experiment(
     # the code that runs is the checkout's now, not at the end of a run of hours
     commit = _provenance.commit()
     seeds_from = list(seeds_from)
-    sds.check_distinct([], seeds_from)  # no seed read from two directories
     read = {s for sv in seeds_from for s in sv.seed_ids}
     # by default the preset's seeds that were not read back (none, when every one was)
     seeds = [s for s in preset.seeds if s not in read] if seeds is None else list(seeds)
-    if seeds_from:
+    if seeds_from:  # (also no seed read from two directories)
         sds.check_distinct(seeds, seeds_from)
     elif not seeds:
         raise InputError("run_experiment: no seeds to run (seeds=[]) and none read (seeds_from)")
