@@ -12,16 +12,27 @@ compute ``x @ lora_a @ lora_b`` with **no scaling**: flax has no ``lora_alpha``.
 * the caller passes ``scale=`` (a float, or ``{name: float}``), for a scaling the training code
   applies outside the layer (e.g. ``lora_alpha / r``).
 
-A module's name is the "/"-joined state path of its layer: the ``nnx.LoRALinear`` itself
-(``"layers/0/attention/query"``, not ``".../query/lora"``), or the ``nnx.LoRA`` module; a model
-that is itself a single LoRA layer has the one module ``"lora"`` (the name :func:`nu.merge` gives a
-root module).
+Module names. A LoRA layer has two spellings, and this module reads both:
+
+* its **layer name** (the default of :func:`extract_adapter`), the "/"-joined state path of the
+  layer: the ``nnx.LoRALinear`` itself (``"layers/0/attention/query"``) or the ``nnx.LoRA``
+  module; a model that is itself a single LoRA layer has the one module ``"lora"``;
+* its **path name** (``names="path"``), the "/"-joined state path of its ``nnx.LoRA`` module,
+  which is the name :func:`nu.score`, :func:`nu.allocate` and :func:`nu.merge` give a module of
+  an ``nnx.State`` passed to them directly: ``"layers/0/attention/query/lora"`` for an
+  ``nnx.LoRALinear``, the same as the layer name for an ``nnx.LoRA`` (``""`` for a root one).
+
+So the mapping is: a layer name ``X`` of an ``nnx.LoRALinear`` is the path name ``X/lora``; an
+``nnx.LoRA``'s two names agree (``"lora"`` and ``""`` at the root). Masks, scores and merges from
+one spelling fit adapters of the same spelling: ``nu.score(states)`` goes with
+``extract_adapter(model, names="path")``, ``nu.score([extract_adapter(s) for s in states])``
+with ``extract_adapter(model)``. Every ``{name: ...}`` argument here (``scale=``, the merged
+adapter of :func:`apply_adapter`) takes either spelling.
 
 What a training script saves per task is often not the model but its LoRA state,
-``nnx.state(model, nnx.LoRAParam)`` (an ``nnx.State``, or its ``to_pure_dict()``):
-:func:`extract_adapter` takes that too and names its modules as it names the model's (a path
-ending in ``lora`` is its ``nnx.LoRALinear``'s), and :func:`apply_adapter` takes merges of such
-states made directly by :func:`nu.merge_adapters` (whose modules are named ``.../query/lora``).
+``nnx.state(model, nnx.LoRAParam)`` (an ``nnx.State``, its ``to_pure_dict()``, or what orbax's
+``StandardCheckpointer.restore(path)`` gives back with or without a target):
+:func:`extract_adapter` takes that too and names its modules as it names the model's.
 """
 
 from __future__ import annotations
@@ -36,19 +47,22 @@ import numpy as np
 from flax import nnx
 
 from . import _tree
+from ._checks import brief
 from .errors import InputError, InputTypeError
 from .merging import module_update
 
-__all__ = ["MODES", "apply_adapter", "extract_adapter"]
+__all__ = ["MODES", "NAMINGS", "apply_adapter", "extract_adapter"]
 
 MODES = ("fold", "lora")
+NAMINGS = ("layer", "path")  # extract_adapter's names=: see the module docstring
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layer:
     """One LoRA layer of a model: its nnx.LoRA, and the base kernel the update folds into."""
 
-    name: str
+    name: str  # its layer name
+    path: str  # its path name: the nnx.LoRA module's "/"-joined state path
     lora: nnx.LoRA
     base: Any  # the module holding the base `kernel` (LoRALinear, or LoRA.base_module), or None
 
@@ -61,6 +75,7 @@ def _lora_layers(model: Any, fn: str) -> dict[str, _Layer]:
     for path, mod in mods.items():
         if not isinstance(mod, nnx.LoRA):
             continue
+        lora_path = "/".join(map(str, path))
         parent = mods.get(path[:-1]) if path else None
         if path and path[-1] == "lora" and isinstance(parent, nnx.LoRALinear):
             path, base = path[:-1], parent
@@ -68,7 +83,7 @@ def _lora_layers(model: Any, fn: str) -> dict[str, _Layer]:
             base = mod.base_module
         # a model that is itself one LoRA layer: "lora", as nu.merge names a root module
         name = "/".join(map(str, path)) or "lora"
-        out[name] = _Layer(name, mod, base)
+        out[name] = _Layer(name, lora_path, mod, base)
     if not out:
         raise InputError(
             f"{fn}: {type(model).__name__} has no LoRA layers (nnx.LoRA or nnx.LoRALinear); "
@@ -90,20 +105,67 @@ def _scalar(fn: str, name: str, x: Any, what: str) -> float | jax.Array:
     return float(arr)
 
 
+def _resolve(keys: Any, spellings: Mapping[str, str]) -> tuple[dict[Any, str], list[Any]]:
+    """Each key's module name, where the key is that name or the module's other spelling.
+
+    ``spellings`` maps each module name to its other spelling (a layer name to its path name or
+    back, see the module docstring). Returns ``({key: module name}, keys that are neither)``; a
+    name that is one module's name and another's other spelling means the first.
+    """
+    other = {}
+    for name, alt in spellings.items():
+        other.setdefault(alt, name)
+    found, unknown = {}, []
+    for k in keys:
+        if k in spellings:
+            found[k] = k
+        elif k in other:
+            found[k] = other[k]
+        else:
+            unknown.append(k)
+    return found, unknown
+
+
+def _names_list(names: Any) -> str:
+    names = list(names)
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+
+
+def _scale_map(
+    fn: str, scale: Mapping[str, Any], spellings: Mapping[str, str], where: str
+) -> dict[str, Any]:
+    """A ``scale=`` mapping keyed by module name; its keys may use either spelling."""
+    found, unknown = _resolve(scale.keys(), spellings)
+    if unknown:
+        raise InputError(
+            f"{fn}: scale names {sorted(map(str, unknown))[:3]} are not LoRA layers of the "
+            f"{where}; they are {_names_list(spellings)} (or their path names "
+            f"{_names_list(spellings.values())})."
+        )
+    out: dict[str, Any] = {}
+    first: dict[str, Any] = {}
+    for k, name in found.items():
+        if name in out:
+            raise InputError(
+                f"{fn}: scale names {first[name]!r} and {k!r} are the same LoRA layer (its layer "
+                "name and its path name); give its scale once."
+            )
+        out[name], first[name] = scale[k], k
+    return out
+
+
 def _scales(
     fn: str, layers: Mapping[str, _Layer], scale: float | Mapping[str, float] | None
 ) -> dict[str, float | jax.Array]:
-    if isinstance(scale, Mapping):
-        unknown = sorted(set(scale) - set(layers))
-        if unknown:
-            raise InputError(
-                f"{fn}: scale names {unknown[:3]} are not LoRA layers of the model; LoRA layers "
-                f"are {list(layers)[:5]}{' ...' if len(layers) > 5 else ''}."
-            )
+    given = (
+        _scale_map(fn, scale, {n: lay.path for n, lay in layers.items()}, "model")
+        if isinstance(scale, Mapping)
+        else {}
+    )
     out: dict[str, float | jax.Array] = {}
     for name, layer in layers.items():
-        if isinstance(scale, Mapping) and name in scale:
-            out[name] = _scalar(fn, name, scale[name], "scale")
+        if name in given:
+            out[name] = _scalar(fn, name, given[name], "scale")
         elif scale is not None and not isinstance(scale, Mapping):
             out[name] = _scalar(fn, name, scale, "scale")
         elif hasattr(layer.lora, "scale"):
@@ -115,13 +177,68 @@ def _scales(
 
 def _layer_name(path: str) -> str:
     """The layer name of a LoRA state path: ``a/query/lora`` (an ``nnx.LoRALinear``'s ``lora``
-    child) is ``a/query``; a root ``lora`` stays ``lora`` (as :func:`extract_adapter` names a
-    model that is one LoRA layer)."""
+    child) is ``a/query``; a root ``lora`` (a root ``nnx.LoRALinear``'s) and the root ``""`` (a
+    root ``nnx.LoRA``) are ``lora``, as :func:`extract_adapter` names a model that is one LoRA
+    layer."""
+    if path in ("", "lora"):
+        return "lora"
     return path[: -len("/lora")] if path.endswith("/lora") else path
 
 
-def _from_state(fn: str, state: Any, scale: float | Mapping[str, float] | None) -> dict:
-    """The adapter of an ``nnx.State`` (or plain nested dict) of LoRA parameters."""
+_RESTORE_FIX = (
+    "restore with a target, checkpointer.restore(path, nnx.state(model, nnx.LoRAParam)), or "
+    "pass the model"
+)
+
+
+def _state_value(fn: str, name: str, label: str, x: Any) -> Any:
+    """An entry of a LoRA state as an array: an nnx Variable's value, or the ``{'value': array}``
+    mapping that orbax's ``StandardCheckpointer.restore(path)`` gives back for a Variable when
+    it restores without a target (it does not know the Variable types then)."""
+    x = _tree.unwrap(x)
+    if _tree.is_mapping(x):
+        keys = list(x.keys())
+        if "value" not in keys:
+            raise InputError(
+                f"{fn}: {label} of module {name!r} is a {type(x).__name__} with keys "
+                f"{brief(sorted(map(str, keys)))}; expected an array, an nnx Variable, or "
+                "{'value': array} (a Variable as orbax's StandardCheckpointer.restore(path) "
+                f"gives it back without a target). Or {_RESTORE_FIX}."
+            )
+        x = _tree.unwrap(x["value"])
+    return x
+
+
+def _state_factor(fn: str, name: str, label: str, x: Any) -> Any:
+    """A factor of a LoRA state (see :func:`_state_value`), checked: a 2-D floating array."""
+    x = _state_value(fn, name, label, x)
+    arr = x
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        try:
+            arr = np.asarray(x)
+        except Exception:  # ragged lists and such: not an array at all
+            arr = None
+    try:
+        floating = arr is not None and bool(jnp.issubdtype(arr.dtype, jnp.floating))
+    except TypeError:
+        floating = False
+    want = "(d_in, r)" if label == "lora_a" else "(r, d_out)"
+    if not floating:
+        what = f"an array of dtype {arr.dtype}" if arr is not None else f"a {type(x).__name__}"
+        raise InputTypeError(
+            f"{fn}: {label} of module {name!r} is {what}; expected a floating array {want}. "
+            f"If the state was read from a checkpoint, {_RESTORE_FIX}."
+        )
+    if len(arr.shape) != 2:
+        raise InputError(
+            f"{fn}: {label} of module {name!r} has shape {tuple(arr.shape)}; expected 2-D {want}."
+        )
+    return arr
+
+
+def _from_state(fn: str, state: Any, scale: float | Mapping[str, float] | None, names: str) -> dict:
+    """The adapter of an ``nnx.State`` (or plain nested dict) of LoRA parameters, including
+    an orbax restore without a target (each Variable a ``{'value': array}`` mapping)."""
     found = _tree.extract_lora(state)
     if not found:
         raise InputError(
@@ -129,42 +246,55 @@ def _from_state(fn: str, state: Any, scale: float | Mapping[str, float] | None) 
             "'lora_a' and 'lora_b'); pass a model with LoRA layers, or its LoRA state "
             "nnx.state(model, nnx.LoRAParam)."
         )
-    mods: dict[str, Mapping[str, Any]] = {}
+    # {module name: (its other spelling, module)}
+    mods: dict[str, tuple[str, Mapping[str, Any]]] = {}
     for path, mod in found.items():
-        name = _layer_name(path)
-        if name in mods:
+        layer = _layer_name(path)
+        if names == "path":
+            mods[path] = (layer, mod)
+            continue
+        if layer in mods:
             raise InputError(
-                f"{fn}: the state has two LoRA layers named {name!r} ({path!r} and its parent); "
-                "pass the model itself."
+                f"{fn}: the state has two LoRA layers named {layer!r} ({mods[layer][0]!r} and "
+                f"{path!r}); pass names='path' (their state paths) or the model itself."
             )
-        mods[name] = mod
-    if isinstance(scale, Mapping):
-        unknown = sorted(set(scale) - set(mods))
-        if unknown:
-            raise InputError(
-                f"{fn}: scale names {unknown[:3]} are not LoRA layers of the state; they are "
-                f"{list(mods)[:5]}{' ...' if len(mods) > 5 else ''}."
-            )
+        mods[layer] = (path, mod)
+    given = (
+        _scale_map(fn, scale, {n: alt for n, (alt, _) in mods.items()}, "state")
+        if isinstance(scale, Mapping)
+        else {}
+    )
     out = {}
-    for name, mod in mods.items():
-        if isinstance(scale, Mapping) and name in scale:
-            sc = _scalar(fn, name, scale[name], "scale")
+    for name, (_, mod) in mods.items():
+        if name in given:
+            sc = _scalar(fn, name, given[name], "scale")
         elif scale is not None and not isinstance(scale, Mapping):
             sc = _scalar(fn, name, scale, "scale")
         elif "scale" in mod:
-            sc = _scalar(fn, name, mod["scale"], "the state's `scale` entry")
+            value = _state_value(fn, name, "scale", mod["scale"])
+            sc = _scalar(fn, name, value, "the state's `scale` entry")
         else:
             sc = 1.0
+        a = _state_factor(fn, name, "lora_a", mod["lora_a"])
+        b = _state_factor(fn, name, "lora_b", mod["lora_b"])
+        if a.shape[1] != b.shape[0]:
+            raise InputError(
+                f"{fn}: factors of module {name!r} do not chain: lora_a {tuple(a.shape)} is "
+                f"(d_in, r={a.shape[1]}) but lora_b {tuple(b.shape)} is (r={b.shape[0]}, d_out)."
+            )
         out[name] = {
-            "lora_a": jnp.array(_tree.unwrap(mod["lora_a"]), copy=True),
-            "lora_b": jnp.array(_tree.unwrap(mod["lora_b"]), copy=True),
+            "lora_a": jnp.array(a, copy=True),
+            "lora_b": jnp.array(b, copy=True),
             "scale": sc,
         }
     return out
 
 
 def extract_adapter(
-    model: Any, *, scale: float | Mapping[str, float] | None = None
+    model: Any,
+    *,
+    scale: float | Mapping[str, float] | None = None,
+    names: str = "layer",
 ) -> dict[str, dict[str, Any]]:
     """The LoRA adapter of an nnx model (or of its LoRA state), as a flat dict keyed by layer path.
 
@@ -175,21 +305,29 @@ def extract_adapter(
 
     Args:
       model: an ``nnx.Module`` with LoRA layers, or its LoRA state (``nnx.state(model,
-        nnx.LoRAParam)``, an ``nnx.State``, or the plain nested dict ``to_pure_dict()`` gives),
-        whose modules get the names the model's would.
+        nnx.LoRAParam)``, an ``nnx.State``, the plain nested dict ``to_pure_dict()`` gives, or
+        what orbax's ``StandardCheckpointer.restore(path)`` returns, with a target or without
+        one (then each Variable is a ``{"value": array}`` dict)), whose modules get the names
+        the model's would.
       scale: the factor the forward applies to each LoRA branch, if not stored on the layers: a
-        float for all, or ``{name: float}``. Default: the ``nnx.LoRA`` module's ``scale``
-        attribute (a state's ``scale`` entry) where it has one, else 1 (flax's LoRA layers do
-        not scale).
+        float for all, or ``{name: float}`` (layer or path names). Default: the ``nnx.LoRA``
+        module's ``scale`` attribute (a state's ``scale`` entry) where it has one, else 1
+        (flax's LoRA layers do not scale).
+      names: ``"layer"``: each module named by its layer (``"layers/0/query"`` for an
+        ``nnx.LoRALinear``); ``"path"``: by the state path of its ``nnx.LoRA``
+        (``"layers/0/query/lora"``), the names :func:`nu.score` and :func:`nu.merge` give an
+        ``nnx.State`` passed to them directly, so that their masks fit this adapter.
 
     Returns:
       ``{name: {"lora_a", "lora_b", "scale"}}`` in model traversal order; factors are copies
       (``jax.Array``, their dtype kept), ``scale`` a Python float.
 
     Raises:
-      TypeError: ``model`` is neither an ``nnx.Module`` nor a mapping.
-      ValueError: the model (or state) has no LoRA layers; a ``scale`` that is not a finite
-        scalar, or names a layer the model lacks.
+      TypeError: ``model`` is neither an ``nnx.Module`` nor a mapping; a state's factor is not a
+        floating array.
+      ValueError: the model (or state) has no LoRA layers; unknown ``names``; a state's factors
+        that are not 2-D or do not chain; a ``scale`` that is not a finite scalar, or names a
+        layer the model lacks.
 
     Example:
       >>> from flax import nnx
@@ -200,12 +338,18 @@ def extract_adapter(
       ({'lora': (8, 2)}, 1.0)
     """
     fn = "nu.nnx.extract_adapter"
+    if not isinstance(names, str) or names not in NAMINGS:
+        raise InputError(
+            f"{fn}: names={names!r}; expected 'layer' (a module named by its layer, "
+            "'layers/0/query') or 'path' (by its nnx.LoRA's state path, 'layers/0/query/lora', "
+            "as nu.score names an nnx.State's modules)."
+        )
     if not isinstance(model, nnx.Module) and _tree.is_mapping(model):
-        return _from_state(fn, model, scale)
+        return _from_state(fn, model, scale, names)
     layers = _lora_layers(model, fn)
     scales = _scales(fn, layers, scale)
     return {
-        name: {
+        (name if names == "layer" else layer.path): {
             "lora_a": jnp.array(layer.lora.lora_a.get_value(), copy=True),
             "lora_b": jnp.array(layer.lora.lora_b.get_value(), copy=True),
             "scale": scales[name],
@@ -215,7 +359,7 @@ def extract_adapter(
 
 
 def _merged_modules(
-    fn: str, merged: Any, layers: Mapping[str, Any] | None = None
+    fn: str, merged: Any, layers: Mapping[str, _Layer] | None = None
 ) -> dict[str, Mapping[str, Any] | None]:
     if not _tree.is_mapping(merged):
         raise InputTypeError(
@@ -231,10 +375,12 @@ def _merged_modules(
                 "expected {name: {'lora_a', 'lora_b', 'scale'}} or {name: {'delta'}}."
             )
         out[name] = node  # a module, or None (no update)
-    # a merge of LoRA states names a LoRALinear's module ".../query/lora": the layer's name
+    # a merge of LoRA states names a LoRALinear's module ".../query/lora" (its path name): each
+    # name is read as the layer it spells; what is neither stays, for the mismatch message
     if layers and set(out) != set(layers):
-        renamed = {_layer_name(k): v for k, v in out.items()}
-        if len(renamed) == len(out) and set(renamed) == set(layers):
+        found, _ = _resolve(out, {n: lay.path for n, lay in layers.items()})
+        renamed = {found.get(k, k): v for k, v in out.items()}
+        if len(renamed) == len(out):
             return renamed
     return out
 

@@ -406,3 +406,224 @@ def test_a_state_without_lora_is_refused():
         nu_nnx.extract_adapter(nnx.state(nnx.Linear(4, 4, rngs=nnx.Rngs(0))))
     with pytest.raises(InputError, match="are not LoRA layers of the state"):
         nu_nnx.extract_adapter(nnx.state(Model(0), nnx.LoRAParam), scale={"nope": 2.0})
+
+
+# --- a Flax user's own objects (issue 46): orbax restores, one naming of modules, messages
+
+
+class Small(nnx.Module):
+    """A Flax user's model: an nnx.LoRALinear, then an nnx.LoRA around an nnx.Linear."""
+
+    def __init__(self, seed: int):
+        rngs = nnx.Rngs(seed)
+        kw = _numpy_init(seed)
+        lora_kw = {"a_initializer": kw["kernel_init"], "b_initializer": kw["kernel_init"]}
+        self.fc1 = nnx.LoRALinear(D, H1, lora_rank=R, rngs=rngs, **kw, **lora_kw)
+        base = nnx.Linear(H1, D, rngs=rngs, **kw)
+        self.fc2 = nnx.LoRA(H1, R, D, base_module=base, rngs=rngs, **lora_kw)
+
+    def __call__(self, x):
+        return self.fc2(jnp.tanh(self.fc1(x)))
+
+
+def _small_task(base, seed):
+    """A copy of ``base`` with random (trained-looking) factors in both LoRA layers."""
+    rng = np.random.default_rng(seed)
+    out = nnx.clone(base)
+    for lora in (out.fc1.lora, out.fc2):
+        for v in (lora.lora_a, lora.lora_b):
+            v.set_value(jnp.asarray(rng.normal(size=v.shape) / 2, jnp.float32))
+    return out
+
+
+@pytest.fixture(scope="module")
+def small():
+    base = Small(0)
+    return {"base": base, "tasks": [_small_task(base, seed) for seed in (11, 12, 13)]}
+
+
+def _assert_same_adapter(got, want):
+    assert list(got) == list(want)
+    for name in want:
+        assert set(got[name]) == set(want[name]) == {"lora_a", "lora_b", "scale"}
+        assert got[name]["scale"] == want[name]["scale"]
+        for k in ("lora_a", "lora_b"):
+            a, b = got[name][k], want[name][k]
+            assert isinstance(a, jax.Array) and a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("names", ["layer", "path"])
+def test_orbax_restore_with_and_without_target_extracts_bit_for_bit(small, tmp_path, names):
+    import orbax.checkpoint as ocp
+
+    model = small["tasks"][0]
+    path = tmp_path / "task0"
+    # the target as flax's docs build it: the state of an abstract model
+    target = nnx.state(nnx.eval_shape(lambda: Small(0)), nnx.LoRAParam)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path, nnx.state(model, nnx.LoRAParam))
+        ckpt.wait_until_finished()
+        raw = ckpt.restore(path)
+        typed = ckpt.restore(path, target)
+    # without a target orbax does not know the Variable types: each is {'value': array}
+    assert set(raw["fc2"]["lora_a"]) == {"value"}
+    assert set(raw["fc1"]["lora"]["lora_b"]) == {"value"}
+    assert isinstance(typed["fc2"]["lora_a"], nnx.LoRAParam)
+    want = nu_nnx.extract_adapter(model, names=names)
+    assert list(want) == (["fc1", "fc2"] if names == "layer" else ["fc1/lora", "fc2"])
+    for restored in (raw, typed, nnx.to_pure_dict(typed)):
+        _assert_same_adapter(nu_nnx.extract_adapter(restored, names=names), want)
+    # and the raw restore goes on through the public API as the model's adapter does
+    scale = {"fc1/lora": 0.5, "fc2": 2.0}  # path names are accepted in either naming
+    a = nu_nnx.extract_adapter(raw, scale=scale)
+    b = nu_nnx.extract_adapter(model, scale=scale)
+    assert a["fc1"]["scale"] == b["fc1"]["scale"] == 0.5 and a["fc2"]["scale"] == 2.0
+
+
+def test_a_restored_state_that_is_not_one_is_refused_naming_the_fix():
+    rng = np.random.default_rng(0)
+    arr = {"lora_a": rng.normal(size=(4, 2)), "lora_b": rng.normal(size=(2, 3))}
+    fix = (
+        "restore with a target, checkpointer.restore(path, nnx.state(model, nnx.LoRAParam)), or "
+        "pass the model."
+    )
+    bad = {"fc": {"lora_a": {"val": arr["lora_a"]}, "lora_b": {"value": arr["lora_b"]}}}
+    msg = (
+        "nu.nnx.extract_adapter: lora_a of module 'fc' is a dict with keys ['val']; expected an "
+        "array, an nnx Variable, or {'value': array} (a Variable as orbax's "
+        f"StandardCheckpointer.restore(path) gives it back without a target). Or {fix}"
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        nu_nnx.extract_adapter(bad)
+    bad = {"fc": {"lora_a": {"value": "abc"}, "lora_b": arr["lora_b"]}}
+    msg = (
+        "nu.nnx.extract_adapter: lora_a of module 'fc' is an array of dtype <U3; expected a "
+        f"floating array (d_in, r). If the state was read from a checkpoint, {fix}"
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        nu_nnx.extract_adapter(bad)
+    bad = {"fc": {"lora_a": {"value": np.ones((4, 2, 1))}, "lora_b": arr["lora_b"]}}
+    msg = (
+        "nu.nnx.extract_adapter: lora_a of module 'fc' has shape (4, 2, 1); expected 2-D (d_in, r)."
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        nu_nnx.extract_adapter(bad)
+    bad = {"fc": {"lora_a": arr["lora_a"], "lora_b": {"value": np.ones((3, 3))}}}
+    msg = (
+        "nu.nnx.extract_adapter: factors of module 'fc' do not chain: lora_a (4, 2) is "
+        "(d_in, r=2) but lora_b (3, 3) is (r=3, d_out)."
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        nu_nnx.extract_adapter(bad)
+    msg = (
+        "nu.nnx.extract_adapter: names='flat'; expected 'layer' (a module named by its layer, "
+        "'layers/0/query') or 'path' (by its nnx.LoRA's state path, 'layers/0/query/lora', as "
+        "nu.score names an nnx.State's modules)."
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        nu_nnx.extract_adapter(arr, names="flat")
+
+
+def _flat(merged):
+    """A merge's modules by "/"-joined path (nu.merge keeps a State's nesting)."""
+    out = {}
+
+    def walk(node, prefix):
+        if "lora_a" in node or "delta" in node:
+            out[prefix] = node
+            return
+        for k, v in node.items():
+            walk(v, f"{prefix}/{k}" if prefix else str(k))
+
+    walk(merged, "")
+    return out
+
+
+def _assert_same_merge(a, b):
+    a, b = _flat(a), _flat(b)
+    assert list(a) == list(b)
+    for name in a:
+        assert set(a[name]) == set(b[name])
+        for k in a[name]:
+            x, y = np.asarray(a[name][k]), np.asarray(b[name][k])
+            assert x.dtype == y.dtype and x.shape == y.shape
+            np.testing.assert_array_equal(x, y)
+
+
+def test_masks_fit_across_entry_points_by_path_names(small):
+    tasks = small["tasks"]
+    states = [nnx.state(t, nnx.LoRAParam) for t in tasks]
+    by_layer = [nu_nnx.extract_adapter(t) for t in tasks]
+    by_path = [nu_nnx.extract_adapter(t, names="path") for t in tasks]
+    # the state's own key paths, as nu.score names the modules of an nnx.State passed directly
+    masks_state = nu.allocate(nu.score(states), budget=2)
+    masks_path = nu.allocate(nu.score(by_path), budget=2)
+    masks_layer = nu.allocate(nu.score(by_layer), budget=2)
+    assert list(masks_state) == list(masks_path) == ["fc1/lora", "fc2"]
+    assert list(masks_layer) == ["fc1", "fc2"]
+    layer_of = {"fc1/lora": "fc1", "fc2": "fc2"}
+    for name, m in masks_state.items():
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(masks_path[name]))
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(masks_layer[layer_of[name]]))
+    kept = sum(int(np.asarray(m).sum()) for m in masks_state.values())
+    assert 0 < kept < sum(np.asarray(m).size for m in masks_state.values())
+
+    # masks from nu.score(states) with the model's adapters, and the model's masks with states
+    ref = nu.merge(states, masks_state)
+    _assert_same_merge(nu.merge(by_path, masks_state), ref)
+    _assert_same_merge(nu.merge(states, masks_path), ref)
+    # the layer names are the same modules: the same merge under the other spelling
+    via_layer = nu.merge(by_layer, masks_layer)
+    _assert_same_merge({layer_of[k]: v for k, v in _flat(ref).items()}, via_layer)
+    # apply_adapter reads both spellings: the same model either way
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(4, D)), jnp.float32)
+    for mode in ("fold", "lora"):
+        a = nu_nnx.apply_adapter(small["base"], ref, mode=mode)(x)
+        b = nu_nnx.apply_adapter(small["base"], via_layer, mode=mode)(x)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_both_spellings_name_one_layer():
+    model = _small_task(Small(0), 1)
+    with pytest.raises(
+        InputError,
+        match=re.escape(
+            "nu.nnx.extract_adapter: scale names 'fc1' and 'fc1/lora' are the same LoRA layer "
+            "(its layer name and its path name); give its scale once."
+        ),
+    ):
+        nu_nnx.extract_adapter(model, scale={"fc1": 1.0, "fc1/lora": 2.0})
+    msg = (
+        "nu.nnx.extract_adapter: scale names ['fc3'] are not LoRA layers of the model; they are "
+        "['fc1', 'fc2'] (or their path names ['fc1/lora', 'fc2'])."
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        nu_nnx.extract_adapter(model, scale={"fc3": 1.0})
+    # a model that is one LoRA layer: "lora" by layer, its state path ("" for an nnx.LoRA) by path
+    init = _numpy_init(0)["kernel_init"]
+    for root, path in (
+        (nnx.LoRA(4, 2, 3, a_initializer=init, b_initializer=init, rngs=nnx.Rngs(0)), ""),
+        (nnx.LoRALinear(4, 3, lora_rank=2, rngs=nnx.Rngs(0), **_numpy_init(0)), "lora"),
+    ):
+        state = nnx.state(root, nnx.LoRAParam)
+        assert list(nu.score([state], lam=1.0).modules) == [path]
+        for src in (root, state):
+            assert list(nu_nnx.extract_adapter(src)) == ["lora"]
+            assert list(nu_nnx.extract_adapter(src, names="path")) == [path]
+        ad = nu_nnx.extract_adapter(root, names="path")
+        _assert_same_adapter(nu_nnx.extract_adapter(state, names="path"), ad)
+        new = nu_nnx.apply_adapter(root, ad, mode="lora")  # its path name is read as "lora"
+        _assert_same_adapter(nu_nnx.extract_adapter(new), nu_nnx.extract_adapter(root))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=InputError,
+    reason="the engine's mask check does not yet read a layer name and its path name as one "
+    "module (issue 46: a _tree.py/_plan.py change); remove this marker when it does",
+)
+def test_masks_of_a_state_fit_the_models_default_adapters(small):
+    states = [nnx.state(t, nnx.LoRAParam) for t in small["tasks"]]
+    masks = nu.allocate(nu.score(states), budget=2)
+    nu.merge([nu_nnx.extract_adapter(t) for t in small["tasks"]], masks)
