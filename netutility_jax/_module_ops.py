@@ -203,6 +203,57 @@ def module_update(module: Mapping[str, Any]) -> jax.Array:
     return _update(*_module_arrays("nu.module_update", module, None, bare_ok=False))
 
 
+_NNX_FOLD = "nu.nnx.apply_adapter(model, merged, mode='fold')"
+
+
+def _nested_key(node: Any, key: str, depth: int = 3) -> tuple[str, ...] | None:
+    """The path of the first ``key`` entry nested in ``node`` (this level's keys first, then
+    each child's, at most ``depth`` levels down), for :func:`fold`'s message; None if none."""
+    if depth == 0 or not _tree.is_mapping(node):
+        return None
+    keys = list(node.keys())
+    if key in keys:
+        return (str(key),)
+    for k in keys:
+        sub = _nested_key(node[k], key, depth - 1)
+        if sub is not None:
+            return (str(k), *sub)
+    return None
+
+
+def _no_kernel(fn: str, name: str, node: Any, kernel: str) -> str:
+    """:func:`fold`'s message for params without a ``kernel`` entry at a module's path: where a
+    kernel is (an ``nnx.LoRA``'s ``base_module/kernel``, an ``nnx.LoRALinear``'s parent), and the
+    nnx route."""
+    nm, k = _checks.short(name), _checks.brief(kernel)
+    keys = _checks.brief(sorted(map(str, node.keys())))
+    head = f"{fn}: params at {nm!r} has no {k} entry (its keys: {keys})"
+    needs = (
+        f"nu.fold needs each module's base kernel (d_in, d_out) at the module's path, as the "
+        f"array or {{{k}: array}}"
+    )
+    try:
+        nested = _nested_key(node, kernel)
+    except Exception:  # a mapping that fails when read: the message still comes, without it
+        nested = None
+    if nested is not None:
+        where = _checks.short("/".join((name, *nested)))
+        return (
+            f"{head}; its base kernel is nested at {where!r} (an nnx.LoRA's base_module). For "
+            f"an nnx model use {_NNX_FOLD}, which folds into that kernel; {needs}."
+        )
+    if name == "lora" or name.endswith("/lora"):
+        parent = name[: -len("lora")].rstrip("/")
+        at = repr(_checks.short(f"{parent}/{kernel}")) if parent else f"{k} at the root"
+        return (
+            f"{head}; {nm!r} is an nnx.LoRALinear's lora child (a LoRA state merged directly "
+            f"names it so) and its base kernel is its parent's, {at}. Merge "
+            "nu.nnx.extract_adapter(state) of each task (modules named by layer), or for an nnx "
+            f"model use {_NNX_FOLD}."
+        )
+    return f"{head}; {needs}. For an nnx model use {_NNX_FOLD}."
+
+
 def fold(params: Any, merged: Any, *, kernel: str = "kernel", coef: float = 1.0) -> Any:
     """Add a merged adapter to a pytree of base kernels, for evaluation: ``W + coef * dK``.
 
@@ -268,9 +319,7 @@ def fold(params: Any, merged: Any, *, kernel: str = "kernel", coef: float = 1.0)
         if not path:
             if _tree.is_mapping(node):
                 if kernel not in node.keys():
-                    raise InputError(
-                        f"{fn}: params at {_checks.short(name)!r} has no {_checks.brief(kernel)} entry."
-                    )
+                    raise InputError(_no_kernel(fn, name, node, kernel))
                 out = dict(node)
                 out[kernel] = add(node[kernel], name, mod)
                 return out

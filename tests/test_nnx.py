@@ -627,3 +627,48 @@ def test_masks_of_a_state_fit_the_models_default_adapters(small):
     states = [nnx.state(t, nnx.LoRAParam) for t in small["tasks"]]
     masks = nu.allocate(nu.score(states), budget=2)
     nu.merge([nu_nnx.extract_adapter(t) for t in small["tasks"]], masks)
+
+
+def test_fold_on_an_nnx_param_state_names_the_kernel_and_apply_adapter(small):
+    tasks, base = small["tasks"], small["base"]
+    params = nnx.state(base, nnx.Param)
+    merged = nu.merge([nu_nnx.extract_adapter(t) for t in tasks])
+    msg = (
+        "nu.fold: params at 'fc2' has no 'kernel' entry (its keys: ['base_module', 'lora_a', "
+        "'lora_b']); its base kernel is nested at 'fc2/base_module/kernel' (an nnx.LoRA's "
+        "base_module). For an nnx model use nu.nnx.apply_adapter(model, merged, mode='fold'), "
+        "which folds into that kernel; nu.fold needs each module's base kernel (d_in, d_out) at "
+        "the module's path, as the array or {'kernel': array}."
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        nu.fold(params, merged)
+    # a merge of the LoRA states names the nnx.LoRALinear's module by its lora child
+    by_state = nu.merge([nnx.state(t, nnx.LoRAParam) for t in tasks])
+    msg = (
+        "nu.fold: params at 'fc1/lora' has no 'kernel' entry (its keys: ['lora_a', 'lora_b']); "
+        "'fc1/lora' is an nnx.LoRALinear's lora child (a LoRA state merged directly names it "
+        "so) and its base kernel is its parent's, 'fc1/kernel'. Merge "
+        "nu.nnx.extract_adapter(state) of each task (modules named by layer), or for an nnx "
+        "model use nu.nnx.apply_adapter(model, merged, mode='fold')."
+    )
+    with pytest.raises(InputError, match=re.escape(msg)):
+        nu.fold(params, by_state)
+    msg = (
+        "nu.fold: params at 'q' has no 'kernel' entry (its keys: ['w']); nu.fold needs each "
+        "module's base kernel (d_in, d_out) at the module's path, as the array or "
+        "{'kernel': array}. For an nnx model use nu.nnx.apply_adapter(model, merged, "
+        "mode='fold')."
+    )
+    q = {"lora_a": np.ones((4, 1)), "lora_b": np.ones((1, 3))}
+    with pytest.raises(InputError, match=re.escape(msg)):
+        nu.fold({"q": {"w": np.zeros((4, 3))}}, {"q": q})
+    # the fix the first message names: both kernels get W + dK
+    for m in (merged, by_state):
+        new = nu_nnx.apply_adapter(base, m, mode="fold")
+        for got, w, upd in (
+            (new.fc1.kernel, base.fc1.kernel, _flat(m)["fc1/lora" if m is by_state else "fc1"]),
+            (new.fc2.base_module.kernel, base.fc2.base_module.kernel, _flat(m)["fc2"]),
+        ):
+            np.testing.assert_allclose(
+                _np(got.get_value()), _np(w.get_value()) + _dense(upd), rtol=1e-5, atol=1e-5
+            )
