@@ -624,9 +624,13 @@ def test_both_spellings_name_one_layer():
     "module (issue 46: a _tree.py/_plan.py change); remove this marker when it does",
 )
 def test_masks_of_a_state_fit_the_models_default_adapters(small):
-    states = [nnx.state(t, nnx.LoRAParam) for t in small["tasks"]]
-    masks = nu.allocate(nu.score(states), budget=2)
-    nu.merge([nu_nnx.extract_adapter(t) for t in small["tasks"]], masks)
+    tasks = small["tasks"]
+    states = [nnx.state(t, nnx.LoRAParam) for t in tasks]
+    by_layer = [nu_nnx.extract_adapter(t) for t in tasks]
+    masks_state = nu.allocate(nu.score(states), budget=2)  # "fc1/lora", "fc2"
+    masks_layer = nu.allocate(nu.score(by_layer), budget=2)  # "fc1", "fc2"
+    _assert_same_merge(nu.merge(by_layer, masks_state), nu.merge(by_layer, masks_layer))
+    _assert_same_merge(nu.merge(states, masks_layer), nu.merge(states, masks_state))
 
 
 def test_fold_on_an_nnx_param_state_names_the_kernel_and_apply_adapter(small):
@@ -672,3 +676,27 @@ def test_fold_on_an_nnx_param_state_names_the_kernel_and_apply_adapter(small):
             np.testing.assert_allclose(
                 _np(got.get_value()), _np(w.get_value()) + _dense(upd), rtol=1e-5, atol=1e-5
             )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="the message lives in _tree.py, under rewrite; the text proposed in issue 46 pinned "
+    "here: remove this marker when it is applied",
+)
+def test_score_of_a_dict_of_tasks_says_to_pass_its_values(small):
+    ads = [nu_nnx.extract_adapter(t) for t in small["tasks"][:2]]
+    msg = (
+        "nu.score: expected a sequence of adapters (one per task), got a dict of 2 adapters "
+        "('sql', 'math') with the same modules: pass list(d.values()) for one task per value "
+        "(or [d] if the dict is one adapter)."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        nu.score({"sql": ads[0], "math": ads[1]})
+    msg = (
+        "nu.score: expected a sequence of adapters (one per task), got a dict: wrap a single "
+        "adapter in a list, [adapter]; for a dict of tasks ({'sql': adapter, ...}) pass "
+        "list(d.values())."
+    )
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        nu.score(ads[0])
