@@ -155,7 +155,7 @@ def _check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) -
                     f"{fn}: mask of module {name!r} has shape {shape}; expected (M, r_max) = "
                     f"({m_tasks}, {bk.r_max}) (tasks x the module's largest rank)."
                 )
-            dt = np.dtype(getattr(m, "dtype", np.asarray(m).dtype))
+            dt = np.dtype(m.dtype if hasattr(m, "dtype") else np.asarray(m).dtype)
             if dt != np.bool_:
                 raise InputTypeError(
                     f"{fn}: mask of module {name!r} has dtype {dt}; expected bool."

@@ -128,6 +128,18 @@ class Report:
     data_aware: bool = False
 
 
+# A pytree, so that a merge inside jax.jit can return it (its numbers are then arrays); the
+# settings are static.
+jax.tree_util.register_dataclass(
+    Report,
+    data_fields=[
+        "lam", "alpha", "budget_spent", "kept", "kept_per_task", "non_prefix_fraction",
+        "heterogeneity", "ranks", "masks", "scores", "weights", "min_share",
+    ],
+    meta_fields=["budget", "method", "space", "allocation", "scope", "zeroed", "data_aware"],
+)  # fmt: skip
+
+
 def ranks_of(merged: Any) -> dict[str, int | None]:
     """Each merged module's rank (None for dense modules)."""
     return {

@@ -42,7 +42,9 @@ from ._report import zeroed_modules as zeroed_modules
 from ._report import zeroed_text as zeroed_text
 from ._request import MergeRequest
 from ._request import check_weights as check_weights
-from .errors import InputError
+from .engine import traced
+from .errors import InputError, InputTypeError
+from .utility import heterogeneity, score
 
 __all__ = [
     "ALLOCATIONS",
@@ -195,6 +197,12 @@ def merge(
       Gargiulo et al. 2025; Marczak et al. 2025.
     """
     fn = "nu.merge"
+    if traced.any_traced(adapters, masks, coef):
+        registry.resolve_options(fn, method, space, dict(options))
+        traced.refuse_untraceable(fn, method, options)
+        _refuse_traced_mesh(fn, mesh)
+        _plan.check_coef(fn, coef)
+        return _results.rebuild(adapters[0], traced.merge_traced(fn, adapters, masks, coef=coef))
     plan = _plan.plan_merge(
         fn, adapters, masks, method=method, space=space, coef=coef, key=key, options=options,
         mesh=mesh,
@@ -400,6 +408,13 @@ def merge_adapters(
       >>> bool(np.allclose(nu.module_update(out["m0"]), want, atol=1e-3))
       True
     """
+    if traced.any_traced(adapters, coef, weights, input_moments):
+        return _merge_adapters_traced(
+            adapters, budget=budget, method=method, space=space, allocation=allocation,
+            scope=scope, alpha=alpha, lam=lam, positive_only=positive_only, coef=coef, key=key,
+            mesh=mesh, weights=weights, min_share=min_share, input_moments=input_moments,
+            options=options,
+        )  # fmt: skip
     req = MergeRequest.check(
         "nu.merge_adapters", budget=budget, method=method, space=space, allocation=allocation,
         scope=scope, alpha=alpha, lam=lam, positive_only=positive_only, min_share=min_share,
@@ -423,6 +438,65 @@ def merge_adapters(
         ranks={nm: ranks[nm] for nm in names}, zeroed=zeroed,
     )  # fmt: skip
     return merged, report
+
+
+def _refuse_traced_mesh(fn: str, mesh: Any) -> None:
+    if mesh is not None:
+        raise InputError(
+            f"{fn}: mesh= stacks the factors on the host, so it cannot run inside jax.jit, "
+            "jax.grad or jax.vmap: shard the inputs of the jitted function yourself and leave "
+            "mesh=None."
+        )
+
+
+def _merge_adapters_traced(
+    adapters: Sequence[Any],
+    *,
+    weights: Any,
+    coef: Any,
+    mesh: Any,
+    options: Mapping[str, Any],
+    **settings: Any,
+) -> tuple[Any, Report]:
+    """:func:`merge_adapters` inside a JAX transformation (see :mod:`.engine.traced`): the
+    scores, masks and merge as one traceable computation, each module at rank ``M r_max``, and
+    a :class:`Report` whose numbers are arrays (``zeroed`` is empty: it needs the values)."""
+    fn = "nu.merge_adapters"
+    req = MergeRequest.check(fn, options=options, coef=1.0, **settings)
+    traced.refuse_untraceable(fn, req.method, options)
+    _refuse_traced_mesh(fn, mesh)
+    if req.min_share is not None:
+        raise InputTypeError(
+            f"{fn}: min_share cannot run inside jax.jit, jax.grad or jax.vmap (its floors are "
+            "counted on the host); call it outside the transformation."
+        )
+    names, _, m_tasks = _tree.collect(adapters, fn=fn)
+    w = traced.check_traced_weights(fn, weights, m_tasks)
+    if req.allocation == "all":  # every candidate: the directions with a nonzero sigma
+        sc = None
+        masks = {nm: ms.sigma > 0 for nm, ms in score(adapters, lam=0.0).modules.items()}
+    else:
+        sc = score(adapters, alpha=req.alpha, lam=req.lam, input_moments=req.input_moments)
+        masks = req.select(sc)
+    merged = traced.merge_traced(fn, adapters, masks, coef=coef, weights=w)
+    counts = traced.traced_report_fields(masks, names)
+    report = Report(
+        lam=None if sc is None else sc.lam,
+        alpha=None if sc is None else sc.alpha,
+        budget=req.budget,
+        heterogeneity=heterogeneity(adapters),
+        ranks=traced.padded_ranks(adapters, fn),
+        method=req.method,
+        space=req.space,
+        allocation=req.allocation,
+        scope=req.report_scope,
+        masks=masks,
+        scores=sc,
+        weights=w,
+        data_aware=req.data_aware,
+        **counts,
+    )
+    return _results.rebuild(adapters[0], merged), report
 
 
 # ------------------------------------------------------------------------------ task weights

@@ -1,0 +1,4 @@
+"""The stacked engine: programs over buckets of stacked factors (one per stage, traceable).
+
+:mod:`.traced` holds the merge that runs inside ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+"""
