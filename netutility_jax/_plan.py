@@ -29,6 +29,7 @@ __all__ = [
     "bucket_config",
     "check_coef",
     "check_key",
+    "check_masks",
     "check_scale_range",
     "chunk_size",
     "numeric_options",
@@ -128,7 +129,7 @@ def check_key(fn: str, key: Any, method: str) -> None:
     raise InputTypeError(f"{fn}: key={what}; {hint}.")
 
 
-def _check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) -> dict:
+def check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) -> dict:
     if not isinstance(masks, Mapping):
         raise InputTypeError(
             f"{fn}: masks is a {type(masks).__name__}; expected the {{name: bool (M, r_max)}} dict "
@@ -326,7 +327,7 @@ def plan_merge(
     mesh = _mesh.check_mesh(fn, mesh)
     names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     if masks is not None:
-        masks = _check_masks(fn, masks, names, buckets, m_tasks)
+        masks = check_masks(fn, masks, names, buckets, m_tasks)
     dtype = _tree.compute_dtype(buckets)
     check_scale_range(fn, buckets, dtype)
     if res.spec.kind == "elementwise":

@@ -2,3 +2,7 @@
 
 :mod:`.traced` holds the merge that runs inside ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
 """
+
+from . import traced as traced
+
+__all__ = ["traced"]

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _buckets, _tree
+from .._plan import check_masks
 from ..errors import InputError, InputTypeError
 
 __all__ = [
@@ -153,9 +154,7 @@ def merge_traced(
     """
     names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     if masks is not None:
-        from .._plan import _check_masks
-
-        masks = _check_masks(fn, masks, names, buckets, m_tasks)
+        masks = check_masks(fn, masks, names, buckets, m_tasks)
     dtype = _tree.compute_dtype(buckets)
     w = None if weights is None else jnp.asarray(weights, dtype)
     out: dict[str, dict[str, jax.Array]] = {}
