@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 
 from . import _tree
 from .decompose import LoraSVD
-from .errors import InputError, InputTypeError
+from .errors import InputError, InputTypeError, MissingFileError
 from .merging import Report
 from .utility import ModuleScores, Scores
 
@@ -135,7 +135,7 @@ def save(path: str | os.PathLike, obj: Any) -> None:
       obj: the object to store.
 
     Raises:
-      FileExistsError: ``path`` exists.
+      FileExistsError: ``path`` exists (a ``nu.NetUtilityError``).
       TypeError: a leaf of unsupported type (the message gives its location in ``obj``).
 
     Example:
@@ -151,7 +151,9 @@ def save(path: str | os.PathLike, obj: Any) -> None:
     fn = "nu.checkpoint.save"
     path = os.path.abspath(os.fspath(path))
     if os.path.lexists(path):
-        raise FileExistsError(
+        from .peft._write import PathExistsError
+
+        raise PathExistsError(
             f"{fn}: {path!r} already exists; checkpoints are never overwritten. Pick a new path or "
             "delete the old checkpoint first."
         )
@@ -223,8 +225,9 @@ def restore(path: str | os.PathLike) -> Any:
       the saved object.
 
     Raises:
-      FileNotFoundError: nothing at ``path``.
-      ValueError: ``path`` is not a netutility-jax checkpoint, or is incomplete or corrupt.
+      MissingFileError: nothing at ``path`` (a ``FileNotFoundError``).
+      InputError: ``path`` is not a netutility-jax checkpoint, or is incomplete or corrupt (a
+        ``ValueError``).
 
     Example:
       >>> import os, tempfile, numpy as np, netutility_jax as nu
@@ -241,7 +244,7 @@ def restore(path: str | os.PathLike) -> Any:
     fn = "nu.checkpoint.restore"
     path = os.path.abspath(os.fspath(path))
     if not os.path.exists(path):
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{fn}: no checkpoint at {path!r}; pass the directory nu.checkpoint.save wrote."
         )
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckpt:
@@ -290,8 +293,8 @@ def restore(path: str | os.PathLike) -> Any:
             raise _unreadable(fn, path, e) from e
 
 
-def _unreadable(fn: str, path: str, e: Exception) -> ValueError:
-    return ValueError(
+def _unreadable(fn: str, path: str, e: Exception) -> InputError:
+    return InputError(
         f"{fn}: {path!r} is not a readable netutility-jax checkpoint ({type(e).__name__}: {e}); "
         "it may be incomplete, corrupt, or written by another tool. Write it again with "
         "nu.checkpoint.save."

@@ -570,6 +570,7 @@ def _read_file(fn: str, suffix: str, data: bytes) -> tuple[dict[str, np.ndarray]
     import io
     import json
     import zipfile
+    import zlib
 
     if suffix == "safetensors":
         try:
@@ -591,10 +592,21 @@ def _read_file(fn: str, suffix: str, data: bytes) -> tuple[dict[str, np.ndarray]
             except ValueError:
                 raise InputError(f"{fn}: its header's data_free is not a JSON list.") from None
     else:
+        if not data.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # (np.load would take a .npy)
+            what = "a single .npy array" if data.startswith(b"\x93NUMPY") else "no zip archive"
+            raise InputError(
+                f"{fn}: not an .npz archive ({what}); a moments file holds one plain float "
+                "array per module (np.savez, or nu.moments.save_input_moments)."
+            )
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
-        except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
+        # (a damaged zip: BadZipFile; a damaged compressed member: zlib.error; an encrypted one:
+        # RuntimeError; an unknown compression: NotImplementedError; a cut member: EOFError)
+        except (
+            ValueError, OSError, zipfile.BadZipFile, EOFError, zlib.error, KeyError,
+            RuntimeError, NotImplementedError, TypeError,
+        ) as e:  # fmt: skip
             raise InputError(
                 f"{fn}: cannot be read as .npz without pickles ({_one(e)}); a moments file holds "
                 "plain float arrays."
@@ -631,7 +643,7 @@ def load_input_moments(
       path: the ``.safetensors`` or ``.npz`` file.
       data: its bytes, if already read (``netutility merge`` reads each file once, for its
         digest too).
-      what: how messages name the file (default ``nu.load_input_moments(<path>)``).
+      what: how messages name the file (default ``nu.moments.load_input_moments(<path>)``).
 
     Returns:
       ``{module name: InputMoments | None}``: one task's entry of ``input_moments=``.
@@ -647,7 +659,7 @@ def load_input_moments(
 
     from .errors import FileAccessError, MissingFileError
 
-    fn = what or f"nu.load_input_moments({os.fspath(path)!r})"
+    fn = what or f"nu.moments.load_input_moments({os.fspath(path)!r})"
     suffix = _suffix(fn, path)
     if data is None:
         try:
@@ -683,7 +695,9 @@ def load_input_moments(
                 f"{fn}: module {short(name)!r} has dtype {arr.dtype}; expected floating arrays."
             )
         if form == "second_moment":
-            out[name] = _from_dense(fn, name, arr)
+            # (a signalling NaN in the file would warn as it is cast; the check refuses it)
+            with np.errstate(invalid="ignore"):
+                out[name] = _from_dense(fn, name, arr)
             continue
         if arr.ndim != 2 or 0 in arr.shape:
             raise InputError(

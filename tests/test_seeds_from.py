@@ -442,3 +442,24 @@ def check_seeds_apart_and_together(common, d0, tmp_path, capsys) -> None:
         assert s.zero_shot_test == {
             n: a["single"][n]["zero_shot_test_per_seed"][s.seed] for n in names
         }
+
+
+@pytest.mark.parametrize("number", ["Infinity", "-Infinity", "1e999", "NaN"])
+def test_a_saved_number_edited_to_infinity_is_refused_naming_the_directory(
+    tmp_path, capsys, number
+):
+    """A seed's number edited to infinity (OverflowError before) or NaN: one InputError naming
+    the directory, and from ``netutility demo --seeds-from`` one line and exit code 2."""
+    d = _copy(tmp_path)
+    text = (d / "results.json").read_text()
+    seeds = json.loads(text)["seeds"]
+    new = re.sub(r'"seeds": \[[^\]]*\]', f'"seeds": [{number}]', text, count=1)
+    assert new != text and seeds == [0]
+    (d / "results.json").write_text(new)
+    with pytest.raises(InputError, match=rf"^--seeds-from {re.escape(str(d))}: "):
+        sds.load(d, label="--seeds-from")
+    code, err = _main(["--suite", "language_head", "--no-progress", "--cache-dir",
+                       str(tmp_path / "c"), "--seeds-from", str(d), "--out", str(tmp_path / "o")],
+                      capsys)  # fmt: skip
+    assert code == 2 and err.count("\n") == 0 and str(d) in err, err
+    assert not (tmp_path / "o").exists()

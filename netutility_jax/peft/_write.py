@@ -16,7 +16,7 @@ import numpy as np
 from .. import _checks
 from .._io import atomic_directory, to_jsonable
 from .._tree import has_update, is_mapping, walk_modules
-from ..errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError, NetUtilityError
 from ._common import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _natural, _safetensors, _save_file
 from ._config import (
     _COMPUTED_FIELDS,
@@ -94,7 +94,7 @@ def save_adapter(
       The config written to ``adapter_config.json``.
 
     Raises:
-      FileExistsError: ``path`` is a file or a non-empty directory.
+      PathExistsError: ``path`` is a file or a non-empty directory (a ``FileExistsError``).
       InputError: ``serving_ranks`` allows no rank as large as the largest module (truncate the
         modules first with :func:`nu.to_lora`, or write dense ones with a smaller ``rank``); a
         module whose update ``dtype`` cannot hold even split between the factors (it over- or
@@ -283,15 +283,21 @@ def _check_options(rank: Any, dtype: Any, config: Mapping[str, Any], *, fn: str)
             )
 
 
+class PathExistsError(NetUtilityError, FileExistsError):
+    """A path the library was asked to create exists (``nu.peft.save_adapter``,
+    ``nu.checkpoint.save``): bad input, so a :class:`nu.NetUtilityError` (the command line's
+    exit code 2), and still a ``FileExistsError`` for ``except`` clauses written for that."""
+
+
 def _check_free(out_dir: pathlib.Path, *, fn: str) -> None:
     if out_dir.is_dir():
         if any(out_dir.iterdir()):
-            raise FileExistsError(
+            raise PathExistsError(
                 f"{fn}: {str(out_dir)!r} exists and is not empty; refusing to overwrite an "
                 "adapter. Choose a new directory or delete this one first."
             )
     elif out_dir.exists():
-        raise FileExistsError(
+        raise PathExistsError(
             f"{fn}: {str(out_dir)!r} is a file; pass a directory path for the adapter."
         )
 

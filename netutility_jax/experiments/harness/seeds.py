@@ -224,7 +224,7 @@ def load(directory: str | os.PathLike, *, label: str = "seeds from") -> SavedSee
         return _build(d, results, pred, where, label)
     except InputError:
         raise
-    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError, OverflowError) as e:
         raise InputError(
             f"{where}: results.json or predictions.npz lacks what a seed needs "
             f"({type(e).__name__}: {e})"
