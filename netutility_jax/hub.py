@@ -22,7 +22,15 @@ from typing import Any, NamedTuple
 
 from .errors import InputError, MissingFileError
 
-__all__ = ["ADAPTER_PATTERNS", "HubAdapter", "from_snapshot", "offline", "parse_id", "resolve"]
+__all__ = [
+    "ADAPTER_PATTERNS",
+    "HubAdapter",
+    "from_snapshot",
+    "id_problem",
+    "offline",
+    "parse_id",
+    "resolve",
+]
 
 
 ADAPTER_PATTERNS = (
@@ -83,6 +91,26 @@ def parse_id(text: str) -> tuple[str, str | None] | None:
     if not all(_NAME.fullmatch(p) and not p.endswith((".", "-")) for p in parts):
         return None
     return repo, (rev or None)
+
+
+def id_problem(text: str) -> str | None:
+    """Why ``text``, spelled as a Hub id ``org/name@revision`` but for its revision, is not
+    one (an empty revision, or one with a space); None for a well-formed id or anything else.
+
+    Example:
+      >>> id_problem("org/name@"), id_problem("org/name@v1"), id_problem("./a@b")
+      ("the revision after '@' is empty", None, None)
+    """
+    if not isinstance(text, str) or "@" not in text:
+        return None
+    repo, _, rev = text.partition("@")
+    if parse_id(repo) is None:
+        return None
+    if not rev:
+        return "the revision after '@' is empty"
+    if any(c.isspace() or c == "\0" for c in rev):
+        return f"the revision after '@' ({rev!r}) holds a space or a NUL character"
+    return None
 
 
 def from_snapshot(path: str | os.PathLike) -> HubAdapter | None:

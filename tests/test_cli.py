@@ -238,7 +238,8 @@ def test_chunk_mb_default_is_the_librarys_chunk_size():
     args = cli.build_parser().parse_args(["merge", "a", "b", "--out", "o", "--budget", "4"])
     assert args.chunk_mb * 2**20 == streaming.CHUNK_BYTES
     assert f"default {streaming.CHUNK_BYTES >> 20})" in next(
-        a.help for a in cli.build_parser()._subparsers._group_actions[0].choices["merge"]._actions
+        a.help
+        for a in cli.build_parser()._subparsers._group_actions[0].choices["merge"]._actions
         if a.dest == "chunk_mb"
     )
 
@@ -394,9 +395,21 @@ def test_long_messages_are_cut(folders, tmp_path, capsys, monkeypatch):
         ("--p", "1", "expected a finite number in [0, 1) (the drop rate)"),
         ("--p", "-0.1", "expected a finite number in [0, 1)"),
         ("--p", "inf", "expected a finite number in [0, 1)"),
-        ("--lam", "-1", "expected a finite number >= 0 or 'auto'"),
-        ("--lam", "nan", "expected a finite number >= 0 or 'auto'"),
-        ("--alpha", "inf", "expected a finite number >= 0 or 'auto'"),
+        (
+            "--lam",
+            "-1",
+            "expected 'auto' or a number in [0, 1e+30] (the interference weight), got '-1'",
+        ),
+        (
+            "--lam",
+            "nan",
+            "expected 'auto' or a number in [0, 1e+30] (the interference weight), got 'nan'",
+        ),
+        (
+            "--alpha",
+            "inf",
+            "expected 'auto' or a number in [0, 16] (the geometry exponent), got 'inf'",
+        ),
     ],
 )
 def test_bad_numbers_name_the_flag(capsys, flag, value, message):
@@ -412,11 +425,12 @@ _BOUNDS = {  # flag: (accepted values, the test of a value argparse returns)
     "--budget": lambda v: isinstance(v, int) and 1 <= v <= 2**31 - 1,
     "--rank": lambda v: isinstance(v, int) and 1 <= v <= 2**31 - 1,
     "--seed": lambda v: isinstance(v, int) and 0 <= v < 2**32,
-    "--coef": lambda v: isinstance(v, float) and math.isfinite(v) and v != 0,
+    "--coef": lambda v: isinstance(v, float) and 1e-30 <= abs(v) <= 1e30,
     "--density": lambda v: isinstance(v, float) and 0 < v <= 1,
     "--p": lambda v: isinstance(v, float) and 0 <= v < 1,
-    "--lam": lambda v: v == "auto" or (isinstance(v, float) and 0 <= v < math.inf),
-    "--alpha": lambda v: v == "auto" or (isinstance(v, float) and 0 <= v < math.inf),
+    "--lam": lambda v: v == "auto" or (isinstance(v, float) and 0 <= v <= 1e30),
+    "--alpha": lambda v: v == "auto" or (isinstance(v, float) and 0 <= v <= 16),
+    "--weights": lambda v: all(isinstance(w, float) and 1e-30 <= abs(w) <= 1e30 for w in v),
 }
 
 
@@ -427,18 +441,36 @@ _BOUNDS = {  # flag: (accepted values, the test of a value argparse returns)
         st.text(max_size=12),
         st.integers(-(2**70), 2**70).map(str),
         st.floats(allow_nan=True, allow_infinity=True).map(repr),
-        st.sampled_from(["auto", "nan", "-0", "0x10", "1_000", " 3 ", "1e-320", "2147483647"]),
+        st.sampled_from(
+            [
+                "auto",
+                "nan",
+                "-0",
+                "0x10",
+                "1_000",
+                " 3 ",
+                "1e-320",
+                "2147483647",
+                "1e308",
+                "-1e-31",
+                "1e30,-1e-30",
+                "-1,0.5,2",
+                "17",
+                "1e31",
+            ]
+        ),
     ),
+    joined=st.booleans(),
 )
-def test_number_flags_accept_only_values_in_range(flag, value):
-    """Whatever the text, argparse either returns a value in the documented range or exits 2."""
+def test_number_flags_accept_only_values_in_range(flag, value, joined):
+    """Whatever the text, argparse either returns a value in the documented range or exits 2,
+    the value given as ``--flag=VALUE`` or as ``--flag VALUE`` (a leading "-" included)."""
     parser = cli.build_parser(demo_options=False)
     sink = io.StringIO()
+    given = [f"{flag}={value}"] if joined or value.startswith("--") else [flag, value]
     with contextlib.redirect_stderr(sink):
         try:
-            args = parser.parse_args(
-                ["merge", "a", "--budget", "1", "--out", "o", f"{flag}={value}"]
-            )
+            args = parser.parse_args(["merge", "a", "--budget", "1", "--out", "o", *given])
         except SystemExit as e:
             assert e.code == 2
             assert f"argument {flag}: " in sink.getvalue()

@@ -1247,3 +1247,353 @@ def test_seeds_from_damaged_directories_are_read_or_refused_in_one_error_slow(
     tmp_path_factory, case
 ):
     _seed_dir_property(tmp_path_factory, case)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line's files (issue 46): config text, a replayed report, input-moments archives
+# ---------------------------------------------------------------------------------------------
+
+_CFG_KEYS = ["adapters", "budget", "method", "weights", "alpha", "chunk_mb", "config",
+             "netutility_version", "path", "x", "<<"]  # fmt: skip
+_CFG_SCALAR = (
+    st.none() | st.booleans() | st.integers(-(10**60), 10**60) | st.floats(allow_nan=False)
+    | st.text(max_size=6)
+)  # fmt: skip
+_CFG_TREE = st.recursive(
+    _CFG_SCALAR.map(lambda v: ("scalar", v)),
+    lambda inner: st.lists(inner, max_size=4).map(lambda xs: ("list", xs))
+    | st.lists(st.tuples(st.sampled_from(_CFG_KEYS) | st.text(max_size=3), inner), max_size=4)
+    .map(lambda kv: ("map", kv)),
+    max_leaves=12,
+)  # fmt: skip
+
+
+@st.composite
+def config_text_st(draw):
+    """A config file's text, JSON or YAML (flow style, every scalar written as JSON writes
+    it), from a random tree of mappings (keys may repeat), lists and scalars (integers up to 61
+    digits), optionally nested inside ``deep`` lists, and in YAML optionally an alias bomb of
+    ``fan ** levels`` values; with the violations of the loader's limits it holds, computed
+    here from the tree: ``dup``, ``deep``, ``digits``, ``bomb`` (``maybe_bomb``: near the
+    limit, either outcome)."""
+    from netutility_jax.cli import config
+
+    yaml_form = draw(st.booleans())
+    top = ("map", draw(st.lists(st.tuples(st.sampled_from(_CFG_KEYS), _CFG_TREE), max_size=5)))
+    deep = draw(st.sampled_from([0, 0, 0, config.MAX_DEPTH - 2, config.MAX_DEPTH - 1, 200]))
+    leaf = ("scalar", 1)
+    for _ in range(deep):
+        leaf = ("list", [leaf])
+    top[1].append(("x", leaf))
+    levels, fan = (draw(st.integers(1, 9)), draw(st.integers(2, 9))) if yaml_form else (0, 0)
+    if yaml_form and draw(st.booleans()):
+        levels = 0
+
+    def dump(node):
+        kind, v = node
+        if kind == "scalar":
+            return json.dumps(v)
+        if kind == "list":
+            return "[" + ", ".join(dump(x) for x in v) + "]"
+        return "{" + ", ".join(f"{json.dumps(k)}: {dump(x)}" for k, x in v) + "}"
+
+    def walk(node, depth=0):
+        kind, v = node
+        if kind == "scalar":
+            big = isinstance(v, int) and not isinstance(v, bool) and len(str(abs(v))) > 40
+            return {"digits"} if big else set(), depth
+        found, d = set(), depth + 1
+        keys = [k for k, _ in v] if kind == "map" else []
+        if len(set(keys)) < len(keys):
+            found.add("dup")
+        for x in (x for _, x in v) if kind == "map" else v:
+            f, dx = walk(x)
+            found |= f
+            d = max(d, depth + 1 + dx)
+        return found, d - depth
+
+    violations, depth = walk(top)
+    if depth > config.MAX_DEPTH:
+        violations.add("deep")
+    lines = [dump(top)[:-1]]  # (the bomb's keys are appended to the top mapping)
+    if levels:
+        lines.append(', "b0": &b0 [' + ", ".join(['"lol"'] * fan) + "]")
+        for i in range(1, levels):
+            lines.append(f', "b{i}": &b{i} [' + ", ".join([f"*b{i - 1}"] * fan) + "]")
+        expanded = fan**levels
+        if expanded > 2 * config.MAX_NODES:
+            violations.add("bomb")
+        elif expanded > config.MAX_NODES // 4:
+            violations.add("maybe_bomb")
+    text = ("\n".join(lines) + "}\n") if len(lines) > 1 else dump(top) + "\n"
+    return ("yaml" if yaml_form else "json"), text, violations
+
+
+_VIOLATION_TEXT = {
+    "dup": "is given twice in one mapping",
+    "deep": "nested deeper than",
+    "digits": "digits; a config's numbers have at most",
+    "bomb": "aliases are expanded",
+    "maybe_bomb": "aliases are expanded",
+}
+
+
+def _expected_config(data):
+    """What the loader should return for the independently parsed ``data`` (a report's
+    ``config``), or None where it should refuse."""
+    if isinstance(data, dict) and "netutility_version" in data:
+        return data["config"] if isinstance(data.get("config"), dict) else None
+    if not isinstance(data, dict) or "config" in data:
+        return None
+    return data
+
+
+def _config_text_property(tmp_path_factory, case):
+    from netutility_jax.cli import config
+    from netutility_jax.cli.common import UsageError
+
+    form, text, violations = case
+    path = tmp_path_factory.mktemp("cfg") / f"c.{form}"
+    path.write_text(text)
+    try:
+        data, _ = config._read(str(path))
+    except UsageError as e:
+        msg = str(e)
+        assert msg.startswith(f"--config {path}: ") and "\n" not in msg, msg
+        hard = violations - {"maybe_bomb"}
+        if violations:
+            assert any(_VIOLATION_TEXT[v] in msg for v in violations), (violations, msg)
+            hypothesis.event(f"{form}: refused ({sorted(violations)})")
+            return
+        assert not hard
+        ref = json.loads(text) if form == "json" else __import__("yaml").safe_load(text)
+        assert _expected_config(ref) is None, msg  # (refused only as a report or no mapping)
+        hypothesis.event(f"{form}: refused (report rules)")
+        return
+    assert not violations - {"maybe_bomb"}, f"{sorted(violations)} read: {text[:200]}"
+    ref = json.loads(text) if form == "json" else __import__("yaml").safe_load(text)
+    assert data == _expected_config(ref)
+    hypothesis.event(f"{form}: read")
+
+
+@hypothesis.settings(**FAST)
+@hypothesis.given(case=config_text_st())
+def test_config_files_are_read_as_the_reference_parser_reads_them_or_refused(
+    tmp_path_factory, case
+):
+    """A config's text is read as json / PyYAML's safe_load read it, or refused with one line
+    naming the file and one of the limits the text breaks (a duplicate key, nesting, a long
+    integer, an alias bomb); a text that breaks one is never read."""
+    pytest.importorskip("yaml")
+    _config_text_property(tmp_path_factory, case)
+
+
+@pytest.mark.slow
+@hypothesis.settings(**SLOW)
+@hypothesis.given(case=config_text_st())
+def test_config_files_are_read_as_the_reference_parser_reads_them_or_refused_slow(
+    tmp_path_factory, case
+):
+    pytest.importorskip("yaml")
+    _config_text_property(tmp_path_factory, case)
+
+
+def _report_digest(folder) -> str:
+    """An adapter folder's digest as a report records it, computed here."""
+    import hashlib
+    import pathlib
+
+    h = hashlib.sha256()
+    for f in sorted(pathlib.Path(folder).iterdir()):
+        if f.name == "adapter_config.json" or f.name.startswith("adapter_model"):
+            data = f.read_bytes()
+            h.update(f"{f.name}\0{len(data)}\0".encode() + data)
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def merge_report(tmp_path_factory):
+    """A real merge of three small PEFT adapters and the text of its report."""
+    pytest.importorskip("safetensors")
+    from netutility_jax import cli
+
+    root = tmp_path_factory.mktemp("replay")
+    rng = np.random.default_rng(0)
+    folders = []
+    for i in range(3):
+        ad = {f"model.layers.0.{m}": _mod(rng, 8, 2, 6) for m in ("q_proj", "v_proj")}
+        nu.peft.save_adapter(ad, root / f"t{i}", base_config={"base_model_name_or_path": "m"})
+        folders.append(str(root / f"t{i}"))
+    out = root / "merged"
+    rc = cli.main(["merge", *folders, "--budget", "2", "--no-plots", "--quiet", "--out",
+                   str(out), "--no-compile-cache"])  # fmt: skip
+    assert rc == 0
+    return (out / cli.REPORT_NAME).read_text(), folders
+
+
+@st.composite
+def report_case_st(draw):
+    """A mutation of a real report: an adapter's digest or the version changed, a value of its
+    config replaced or removed, or its bytes cut; and whether ``--allow-changed`` is given."""
+    kind = draw(st.sampled_from(["digest", "version", "replace", "replace", "delete", "cut"]))
+    return (kind, draw(st.integers(0, 2)), draw(st.integers(0, 63)),
+            draw(_JSON_VALUE), draw(st.integers(0, 10**6)), draw(st.booleans()))  # fmt: skip
+
+
+def _report_property(tmp_path_factory, merge_report, case):
+    from netutility_jax import cli
+    from netutility_jax.cli import config
+    from netutility_jax.errors import NetUtilityError
+
+    text, _ = merge_report
+    kind, task, at, value, pick, allow = case
+    rep = json.loads(text)
+    cfg = rep["config"]
+    if kind == "digest":
+        sha = cfg["adapters"][task]["sha256"]
+        cfg["adapters"][task]["sha256"] = sha[:at] + "0123456789abcdef"[
+            ("0123456789abcdef".index(sha[at]) + 1) % 16] + sha[at + 1:]  # fmt: skip
+    elif kind == "version":
+        rep["netutility_version"] = str(value) if str(value) != nu.__version__ else "0"
+    elif kind in ("replace", "delete"):
+        node, key = cfg, None
+        while True:  # a random node of the config, at least one step down
+            keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+            if not keys:
+                break
+            key = keys[pick % len(keys)]
+            pick //= len(keys) + 1
+            if not isinstance(node[key], dict | list) or pick % 3 == 0:
+                break
+            node = node[key]
+        if key is not None:
+            if kind == "delete":
+                del node[key]
+            else:
+                node[key] = value
+    new = json.dumps(rep)
+    if kind == "cut":
+        new = new[: pick % len(new)]
+    path = tmp_path_factory.mktemp("rep") / cli.REPORT_NAME
+    path.write_text(new)
+    argv = ["merge", "--config", str(path), "--dry-run", *(["--allow-changed"] * allow)]
+    args = cli.build_parser(demo_options=False).parse_args(argv)
+    args.argv = argv
+    old = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # (a value read as a Hub id never reaches the network)
+    try:
+        config.resolve(args)
+    except NetUtilityError as e:
+        assert str(e).strip() and "\n" not in str(e), str(e)
+        hypothesis.event(f"{kind}: refused")
+        if kind in ("digest", "version") and not allow:
+            assert "--allow-changed" in str(e), str(e)
+        return
+    finally:
+        if old is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old
+    hypothesis.event(f"{kind}: replayed{' (allowed)' if allow else ''}")
+    if not allow:  # a replay that goes on is of the inputs the report recorded
+        assert kind not in ("digest", "version")
+        assert rep.get("netutility_version") == nu.__version__
+        for a in rep["config"]["adapters"]:
+            if isinstance(a, dict) and a.get("sha256") is not None:
+                assert a["sha256"] == _report_digest(a["path"]), a
+
+
+@hypothesis.settings(
+    max_examples=25, deadline=DEADLINE,
+    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+)  # fmt: skip
+@hypothesis.given(case=report_case_st())
+def test_a_replayed_report_runs_only_on_the_inputs_it_recorded(
+    tmp_path_factory, merge_report, case
+):
+    """A report changed anywhere replays or is refused in one line; without --allow-changed a
+    replay that goes on has the recorded library version and every adapter's recorded digest
+    (computed here), and a changed digest or version is refused naming --allow-changed."""
+    _report_property(tmp_path_factory, merge_report, case)
+
+
+@st.composite
+def moments_bytes_case_st(draw):
+    """A moments file's bytes mutated: cut, bytes flipped, random bytes spliced in, a lone
+    .npy array, or random bytes; ``.npz`` (compressed or not) or ``.safetensors``."""
+    suffix = draw(st.sampled_from(["npz", "npz_compressed", "safetensors"]))
+    kind = draw(st.sampled_from(["none", "cut", "flip", "flip", "member", "splice", "npy",
+                                 "random"]))  # fmt: skip
+    return suffix, kind, draw(st.floats(0, 1)), draw(st.binary(min_size=1, max_size=24))
+
+
+def _moments_bytes_property(tmp_path_factory, case):
+    from netutility_jax.errors import NetUtilityError
+    from netutility_jax.moments import load_input_moments
+
+    suffix, kind, where, junk = case
+    rng = np.random.default_rng(0)
+    x = {n: rng.normal(size=(40, d)) for n, d in (("a.q", 12), ("b.v", 8))}
+    s = {n: (v.T @ v / len(v)).astype(np.float32) for n, v in x.items()}
+    d = tmp_path_factory.mktemp("moments")
+    ext = "safetensors" if suffix == "safetensors" else "npz"
+    src = d / f"src.{ext}"
+    if suffix == "safetensors":
+        from safetensors.numpy import save_file
+
+        save_file(s, str(src))
+    else:
+        (np.savez_compressed if suffix == "npz_compressed" else np.savez)(src, **s)
+    data = bytearray(src.read_bytes())
+    at = int(where * (len(data) - 1))
+    if kind == "cut":
+        data = data[:at]
+    elif kind == "flip":
+        for i, b in enumerate(junk):
+            data[(at + 7 * i) % len(data)] ^= b or 1
+    elif kind == "member":  # inside the first tensor's (compressed) bytes, past its header
+        start = data.find(b".npy") + 4 + 140 if ext == "npz" else len(data) - 80
+        for i, b in enumerate(junk):
+            data[min(len(data) - 1, start + int(where * 40) + i)] ^= b or 1
+    elif kind == "splice":
+        data[at:at] = junk
+    elif kind == "npy":
+        import io
+
+        buf = io.BytesIO()
+        np.save(buf, s["a.q"])
+        data = bytearray(buf.getvalue())
+    elif kind == "random":
+        data = bytearray(junk * 8)
+    path = d / f"m.{ext}"
+    path.write_bytes(bytes(data))
+    try:
+        got = load_input_moments(path)
+    except NetUtilityError as e:
+        assert str(e).startswith(f"nu.moments.load_input_moments({str(path)!r}): "), str(e)
+        assert kind != "none", str(e)
+        hypothesis.event(f"{suffix} {kind}: refused")
+        return
+    hypothesis.event(f"{suffix} {kind}: read")
+    for m in got.values():
+        assert m is None or (np.isfinite(np.asarray(m.factor)).all() and m.factor.ndim == 2)
+    if bytes(data) == src.read_bytes():  # unchanged: the second moments come back
+        assert set(got) == set(s)
+        for n, m in got.items():
+            back = np.asarray(m.factor, np.float64).T @ np.asarray(m.factor, np.float64)
+            np.testing.assert_allclose(back, s[n], atol=1e-5 * np.abs(s[n]).max(), err_msg=n)
+
+
+@hypothesis.settings(max_examples=40, deadline=DEADLINE)
+@hypothesis.given(case=moments_bytes_case_st())
+def test_input_moments_archives_are_read_or_refused_naming_the_file(tmp_path_factory, case):
+    """Any bytes in a moments file: read (unchanged bytes give back the second moments, checked
+    here) or one library error naming the file; never numpy's, zipfile's or zlib's own."""
+    _moments_bytes_property(tmp_path_factory, case)
+
+
+@pytest.mark.slow
+@hypothesis.settings(max_examples=400, deadline=DEADLINE)
+@hypothesis.given(case=moments_bytes_case_st())
+def test_input_moments_archives_are_read_or_refused_naming_the_file_slow(tmp_path_factory, case):
+    _moments_bytes_property(tmp_path_factory, case)

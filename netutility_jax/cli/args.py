@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from .common import UsageError, shown
@@ -20,15 +21,19 @@ __all__ = [
     "CLI_DEFAULTS",
     "MAX_BUDGET",
     "SEED_BOUND",
+    "WEIGHT_BOUND",
+    "WEIGHT_RANGE",
     "add_compile_cache",
     "add_convert_parser",
     "add_loading",
     "add_merge_arguments",
     "add_scoring",
     "float_or_auto",
+    "join_negative_values",
     "method_options",
     "option_names",
     "positive_int",
+    "weight_ok",
 ]
 
 MAX_BUDGET = 2**31 - 1
@@ -99,13 +104,26 @@ def _serving_ranks(text: str) -> str | tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+WEIGHT_BOUND = 1e30
+"""A task's weight is at most this large and at least its inverse in size: the weighted
+update (a LoRA scale times the weight) must stay in float32's range, 1.2e-38 to 3.4e38."""
+WEIGHT_RANGE = f"a nonzero number between {1 / WEIGHT_BOUND:g} and {WEIGHT_BOUND:g} in size"
+"""How messages state :data:`WEIGHT_BOUND`."""
+
+
+def weight_ok(w: float) -> bool:
+    """Whether ``w`` is a usable task weight: finite, nonzero, within :data:`WEIGHT_BOUND`."""
+    return math.isfinite(w) and 1 / WEIGHT_BOUND <= abs(w) <= WEIGHT_BOUND
+
+
 def _coef(text: str) -> float:
-    """argparse type of ``--coef``: a finite nonzero number."""
+    """argparse type of ``--coef``: a finite nonzero number within :data:`WEIGHT_BOUND`."""
     v = _number(text)
-    if v is None or not math.isfinite(v) or v == 0:
+    if v is None or not weight_ok(v):
         raise argparse.ArgumentTypeError(
-            "expected a finite nonzero number (the merged update is multiplied by it; a negative "
-            f"one subtracts it), got {shown(text)}"
+            f"expected a finite nonzero number between {1 / WEIGHT_BOUND:g} and "
+            f"{WEIGHT_BOUND:g} in size (the merged update is multiplied by it; a negative one "
+            f"subtracts it), got {shown(text)}"
         )
     return v
 
@@ -163,15 +181,75 @@ def _seed(text: str) -> int:
 
 
 def _weights(text: str) -> tuple[float, ...]:
-    """argparse type of ``--weights``: a comma list of finite nonzero numbers."""
+    """argparse type of ``--weights``: a comma list of numbers, each :func:`weight_ok`."""
     parts = [p.strip() for p in text.split(",")]
     values = [_number(p) for p in parts]
-    if not parts or any(v is None or not math.isfinite(v) or v == 0 for v in values):
+    if not parts or any(v is None or not weight_ok(v) for v in values):
+        bad = next(p for p, v in zip(parts, values, strict=True) if v is None or not weight_ok(v))
         raise argparse.ArgumentTypeError(
-            "expected a comma list of finite nonzero numbers, one per adapter (e.g. 1,0.5,2; "
-            f"drop an adapter instead of weighting it 0), got {shown(text)}"
+            f"expected a comma list of weights, one per adapter, each {WEIGHT_RANGE} (e.g. "
+            f"1,0.5,2 or -1,0.5,2; drop an adapter instead of weighting it 0), got {shown(text)} "
+            f"({shown(bad)} is not)"
         )
     return tuple(float(v) for v in values)  # type: ignore[arg-type]
+
+
+ALPHA_MAX = 16.0
+"""Largest ``--alpha``: the geometry exponent raises each task's normalised singular values
+to it; the paper uses 0 and 1, and far larger exponents send every direction's interference
+but the largest below float32's range (the automatic lambda is then 0)."""
+LAM_MAX = 1e30
+"""Largest ``--lam``: lambda times an interference must stay in float32's range."""
+
+
+def _auto_or(low: float, high: float, what: str):
+    """argparse type: ``'auto'`` or a finite number in ``[low, high]``."""
+
+    def parse(text: str) -> float | str:
+        if text == "auto":
+            return text
+        v = _number(text)
+        if v is None or not math.isfinite(v) or not low <= v <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected 'auto' or a number in [{low:g}, {high:g}] ({what}), got {shown(text)}"
+            )
+        return v
+
+    parse.__name__ = f"'auto' or a number in [{low:g}, {high:g}]"
+    return parse
+
+
+def join_negative_values(actions: Sequence[argparse.Action], argv: Sequence[str]) -> list[str]:
+    """``argv`` with each value that starts with ``-`` but reads as numbers (``--weights
+    -1,0.5,2``, ``--coef -1e-3``) joined to its flag (``--weights=-1,0.5,2``), which argparse
+    would otherwise read as a flag of its own. Only flags that take one typed value (among
+    ``actions``) are joined; anything after ``--`` is left alone."""
+    takes = {
+        o
+        for a in actions
+        if a.option_strings and a.nargs is None and a.type is not None
+        for o in a.option_strings
+    }
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            out.extend(argv[i:])
+            break
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if (
+            tok in takes
+            and nxt is not None
+            and nxt.startswith("-")
+            and all(_number(p) is not None for p in nxt.split(","))
+        ):
+            out.append(f"{tok}={nxt}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
 
 
 # -------------------------------------------------------------------------------- flag groups
@@ -201,7 +279,19 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
         "as the flags are. Relative paths are relative to the file's folder. Flags given on "
         "the command line override the file's keys. A merge's netutility_report.json is such "
         "a file: --config OUT_DIR/netutility_report.json --out NEW replays that merge (the "
-        "same adapter files, bit for bit, from the same inputs). YAML needs PyYAML.",
+        "same adapter files, bit for bit, from the same inputs; an adapter or moments file "
+        "whose SHA-256 differs from the report's, or another library version, is refused "
+        "unless --allow-changed). YAML needs PyYAML; a file over 16 MiB, nested deeper than "
+        "64 levels, with a key given twice or aliases expanding past 100000 values is refused.",
+    )
+    m.add_argument(
+        "--allow-changed",
+        action="store_true",
+        help="replaying a report (--config OUT_DIR/netutility_report.json): merge even if an "
+        "adapter's or input-moments file's SHA-256 differs from the one the report recorded, "
+        "or the report was written by another netutility-jax version (each difference is "
+        "then a warning); by default such a replay is refused, since it would not be that "
+        "merge",
     )
     m.add_argument(
         "--out",
@@ -237,7 +327,9 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
         "the merge (as PEFT's add_weighted_adapter weights and mergekit's per-model weight "
         "scale each task's delta before combining). Weights do not change the allocation: "
         "the directions are scored and kept as for the unweighted tasks (use --min-share or "
-        "--allocation uniform to change the split between tasks). Default: all 1.",
+        f"--allocation uniform to change the split between tasks). Each is {WEIGHT_RANGE}; "
+        "a negative one subtracts that task (--weights -1,0.5,2 or --weights=-1,0.5,2). "
+        "Default: all 1.",
     )
     m.add_argument(
         "--min-share",
@@ -261,7 +353,7 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
         "in the adapters' order, each holding that task's input second moments E[x x^T] per "
         "module: a .safetensors or .npz (read without pickles) keyed by the module names as "
         "the merge names them (model.layers.0.self_attn.q_proj), each value a (d_in, d_in) "
-        "matrix, or the factors nu.save_input_moments writes. 'none' for a task without data "
+        "matrix, or the factors nu.moments.save_input_moments writes. 'none' for a task without data "
         "(data-free there). Give the files after the adapters (or repeat the flag). The report "
         "records data_aware and each file's SHA-256. Default: the data-free score.",
     )
@@ -277,18 +369,19 @@ def add_scoring(p: argparse.ArgumentParser) -> None:
     """``--alpha`` and ``--lam`` of the scoring (``merge`` and ``inspect``)."""
     p.add_argument(
         "--alpha",
-        type=float_or_auto,
+        type=_auto_or(0, ALPHA_MAX, "the geometry exponent"),
         default="auto",
         help="geometry exponent of the interference: 1 = Gram geometry (singular-value weighted), "
         "0 = row-space geometry, 'auto' = the paper's rule from the task heterogeneity h "
-        "(h > 1: 0, else 1). Default: auto.",
+        f"(h > 1: 0, else 1); a number in [0, {ALPHA_MAX:g}]. Default: auto.",
     )
     p.add_argument(
         "--lam",
-        type=float_or_auto,
+        type=_auto_or(0, LAM_MAX, "the interference weight"),
         default="auto",
         help="interference weight lambda in utility = benefit - lambda * interference; 'auto' = "
-        "median(benefit) / median(interference) over all candidates (data-free). Default: auto.",
+        "median(benefit) / median(interference) over all candidates (data-free); a number in "
+        f"[0, {LAM_MAX:g}]. Default: auto.",
     )
 
 
@@ -378,7 +471,8 @@ def _add_merge_tuning(m: argparse.ArgumentParser) -> None:
         "--coef",
         type=_coef,
         default=1.0,
-        help="scaling of the merged update, a finite nonzero number. Default: 1.",
+        help="scaling of the merged update, a nonzero number between 1e-30 and 1e30 in size "
+        "(negative: subtracted). Default: 1.",
     )
     m.add_argument(
         "--seed",

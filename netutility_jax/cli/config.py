@@ -11,23 +11,31 @@ list or a comma string; a ``null`` value is the flag's default). Unknown keys ar
 (adapters, ``out``) are relative to the file's folder. Flags given on the command line override
 the file; adapters are given in one place, the file or the command line.
 
-A merge report (``netutility_report.json``) is a config too: its ``config`` key holds the
-resolved configuration of that merge (absolute paths, every setting but ``out``), which
-:func:`recorded_config` writes; the rest of the report is ignored. Replaying it with a new
-``--out`` gives the same adapter files bit for bit from the same inputs.
+A merge report (``netutility_report.json``, a file with ``netutility_version``) is a config too:
+its ``config`` key holds the resolved configuration of that merge (absolute paths, every setting
+but ``out``, each adapter's digest), which :func:`recorded_config` writes; the rest of the report
+is ignored. Replaying it with a new ``--out`` gives the same adapter files bit for bit from the
+same inputs; a replay whose adapters or moments files differ from the digests recorded, or that
+runs under another library version, is refused unless ``--allow-changed`` (:func:`_check_replay`).
+
+The file is read by a bounded, strict loader (:func:`_read`): at most :data:`MAX_CONFIG_BYTES`,
+read in blocks (``/dev/zero`` is refused at its first NUL byte); YAML by PyYAML's ``SafeLoader``
+with limits (:func:`_yaml_loader`: values counted as aliases expand, :data:`MAX_NODES`; nesting,
+:data:`MAX_DEPTH`; integers, :data:`MAX_DIGITS`; a key given twice refused with its line), JSON
+with the same limits (:func:`_json_load`). Every refusal is one line naming the file.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import pathlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
-from .args import add_merge_arguments
+from .args import WEIGHT_RANGE, add_merge_arguments, join_negative_values, weight_ok
 from .common import UsageError, shown
 
 __all__ = ["CONFIG_KEYS", "apply_config", "given_flags", "recorded_config", "resolve"]
@@ -43,6 +51,7 @@ _RUN_ONLY = {
     "num_processes": "it is about how this run is split between processes",
     "process_id": "it is about how this run is split between processes",
     "keep_shards": "it is about how this run is split between processes",
+    "allow_changed": "it is about this run: whether a replay may merge changed inputs",
 }
 
 
@@ -89,53 +98,349 @@ def given_flags(argv: list[str]) -> set[str]:
     add_merge_arguments(p)
     for a in p._actions:
         a.default = argparse.SUPPRESS
-    ns, _ = p.parse_known_args(argv)
+    ns, _ = p.parse_known_args(join_negative_values(p._actions, argv))
     given = set(vars(ns))
     if not getattr(ns, "adapters", None):
         given.discard("adapters")
     return given
 
 
-def _read(path: str) -> dict[str, Any]:
-    """The config file's mapping (a report's ``config``)."""
-    what = f"--config {path}"
+# ------------------------------------------------------------------------------ reading a file
+
+MAX_CONFIG_BYTES = 16 * 2**20
+"""Largest config (or report) file read: a merge's report of a large model is well under it;
+a bigger file (``/dev/zero``, a stream) is refused before it is read whole."""
+MAX_NODES = 100_000
+"""Most values (scalars, lists, mappings) a config may hold once YAML's aliases are expanded:
+a "billion laughs" file, a few lines of anchors that expand to billions of values, is refused
+while it is read."""
+MAX_DEPTH = 64
+"""Deepest nesting of lists and mappings in a config (a config needs 4 levels)."""
+MAX_DIGITS = 40
+"""Most digits of an integer in a config (Python refuses more than 4300 when it converts one)."""
+
+
+def _where(text: str, pos: int) -> str:
+    return f"line {text.count(chr(10), 0, pos) + 1}"
+
+
+def _read_text(path: str, what: str) -> str:
+    """The file's text, read in blocks and refused at once when it is larger than
+    :data:`MAX_CONFIG_BYTES`, holds a NUL byte (a binary file, ``/dev/zero``) or is not UTF-8."""
+    shown_path = path if os.path.isabs(path) else f"{path} ({os.path.abspath(path)})"
     try:
-        text = pathlib.Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            blocks, size = [], 0
+            while block := f.read(1 << 16):
+                if b"\0" in block:
+                    raise UsageError(
+                        f"{what}: holds a NUL byte (at byte {size + block.index(0)}): not a text "
+                        "file; give a YAML or JSON merge config."
+                    )
+                size += len(block)
+                if size > MAX_CONFIG_BYTES:
+                    raise UsageError(
+                        f"{what}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; a merge config "
+                        "(or report) is far smaller: is it the right file?"
+                    )
+                blocks.append(block)
     except FileNotFoundError:
-        raise UsageError(f"{what}: no such file; give a YAML or JSON merge config.") from None
+        raise UsageError(
+            f"--config {shown_path}: no such file; give a YAML or JSON merge config."
+        ) from None
     except IsADirectoryError:
         raise UsageError(f"{what}: is a folder; give a YAML or JSON merge config file.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{what}: cannot be read ({e}).") from None
-    if path.lower().endswith(".json"):
+    except PermissionError:
+        raise UsageError(f"{what}: cannot be read (permission denied).") from None
+    except OSError as e:
+        raise UsageError(f"{what}: cannot be read ({e.strerror or e}).") from None
+    try:
+        return b"".join(blocks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"{what}: not UTF-8 text (byte {e.start}); give a YAML or JSON merge config."
+        ) from None
+
+
+def _digits(text: str) -> int:
+    """How many digits an integer literal has (sign, ``_`` and a base prefix left out)."""
+    t = text.strip().lstrip("+-").replace("_", "").lower()
+    if t[:2] in ("0x", "0o", "0b"):
+        t = t[2:]
+    return len(t)
+
+
+def _too_many_digits(what: str, where: str, n: int) -> UsageError:
+    return UsageError(
+        f"{what}: {where}: an integer of {n} digits; a config's numbers have at most "
+        f"{MAX_DIGITS} digits."
+    )
+
+
+def _json_load(text: str, what: str) -> Any:
+    """JSON read strictly: duplicate keys, nesting deeper than :data:`MAX_DEPTH` and integers
+    of more than :data:`MAX_DIGITS` digits refused, each naming its line."""
+    import json.decoder
+    import json.scanner
+
+    depth = [0]
+
+    def deeper(parse):
+        def wrapped(s_and_end, *rest):
+            s, end = s_and_end
+            depth[0] += 1
+            try:
+                if depth[0] > MAX_DEPTH:
+                    raise UsageError(
+                        f"{what}: {_where(s, end)}: nested deeper than {MAX_DEPTH} levels; a "
+                        "config is a mapping of lists and mappings a few levels deep."
+                    )
+                return parse(s_and_end, *rest)
+            finally:
+                depth[0] -= 1
+
+        return wrapped
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                raise _Duplicate(k)
+            out[k] = v
+        return out
+
+    def parse_object(s_and_end, *rest):
+        s, end = s_and_end
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{what}: not valid JSON ({e}).") from None
+            return json.decoder.JSONObject(s_and_end, *rest)
+        except _Duplicate as d:
+            pos = _second_key(s, end - 1, d.key)
+            raise UsageError(
+                f"{what}: {_where(s, pos)}: key {d.key!r} is given twice in one mapping; give "
+                "each key once (the second would silently win)."
+            ) from None
+
+    def parse_int(digits: str) -> int:
+        if _digits(digits) > MAX_DIGITS:
+            raise _too_many_digits(what, _where(text, max(0, text.find(digits))), _digits(digits))
+        return int(digits)
+
+    decoder = json.JSONDecoder(object_pairs_hook=pairs, parse_int=parse_int)
+    decoder.parse_object = deeper(parse_object)
+    decoder.parse_array = deeper(decoder.parse_array)
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # (the C one ignores the hooks)
+    try:
+        return decoder.decode(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{what}: not valid JSON ({e}).") from None
+    except RecursionError:  # (a stack smaller than MAX_DEPTH levels need: should not happen)
+        raise UsageError(f"{what}: nested too deep to read.") from None
+
+
+class _Duplicate(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _second_key(s: str, start: int, key: str) -> int:
+    """Where the JSON object at ``s[start]`` gives ``key`` the second time (its own keys only,
+    not those of the objects inside it)."""
+    from json.decoder import scanstring
+
+    seen, depth, i = 0, 0, start
+    while i < len(s):
+        c = s[i]
+        if c == '"':
+            value, j = scanstring(s, i + 1)
+            if depth == 1 and s[j:].lstrip().startswith(":"):
+                if value == key:
+                    seen += 1
+                    if seen == 2:
+                        return i
+            i = j
+            continue
+        if c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                break
+        i += 1
+    return start
+
+
+def _yaml_load(text: str, what: str, yaml: Any) -> Any:
+    """YAML read by :func:`_yaml_loader`'s bounded, strict loader (plain data only, nothing
+    constructed from tags)."""
+    loader = _yaml_loader(yaml)(text)
+    loader.what = what
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise UsageError(f"{what}: not valid YAML ({' '.join(str(e).split())}).") from None
+    except RecursionError:  # (a stack smaller than MAX_DEPTH levels need: should not happen)
+        raise UsageError(f"{what}: nested too deep to read.") from None
+    finally:
+        loader.dispose()
+
+
+@functools.cache
+def _yaml_loader(yaml: Any) -> type:
+    """PyYAML's ``SafeLoader`` with limits: every value counted as its aliases expand
+    (:data:`MAX_NODES`, so an anchor bomb stops while it is read), nesting
+    (:data:`MAX_DEPTH`, aliases included), integers (:data:`MAX_DIGITS`), recursive aliases
+    refused, and a key given twice in one mapping refused naming it and its line."""
+
+    class Loader(yaml.SafeLoader):
+        what = "--config"
+
+        def __init__(self, stream: str):
+            super().__init__(stream)
+            self._count = 0
+            self._depth = 0
+            self._open: set[str] = set()  # anchors of the collections being read
+            self._sizes: dict[int, tuple[int, int]] = {}  # id(node): (values, levels)
+
+        def _add(self, n: int, mark: Any) -> None:
+            self._count += n
+            if self._count > MAX_NODES:
+                raise UsageError(
+                    f"{self.what}: line {mark.line + 1}: more than {MAX_NODES} values once "
+                    "YAML's aliases are expanded (an alias bomb?); a config is far smaller."
+                )
+
+        def _size(self, node: Any) -> tuple[int, int]:
+            got = self._sizes.get(id(node))
+            if got is None:
+                if isinstance(node, yaml.SequenceNode):
+                    kids = [self._size(v) for v in node.value]
+                elif isinstance(node, yaml.MappingNode):
+                    kids = [self._size(x) for kv in node.value for x in kv]
+                else:
+                    kids = []
+                got = (1 + sum(k[0] for k in kids), 1 + max((k[1] for k in kids), default=0))
+                self._sizes[id(node)] = got
+            return got
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                node = self.anchors.get(event.anchor)
+                if event.anchor in self._open:
+                    raise UsageError(
+                        f"{self.what}: line {event.start_mark.line + 1}: the alias "
+                        f"*{event.anchor} refers to a list or mapping that holds it (a "
+                        "recursive value); a config holds plain values."
+                    )
+                if node is not None:
+                    count, levels = self._size(node)
+                    if self._depth + levels > MAX_DEPTH:
+                        raise self._too_deep(event.start_mark)
+                    self._add(count, event.start_mark)
+                return super().compose_node(parent, index)
+            self._add(1, self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
+        def _too_deep(self, mark: Any) -> UsageError:
+            return UsageError(
+                f"{self.what}: line {mark.line + 1}: nested deeper than {MAX_DEPTH} levels; a "
+                "config is a mapping of lists and mappings a few levels deep."
+            )
+
+        def _collection(self, compose: Any, anchor: Any) -> Any:
+            self._depth += 1
+            if self._depth > MAX_DEPTH:
+                raise self._too_deep(self.peek_event().start_mark)
+            if anchor is not None:
+                self._open.add(anchor)
+            try:
+                return compose(anchor)
+            finally:
+                self._depth -= 1
+                self._open.discard(anchor)
+
+        def compose_sequence_node(self, anchor: Any) -> Any:
+            return self._collection(super().compose_sequence_node, anchor)
+
+        def compose_mapping_node(self, anchor: Any) -> Any:
+            return self._collection(super().compose_mapping_node, anchor)
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            if isinstance(node, yaml.MappingNode):
+                seen: set[Any] = set()
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # (<<: an anchored mapping's keys, which the mapping's own override)
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        if key in seen:
+                            raise UsageError(
+                                f"{self.what}: line {key_node.start_mark.line + 1}: key {key!r} "
+                                "is given twice in one mapping; give each key once (the second "
+                                "would silently win)."
+                            )
+                        seen.add(key)
+                    except TypeError:  # (an unhashable key: the constructor refuses it)
+                        pass
+            return super().construct_mapping(node, deep=deep)
+
+        def construct_yaml_int(self, node: Any) -> int:
+            n = _digits(self.construct_scalar(node))
+            if n > MAX_DIGITS:
+                raise _too_many_digits(self.what, f"line {node.start_mark.line + 1}", n)
+            return super().construct_yaml_int(node)
+
+    Loader.add_constructor("tag:yaml.org,2002:int", Loader.construct_yaml_int)
+    return Loader
+
+
+def _read(path: str) -> tuple[dict[str, Any], str | None]:
+    """The config file's mapping (a report's ``config``) and, for a merge report, the library
+    version that wrote it (None for a plain config). Read by a bounded, strict loader
+    (:func:`_read_text`, :func:`_json_load`, :func:`_yaml_loader`)."""
+    what = f"--config {path}"
+    text = _read_text(path, what)
+    if path.lower().endswith(".json"):
+        data = _json_load(text, what)
     else:
         try:
             import yaml
         except ImportError:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError:
+            if text.lstrip()[:1] not in ("{", "["):
                 raise UsageError(
                     f"{what}: reading YAML needs PyYAML (pip install pyyaml); or write the "
                     "config as JSON."
                 ) from None
+            data = _json_load(text, what)
         else:
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError as e:
-                raise UsageError(f"{what}: not valid YAML ({' '.join(str(e).split())}).") from None
-    if isinstance(data, Mapping) and isinstance(data.get("config"), Mapping):
-        data = data["config"]  # a netutility_report.json: its recorded configuration
+            data = _yaml_load(text, what, yaml)
+    version = None
+    if isinstance(data, Mapping) and "netutility_version" in data:  # a netutility_report.json
+        version = data["netutility_version"]
+        if not isinstance(data.get("config"), Mapping):
+            raise UsageError(
+                f"{what}: a merge report (netutility_version {shown(str(version))}) without a "
+                "'config' mapping, so it cannot be replayed (reports record the configuration "
+                "under 'config'); give the merge's flags, or a config file."
+            )
+        data = data["config"]  # (the rest of the report describes the merge's result)
+        version = str(version)
+    elif isinstance(data, Mapping) and "config" in data:
+        own = sorted(str(k) for k in data if k != "config")
+        raise UsageError(
+            f"{what}: has a 'config' key, which only a merge report has (beside its "
+            "netutility_version), and this file is no report"
+            + (f": its own keys ({', '.join(own[:4])}{', ...' if len(own) > 4 else ''}) would "
+               "be ignored" if own else "")
+            + "; write the merge's settings at the top level, without 'config'."
+        )  # fmt: skip
     if not isinstance(data, Mapping):
         raise UsageError(
             f"{what}: holds a {type(data).__name__}; expected a mapping with 'adapters:' and the "
             "merge's flags as keys (method, budget, out, ...)."
         )
-    return dict(data)
+    return dict(data), version
 
 
 def _flag(dest: str, action: argparse.Action | None = None) -> str:
@@ -177,15 +482,18 @@ def _value(what: str, key: str, action: argparse.Action, value: Any) -> Any:
     return parsed
 
 
-def _adapters(what: str, items: Any, folder: pathlib.Path) -> tuple[list[str], list, list, list]:
-    """``(paths, weights or None each, names or None each, (text, hub record or None) each)``
-    of the config's ``adapters`` (``text``: the path as written, which may be a Hub id)."""
+def _adapters(
+    what: str, items: Any, folder: pathlib.Path
+) -> tuple[list[str], list, list, list, list]:
+    """``(paths, weights or None each, names or None each, (text, hub record or None) each,
+    recorded SHA-256 or None each)`` of the config's ``adapters`` (``text``: the path as
+    written, which may be a Hub id; ``sha256``: a report's digest of the adapter's files)."""
     if isinstance(items, (str, Mapping)) or not isinstance(items, list) or not items:
         raise UsageError(
             f"{what}: 'adapters' must be a non-empty list, each a path or a mapping {{path, "
             "weight, name}}."
         )
-    paths, weights, names, refs = [], [], [], []
+    paths, weights, names, refs, digests = [], [], [], [], []
     for i, item in enumerate(items):
         if isinstance(item, str):
             item = {"path": item}
@@ -194,13 +502,20 @@ def _adapters(what: str, items: Any, folder: pathlib.Path) -> tuple[list[str], l
                 f"{what}: adapters[{i}] is a {type(item).__name__}; expected a path or a "
                 "mapping {path, weight, name}."
             )
-        extra = sorted(set(item) - {"path", "weight", "name", "hub"})
+        extra = sorted(map(str, set(item) - {"path", "weight", "name", "hub", "sha256"}))
         if extra:
             raise UsageError(
                 f"{what}: adapters[{i}] has the unknown key {extra[0]!r}; an adapter is a "
-                "mapping with 'path' and optionally 'weight' and 'name' ('hub' as a report "
-                "records it)."
+                "mapping with 'path' and optionally 'weight' and 'name' ('hub' and 'sha256' as "
+                "a report records them)."
             )
+        sha = item.get("sha256")
+        if sha is not None and not (isinstance(sha, str) and _HEX64.fullmatch(sha)):
+            raise UsageError(
+                f"{what}: adapters[{i}] 'sha256' is {shown(str(sha))}; expected the 64 hex "
+                "digits a merge report records (or drop it)."
+            )
+        digests.append(sha)
         path = item.get("path")
         if not isinstance(path, str) or not path.strip():
             raise UsageError(
@@ -211,19 +526,18 @@ def _adapters(what: str, items: Any, folder: pathlib.Path) -> tuple[list[str], l
         refs.append((path, item.get("hub")))
         w = item.get("weight")
         if w is not None and (
-            isinstance(w, bool) or not isinstance(w, (int, float)) or w == 0 or w != w
-            or w in (float("inf"), float("-inf"))
-        ):  # fmt: skip
+            isinstance(w, bool) or not isinstance(w, (int, float)) or not weight_ok(w)
+        ):
             raise UsageError(
-                f"{what}: adapters[{i}] 'weight' is {shown(str(w))}; expected a finite nonzero "
-                "number (the task's update is multiplied by it)."
+                f"{what}: adapters[{i}] 'weight' is {shown(str(w))}; expected {WEIGHT_RANGE} "
+                "(the task's update is multiplied by it)."
             )
         weights.append(None if w is None else float(w))
         n = item.get("name")
         if n is not None and (not isinstance(n, str) or not n.strip()):
             raise UsageError(f"{what}: adapters[{i}] 'name' must be a non-empty string.")
         names.append(n)
-    return paths, weights, names, refs
+    return paths, weights, names, refs, digests
 
 
 def _moments_list(what: str, key: str, value: Any, folder: pathlib.Path) -> tuple[list, list]:
@@ -263,9 +577,11 @@ def _moments_list(what: str, key: str, value: Any, folder: pathlib.Path) -> tupl
 
 def apply_config(args: argparse.Namespace, given: set[str]) -> None:
     """Set ``args`` from ``args.config`` where the command line did not give the flag
-    (``given``: the flags it gave, :func:`given_flags`)."""
+    (``given``: the flags it gave, :func:`given_flags`). A merge report's recorded digests and
+    version are kept for :func:`_check_replay` (``args.adapter_digests``,
+    ``args.report_version``)."""
     what = f"--config {args.config}"
-    data = _read(args.config)
+    data, args.report_version = _read(args.config)
     folder = pathlib.Path(os.path.abspath(args.config)).parent
     actions = _merge_actions()
     dests = {}
@@ -280,8 +596,8 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
             )
         if dest not in CONFIG_KEYS:
             raise UsageError(
-                f"{what}: unknown key {key!r}; a config has 'adapters' and the merge's flags "
-                f"without dashes: {', '.join(_spelling(k) for k in CONFIG_KEYS)}."
+                f"{what}: unknown key {shown(str(key))}; a config has 'adapters' and the merge's "
+                f"flags without dashes: {', '.join(_spelling(k) for k in CONFIG_KEYS)}."
             )
         if dest in dests.values():
             raise UsageError(f"{what}: {_spelling(dest)!r} is given twice (as {key!r} too).")
@@ -292,9 +608,10 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
             "in one place."
         )
     if "adapters" in data:
-        paths, weights, names, refs = _adapters(what, data["adapters"], folder)
+        paths, weights, names, refs, digests = _adapters(what, data["adapters"], folder)
         args.adapters = paths
         args.adapter_refs = refs
+        args.adapter_digests = digests
         if any(w is not None for w in weights):
             if "weights" in data:
                 raise UsageError(
@@ -318,6 +635,82 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
         if dest == "out":
             parsed = str(folder / os.path.expanduser(parsed))
         setattr(args, dest, parsed)
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+ADAPTER_FILES = re.compile(r"adapter_config\.json|adapter_model.*")
+"""The files of an adapter folder that its digest covers (:func:`adapter_digest`): its config
+and every weights file (safetensors, shards and their index, the pickled ``.bin``)."""
+
+
+def adapter_digest(folder: str, what: str) -> str:
+    """The SHA-256 of an adapter folder's files as they are now (:data:`ADAPTER_FILES`, in
+    name order; each file's name, size and bytes), which a merge report records per adapter so
+    that a replay notices an adapter changed since (:func:`_check_replay`).
+
+    Raises:
+      MissingFileError, FileAccessError: the folder or a file of it cannot be read (``what``
+        names it).
+    """
+    import hashlib
+
+    from ..errors import FileAccessError, MissingFileError
+
+    h = hashlib.sha256()
+    try:
+        files = sorted(
+            e.name for e in os.scandir(folder) if ADAPTER_FILES.fullmatch(e.name) and e.is_file()
+        )
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(f"{name}\0{os.fstat(f.fileno()).st_size}\0".encode())
+                while block := f.read(1 << 24):
+                    h.update(block)
+    except (FileNotFoundError, NotADirectoryError):
+        raise MissingFileError(f"{what}: {folder} is gone.") from None
+    except PermissionError:
+        raise FileAccessError(f"{what}: {folder} cannot be read (permission denied).") from None
+    except OSError as e:
+        raise FileAccessError(f"{what}: {folder} cannot be read ({e.strerror or e}).") from None
+    return h.hexdigest()
+
+
+def _check_replay(args: argparse.Namespace) -> None:
+    """A replayed report's inputs as it recorded them: the library version that wrote it, and
+    each adapter's digest (:func:`adapter_digest`; the input moments' are checked by
+    :func:`_check_moments`). A difference is refused naming it, or, with ``--allow-changed``,
+    said as a warning."""
+    from .. import __version__
+    from .common import say
+
+    what = f"--config {args.config}"
+    changes = []
+    version = getattr(args, "report_version", None)
+    if version is not None and version != __version__:
+        changes.append(
+            f"the report was written by netutility-jax {version}, this is {__version__} (the "
+            "merge may differ)"
+        )
+    recorded = getattr(args, "adapter_digests", None) or [None] * len(args.adapters)
+    for i, (path, want) in enumerate(zip(args.adapters, recorded, strict=True)):
+        if want is None:
+            continue
+        sha = adapter_digest(path, f"{what}: adapters[{i}]")
+        if sha != want:
+            changes.append(
+                f"adapters[{i}] ({args.names[i] if args.names else path}) at {path} has changed "
+                f"since that merge (SHA-256 of its files {sha[:16]}..., recorded {want[:16]}...)"
+            )
+    if not changes:
+        return
+    if not getattr(args, "allow_changed", False):
+        raise UsageError(
+            f"{what}: {'; '.join(changes)}; the replay would not be that merge. Pass "
+            "--allow-changed to merge the inputs as they are now."
+        )
+    for line in changes:
+        say("merge", "warning", f"{what}: {line} (--allow-changed: merging them as they are)")
 
 
 def resolve(args: argparse.Namespace) -> None:
@@ -366,6 +759,8 @@ def resolve(args: argparse.Namespace) -> None:
                 f"--config {args.config}: two adapters have the same name; give each a distinct "
                 "'name'."
             )
+    if getattr(args, "config", None) is not None:
+        _check_replay(args)
 
 
 def _resolve_adapters(args: argparse.Namespace) -> list[str]:
@@ -409,7 +804,7 @@ def _digest(path: str, what: str) -> str:
     except (FileNotFoundError, NotADirectoryError):
         raise MissingFileError(
             f"{what}: no such file; give one moments file per adapter, in order "
-            f"(nu.save_input_moments writes them; '{NO_MOMENTS}' for a task without data)."
+            f"(nu.moments.save_input_moments writes them; '{NO_MOMENTS}' for a task without data)."
         ) from None
     except IsADirectoryError:
         raise UsageError(f"{what}: is a folder; expected a .safetensors or .npz file.") from None
@@ -457,15 +852,22 @@ def _check_moments(args: argparse.Namespace) -> None:
         if not f.lower().endswith(_MOMENTS_SUFFIXES):
             raise UsageError(
                 f"{what}: expected a .safetensors or .npz file of input second moments "
-                "(docs/input_moments.md; nu.save_input_moments writes one)."
+                "(docs/input_moments.md; nu.moments.save_input_moments writes one)."
             )
         sha = _digest(f, what)
         if want is not None and want != sha:
-            raise UsageError(
+            change = (
                 f"{what}: its SHA-256 is {sha[:16]}..., not {want[:16]}... as the config "
-                "records: the file changed since that merge; give the recorded file or drop "
-                "its 'sha256'."
+                "records: the file changed since that merge"
             )
+            if not getattr(args, "allow_changed", False):
+                raise UsageError(
+                    f"{change}; give the recorded file, drop its 'sha256', or pass "
+                    "--allow-changed to merge it as it is now."
+                )
+            from .common import say
+
+            say("merge", "warning", f"{change} (--allow-changed: merging it as it is)")
         digests.append(MomentsFile(f, sha))
     args.input_moments = digests
 
@@ -477,14 +879,18 @@ def _after(args: argparse.Namespace) -> list[str]:
     return argv[argv.index("merge") + 1 :] if "merge" in argv else argv
 
 
-def recorded_config(args: argparse.Namespace, options: Mapping[str, Any]) -> dict[str, Any]:
+def recorded_config(
+    args: argparse.Namespace, options: Mapping[str, Any], *, digests: bool = False
+) -> dict[str, Any]:
     """The resolved configuration of this merge, for the report: every setting (the merge's
     flags, spelled as the flags without dashes; ``options``: the method's and space's options
     with their defaults) and the adapters with absolute paths, weights and names, so that
     ``--config`` of it with a new ``--out`` replays the merge (``out`` is not recorded: the
     output folder of a replay is new). An adapter read from a snapshot folder of the Hugging
-    Face Hub cache also records its Hub id and commit (``hub``); ``input-moments`` records each
-    file's absolute path and SHA-256 (None for a task without data)."""
+    Face Hub cache also records its Hub id and commit (``hub``); with ``digests``, each adapter
+    records the SHA-256 of its files (``sha256``, :func:`adapter_digest`), which a replay
+    checks; ``input-moments`` records each file's absolute path and SHA-256 (None for a task
+    without data)."""
     from .. import hub
 
     weights = args.weights or (1.0,) * len(args.adapters)
@@ -494,6 +900,8 @@ def recorded_config(args: argparse.Namespace, options: Mapping[str, Any]) -> dic
         snapshot = hub.from_snapshot(item["path"])
         if snapshot is not None:  # (a replay reads the folder, or id@commit if it is gone)
             item["hub"] = {"id": snapshot.repo_id, "commit": snapshot.commit}
+        if digests:
+            item["sha256"] = adapter_digest(item["path"], f"adapter {n}")
         adapters.append(item)
     out: dict[str, Any] = {"adapters": adapters}
     for dest in CONFIG_KEYS:

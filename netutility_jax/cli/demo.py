@@ -37,4 +37,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
     from ..experiments import demo
 
-    return int(demo.run(args))
+    code = int(demo.run(args))
+    # the experiment exits 1 when results exist in --out (no --overwrite); on the netutility
+    # command 1 is a bug's code, and results in the way are bad input: 2, as merge's --out
+    return 2 if code == 1 else code

@@ -179,7 +179,7 @@ def load_moments(job: MergeJob, adapters: Any) -> list[Any] | None:
             raise UsageError(
                 f"{what}: has no entry for {few(missing)} of adapter {name} (task {i + 1}; "
                 f"{len(missing)} of its {len(have)} modules); write every module, the ones "
-                "without data as data-free (None in nu.save_input_moments)."
+                "without data as data-free (None in nu.moments.save_input_moments)."
             )
         for n, m in moments.items():
             if m is not None and m.d_in != have[n]:

@@ -246,6 +246,8 @@ def write_output(tmp: pathlib.Path, job: MergeJob, result: Merged, bar) -> None:
     import netutility_jax as nu
 
     adapter_dir = tmp / "adapter"
+    if job.serving_ranks is not None:  # (refused in the flag's terms, not save_adapter's)
+        uniform_rank(job.serving_ranks, result.report.ranks)
     nu.peft.save_adapter(
         result.merged,
         adapter_dir,
@@ -279,7 +281,7 @@ def write_extras(tmp: pathlib.Path, job: MergeJob, result: Merged, bar) -> None:
     ).options
     rep = report_dict(
         result.report, adapters=job.adapters, options=run, coverage=result.loaded.coverage,
-        names=names, config=recorded_config(job, resolved),
+        names=names, config=recorded_config(job, resolved, digests=True),
     )  # fmt: skip
     _io.write_json(tmp / REPORT_NAME, rep)
     with _io.atomic_file(tmp / "README.md", "w") as f:

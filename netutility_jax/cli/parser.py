@@ -16,6 +16,7 @@ from .args import (
     add_loading,
     add_merge_arguments,
     add_scoring,
+    join_negative_values,
     positive_int,
 )
 from .common import PROG
@@ -43,6 +44,13 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         text = one_line(Exception(message), MAX_MESSAGE)
         self.exit(2, f"{self.prog}: error: {text}; see '{self.prog} --help'\n")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        # a value that starts with "-" but reads as numbers (--weights -1,0.5,2) is the flag's
+        # value, not a flag (argparse takes only "-1" or "-0.5" alone as a negative number)
+        if args is not None:
+            args = join_negative_values(self._actions, list(args))
+        return super().parse_known_args(args, namespace)
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
         # unknown flags are the chosen subcommand's error (argparse reports them as the
@@ -154,6 +162,12 @@ def required_merge_arguments(parser: argparse.ArgumentParser, args: argparse.Nam
     if args.config is not None:
         return
     missing = []
+    if not args.adapters and args.input_moments:  # (the flag took every name after it)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices["merge"].error(
+            f"no adapters: --input-moments took every name after it ({', '.join(args.input_moments)}"
+            "); give the adapter folders first, then --input-moments FILE..., one per adapter"
+        )
     if not args.adapters:
         missing.append("ADAPTER_DIR (or --config FILE)")
     if args.out is None and not args.dry_run:

@@ -190,8 +190,19 @@ def resolve_adapter(
             got = hub.resolve(f"{pinned['id']}@{pinned['commit']}", what=what)
             return AdapterArg(got.path, got, pinned["id"])
         return AdapterArg(local, hub.from_snapshot(local), pinned["id"])
-    if os.path.lexists(local) or hub.parse_id(text) is None:
+    if os.path.lexists(local):
         return AdapterArg(local, None, local)
+    problem = hub.id_problem(text)
+    if problem is not None:
+        raise InputError(
+            f"{what}: not a local folder ({os.path.abspath(local)}), and not a well-formed "
+            f"Hugging Face Hub id: {problem}; give org/name or org/name@revision (a branch, tag "
+            "or commit), or a local folder."
+        )
+    if hub.parse_id(text) is None:
+        return AdapterArg(local, None, local)
+    if local != text:  # (a config's path, joined to its folder: say where it was looked for)
+        what = f"{what} ({os.path.abspath(local)})"
     got = hub.resolve(text, what=what)
     return AdapterArg(got.path, got, text)
 

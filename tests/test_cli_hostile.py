@@ -1,0 +1,516 @@
+"""The third hostile-input campaign's findings on the command line's files and messages (issue 46):
+config files read by a bounded, strict loader (alias bombs, ``/dev/zero``, duplicate keys, deep
+nesting, huge integers), a config that looks like a report, replays that notice changed inputs
+(adapters' digests, the library version; ``--allow-changed``), unreadable ``--input-moments``
+archives, numeric flags refused by their flag name (``--weights``, ``--alpha``, ``--lam``), a
+leading negative in ``--weights``, Hub ids with an empty revision, the library's own errors from
+``nu.checkpoint`` and ``nu.peft.save_adapter``, and ``netutility demo`` onto existing results.
+
+Every refusal is one line on stderr naming the file, key and line or the flag, exit code 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import re
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+from test_cli_config import BASE, NAMES, RANKS, _adapter
+
+import netutility_jax as nu
+from netutility_jax import cli
+from netutility_jax.cli import config
+from netutility_jax.errors import FileAccessError, InputError, MissingFileError, NetUtilityError
+
+pytest.importorskip("safetensors")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("hostile")
+    out = []
+    for i, r in enumerate(RANKS):
+        p = root / "adapters" / f"task{i}"
+        nu.peft.save_adapter(_adapter(i, r), p, base_config=BASE)
+        out.append(str(p))
+    return out
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:  # (argparse's refusals)
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _refused(capsys, argv, message: str, start: str = "netutility merge: error: ") -> str:
+    """Run ``argv``: exit 2, nothing on stdout, one line on stderr starting with ``start`` and
+    holding ``message``; returns that line."""
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 2 and out == "" and err.count("\n") == 1, (rc, out, err)
+    assert err.startswith(start) and message in err, err
+    return err
+
+
+def _line_of(text: str, needle: str, nth: int = 1) -> int:
+    """The 1-based line of the ``nth`` occurrence of ``needle`` in ``text`` (found here, not by
+    the loader)."""
+    pos = -1
+    for _ in range(nth):
+        pos = text.index(needle, pos + 1)
+    return text.count("\n", 0, pos) + 1
+
+
+# ------------------------------------------------------------------------------ bounded loader
+
+
+def _bomb(key: str, levels: int = 9) -> str:
+    """A "billion laughs" YAML: ``levels`` anchors of 9 aliases each, the last under ``key``;
+    9**levels values once expanded."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, levels):
+        lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]")
+    lines.append(f"{key}: [" + ", ".join([f"*l{levels - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("key", ["method", "weights", "serving-ranks", "input-moments"])
+def test_a_yaml_alias_bomb_is_refused_in_one_line_within_a_second(tmp_path, capsys, key):
+    """9**10 values from a 600-byte file: refused while it is read, within a second and a few
+    MB (measured on the loader alone), naming the file and the line where the count passed the
+    limit; the same bomb under an adapter's weight."""
+    pytest.importorskip("yaml")
+    text = _bomb(key)
+    assert 9**10 > config.MAX_NODES  # (so the limit must bind)
+    f = tmp_path / "bomb.yaml"
+    f.write_text(text)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    with pytest.raises(cli.UsageError) as e:
+        config._read(str(f))
+    seconds = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert seconds < 1.0 and peak < 8 * 2**20, (seconds, peak)
+    msg = str(e.value)
+    assert msg.startswith(f"--config {f}: line ") and "aliases are expanded" in msg
+    # the line where the count passes the limit, counted here: the top mapping, then per line a
+    # key and its list (line 1: 9 strings; line i: 9 copies of line i - 1's list)
+    total, size, line = 1, 0, 0
+    while total <= config.MAX_NODES:
+        line += 1
+        size = 1 + 9 * (size or 1)
+        total += 1 + size
+    assert msg.startswith(f"--config {f}: line {line}:")
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"], f"--config {f}: line {line}:")
+    adapter = tmp_path / "adapter.yaml"
+    adapter.write_text(
+        _bomb("x").replace("\nx: ", "\nadapters:\n  - {path: a, weight: ").rstrip("\n") + "}\n"
+    )
+    with pytest.raises(cli.UsageError, match="aliases are expanded"):
+        config._read(str(adapter))
+
+
+def test_aliases_within_the_limit_and_merge_keys_are_plain_yaml(tmp_path):
+    """Aliases that expand to few values, and YAML's merge key (<<, whose keys the mapping's own
+    override: not a duplicate), read as PyYAML's safe_load reads them."""
+    yaml = pytest.importorskip("yaml")
+    text = (
+        "w: &w [1, 0.5, 2]\nweights: *w\nbase: &b {budget: 2, method: ta}\n"
+        "both: {<<: *b, budget: 3}\n"
+    )
+    f = tmp_path / "ok.yaml"
+    f.write_text(text)
+    data, version = config._read(str(f))
+    assert data == yaml.safe_load(text) and version is None
+    assert data["both"] == {"budget": 3, "method": "ta"}
+
+
+def test_a_recursive_alias_is_refused(tmp_path):
+    pytest.importorskip("yaml")
+    f = tmp_path / "r.yaml"
+    f.write_text("a: 1\nb: &x [1, *x]\n")
+    with pytest.raises(cli.UsageError, match=rf"^--config {re.escape(str(f))}: line 2: the alias"):
+        config._read(str(f))
+
+
+def test_dev_zero_and_large_files_are_refused_without_reading_them_whole(
+    tmp_path, capsys, monkeypatch
+):
+    if os.path.exists("/dev/zero"):
+        t0 = time.perf_counter()
+        _refused(capsys, ["merge", "--config", "/dev/zero", "--dry-run"],
+                 "--config /dev/zero: holds a NUL byte (at byte 0): not a text file")  # fmt: skip
+        assert time.perf_counter() - t0 < 5
+    monkeypatch.setattr(config, "MAX_CONFIG_BYTES", 1000)
+    f = tmp_path / "big.yaml"
+    f.write_text("budget: 2\n" + "# padding\n" * 200)  # 2010 bytes of valid YAML
+    with pytest.raises(cli.UsageError, match=r"larger than 0 MiB"):
+        config._read(str(f))
+    f.write_bytes(b"budget: \xff\n")
+    with pytest.raises(cli.UsageError, match=r"not UTF-8 text \(byte 8\)"):
+        config._read(str(f))
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_duplicate_keys_are_refused_naming_the_key_and_line(tmp_path, capsys, folders, suffix):
+    """``budget: 4`` then ``budget: 2`` merged at 2 without a word; now refused naming the key
+    and the second one's line, in YAML and JSON, at the top and inside an adapter item."""
+    if suffix == ".yaml":
+        pytest.importorskip("yaml")
+        text = f"adapters: {json.dumps(folders)}\nbudget: 4\nmethod: ta\nbudget: 2\n"
+        item = f"adapters:\n  - path: {folders[0]}\n    path: {folders[1]}\nbudget: 2\n"
+    else:
+        text = (
+            f'{{"adapters": {json.dumps(folders)},\n "budget": 4,\n "method": "ta",\n "budget": 2}}'
+        )
+        item = f'{{"adapters": [\n {{"path": "{folders[0]}",\n  "path": "{folders[1]}"}}],\n "budget": 2}}'
+    f = tmp_path / f"dup{suffix}"
+    f.write_text(text)
+    line = _line_of(text, '"budget"' if suffix == ".json" else "budget:", 2)
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
+             f"--config {f}: line {line}: key 'budget' is given twice in one mapping")  # fmt: skip
+    f.write_text(item)
+    line = _line_of(item, '"path"' if suffix == ".json" else "path:", 2)
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
+             f"--config {f}: line {line}: key 'path' is given twice")  # fmt: skip
+
+
+def test_a_json_key_repeated_inside_a_nested_mapping_is_not_a_duplicate(tmp_path):
+    """The same key in two mappings (or a nested one) is no duplicate; the line named is the
+    repeated key's own, not that of the same key in a mapping inside."""
+    f = tmp_path / "n.json"
+    text = '{"a": {"path": 1},\n "b": {"path": 2},\n "c": {"x": {"path": 3},\n  "path": 4,\n  "path": 5}}'
+    f.write_text(text)
+    with pytest.raises(cli.UsageError, match=r": line 5: key 'path' is given twice"):
+        config._read(str(f))
+    f.write_text('{"a": {"path": 1}, "b": {"path": 2}}')
+    assert config._read(str(f))[0] == {"a": {"path": 1}, "b": {"path": 2}}
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_nesting_and_integers_are_bounded(tmp_path, capsys, suffix):
+    """5000 levels of nesting (RecursionError before) and a 5000-digit integer (ValueError
+    before): one line naming the file and line. The limit is exact: MAX_DEPTH levels read."""
+    if suffix == ".yaml":
+        pytest.importorskip("yaml")
+    f = tmp_path / f"n{suffix}"
+    deep = "[" * 5000 + "]" * 5000
+    f.write_text(f'{{"budget": 2,\n "x": {deep}}}')
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
+             f"--config {f}: line 2: nested deeper than {config.MAX_DEPTH} levels")  # fmt: skip
+    f.write_text(f'{{"adapters": ["a"],\n "budget": {"9" * 5000}}}')
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
+             f"--config {f}: line 2: an integer of 5000 digits")  # fmt: skip
+    ok = config.MAX_DEPTH - 1  # the mapping is the first level
+    f.write_text('{"x": ' + "[" * ok + "]" * ok + "}")
+    data = config._read(str(f))[0]
+    depth, x = 1, data["x"]
+    while isinstance(x, list):
+        depth, x = depth + 1, (x[0] if x else None)
+    assert depth == config.MAX_DEPTH
+    f.write_text('{"x": ' + "[" * (ok + 1) + "]" * (ok + 1) + "}")
+    with pytest.raises(cli.UsageError, match="nested deeper"):
+        config._read(str(f))
+
+
+def test_a_config_with_a_config_key_and_a_report_without_one(tmp_path, capsys):
+    """A config that also has a ``config:`` mapping was read as a report, its own adapters and
+    budget ignored without a word; a report without ``config`` was refused as "unknown key
+    netutility_version"."""
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"adapters": ["a"], "budget": 2, "config": {"budget": 3}}))
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
+             "has a 'config' key, which only a merge report has")  # fmt: skip
+    with pytest.raises(cli.UsageError, match=r"its own keys \(adapters, budget\) would be ignored"):
+        config._read(str(f))
+    f.write_text(json.dumps({"netutility_version": "0.1", "adapters": ["a"], "budget": 2}))
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
+             "a merge report (netutility_version '0.1') without a 'config' mapping")  # fmt: skip
+
+
+def test_a_relative_config_path_not_found_names_the_resolved_path(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, ["merge", "--config", "sub/m.yaml", "--dry-run"],
+             f"--config sub/m.yaml ({tmp_path / 'sub' / 'm.yaml'}): no such file")  # fmt: skip
+
+
+def test_a_relative_adapter_in_a_config_names_where_it_was_looked_for(
+    tmp_path, capsys, monkeypatch
+):
+    """``org/name`` in a config, no folder there: the Hub's refusal names the folder it looked
+    for first (relative to the config's folder)."""
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "cfg").mkdir()
+    f = tmp_path / "cfg" / "m.json"
+    f.write_text(json.dumps({"adapters": ["org/name", "org/other"], "budget": 2}))
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
+             f"adapters[0] org/name ({tmp_path / 'cfg' / 'org' / 'name'}): not a local folder")  # fmt: skip
+
+
+def test_an_empty_hub_revision_is_a_malformed_id(folders, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _refused(capsys, ["merge", "org/name@", folders[0], "--budget", "2", "--dry-run"],
+             "ADAPTER_DIR org/name@: not a local folder "
+             f"({tmp_path / 'org' / 'name@'}), and not a well-formed Hugging Face Hub id: the "
+             "revision after '@' is empty")  # fmt: skip
+    assert nu.hub.id_problem("org/name@") == "the revision after '@' is empty"
+    assert nu.hub.id_problem("org/name@v1") is None and nu.hub.id_problem("a/b/c@") is None
+
+
+# ------------------------------------------------------------------------------ honest replay
+
+
+def _digest(folder: str) -> str:
+    """An adapter folder's digest, computed here: its config and weight files in name order,
+    each as name, NUL, size, NUL, bytes."""
+    h = hashlib.sha256()
+    for f in sorted(pathlib.Path(folder).iterdir()):
+        if f.name == "adapter_config.json" or f.name.startswith("adapter_model"):
+            data = f.read_bytes()
+            h.update(f"{f.name}\0{len(data)}\0".encode() + data)
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def merged(folders, tmp_path_factory):
+    """A merge of copies of the adapters (the tests change them) and its report."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("replay")
+    copies = []
+    for f in folders:
+        shutil.copytree(f, root / pathlib.Path(f).name)
+        copies.append(str(root / pathlib.Path(f).name))
+    out = root / "merged"
+    rc = cli.main(["merge", *copies, "--budget", "2", "--weights", "-1,0.5,2", "--no-plots",
+                   "--quiet", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    return {"root": root, "copies": copies, "out": out}
+
+
+def test_the_report_records_each_adapter_s_digest_and_a_replay_checks_it(merged, capsys):
+    """Each adapter's SHA-256 (computed here) is in the report's config; an adapter changed in
+    place since is refused by name, unless --allow-changed, which merges it as it is with a
+    warning and records its new digest."""
+    report = merged["out"] / cli.REPORT_NAME
+    rep = json.loads(report.read_text())
+    assert [a["sha256"] for a in rep["config"]["adapters"]] == [
+        _digest(p) for p in merged["copies"]
+    ]
+    assert rep["netutility_version"] == nu.__version__
+    rc, _, err = _run(capsys, "merge", "--config", str(report), "--dry-run")  # (unchanged)
+    assert rc == 0 and "error" not in err, err
+    changed = pathlib.Path(merged["copies"][1]) / "adapter_config.json"
+    before = changed.read_text()
+    try:
+        cfg = json.loads(before)
+        changed.write_text(json.dumps({**cfg, "lora_dropout": 0.25}))
+        err = _refused(capsys, ["merge", "--config", str(report), "--out",
+                                str(merged["root"] / "no")],
+                       f"--config {report}: adapters[1] (task1) at {merged['copies'][1]} has "
+                       "changed since that merge")  # fmt: skip
+        assert "--allow-changed" in err and not (merged["root"] / "no").exists()
+        again = merged["root"] / "again"
+        rc, _, err = _run(capsys, "merge", "--config", str(report), "--out", str(again),
+                            "--quiet", "--allow-changed")  # fmt: skip
+        assert rc == 0, err
+        assert "warning: --config" in err and "adapters[1] (task1)" in err
+        new = json.loads((again / cli.REPORT_NAME).read_text())["config"]["adapters"]
+        assert (
+            new[1]["sha256"]
+            == _digest(merged["copies"][1])
+            != rep["config"]["adapters"][1]["sha256"]
+        )
+    finally:
+        changed.write_text(before)
+
+
+def test_a_report_of_another_version_is_refused_unless_allowed(merged, capsys):
+    rep = json.loads((merged["out"] / cli.REPORT_NAME).read_text())
+    other = merged["root"] / "other_version.json"
+    other.write_text(json.dumps({**rep, "netutility_version": "0.0.1"}))
+    _refused(capsys, ["merge", "--config", str(other), "--dry-run"],
+             f"the report was written by netutility-jax 0.0.1, this is {nu.__version__}")  # fmt: skip
+    rc, _, err = _run(capsys, "merge", "--config", str(other), "--dry-run", "--allow-changed")
+    assert rc == 0 and "warning" in err and "0.0.1" in err, err
+
+
+def test_allow_changed_is_not_recorded_and_not_a_config_key(merged, tmp_path, capsys):
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps({"adapters": merged["copies"], "budget": 2, "allow-changed": True}))
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
+             "key 'allow-changed' cannot be in a config")  # fmt: skip
+    assert (
+        "allow-changed" not in json.loads((merged["out"] / cli.REPORT_NAME).read_text())["config"]
+    )
+
+
+# ---------------------------------------------------------------------- --input-moments files
+
+
+def test_unreadable_moments_archives_are_refused_naming_the_file(folders, tmp_path, capsys):
+    """A plain .npy renamed .npz (TypeError before) and a damaged compressed .npz (zlib.error
+    before): exit 2, one line naming the flag and the file."""
+    rng = np.random.default_rng(0)
+    s = {n: rng.normal(size=(24, 24)).astype(np.float32) for n in NAMES}  # (compresses little)
+    npy = tmp_path / "plain.npz"
+    with open(npy, "wb") as f:
+        np.save(f, np.eye(24))
+    good = tmp_path / "good.npz"
+    np.savez_compressed(good, **s)
+    data = bytearray(good.read_bytes())
+    start = data.index(b".npy") + 4 + 64  # into the first member's compressed bytes
+    data[start : start + 32] = bytes(b ^ 0xA5 for b in data[start : start + 32])
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(bytes(data))
+    for f, what in ((npy, "not an .npz archive (a single .npy array)"), (bad, "cannot be read")):
+        _refused(capsys, ["merge", *folders, "--budget", "2", "--dry-run", "--input-moments",
+                          str(f), "none", "none"], f"--input-moments {f}: {what}")  # fmt: skip
+    with pytest.raises(InputError, match=r"^nu\.moments\.load_input_moments\("):
+        nu.moments.load_input_moments(bad)
+
+
+def test_input_moments_before_the_adapters_names_the_flag(folders, capsys):
+    _refused(capsys, ["merge", "--input-moments", "none", "none", "none", *folders, "--budget",
+                      "2", "--dry-run"],
+             "no adapters: --input-moments took every name after it")  # fmt: skip
+
+
+def test_the_documented_moments_writer_exists():
+    """README, ``merge --help`` and the command's messages name ``nu.moments.save_input_moments``
+    (``nu.save_input_moments`` does not exist); every ``nu.<name>`` the help names resolves."""
+    parser = cli.build_parser(demo_options=False)
+    sub = next(a for a in parser._actions if a.dest == "command").choices["merge"]
+    here = pathlib.Path(cli.__file__).parent
+    text = sub.format_help() + (here / "config.py").read_text() + (here / "load.py").read_text()
+    names = set(re.findall(r"\bnu\.((?:[a-z_]+\.)*[a-z_]+)", " ".join(text.split())))
+    assert "moments.save_input_moments" in names and "save_input_moments" not in names
+    for name in names:
+        obj = nu
+        for part in name.split("."):
+            assert hasattr(obj, part), f"nu.{name} does not exist"
+            obj = getattr(obj, part)
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "nu.moments.save_input_moments" in readme
+    assert not re.search(r"(?<!moments\.)\bnu\.save_input_moments", readme)
+
+
+# ------------------------------------------------------------------------------ flag messages
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--weights", "1e-40,1,1"], "argument --weights: expected a comma list of weights"),
+        (["--weights", "1e300,1,1"], "'1e300' is not"),
+        (["--weights", "1e-300,1,1"], "'1e-300' is not"),
+        (["--weights=1,0,1"], "'0' is not"),
+        (["--alpha", "1e308"], "argument --alpha: expected 'auto' or a number in [0, 16]"),
+        (["--lam", "1e308"], "argument --lam: expected 'auto' or a number in [0, 1e+30]"),
+        (["--lam", "-1"], "argument --lam: "),
+        (["--coef", "1e-40"], "argument --coef: expected a finite nonzero number between 1e-30"),
+        (["--coef", "-1e300"], "argument --coef: "),
+    ],
+)
+def test_numeric_flags_are_refused_by_their_flag_name(folders, tmp_path, capsys, flags, message):
+    """Values the library would refuse in its Python terms (a LoRA "scale", ``lam=``, x64)
+    are refused on the command line by the flag and the value given."""
+    err = _refused(capsys, ["merge", *folders, "--budget", "2", "--out", str(tmp_path / "o"),
+                            *flags], message)  # fmt: skip
+    assert "scale" not in err and "lam=" not in err and "x64" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_config_weight_out_of_range_is_refused_by_its_key(tmp_path, capsys):
+    f = tmp_path / "w.json"
+    f.write_text(json.dumps({"adapters": [{"path": "a", "weight": 1e-40}], "budget": 2}))
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
+             "adapters[0] 'weight' is '1e-40'; expected a nonzero number between 1e-30 and 1e+30")  # fmt: skip
+    f.write_text(json.dumps({"adapters": ["a"], "budget": 2, "alpha": 1e308}))
+    _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
+             "key 'alpha' (--alpha): expected 'auto' or a number in [0, 16]")  # fmt: skip
+
+
+def test_a_leading_negative_value_is_the_flag_s_value(folders, tmp_path):
+    """``--weights -1,0.5,2`` (documented) was read by argparse as a flag; now the space form
+    works as ``=`` does, for every flag that takes a number, and in a config's override."""
+    parser = cli.build_parser(demo_options=False)
+    base = ["merge", *folders, "--budget", "2", "--out", str(tmp_path / "o")]
+    for form in (["--weights", "-1,0.5,2"], ["--weights=-1,0.5,2"]):
+        assert parser.parse_args([*base, *form]).weights == (-1.0, 0.5, 2.0)
+    args = parser.parse_args([*base, "--coef", "-1e-3", "--weights", "-1e-2,1,-2"])
+    assert args.coef == -1e-3 and args.weights == (-0.01, 1.0, -2.0)
+    assert "--weights -1,0.5,2" in " ".join(
+        next(a for a in parser._actions if a.dest == "command")
+        .choices["merge"]
+        .format_help()
+        .split()
+    )
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"adapters": folders, "budget": 2, "weights": [1, 1, 1]}))
+    argv = ["merge", "--config", str(f), "--weights", "-1,0.5,2", "--dry-run"]
+    args = parser.parse_args(argv)
+    args.argv = argv
+    config.resolve(args)
+    assert args.weights == (-1.0, 0.5, 2.0)
+    with pytest.raises(SystemExit):  # (a flag's missing value is still refused)
+        parser.parse_args([*base, "--weights", "--quiet"])
+
+
+def test_serving_ranks_too_small_names_the_flag(folders, tmp_path, capsys):
+    _refused(capsys, ["merge", *folders, "--budget", "2", "--serving-ranks", "1", "--quiet",
+                      "--no-plots", "--out", str(tmp_path / "o")],
+             "--serving-ranks: a merged module has rank")  # fmt: skip
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ the library's own errors
+
+
+def test_checkpoint_and_save_adapter_raise_the_library_s_errors(folders, tmp_path):
+    """Bad input to ``nu.checkpoint.save`` / ``restore`` and ``nu.peft.save_adapter`` raises a
+    ``nu.NetUtilityError`` that is still the built-in error older code catches."""
+    ad = _adapter(0, 2)
+    with pytest.raises(NetUtilityError) as e:
+        nu.peft.save_adapter(ad, folders[0])
+    assert isinstance(e.value, FileExistsError)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(FileExistsError, match="is a file") as e:
+        nu.peft.save_adapter(ad, tmp_path / "f")
+    assert isinstance(e.value, NetUtilityError)
+    pytest.importorskip("orbax.checkpoint")
+    with pytest.raises(NetUtilityError) as e:
+        nu.checkpoint.save(tmp_path, ad)
+    assert isinstance(e.value, FileExistsError)
+    with pytest.raises(MissingFileError) as e:
+        nu.checkpoint.restore(tmp_path / "nope")
+    assert isinstance(e.value, FileNotFoundError)
+    with pytest.raises(InputError, match="is not a readable netutility-jax checkpoint") as e:
+        nu.checkpoint.restore(tmp_path)
+    assert isinstance(e.value, ValueError)
+    assert issubclass(MissingFileError, FileNotFoundError)
+    assert issubclass(FileAccessError, PermissionError) and issubclass(InputError, ValueError)
+
+
+def test_demo_onto_existing_results_exits_2(tmp_path, capsys, monkeypatch):
+    """``netutility demo`` onto results already there: exit 2 (bad input), not 1 (a bug)."""
+    try:
+        from netutility_jax.experiments.data import tasks
+    except ImportError:
+        pytest.skip("the experiment's extras are not installed")
+    (tmp_path / "results.json").write_text("{}")
+    monkeypatch.setattr(tasks, "load_tasks", lambda *a, **k: pytest.fail("loaded the tasks"))
+    rc, _, err = _run(capsys, "demo", "--out", str(tmp_path))
+    assert rc == 2 and "already exists" in err and err.count("\n") == 1, (rc, err)
+    assert (tmp_path / "results.json").read_text() == "{}"
