@@ -336,6 +336,34 @@ def test_the_report_records_each_adapter_s_digest_and_a_replay_checks_it(merged,
         changed.write_text(before)
 
 
+def test_an_adapter_changed_while_the_merge_runs_stops_it(merged, capsys, monkeypatch):
+    """The report's digest is of the files the merge read: a folder changed between the checks
+    and the end of the merge is refused, and nothing is written."""
+    from netutility_jax.cli import merge as merge_cmd
+
+    changed = pathlib.Path(merged["copies"][2]) / "adapter_config.json"
+    before = changed.read_text()
+    digests = []
+
+    def resolve_then_change(args):
+        config.resolve(args)
+        digests.append(_digest(merged["copies"][2]))
+        changed.write_text(json.dumps({**json.loads(before), "lora_dropout": 0.5}))
+        digests.append(_digest(merged["copies"][2]))
+
+    monkeypatch.setattr(merge_cmd, "resolve", resolve_then_change)
+    out = merged["root"] / "during"
+    try:
+        _refused(capsys, ["merge", *merged["copies"], "--budget", "2", "--no-plots", "--quiet",
+                          "--out", str(out)],
+                 f"adapter task2 at {merged['copies'][2]}: its files changed while the merge "
+                 "ran (SHA-256 ")  # fmt: skip
+    finally:
+        changed.write_text(before)
+    assert digests[0] != digests[1] and not out.exists()
+    assert not [p for p in merged["root"].iterdir() if "staging" in p.name]  # (none left)
+
+
 def test_a_report_of_another_version_is_refused_unless_allowed(merged, capsys):
     rep = json.loads((merged["out"] / cli.REPORT_NAME).read_text())
     other = merged["root"] / "other_version.json"

@@ -644,6 +644,13 @@ ADAPTER_FILES = re.compile(r"adapter_config\.json|adapter_model.*")
 and every weights file (safetensors, shards and their index, the pickled ``.bin``)."""
 
 
+_DIGESTS: dict[str, str] = {}
+"""Each adapter folder's digest as :func:`resolve` took it before the merge read the folder (by
+absolute path; this process's latest merge): :func:`recorded_config` takes it again once the
+merge is done and refuses a folder that changed in between, so that the report's digest is of
+the files the merge read."""
+
+
 def adapter_digest(folder: str, what: str) -> str:
     """The SHA-256 of an adapter folder's files as they are now (:data:`ADAPTER_FILES`, in
     name order; each file's name, size and bytes), which a merge report records per adapter so
@@ -676,16 +683,16 @@ def adapter_digest(folder: str, what: str) -> str:
     return h.hexdigest()
 
 
-def _check_replay(args: argparse.Namespace) -> None:
+def _check_replay(args: argparse.Namespace) -> dict[str, str]:
     """A replayed report's inputs as it recorded them: the library version that wrote it, and
     each adapter's digest (:func:`adapter_digest`; the input moments' are checked by
     :func:`_check_moments`). A difference is refused naming it, or, with ``--allow-changed``,
-    said as a warning."""
+    said as a warning. Returns the digests it took, by absolute path."""
     from .. import __version__
     from .common import say
 
     what = f"--config {args.config}"
-    changes = []
+    changes, taken = [], {}
     version = getattr(args, "report_version", None)
     if version is not None and version != __version__:
         changes.append(
@@ -696,14 +703,14 @@ def _check_replay(args: argparse.Namespace) -> None:
     for i, (path, want) in enumerate(zip(args.adapters, recorded, strict=True)):
         if want is None:
             continue
-        sha = adapter_digest(path, f"{what}: adapters[{i}]")
+        sha = taken[os.path.abspath(path)] = adapter_digest(path, f"{what}: adapters[{i}]")
         if sha != want:
             changes.append(
                 f"adapters[{i}] ({args.names[i] if args.names else path}) at {path} has changed "
                 f"since that merge (SHA-256 of its files {sha[:16]}..., recorded {want[:16]}...)"
             )
     if not changes:
-        return
+        return taken
     if not getattr(args, "allow_changed", False):
         raise UsageError(
             f"{what}: {'; '.join(changes)}; the replay would not be that merge. Pass "
@@ -711,6 +718,7 @@ def _check_replay(args: argparse.Namespace) -> None:
         )
     for line in changes:
         say("merge", "warning", f"{what}: {line} (--allow-changed: merging them as they are)")
+    return taken
 
 
 def resolve(args: argparse.Namespace) -> None:
@@ -759,8 +767,11 @@ def resolve(args: argparse.Namespace) -> None:
                 f"--config {args.config}: two adapters have the same name; give each a distinct "
                 "'name'."
             )
-    if getattr(args, "config", None) is not None:
-        _check_replay(args)
+    taken = _check_replay(args) if getattr(args, "config", None) is not None else {}
+    if not args.dry_run:  # (what the report's digests are checked against once it is written)
+        for i, path in enumerate(args.adapters):
+            key = os.path.abspath(path)
+            _DIGESTS[key] = taken.get(key) or adapter_digest(path, f"adapter {args.names[i]}")
 
 
 def _resolve_adapters(args: argparse.Namespace) -> list[str]:
@@ -901,7 +912,14 @@ def recorded_config(
         if snapshot is not None:  # (a replay reads the folder, or id@commit if it is gone)
             item["hub"] = {"id": snapshot.repo_id, "commit": snapshot.commit}
         if digests:
-            item["sha256"] = adapter_digest(item["path"], f"adapter {n}")
+            item["sha256"] = sha = adapter_digest(item["path"], f"adapter {n}")
+            before = _DIGESTS.get(item["path"])
+            if before is not None and before != sha:
+                raise UsageError(
+                    f"adapter {n} at {item['path']}: its files changed while the merge ran "
+                    f"(SHA-256 {before[:16]}... before, {sha[:16]}... after); nothing was "
+                    "written: run the merge again once they are settled."
+                )
         adapters.append(item)
     out: dict[str, Any] = {"adapters": adapters}
     for dest in CONFIG_KEYS:
