@@ -1254,7 +1254,8 @@ def test_seeds_from_damaged_directories_are_read_or_refused_in_one_error_slow(
 # ---------------------------------------------------------------------------------------------
 
 _CFG_KEYS = ["adapters", "budget", "method", "weights", "alpha", "chunk_mb", "config",
-             "netutility_version", "path", "x", "<<"]  # fmt: skip
+             "netutility_version", "path", "weight", "name", "sha256", "input-moments",
+             "serving-ranks", "x", "<<"]  # fmt: skip
 _CFG_SCALAR = (
     st.none() | st.booleans() | st.integers(-(10**60), 10**60) | st.floats(allow_nan=False)
     | st.text(max_size=6)
@@ -1279,12 +1280,23 @@ def config_text_st(draw):
     from netutility_jax.cli import config
 
     yaml_form = draw(st.booleans())
-    top = ("map", draw(st.lists(st.tuples(st.sampled_from(_CFG_KEYS), _CFG_TREE), max_size=5)))
+    top = ("map", draw(st.lists(st.tuples(st.sampled_from(_CFG_KEYS), _CFG_TREE), max_size=3)))
+    if draw(st.booleans()):  # a plausible merge config, which the random pairs may spoil
+        name = st.text("abc/@.", min_size=1, max_size=6).map(lambda t: ("scalar", t))
+        item = name | st.fixed_dictionaries(
+            {"path": name}, optional={"weight": _CFG_SCALAR.map(lambda v: ("scalar", v))}
+        ).map(lambda d: ("map", list(d.items())))
+        plausible = [("adapters", ("list", draw(st.lists(item, min_size=1, max_size=3)))),
+                     ("budget", ("scalar", draw(st.integers(1, 9))))]  # fmt: skip
+        if draw(st.booleans()):
+            plausible.append(("method", ("scalar", draw(st.sampled_from(["ta", "tsv", "x"])))))
+        top = ("map", plausible + (top[1] if draw(st.booleans()) else []))
     deep = draw(st.sampled_from([0, 0, 0, config.MAX_DEPTH - 2, config.MAX_DEPTH - 1, 200]))
-    leaf = ("scalar", 1)
-    for _ in range(deep):
-        leaf = ("list", [leaf])
-    top[1].append(("x", leaf))
+    if deep:
+        leaf = ("scalar", 1)
+        for _ in range(deep):
+            leaf = ("list", [leaf])
+        top[1].append(("x", leaf))
     levels, fan = (draw(st.integers(1, 9)), draw(st.integers(2, 9))) if yaml_form else (0, 0)
     if yaml_form and draw(st.booleans()):
         levels = 0
@@ -1315,17 +1327,17 @@ def config_text_st(draw):
     violations, depth = walk(top)
     if depth > config.MAX_DEPTH:
         violations.add("deep")
-    lines = [dump(top)[:-1]]  # (the bomb's keys are appended to the top mapping)
+    lines = [f"{json.dumps(k)}: {dump(x)}" for k, x in top[1]]  # (then the bomb's keys)
     if levels:
-        lines.append(', "b0": &b0 [' + ", ".join(['"lol"'] * fan) + "]")
+        lines.append('"b0": &b0 [' + ", ".join(['"lol"'] * fan) + "]")
         for i in range(1, levels):
-            lines.append(f', "b{i}": &b{i} [' + ", ".join([f"*b{i - 1}"] * fan) + "]")
+            lines.append(f'"b{i}": &b{i} [' + ", ".join([f"*b{i - 1}"] * fan) + "]")
         expanded = fan**levels
         if expanded > 2 * config.MAX_NODES:
             violations.add("bomb")
         elif expanded > config.MAX_NODES // 4:
             violations.add("maybe_bomb")
-    text = ("\n".join(lines) + "}\n") if len(lines) > 1 else dump(top) + "\n"
+    text = "{" + ",\n".join(lines) + "}\n"
     return ("yaml" if yaml_form else "json"), text, violations
 
 
@@ -1374,6 +1386,34 @@ def _config_text_property(tmp_path_factory, case):
     ref = json.loads(text) if form == "json" else __import__("yaml").safe_load(text)
     assert data == _expected_config(ref)
     hypothesis.event(f"{form}: read")
+    _resolve_config(path)
+
+
+def _resolve_config(path) -> None:
+    """``merge --config PATH --dry-run``'s arguments resolved: completed, or refused with one
+    of the library's errors on one line (never another exception); nothing reaches the Hub."""
+    from netutility_jax import cli
+    from netutility_jax.cli import config
+    from netutility_jax.errors import NetUtilityError
+
+    argv = ["merge", "--config", str(path), "--dry-run"]
+    args = cli.build_parser(demo_options=False).parse_args(argv)
+    args.argv = argv
+    old = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        config.resolve(args)
+    except NetUtilityError as e:
+        assert str(e).strip() and "\n" not in str(e), str(e)
+        hypothesis.event(f"resolve refused: {type(e).__name__}")
+        return
+    finally:
+        if old is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = old
+    assert args.adapters and len(args.names) == len(args.adapters)
+    hypothesis.event("resolved")
 
 
 @hypothesis.settings(**FAST)
