@@ -542,3 +542,13 @@ def test_demo_onto_existing_results_exits_2(tmp_path, capsys, monkeypatch):
     rc, _, err = _run(capsys, "demo", "--out", str(tmp_path))
     assert rc == 2 and "already exists" in err and err.count("\n") == 1, (rc, err)
     assert (tmp_path / "results.json").read_text() == "{}"
+
+
+def test_the_help_states_the_loader_s_limits():
+    """``merge --help`` states the limits the loader applies (its constants, not a copy)."""
+    parser = cli.build_parser(demo_options=False)
+    sub = next(a for a in parser._actions if a.dest == "command").choices["merge"]
+    text = " ".join(next(a for a in sub._actions if a.dest == "config").help.split())
+    assert f"over {config.MAX_CONFIG_BYTES // 2**20} MiB" in text
+    assert f"deeper than {config.MAX_DEPTH} levels" in text
+    assert f"past {config.MAX_NODES} values" in text and "--allow-changed" in text
