@@ -93,10 +93,10 @@ def test_a_yaml_alias_bomb_is_refused_in_one_line_within_a_second(tmp_path, caps
     f = tmp_path / "bomb.yaml"
     f.write_text(text)
     tracemalloc.start()
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # (CPU time: other processes on a busy machine do not count)
     with pytest.raises(cli.UsageError) as e:
         config._read(str(f))
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert seconds < 1.0 and peak < 8 * 2**20, (seconds, peak)
