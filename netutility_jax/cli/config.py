@@ -701,8 +701,8 @@ def _check_replay(args: argparse.Namespace) -> dict[str, str]:
         )
     recorded = getattr(args, "adapter_digests", None) or [None] * len(args.adapters)
     for i, (path, want) in enumerate(zip(args.adapters, recorded, strict=True)):
-        if want is None:
-            continue
+        if want is None or not os.path.isdir(path):  # (a folder that is gone: the merge's
+            continue  # own checks refuse it, as they do without a report)
         sha = taken[os.path.abspath(path)] = adapter_digest(path, f"{what}: adapters[{i}]")
         if sha != want:
             changes.append(
@@ -769,9 +769,15 @@ def resolve(args: argparse.Namespace) -> None:
             )
     taken = _check_replay(args) if getattr(args, "config", None) is not None else {}
     if not args.dry_run:  # (what the report's digests are checked against once it is written)
+        from ..errors import NetUtilityError
+
         for i, path in enumerate(args.adapters):
             key = os.path.abspath(path)
-            _DIGESTS[key] = taken.get(key) or adapter_digest(path, f"adapter {args.names[i]}")
+            _DIGESTS.pop(key, None)
+            try:
+                _DIGESTS[key] = taken.get(key) or adapter_digest(path, f"adapter {args.names[i]}")
+            except NetUtilityError:  # (not a readable folder: the merge's own checks say so, in
+                pass  # every process of a distributed run alike)
 
 
 def _resolve_adapters(args: argparse.Namespace) -> list[str]:
