@@ -9,7 +9,6 @@ import errno
 import importlib
 import io
 import json
-import math
 import os
 import pathlib
 import re
