@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .engine.tables import MaskTable
 from .errors import InputError, InputTypeError
 
 __all__ = [
@@ -214,6 +215,8 @@ def check_masks(fn: str, masks: Mapping[str, jax.Array]) -> dict[str, np.ndarray
             f"{fn}: masks is empty; expected the {{name: bool (M, r_max)}} masks returned by "
             "nu.allocate (one entry per module)."
         )
+    if isinstance(masks, MaskTable) and masks.pristine:  # nu.allocate's own masks, on the host already
+        return masks.host_dict()
     out: dict[str, np.ndarray] = {}
     bad_type: list = []
     bad_shape: list = []

@@ -43,6 +43,7 @@ from ._score_kernels import (
     score_by_device,
     score_impl,
 )
+from .engine.tables import ScoreTable
 from .errors import InputError
 
 __all__ = [
@@ -215,6 +216,7 @@ def score_run(
             )
             for d in by_name:
                 d.update((nm, empty) for nm in bk.names)
+    tables: dict[int, ScoreTable] = {}  # per alpha, on concrete inputs
     parts = None  # with energy: each bucket's (mantissa, exponent) of every task-module
     stacked_moments = None
     if live:
@@ -237,7 +239,12 @@ def score_run(
         with np.errstate(over="ignore"):
             args = (inputs, alpha_arg, lam_val, rtols)
             impl = score_impl if mesh is None else functools.partial(score_by_device, mesh=mesh)
-            finished, _, parts = impl(*args, **kw, route="cond" if traced else "raw")
+            finished, raw_ok, parts = impl(*args, **kw, route="cond" if traced else "raw")
+            if not traced and isinstance(raw_ok, jax.core.Tracer):
+                # concrete inputs inside an outer transformation (constants closed over by a
+                # jitted function): its values are unknown too, so the traced route
+                traced = True
+                finished, _, parts = impl(*args, **kw, route="cond")
             if not traced:
                 # every alpha's flags in one transfer; the details are read only where one is set
                 status = _status(finished)
@@ -270,14 +277,14 @@ def score_run(
         if status[0, NONFINITE]:
             _tree.raise_nonfinite(fn, live, [o.nonfinite for o in finished[0].outs], dtype=dtype)
         # each bucket's four fields of every alpha, one transfer each
-        host = jax.device_get([[o.stats for o in f.outs] for f in finished])
         if stacked_moments is not None:
             isos = [
                 _buckets.moment_iso(r)
                 for bk, r in zip(buckets, mrows, strict=True)
                 if not _dead(bk)
             ]
-            raise_blind_moments(fn, live, host[0], isos)
+            host0 = jax.device_get([o.stats for o in finished[0].outs])
+            raise_blind_moments(fn, live, host0, isos)
         held = [_shell(bk) for bk in live] if defer else live
         for a, (f, d) in enumerate(zip(finished, by_name, strict=True)):
             check = Deferred(
@@ -288,7 +295,11 @@ def score_run(
                 checks.append(check)
             else:
                 check.check()
-            d.update(_module_scores(live, f.outs, host[a]))
+            # each module's fields made only when asked for (see engine.tables)
+            tables[a] = ScoreTable(
+                names, [(bk.names, o.stats) for bk, o in zip(live, f.outs, strict=True)], d,
+                ModuleScores,
+            )  # fmt: skip
         if lam_is_auto and not status[0, ANY_SIGMA]:
             raise InputError(
                 f"{fn}: no candidate directions: the update of every task is zero (or below "
@@ -298,8 +309,8 @@ def score_run(
                 "are defined (every utility -inf) and nu.allocate keeps nothing."
             )
     scores = [
-        Scores({k: d[k] for k in names}, f.lam, host_constant(a, dtype))
-        for d, f, a in zip(by_name, finished, alphas, strict=True)
+        Scores(tables.get(i) or {k: d[k] for k in names}, f.lam, host_constant(a, dtype))
+        for i, (d, f, a) in enumerate(zip(by_name, finished, alphas, strict=True))
     ]
     energies = sum_energies(parts, m_tasks) if energy else None
     return Run(scores, energies, checks)
@@ -407,6 +418,9 @@ def log_energies(adapters: Sequence[Any], fn: str, checked: bool, *, stacked: bo
         inputs = tuple(_mesh.host_stack(bk, dtype, len(bk.names)) for bk in live)
     with np.errstate(over="ignore"):  # values beyond the dtype: counted and reported below
         k, t, bads, raw_ok = log_energy_impl(inputs, meta=meta, route="cond" if traced else "raw")
+        if not traced and isinstance(raw_ok, jax.core.Tracer):  # inside an outer transformation
+            traced = True
+            k, t, bads, raw_ok = log_energy_impl(inputs, meta=meta, route="cond")
         # extreme or non-finite factors: the exact route (no LAPACK here, no ordering needed)
         if not traced and not bool(raw_ok):
             k, t, bads, _ = log_energy_impl(inputs, meta=meta, route="normalise")

@@ -40,6 +40,7 @@ from ._linalg import column_norms, mul_pow2
 from ._linalg import mm as _mm
 from ._linalg import t as _t
 from ._score_kernels import default_rtol
+from .engine.tables import MaskTable
 from .errors import InputError, InputTypeError
 
 __all__ = [
@@ -903,4 +904,5 @@ def stack_masks(masks, bk: _tree.Bucket, m_tasks: int) -> np.ndarray:
     lowered and loaded in every process; the jitted stages take the numpy array as it is."""
     if masks is None:
         return np.ones((len(bk.names), m_tasks, bk.r_max), bool)
-    return np.stack([np.asarray(masks[nm], bool) for nm in bk.names])
+    get = masks.host if isinstance(masks, MaskTable) and masks.pristine else masks.__getitem__  # (no transfer)
+    return np.stack([np.asarray(get(nm), bool) for nm in bk.names])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 from ._checks import brief, check_bool, check_budget, check_choice, few, short
 from ._executables import kernel
 from ._host import put_views
+from .engine.tables import MaskTable, ScoreTable
 from .errors import InputError, InputTypeError
 from .utility import Scores
 
@@ -111,6 +113,88 @@ def _select(utils, sigmas, *, budget, scope, positive_only):
             key, pos = _uniform_keys(sg, u > -jnp.inf, budget), False
         out.append(_topk_mask(key, budget, pos))
     return jnp.concatenate([o.ravel() for o in out])
+
+
+@functools.lru_cache(maxsize=8)
+def _module_order(layout: tuple) -> tuple[jax.Array, tuple[int, ...]]:
+    """For the live buckets' ``layout`` (per bucket its names and ``(M, r)``) in the adapters'
+    module order ``layout[0]``: the gather that puts the buckets' flat utilities in module order
+    (a device array, placed once per layout), and each live module's size."""
+    names, buckets = layout
+    where = {}
+    off = 0
+    for bnames, (m, r) in buckets:
+        for i, nm in enumerate(bnames):
+            where[nm] = (off + i * m * r, m * r)
+        off += len(bnames) * m * r
+    idx = [np.arange(where[nm][0], where[nm][0] + where[nm][1]) for nm in names if nm in where]
+    perm = np.concatenate(idx).astype(np.int32) if idx else np.zeros(0, np.int32)
+    return jax.device_put(perm), tuple(where[nm][1] for nm in names if nm in where)
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "scope", "positive_only", "n_modules"))
+def _allocate_stacked(stats, perm, *, budget, scope, positive_only, n_modules):
+    """:func:`_allocate_impl` over each live bucket's stacked fields ``(n, 4, M, r)``: one
+    program whatever the module count. Global: the utilities in module order (``perm``), so
+    ties go to the lower module, task and slot as before; per module: one batched top-k per
+    bucket."""
+    utils = [st[:, 3] for st in stats]
+    sigmas = [st[:, 0] for st in stats]
+    bad = _bad_count(utils, sigmas)
+    if scope == "global":
+        flat = jnp.concatenate([u.ravel() for u in utils])[perm]
+        return _topk_mask(flat, budget * n_modules, positive_only), bad
+    outs = []
+    for u, sg in zip(utils, sigmas, strict=True):
+        n, m_tasks, r = u.shape
+        if scope == "local":
+            key, pos = u.reshape(n, m_tasks * r), positive_only
+        else:
+            key, pos = _uniform_keys(sg, u > -jnp.inf, budget), False
+        outs.append(_topk_mask(key, min(budget, m_tasks * r), pos).reshape(n, m_tasks, r))
+    return tuple(outs), bad
+
+
+def _allocate_table(
+    table: ScoreTable, budget: int, scope: str, positive_only: bool
+) -> MaskTable | None:
+    """:func:`allocate` of :func:`nu.score`'s own scores from their stacked fields, the masks
+    held on the host until asked for (:class:`MaskTable`); None where a field is NaN or +inf
+    (the per-module path then names the modules)."""
+    parts = table.parts()
+    names = list(table)
+    stats = tuple(st for _, st in parts)
+    shapes = tuple((st.shape[2], st.shape[3]) for st in stats)
+    if not stats:
+        flat, bad = None, 0
+    else:
+        budget = min(budget, max(1, *(m * r for m, r in shapes)))
+        layout = (tuple(names), tuple((bn, sh) for (bn, _), sh in zip(parts, shapes, strict=True)))
+        perm, sizes = _module_order(layout)
+        flat, bad = _allocate_stacked(
+            stats, perm, budget=budget, scope=scope, positive_only=positive_only,
+            n_modules=len(names),
+        )  # fmt: skip
+        flat, bad = jax.device_get((flat, bad))  # both in one round trip
+    if bad:
+        return None
+    host: dict[str, np.ndarray] = {}
+    if flat is not None and scope == "global":
+        off = 0
+        live = {nm for bn, _ in parts for nm in bn}
+        it = iter(sizes)
+        shape_of = {nm: sh for (bn, _), sh in zip(parts, shapes, strict=True) for nm in bn}
+        for nm in names:
+            if nm in live:
+                size = next(it)
+                host[nm] = flat[off : off + size].reshape(shape_of[nm])
+                off += size
+    elif flat is not None:
+        for (bn, _), masks in zip(parts, flat, strict=True):
+            host.update((nm, masks[i]) for i, nm in enumerate(bn))
+    for nm, ms in table.fixed.items():
+        host[nm] = np.zeros(tuple(ms.utility.shape), bool)
+    return MaskTable({nm: host[nm] for nm in names})
 
 
 def _split_masks(flat: jax.Array, shapes: list[tuple[int, int]], scope: str) -> list[jax.Array]:
@@ -255,6 +339,10 @@ def allocate(
         raise InputError(f"{fn}: unknown scope {brief(scope)}; expected one of {SCOPES}.")
     check_choice(fn, "scope", scope, SCOPES)
     positive_only = check_bool(fn, "positive_only", positive_only)
+    if isinstance(scores, Scores) and isinstance(scores.modules, ScoreTable) and scores.modules.pristine:
+        masks = _allocate_table(scores.modules, budget, scope, positive_only)
+        if masks is not None:
+            return masks
     names = _check_scores(fn, scores)
     utils = tuple(scores.modules[k].utility for k in names)
     sigmas = tuple(scores.modules[k].sigma for k in names)
