@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _buckets, _checks, _mesh, _rng, _tree, registry
 from ._stages import DARE_KEPT, BucketConfig
+from .engine.tables import MaskTable
 from .errors import InputError, InputTypeError
 
 __all__ = [
@@ -135,6 +136,10 @@ def check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) ->
             f"{fn}: masks is a {type(masks).__name__}; expected the {{name: bool (M, r_max)}} dict "
             "returned by nu.allocate, or None to keep every component."
         )
+    if masks.keys() != set(names):  # nnx's two spellings of a layer name one module
+        pairs = _tree.match_names(names, masks.keys())
+        if pairs is not None:
+            masks = {n: masks[k] for n, k in pairs.items()}
     differ = _tree.name_mismatch(
         names,
         masks,
@@ -146,10 +151,11 @@ def check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) ->
             f"{fn}: mask names do not match the adapters' modules: {differ}. Pass the "
             "masks nu.allocate returns for these same adapters."
         )
+    pristine = isinstance(masks, MaskTable) and masks.pristine
     out = {}
     for bk in buckets:
         for name in bk.names:
-            m = masks[name]
+            m = masks.host(name) if pristine else masks[name]  # (nu.allocate's: no transfer)
             shape = tuple(getattr(m, "shape", np.shape(m)))
             if shape != (m_tasks, bk.r_max):
                 raise InputError(
@@ -162,7 +168,7 @@ def check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) ->
                     f"{fn}: mask of module {name!r} has dtype {dt}; expected bool."
                 )
             out[name] = m
-    return out
+    return masks if pristine else out
 
 
 def check_scale_range(fn: str, buckets: Sequence[_tree.Bucket], dtype) -> None:

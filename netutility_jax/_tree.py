@@ -419,6 +419,32 @@ def extract_lora(tree: Any) -> dict[str, Any]:
     return out
 
 
+def _nnx_other(name: str) -> str:
+    """The other spelling of an nnx LoRA layer's name: ``X`` <-> ``X/lora`` (an
+    ``nnx.LoRALinear`` by layer, and its ``lora`` child's state path), ``lora`` <-> ``""``."""
+    if name == "":
+        return "lora"
+    if name == "lora":
+        return ""
+    return name[: -len("/lora")] if name.endswith("/lora") else f"{name}/lora"
+
+
+def match_names(want: Iterable[str], have: Iterable[str]) -> dict[str, str] | None:
+    """``{name of want: key of have}`` where each key is the name or its other nnx spelling
+    (``X`` / ``X/lora``, see ``nu.nnx``); None unless that pairs every name with exactly one
+    key and uses every key once (exact names first)."""
+    want, have = list(want), set(have)
+    out: dict[str, str] = {}
+    for n in want:
+        if n in have:
+            out[n] = n
+        elif _nnx_other(n) in have and _nnx_other(n) not in want:
+            out[n] = _nnx_other(n)
+        else:
+            return None
+    return out if len(set(out.values())) == len(out) == len(have) else None
+
+
 def name_mismatch(
     want: Iterable[str],
     have: Iterable[str],
@@ -605,6 +631,33 @@ def _group_checked(fn: str, names: list[str], flat: list[dict[str, Module | None
     return groups
 
 
+def _not_a_list(adapters: Any) -> str:
+    """What :func:`collect`'s refusal says it got: a mapping whose values are adapters with
+    the same modules (a dict of tasks) is told to pass its values."""
+    if not isinstance(adapters, Mapping):
+        return f"{type(adapters).__name__}. Wrap a single adapter in a list: [adapter]."
+    kind = type(adapters).__name__
+    try:
+        keys = list(adapters.keys())
+        mods = [
+            frozenset(extract_lora(v)) if is_mapping(v) and not has_factor(v) else frozenset()
+            for v in (adapters[k] for k in keys)
+        ]
+    except Exception:  # a value that cannot be walked is no adapter: the general advice
+        keys, mods = [], []
+    if len(mods) >= 2 and mods[0] and all(m == mods[0] for m in mods):
+        shown = ", ".join(repr(short(str(k))) for k in keys[:3])
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        return (
+            f"a {kind} of {len(keys)} adapters ({shown}{more}) with the same modules: pass "
+            "list(d.values()) for one task per value (or [d] if the dict is one adapter)."
+        )
+    return (
+        f"a {kind}: wrap a single adapter in a list, [adapter]; for a dict of tasks "
+        "({'sql': adapter, ...}) pass list(d.values())."
+    )
+
+
 def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket], int]:
     """Validate M adapters and group their modules into buckets of equal shape.
 
@@ -624,8 +677,7 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
     """
     if isinstance(adapters, Mapping) or not isinstance(adapters, Sequence):
         raise InputTypeError(
-            f"{fn}: expected a sequence of adapters (one per task), got {type(adapters).__name__}. "
-            "Wrap a single adapter in a list: [adapter]."
+            f"{fn}: expected a sequence of adapters (one per task), got {_not_a_list(adapters)}"
         )
     if len(adapters) == 0:
         raise InputError(f"{fn}: the adapter list is empty; pass one adapter per task (M >= 1).")

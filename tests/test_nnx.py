@@ -617,12 +617,6 @@ def test_both_spellings_name_one_layer():
         _assert_same_adapter(nu_nnx.extract_adapter(new), nu_nnx.extract_adapter(root))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InputError,
-    reason="the engine's mask check does not yet read a layer name and its path name as one "
-    "module (issue 46: a _tree.py/_plan.py change); remove this marker when it does",
-)
 def test_masks_of_a_state_fit_the_models_default_adapters(small):
     tasks = small["tasks"]
     states = [nnx.state(t, nnx.LoRAParam) for t in tasks]
@@ -678,12 +672,6 @@ def test_fold_on_an_nnx_param_state_names_the_kernel_and_apply_adapter(small):
             )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the message lives in _tree.py, under rewrite; the text proposed in issue 46 pinned "
-    "here: remove this marker when it is applied",
-)
 def test_score_of_a_dict_of_tasks_says_to_pass_its_values(small):
     ads = [nu_nnx.extract_adapter(t) for t in small["tasks"][:2]]
     msg = (
