@@ -42,7 +42,9 @@ from ._report import zeroed_modules as zeroed_modules
 from ._report import zeroed_text as zeroed_text
 from ._request import MergeRequest
 from ._request import check_weights as check_weights
-from .engine import traced
+from ._scoring import score_run
+from .engine import ta, traced
+from .engine.tables import MaskTable
 from .errors import InputError, InputTypeError
 from .utility import heterogeneity, score
 
@@ -56,6 +58,7 @@ __all__ = [
     "Report",
     "ZeroUpdateWarning",
     "check_weights",
+    "fast_ta",
     "fold",
     "merge",
     "merge_adapters",
@@ -203,6 +206,10 @@ def merge(
         _refuse_traced_mesh(fn, mesh)
         _plan.check_coef(fn, coef)
         return _results.rebuild(adapters[0], traced.merge_traced(fn, adapters, masks, coef=coef))
+    if fast_ta(fn, method, space, options, mesh):
+        done = ta.merge_ta(fn, adapters, masks, coef=coef)
+        if done is not None:
+            return _results.rebuild(adapters[0], done.modules)
     plan = _plan.plan_merge(
         fn, adapters, masks, method=method, space=space, coef=coef, key=key, options=options,
         mesh=mesh,
@@ -422,22 +429,66 @@ def merge_adapters(
     )  # fmt: skip
     weighted, req = _weighted_input(adapters, req)
     names, buckets, _m_tasks = _tree.collect(adapters, fn=req.fn)
-    sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
-    merged = merge(
-        weighted, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
-    )
-    flat = {
-        "/".join(path) or "lora": node
-        for path, node in _tree.walk_modules(merged, is_module=_tree.has_update, max_depth=None)
-    }
-    zeroed = () if req.zero_merge else tuple(zeroed_modules(flat, kept_masks))
+    fast = fast_ta(req.fn, method, space, options, mesh)
+    h = None
+    if fast and req.allocation != "all" and not isinstance(req.alpha, str):
+        # one scoring program, which also gives each task's energy (for h)
+        run = score_run(
+            "nu.score", adapters, (req.alpha,), req.lam, None, False, None, energy=True,
+            input_moments=req.input_moments,
+        )  # fmt: skip
+        sc = run.scores[0]
+        masks = kept_masks = req.select(sc)
+        h = _h_of(*run.energies)
+    else:
+        sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
+    done = ta.merge_ta("nu.merge", weighted, masks, coef=coef) if fast else None
+    if done is not None:
+        merged = _results.rebuild(weighted[0], done.modules)
+        kept_masks = kept_masks if masks is not None else MaskTable(done.keep)
+        zeroed = tuple(nm for nm in names if done.zero[nm] and _kept_any(kept_masks, nm))
+    else:
+        merged = merge(
+            weighted, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
+        )
+        flat = {
+            "/".join(path) or "lora": node
+            for path, node in _tree.walk_modules(merged, is_module=_tree.has_update, max_depth=None)
+        }
+        zeroed = tuple(zeroed_modules(flat, kept_masks))
+    zeroed = () if req.zero_merge else zeroed
     warn_zeroed(req.fn, zeroed, len(names), method, options)
     ranks = ranks_of(merged)
     report = build_report(
-        req, kept_masks, sc, h=heterogeneity_or_nan(adapters),
+        req, kept_masks, sc, h=heterogeneity_or_nan(adapters) if h is None else h,
         ranks={nm: ranks[nm] for nm in names}, zeroed=zeroed,
     )  # fmt: skip
     return merged, report
+
+
+def _h_of(k: np.ndarray, t: np.ndarray) -> float:
+    """``h = Var_i log ||dW_i||_F^2`` from each task's energy ``t_i 2^k_i`` (the scoring's,
+    :func:`_scoring.sum_energies`), in float64; NaN if a task is zero everywhere (as
+    :func:`heterogeneity_or_nan`)."""
+    if (t <= 0).any():
+        return float("nan")
+    rel = (k - k[0]).astype(np.float64) + np.log2(t)
+    return float(np.var(rel * np.log(2.0)))
+
+
+def _kept_any(masks: Mapping[str, Any], name: str) -> bool:
+    m = masks.host(name) if isinstance(masks, MaskTable) and masks.pristine else masks[name]
+    return bool(np.asarray(m).any())
+
+
+def fast_ta(fn: str, method: str, space: str, options: Mapping[str, Any], mesh: Any) -> bool:
+    """Whether a concrete merge is TA without a mesh or ``isotropize``: one program over
+    every bucket (:mod:`.engine.ta`). The options are checked here as the bucket pipeline
+    checks them."""
+    if method != "ta" or mesh is not None:
+        return False
+    res = registry.resolve_options(fn, method, space, dict(options))
+    return res.kernel_method == "ta"
 
 
 def _refuse_traced_mesh(fn: str, mesh: Any) -> None:

@@ -118,6 +118,7 @@ from ._host import host_constant
 from ._report import Report, build_report, ranks_of, warn_zeroed, zeroed_modules
 from ._request import MergeRequest, all_candidates
 from ._ties_model import ties_model_streamed
+from .engine import ta
 from .errors import InputError, InputTypeError
 from .moments import check_entries
 
@@ -541,6 +542,11 @@ def _merge_chunk(
     """One chunk's merged modules (``masks=None``: every candidate); the names of those whose
     merged update is exactly zero are added to ``zero``."""
     part = None if masks is None else {n: masks[n] for n in names}
+    one = call["mesh"] is None or call["mesh"].size == 1
+    if one and merging.fast_ta(st.fn, call["method"], call["space"], call["options"], None):
+        done = ta.merge_ta(st.fn, adapters, part, coef=call["coef"])  # (as nu.merge's TA)
+        if done is not None:
+            return _chunk_result(st.fn, adapters, done.modules, on_chunk, zero)
     plan = _plan.plan_merge(st.fn, adapters, part, **call, module_index=index)
     results = merging.run_plan(plan, coef=call["coef"], key=call["key"])
     return _chunk_result(st.fn, adapters, results, on_chunk, zero)

@@ -1,8 +1,8 @@
 """The stacked engine: programs over buckets of stacked factors (one per stage, traceable).
 
-:mod:`.traced` holds the merge that runs inside ``jax.jit``, ``jax.grad`` and ``jax.vmap``.
+:mod:`.tables` holds per-module results stacked until asked for, :mod:`.traced` the merge that
+runs inside ``jax.jit``, ``jax.grad`` and ``jax.vmap``, :mod:`.ta` Task Arithmetic as one
+program over every bucket.
 """
 
-from . import traced as traced
-
-__all__ = ["traced"]
+__all__: list[str] = []

@@ -12,12 +12,11 @@ as one call), no Householder QR and no host round trip.
 The kept part of task ``i``'s update in one module (``dK = s a b``, ``a (d_in, r)``,
 ``b (r, d_out)``) is the projection of ``dK`` onto its kept input directions. With ``G = a^T a``,
 ``H = b b^T`` and the eigendecomposition ``G^(1/2) H G^(1/2) = U diag(sigma^2 / s^2) U^T`` (sigma
-descending), task ``i``'s k-th input direction is ``a G^(-1/2) U[:, k]``, so the projection is
-``s a C b`` with the ``r x r`` matrix ``C = G^(-1/2) U_kept U_kept^T G^(1/2)`` (pseudo-inverse
-square roots on ``G``'s range). ``C`` is invariant to any positive scaling of ``a``, ``b`` or
-``s``, so it is computed from factors divided by their largest entries: the merged factors are
-``a C * (s coef w)`` and ``b``, exact wherever the result is representable. With every direction
-kept, ``C`` is the projector onto ``G``'s range and ``a C = a``.
+descending), task ``i``'s k-th input direction is ``v_k = a G^(-1/2) U[:, k]`` (pseudo-inverse square root on ``G``'s range) and its output side
+``dK^T v_k = s b^T G G^(-1/2) U[:, k]``, so the kept part is ``sum_kept v_k (dK^T v_k)^T``:
+:func:`kept_directions` returns those columns and rows, the unkept ones zero. The directions do
+not depend on positive scalings of ``a`` and ``b``, so they are computed from factors divided by
+their largest entries, exact wherever the result is representable.
 
 Supported under a trace: method ``"ta"`` in every space (TA is the same in full, core and KnOTS
 space). The others' output ranks or selections depend on the values through host-side steps of
@@ -34,13 +33,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _buckets, _tree
+from .._linalg import after, eigh_batched
 from .._plan import check_masks
 from ..errors import InputError, InputTypeError
 
 __all__ = [
     "TRACEABLE_METHODS",
     "any_traced",
-    "kept_factors",
+    "kept_directions",
+    "kept_directions_many",
     "merge_traced",
     "refuse_untraceable",
 ]
@@ -80,11 +81,10 @@ def refuse_untraceable(fn: str, method: str, options: Mapping[str, Any]) -> None
         )
 
 
-def _sqrt_pinv(g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(G^(1/2), G^(-1/2))`` of symmetric PSD ``g (..., r, r)``, the inverse on the range
-    (eigenvalues above ``r eps`` of the largest; the rest are the zero or padded columns)."""
-    w, e = jnp.linalg.eigh(g)
-    tol = g.shape[-1] * jnp.finfo(g.dtype).eps * jnp.max(w, -1, keepdims=True)
+def _sqrt_pinv(w: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(G^(1/2), G^(-1/2))`` from ``G = e diag(w) e^T`` (symmetric PSD), the inverse on the
+    range (eigenvalues above ``K eps`` of the largest; the rest are zero or padded columns)."""
+    tol = w.shape[-1] * jnp.finfo(w.dtype).eps * jnp.max(w, -1, keepdims=True)
     live = w > tol
     root = jnp.where(live, jnp.sqrt(jnp.where(live, w, 1)), 0)
     inv = jnp.where(live, 1 / jnp.where(live, root, 1), 0)
@@ -93,36 +93,77 @@ def _sqrt_pinv(g: jax.Array) -> tuple[jax.Array, jax.Array]:
     return half, ihalf
 
 
-def _normalised(x: jax.Array) -> jax.Array:
-    """``x`` over its largest absolute entry per matrix (zeros stay zeros)."""
-    m = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
-    return x / jnp.where(m > 0, m, 1)
+def kept_directions(
+    a: jax.Array, b: jax.Array, s: jax.Array, mask: jax.Array | None, *, with_sigma: bool = False
+) -> tuple[jax.Array, ...]:
+    """Task updates ``dK = s a b`` as their singular directions, the unkept ones zeroed.
 
-
-def kept_factors(a: jax.Array, b: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """``C (..., r, r)`` with ``s a C b`` the part of ``dK = s a b`` on its kept directions.
+    With ``G = a^T a``, ``H = b b^T`` and ``G^(1/2) H G^(1/2) = U diag(sigma^2 / s^2) U^T``
+    (descending), ``T = G^(-1/2) U``: the k-th input direction is ``v_k = a T[:, k]`` (unit
+    norm) and ``dK^T v_k = s b^T G T[:, k]``, so ``dK = sum_k v_k (dK^T v_k)^T`` and the kept
+    part is the same sum over the kept ``k``. Computed from ``a`` and ``b`` divided by their
+    largest entries (the directions do not depend on positive scalings); only ``r x r``
+    eigenproblems and matmuls.
 
     Args:
       a: ``(..., d_in, r)`` input factors.
       b: ``(..., r, d_out)`` output factors.
+      s: ``(...)`` scales (with any coefficient or weight multiplied in).
       mask: ``(..., r)`` bool, slot ``k`` the k-th largest singular direction (the layout of
-        :func:`nu.allocate`'s masks), or None (every direction).
+        :func:`nu.allocate`'s masks), or None (every direction: ``(a, s b)`` as they are, unless
+        ``with_sigma``).
+      with_sigma: also return each slot's singular value relative to the task-module's largest
+        ``(..., r)`` (0 for an all-zero update).
 
     Returns:
-      ``(..., r, r)``; scale-free (any positive scaling of ``a`` or ``b`` gives the same ``C``).
+      ``la (..., d_in, r)`` (unit columns, zero where not kept) and ``lb (..., r, d_out)`` with
+      ``la @ lb`` the kept part of ``dK`` (and with ``with_sigma`` the relative values).
     """
-    an, bn = _normalised(a), _normalised(b)
-    g = jnp.einsum("...dk,...dl->...kl", an, an, precision=_HI)
-    half, ihalf = _sqrt_pinv(g)
-    if mask is None:
-        return ihalf @ half
-    h = jnp.einsum("...ko,...lo->...kl", bn, bn, precision=_HI)
-    k = jnp.einsum("...ij,...jk,...kl->...il", half, h, half, precision=_HI)
-    k = (k + jnp.swapaxes(k, -1, -2)) / 2
-    _, u = jnp.linalg.eigh(k)
-    u = u[..., ::-1]  # descending singular values: slot k is the k-th largest
-    uk = u * mask[..., None, :].astype(u.dtype)
-    return jnp.einsum("...ij,...kj,...kl->...il", ihalf @ uk, uk, half, precision=_HI)
+    if mask is None and not with_sigma:
+        return a, b * s[..., None, None]
+    (out,) = kept_directions_many([(a, b, s, mask)])
+    return out if with_sigma else out[:2]
+
+
+def kept_directions_many(items: Sequence[tuple]) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+    """:func:`kept_directions` (``with_sigma``) of several buckets ``(a, b, s, mask)``, their
+    ``r x r`` eigenproblems as two batched calls in all (:func:`_linalg.eigh_batched`): one
+    kernel each on an accelerator, and on CPU no two LAPACK calls in flight at once."""
+    prep = []
+    for a, b, s, mask in items:
+        am = jnp.max(jnp.abs(a), axis=(-2, -1))
+        bm = jnp.max(jnp.abs(b), axis=(-2, -1))
+        an = a / jnp.where(am > 0, am, 1)[..., None, None]
+        bn = b / jnp.where(bm > 0, bm, 1)[..., None, None]
+        g = jnp.einsum("...dk,...dl->...kl", an, an, precision=_HI)
+        if mask is not None:  # on CPU: after the LAPACK calls that made the masks (scoring)
+            g = after(g, mask)
+        h = jnp.einsum("...ko,...lo->...kl", bn, bn, precision=_HI)
+        prep.append((an, bn, g, h, s * am * bm, mask))
+    roots = []
+    for (w, e), (_, _, g, *_) in zip(eigh_batched([p[2] for p in prep]), prep, strict=True):
+        r = g.shape[-1]
+        half, ihalf = _sqrt_pinv(w, e)
+        roots.append((half[..., :r, :r], ihalf[..., :r, :r]))
+    ks = []
+    for (half, _), (_, _, _, h, _, _) in zip(roots, prep, strict=True):
+        k = jnp.einsum("...ij,...jk,...kl->...il", half, h, half, precision=_HI)
+        ks.append((k + jnp.swapaxes(k, -1, -2)) / 2)
+    out = []
+    for (lam, u), (_, ihalf), (an, bn, g, _, size, mask) in zip(
+        eigh_batched(ks), roots, prep, strict=True
+    ):
+        r = g.shape[-1]
+        lam = jnp.maximum(lam[..., ::-1][..., :r], 0)  # descending: slot k is the k-th largest
+        t = ihalf @ u[..., :r, ::-1][..., :r]
+        if mask is not None:
+            t = t * mask[..., None, :].astype(t.dtype)
+        la = jnp.einsum("...dk,...kl->...dl", an, t, precision=_HI)
+        lb = jnp.einsum("...kj,...kl,...lo->...jo", t, g, bn, precision=_HI)
+        top = lam[..., :1]
+        rel = jnp.sqrt(lam / jnp.where(top > 0, top, 1))
+        out.append((la, lb * size[..., None, None], rel))
+    return out
 
 
 def _stacked_masks(fn: str, masks: Mapping[str, Any], bk: _tree.Bucket, m_tasks: int):
@@ -157,21 +198,26 @@ def merge_traced(
         masks = check_masks(fn, masks, names, buckets, m_tasks)
     dtype = _tree.compute_dtype(buckets)
     w = None if weights is None else jnp.asarray(weights, dtype)
-    out: dict[str, dict[str, jax.Array]] = {}
+    items = []
     for bk in buckets:
         a, b, s, _ = _buckets.stack_bucket(
             *_buckets.bucket_arrays(bk), d_in=bk.d_in, d_out=bk.d_out, r_max=bk.r_max, dtype=dtype
         )  # a (n, M, d_in, r), b (n, M, r, d_out), s (n, M)
-        mask = None if masks is None else _stacked_masks(fn, masks, bk, m_tasks)
-        c = kept_factors(a, b, mask)  # (n, M, r, r)
         factor = s * jnp.asarray(coef, dtype)
         if w is not None:
             factor = factor * w
-        la = jnp.einsum("nmdk,nmkl->nmdl", a, c, precision=_HI) * factor[..., None, None]
+        mask = None if masks is None else _stacked_masks(fn, masks, bk, m_tasks)
+        items.append((a, b, factor, mask))
+    if masks is None:
+        done = [kept_directions(*it) for it in items]
+    else:
+        done = [x[:2] for x in kept_directions_many(items)]
+    out: dict[str, dict[str, jax.Array]] = {}
+    one = jnp.ones((), dtype)
+    for bk, (la, lb) in zip(buckets, done, strict=True):
         n = len(bk.names)
         la = jnp.moveaxis(la, 1, 2).reshape(n, bk.d_in, m_tasks * bk.r_max)
-        lb = b.reshape(n, m_tasks * bk.r_max, bk.d_out)
-        one = jnp.ones((), dtype)
+        lb = lb.reshape(n, m_tasks * bk.r_max, bk.d_out)
         for i, name in enumerate(bk.names):
             out[name] = {"lora_a": la[i], "lora_b": lb[i], "scale": one}
     return {nm: out[nm] for nm in names}
