@@ -37,10 +37,9 @@ def default_compile_cache() -> pathlib.Path | None:
 
 def enable_compile_cache(folder: pathlib.Path) -> bool:
     """Turn on JAX's persistent compilation cache in ``folder`` (every kernel the command
-    compiles), and the library's kept executables in ``folder/executables``
-    (:mod:`netutility_jax._executables`: a warm run loads the merge's kernels without tracing or
-    lowering them). A folder that cannot be created is a note, not an error: the command runs
-    without the cache. Returns whether the cache is on."""
+    compiles; nothing else is kept, see :mod:`netutility_jax._executables`). A folder that
+    cannot be created is a note, not an error: the command runs without the cache. Returns
+    whether the cache is on."""
     import jax
 
     try:
@@ -53,9 +52,6 @@ def enable_compile_cache(folder: pathlib.Path) -> bool:
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    from .. import _executables
-
-    _executables.enable(folder / "executables")
     return True
 
 

@@ -1,0 +1,73 @@
+"""The command's compile cache is JAX's own and nothing else: ordinary use never poisons it.
+
+The sequence that broke an earlier version (a fresh cache; ``inspect``, then ``merge --dry-run``
+twice: the third run failed with ``NOT_FOUND: Function ... not found`` from an executable the
+library had stored, and so did every later merge of those shapes) is run in fresh processes, with
+a real merge after it, and with a leftover ``executables`` folder of junk that must never be read.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import netutility_jax as nu
+
+
+def _write_adapters(root):
+    rng = np.random.default_rng(0)
+    paths = []
+    for name, r in (("sql", 4), ("math", 4), ("chat", 8)):
+        ad = {
+            f"model.layers.{i}.self_attn.{p}": {
+                "lora_a": rng.normal(size=(24, r)).astype(np.float32),
+                "lora_b": rng.normal(size=(r, 16)).astype(np.float32),
+                "scale": 2.0,
+            }
+            for i in range(2)
+            for p in ("q_proj", "v_proj")
+        }
+        path = root / name
+        nu.peft.save_adapter(ad, path)
+        paths.append(str(path))
+    return paths
+
+
+def _cli(args, cache):
+    env = {**os.environ, "NETUTILITY_COMPILE_CACHE": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-m", "netutility_jax.cli", *args],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # (six fresh processes, each starting JAX: about a minute on 2 cores)
+def test_inspect_then_dry_runs_then_merges_all_succeed_from_one_cache(tmp_path):
+    paths = _write_adapters(tmp_path)
+    cache = tmp_path / "cache"
+    runs = [
+        ["inspect", *paths],
+        ["merge", *paths, "--budget", "2", "--dry-run"],
+        ["merge", *paths, "--budget", "2", "--dry-run"],
+        ["merge", *paths, "--budget", "2", "--out", str(tmp_path / "out1")],
+    ]
+    for args in runs:
+        proc = _cli(args, cache)
+        assert proc.returncode == 0, (args, proc.stderr[-3000:])
+    assert not (cache / "executables").exists()  # nothing but JAX's own cache is written
+    # a folder an earlier version left behind, with a file that does not load: never read
+    (cache / "executables").mkdir()
+    (cache / "executables" / "score_impl-0000.exe").write_bytes(b"not an executable")
+    proc = _cli(["merge", *paths, "--budget", "2", "--out", str(tmp_path / "out2")], cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = nu.peft.load_adapter(tmp_path / "out1")
+    two = nu.peft.load_adapter(tmp_path / "out2")
+    assert one.keys() == two.keys()
+    for name in one:
+        np.testing.assert_array_equal(
+            np.asarray(nu.module_update(one[name])), np.asarray(nu.module_update(two[name]))
+        )
