@@ -7,6 +7,9 @@ gradients with their closed forms; retracing is guarded by ``chex.assert_max_tra
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -245,3 +248,12 @@ def test_masks_of_the_wrong_shape_are_refused_under_a_trace():
     masks["l0/q"] = masks["l0/q"][:, :3]
     with pytest.raises(InputError, match=r"mask of module 'l0/q' has shape \(3, 3\)"):
         jax.jit(lambda a, m: nu.merge(a, m))(ads, masks)
+
+
+def test_the_gradient_step_in_the_python_docs_runs():
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "python.md").read_text()
+    section = doc.split("## Composing with jit, vmap and grad", 1)[1]
+    (code,) = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    # (a user's default promotion: optax's adam mixes a Python float and an int32 step count)
+    with jax.numpy_dtype_promotion("standard"):
+        exec(compile(code, "docs/python.md", "exec"), {})  # its own assert checks the loss fell
