@@ -257,3 +257,47 @@ def test_the_gradient_step_in_the_python_docs_runs():
     # (a user's default promotion: optax's adam mixes a Python float and an int32 step count)
     with jax.numpy_dtype_promotion("standard"):
         exec(compile(code, "docs/python.md", "exec"), {})  # its own assert checks the loss fell
+
+
+# ------------------------------------------------------------------ TA as one program, eagerly
+
+
+def _mk(rng, r, scale=1.0, d_in=8, d_out=6):
+    return {
+        "lora_a": rng.normal(size=(d_in, r)).astype(np.float32),
+        "lora_b": rng.normal(size=(r, d_out)).astype(np.float32),
+        "scale": scale,
+    }
+
+
+def test_eager_ta_keeps_rank_zero_modules_and_counts_kept_directions():
+    rng = np.random.default_rng(12)
+    ads = [{"q": _mk(rng, 2), "z": _mk(rng, 0)} for _ in range(M)]
+    out = nu.merge(ads)
+    assert out["z"]["lora_a"].shape == (8, 0) and out["z"]["lora_b"].shape == (0, 6)
+    assert out["q"]["lora_a"].shape == (8, 2 * M)  # every candidate, one column each
+    want = sum(
+        ad["q"]["scale"] * ad["q"]["lora_a"].astype(np.float64) @ ad["q"]["lora_b"] for ad in ads
+    )
+    _close(out["q"], want)
+    merged, rep = nu.merge_adapters(ads, budget=2)
+    assert rep.ranks["z"] == 0 and rep.ranks["q"] == int(np.asarray(rep.kept["q"]).sum())
+
+
+def test_eager_ta_leaves_what_it_cannot_hold_exactly_to_the_bucket_pipeline():
+    rng = np.random.default_rng(13)
+    # scale x coef below float32's normal range: the pipeline refuses it, never zeros
+    tiny = [{"q": _mk(rng, 2, 1e-30)} for _ in range(M)]
+    with pytest.raises(InputError, match=r"nu\.merge: the merged update of module 'q' underflows"):
+        nu.merge(tiny, coef=1e-10)
+    # a NaN factor: the pipeline's message names the module and the task
+    bad = [{"q": _mk(rng, 2)} for _ in range(M)]
+    bad[1]["q"]["lora_a"][0, 0] = np.nan
+    with pytest.raises(InputError, match=r"module 'q', task 1 .*lora_a has 1 non-finite entry"):
+        nu.merge(bad)
+    # a coefficient outside float32's normal range is split by the pipeline: exact, not zero
+    ads = [{"q": _mk(rng, 2, 1e10)} for _ in range(M)]
+    out = nu.merge(ads, coef=1e-39)
+    want = 1e-29 * sum(ad["q"]["lora_a"].astype(np.float64) @ ad["q"]["lora_b"] for ad in ads)
+    got = np.asarray(out["q"]["lora_a"], np.float64) @ np.asarray(out["q"]["lora_b"], np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -60,8 +60,20 @@ def ta_program(inputs, masks, coef, *, meta: _Meta):
             *x, d_in=d_in, d_out=d_out, r_max=r_max, dtype=meta.dtype
         )
         ok = ok & jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(b)) & jnp.all(jnp.isfinite(s))
+        # s coef and each task-module's size s coef max|a| max|b| (as kept_directions forms
+        # it) must be normal numbers or exact zeros: one flushed to zero would give zeros
+        # where the bucket pipeline refuses (or merges exactly)
+        tiny = jnp.finfo(meta.dtype).tiny
+        sc = s * coef
+        nil = (s == 0) | (coef == 0)
+        ok = ok & jnp.all(jnp.where(nil, sc == 0, jnp.abs(sc) >= tiny))
+        am = jnp.max(jnp.abs(a), (2, 3), initial=0)
+        bm = jnp.max(jnp.abs(b), (2, 3), initial=0)
+        size = sc * am * bm
+        nil = nil | (am == 0) | (bm == 0)
+        ok = ok & jnp.all(jnp.where(nil, size == 0, jnp.abs(size) >= tiny))
         live = jnp.arange(r_max, dtype=rank.dtype) < rank[..., None]
-        items.append((a, b, s * coef, live if mask is None else live & mask))
+        items.append((a, b, sc, live if mask is None else live & mask))
     outs = []
     for (la, lb, rel), (_, _, s, keep), mask, (d_in, d_out, r_max) in zip(
         kept_directions_many(items), items, masks, meta.dims, strict=True
@@ -88,9 +100,7 @@ class TaResult(NamedTuple):
 
 
 def _bucket_masks(masks: Mapping[str, Any], bk: _tree.Bucket, m_tasks: int) -> np.ndarray:
-    if (
-        isinstance(masks, MaskTable) and masks.pristine
-    ):  # nu.allocate's own masks, on the host already
+    if isinstance(masks, MaskTable) and masks.pristine:  # nu.allocate's, on the host already
         rows = [masks.host(nm) for nm in bk.names]
     else:
         rows = jax.device_get([masks[nm] for nm in bk.names])

@@ -129,6 +129,16 @@ def kept_directions_many(items: Sequence[tuple]) -> list[tuple[jax.Array, jax.Ar
     """:func:`kept_directions` (``with_sigma``) of several buckets ``(a, b, s, mask)``, their
     ``r x r`` eigenproblems as two batched calls in all (:func:`_linalg.eigh_batched`): one
     kernel each on an accelerator, and on CPU no two LAPACK calls in flight at once."""
+    empty = [a.shape[-1] == 0 for a, *_ in items]  # rank 0 (every task): nothing to decompose
+    if any(empty):
+        live = kept_directions_many([it for it, e in zip(items, empty, strict=True) if not e])
+        it = iter(live)
+        return [
+            (a, b, jnp.zeros((*a.shape[:-2], 0), a.dtype)) if e else next(it)
+            for (a, b, *_), e in zip(items, empty, strict=True)
+        ]
+    if not items:
+        return []
     prep = []
     for a, b, s, mask in items:
         am = jnp.max(jnp.abs(a), axis=(-2, -1))
