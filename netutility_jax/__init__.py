@@ -22,6 +22,8 @@ from .decompose import LoraSVD as LoraSVD
 from .decompose import lora_svd as lora_svd
 from .diagnostics import Diagnostics as Diagnostics
 from .diagnostics import diagnose as diagnose
+from .engine.stacked import StackedAdapters as StackedAdapters
+from .engine.stacked import stack_adapters as stack_adapters
 from .errors import InputError as InputError
 from .errors import InputTypeError as InputTypeError
 from .errors import NetUtilityError as NetUtilityError
@@ -71,6 +73,7 @@ __all__ = [
     "Plan",
     "Report",
     "Scores",
+    "StackedAdapters",
     "allocate",
     "budget_spent",
     "checkpoint",
@@ -97,6 +100,7 @@ __all__ = [
     "registry",
     "retention_by_rank",
     "score",
+    "stack_adapters",
     "task_energies",
     "to_lora",
 ]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._tree import Bucket
+from .errors import InputTypeError
 
 __all__ = [
     "Leaves",
@@ -32,7 +33,18 @@ __all__ = [
 
 
 def bucket_arrays(bucket: Bucket) -> tuple[Any, Any, Any]:
-    """The raw per-(module, task) leaves of a bucket, as nested tuples for a jitted stack."""
+    """The raw per-(module, task) leaves of a bucket, as nested tuples for a jitted stack.
+
+    Raises:
+      InputTypeError: the bucket of a ``nu.stack_adapters`` set, whose leaves are stacked
+        (the caller does not take such sets: it is told to pass ``.unstack()``).
+    """
+    if bucket.stacked is not None:
+        raise InputTypeError(
+            "this function takes adapters, not the nu.StackedAdapters of nu.stack_adapters "
+            "(which nu.score, nu.heterogeneity, nu.task_energies and TA merges take); pass "
+            "stacked.unstack(), the adapters as flat dicts of views."
+        )
     a = tuple(tuple(None if m is None else m.lora_a for m in mods) for mods in bucket.modules)
     b = tuple(tuple(None if m is None else m.lora_b for m in mods) for mods in bucket.modules)
     s = tuple(tuple(0.0 if m is None else m.scale for m in mods) for mods in bucket.modules)

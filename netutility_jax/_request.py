@@ -264,9 +264,10 @@ def all_candidates(fn: str, names: Any, buckets: Any) -> dict[str, Any]:
     _plan.check_scale_range(fn, buckets, dtype)
     kept: dict[str, Any] = {}
     for bk in buckets:
-        stacked = _stages.stage_stack(
-            _buckets.bucket_arrays(bk), cfg=_stages.StackConfig(bk.d_in, bk.d_out, bk.r_max, dtype)
-        )
+        stacked = bk.stacked  # (nu.stack_adapters: stacked already)
+        if stacked is None:
+            cfg = _stages.StackConfig(bk.d_in, bk.d_out, bk.r_max, dtype)
+            stacked = _stages.stage_stack(_buckets.bucket_arrays(bk), cfg=cfg)
         keep = settle(_stages.stage_keep(*stacked, r_max=bk.r_max))  # one LAPACK call at a time
         for j, nm in enumerate(bk.names):
             kept[nm] = keep[j]

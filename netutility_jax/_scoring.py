@@ -116,9 +116,25 @@ def _score_moments(
     )
 
 
+def _stacked_input(bk: _tree.Bucket, dtype: Any) -> _mesh.Stacked:
+    """A stacked bucket's arrays in the compute ``dtype`` (they are made in it)."""
+    st = bk.stacked
+    if st.a.dtype == dtype and st.b.dtype == dtype and st.scale.dtype == dtype:
+        return st
+    return _mesh.Stacked(st.a.astype(dtype), st.b.astype(dtype), st.scale.astype(dtype), st.rank)
+
+
 def score_inputs(fn: str, live: Sequence[_tree.Bucket], dtype: Any, mesh: Any) -> tuple:
     """The live buckets' inputs of :func:`score_impl`: their leaves, or with a mesh their
-    factors stacked on the host and sharded over it (:mod:`netutility_jax._mesh`)."""
+    factors stacked on the host and sharded over it (:mod:`netutility_jax._mesh`); the
+    stacked arrays of a ``nu.stack_adapters`` set as they are."""
+    if any(bk.stacked is not None for bk in live):
+        if _mesh.check_mesh(fn, mesh) is not None:
+            raise InputError(
+                f"{fn}: mesh= shards the adapters' leaves; a nu.StackedAdapters set is stacked "
+                "on one device already: pass stacked.unstack() with mesh=, or no mesh."
+            )
+        return tuple(_stacked_input(bk, dtype) for bk in live)
     leaves = tuple(_buckets.bucket_arrays(bk) for bk in live)
     if _mesh.check_mesh(fn, mesh) is None:
         # concrete scales as one (n, M) array per bucket: one argument each, not one per scale
@@ -412,7 +428,11 @@ def log_energies(adapters: Sequence[Any], fn: str, checked: bool, *, stacked: bo
     if not live:
         return jnp.zeros((m_tasks,), jnp.int32), jnp.zeros((m_tasks,), dtype), dtype
     meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in live))
-    inputs = tuple(_buckets.bucket_arrays(bk) for bk in live)
+    if any(bk.stacked is not None for bk in live):  # (nu.stack_adapters: stacked already)
+        inputs = tuple(_stacked_input(bk, dtype) for bk in live)
+        stacked = False
+    else:
+        inputs = tuple(_buckets.bucket_arrays(bk) for bk in live)
     traced = _traced(inputs)
     if stacked and not traced:
         inputs = tuple(_mesh.host_stack(bk, dtype, len(bk.names)) for bk in live)

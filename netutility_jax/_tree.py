@@ -98,6 +98,9 @@ class Bucket:
     d_out: int
     r_max: int
     modules: tuple[tuple[Module | None, ...], ...]
+    # the factors stacked once (``nu.stack_adapters``: a ``_mesh.Stacked`` on the device), in
+    # which case ``modules`` hold their shapes, dtypes and scales only; None: the leaves
+    stacked: Any = None
 
 
 # types whose instances :func:`unwrap` returns as they are (arrays, numbers): a per-type
@@ -675,6 +678,9 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
       InputTypeError: non-array or non-floating factors, a scale that is not a real number (a
         string, a bool, a complex number...).
     """
+    stacked = getattr(type(adapters), "_netutility_collect", None)
+    if stacked is not None:  # nu.stack_adapters' set: checked and grouped when it was made
+        return stacked(adapters)
     if isinstance(adapters, Mapping) or not isinstance(adapters, Sequence):
         raise InputTypeError(
             f"{fn}: expected a sequence of adapters (one per task), got {_not_a_list(adapters)}"

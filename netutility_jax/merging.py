@@ -44,6 +44,7 @@ from ._request import MergeRequest
 from ._request import check_weights as check_weights
 from ._scoring import score_run
 from .engine import ta, traced
+from .engine.stacked import StackedAdapters
 from .engine.tables import MaskTable
 from .errors import InputError, InputTypeError
 from .utility import heterogeneity, score
@@ -205,11 +206,13 @@ def merge(
         traced.refuse_untraceable(fn, method, options)
         _refuse_traced_mesh(fn, mesh)
         _plan.check_coef(fn, coef)
-        return _results.rebuild(adapters[0], traced.merge_traced(fn, adapters, masks, coef=coef))
+        return _rebuild(adapters, traced.merge_traced(fn, adapters, masks, coef=coef))
     if fast_ta(fn, method, space, options, mesh):
         done = ta.merge_ta(fn, adapters, masks, coef=coef)
         if done is not None:
-            return _results.rebuild(adapters[0], done.modules)
+            return _rebuild(adapters, done.modules)
+    if isinstance(adapters, StackedAdapters):  # the bucket pipeline takes per-module views
+        adapters = adapters.unstack()
     plan = _plan.plan_merge(
         fn, adapters, masks, method=method, space=space, coef=coef, key=key, options=options,
         mesh=mesh,
@@ -427,27 +430,39 @@ def merge_adapters(
         scope=scope, alpha=alpha, lam=lam, positive_only=positive_only, min_share=min_share,
         input_moments=input_moments, options=options, weights=weights, coef=coef, key=key,
     )  # fmt: skip
+    fast = fast_ta(req.fn, method, space, options, mesh)
+    if isinstance(adapters, StackedAdapters) and not fast:  # the pipeline takes module views
+        adapters = adapters.unstack()
     weighted, req = _weighted_input(adapters, req)
     names, buckets, _m_tasks = _tree.collect(adapters, fn=req.fn)
-    fast = fast_ta(req.fn, method, space, options, mesh)
-    h = None
-    if fast and req.allocation != "all" and not isinstance(req.alpha, str):
-        # one scoring program, which also gives each task's energy (for h)
-        run = score_run(
-            "nu.score", adapters, (req.alpha,), req.lam, None, False, None, energy=True,
-            input_moments=req.input_moments,
-        )  # fmt: skip
-        sc = run.scores[0]
-        masks = kept_masks = req.select(sc)
-        h = _h_of(*run.energies)
-    else:
-        sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
-    done = ta.merge_ta("nu.merge", weighted, masks, coef=coef) if fast else None
+    h = done = None
+    if fast:  # TA: one program over every bucket (engine/ta.py)
+        if req.allocation == "all":
+            sc = masks = None  # every candidate, which the TA program keeps and returns
+        elif not isinstance(req.alpha, str):  # one scoring program, with the energies (for h)
+            run = score_run(
+                "nu.score", adapters, (req.alpha,), req.lam, None, False, None, energy=True,
+                input_moments=req.input_moments,
+            )  # fmt: skip
+            sc = run.scores[0]
+            masks = req.select(sc)
+            h = _h_of(*run.energies)
+        else:
+            sc, masks, _ = req.allocate(adapters, names, buckets, mesh)
+        done = ta.merge_ta("nu.merge", weighted, masks, coef=coef)
     if done is not None:
-        merged = _results.rebuild(weighted[0], done.modules)
-        kept_masks = kept_masks if masks is not None else MaskTable(done.keep)
+        merged = _rebuild(weighted, done.modules)
+        kept_masks = masks if masks is not None else MaskTable(done.keep)
         zeroed = tuple(nm for nm in names if done.zero[nm] and _kept_any(kept_masks, nm))
-    else:
+    else:  # the bucket pipeline (for TA: inputs it must refuse or split, see engine/ta.py)
+        if isinstance(adapters, StackedAdapters):
+            return merge_adapters(
+                adapters.unstack(), budget=budget, method=method, space=space,
+                allocation=allocation, scope=scope, alpha=alpha, lam=lam,
+                positive_only=positive_only, coef=coef, key=key, mesh=mesh, weights=weights,
+                min_share=min_share, input_moments=input_moments, **options,
+            )  # fmt: skip
+        sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
         merged = merge(
             weighted, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
         )
@@ -464,6 +479,14 @@ def merge_adapters(
         ranks={nm: ranks[nm] for nm in names}, zeroed=zeroed,
     )  # fmt: skip
     return merged, report
+
+
+def _rebuild(adapters: Any, results: Mapping[str, Any]) -> Any:
+    """The merged modules in the first adapter's tree; a flat dict in module order for a
+    ``nu.stack_adapters`` set (which keeps no tree)."""
+    if isinstance(adapters, StackedAdapters):
+        return {nm: results[nm] for nm in adapters.names}
+    return _results.rebuild(adapters[0], results)
 
 
 def _h_of(k: np.ndarray, t: np.ndarray) -> float:
@@ -547,7 +570,7 @@ def _merge_adapters_traced(
         data_aware=req.data_aware,
         **counts,
     )
-    return _results.rebuild(adapters[0], merged), report
+    return _rebuild(adapters, merged), report
 
 
 # ------------------------------------------------------------------------------ task weights
@@ -581,4 +604,6 @@ def _weighted_input(adapters: Any, req: MergeRequest) -> tuple[Any, MergeRequest
         return adapters, req
     _tree.collect(adapters, fn=req.fn)
     req = req.with_tasks(len(adapters))
+    if isinstance(adapters, StackedAdapters):
+        return adapters.with_weights(req.weights), req
     return weight_adapters(adapters, req.weights), req

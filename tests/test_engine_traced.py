@@ -280,7 +280,7 @@ def test_eager_ta_keeps_rank_zero_modules_and_counts_kept_directions():
         ad["q"]["scale"] * ad["q"]["lora_a"].astype(np.float64) @ ad["q"]["lora_b"] for ad in ads
     )
     _close(out["q"], want)
-    merged, rep = nu.merge_adapters(ads, budget=2)
+    _, rep = nu.merge_adapters(ads, budget=2)
     assert rep.ranks["z"] == 0 and rep.ranks["q"] == int(np.asarray(rep.kept["q"]).sum())
 
 

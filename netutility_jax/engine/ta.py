@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _buckets, _tree
+from .. import _buckets, _mesh, _tree
 from .._host import put_views
 from .._plan import check_coef, check_masks, check_scale_range
 from .._score_kernels import default_rtol
@@ -56,9 +56,13 @@ def ta_program(inputs, masks, coef, *, meta: _Meta):
     items = []
     ok = jnp.ones((), bool)
     for x, mask, (d_in, d_out, r_max) in zip(inputs, masks, meta.dims, strict=True):
-        a, b, s, rank = _buckets.stack_bucket(
-            *x, d_in=d_in, d_out=d_out, r_max=r_max, dtype=meta.dtype
-        )
+        if isinstance(x, _mesh.Stacked):  # (nu.stack_adapters)
+            a, b, s = (y.astype(meta.dtype) for y in x[:3])
+            rank = x.rank
+        else:
+            a, b, s, rank = _buckets.stack_bucket(
+                *x, d_in=d_in, d_out=d_out, r_max=r_max, dtype=meta.dtype
+            )
         ok = ok & jnp.all(jnp.isfinite(a)) & jnp.all(jnp.isfinite(b)) & jnp.all(jnp.isfinite(s))
         # s coef and each task-module's size s coef max|a| max|b| (as kept_directions forms
         # it) must be normal numbers or exact zeros: one flushed to zero would give zeros
@@ -122,8 +126,11 @@ def merge_ta(
     fi = np.finfo(dtype)
     if not (c == 0 or float(fi.tiny) <= abs(c) <= float(fi.max)):
         return None
-    inputs = []
+    inputs: list[Any] = []
     for bk in buckets:
+        if bk.stacked is not None:  # (nu.stack_adapters)
+            inputs.append(bk.stacked)
+            continue
         a, b, s = _buckets.bucket_arrays(bk)
         host = _buckets.host_scales(s, dtype)
         inputs.append((a, b, s if host is None else host))

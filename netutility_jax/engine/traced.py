@@ -210,9 +210,13 @@ def merge_traced(
     w = None if weights is None else jnp.asarray(weights, dtype)
     items = []
     for bk in buckets:
-        a, b, s, _ = _buckets.stack_bucket(
-            *_buckets.bucket_arrays(bk), d_in=bk.d_in, d_out=bk.d_out, r_max=bk.r_max, dtype=dtype
-        )  # a (n, M, d_in, r), b (n, M, r, d_out), s (n, M)
+        if bk.stacked is not None:  # (nu.stack_adapters)
+            a, b, s = (x.astype(dtype) for x in bk.stacked[:3])
+        else:  # a (n, M, d_in, r), b (n, M, r, d_out), s (n, M)
+            a, b, s, _ = _buckets.stack_bucket(
+                *_buckets.bucket_arrays(bk), d_in=bk.d_in, d_out=bk.d_out, r_max=bk.r_max,
+                dtype=dtype,
+            )  # fmt: skip
         factor = s * jnp.asarray(coef, dtype)
         if w is not None:
             factor = factor * w

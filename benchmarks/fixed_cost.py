@@ -1,0 +1,305 @@
+"""The engine's fixed costs, the proxies a CPU can measure for a GPU.
+
+On a CPU the library's arithmetic hides what an accelerator pays for: programs compiled on a first
+call, argument buffers and dispatches per call, host<->device transfers, host Python time. This
+script measures those at tiny dimensions (so that arithmetic is negligible) and at two depths,
+32 and 80 layers of the seven Llama module kinds (q, k, v, o, gate, up, down) x 8 tasks, r 16:
+
+* ``score+allocate``: ``nu.allocate(nu.score(adapters), budget)``;
+* ``merge``: ``nu.merge_adapters(adapters, budget=, method="ta", space="core")``;
+* ``merge_jit``: the same merge inside one ``jax.jit`` (where the engine supports it);
+* ``...:stacked``: the same stage given ``nu.stack_adapters(adapters)``, stacked once before.
+
+Per case, each in a fresh interpreter with no compile cache (``run_worker``): programs compiled and
+seconds of XLA compiling on the first call (``jax.monitoring``'s backend-compile events), the first
+call's wall time, then over steady calls the median wall time, the time until the call returns
+(host work: tracing-cache lookups, Python, transfers it waits on), and the counts of one steady
+call: jitted dispatches, argument buffers handed to them, host->device placements
+(``jax.device_put`` and the library's ``put_views``/``host_constant``, plus numpy arguments of a
+jitted call) and device->host reads (arrays first materialised on the host).
+
+Counting dispatches and buffers needs JAX's Python dispatch path: the first call (which takes it
+anyway, nothing being cached yet) is counted with ``pjit._get_fastpath_data`` patched (private)
+so that every dispatch goes through ``ExecuteReplicated``; the timings come from the unpatched
+steady calls. Private hooks are used here only, never in the
+library or the tests.
+
+    python benchmarks/fixed_cost.py                 # 32 and 80 layers, JSON to benchmarks/results/
+    python benchmarks/fixed_cost.py --tiny          # 4 and 10 layers, M 3 (the slow test tier)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+
+import jax
+import numpy as np
+
+from benchmarks import _harness
+
+KINDS = {  # Llama module kinds at tiny dims: (d_in, d_out)
+    "q_proj": (64, 64),
+    "k_proj": (64, 16),
+    "v_proj": (64, 16),
+    "o_proj": (64, 64),
+    "gate_proj": (64, 128),
+    "up_proj": (64, 128),
+    "down_proj": (128, 64),
+}
+COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def make_adapters(layers: int, tasks: int, rank: int, seed: int = 0) -> list[dict]:
+    """``tasks`` adapters of ``layers`` x the seven kinds, as jax arrays on the device."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(tasks):
+        ad = {}
+        for i in range(layers):
+            for kind, (d_in, d_out) in KINDS.items():
+                ad[f"model.layers.{i}.{kind}"] = {
+                    "lora_a": rng.normal(size=(d_in, rank)).astype(np.float32) / np.sqrt(d_in),
+                    "lora_b": rng.normal(size=(rank, d_out)).astype(np.float32) / np.sqrt(rank),
+                    "scale": 2.0,
+                }
+        out.append(jax.device_put(ad))
+    return out
+
+
+class Counts:
+    """Dispatches, argument buffers, placements and reads inside a ``with`` block."""
+
+    def __init__(self):
+        self.dispatches = self.buffers = self.h2d = self.d2h = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        from jax._src import array as array_mod
+        from jax._src import pjit
+        from jax._src.interpreters import pxla
+
+        import netutility_jax._host as host_mod
+
+        saved = []
+
+        def patch(obj, name, new):
+            saved.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, new)
+
+        counts = self
+        exe_call = pxla.ExecuteReplicated.__call__
+
+        def execute(self_, *args):
+            counts.dispatches += 1
+            counts.buffers += len(args)
+            return exe_call(self_, *args)
+
+        patch(pjit, "_get_fastpath_data", lambda *a, **k: None)
+        patch(pxla.ExecuteReplicated, "__call__", execute)
+        shard = pxla.shard_args
+
+        def shard_args(shardings, layouts, copy, args, *a, **k):
+            counts.h2d += sum(not isinstance(x, jax.Array) for x in args)
+            return shard(shardings, layouts, copy, args, *a, **k)
+
+        patch(pxla, "shard_args", shard_args)
+        put = jax.device_put
+
+        def device_put(x, *a, **k):
+            counts.h2d += len(jax.tree.leaves(x))
+            return put(x, *a, **k)
+
+        patch(jax, "device_put", device_put)
+        import sys as _sys
+
+        for name in ("put_views", "host_constant"):
+            orig = getattr(host_mod, name)
+
+            def wrapped(x, *a, _fn=orig, _name=name, **k):
+                counts.h2d += len(x) if _name == "put_views" else 1
+                return _fn(x, *a, **k)
+
+            # every module that imported it by name
+            for mod in list(_sys.modules.values()):
+                if getattr(mod, "__name__", "").startswith("netutility_jax") and (
+                    getattr(mod, name, None) is orig
+                ):
+                    patch(mod, name, wrapped)
+        value = array_mod.ArrayImpl._value
+
+        def _value(self_):
+            if self_._npy_value is None:
+                counts.d2h += 1
+            return value.fget(self_)
+
+        patch(array_mod.ArrayImpl, "_value", property(_value))
+        try:
+            yield self
+        finally:
+            for obj, name, old in reversed(saved):
+                setattr(obj, name, old)
+
+
+def _compile_events():
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda ev, secs, **kw: events.append(secs) if ev == COMPILE else None
+    )
+    return events
+
+
+def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> dict:
+    """One stage at one depth, in this (fresh) interpreter."""
+    import netutility_jax as nu
+
+    adapters = make_adapters(layers, tasks, rank)
+    budget = rank
+    stage, _, form = stage.partition(":")
+    if form == "stacked":  # stacked once where the adapters enter (not timed)
+        adapters = jax.block_until_ready(nu.stack_adapters(adapters))
+    elif form:
+        raise SystemExit(f"unknown input form {form!r}")
+    if stage == "score+allocate":
+        fn = lambda: nu.allocate(nu.score(adapters), budget)
+    elif stage == "merge":
+        fn = lambda: nu.merge_adapters(adapters, budget=budget, method="ta", space="core")[0]
+    elif stage == "merge_jit":
+        jitted = jax.jit(
+            lambda ads: nu.merge_adapters(ads, budget=budget, method="ta", space="core")[0]
+        )
+        fn = lambda: jitted(adapters)
+    else:
+        raise SystemExit(f"unknown stage {stage!r}")
+    events = _compile_events()
+    # The first call runs JAX's Python dispatch path (no C++ fast path is cached yet), where
+    # the counting hooks see every dispatch: its counts are those of one call, compiling aside.
+    counts = Counts()
+    t0 = time.perf_counter()
+    try:
+        with counts.counting():
+            jax.block_until_ready(fn())
+    except Exception as e:  # e.g. a merge that cannot be traced: recorded, not hidden
+        return {"stage": stage, "layers": layers, "error": f"{type(e).__name__}: {e}"[:400]}
+    first = time.perf_counter() - t0
+    programs, compile_s = len(events), sum(events)
+    for _ in range(2):
+        jax.block_until_ready(fn())
+    walls, returns = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        walls.append(time.perf_counter() - t0)
+        returns.append(t1 - t0)
+    n_before = len(events)
+    n_modules = layers * len(KINDS)
+    return {
+        "stage": f"{stage}:{form}" if form else stage,
+        "layers": layers,
+        "modules": n_modules,
+        "tasks": tasks,
+        "rank": rank,
+        "buckets": len(set(KINDS.values())),
+        "first_call_s": first,
+        "programs_compiled": programs,
+        "compile_s": compile_s,
+        "steady_median_s": statistics.median(walls),
+        "steady_min_s": min(walls),
+        "returns_after_median_s": statistics.median(returns),
+        "dispatches": counts.dispatches,
+        "argument_buffers": counts.buffers,
+        "host_to_device": counts.h2d,
+        "device_to_host": counts.d2h,
+        "recompiled_on_steady_call": len(events) - n_before,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="4 and 10 layers, 3 tasks (a quick check)")
+    p.add_argument(
+        "--stages",
+        default="score+allocate,score+allocate:stacked,merge,merge:stacked,merge_jit",
+        help="stages (':stacked': the adapters given as nu.stack_adapters' set)",
+    )
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--depths", default=None, help="layers to run, e.g. 32,80 (default by --tiny)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/...)")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument(
+        "--case", nargs=4, metavar=("STAGE", "LAYERS", "TASKS", "RANK"), help=argparse.SUPPRESS
+    )
+    p.add_argument("--record", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.case:  # a worker: one case, its record to --record
+        stage, layers, tasks, rank = a.case
+        rec = run_case(stage, int(layers), int(tasks), int(rank), a.repeats)
+        _harness.write_json(a.record, rec)
+        return 0
+    depths, tasks = ((4, 10), 3) if a.tiny else ((32, 80), 8)
+    if a.depths:
+        depths = tuple(int(x) for x in a.depths.split(","))
+    out = a.out or str(
+        Path(__file__).parent
+        / "results"
+        / ("fixed_cost_tiny.json" if a.tiny else "fixed_cost.json")
+    )
+    records = []
+    for stage in a.stages.split(","):
+        for layers in depths:
+            res = _harness.run_worker(
+                __file__,
+                ["--repeats", str(a.repeats), "--case", stage, str(layers), str(tasks), "16"],
+                record_flag="--record",
+                timeout=a.timeout,
+            )
+            rec = res.record or {
+                "stage": stage, "layers": layers, "error": f"exit {res.status}: {res.stderr[-400:]}",
+            }  # fmt: skip
+            records.append(rec)
+            print(_line(rec), flush=True)
+    growth = {}
+    for stage in a.stages.split(","):
+        r = [x for x in records if x["stage"] == stage and "error" not in x]
+        if len(r) == 2 and r[0]["compile_s"] > 0:
+            growth[stage] = {
+                "compile_s": r[1]["compile_s"] / r[0]["compile_s"],
+                "argument_buffers": r[1]["argument_buffers"] / max(1, r[0]["argument_buffers"]),
+            }
+    payload = {
+        "benchmark": "fixed_cost",
+        "command": " ".join(["python", "benchmarks/fixed_cost.py", *(argv or sys.argv[1:])]),
+        "cases": records,
+        "growth_deep_over_shallow": growth,
+        "machine": _harness.machine_info(),
+        "code": _harness.code_info(),
+    }
+    _harness.write_json(out, payload)
+    print(f"wrote {out}")
+    return 0
+
+
+def _line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['stage']:>15} L={r['layers']:<3} error: {r['error']}"
+    return (
+        f"{r['stage']:>15} L={r['layers']:<3} programs {r['programs_compiled']:>3} "
+        f"compile {r['compile_s']:6.2f}s first {r['first_call_s']:6.2f}s "
+        f"steady {1e3 * r['steady_median_s']:8.1f}ms returns {1e3 * r['returns_after_median_s']:7.1f}ms "
+        f"dispatches {r['dispatches']:>4} buffers {r['argument_buffers']:>5} "
+        f"h2d {r['host_to_device']:>5} d2h {r['device_to_host']:>4}"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""nu.stack_adapters (netutility_jax/engine/stacked.py): adapters stacked once per bucket give
+what the adapters themselves give, through a handful of argument buffers."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import netutility_jax as nu
+from netutility_jax import InputError
+
+M = 3
+
+
+def _adapters(seed=0, host=True):
+    """Two layers of q (32 -> 16, rank 4) and v (32 -> 8, ragged ranks), task 2 lacks l1/v."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(M):
+        ad = {}
+        for layer in range(2):
+            rv = 3 if i == 1 else 4
+            ad[f"l{layer}"] = {
+                "q": {
+                    "lora_a": rng.normal(size=(32, 4)).astype(np.float32),
+                    "lora_b": rng.normal(size=(4, 16)).astype(np.float32),
+                    "scale": 1.5 + i,
+                },
+                "v": {
+                    "lora_a": rng.normal(size=(32, rv)).astype(np.float32),
+                    "lora_b": rng.normal(size=(rv, 8)).astype(np.float32),
+                },
+            }
+        out.append(ad)
+    out[2]["l1"]["v"] = None
+    return out if host else jax.device_put(out)
+
+
+NAMES = ["l0/q", "l0/v", "l1/q", "l1/v"]
+
+
+def _dense(mod):
+    if mod is None:
+        return 0.0
+    return float(mod.get("scale", 1.0)) * np.asarray(mod["lora_a"], np.float64) @ np.asarray(
+        mod["lora_b"], np.float64
+    )
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["numpy", "device"])
+def test_the_stacked_arrays_are_the_zero_padded_factors(host):
+    ads = _adapters(host=host)
+    st = nu.stack_adapters(ads)
+    assert st.names == tuple(NAMES) and len(st) == M
+    assert len(jax.tree.leaves(st)) == 4 * len(st.buckets)  # a, b, scale, rank per bucket
+    for bk in st.buckets:
+        a, b, s, r = (np.asarray(x) for x in bk.stacked)
+        assert a.shape == (len(bk.names), M, bk.d_in, bk.r_max)
+        for n, name in enumerate(bk.names):
+            layer, kind = name.split("/")
+            for i in range(M):
+                mod = ads[i][layer][kind]
+                if mod is None:
+                    assert r[n, i] == 0 and not a[n, i].any() and not b[n, i].any()
+                    continue
+                k = np.asarray(mod["lora_a"]).shape[1]
+                assert r[n, i] == k and s[n, i] == np.float32(mod.get("scale", 1.0))
+                np.testing.assert_array_equal(a[n, i, :, :k], np.asarray(mod["lora_a"]))
+                np.testing.assert_array_equal(b[n, i, :k], np.asarray(mod["lora_b"]))
+                assert not a[n, i, :, k:].any() and not b[n, i, k:].any()
+    # the per-module views give the dense updates back
+    for i, ad in enumerate(st.unstack()):
+        for name in NAMES:
+            layer, kind = name.split("/")
+            want = _dense(ads[i][layer][kind])
+            got = _dense(ad[name])
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_scores_masks_and_h_are_those_of_the_adapters():
+    ads = _adapters(1)
+    st = nu.stack_adapters(ads)
+    for kw in ({}, {"alpha": 0.0}, {"alpha": "auto", "lam": 0.5}):
+        s1, s2 = nu.score(ads, **kw), nu.score(st, **kw)
+        assert float(s2.lam) == pytest.approx(float(s1.lam), rel=1e-6)
+        for name in NAMES:
+            for f in ("sigma", "benefit", "interference", "utility"):
+                np.testing.assert_allclose(
+                    np.asarray(getattr(s2.modules[name], f)),
+                    np.asarray(getattr(s1.modules[name], f)),
+                    rtol=2e-5, atol=1e-6,
+                )  # fmt: skip
+        for scope in ("global", "local", "uniform"):
+            m1, m2 = nu.allocate(s1, 2, scope=scope), nu.allocate(s2, 2, scope=scope)
+            for name in NAMES:
+                np.testing.assert_array_equal(np.asarray(m2[name]), np.asarray(m1[name]))
+    assert float(nu.heterogeneity(st)) == pytest.approx(float(nu.heterogeneity(ads)), rel=1e-6)
+    np.testing.assert_allclose(nu.task_energies(st), nu.task_energies(ads), rtol=1e-6)
+
+
+@pytest.mark.parametrize(("method", "space"), [("ta", "core"), ("ties", "knots"), ("tsv", "full")])
+def test_merges_of_the_stacked_set_are_the_adapters_merges(method, space):
+    ads = _adapters(2)
+    st = nu.stack_adapters(ads)
+    w = [1.0, 0.5, 2.0]
+    o1, r1 = nu.merge_adapters(ads, budget=2, method=method, space=space, weights=w)
+    o2, r2 = nu.merge_adapters(st, budget=2, method=method, space=space, weights=w)
+    assert list(o2) == NAMES  # a flat dict: the stacked set keeps no tree
+    for name in NAMES:
+        layer, kind = name.split("/")
+        want = np.asarray(nu.module_update(o1[layer][kind]), np.float64)
+        got = np.asarray(nu.module_update(o2[name]), np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_array_equal(r2.kept[name], r1.kept[name])
+    assert r2.ranks == r1.ranks and r2.heterogeneity == pytest.approx(r1.heterogeneity)
+
+
+def test_the_stacked_set_passes_through_jit_without_retracing():
+    ads = _adapters(3)
+    st = nu.stack_adapters(ads)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def run(s, w):
+        merged, rep = nu.merge_adapters(s, budget=2, weights=w)
+        return merged, rep.kept_per_task
+
+    out, kept = run(st, jnp.ones(M))
+    other = nu.stack_adapters(_adapters(4))  # new values, same shapes: no second trace
+    run(other, jnp.ones(M))
+    chex.clear_trace_counter()
+    want, rep = nu.merge_adapters(ads, budget=2)
+    np.testing.assert_array_equal(np.asarray(kept), rep.kept_per_task)
+    for name in NAMES:
+        layer, kind = name.split("/")
+        w = np.asarray(nu.module_update(want[layer][kind]), np.float64)
+        got = np.asarray(nu.module_update(out[name]), np.float64)
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-4 * np.abs(w).max())
+
+
+def test_the_plan_and_diagnostics_of_a_stacked_set_are_the_adapters():
+    ads = _adapters(5)
+    st = nu.stack_adapters(ads)
+    for kw in ({}, {"allocation": "all"}, {"allocation": "uniform"}):
+        p1, p2 = nu.plan(ads, budget=2, **kw), nu.plan(st, budget=2, **kw)
+        np.testing.assert_array_equal(p2.kept_per_task, p1.kept_per_task)
+    d1, d2 = nu.diagnose(ads, budget=2), nu.diagnose(st, budget=2)
+    assert d2.overlap_vs_chance == pytest.approx(d1.overlap_vs_chance, rel=1e-5)
+    assert d2.lam == pytest.approx(d1.lam, rel=1e-6)
+    assert nu.stack_adapters(st) is st
+    assert [list(ad) for ad in st] == [NAMES] * M  # a sequence of flat adapters too
+    with pytest.raises(InputError, match=r"nu\.score: mesh= shards the adapters' leaves"):
+        nu.score(st, mesh=nu.module_mesh())
