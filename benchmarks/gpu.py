@@ -15,6 +15,8 @@ that a run stopped by its time limit keeps what it measured:
   bandwidth (``floor_s``) and the irreducible arithmetic, the Grams ``X^T X`` of every module's
   task-stacked input factors (one jitted call on pre-stacked arrays, ``grams_s``).
 * ``merge``: ``nu.merge_adapters`` (TA and TSV in Core space, budget 16) on the same factors.
+  Scoring and merging are timed twice: on the list of adapters, and on ``nu.stack_adapters`` of
+  it (stacked once, timed apart), which is what the engine's programs take.
 * ``train`` / ``eval``: the language suite's own training step (``lang_train.Trainer``: LoRA r 16
   on q, k, v, o, AdamW, the loss on the label tokens after the last real token) and forward on a
   random-initialised Qwen3-4B-shaped decoder in bf16, tokens per second and the fraction of the
@@ -237,6 +239,13 @@ def scoring_section(args, cases, bandwidth: float | None) -> dict[str, Any]:
 
         t_score, masks = time_calls(score_allocate, repeats=args.repeats)
         kept = int(sum(int(jnp.sum(m)) for m in masks.values()))
+        # the same on the set stacked once where it enters (nu.stack_adapters)
+        t_stack, stacked = time_calls(
+            functools.partial(nu.stack_adapters, adapters), repeats=1, warmup=0
+        )
+        t_score_st, _ = time_calls(
+            functools.partial(score_allocate, stacked, budget), repeats=args.repeats
+        )
         t_gram, _ = time_calls(_grams(modules, layers, tasks, rank), repeats=args.repeats)
         _say(f"scoring {name}: first {t_score.first_s:.1f} s, steady {t_score.median_s:.4f} s")
         rec = {
@@ -245,6 +254,8 @@ def scoring_section(args, cases, bandwidth: float | None) -> dict[str, Any]:
             "rank": rank,
             "factor_bytes": nbytes,
             "score_allocate": t_score.as_dict(),
+            "stack_adapters": t_stack.as_dict(),
+            "score_allocate_stacked": t_score_st.as_dict(),
             "kept_directions": kept,
             "grams": t_gram.as_dict(),
             "ratio_to_grams": t_score.median_s / t_gram.median_s,
@@ -262,6 +273,10 @@ def scoring_section(args, cases, bandwidth: float | None) -> dict[str, Any]:
 
             t_merge, _ = time_calls(merge, repeats=max(1, args.repeats // 2))
             rec[f"merge_{method}_core"] = t_merge.as_dict()
+            t_merge_st, _ = time_calls(
+                functools.partial(merge, method, stacked), repeats=max(1, args.repeats // 2)
+            )
+            rec[f"merge_{method}_core_stacked"] = t_merge_st.as_dict()
             if bandwidth:
                 rec[f"merge_{method}_core"]["ratio_to_floor"] = t_merge.median_s / (
                     nbytes / bandwidth
@@ -269,7 +284,7 @@ def scoring_section(args, cases, bandwidth: float | None) -> dict[str, Any]:
         out[name] = rec
         args.partial(out)
         _say(f"scoring {name}: {rec['score_allocate']['median_s']:.4f} s steady")
-        del adapters, masks
+        del adapters, masks, stacked
     return out
 
 

@@ -23,6 +23,7 @@ MODULES = [
     "planning",
     "moments",
     "_min_share",
+    "engine.stacked",
     "peft",
     "cli",
     "nnx",

@@ -32,7 +32,7 @@ import numpy as np
 from .. import _buckets, _mesh, _stages, _tree
 from ..errors import InputTypeError
 
-__all__ = ["StackedAdapters", "stack_adapters"]
+__all__ = ["StackedAdapters", "host_leaves", "stack_adapters"]
 
 
 class StackedAdapters(Sequence):
@@ -115,7 +115,8 @@ class StackedAdapters(Sequence):
         return StackedAdapters(self.names, buckets, self.m_tasks)
 
 
-def _host_leaves(bk: _tree.Bucket) -> bool:
+def host_leaves(bk: _tree.Bucket) -> bool:
+    """Whether every factor of the bucket is a numpy array (on the host)."""
     return all(
         m is None or (isinstance(m.lora_a, np.ndarray) and isinstance(m.lora_b, np.ndarray))
         for row in bk.modules
@@ -181,7 +182,7 @@ def stack_adapters(adapters: Sequence[Any]) -> StackedAdapters:
                 f"{fn}: a scale is traced; stack the adapters outside the transformation (the "
                 "stacked set keeps its scales' values for its checks)."
             )
-        if _host_leaves(bk):  # numpy factors: stacked on the host, placed once
+        if host_leaves(bk):  # numpy factors: stacked on the host, placed once
             st = _mesh.Stacked(*jax.device_put(tuple(_mesh.host_stack(bk, dtype, len(bk.names)))))
         else:
             cfg = _stages.StackConfig(bk.d_in, bk.d_out, bk.r_max, dtype)

@@ -27,6 +27,7 @@ from .. import _buckets, _mesh, _tree
 from .._host import put_views
 from .._plan import check_coef, check_masks, check_scale_range
 from .._score_kernels import default_rtol
+from .stacked import host_leaves
 from .tables import MaskTable
 from .traced import kept_directions_many
 
@@ -130,6 +131,9 @@ def merge_ta(
     for bk in buckets:
         if bk.stacked is not None:  # (nu.stack_adapters)
             inputs.append(bk.stacked)
+            continue
+        if host_leaves(bk):  # numpy factors (a streamed chunk): stacked here, 4 arguments
+            inputs.append(_mesh.host_stack(bk, dtype, len(bk.names)))
             continue
         a, b, s = _buckets.bucket_arrays(bk)
         host = _buckets.host_scales(s, dtype)
