@@ -151,7 +151,7 @@ def save(path: str | os.PathLike, obj: Any) -> None:
     fn = "nu.checkpoint.save"
     path = os.path.abspath(os.fspath(path))
     if os.path.lexists(path):
-        from .peft._write import PathExistsError
+        from .errors import PathExistsError
 
         raise PathExistsError(
             f"{fn}: {path!r} already exists; checkpoints are never overwritten. Pick a new path or "

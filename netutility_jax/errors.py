@@ -15,6 +15,7 @@ __all__ = [
     "InputTypeError",
     "MissingFileError",
     "NetUtilityError",
+    "PathExistsError",
     "PeerLostError",
     "one_line",
 ]
@@ -39,6 +40,12 @@ class InputTypeError(NetUtilityError, TypeError):
 class MissingFileError(NetUtilityError, FileNotFoundError):
     """A file or folder the user named does not exist (or is a folder where a file is expected,
     or the reverse: the message says which)."""
+
+
+class PathExistsError(NetUtilityError, FileExistsError):
+    """A path the library was asked to create exists (``nu.peft.save_adapter``,
+    ``nu.checkpoint.save``): bad input, so a :class:`NetUtilityError` (the command line's exit
+    code 2), and still a ``FileExistsError`` for ``except`` clauses written for that."""
 
 
 class FileAccessError(NetUtilityError, PermissionError):

@@ -503,7 +503,7 @@ def save_input_moments(
 
     from . import _io
 
-    fn = "nu.save_input_moments"
+    fn = "nu.moments.save_input_moments"
     suffix = _suffix(fn, path)
     if form not in _FORMS:
         raise InputError(f"{fn}: form={form!r}; expected 'factor' or 'second_moment'.")

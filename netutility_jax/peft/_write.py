@@ -16,7 +16,7 @@ import numpy as np
 from .. import _checks
 from .._io import atomic_directory, to_jsonable
 from .._tree import has_update, is_mapping, walk_modules
-from ..errors import InputError, InputTypeError, NetUtilityError
+from ..errors import InputError, InputTypeError, PathExistsError
 from ._common import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _natural, _safetensors, _save_file
 from ._config import (
     _COMPUTED_FIELDS,
@@ -281,12 +281,6 @@ def _check_options(rank: Any, dtype: Any, config: Mapping[str, Any], *, fn: str)
             raise InputError(
                 f"{fn}: unknown config field {k}=; accepted: {', '.join(_CONFIG_OVERRIDES)}."
             )
-
-
-class PathExistsError(NetUtilityError, FileExistsError):
-    """A path the library was asked to create exists (``nu.peft.save_adapter``,
-    ``nu.checkpoint.save``): bad input, so a :class:`nu.NetUtilityError` (the command line's
-    exit code 2), and still a ``FileExistsError`` for ``except`` clauses written for that."""
 
 
 def _check_free(out_dir: pathlib.Path, *, fn: str) -> None:
