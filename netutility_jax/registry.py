@@ -350,6 +350,7 @@ RESERVED_OPTION_NAMES = (
 )  # fmt: skip
 COMMAND_FLAGS = (
     "--allocation",
+    "--allow-changed",
     "--allow-different-base",
     "--alpha",
     "--budget",

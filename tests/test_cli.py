@@ -9,6 +9,7 @@ import errno
 import importlib
 import io
 import json
+import math
 import os
 import pathlib
 import re
@@ -425,7 +426,7 @@ _BOUNDS = {  # flag: (accepted values, the test of a value argparse returns)
     "--budget": lambda v: isinstance(v, int) and 1 <= v <= 2**31 - 1,
     "--rank": lambda v: isinstance(v, int) and 1 <= v <= 2**31 - 1,
     "--seed": lambda v: isinstance(v, int) and 0 <= v < 2**32,
-    "--coef": lambda v: isinstance(v, float) and 1e-30 <= abs(v) <= 1e30,
+    "--coef": lambda v: isinstance(v, float) and math.isfinite(v) and v != 0,
     "--density": lambda v: isinstance(v, float) and 0 < v <= 1,
     "--p": lambda v: isinstance(v, float) and 0 <= v < 1,
     "--lam": lambda v: v == "auto" or (isinstance(v, float) and 0 <= v <= 1e30),

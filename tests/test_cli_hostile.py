@@ -447,8 +447,8 @@ def test_the_documented_moments_writer_exists():
         (["--alpha", "1e308"], "argument --alpha: expected 'auto' or a number in [0, 16]"),
         (["--lam", "1e308"], "argument --lam: expected 'auto' or a number in [0, 1e+30]"),
         (["--lam", "-1"], "argument --lam: "),
-        (["--coef", "1e-40"], "argument --coef: expected a finite nonzero number between 1e-30"),
-        (["--coef", "-1e300"], "argument --coef: "),
+        (["--coef", "0"], "argument --coef: expected a finite nonzero number"),
+        (["--coef", "-inf"], "argument --coef: "),
     ],
 )
 def test_numeric_flags_are_refused_by_their_flag_name(folders, tmp_path, capsys, flags, message):

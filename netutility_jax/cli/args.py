@@ -117,13 +117,15 @@ def weight_ok(w: float) -> bool:
 
 
 def _coef(text: str) -> float:
-    """argparse type of ``--coef``: a finite nonzero number within :data:`WEIGHT_BOUND`."""
+    """argparse type of ``--coef``: a finite nonzero number. Unlike a weight it has no bound
+    here: the merge runs a coefficient outside float32's normal range exactly (its power of
+    two applied apart) and refuses, naming ``coef=``, one whose merged update would leave the
+    dtype's range."""
     v = _number(text)
-    if v is None or not weight_ok(v):
+    if v is None or not math.isfinite(v) or v == 0:
         raise argparse.ArgumentTypeError(
-            f"expected a finite nonzero number between {1 / WEIGHT_BOUND:g} and "
-            f"{WEIGHT_BOUND:g} in size (the merged update is multiplied by it; a negative one "
-            f"subtracts it), got {shown(text)}"
+            "expected a finite nonzero number (the merged update is multiplied by it; a negative "
+            f"one subtracts it), got {shown(text)}"
         )
     return v
 
@@ -471,8 +473,8 @@ def _add_merge_tuning(m: argparse.ArgumentParser) -> None:
         "--coef",
         type=_coef,
         default=1.0,
-        help="scaling of the merged update, a nonzero number between 1e-30 and 1e30 in size "
-        "(negative: subtracted). Default: 1.",
+        help="scaling of the merged update, a finite nonzero number (negative: subtracted; one "
+        "whose merged update leaves the dtype's range is refused). Default: 1.",
     )
     m.add_argument(
         "--seed",
