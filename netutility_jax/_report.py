@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _checks, _tree
 from .analysis import budget_spent, kept_per_task, non_prefix_fraction
+from .engine.tables import MaskTable
 from .utility import heterogeneity
 
 if TYPE_CHECKING:
@@ -159,6 +160,10 @@ def _kept_per_task(masks: Mapping[str, Any]) -> np.ndarray:
     return total.astype(jax.dtypes.canonicalize_dtype(total.dtype))
 
 
+def _is_table(masks: Any) -> bool:
+    return isinstance(masks, MaskTable) and masks.pristine
+
+
 def heterogeneity_or_nan(adapters: Any) -> float:
     """:func:`nu.heterogeneity` of in-memory adapters, NaN if a task is all zero."""
     try:
@@ -179,12 +184,15 @@ def build_report(
     """The :class:`Report` of the merge ``req`` asked for: ``kept_masks`` and the scores ``sc``
     it allocated with (None for ``allocation="all"``), the heterogeneity ``h``, each merged
     module's rank in module order, and the modules that came out zero."""
+    # (nu.allocate's masks are read from their host copies, and kept as they are: placing
+    # each module's mask on the device is left to whoever reads one)
+    host = kept_masks.host_dict() if _is_table(kept_masks) else kept_masks
     return Report(
         lam=None if sc is None else float(sc.lam),
         alpha=None if sc is None else float(sc.alpha),
         budget=None if req.budget is None else int(req.budget),
         budget_spent=budget_spent(kept_masks),
-        kept={nm: np.asarray(v, bool).sum(1) for nm, v in kept_masks.items()},
+        kept={nm: np.asarray(v, bool).sum(1) for nm, v in host.items()},
         kept_per_task=_kept_per_task(kept_masks),
         non_prefix_fraction=non_prefix_fraction(kept_masks),
         heterogeneity=h,
@@ -193,7 +201,7 @@ def build_report(
         space=req.space,
         allocation=req.allocation,
         scope=req.report_scope,
-        masks=dict(kept_masks),
+        masks=kept_masks if _is_table(kept_masks) else dict(kept_masks),
         scores=sc,
         zeroed=tuple(zeroed),
         weights=req.weights,
