@@ -53,7 +53,12 @@ def _check_child(found: dict, cases: list) -> None:
         assert sorted(got["cases"]) == sorted(f"{m}/{sp}" for m, sp, _ in cases)
         for name, c in got["cases"].items():
             assert c["masks_equal"] and c["ranks_equal"], (mode, name)
-            assert c["exact"], (mode, name, c["rel"])  # the same masks merge to the same bits
+            if name.startswith("ta/"):
+                # one device runs TA as one program over every bucket (engine/ta.py), a mesh
+                # the bucket pipeline: the same merge to float32 rounding
+                assert c["rel"] <= 2e-5, (mode, name, c["rel"])
+            else:
+                assert c["exact"], (mode, name, c["rel"])  # the same masks: the same bits
         if len(cases) > 1:  # netutility merge --devices all (8) vs --devices 1, streamed
             assert got["cli"] == {"same_names": True, "exact": True}, mode
 
