@@ -466,11 +466,11 @@ def test_orbax_restore_with_and_without_target_extracts_bit_for_bit(small, tmp_p
         ckpt.save(path, nnx.state(model, nnx.LoRAParam))
         ckpt.wait_until_finished()
         with warnings.catch_warnings():
-            # (older orbax, e.g. the 0.11.20 floor, warns that a restore without a target
-            # reads its sharding from the checkpoint: that is the case under test)
+            # (older orbax, e.g. the 0.11.20 floor, warns that a restore without sharding
+            # information reads it from the checkpoint: both restores here are such)
             warnings.filterwarnings("ignore", "Sharding info not provided", UserWarning)
             raw = ckpt.restore(path)
-        typed = ckpt.restore(path, target)
+            typed = ckpt.restore(path, target)
     # without a target orbax does not know the Variable types: each is {'value': array}
     assert set(raw["fc2"]["lora_a"]) == {"value"}
     assert set(raw["fc1"]["lora"]["lora_b"]) == {"value"}
