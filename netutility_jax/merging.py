@@ -544,7 +544,7 @@ def _merge_adapters_traced(
             f"{fn}: min_share cannot run inside jax.jit, jax.grad or jax.vmap (its floors are "
             "counted on the host); call it outside the transformation."
         )
-    names, _, m_tasks = _tree.collect(adapters, fn=fn)
+    names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     w = traced.check_traced_weights(fn, weights, m_tasks)
     if req.allocation == "all":  # every candidate: the directions with a nonzero sigma
         sc = None
@@ -559,7 +559,7 @@ def _merge_adapters_traced(
         alpha=None if sc is None else sc.alpha,
         budget=req.budget,
         heterogeneity=heterogeneity(adapters),
-        ranks=traced.padded_ranks(adapters, fn),
+        ranks=traced.padded_ranks(names, buckets, m_tasks),
         method=req.method,
         space=req.space,
         allocation=req.allocation,

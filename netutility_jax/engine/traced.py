@@ -35,6 +35,7 @@ import numpy as np
 from .. import _buckets, _tree
 from .._linalg import after, eigh_batched
 from .._plan import check_masks
+from .._request import check_weights_sequence
 from ..errors import InputError, InputTypeError
 
 __all__ = [
@@ -260,9 +261,8 @@ def traced_report_fields(masks: Mapping[str, Any], names: Sequence[str]) -> dict
     }
 
 
-def padded_ranks(adapters: Sequence[Any], fn: str) -> dict[str, int]:
+def padded_ranks(names: Sequence[str], buckets: Sequence[_tree.Bucket], m_tasks: int):
     """Each module's rank in :func:`merge_traced`'s output, ``M r_max`` (static)."""
-    names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     ranks = {nm: m_tasks * bk.r_max for bk in buckets for nm in bk.names}
     return {nm: ranks[nm] for nm in names}
 
@@ -271,16 +271,11 @@ def check_traced_weights(fn: str, weights: Any, m_tasks: int) -> jax.Array | Non
     """Traced (or concrete) ``weights`` as an ``(M,)`` array; their values cannot be checked."""
     if weights is None:
         return None
-    if isinstance(weights, (str, bytes, Mapping)) or not hasattr(weights, "__len__"):
-        raise InputTypeError(
-            f"{fn}: weights={type(weights).__name__}; expected a sequence of {m_tasks} numbers, "
-            "one per task."
-        )
-    w = (
-        jnp.stack([jnp.asarray(x) for x in weights])
-        if isinstance(weights, Sequence)
-        else (jnp.asarray(weights))
-    )
+    check_weights_sequence(fn, weights, m_tasks)
+    if isinstance(weights, Sequence):
+        w = jnp.stack([jnp.asarray(x) for x in weights])
+    else:
+        w = jnp.asarray(weights)
     if w.shape != (m_tasks,):
         raise InputError(
             f"{fn}: weights of shape {w.shape} for {m_tasks} tasks; pass one weight per task."
