@@ -548,7 +548,7 @@ def test_cli_refuses_to_overwrite_before_any_work(capsys, tmp_path, monkeypatch)
     (tmp_path / "budget_heatmap.png").write_text("")
     monkeypatch.setattr(tasks, "load_tasks", lambda *a, **k: pytest.fail("loaded the tasks"))
     code, err = _main(["--out", str(tmp_path)], capsys)
-    assert code == 1
+    assert code == 2  # a user's mistake, not a bug (exit 1)
     assert err == (
         f"netutility demo: error: {tmp_path / 'results.json'} already exists (and 1 other "
         "result file(s)); pass --overwrite to replace the results or choose another --out"

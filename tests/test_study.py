@@ -123,7 +123,7 @@ def test_demo_study_refuses_flags_it_sets_itself(tmp_path, capsys, flags, messag
 def test_demo_study_refuses_to_overwrite_a_study(tmp_path, capsys):
     (tmp_path / "study.md").write_text("old")
     rc = demo.main(["--study", "regime", "--quick", "--out", str(tmp_path)])
-    assert rc == 1
+    assert rc == 2  # exit 1 is kept for bugs
     assert "study.md already exists; pass --overwrite" in capsys.readouterr().err
     assert (tmp_path / "study.md").read_text() == "old"
 
@@ -222,3 +222,18 @@ def test_a_study_runs_end_to_end_and_its_numbers_agree(tmp_path):
     assert f"Of these {n_rows} comparisons" in md and "and 1 over seeds exclude 0" in md
     with pytest.raises(FileExistsError):
         sd.write_outputs(results, markdown, fig, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--study", "regime", "--cells", "centre,nope"], "--cells: unknown cells ['nope']"),
+        (["--cells", "centre"], "--cells selects cells of a study; give --study"),
+    ],
+)
+def test_demo_cells_refused_before_any_work(tmp_path, capsys, flags, message):
+    rc = demo.main(["--quick", "--out", str(tmp_path / "o"), *flags])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()

@@ -399,12 +399,18 @@ def check_out(out: str | os.PathLike, *, overwrite: bool) -> pathlib.Path:
         raise DemoError(
             f"{existing[0]} already exists{more}; pass --overwrite to replace the results or "
             "choose another --out",
-            code=1,
         )
     return out
 
 
 # ----------------------------------------------------------------------------------------- CLI
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -472,6 +478,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "at a time (initialisation, heterogeneity, number of tasks, rank) around a shared-init "
         "centre and relates Net Utility minus uniform to data-free indices (encoder suite; "
         "writes study.json, study.md, study.png; --quick: its CI form, a few minutes)",
+    )
+    parser.add_argument(
+        "--cells",
+        type=_names,
+        default=None,
+        metavar="centre,init=per_task",
+        help="with --study: run only these cells (comma-separated, in the study's order; "
+        "default all), e.g. the seeds of the centre and per-task cells alone",
     )
     parser.add_argument(
         "--init",
@@ -629,6 +643,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if getattr(args, "study", None) is not None:
         return _run_study(args)
+    if getattr(args, "cells", None) is not None:
+        raise DemoError("--cells selects cells of a study; give --study or drop --cells")
     t0 = time.perf_counter()
     spec = suites.get(getattr(args, "suite", "encoder"))
     own_data = "data_dir" in spec.flags  # the suite reads its own tasks (suites.SuiteWithData)
@@ -690,7 +706,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         written = report.write_outputs(exp, out, overwrite=args.overwrite)
     except FileExistsError as e:  # appeared while we ran
-        raise DemoError(f"{e}; pass --overwrite or choose another --out", code=1) from None
+        raise DemoError(f"{e}; pass --overwrite or choose another --out") from None
     except OSError as e:  # (the disk filled up, or the folder changed while we ran)
         raise DemoError(f"--out {out}: writing the results failed ({e})") from e
     print()
@@ -764,6 +780,12 @@ def _run_study(args: argparse.Namespace) -> int:
             )
     full, quick = enc.STUDIES[args.study]
     study = quick if args.quick else full
+    cell_names = getattr(args, "cells", None)
+    if cell_names is not None:
+        known = [c.name for c in study.cells]
+        unknown = [c for c in cell_names if c not in known]
+        if unknown:
+            raise DemoError(f"--cells: unknown cells {unknown}; the {study.name} study has {known}")
     seeds = _chosen_seeds(args, study.centre.seeds)
     out = pathlib.Path(args.out) if str(args.out).strip() else None
     if out is None:
@@ -773,8 +795,7 @@ def _run_study(args: argparse.Namespace) -> int:
     if found and not args.overwrite:
         raise DemoError(
             f"{found[0]} already exists; pass --overwrite to replace the results or choose "
-            "another --out",
-            code=1,
+            "another --out"
         )
     specs = task_args([], None, study.centre.tasks)
     check_cache_dir(args.cache_dir)
@@ -783,7 +804,7 @@ def _run_study(args: argparse.Namespace) -> int:
     task_list = load_tasks(specs, study.centre)
     print(
         f"{PROG}: {study.name} study ({'quick' if args.quick else 'full'}), "
-        f"{len(study.cells)} cells, {len(task_list)} tasks, seeds "
+        f"{len(cell_names or study.cells)} cells, {len(task_list)} tasks, seeds "
         f"{', '.join(map(str, seeds))}, cache {args.cache_dir or ft.default_cache_dir()}",
         flush=True,
     )
@@ -791,12 +812,13 @@ def _run_study(args: argparse.Namespace) -> int:
     cells = sd.run_study(
         study, task_list, seeds=seeds, cache_dir=args.cache_dir,
         progress=not args.no_progress, log=lambda s: print(s, flush=True), alpha=args.alpha,
+        cells=cell_names,
     )  # fmt: skip
     results, markdown, figure = sd.render(study, cells, command=_command(args), commit=commit)
     try:
         written = sd.write_outputs(results, markdown, figure, out, overwrite=args.overwrite)
     except FileExistsError as e:
-        raise DemoError(f"{e}; pass --overwrite or choose another --out", code=1) from None
+        raise DemoError(f"{e}; pass --overwrite or choose another --out") from None
     except OSError as e:
         raise DemoError(f"--out {out}: writing the results failed ({e})") from e
     print()

@@ -455,6 +455,7 @@ def render(
     low = min(budgets)
     xs, ys = _pooled_tasks(cells)
     corr = st.pearson(xs, ys)
+    ran = {c.cell.name for c in cells}  # the design lists the cells that ran (``--cells``)
     results = {
         "study": study.name,
         "suite": "encoder",
@@ -494,6 +495,7 @@ def render(
                     "tasks": list(c.tasks or study.centre.tasks),
                 }
                 for c in study.cells
+                if c.name in ran
             ],
         },
         "cells": [c.to_dict() for c in cells],
