@@ -59,6 +59,9 @@ class Grams(NamedTuple):
     exp: jax.Array  # (n, M) int32
     nonfinite: jax.Array  # (n, M, 3) int32: NaN/Inf entries of lora_a, lora_b, scale (read as 0)
     raw_ok: jax.Array  # () bool: see safe_grams
+    # (n, M, r, M, r) = b'_i b'_j^T blocks, all task pairs: only for the sign-aware score
+    # (``interference="signed"``, the output sides of the directions), else None
+    hb: jax.Array | None = None
 
 
 class GramKind(NamedTuple):
@@ -107,6 +110,16 @@ def _b_gram(b: jax.Array) -> jax.Array:
     return jnp.einsum("nikd,nild->nikl", b, b, precision=_HI)
 
 
+def _b_cross_gram(b: jax.Array) -> jax.Array:
+    """All task pairs' ``b_i b_j^T`` of stacked ``b (n, M, r, d_out)``: ``(n, M, r, M, r)``."""
+    return jnp.einsum("nikd,njld->nikjl", b, b, precision=_HI)
+
+
+def _b_cross_rescale(hb: jax.Array, eb: jax.Array) -> jax.Array:
+    """The cross Gram of ``b * 2^-eb`` from the raw one (``|eb| <= _RAW_GRAM_RANGE + 1``)."""
+    return hb * pow2(-(eb[:, :, None, None, None] + eb[:, None, None, :, None]), hb.dtype)
+
+
 ROUTES = ("raw", "normalise", "cond")
 
 
@@ -117,14 +130,16 @@ class RawGrams(NamedTuple):
     h: jax.Array  # (n, M, r, r) = b_i b_i^T
     amax: jax.Array  # (n, M): max |a|
     bmax: jax.Array  # (n, M): max |b|
+    hb: jax.Array | None = None  # (n, M, r, M, r) = b_i b_j^T (``cross_b``), else None
 
 
-def _raw_grams(a: jax.Array, b: jax.Array, kind: GramKind) -> RawGrams:
+def _raw_grams(a: jax.Array, b: jax.Array, kind: GramKind, cross_b: bool = False) -> RawGrams:
     return RawGrams(
         kind.gram(a),
         _b_gram(b),
         jnp.max(jnp.abs(a), axis=(-2, -1), initial=0.0),
         jnp.max(jnp.abs(b), axis=(-2, -1), initial=0.0),
+        _b_cross_gram(b) if cross_b else None,
     )
 
 
@@ -137,10 +152,11 @@ def _after(x: jax.Array, dep: Any) -> jax.Array:
     return x + z
 
 
-def leaf_grams(leaves: Leaves, after: Any = None) -> RawGrams:
+def leaf_grams(leaves: Leaves, after: Any = None, cross_b: bool = False) -> RawGrams:
     """:class:`RawGrams` of the :data:`CROSS` kind from a bucket's leaves, a group of modules at
     a time (see the module docstring), each group's stacking after ``after`` (an array: the
-    previous bucket's last output, or None) and the previous group's Grams."""
+    previous bucket's last output, or None) and the previous group's Grams; with ``cross_b``
+    also every task pair's ``b_i b_j^T``."""
     pad_a, pad_b = leaves.padders()
     n = len(leaves.a)
     m_tasks = len(leaves.a[0])
@@ -159,10 +175,12 @@ def leaf_grams(leaves: Leaves, after: Any = None) -> RawGrams:
         # max |a| per task: over d_in first (the minor axis stays whole), then over r
         amax = jnp.max(jnp.max(jnp.abs(x), axis=1).reshape(-1, m_tasks, leaves.r_max), axis=-1)
         bmax = jnp.max(jnp.abs(b), axis=(-2, -1))
-        parts.append(RawGrams(ga, h, amax, bmax))
+        parts.append(RawGrams(ga, h, amax, bmax, _b_cross_gram(b) if cross_b else None))
         after = h
     fields = zip(*parts, strict=True)
-    return RawGrams(*(jnp.concatenate(f) if len(parts) > 1 else f[0] for f in fields))
+    return RawGrams(
+        *(None if f[0] is None else jnp.concatenate(f) if len(parts) > 1 else f[0] for f in fields)
+    )
 
 
 def safe_grams(
@@ -188,7 +206,7 @@ def safe_grams(
       (NaN/Inf entries of lora_a, lora_b, scale, read as 0; 0 on the raw route, whose inputs are
       finite when ``raw_ok``), and the scalar bool ``raw_ok``.
     """
-    return _safe(lambda: _raw_grams(a, b, kind), lambda: (a, b), scale, kind, route)
+    return _safe(lambda: _raw_grams(a, b, kind), lambda: (a, b), scale, kind, route)[:6]
 
 
 def _safe(
@@ -197,22 +215,26 @@ def _safe(
     scale: jax.Array,
     kind: GramKind,
     route: str,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    cross_b: bool = False,
+) -> tuple:
     """:func:`safe_grams` from ``raw()`` (called unless the route is ``"normalise"``) and
-    ``stacked()``, the factors ``(a, b)`` stacked (called only where ``"normalise"`` runs)."""
+    ``stacked()``, the factors ``(a, b)`` stacked (called only where ``"normalise"`` runs),
+    with a seventh entry: with ``cross_b`` every task pair's ``b'_i b'_j^T`` (``raw()`` then
+    gives :attr:`RawGrams.hb`), else None."""
     s, es, ns = pow2_normalise(scale, ())
 
     def normalised():
         a, b = stacked()
         a2, ea, na = pow2_normalise(a, (-2, -1))
         b2, eb, nb = pow2_normalise(b, (-2, -1))
-        return kind.gram(a2), _b_gram(b2), ea + eb, jnp.stack([na, nb], -1)
+        hb = _b_cross_gram(b2) if cross_b else None
+        return kind.gram(a2), _b_gram(b2), ea + eb, jnp.stack([na, nb], -1), hb
 
     if route == "normalise":
-        gs, hs, e_ab, bad = normalised()
+        gs, hs, e_ab, bad, hbs = normalised()
         raw_ok = jnp.ones((), bool)
     else:
-        ga, h, amax, bmax = raw()
+        ga, h, amax, bmax, hb = raw()
         lo, hi = 2.0**-_RAW_GRAM_RANGE, 2.0**_RAW_GRAM_RANGE
 
         def in_range(x):
@@ -229,29 +251,39 @@ def _safe(
         def from_raw():
             ea, eb = exponent(amax), exponent(bmax)
             hs = h * pow2(-2 * eb[..., None, None], h.dtype)
-            return kind.rescale(ga, ea), hs, ea + eb, jnp.zeros((*ea.shape, 2), jnp.int32)
+            hbs = _b_cross_rescale(hb, eb) if cross_b else None
+            return kind.rescale(ga, ea), hs, ea + eb, jnp.zeros((*ea.shape, 2), jnp.int32), hbs
 
         if route == "raw":
-            gs, hs, e_ab, bad = from_raw()
+            gs, hs, e_ab, bad, hbs = from_raw()
         else:
-            gs, hs, e_ab, bad = jax.lax.cond(raw_ok, from_raw, normalised)
-    return gs, hs, s, e_ab + es, jnp.concatenate([bad, ns[..., None]], -1), raw_ok
+            gs, hs, e_ab, bad, hbs = jax.lax.cond(raw_ok, from_raw, normalised)
+    return gs, hs, s, e_ab + es, jnp.concatenate([bad, ns[..., None]], -1), raw_ok, hbs
 
 
 def grams(
-    a: jax.Array | Leaves, b: jax.Array | None, scale: jax.Array, route: str, after: Any = None
+    a: jax.Array | Leaves,
+    b: jax.Array | None,
+    scale: jax.Array,
+    route: str,
+    after: Any = None,
+    cross_b: bool = False,
 ) -> Grams:
     """Stage 1: the only d-sized work, two Grams per module, scale-safe (see
     :func:`safe_grams`), from the stacked factors ``a``, ``b``, or from a bucket's
-    :class:`_buckets.Leaves` ``a`` (``b`` None; :func:`leaf_grams`, after ``after``)."""
+    :class:`_buckets.Leaves` ``a`` (``b`` None; :func:`leaf_grams`, after ``after``). With
+    ``cross_b`` (the sign-aware score) also every task pair's ``b'_i b'_j^T``
+    (:attr:`Grams.hb`): a third ``d_out``-sized product, ``M`` times the per-task one."""
     if isinstance(a, Leaves):
         leaves = a
-        g, h, s, e, nonfinite, raw_ok = _safe(
-            lambda: leaf_grams(leaves, after), leaves.stack, scale, CROSS, route
+        g, h, s, e, nonfinite, raw_ok, hb = _safe(
+            lambda: leaf_grams(leaves, after, cross_b), leaves.stack, scale, CROSS, route, cross_b
         )
     else:
-        g, h, s, e, nonfinite, raw_ok = safe_grams(a, b, scale, CROSS, route)
-    return Grams(g, jnp.einsum("nikil->nikl", g), h, s, e, nonfinite, raw_ok)
+        g, h, s, e, nonfinite, raw_ok, hb = _safe(
+            lambda: _raw_grams(a, b, CROSS, cross_b), lambda: (a, b), scale, CROSS, route, cross_b
+        )
+    return Grams(g, jnp.einsum("nikil->nikl", g), h, s, e, nonfinite, raw_ok, hb)
 
 
 def moment_grams(f: jax.Array, a: jax.Array, iso: Any = None) -> tuple[jax.Array, jax.Array]:

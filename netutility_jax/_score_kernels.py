@@ -26,6 +26,7 @@ from ._linalg import eigh_batched, mul_pow2
 __all__ = [
     "ANY_SIGMA",
     "BEYOND",
+    "INTERFERENCES",
     "NONFINITE",
     "RAW_OK",
     "BucketOut",
@@ -42,6 +43,12 @@ __all__ = [
 ]
 
 _HI = jax.lax.Precision.HIGHEST
+
+#: The interference terms :func:`score_buckets` computes: ``"overlap"`` the paper's (input-side
+#: overlaps, sign-blind), ``"signed"`` this project's sign-aware one (only conflicting parts of
+#: the directions' Frobenius inner products count; docs/math.md, section "Sign-aware
+#: interference").
+INTERFERENCES = ("overlap", "signed")
 
 
 class ModuleScores(NamedTuple):
@@ -119,6 +126,7 @@ def _finish(
     alphas: Sequence[jax.Array | float],
     rtol: jax.Array | float,
     moments: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    interference: str = "overlap",
 ) -> list[BucketStats]:
     """Stage 3: singular values, input directions ``a_i T_i``, overlaps, then for each alpha of
     ``alphas`` the benefit and interference (the overlaps, the costly part, are shared).
@@ -129,6 +137,12 @@ def _finish(
     ``moments``: ``(q (n, M, r, r), tr (n, M), iso (n, M))``, each task-module's ``a^T S a`` and
     ``tr(S)`` (:func:`moment_grams`) and whether it has no data (the data-free geometry, ``S =
     I``): the data-aware score (:func:`score`, ``input_moments``). None: the data-free score.
+
+    ``interference="signed"`` (this project's, docs/math.md): each input overlap ``v_jk . v_im``
+    is replaced by ``(v_jk . v_im) |u_jk . u_im|`` where the rank-1 cosine ``(u_jk . u_im)(v_jk
+    . v_im)`` is negative (a conflict) and by 0 elsewhere, with the output directions ``u = W^T
+    v / s`` from ``gr.hb``; with ``alpha = 1`` and no moments, task i's part of the
+    interference is then ``sum_m min(0, <c_jk, c_im>_F)^2 / w_i``.
     """
     r = gr.h.shape[-1]
     m_tasks = gr.h.shape[1]
@@ -143,6 +157,16 @@ def _finish(
     t_in = gr.scale[..., None, None] * jnp.matmul(rbt, z, precision=_HI) * inv[..., None, :]
     gt = jnp.einsum("njaib,nibm->njaim", gr.g, t_in, precision=_HI)
     ov = jnp.einsum("njak,njaim->njkim", t_in, gt, precision=_HI)  # v_jk . v_im
+    if interference == "signed":
+        # u_i = W'_i^T v_i / s'_i = b'_i^T p_i with p_i = scale'_i (a'_i^T a'_i) t_i / s'_i
+        pv = gr.scale[..., None, None] * jnp.matmul(gr.gii, t_in, precision=_HI) * inv[..., None, :]
+        hp = jnp.einsum("njaib,nibm->njaim", gr.hb, pv, precision=_HI)
+        ou = jnp.einsum("njak,njaim->njkim", pv, hp, precision=_HI)  # u_jk . u_im
+        # only conflicting pairs (rank-1 cosine (u_jk . u_im)(v_jk . v_im) < 0), the input
+        # overlap weighted by the output one: squared, min(0, cosine)^2; signed as v_jk . v_im,
+        # so flipping a component's (u, v) flips its entry and its row of C_i together (the
+        # data-aware quadratic form is invariant, as the update is)
+        ov = jnp.where(ov * ou < 0, ov * jnp.abs(ou), 0)
     rel = _safe_div(sig, smax[..., None])  # s / s_max: scale-free powers, no underflow
     ratio2 = _safe_div(sig[..., None], smax[:, None, None, :]) ** 2  # (s'_jk / s'_max_i)^2
     off = 1 - jnp.eye(m_tasks, dtype=sig.dtype)
@@ -246,6 +270,7 @@ def score_buckets(
     alpha: jax.Array | float,
     rtols: Sequence[jax.Array | float],
     route: str = "cond",
+    interference: str = "overlap",
 ) -> list[BucketStats]:
     """Benefit and interference of every direction of several buckets (pure, traceable).
 
@@ -266,10 +291,13 @@ def score_buckets(
     ``"cond"`` is exact for any input; ``"raw"`` is the fastest and exact unless
     ``BucketStats.raw_ok`` is False, in which case the call must be repeated with ``"normalise"``.
 
+    ``interference`` (:data:`INTERFERENCES`): ``"overlap"``, the paper's term, or ``"signed"``,
+    this project's sign-aware one (one more Gram, every task pair's ``b_i b_j^T``).
+
     Returns:
       one :class:`BucketStats` per bucket, arrays ``(n, M, r)``.
     """
-    return _score_buckets(buckets, (alpha,), rtols, route)[0][0]
+    return _score_buckets(buckets, (alpha,), rtols, route, interference=interference)[0][0]
 
 
 def _score_buckets(
@@ -278,16 +306,18 @@ def _score_buckets(
     rtols: Sequence[jax.Array | float],
     route: str,
     moments: Sequence[tuple[jax.Array, jax.Array]] | None = None,
+    interference: str = "overlap",
 ) -> tuple[list[list[BucketStats]], list[Grams]]:
     """:func:`score_buckets` for each alpha of ``alphas`` from one decomposition: ``(stats,
     grams)``, ``stats[a][b]`` alpha ``a``'s :class:`BucketStats` of bucket ``b``. ``moments``:
     per bucket ``(f (n, M, k, d_in), iso (n, M))`` (:func:`_buckets.stack_moments`) for the
     data-aware score, or None."""
     grs: list[Grams] = []
+    cross_b = interference == "signed"
     for a, b, s, _ in buckets:
         # from leaves, each bucket's Grams after the previous one's: XLA then holds one group
         # of modules' stacked factors at a time (see _grams.leaf_grams)
-        grs.append(grams(a, b, s, route, after=grs[-1].h if grs else None))
+        grs.append(grams(a, b, s, route, after=grs[-1].h if grs else None, cross_b=cross_b))
     if moments is None:
         qs = [None] * len(buckets)
     else:
@@ -299,7 +329,7 @@ def _score_buckets(
     cores = [_cores(gr, phi, f) for gr, (phi, f) in zip(grs, eig_h, strict=True)]
     eig_c = eigh_batched([c for _, c in cores])
     per_bucket = [
-        _finish(gr, rbt, ev, z, bk[3], alphas, rtol, q)
+        _finish(gr, rbt, ev, z, bk[3], alphas, rtol, q, interference)
         for gr, (rbt, _), (ev, z), bk, rtol, q in zip(
             grs, cores, eig_c, buckets, rtols, qs, strict=True
         )
@@ -371,7 +401,9 @@ def _median_runs(x: jax.Array, candidate: jax.Array, *, positive: bool) -> tuple
     return tuple(out)
 
 
-def _score_stats(inputs, alpha, rtols, *, meta, route, energy=False, moments=None):
+def _score_stats(
+    inputs, alpha, rtols, *, meta, route, energy=False, moments=None, interference="overlap"
+):
     """Stage 1 of :func:`score_impl`: ``(stats, energies)``, ``stats[a]`` each bucket's
     :class:`BucketStats` for ``alpha`` (shape ``()``: one) or each of its values (shape
     ``(A,)``: one decomposition for all), and with ``energy`` each bucket's task-module energies
@@ -398,7 +430,7 @@ def _score_stats(inputs, alpha, rtols, *, meta, route, energy=False, moments=Non
             else tuple(_buckets.stack_moments(m, d_in=d_in, dtype=dtype))
             for m, (d_in, _, _) in zip(moments, meta[1], strict=True)
         ]
-    stats, grs = _score_buckets(stacked, alphas, rtols, route, moments)
+    stats, grs = _score_buckets(stacked, alphas, rtols, route, moments, interference)
     return stats, [_module_energies(gr) for gr in grs] if energy else None
 
 
@@ -480,18 +512,29 @@ class Finished(NamedTuple):
 
 
 @kernel(
-    static_argnames=("meta", "lam_is_auto", "route", "energy")
+    static_argnames=("meta", "lam_is_auto", "route", "energy", "interference")
 )  # (jax.jit, kept on disk by the CLI)
 def score_impl(
-    inputs, alpha, lam, rtols, *, meta, lam_is_auto, route="raw", energy=False, moments=None
+    inputs,
+    alpha,
+    lam,
+    rtols,
+    *,
+    meta,
+    lam_is_auto,
+    route="raw",
+    energy=False,
+    moments=None,
+    interference="overlap",
 ):
     """The jitted scoring of :func:`score`: ``(finished, raw_ok, energies)``, ``finished`` one
     :func:`_score_finish` per alpha (see :func:`_score_stats`). With ``route="raw"`` the caller
     must redo the call with ``route="normalise"`` when ``raw_ok`` is False (see
     :func:`safe_grams`)."""
     stats, energies = _score_stats(
-        inputs, alpha, rtols, meta=meta, route=route, energy=energy, moments=moments
-    )
+        inputs, alpha, rtols, meta=meta, route=route, energy=energy, moments=moments,
+        interference=interference,
+    )  # fmt: skip
     finished = _finish_all(stats, lam, meta, lam_is_auto, route)
     return finished, finished[0].raw_ok, energies
 
@@ -501,31 +544,54 @@ def _finish_all(stats, lam, meta, lam_is_auto, route):
     return tuple(_score_finish(st, lam, **kw) for st in stats)
 
 
-_score_stats_jit = jax.jit(_score_stats, static_argnames=("meta", "route", "energy"))
+_score_stats_jit = jax.jit(
+    _score_stats, static_argnames=("meta", "route", "energy", "interference")
+)
 _finish_all_jit = jax.jit(_finish_all, static_argnames=("meta", "lam_is_auto", "route"))
 
 
 def score_by_device(
-    inputs, alpha, lam, rtols, *, meta, lam_is_auto, route, energy, mesh, moments=None
+    inputs,
+    alpha,
+    lam,
+    rtols,
+    *,
+    meta,
+    lam_is_auto,
+    route,
+    energy,
+    mesh,
+    moments=None,
+    interference="overlap",
 ):
     """:func:`score_impl` with each bucket's modules split between ``mesh``'s devices
     (:func:`_mesh.per_device`: one SPMD program, or on CPU each device's modules of every bucket
     in one call, in turn), then the global stage once."""
     if _mesh.spmd(mesh):  # one program, as score_impl: the one-device result, bit for bit
         kw = {"meta": meta, "lam_is_auto": lam_is_auto, "route": route, "energy": energy}
+        kw["interference"] = interference
         if moments is not None:
             kw["moments"] = _mesh.shard(moments, mesh)
         return score_impl(_mesh.shard(inputs, mesh), alpha, lam, rtols, **kw)
     if moments is None:
         stats, energies = _mesh.per_device(
-            lambda x: _score_stats_jit(x, alpha, rtols, meta=meta, route=route, energy=energy),
+            lambda x: _score_stats_jit(
+                x, alpha, rtols, meta=meta, route=route, energy=energy, interference=interference
+            ),
             inputs,
             mesh,
         )
     else:
         stats, energies = _mesh.per_device(
             lambda xm: _score_stats_jit(
-                xm[0], alpha, rtols, meta=meta, route=route, energy=energy, moments=xm[1]
+                xm[0],
+                alpha,
+                rtols,
+                meta=meta,
+                route=route,
+                energy=energy,
+                moments=xm[1],
+                interference=interference,
             ),
             (inputs, moments),
             mesh,

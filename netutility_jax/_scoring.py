@@ -33,6 +33,7 @@ from ._score_errors import (
 from ._score_kernels import (
     ANY_SIGMA,
     BEYOND,
+    INTERFERENCES,
     NONFINITE,
     RAW_OK,
     BucketOut,
@@ -50,6 +51,7 @@ __all__ = [
     "H_THRESHOLD",
     "Deferred",
     "Run",
+    "check_interference",
     "check_options",
     "log_energies",
     "score_inputs",
@@ -81,6 +83,17 @@ def check_options(fn: str, alpha: Any, lam: Any, rtol: Any, h_threshold: Any) ->
     v = real_value(h_threshold)  # None under a trace
     if v is not None and not np.isfinite(v):
         raise InputError(f"{fn}: h_threshold={brief(h_threshold)}; expected a finite number.")
+
+
+def check_interference(fn: str, interference: Any) -> str:
+    """``interference`` as one of :data:`INTERFERENCES`, or :class:`InputError` naming it."""
+    if not isinstance(interference, str) or interference not in INTERFERENCES:
+        raise InputError(
+            f"{fn}: interference={brief(interference)}; expected 'overlap' (the paper's "
+            "input-overlap term, the default) or 'signed' (sign-aware: only conflicting "
+            "directions count; this project's extension)."
+        )
+    return interference
 
 
 def _traced(*trees: Any) -> bool:
@@ -208,14 +221,17 @@ def score_run(
     energy: bool = False,
     defer: bool = False,
     input_moments: Any = None,
+    interference: str = "overlap",
 ) -> Run:
     """:func:`score` for each of ``alphas`` (checked numbers) from one decomposition.
 
     ``energy``: also each task's energy over the modules (concrete inputs), from the scoring
     Grams. ``defer``: results beyond the compute dtype are not raised here (whether they occur
     depends on alpha) but by ``check[a]()``, which holds the modules' names and scales only.
-    ``input_moments``: as :func:`score` (checked here).
+    ``input_moments``: as :func:`score` (checked here). ``interference``: as :func:`score`
+    (checked here).
     """
+    interference = check_interference(fn, interference)
     names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
     mrows = moments.resolve(fn, input_moments, buckets, m_tasks)
     lam_is_auto = isinstance(lam, str)
@@ -247,6 +263,7 @@ def score_run(
         else:
             alpha_arg = jnp.asarray(alphas[0] if n_alpha == 1 else jnp.stack(alphas), dtype)
         kw = {"meta": meta, "lam_is_auto": lam_is_auto, "energy": energy}
+        kw["interference"] = interference
         if mrows is not None:
             stacked_moments = _score_moments(fn, buckets, mrows, dtype, mesh)
             kw["moments"] = stacked_moments

@@ -63,7 +63,7 @@ from ._score_kernels import default_rtol as default_rtol
 from ._score_kernels import lam_auto as lam_auto
 from ._score_kernels import score_buckets as score_buckets
 from ._score_kernels import unstack as unstack
-from ._scoring import H_THRESHOLD, check_options, log_energies, score_run
+from ._scoring import H_THRESHOLD, check_interference, check_options, log_energies, score_run
 from .errors import InputError
 
 __all__ = [
@@ -91,6 +91,7 @@ def score(
     checked: bool = False,
     mesh: Any = None,
     input_moments: Sequence[Mapping[str, moments.InputMoments | None] | None] | None = None,
+    interference: str = "overlap",
 ) -> Scores:
     """Net utility of every singular direction of every module and task (paper Eq. net-utility).
 
@@ -121,6 +122,20 @@ def score(
     ``S_i = I`` gives ``C_i = I`` and the data-free score exactly; any positive scale of ``S_i``
     cancels (as the paper's ``kappa_i``), so activations need not be normalised. The part of
     ``S_i`` outside task i's row space does not count: the geometry keeps the proxy's support.
+
+    **Sign-aware interference** (``interference="signed"``; ours, not the paper's, see
+    docs/math.md). Two rank-1 components ``c_jk = s_jk u_jk v_jk^T`` and ``c_im`` interact
+    through their Frobenius inner product ``<c_jk, c_im>_F = s_jk s_im (u_jk . u_im)(v_jk .
+    v_im)``: negative, they cancel in a sum (conflict); positive, they add (agreement). The
+    signed term keeps the paper's normalisation and replaces the input overlap ``v_jk . v_im`` by
+    the conflicting part of the rank-1 cosine, ``kappa = min(0, (u_jk . u_im)(v_jk . v_im))``::
+
+        interference = s_jk^2 sum_{i!=j} sum_m s_im^(2a) / w_i kappa^2
+                     = sum_{i!=j} sum_m min(0, <c_jk, c_im>_F)^2 / w_i        (a = 1)
+
+    so agreeing components add none, and ``|kappa| <= |v_jk . v_im|`` makes it at most the
+    paper's term. With ``input_moments``, ``y_m = s_im^a kappa`` in the data-aware formula.
+    ``lam="auto"`` is the same median ratio over these values.
 
     All modules of equal shape are scored by one jitted, batched kernel from the Grams of the factors (see the module docstring); no dense update is formed.
     The kernel is scale-safe: factors and scales are normalised by exact powers of two, so any
@@ -163,6 +178,9 @@ def score(
         ``(k, d_in)`` with ``S = factor^T factor``; cost ``O(k d_in r)`` per task-module. The
         ``alpha="auto"`` rule and ``lam="auto"`` (the median ratio, over the data-aware
         benefits and interferences) apply unchanged.
+      interference: ``"overlap"`` (default): the paper's term, from the input directions'
+        overlaps (sign-blind); ``"signed"``: only conflicting components count (above; this
+        project's extension). Static: each value compiles its own kernel.
 
     Returns:
       :class:`Scores` with ``modules[name]`` fields ``sigma``, ``benefit``, ``interference``,
@@ -176,7 +194,8 @@ def score(
         factors that do not chain, NaN/Inf in a factor or scale (the message names the module,
         task, array and how many entries), a result beyond the compute dtype's range (tasks
         whose update sizes differ by ~1e19 or more in float32), alpha or lam negative or not
-        finite, an unknown string option, rtol outside ``[0, 1)``, ``lam="auto"`` with no
+        finite, an unknown string option (``interference`` included), rtol outside ``[0, 1)``,
+        ``lam="auto"`` with no
         candidate at all; ``input_moments`` with the wrong number of tasks, a module missing or
         unknown, a factor of the wrong ``d_in``, NaN/Inf or all zero, or a task-module update
         that is zero on all of its inputs.
@@ -201,13 +220,17 @@ def score(
     fn = "nu.score"
     checked = check_bool(fn, "checked", checked)
     check_options(fn, alpha, lam, rtol, h_threshold)
+    interference = check_interference(fn, interference)
     if isinstance(alpha, str):
         h = heterogeneity(adapters, checked=checked, _fn=f"{fn} (alpha='auto')")
         if isinstance(h, jax.core.Tracer):  # under a trace the rule is data, not a branch
             alpha = jnp.where(h > h_threshold, 0.0, 1.0)
         else:
             alpha = 0.0 if float(h) > float(h_threshold) else 1.0
-    run = score_run(fn, adapters, (alpha,), lam, rtol, checked, mesh, input_moments=input_moments)
+    run = score_run(
+        fn, adapters, (alpha,), lam, rtol, checked, mesh, input_moments=input_moments,
+        interference=interference,
+    )  # fmt: skip
     return run.scores[0]
 
 
