@@ -1,0 +1,110 @@
+"""The planted-interference study's plants and read-out (a)
+(netutility_jax/experiments/harness/planted.py), against dense float64 math written out here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import netutility_jax as nu
+from netutility_jax.errors import InputError
+from netutility_jax.experiments.harness import planted as pl
+
+NAMES = ("v", "c", "o")
+
+
+def _adapters(seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            m: {
+                "lora_a": rng.normal(size=(20, 4)).astype(np.float32),
+                "lora_b": rng.normal(size=(4, 15)).astype(np.float32),
+                "scale": float(rng.uniform(0.5, 2.0)) * (-1 if (j, m) == (1, "k") else 1),
+            }
+            for m in ("q", "k")
+        }
+        for j in range(3)
+    ]
+
+
+def _dense(mod):
+    return float(mod["scale"]) * (
+        np.asarray(mod["lora_a"], np.float64) @ np.asarray(mod["lora_b"], np.float64)
+    )
+
+
+def test_top_components_are_the_dense_svd():
+    mod = _adapters()[0]["q"]
+    s, x, y = pl.top_components(mod, 2)
+    u, sd, vt = np.linalg.svd(_dense(mod))
+    np.testing.assert_allclose(s, sd[:2], rtol=1e-10)
+    np.testing.assert_allclose(np.abs(x.T @ u[:, :2]), np.eye(2), atol=1e-8)
+    np.testing.assert_allclose(x @ np.diag(s) @ y.T, (u[:, :2] * sd[:2]) @ vt[:2], atol=1e-8)
+
+
+@pytest.mark.parametrize("sign, gamma", [(-1, 1.0), (1, 1.0), (-1, 0.5)])
+def test_a_plant_adds_the_victims_scaled_top_components_to_the_carrier(sign, gamma):
+    ads = _adapters()
+    out, plants = pl.plant(ads, NAMES, pl.Arm("x", sign, gamma), pairs=(("v", "c"),))
+    assert len(plants) == 2  # one per module of the victim
+    for m in ("q", "k"):
+        assert out[1][m]["lora_a"].shape == (20, 6) and ads[1][m]["lora_a"].shape == (20, 4)
+        u, s, vt = np.linalg.svd(_dense(ads[0][m]))
+        top2 = (u[:, :2] * s[:2]) @ vt[:2]
+        np.testing.assert_allclose(
+            _dense(out[1][m]) - _dense(ads[1][m]), sign * gamma * top2, atol=1e-4 * s[0]
+        )
+        assert out[0][m] is ads[0][m] and out[2][m] is ads[2][m]
+    if (sign, gamma) == (-1, 1.0):  # TA with coefficient 1: the victim's top two cancel
+        for m in ("q", "k"):
+            u, s, vt = np.linalg.svd(_dense(ads[0][m]))
+            rest = _dense(ads[0][m]) + _dense(out[1][m]) - _dense(ads[1][m])
+            np.testing.assert_allclose(rest, (u[:, 2:4] * s[2:4]) @ vt[2:4], atol=1e-4 * s[0])
+
+
+def test_readout_a_is_one_when_all_kept_and_zero_when_the_carrier_keeps_nothing():
+    ads = _adapters(1)
+    out, plants = pl.plant(ads, NAMES, pl.Arm("x", -1, 1.0), pairs=(("v", "c"),))
+    sc = nu.score(out, lam=1.0)
+    every = {n: np.isfinite(np.asarray(m.utility)) for n, m in sc.modules.items()}
+    ra = pl.readout_a(out, NAMES, every, plants, pairs=(("v", "c"),))["v->c"]
+    assert ra["plant_kept"] == pytest.approx(1.0, abs=1e-9) and ra["victim_top_kept"] == 1.0
+    none = {n: m.copy() for n, m in every.items()}
+    for m in none.values():
+        m[1] = False
+        m[0, :2] = False
+    ra = pl.readout_a(out, NAMES, none, plants, pairs=(("v", "c"),))["v->c"]
+    assert ra["plant_kept"] == 0.0 and ra["victim_top_kept"] == 0.0
+
+
+def test_plant_kept_is_the_plants_energy_in_the_kept_directions():
+    ads = _adapters(2)
+    out, plants = pl.plant(ads, NAMES, pl.Arm("x", 1, 0.5), pairs=(("v", "c"),))
+    p = plants[0]
+    keep = np.array([True, False, True, True, False, True])
+    kept, total = pl.plant_kept(out[1][p.module], keep, p)
+    u, _, vt = np.linalg.svd(_dense(out[1][p.module]))
+    xk, yk = u[:, :6][:, keep], vt[:6][keep].T
+    dense_p = (p.x * p.coef) @ p.y.T
+    assert total == pytest.approx(float((dense_p**2).sum()), rel=1e-9)
+    assert kept == pytest.approx(float(((xk.T @ dense_p @ yk) ** 2).sum()), rel=1e-6)
+    assert 0 < kept < total
+
+
+def test_null_arm_plants_nothing_and_unknown_pairs_are_refused():
+    ads = _adapters()
+    out, plants = pl.plant(ads, NAMES, pl.ARMS[0])
+    assert plants == [] and all(o == a for o, a in zip(out, ads, strict=True))
+    with pytest.raises(InputError, match=r"the tasks \['austen_novel'"):
+        pl.plant(ads, NAMES, pl.ARMS[1])
+
+
+def test_the_primary_comparisons_are_the_eight_registered():
+    labels = [d[0] for d in pl.PRIMARY_DELTAS]
+    assert len(labels) == 8 and pl.BONFERRONI == pytest.approx(0.99375)
+    assert {d[1] for d in pl.PRIMARY_DELTAS} == {"conflict_g1", "agreement_g1"}
+    assert {(d[2].split("/")[1], d[3]) for d in pl.PRIMARY_DELTAS} == {
+        ("R16", "energy/R16"),
+        ("full", "all/full"),
+    }
