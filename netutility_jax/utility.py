@@ -222,7 +222,7 @@ def score(
     check_options(fn, alpha, lam, rtol, h_threshold)
     interference = check_interference(fn, interference)
     if isinstance(alpha, str):
-        h = heterogeneity(adapters, checked=checked, _fn=f"{fn} (alpha='auto')")
+        h = heterogeneity(adapters, checked=checked, _fn=fn, _for_alpha=True)
         if isinstance(h, jax.core.Tracer):  # under a trace the rule is data, not a branch
             alpha = jnp.where(h > h_threshold, 0.0, 1.0)
         else:
@@ -271,7 +271,12 @@ def task_energies(
 
 
 def heterogeneity(
-    adapters: Sequence[Any], *, checked: bool = False, _fn: str = "nu.heterogeneity"
+    adapters: Sequence[Any],
+    *,
+    checked: bool = False,
+    _fn: str = "nu.heterogeneity",
+    _for_alpha: bool = False,
+    _names: Sequence[str] | None = None,
 ) -> jax.Array:
     """Task heterogeneity ``h = Var_i[log ||dW_i||_F^2]`` (paper Eq. h; population variance).
 
@@ -291,7 +296,9 @@ def heterogeneity(
 
     Raises:
       InputError: a task's adapter is zero everywhere (its log-energy is undefined); NaN/Inf in a
-        factor or scale.
+        factor or scale. The error carries ``task_index`` (that task's position in
+        ``adapters``) and ``argument`` (``"alpha"`` when :func:`score`'s ``alpha="auto"`` asked
+        for ``h``, else None), for callers that name adapters and options their own way.
       InputTypeError: as :func:`score`.
 
     Example:
@@ -310,11 +317,24 @@ def heterogeneity(
     if not isinstance(t, jax.core.Tracer):
         zero = np.flatnonzero(np.asarray(t) <= 0)
         if zero.size:
-            raise InputError(
-                f"{_fn}: task {int(zero[0])} has a zero update in every module; its log-energy "
-                "is undefined. Drop that adapter"
-                f"{' or pass alpha= explicitly' if 'alpha' in _fn else ''}."
-            )
+            i = int(zero[0])
+            who = f"task {i}" + (f" ({_names[i]!r})" if _names is not None else "")
+            if _for_alpha:
+                msg = (
+                    f"{_fn}: alpha='auto' applies the heterogeneity rule, which needs every "
+                    f"task's log-energy, but {who} (adapters[{i}]) has a zero update in every "
+                    "module. Drop that adapter, or pass a number for alpha= (1.0 Gram geometry, "
+                    "0.0 row space)."
+                )
+            else:
+                msg = (
+                    f"{_fn}: {who} has a zero update in every module; its log-energy is "
+                    "undefined. Drop that adapter."
+                )
+            err = InputError(msg)
+            err.task_index = i
+            err.argument = "alpha" if _for_alpha else None
+            raise err
     # log e_i = ln 2 (k_i + log2 t_i); the integer part is centred exactly before the float math
     rel = (k - k[0]).astype(dtype) + jnp.log2(t)
     return jnp.var(rel * np.log(2.0).astype(dtype))
