@@ -76,6 +76,11 @@ class SuiteReport:
         """What a training step holds."""
         return f"a step packs {train_config['rows']} x {train_config['row_len']} tokens"
 
+    def schedule(self, train_config: Mapping[str, Any]) -> str:
+        """The learning-rate schedule after the warmup (``fitting.TrainConfigBase.schedule``:
+        cosine; a suite whose config schedules otherwise says so)."""
+        return f"cosine decay to 0 at {train_config['max_steps']} steps"
+
     def training(self, results: Mapping[str, Any]) -> list[str]:
         """The report's training section (a suite whose adapters are given says where from)."""
         return _training_md(results, self)
@@ -378,8 +383,8 @@ def _single_md(results, suite: SuiteReport) -> list[str]:
         "",
         "## Single LoRAs against zero-shot (test accuracy, %)",
         "",
-        "| Task | labels (chance) | zero-shot | individual LoRA, mean over seeds [t-interval] | gap | "
-        "zero-shot normalized |",
+        "| Task | labels (chance) | zero-shot, mean over seeds | individual LoRA, mean over seeds "
+        "[t-interval] | gap | zero-shot normalized |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for t in results["tasks"]:
@@ -391,7 +396,14 @@ def _single_md(results, suite: SuiteReport) -> list[str]:
             f"{_iv(s['individual_test'], pct=True)} | {_iv(s['gap'], pct=True)} | "
             f"{_iv(s['zero_shot_normalized'])} |"
         )
-    lines += ["", suite.heads(results)]
+    lines += [
+        "",
+        "Gap and zero-shot normalized: each seed's individual LoRA against that seed's own "
+        "zero-shot accuracy (a suite whose zero-shot model depends on the seed, such as trained "
+        "heads, has one per seed), then the mean and t interval over seeds.",
+        "",
+        suite.heads(results),
+    ]
     return lines
 
 
@@ -588,7 +600,7 @@ def _training_md(results, suite: SuiteReport) -> list[str]:
         "## Training",
         "",
         f"AdamW (optax), peak learning rate {tc['learning_rate']:g}, {100 * tc['warmup_fraction']:g}% "
-        f"linear warmup, cosine decay to 0 at {tc['max_steps']} steps, weight decay "
+        f"linear warmup, {suite.schedule(tc)}, weight decay "
         f"{tc['weight_decay']:g}; {suite.step(tc)}; validation "
         f"accuracy every {tc['eval_every']} steps, the best adapter kept, early stopping after "
         f"{tc['patience']} evaluations without improvement.",

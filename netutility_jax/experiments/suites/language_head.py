@@ -330,6 +330,13 @@ class LanguageHeadReport(SuiteReport):
             for t in run.tasks
         )
 
+    def schedule(self, train_config: Mapping[str, Any]) -> str:
+        """``nli_head.NLITrainConfig.schedule``: transformers' linear schedule."""
+        return (
+            "linear decay to 0 at the schedule's end (transformers' linear schedule; "
+            f"min({train_config['max_steps']} steps, {train_config['max_epochs']} epochs))"
+        )
+
     def evaluation(self, run: Any, common: dict[str, Any]) -> dict[str, Any]:
         tc = run.preset.train
         return {
