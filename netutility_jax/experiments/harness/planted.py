@@ -99,21 +99,25 @@ ALLOCATIONS: dict[str, dict[str, Any]] = {
 }
 BUDGETS = (16, 32)
 
-#: The merges evaluated for accuracy first (the pre-registered primary comparisons and what
-#: they need: gamma 1, R = 16 and full capacity; the null arm for the oracle), as
-#: ``(arm, allocation, budget)``; the rest (``--merges all``) after them.
-PRIMARY = tuple(
-    (arm, alloc, r)
-    for arm in ("conflict_g1", "agreement_g1", "null")
-    for alloc, r in (
-        ("energy", 16),
-        ("net_utility", 16),
-        ("signed", 16),
-        ("uniform", 16),
-        ("net_utility_pos", None),
-        ("signed_pos", None),
-        ("all", None),
-    )
+#: The merges evaluated for accuracy first: what the pre-registered primary comparisons need
+#: (gamma 1, conflict and agreement, R = 16 and full capacity: energy, Net Utility, sign-aware,
+#: keep-all) and the oracle (Net Utility and keep-all on the unplanted set), as ``(arm,
+#: allocation, budget)``; the rest (``--merges all``) after them.
+PRIMARY = (
+    *(
+        (arm, alloc, r)
+        for arm in ("conflict_g1", "agreement_g1")
+        for alloc, r in (
+            ("energy", 16),
+            ("net_utility", 16),
+            ("signed", 16),
+            ("net_utility_pos", None),
+            ("signed_pos", None),
+            ("all", None),
+        )
+    ),
+    ("null", "net_utility", 16),
+    ("null", "all", None),
 )
 
 
