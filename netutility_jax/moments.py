@@ -34,6 +34,8 @@ from .errors import InputError, InputTypeError
 
 __all__ = [
     "MOMENTS_FORMAT",
+    "NPZ_MAX_RATIO",
+    "NPZ_MIN_BYTES",
     "InputMoments",
     "input_moments",
     "input_moments_dense",
@@ -444,6 +446,13 @@ def resolve(
 MOMENTS_FORMAT = "netutility-input-moments"
 """The ``format`` a moments file written by :func:`save_input_moments` declares."""
 _NPZ_HEADER = "__netutility__"  # an .npz's header: a 0-d string array holding JSON
+NPZ_MAX_RATIO = 64
+"""By default an ``.npz`` moments file's arrays may take this many times the file's size once
+decompressed (:func:`load_input_moments`; ``np.savez`` stores them uncompressed, ratio 1, and
+float data deflates little), or :data:`NPZ_MIN_BYTES`, whichever is more."""
+NPZ_MIN_BYTES = 32 * 2**20
+"""The least an ``.npz`` moments file's arrays may take once decompressed, by default."""
+_NPZ_CHUNK = 2**20  # bytes decompressed at a time
 _FORMS = ("second_moment", "factor")
 
 
@@ -565,12 +574,146 @@ def _safetensors_header(fn: str, data: bytes) -> dict[str, str]:
     return dict(meta) if isinstance(meta, dict) else {}
 
 
-def _read_file(fn: str, suffix: str, data: bytes) -> tuple[dict[str, np.ndarray], dict]:
-    """``(arrays by name, header)`` of a moments file's bytes."""
+def _default_max_bytes(size: int) -> int:
+    """What the arrays of an ``.npz`` of ``size`` bytes may take once decompressed, by default:
+    :data:`NPZ_MAX_RATIO` times the file, at least :data:`NPZ_MIN_BYTES`."""
+    return max(NPZ_MIN_BYTES, NPZ_MAX_RATIO * size)
+
+
+def _read_npz(fn: str, data: bytes, max_bytes: int | None, hint: str) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` archive's bytes, read without pickles and within ``max_bytes``
+    decompressed bytes (default :func:`_default_max_bytes`).
+
+    Every member's uncompressed size as the zip's central directory declares it is checked
+    (each, and their sum) before anything is decompressed, so a zip bomb is refused at once; the
+    members are then decompressed a chunk at a time into a buffer of the declared size, from a
+    stream that yields no more than that (a header that under-declares its member cannot make
+    it read more: the zip's CRC refuses it), and each ``.npy`` header's shape and dtype must
+    account for exactly the bytes read (no array is allocated from a header alone)."""
     import io
-    import json
     import zipfile
     import zlib
+
+    limit = _default_max_bytes(len(data)) if max_bytes is None else max_bytes
+    # (a damaged zip: BadZipFile; a damaged compressed member: zlib.error; an encrypted one:
+    # RuntimeError; an unknown compression: NotImplementedError; a cut member: EOFError)
+    broken = (
+        ValueError, OSError, zipfile.BadZipFile, EOFError, zlib.error, KeyError, RuntimeError,
+        NotImplementedError, TypeError, OverflowError, MemoryError,
+    )  # fmt: skip
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+    except broken as e:
+        raise InputError(
+            f"{fn}: cannot be read as .npz without pickles ({_one(e)}); a moments file holds "
+            "plain float arrays."
+        ) from None
+    with zf:
+        infos = zf.infolist()
+        seen: set[str] = set()
+        total = 0
+        for info in infos:
+            name = info.filename
+            if name in seen:
+                raise InputError(f"{fn}: the archive holds member {name!r} twice.")
+            seen.add(name)
+            total += info.file_size
+            if info.file_size > limit or total > limit:
+                what = (
+                    f"member {name!r} declares {info.file_size:,} bytes once decompressed "
+                    f"(from {info.compress_size:,} compressed)"
+                    if info.file_size > limit
+                    else f"its members declare {total:,} bytes once decompressed (up to member "
+                    f"{name!r})"
+                )
+                raise InputError(
+                    f"{fn}: {what}, more than the {limit:,} bytes allowed for this "
+                    f"{len(data):,}-byte file (a zip bomb?); moments files are written "
+                    f"uncompressed (np.savez, nu.moments.save_input_moments){hint}."
+                )
+        arrays: dict[str, np.ndarray] = {}
+        for info in infos:
+            name = info.filename
+            key = name[:-4] if name.endswith(".npy") else name
+            try:
+                arrays[key] = _npz_member(fn, zf, info)
+            except InputError:
+                raise
+            except broken as e:
+                raise InputError(
+                    f"{fn}: member {name!r} cannot be read ({_one(e)}); the archive is damaged "
+                    "(a moments file holds plain float arrays: np.savez, or "
+                    "nu.moments.save_input_moments)."
+                ) from None
+    return arrays
+
+
+def _npz_member(fn: str, zf: Any, info: Any) -> np.ndarray:
+    """One ``.npz`` member as an array: at most its declared size read (then the zip's CRC), its
+    ``.npy`` header parsed first and checked against the bytes there are."""
+    import io
+
+    name, size = info.filename, info.file_size
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    with zf.open(info) as fh:
+        while got < size:
+            n = fh.readinto(view[got : min(size, got + _NPZ_CHUNK)])
+            if not n:
+                break
+            got += n
+        extra = fh.read(1)  # (the stream itself stops at the declared size; this says so)
+    view.release()
+    if got != size or extra:
+        raise InputError(
+            f"{fn}: member {name!r} holds {'more' if extra else f'only {got:,}'} bytes "
+            f"{'than' if extra else 'of'} the {size:,} its header declares; the archive is "
+            "damaged."
+        )
+    fp = io.BytesIO(buf)
+    fmt = np.lib.format
+    if not buf.startswith(fmt.MAGIC_PREFIX):
+        raise InputError(
+            f"{fn}: member {name!r} is not a .npy array; a moments file holds one plain float "
+            "array per module (np.savez, or nu.moments.save_input_moments)."
+        )
+    version = fmt.read_magic(fp)
+    if version == (1, 0):
+        shape, fortran, dtype = fmt.read_array_header_1_0(fp)
+    elif version == (2, 0):
+        shape, fortran, dtype = fmt.read_array_header_2_0(fp)
+    else:
+        raise InputError(
+            f"{fn}: member {name!r} is a .npy array of format version {version}; expected 1.0 or "
+            "2.0 (np.savez of a plain float array)."
+        )
+    if dtype.hasobject:
+        raise InputError(
+            f"{fn}: cannot be read as .npz without pickles (member {name!r} holds Python "
+            f"objects, dtype {dtype}); a moments file holds plain float arrays."
+        )
+    count = 1
+    for d in shape:
+        count *= int(d)
+    start = fp.tell()
+    if count * dtype.itemsize != size - start:
+        raise InputError(
+            f"{fn}: member {name!r} declares a {dtype} array of shape {tuple(shape)} "
+            f"({count * dtype.itemsize:,} bytes) but holds {size - start:,} bytes of data; the "
+            "archive is damaged."
+        )
+    arr = np.frombuffer(buf, dtype=dtype, count=count, offset=start)
+    if fortran:
+        return arr.reshape(tuple(shape)[::-1]).transpose()
+    return arr.reshape(tuple(shape))
+
+
+def _read_file(
+    fn: str, suffix: str, data: bytes, max_bytes: int | None = None, hint: str = ""
+) -> tuple[dict[str, np.ndarray], dict]:
+    """``(arrays by name, header)`` of a moments file's bytes."""
+    import json
 
     if suffix == "safetensors":
         try:
@@ -598,19 +741,7 @@ def _read_file(fn: str, suffix: str, data: bytes) -> tuple[dict[str, np.ndarray]
                 f"{fn}: not an .npz archive ({what}); a moments file holds one plain float "
                 "array per module (np.savez, or nu.moments.save_input_moments)."
             )
-        try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-        # (a damaged zip: BadZipFile; a damaged compressed member: zlib.error; an encrypted one:
-        # RuntimeError; an unknown compression: NotImplementedError; a cut member: EOFError)
-        except (
-            ValueError, OSError, zipfile.BadZipFile, EOFError, zlib.error, KeyError,
-            RuntimeError, NotImplementedError, TypeError,
-        ) as e:  # fmt: skip
-            raise InputError(
-                f"{fn}: cannot be read as .npz without pickles ({_one(e)}); a moments file holds "
-                "plain float arrays."
-            ) from None
+        arrays = _read_npz(fn, data, max_bytes, hint)
         header = {}
         raw = arrays.pop(_NPZ_HEADER, None)
         if raw is not None:
@@ -628,7 +759,11 @@ def _one(e: BaseException) -> str:
 
 
 def load_input_moments(
-    path: str | Any, *, data: bytes | None = None, what: str | None = None
+    path: str | Any,
+    *,
+    data: bytes | None = None,
+    what: str | None = None,
+    max_bytes: int | None = None,
 ) -> dict[str, InputMoments | None]:
     """One task's input moments from a file written by :func:`save_input_moments` (or by any
     program: arrays ``(d_in, d_in)`` ``E[x x^T]`` keyed by module name, in ``.safetensors`` or
@@ -644,12 +779,19 @@ def load_input_moments(
       data: its bytes, if already read (``netutility merge`` reads each file once, for its
         digest too).
       what: how messages name the file (default ``nu.moments.load_input_moments(<path>)``).
+      max_bytes: the most bytes an ``.npz``'s arrays may take once decompressed, checked against
+        the sizes the archive declares before anything is decompressed (a zip bomb is refused
+        at once, in little memory) and enforced while reading. Default: :data:`NPZ_MAX_RATIO`
+        (64) times the file's size, at least :data:`NPZ_MIN_BYTES` (32 MiB); files written by
+        :func:`save_input_moments` or ``np.savez`` (uncompressed) always fit.
 
     Returns:
       ``{module name: InputMoments | None}``: one task's entry of ``input_moments=``.
 
     Raises:
-      InputError: another suffix; a file that cannot be read as its format; an unknown header
+      InputError: another suffix; a file that cannot be read as its format (an ``.npz`` whose
+        members declare more than ``max_bytes`` decompressed, or hold other than they declare,
+        named by file and member); an unknown header
         ``format`` or ``form``; an array that is not 2-D floating, or (second moments) not
         square, finite, symmetric, PSD; a name both in the file and its data_free list; no
         module at all.
@@ -661,6 +803,16 @@ def load_input_moments(
 
     fn = what or f"nu.moments.load_input_moments({os.fspath(path)!r})"
     suffix = _suffix(fn, path)
+    if max_bytes is not None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)):
+            raise InputTypeError(
+                f"nu.moments.load_input_moments: max_bytes is {brief(max_bytes)}; expected a "
+                "number of bytes (an int) or None for the default."
+            )
+        if max_bytes < 0:
+            raise InputError(
+                f"nu.moments.load_input_moments: max_bytes={int(max_bytes)}; expected >= 0."
+            )
     if data is None:
         try:
             with open(path, "rb") as fh:
@@ -671,7 +823,10 @@ def load_input_moments(
             raise FileAccessError(f"{fn}: cannot be read (permission denied).") from None
         except OSError as e:
             raise FileAccessError(f"{fn}: cannot be read ({e.strerror or e}).") from None
-    arrays, header = _read_file(fn, suffix, data)
+    hint = "" if what is not None else ", or pass a larger max_bytes="
+    arrays, header = _read_file(
+        fn, suffix, data, None if max_bytes is None else int(max_bytes), hint
+    )
     fmt = header.get("format", MOMENTS_FORMAT)
     if fmt != MOMENTS_FORMAT:
         raise InputError(f"{fn}: its header says format {fmt!r}; expected {MOMENTS_FORMAT!r}.")

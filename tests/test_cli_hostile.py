@@ -402,7 +402,10 @@ def test_unreadable_moments_archives_are_refused_naming_the_file(folders, tmp_pa
     data[start : start + 32] = bytes(b ^ 0xA5 for b in data[start : start + 32])
     bad = tmp_path / "bad.npz"
     bad.write_bytes(bytes(data))
-    for f, what in ((npy, "not an .npz archive (a single .npy array)"), (bad, "cannot be read")):
+    for f, what in (
+        (npy, "not an .npz archive (a single .npy array)"),
+        (bad, f"member '{NAMES[0]}.npy' cannot be read"),
+    ):
         _refused(capsys, ["merge", *folders, "--budget", "2", "--dry-run", "--input-moments",
                           str(f), "none", "none"], f"--input-moments {f}: {what}")  # fmt: skip
     with pytest.raises(InputError, match=r"^nu\.moments\.load_input_moments\("):
@@ -552,3 +555,325 @@ def test_the_help_states_the_loader_s_limits():
     assert f"over {config.MAX_CONFIG_BYTES // 2**20} MiB" in text
     assert f"deeper than {config.MAX_DEPTH} levels" in text
     assert f"past {config.MAX_NODES} values" in text and "--allow-changed" in text
+
+
+# ------------------------------------------------------------------ inspect of an all-zero adapter
+
+
+@pytest.fixture(scope="module")
+def with_zero(folders, tmp_path_factory) -> list[str]:
+    """task0, an adapter whose update is zero in every module (B = 0), task2."""
+    p = tmp_path_factory.mktemp("zero") / "zero"
+    ad = {n: {**m, "lora_b": np.zeros_like(m["lora_b"])} for n, m in _adapter(1, RANKS[1]).items()}
+    nu.peft.save_adapter(ad, p, base_config=BASE)
+    return [folders[0], str(p), folders[2]]
+
+
+def _h_by_hand(seeds_ranks) -> float:
+    """``Var_i log ||dW_i||_F^2`` from the dense updates ``scale * A @ B`` (float64)."""
+    logs = []
+    for seed, r in seeds_ranks:
+        e = 0.0
+        for m in _adapter(seed, r).values():
+            dw = m["scale"] * (m["lora_a"].astype(np.float64) @ m["lora_b"].astype(np.float64))
+            e += float((dw**2).sum())
+        logs.append(np.log(e))
+    return float(np.var(logs))
+
+
+def test_inspect_says_why_h_is_undefined_and_what_alpha_auto_does(with_zero, folders, capsys):
+    """An all-zero adapter: the table says h is undefined and why (that adapter, by its path,
+    has no energy) and that ``--alpha auto`` refuses such a set, instead of a bare ``nan``; the
+    JSON has ``heterogeneity: null`` and the same note. Without the all-zero adapter: no note, and
+    h as computed here from the dense updates."""
+    rc, out, err = _run(capsys, "inspect", *with_zero, "--alpha", "1")
+    assert rc == 0, err
+    assert "nan" not in out.lower(), out
+    assert "heterogeneity h = undefined" in out
+    note = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert len(note) == 1, out
+    assert f"adapter '{with_zero[1]}' (task 1) has a zero update in every module" in note[0]
+    assert "no energy" in note[0] and "--alpha auto needs h and refuses this set" in note[0]
+    assert "--alpha 0 or 1" in note[0]
+    energies = [float(line.split()[4]) for line in out.splitlines()[1:4]]
+    assert energies[1] == 0 and energies[0] > 0 and energies[2] > 0
+    rc, out, err = _run(capsys, "inspect", *with_zero, "--alpha", "0", "--json")
+    assert rc == 0, err
+    info = json.loads(out)
+    assert (
+        info["heterogeneity"] is None and "(task 1) has a zero update" in info["heterogeneity_note"]
+    )
+    rc, out, err = _run(capsys, "inspect", *folders, "--json")
+    assert rc == 0, err
+    info = json.loads(out)
+    assert "heterogeneity_note" not in info
+    h = _h_by_hand([(i, r) for i, r in enumerate(RANKS)])
+    assert info["heterogeneity"] == pytest.approx(h, rel=1e-4)
+    assert info["alpha"] == (0.0 if h > 1 else 1.0)
+
+
+def test_inspect_with_alpha_auto_refuses_an_all_zero_adapter_by_name_and_flag(with_zero, capsys):
+    """``--alpha auto`` (the default) cannot apply its rule without h: one line naming the
+    adapter by its path and the flag, not "task 1" and ``alpha=``."""
+    err = _refused(capsys, ["inspect", *with_zero],
+                   f"--alpha auto: the heterogeneity h its rule needs is undefined: adapter "
+                   f"'{with_zero[1]}' (task 1) has a zero update in every module",
+                   start="netutility inspect: error: ")  # fmt: skip
+    assert "alpha=" not in err and "--alpha 0 or 1" in err
+    loaded = [nu.peft.load_adapter(p) for p in with_zero]
+    with pytest.raises(InputError, match=r"^alpha=\"auto\": the heterogeneity h .* alpha=0 or"):
+        cli.inspect_dict(loaded, with_zero, alpha="auto", lam="auto")
+    info = cli.inspect_dict(loaded, with_zero, alpha=1.0, lam="auto")
+    assert np.isnan(info["heterogeneity"]) and 'alpha="auto" needs h' in info["heterogeneity_note"]
+
+
+# ------------------------------------------------------------------ zip bombs as --input-moments
+
+
+def _deflated(path, members, *, declare=None) -> None:
+    """An .npz at ``path`` whose members (``{name: (npy header dict, zero bytes after it)}``)
+    are deflated as they are written (never whole in memory); ``declare``: the uncompressed size
+    to write into every member's local and central headers instead of the true one (a lying
+    archive)."""
+    import io
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, (head, n) in members.items():
+            h = io.BytesIO()
+            np.lib.format.write_array_header_1_0(h, head)
+            with z.open(name, "w") as f:
+                f.write(h.getvalue())
+                chunk = bytes(1 << 20)
+                while n > 0:
+                    f.write(chunk[: min(n, len(chunk))])
+                    n -= len(chunk)
+    if declare is not None:
+        data = bytearray(path.read_bytes())
+        for sig, at in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):
+            i = data.find(sig)
+            while i >= 0:
+                data[i + at : i + at + 4] = struct.pack("<I", declare)
+                i = data.find(sig, i + 4)
+        path.write_bytes(bytes(data))
+
+
+def _refused_small_and_fast(path, match: str) -> None:
+    """``load_input_moments(path)`` raises an InputError matching ``match`` within a second,
+    its Python allocations peaking under 50 MB (the bombs below hold 200 MB)."""
+    tracemalloc.start()
+    t = time.perf_counter()
+    try:
+        with pytest.raises(InputError, match=match):
+            nu.moments.load_input_moments(path)
+        elapsed = time.perf_counter() - t
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert elapsed < 1.0, elapsed
+    assert peak < 50 * 2**20, peak
+
+
+BOMB = 200 * 2**20  # bytes of zeros, deflated to about 200 kB
+
+
+def test_a_zip_bomb_of_moments_is_refused_from_its_declared_size(folders, tmp_path, capsys):
+    """200 MB of zeros deflated to ~200 kB: refused from the sizes the archive declares, naming
+    the file and the member, within a second and without allocating the 200 MB; the same on
+    the command line, naming the flag."""
+    path = tmp_path / "bomb.npz"
+    head = {"descr": "<f8", "fortran_order": False, "shape": (4096, BOMB // 8 // 4096)}
+    _deflated(path, {f"{NAMES[0]}.npy": (head, BOMB)})
+    size = path.stat().st_size
+    assert size < BOMB // 500  # (it is a bomb)
+    _refused_small_and_fast(
+        path,
+        rf"^nu\.moments\.load_input_moments\('{re.escape(str(path))}'\): member "
+        rf"'{re.escape(NAMES[0])}\.npy' declares [\d,]+ bytes once decompressed .*zip bomb",
+    )
+    _refused(capsys, ["merge", *folders, "--budget", "2", "--dry-run", "--input-moments",
+                      str(path), "none", "none"],
+             f"--input-moments {path}: member '{NAMES[0]}.npy' declares")  # fmt: skip
+    # many members each under the limit, together over it
+    many = tmp_path / "many.npz"
+    head = {"descr": "<f8", "fortran_order": False, "shape": (2**20,)}
+    _deflated(many, {f"m{i}.npy": (head, 8 * 2**20) for i in range(25)})
+    _refused_small_and_fast(many, r"its members declare [\d,]+ bytes once decompressed")
+
+
+@pytest.mark.parametrize("declare", [4096, 20 * 2**20])
+def test_a_zip_bomb_that_under_declares_its_size_reads_no_more_than_it_declares(tmp_path, declare):
+    """The same bomb with its headers saying 4 kB (or 20 MB, within the limit): the member is
+    read through a stream that stops at the declared size, and refused (the zip's CRC) naming
+    the member, within a second and a few MB of memory."""
+    path = tmp_path / "liar.npz"
+    head = {"descr": "<f8", "fortran_order": False, "shape": (BOMB // 8,)}
+    _deflated(path, {"q.npy": (head, BOMB)}, declare=declare)
+    _refused_small_and_fast(path, r": member 'q\.npy' (cannot be read|holds|declares)")
+
+
+def test_an_npy_header_cannot_make_the_reader_allocate_what_is_not_there(tmp_path):
+    """A stored member of 128 bytes whose .npy header declares 10**12 float64 values: refused by
+    the bytes it holds (np.load would allocate the 8 TB first: a MemoryError)."""
+    import io
+    import zipfile
+
+    h = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        h, {"descr": "<f8", "fortran_order": False, "shape": (10**6, 10**6)}
+    )
+    path = tmp_path / "header.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("q.npy", h.getvalue() + bytes(64))
+    _refused_small_and_fast(
+        path, r"member 'q\.npy' declares a float64 array of shape \(1000000, 1000000\)"
+    )
+
+
+def test_compressed_and_fortran_order_moments_still_load_and_max_bytes_bounds_them(tmp_path):
+    """Ordinary archives read as before: np.savez_compressed second moments give S back (up to
+    the factor's float32), and a Fortran-order factor (not symmetric: a transposed read would
+    show) comes back entry for entry; ``max_bytes`` below the arrays' size refuses, at it
+    loads."""
+    import zipfile
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(40, 12))
+    s = {"a": x.T @ x / 40, "b": x[:, ::-1].T @ x[:, ::-1] / 40}
+    comp = tmp_path / "c.npz"
+    np.savez_compressed(comp, **s)
+    back = nu.moments.load_input_moments(comp)
+    for k, v in s.items():
+        np.testing.assert_allclose(back[k].second_moment(), v, rtol=0, atol=1e-5 * abs(v).max())
+    f = rng.normal(size=(7, 12)).astype(np.float32)
+    head = {"format": "netutility-input-moments", "version": "1", "form": "factor",
+            "data_free": ["c"]}  # fmt: skip
+    fort = tmp_path / "f.npz"
+    np.savez(fort, a=np.asfortranarray(f), __netutility__=np.asarray(json.dumps(head)))
+    back = nu.moments.load_input_moments(fort)
+    assert back["c"] is None and np.array_equal(np.asarray(back["a"].factor), f)
+    with zipfile.ZipFile(comp) as z:
+        total = sum(i.file_size for i in z.infolist())
+    with pytest.raises(InputError, match=r"its members declare .* or pass a larger max_bytes="):
+        nu.moments.load_input_moments(comp, max_bytes=total - 1)
+    assert set(nu.moments.load_input_moments(comp, max_bytes=total)) == {"a", "b"}
+    with pytest.raises(nu.errors.InputTypeError, match="max_bytes"):
+        nu.moments.load_input_moments(comp, max_bytes=1.5)
+
+
+# ------------------------------------------------------------- each input file hashed once a run
+
+
+SETTLE_NS = 200_000_000  # (config._SETTLE_NS here, so that the files settle in a moment)
+
+
+def _settled_copies(folders, root: pathlib.Path, monkeypatch, extra=()) -> list[str]:
+    """Copies of the adapter folders (and the files ``extra``) last modified an hour ago and
+    changed over ``SETTLE_NS`` ago: a file written or changed just before it is hashed is hashed
+    again each time (``config._SETTLE_NS``)."""
+    import shutil
+
+    monkeypatch.setattr(config, "_SETTLE_NS", SETTLE_NS)
+    out = []
+    old = time.time() - 3600
+    for f in folders:
+        dst = root / pathlib.Path(f).name
+        shutil.copytree(f, dst)
+        for p in dst.iterdir():
+            os.utime(p, (old, old))
+        out.append(str(dst))
+    for p in extra:
+        os.utime(p, (old, old))
+    time.sleep(1.5 * SETTLE_NS / 1e9)
+    return out
+
+
+def _count_opens(monkeypatch, module, under: list[str]) -> dict[str, int]:
+    """Counts ``open`` calls in ``module`` of files under the folders ``under``."""
+    import builtins
+
+    counts: dict[str, int] = {}
+    roots = tuple(os.path.abspath(u) + os.sep for u in under)
+
+    def counting(file, *a, **k):
+        p = os.path.abspath(os.fspath(file)) if isinstance(file, (str, os.PathLike)) else ""
+        if p.startswith(roots) or p in [r[:-1] for r in roots]:
+            counts[p] = counts.get(p, 0) + 1
+        return builtins.open(file, *a, **k)
+
+    monkeypatch.setattr(module, "open", counting, raising=False)
+    return counts
+
+
+def test_a_merge_and_its_replay_hash_each_adapter_file_once(folders, tmp_path, capsys, monkeypatch):
+    """The report's digests are taken before the merge and checked after it; each adapter file
+    is read for them once per run (a merge, then its replay), and the digests are the files'."""
+    copies = _settled_copies(folders, tmp_path, monkeypatch)
+    files = sorted(str(p) for c in copies for p in pathlib.Path(c).iterdir())
+    assert len(files) == 2 * len(copies)
+    counts = _count_opens(monkeypatch, config, copies)
+    out = tmp_path / "m"
+    rc, _, err = _run(capsys, "merge", *copies, "--budget", "2", "--no-plots", "--quiet",
+                      "--out", str(out))  # fmt: skip
+    assert rc == 0, err
+    assert counts == dict.fromkeys(files, 1), counts
+    rep = json.loads((out / cli.REPORT_NAME).read_text())
+    assert [a["sha256"] for a in rep["config"]["adapters"]] == [_digest(c) for c in copies]
+    counts.clear()
+    rc, _, err = _run(capsys, "merge", "--config", str(out / cli.REPORT_NAME), "--out",
+                      str(tmp_path / "again"), "--quiet")  # fmt: skip
+    assert rc == 0, err
+    assert counts == dict.fromkeys(files, 1), counts
+
+
+def test_a_moments_file_is_hashed_once_a_run(folders, tmp_path, capsys, monkeypatch):
+    """An --input-moments file's digest is taken once (the merge's read of it is known to be of
+    the same file by its identity), and the report records the file's SHA-256."""
+    import hashlib
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(50, 24))
+    mfile = tmp_path / "m0.npz"
+    np.savez(mfile, **{n: x.T @ x / 50 for n in NAMES})
+    copies = _settled_copies(folders, tmp_path, monkeypatch, extra=[mfile])
+    data = mfile.read_bytes()
+    opens = _count_opens(monkeypatch, config, [str(tmp_path)])
+    real = hashlib.sha256
+    of_bytes = []
+
+    def sha256(*a, **k):
+        if a and bytes(a[0]) == data:
+            of_bytes.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(hashlib, "sha256", sha256)
+    out = tmp_path / "m"
+    rc, _, err = _run(capsys, "merge", *copies, "--budget", "2", "--no-plots", "--quiet",
+                      "--out", str(out), "--input-moments", str(mfile), "none", "none")  # fmt: skip
+    assert rc == 0, err
+    assert opens.get(str(mfile)) == 1 and not of_bytes, (opens, of_bytes)
+    rec = json.loads((out / cli.REPORT_NAME).read_text())["config"]["input-moments"]
+    assert rec[0]["sha256"] == real(data).hexdigest()
+
+
+def test_a_file_rewritten_with_its_size_and_mtime_kept_is_still_noticed(
+    folders, tmp_path, monkeypatch
+):
+    """The digests kept within a run are keyed by the files' identities: a file rewritten in
+    place to the same size with its modification time set back (``cp -p``) changes its change
+    time, so the digest is taken again (and a merge would refuse the change)."""
+    copies = _settled_copies(folders, tmp_path, monkeypatch)
+    before = config.adapter_digest(copies[0], "x")
+    assert config.adapter_digest(copies[0], "x") == before == _digest(copies[0])
+    f = pathlib.Path(copies[0]) / "adapter_config.json"
+    st = f.stat()
+    text = f.read_text()
+    changed = text.replace('"', "'", 1) if "'" not in text else text[::-1]
+    assert len(changed) == len(text) and changed != text
+    time.sleep(0.05)
+    f.write_text(changed)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    after = config.adapter_digest(copies[0], "x")
+    assert after != before and after == _digest(copies[0])

@@ -19,16 +19,70 @@ from .load import load
 __all__ = ["cmd_inspect", "inspect_dict"]
 
 
-def inspect_dict(adapters: Sequence[Any], paths: Sequence[str], *, alpha, lam) -> dict:
-    """What ``netutility inspect`` prints, as a dict."""
+def _heterogeneity(adapters: Sequence[Any], paths: Sequence[str]) -> tuple[float, list[int]]:
+    """``(h, zero)``: the heterogeneity of the tasks and the indices of those whose update is
+    zero in every module (no energy, so no log-energy: ``h`` is NaN then)."""
     import netutility_jax as nu
 
+    from .._scoring import log_energies
+
+    _, t, _ = log_energies(adapters, "netutility inspect", False)
+    zero = [int(i) for i in np.flatnonzero(np.asarray(t) <= 0)]
+    return (float("nan") if zero else float(nu.heterogeneity(adapters))), zero
+
+
+def _named(paths: Sequence[str], zero: Sequence[int]) -> str:
+    """The all-zero adapters, named (a few, then a count)."""
+    names = ", ".join(repr(str(paths[i])) for i in zero[:3])
+    more = f" and {len(zero) - 3} more" if len(zero) > 3 else ""
+    s = "s" if len(zero) > 1 else ""
+    return f"adapter{s} {names}{more} (task{s} {', '.join(map(str, zero[:3]))}{more})"
+
+
+def _alpha_terms(cli: bool) -> tuple[str, str]:
+    """How the auto rule and the explicit choice are spelt: as flags or as arguments."""
+    return ("--alpha auto", "--alpha 0 or 1") if cli else ('alpha="auto"', "alpha=0 or alpha=1")
+
+
+def heterogeneity_note(paths: Sequence[str], zero: Sequence[int], *, cli: bool = False) -> str:
+    """Why ``h`` is undefined and what the ``alpha="auto"`` rule does with such a set."""
+    one = len(zero) == 1
+    auto, explicit = _alpha_terms(cli)
+    return (
+        f"h is undefined: {_named(paths, zero)} {'has' if one else 'have'} a zero update in "
+        f"every module (no energy, ||dW||_F^2 = 0, so log ||dW||_F^2 is undefined); "
+        f"{auto} needs h and refuses this set: give {explicit} explicitly, "
+        f"or drop {'that adapter' if one else 'those adapters'} (an all-zero adapter "
+        "contributes no directions to a merge)."
+    )
+
+
+def inspect_dict(
+    adapters: Sequence[Any], paths: Sequence[str], *, alpha, lam, _cli: bool = False
+) -> dict:
+    """What ``netutility inspect`` prints, as a dict. ``heterogeneity`` is NaN (``null`` in
+    JSON) where a task's update is zero in every module, and ``heterogeneity_note`` says why
+    (absent otherwise); ``alpha="auto"`` is then refused (an :class:`InputError` naming the
+    adapters), since its rule needs ``h``."""
+    import netutility_jax as nu
+
+    if len(paths) != len(adapters):
+        raise InputError(
+            f"nu.cli.inspect_dict: {len(adapters)} adapters but {len(paths)} paths; give one "
+            "path (the adapter's name in the table) per adapter."
+        )
+    h, zero = _heterogeneity(adapters, paths)
+    note = heterogeneity_note(paths, zero, cli=_cli) if zero else None
+    if zero and isinstance(alpha, str) and alpha == "auto":
+        auto, explicit = _alpha_terms(_cli)
+        raise InputError(
+            f"{auto}: the heterogeneity h its rule needs is undefined: "
+            f"{_named(paths, zero)} {'has' if len(zero) == 1 else 'have'} a zero update in "
+            f"every module (no energy). Give {explicit} explicitly to inspect this "
+            f"set, or drop {'that adapter' if len(zero) == 1 else 'those adapters'}."
+        )
     scores = nu.score(adapters, alpha=alpha, lam=lam)
     energies = np.asarray(nu.task_energies(adapters), np.float64)
-    try:
-        h = float(nu.heterogeneity(adapters))
-    except InputError:  # (a task whose update is all zero)
-        h = float("nan")
     tasks = []
     for i, path in enumerate(paths):
         ranks = [int(m["lora_a"].shape[1]) for m in adapters[i].values() if m is not None]
@@ -52,6 +106,7 @@ def inspect_dict(adapters: Sequence[Any], paths: Sequence[str], *, alpha, lam) -
         "tasks": tasks,
         "modules": len(scores.modules),
         "heterogeneity": h,
+        **({"heterogeneity_note": note} if note is not None else {}),
         "alpha": float(scores.alpha),
         "lam": float(scores.lam),
         "positive_utility": sum(t["positive_utility"] for t in tasks),
@@ -82,7 +137,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     resolved = [resolve_adapter(a) for a in given]
     args.names = task_names([r.label for r in resolved])
     loaded = load([r.path for r in resolved], args, "inspect")
-    info = inspect_dict(loaded.adapters, given, alpha=args.alpha, lam=args.lam)
+    info = inspect_dict(loaded.adapters, given, alpha=args.alpha, lam=args.lam, _cli=True)
     for task, r in zip(info["tasks"], resolved, strict=True):
         if r.hub is not None:
             task["hub"] = {
@@ -117,11 +172,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"{i:>4}  {t['adapter']:<{w}}  {t['modules']:>7}  {rk:>7}  {t['energy']:>10.4g}  "
             f"{t['positive_utility']:>8} / {t['candidates']}"
         )
+    note = info.get("heterogeneity_note")
+    h_text = "undefined (see the note)" if note is not None else f"{info['heterogeneity']:.3f}"
     print(
-        f"heterogeneity h = {info['heterogeneity']:.3f} -> alpha = {info['alpha']:g}; "
+        f"heterogeneity h = {h_text} -> alpha = {info['alpha']:g}; "
         f"lambda = {info['lam']:.4g}; positive-utility directions: {info['positive_utility']} "
         f"of {info['candidates']} candidates in {info['modules']} modules"
     )
+    if note is not None:
+        print(f"note: {note}")
     if diag is not None:
         print(diag.format())
     return 0

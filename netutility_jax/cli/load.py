@@ -12,6 +12,7 @@ and headers checked, no tensor read). Tasks are named by their folders
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -123,10 +124,18 @@ def _task_modules(adapters: Any, m_tasks: int) -> list[dict[str, int]]:
     ]
 
 
-def _read_bytes(path: str, what: str) -> bytes:
+def _read_bytes(path: str, what: str) -> tuple[bytes, str | None]:
+    """The bytes of the file at ``path`` and the SHA-256 :func:`.config.resolve` took of it this
+    run if the file kept the identity it had then while it was read (:func:`.config.seen_digest`:
+    it is not hashed twice), or None: the caller hashes the bytes."""
+    from .config import file_identity, seen_digest
+
     try:
         with open(path, "rb") as f:
-            return f.read()
+            before = file_identity(os.fstat(f.fileno()))
+            data = f.read()
+            same = before == file_identity(os.fstat(f.fileno()))
+            return data, (seen_digest(path, before) if same else None)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise MissingFileError(f"{what}: disappeared after it was checked.") from None
     except OSError as e:
@@ -156,8 +165,8 @@ def load_moments(job: MergeJob, adapters: Any) -> list[Any] | None:
             continue
         what = f"--input-moments {entry.path}"
         name = job.names[i]
-        data = _read_bytes(entry.path, what)
-        if hashlib.sha256(data).hexdigest() != entry.sha256:
+        data, sha = _read_bytes(entry.path, what)
+        if (sha or hashlib.sha256(data).hexdigest()) != entry.sha256:
             raise UsageError(f"{what}: changed while the merge ran; run it again.")
         moments = load_input_moments(entry.path, data=data, what=what)
         have = modules[i]
