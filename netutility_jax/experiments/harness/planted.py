@@ -118,6 +118,9 @@ PRIMARY = (
     ),
     ("null", "net_utility", 16),
     ("null", "all", None),
+    # the sign-aware term on the real (unplanted) per-task adapters, against energy
+    ("null", "energy", 16),
+    ("null", "signed", 16),
 )
 
 
@@ -365,6 +368,19 @@ def run_seed(
                     "lam": float(sc.lam),
                     "pairs": readout_a(ads, names, m, plants, pairs),
                 }
+        # how far apart the allocations' choices are (symmetric difference over both kept)
+        changes = {}
+        for r in BUDGETS:
+            for a, b in (
+                ("signed", "net_utility"),
+                ("signed", "energy"),
+                ("net_utility", "energy"),
+            ):
+                ma, mb = masks_all[(arm.name, a, r)], masks_all[(arm.name, b, r)]
+                diff = sum(int((ma[n] != mb[n]).sum()) for n in ma)
+                both = sum(int(ma[n].sum() + mb[n].sum()) for n in ma)
+                changes[f"{a} vs {b}/R{r}"] = diff / both if both else 0.0
+        readouts[arm.name]["_changed"] = changes
         # manipulation check: the random-rotation control's changed fraction at R = 16
         d = nu.diagnose(ads, budget=16, alpha=alpha, names=names)
         diag[arm.name] = {
@@ -567,8 +583,16 @@ def render(seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], *, com
     }
     # (a): mean over seeds of each readout, exact per seed
     ra: dict[str, Any] = {}
+    changed: dict[str, Any] = {}
     for arm in recs[0]["readout_a"]:
+        if "_changed" in recs[0]["readout_a"][arm]:
+            changed[arm] = {
+                k: [r["readout_a"][arm]["_changed"][k] for r in recs]
+                for k in recs[0]["readout_a"][arm]["_changed"]
+            }
         for merge in recs[0]["readout_a"][arm]:
+            if merge.startswith("_"):
+                continue
             vals = {
                 pair: {
                     k: [r["readout_a"][arm][merge]["pairs"][pair][k] for r in recs]
@@ -582,6 +606,7 @@ def render(seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], *, com
                 "per_pair": vals,
             }
     results["readout_a"] = ra
+    results["changed_between_allocations"] = changed
     # (b), (c): over the seeds that evaluated every merge read
     with_acc = [(r, a) for r, a in seeds if r["records"] and "single" in a]
     acc: dict[str, Any] = {}
@@ -732,6 +757,25 @@ def _markdown(res: Mapping[str, Any]) -> str:
                 "n/a" if x is None else f"{_f(x['plant_kept'], 2)} ({_f(x['victim_top_kept'], 2)})"
             )
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    ch = res.get("changed_between_allocations") or {}
+    if ch:
+        keys = list(next(iter(ch.values())))
+        lines += [
+            "",
+            "## How far apart the allocations choose (exact)",
+            "",
+            "Directions whose kept status differs between two allocations, over the directions "
+            "both keep together (symmetric difference / (kept_a + kept_b)), mean over seeds.",
+            "",
+            "| arm | " + " | ".join(keys) + " |",
+            "|---|" + "---|" * len(keys),
+        ]
+        for arm, v in ch.items():
+            lines.append(
+                f"| {arm} | "
+                + " | ".join(f"{100 * float(np.mean(v[k])):.1f}%" for k in keys)
+                + " |"
+            )
     if res["accuracy"]:
         lines += [
             "",
