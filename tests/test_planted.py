@@ -108,3 +108,42 @@ def test_the_primary_comparisons_are_the_eight_registered():
         ("R16", "energy/R16"),
         ("full", "all/full"),
     }
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--grid", "full"], "--study planted sets its own grid; drop --grid"),
+        (["--suite", "language"], "--study planted runs on the encoder suite; drop --suite"),
+        (["--cells", "centre"], "--study planted sets its own cells; drop --cells"),
+    ],
+)
+def test_demo_study_planted_refuses_flags_it_sets_itself(tmp_path, capsys, flags, message):
+    from netutility_jax.experiments import demo
+
+    rc = demo.main(["--study", "planted", "--out", str(tmp_path / "o"), *flags])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_the_quick_planted_study_runs_and_renders(tmp_path):
+    """The quick preset's 3 tasks, one pair, read-out (a) and the primary merges, written by the
+    code that computed them; a second call finds the seed and only re-renders."""
+    import json
+
+    from netutility_jax.experiments import planted
+
+    out = tmp_path / "o"
+    argv = ["--quick", "--seeds", "0", "--out", str(out), "--cache-dir", str(tmp_path / "c")]
+    assert planted.main([*argv, "--merges", "none"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    ra = res["readout_a"]
+    assert ra["conflict_g1"]["all/full"]["plant_kept"] == pytest.approx(1.0, abs=1e-6)
+    assert ra["null"]["all/full"]["plant_kept"] is None and not res["accuracy"]
+    assert "python -m netutility_jax.experiments.planted --quick" in res["command"]
+    assert planted.main(argv) == 0  # primary: the seed runs again with its merges
+    res = json.loads((out / "results.json").read_text())
+    assert "conflict_g1/energy/R16" in res["accuracy"] and res["deltas"]

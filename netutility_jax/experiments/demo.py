@@ -472,12 +472,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--study",
-        choices=("regime",),
+        choices=("regime", "planted"),
         default=None,
         help="run a study instead of one grid: regime moves one factor of the training regime "
         "at a time (initialisation, heterogeneity, number of tasks, rank) around a shared-init "
         "centre and relates Net Utility minus uniform to data-free indices (encoder suite; "
-        "writes study.json, study.md, study.png; --quick: its CI form, a few minutes)",
+        "writes study.json, study.md, study.png; --quick: its CI form, a few minutes); planted "
+        "plants known conflicts and agreements between tasks and reads which allocation finds "
+        "them (the pre-registered primary merges; python -m "
+        "netutility_jax.experiments.planted has the other options)",
     )
     parser.add_argument(
         "--cells",
@@ -641,6 +644,8 @@ def _chosen_seeds(args: argparse.Namespace, default: Sequence[int]) -> tuple[int
 def _run(args: argparse.Namespace) -> int:
     from .harness import report, runner
 
+    if getattr(args, "study", None) == "planted":
+        return _run_planted(args)
     if getattr(args, "study", None) is not None:
         return _run_study(args)
     if getattr(args, "cells", None) is not None:
@@ -755,6 +760,28 @@ def _seeds_from(dirs: Sequence[str], out: pathlib.Path) -> list[Any]:
 def _command(args: argparse.Namespace) -> str:
     argv = getattr(args, "argv", None)  # set by main() and by the netutility command
     return shlex.join(["netutility", *(argv if argv is not None else ["demo", *sys.argv[2:]])])
+
+
+def _run_planted(args: argparse.Namespace) -> int:
+    """``netutility demo --study planted``: :mod:`netutility_jax.experiments.planted` with the
+    primary merges, the seeds of ``--seed``/``--seeds`` (default 0-4), ``--out``, ``--cache-dir``."""
+    from . import planted
+
+    for flag, given in (
+        ("--grid", args.grid), ("--init", args.init), ("--tasks", args.tasks),
+        ("--task", args.task), ("--cells", getattr(args, "cells", None)),
+        ("--seeds-from", getattr(args, "seeds_from", None)),
+    ):  # fmt: skip
+        if given:
+            raise DemoError(f"--study planted sets its own {flag[2:]}; drop {flag}")
+    if getattr(args, "suite", "encoder") != "encoder":
+        raise DemoError("--study planted runs on the encoder suite; drop --suite")
+    seeds = _chosen_seeds(args, (0, 1, 2, 3, 4))
+    ns = argparse.Namespace(
+        seeds=seeds, out=str(args.out), cache_dir=args.cache_dir, merges="primary",
+        quick=args.quick, render=False,
+    )  # fmt: skip
+    return planted.run(ns, _command(args))
 
 
 def _run_study(args: argparse.Namespace) -> int:

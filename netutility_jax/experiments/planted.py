@@ -60,13 +60,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     command = shlex.join(["python", "-m", "netutility_jax.experiments.planted", *argv])
     try:
-        return _run(args, command)
+        return run(args, command)
     except NetUtilityError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return e.code if isinstance(e, DemoError) else 2
 
 
-def _run(args: argparse.Namespace, command: str) -> int:
+def run(args: argparse.Namespace, command: str) -> int:
+    """Run (or ``args.render``: only re-render) the study for the parsed options; ``command``
+    is recorded in every seed and the report."""
     from .suites import encoder as enc
 
     out = pathlib.Path(args.out)
