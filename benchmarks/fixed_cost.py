@@ -7,6 +7,8 @@ script measures those at tiny dimensions (so that arithmetic is negligible) and 
 
 * ``score+allocate``: ``nu.allocate(nu.score(adapters), budget)``;
 * ``merge``: ``nu.merge_adapters(adapters, budget=, method="ta", space="core")``;
+* ``merge@METHOD-SPACE``: the same with another method and space (e.g. ``merge@tsv-core``,
+  ``merge@ties-knots``; DARE with ``p=0.5`` and ``jax.random.key(0)``);
 * ``merge_jit``: the same merge inside one ``jax.jit`` (where the engine supports it);
 * ``...:stacked``: the same stage given ``nu.stack_adapters(adapters)``, stacked once before.
 
@@ -178,10 +180,16 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
         adapters = jax.block_until_ready(nu.stack_adapters(adapters))
     elif form:
         raise SystemExit(f"unknown input form {form!r}")
+    stage, _, how = stage.partition("@")  # merge@METHOD-SPACE (default ta-core)
+    method, _, space = (how or "ta-core").partition("-")
+    opts = {"p": 0.5} if method.startswith("dare") else {}
+    key = jax.random.key(0) if method.startswith("dare") else None
     if stage == "score+allocate":
         fn = lambda: nu.allocate(nu.score(adapters), budget)
     elif stage == "merge":
-        fn = lambda: nu.merge_adapters(adapters, budget=budget, method="ta", space="core")[0]
+        fn = lambda: nu.merge_adapters(
+            adapters, budget=budget, method=method, space=space or "core", key=key, **opts
+        )[0]
     elif stage == "merge_jit":
         jitted = jax.jit(
             lambda ads: nu.merge_adapters(ads, budget=budget, method="ta", space="core")[0]

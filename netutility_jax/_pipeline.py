@@ -24,6 +24,7 @@ from ._plan import Job, MergePlan
 from ._results import raise_nonfinite, raise_range
 from ._select import topk_count
 from ._ties_model import ties_model
+from .engine import program
 
 __all__ = ["run"]
 
@@ -114,6 +115,10 @@ def run(plan: MergePlan, *, coef: Any, key: Any) -> dict[str, Any]:
     checks: list = []  # (module names, range status), checked once every bucket is dispatched
     if plan.model_wide:
         results = ties_model(plan, coef=coef_arr, checks=checks)
+        raise_range(plan.fn, checks, plan.dtype, **_kernel_of(plan))
+        return results
+    if program.applies(plan):  # every bucket in one compiled program
+        results, checks = program.run(plan, coef=coef_arr, nums=nums, key=key)
         raise_range(plan.fn, checks, plan.dtype, **_kernel_of(plan))
         return results
     bads: list = []

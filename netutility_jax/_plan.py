@@ -29,6 +29,7 @@ __all__ = [
     "MergePlan",
     "bucket_config",
     "check_coef",
+    "check_entry_count",
     "check_key",
     "check_masks",
     "check_scale_range",
@@ -198,7 +199,7 @@ def _dense_shape(space: str, bk: _tree.Bucket, m_tasks: int) -> tuple[int, int]:
     }[space]
 
 
-def _check_entry_count(fn: str, space: str, buckets, m_tasks: int) -> None:
+def check_entry_count(fn: str, space: str, buckets, m_tasks: int) -> None:
     """Elementwise methods index a task's dense coordinates with int32: at most 2**31 - 1
     entries per task and module (a full-space 65536 x 32768 module would need 8 GiB per task)."""
     big = []
@@ -337,7 +338,7 @@ def plan_merge(
     dtype = _tree.compute_dtype(buckets)
     check_scale_range(fn, buckets, dtype)
     if res.spec.kind == "elementwise":
-        _check_entry_count(fn, res.space, buckets, m_tasks)
+        check_entry_count(fn, res.space, buckets, m_tasks)
     index = {n: i for i, n in enumerate(names)} if module_index is None else dict(module_index)
     missing = [n for n in names if n not in index]
     if missing:

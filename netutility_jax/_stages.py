@@ -15,12 +15,13 @@ the unscaled computation wherever that one does not over- or underflow. The last
 reports, per module, whether the result is representable (:func:`range_status`): the caller
 raises instead of returning an infinite or flushed-to-zero module.
 
-The stages are kernels of :func:`_executables.kernel` (``jax.jit`` whose executables the
-command line keeps on disk whole, so that a warm run neither traces nor lowers them). Host-side
-work between them stays on the host (numpy): an eager ``jnp`` operation on a concrete array is
-a program of its own, traced, lowered and loaded in every process. Merging stages into fewer
-programs is not done: XLA fuses across what was a program boundary and rounds differently (a
-contracted multiply-add), so the merged bits would move.
+The stages are kernels of :func:`_executables.kernel` (plain ``jax.jit``). On one device every
+bucket of a merge is traced through them inside one program
+(:mod:`netutility_jax.engine.program`); run one by one (a mesh, blocked rows, elementwise
+methods in full space), host-side work between them stays on the host (numpy): an eager ``jnp``
+operation on a concrete array is a program of its own, traced, lowered and loaded in every
+process. Traced together, XLA fuses across what were program boundaries and may round a
+multiply-add differently: the two routes agree to float32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -159,6 +160,10 @@ class BucketConfig(NamedTuple):
         streamed radix selection over the blocks (:func:`ties_rows`) and draw DARE's masks a
         block at a time (:func:`dare_rows`): memory is one block, not the module's ``M x p x q``
         tasks.
+      compact: elementwise results in Core space re-factored by a thin SVD to their numerical
+        rank (True), or returned as ``basis @ coordinates`` at the width of the coordinates
+        (False: under a transformation, where an SVD of a rank-deficient matrix has no
+        gradient).
     """
 
     method: str
@@ -171,6 +176,7 @@ class BucketConfig(NamedTuple):
     dtype: Any
     chunk: int
     rows: int | None = None
+    compact: bool = True
 
 
 def _coords(k, a, b, ts, *, space, variant, rtol):
@@ -598,15 +604,17 @@ def stage_elementwise(a, b, keys, k_top, coef, nums, *, method: str):
     return xm, kernel_status(xm)
 
 
-@kernel(static_argnames=("rtol",))
-def stage_decode_chunks(coords, xms, *, rtol: float):
+@kernel(static_argnames=("rtol", "compact"))
+def stage_decode_chunks(coords, xms, *, rtol: float, compact: bool = True):
     """The merged chunks back to LoRA form: KnOTS blocks ``(d_in, k)`` are kept as the input
-    factor, core matrices are re-factored by SVD."""
+    factor, core matrices are re-factored by SVD (unless not ``compact``)."""
     xm = jnp.concatenate(xms) if len(xms) > 1 else xms[0]
-    return _s.decode_dense(coords, xm, rtol=rtol, compact=coords.left is not None)
+    return _s.decode_dense(coords, xm, rtol=rtol, compact=compact and coords.left is not None)
 
 
-def _elementwise_bucket(coords, coef, keys, nums, table, *, method, rtol, chunk, rows=None):
+def _elementwise_bucket(
+    coords, coef, keys, nums, table, *, method, rtol, chunk, rows=None, compact=True
+):
     """TIES / DARE on a bucket, a chunk of whole modules per call (at most one chunk's dense
     tasks alive), or a block of ``rows`` rows of one module at a time (:func:`ties_rows`,
     :func:`dare_rows`), then decoded: ``(la, lb, live, status)``, ``status`` the registry
@@ -638,7 +646,7 @@ def _elementwise_bucket(coords, coef, keys, nums, table, *, method, rtol, chunk,
             status = jnp.concatenate(sts)
         else:  # on the host: an eager concatenation is a program per count of chunks
             status = np.concatenate([np.asarray(st) for st in sts])
-    return (*stage_decode_chunks(coords, xms, rtol=rtol), status)
+    return (*stage_decode_chunks(coords, xms, rtol=rtol, compact=compact), status)
 
 
 @kernel(static_argnames=("rows",))
@@ -792,7 +800,7 @@ def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
         table = _select.count_table(opts[spec.keeps_top], c) if spec.keeps_top else None
         la, lb, live, status = _elementwise_bucket(
             c, coef, keys, nums, table, method=cfg.method, rtol=rtol, chunk=cfg.chunk,
-            rows=cfg.rows,
+            rows=cfg.rows, compact=cfg.compact,
         )  # fmt: skip
         expand_in = not ambient_in
     else:

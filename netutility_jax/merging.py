@@ -43,7 +43,7 @@ from ._report import zeroed_text as zeroed_text
 from ._request import MergeRequest
 from ._request import check_weights as check_weights
 from ._scoring import score_run
-from .engine import ta, traced
+from .engine import program, ta, traced
 from .engine.stacked import StackedAdapters
 from .engine.tables import MaskTable
 from .errors import InputError, InputTypeError
@@ -202,11 +202,11 @@ def merge(
     """
     fn = "nu.merge"
     if traced.any_traced(adapters, masks, coef):
-        registry.resolve_options(fn, method, space, dict(options))
-        traced.refuse_untraceable(fn, method, options)
+        res = registry.resolve_options(fn, method, space, dict(options))
+        traced.refuse_untraceable(fn, res, options)
         _refuse_traced_mesh(fn, mesh)
         _plan.check_coef(fn, coef)
-        return _rebuild(adapters, traced.merge_traced(fn, adapters, masks, coef=coef))
+        return _rebuild(adapters, _merge_traced(fn, adapters, masks, res, coef=coef, key=key))
     if fast_ta(fn, method, space, options, mesh):
         done = ta.merge_ta(fn, adapters, masks, coef=coef)
         if done is not None:
@@ -504,6 +504,21 @@ def _kept_any(masks: Mapping[str, Any], name: str) -> bool:
     return bool(np.asarray(m).any())
 
 
+def _merge_traced(
+    fn: str, adapters, masks, res: Any, *, coef: Any, key: Any, weights: Any = None
+) -> dict[str, Any]:
+    """A merge under a transformation: TA by :func:`traced.merge_traced` (its own directions,
+    no space basis), the other methods as the bucket pipeline's stages traced in one program
+    (:func:`program.merge_traced`)."""
+    if res.kernel_method == "ta":
+        return traced.merge_traced(fn, adapters, masks, coef=coef, weights=weights)
+    if res.spec.needs_key:
+        _plan.check_key(fn, key, res.spec.name)
+    return program.merge_traced(
+        fn, adapters, masks, res=res, coef=coef, key=key, weights=weights
+    )
+
+
 def fast_ta(fn: str, method: str, space: str, options: Mapping[str, Any], mesh: Any) -> bool:
     """Whether a concrete merge is TA without a mesh or ``isotropize``: one program over
     every bucket (:mod:`.engine.ta`). The options are checked here as the bucket pipeline
@@ -537,7 +552,7 @@ def _merge_adapters_traced(
     a :class:`Report` whose numbers are arrays (``zeroed`` is empty: it needs the values)."""
     fn = "nu.merge_adapters"
     req = MergeRequest.check(fn, options=options, coef=1.0, **settings)
-    traced.refuse_untraceable(fn, req.method, options)
+    traced.refuse_untraceable(fn, req.resolved, options)
     _refuse_traced_mesh(fn, mesh)
     if req.min_share is not None:
         raise InputTypeError(
@@ -552,14 +567,14 @@ def _merge_adapters_traced(
     else:
         sc = score(adapters, alpha=req.alpha, lam=req.lam, input_moments=req.input_moments)
         masks = req.select(sc)
-    merged = traced.merge_traced(fn, adapters, masks, coef=coef, weights=w)
+    merged = _merge_traced(fn, adapters, masks, req.resolved, coef=coef, key=req.key, weights=w)
     counts = traced.traced_report_fields(masks, names)
     report = Report(
         lam=None if sc is None else sc.lam,
         alpha=None if sc is None else sc.alpha,
         budget=req.budget,
         heterogeneity=heterogeneity(adapters),
-        ranks=traced.padded_ranks(names, buckets, m_tasks),
+        ranks={nm: int(merged[nm]["lora_a"].shape[-1]) for nm in names},  # (static widths)
         method=req.method,
         space=req.space,
         allocation=req.allocation,

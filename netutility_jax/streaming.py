@@ -23,8 +23,9 @@ the adapters (:class:`nu.peft.AdapterSet`) a chunk of modules at a time, in pass
 
 ``allocation="all"`` needs no pass 1 (the energies for :attr:`Report.heterogeneity` are then
 summed in pass 2). A chunk is a run of modules of equal ``(d_in, d_out,
-r_max)`` in natural order whose factors (every task, in the compute dtype) fit ``chunk_bytes``
-(:func:`plan_chunks`), so every pass reads each module once and holds one chunk at a time.
+r_max)`` in natural order whose factors (every task, in the compute dtype) fit ``chunk_bytes``,
+or several such groups whole where together they fit (:func:`plan_chunks`), so every pass reads
+each module once and holds one chunk at a time.
 
 Peak memory: one chunk and its working memory, plus the statistics, plus the merged result
 (rank about ``budget`` per module for the low-rank methods), plus the runtime (Python, JAX and
@@ -134,18 +135,36 @@ def plan_chunks(
     shapes: Mapping[str, tuple[int, int, int]], m_tasks: int, *, chunk_bytes: int, itemsize: int
 ) -> list[tuple[str, ...]]:
     """The chunks of a streamed merge: module names grouped by ``(d_in, d_out, r_max)`` (groups
-    in order of first appearance, names in their order), each group cut into runs of equal
-    length whose stacked factors (``M r_max (d_in + d_out) itemsize`` bytes per module) fit
-    ``chunk_bytes``: :func:`_buckets.split_bucket`'s rule (one length per group, so one compiled
-    shape), or one module where a single module is larger."""
+    in order of first appearance, names in their order). A group whose stacked factors (``M
+    r_max (d_in + d_out) itemsize`` bytes per module) exceed ``chunk_bytes`` is cut into runs of
+    equal length that fit: :func:`_buckets.split_bucket`'s rule (one length per group, so one
+    compiled shape), or one module where a single module is larger. Consecutive groups that fit
+    whole share a chunk while their sum fits: a small set is one chunk, scored and merged by one
+    program per pass (the in-memory engine's), not one per shape."""
     groups: dict[tuple[int, int, int], list[str]] = {}
     for name, shape in shapes.items():
         groups.setdefault(tuple(shape), []).append(name)
     chunks: list[tuple[str, ...]] = []
+    packed: list[str] = []  # whole groups gathered into the chunk being filled
+    packed_bytes = 0
     for (d_in, d_out, r_max), names in groups.items():
         # a bucket of shapes only: split_bucket reads the names, shapes and task count
         shell = _tree.Bucket(tuple(names), d_in, d_out, r_max, ((None,) * m_tasks,) * len(names))
-        chunks.extend(p.names for p in _buckets.split_bucket(shell, chunk_bytes, itemsize))
+        pieces = _buckets.split_bucket(shell, chunk_bytes, itemsize)
+        size = len(names) * m_tasks * r_max * (d_in + d_out) * itemsize
+        if len(pieces) == 1 and size <= chunk_bytes:
+            if packed and packed_bytes + size > chunk_bytes:
+                chunks.append(tuple(packed))
+                packed, packed_bytes = [], 0
+            packed += names
+            packed_bytes += size
+            continue
+        if packed:
+            chunks.append(tuple(packed))
+            packed, packed_bytes = [], 0
+        chunks.extend(p.names for p in pieces)
+    if packed:
+        chunks.append(tuple(packed))
     return chunks
 
 

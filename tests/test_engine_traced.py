@@ -220,9 +220,10 @@ def test_a_task_lacking_a_module_contributes_nothing_there():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"method": "ties"}, r"nu\.merge: method='ties' cannot run inside jax\.jit"),
+        ({"method": "ties"}, r"nu\.merge: method='ties' in full space .*cannot run inside jax\.jit"),
+        ({"method": "dare", "p": 0.5, "key": jax.random.key(0)}, r"method='dare' in full space"),
         ({"method": "ta", "isotropize": True}, "isotropize=True cannot run inside"),
-        ({"method": "tsv"}, r"method='tsv' cannot run inside jax\.jit.*method='ta'"),
+        ({"method": "tsv", "isotropize": True}, "isotropize=True cannot run inside"),
     ],
 )
 def test_what_cannot_be_traced_is_refused_with_the_way_out(kwargs, match):

@@ -190,3 +190,86 @@ def test_a_streamed_merge_drops_a_shapes_programs_after_its_last_chunk(tmp_path,
     # (what runs after the last chunk, h from the summed energies, holds its small programs)
     held_now = [k._name for k in _executables._KERNELS if k._cache_size()]
     assert not [n for n in held_now if n.startswith("netutility_jax.")], held_now
+
+
+# ------------------------------------------------------------- every bucket in one program
+
+_ONE_PROGRAM = [
+    ("tsv", "core", {}),
+    ("iso_c", "knots", {}),
+    ("iso_cts", "full", {}),
+    ("ties", "knots", {"density": 0.4}),
+    ("dare", "core", {"p": 0.5}),
+    ("dare_ties", "knots", {"p": 0.3}),
+]
+
+
+def _dense_of(out: dict) -> dict:
+    return {
+        n: np.asarray(m["lora_a"], np.float64) @ np.asarray(m["lora_b"], np.float64) * m["scale"]
+        for n, m in out.items()
+    }
+
+
+_KEY = jax.random.key(3)  # (made once: a key's creation is a program of its own)
+
+
+def _merge_with(ads, masks, method, space, opts):
+    key = _KEY if method.startswith("dare") else None
+    return nu.merge(ads, masks, method=method, space=space, key=key, **opts)
+
+
+@pytest.mark.parametrize("method,space,opts", _ONE_PROGRAM, ids=lambda x: str(x))
+def test_in_memory_merge_is_one_program_and_never_traced_again(method, space, opts):
+    """Every bucket of a merge (two shapes here) in one compiled program, the keys of DARE's
+    modules folded inside it; a second call with other values of the same shapes compiles
+    nothing (the per-bucket route compiled 5-7 programs per bucket)."""
+    ads = _adapters(20 + len(method) + len(space))
+    jax.clear_caches()
+    with _Programs() as first:
+        jax.block_until_ready(_merge_with(ads, _masks(ads), method, space, opts))
+    other = _adapters(60 + len(method))
+    with _Programs() as again:
+        jax.block_until_ready(_merge_with(other, _masks(other, 7), method, space, opts))
+    assert first.programs == 1, first.counts
+    assert again.programs == 0, again.counts
+
+
+@pytest.mark.parametrize("method,space,opts", _ONE_PROGRAM, ids=lambda x: str(x))
+def test_one_program_is_the_per_bucket_route(method, space, opts, monkeypatch):
+    """The one-program merge is the per-bucket route's arithmetic (the same stages traced
+    together): each merged update within float32 rounding of the route's (1e-5 of the module's
+    largest entry; XLA may contract a multiply-add differently across the former program
+    boundaries), DARE drawing the same masks."""
+    from netutility_jax.engine import program
+
+    ads = _adapters(30 + len(method))
+    masks = _masks(ads, 2)
+    got = _dense_of(_merge_with(ads, masks, method, space, opts))
+    monkeypatch.setattr(program, "applies", lambda plan: False)
+    want = _dense_of(_merge_with(ads, masks, method, space, opts))
+    for n, w in want.items():
+        np.testing.assert_allclose(got[n], w, rtol=0, atol=1e-5 * np.abs(w).max(), err_msg=n)
+
+
+def test_pieces_of_a_bucket_go_through_one_mapped_program(monkeypatch):
+    """A bucket larger than a piece (``_plan.PIECE_BYTES``) is merged a piece at a time inside
+    the one program (``lax.map``: one piece's working memory, one compiled body whatever the
+    number of pieces): the same merge as the bucket whole, in one program."""
+    from netutility_jax import _plan
+
+    ads = [{n: m for n, m in ad.items() if n.endswith(".q")} for ad in _adapters(50)]
+    masks = _masks(ads, 4)
+    whole = _dense_of(nu.merge(ads, masks, method="tsv", space="core"))
+    per_module = M * R * (D_IN + OUTS["q"]) * 4
+    monkeypatch.setattr(_plan, "PIECE_BYTES", per_module)  # two pieces of one module
+    plan = _plan.plan_merge(
+        "t", ads, masks, method="tsv", space="core", coef=1.0, key=None, options={}
+    )
+    assert [len(j.bucket.names) for j in plan.jobs] == [1, 1]
+    jax.clear_caches()
+    with _Programs() as p:
+        pieces = _dense_of(nu.merge(ads, masks, method="tsv", space="core"))
+    assert p.programs == 1, p.counts
+    for n, w in whole.items():
+        np.testing.assert_allclose(pieces[n], w, rtol=0, atol=1e-5 * np.abs(w).max(), err_msg=n)

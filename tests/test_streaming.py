@@ -251,6 +251,32 @@ def test_plan_chunks_partition_shapes_and_sizes():
     assert plan_chunks(shapes, 3, chunk_bytes=1, itemsize=4) == [(n,) for n in _grouped(shapes)]
 
 
+def test_plan_chunks_packs_whole_small_groups_together():
+    """Groups that fit whole share a chunk while their sum fits (a small set is one chunk: one
+    scoring and one merge program per pass, not one per shape); a group too large is cut as
+    before and never shares; every module once, in group order; no chunk over the limit."""
+    shapes = {
+        "a0": (8, 8, 2), "b0": (8, 4, 2), "a1": (8, 8, 2), "d0": (8, 4, 1), "c0": (16, 16, 4),
+    }  # fmt: skip
+    size = {s: 3 * s[2] * (s[0] + s[1]) * 4 for s in set(shapes.values())}
+    assert plan_chunks(shapes, 3, chunk_bytes=10**6, itemsize=4) == [
+        ("a0", "a1", "b0", "d0", "c0")
+    ]
+    # room for the a and b groups together, not for d's as well; c's alone is too large
+    limit = 2 * size[(8, 8, 2)] + size[(8, 4, 2)]
+    chunks = plan_chunks(shapes, 3, chunk_bytes=limit, itemsize=4)
+    assert chunks == [("a0", "a1", "b0"), ("d0",), ("c0",)]
+    # a group cut into runs is on its own (a0, a1); the next groups that fit are packed
+    limit = size[(8, 4, 2)] + size[(8, 4, 1)]
+    assert plan_chunks(shapes, 3, chunk_bytes=limit, itemsize=4) == [
+        ("a0",), ("a1",), ("b0", "d0"), ("c0",)
+    ]  # fmt: skip
+    for c in chunks:  # (a single module larger than the limit is a chunk of its own)
+        assert len(c) == 1 or sum(size[shapes[n]] for n in c) <= 2 * size[(8, 8, 2)] + size[
+            (8, 4, 2)
+        ]
+
+
 def _grouped(shapes):
     return [n for s in dict.fromkeys(shapes.values()) for n in shapes if shapes[n] == s]
 

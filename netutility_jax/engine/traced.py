@@ -18,9 +18,12 @@ descending), task ``i``'s k-th input direction is ``v_k = a G^(-1/2) U[:, k]`` (
 not depend on positive scalings of ``a`` and ``b``, so they are computed from factors divided by
 their largest entries, exact wherever the result is representable.
 
-Supported under a trace: method ``"ta"`` in every space (TA is the same in full, core and KnOTS
-space). The others' output ranks or selections depend on the values through host-side steps of
-the in-memory engine; they are refused by :func:`refuse_untraceable` with the way out.
+Under a trace TA runs here (every space: TA is the same in full, core and KnOTS space); the
+other methods run the bucket pipeline's stages traced as one program
+(:func:`netutility_jax.engine.program.merge_traced`), each module at that program's static width.
+What needs the values on the host is refused by :func:`refuse_untraceable` with the way out:
+model-wide TIES, elementwise methods in full space, ``isotropize``, modules merged in blocks of
+rows.
 """
 
 from __future__ import annotations
@@ -39,16 +42,14 @@ from .._request import check_weights_sequence
 from ..errors import InputError, InputTypeError
 
 __all__ = [
-    "TRACEABLE_METHODS",
     "any_traced",
     "kept_directions",
     "kept_directions_many",
     "merge_traced",
     "refuse_untraceable",
+    "stacked_masks",
+    "traced_refusal",
 ]
-
-#: the methods a merge runs under ``jax.jit`` / ``grad`` / ``vmap`` (any space)
-TRACEABLE_METHODS = ("ta",)
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -64,15 +65,25 @@ def any_traced(*trees: Any) -> bool:
     return False
 
 
-def refuse_untraceable(fn: str, method: str, options: Mapping[str, Any]) -> None:
-    """:class:`InputTypeError` for a merge that cannot run under a transformation."""
-    if method not in TRACEABLE_METHODS:
+def traced_refusal(res: Any) -> str | None:
+    """Why a resolved method (:func:`registry.resolve_options`) cannot run under a
+    transformation, or None."""
+    if res.model_wide:
+        return "trim_scope='model' (a threshold over every entry of the model, found on the host)"
+    if res.spec.kind == "elementwise" and res.space == "full":
+        return f"method={res.spec.name!r} in full space (dense updates merged module by module)"
+    return None
+
+
+def refuse_untraceable(fn: str, res: Any, options: Mapping[str, Any]) -> None:
+    """:class:`InputTypeError` for a merge that cannot run under a transformation (``res``: the
+    resolved method, :func:`registry.resolve_options`)."""
+    why = traced_refusal(res)
+    if why is not None:
         raise InputTypeError(
-            f"{fn}: method={method!r} cannot run inside jax.jit, jax.grad or jax.vmap (its "
-            "selection or output ranks are computed from the values on the host). Under a "
-            f"transformation {fn} supports method='ta' (in any space, with any masks); call "
-            f"{fn} with method={method!r} outside the transformation, or see docs/python.md, "
-            "'Composing with jit, vmap and grad'."
+            f"{fn}: {why} cannot run inside jax.jit, jax.grad or jax.vmap (its selection or "
+            f"output is computed on the host); call {fn} outside the transformation, or see "
+            "docs/python.md, 'Composing with jit, vmap and grad'."
         )
     if options.get("isotropize"):
         raise InputTypeError(
@@ -177,7 +188,7 @@ def kept_directions_many(items: Sequence[tuple]) -> list[tuple[jax.Array, jax.Ar
     return out
 
 
-def _stacked_masks(fn: str, masks: Mapping[str, Any], bk: _tree.Bucket, m_tasks: int):
+def stacked_masks(fn: str, masks: Mapping[str, Any], bk: _tree.Bucket, m_tasks: int):
     rows = []
     for name in bk.names:
         m = masks[name]
@@ -221,7 +232,7 @@ def merge_traced(
         factor = s * jnp.asarray(coef, dtype)
         if w is not None:
             factor = factor * w
-        mask = None if masks is None else _stacked_masks(fn, masks, bk, m_tasks)
+        mask = None if masks is None else stacked_masks(fn, masks, bk, m_tasks)
         items.append((a, b, factor, mask))
     if masks is None:
         done = [kept_directions(*it) for it in items]
