@@ -9,7 +9,7 @@ script measures those at tiny dimensions (so that arithmetic is negligible) and 
 * ``merge``: ``nu.merge_adapters(adapters, budget=, method="ta", space="core")``;
 * ``merge@METHOD-SPACE``: the same with another method and space (e.g. ``merge@tsv-core``,
   ``merge@ties-knots``; DARE with ``p=0.5`` and ``jax.random.key(0)``);
-* ``merge_jit``: the same merge inside one ``jax.jit`` (where the engine supports it);
+* ``merge_jit``: the same merge inside one ``jax.jit`` (``merge_jit@METHOD-SPACE`` as above);
 * ``...:stacked``: the same stage given ``nu.stack_adapters(adapters)``, stacked once before.
 
 Per case, each in a fresh interpreter with no compile cache (``run_worker``): programs compiled and
@@ -192,7 +192,9 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
         )[0]
     elif stage == "merge_jit":
         jitted = jax.jit(
-            lambda ads: nu.merge_adapters(ads, budget=budget, method="ta", space="core")[0]
+            lambda ads: nu.merge_adapters(
+                ads, budget=budget, method=method, space=space or "core", key=key, **opts
+            )[0]
         )
         fn = lambda: jitted(adapters)
     else:
