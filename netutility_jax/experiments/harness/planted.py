@@ -658,11 +658,13 @@ def render(seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], *, com
                         False,
                     )
                 )
+        done: set[tuple[str, str]] = set()
         for lab, arm, a, b, primary in pairs_to_do:
             la = f"{arm}/{a}"
             lb = f"{b[0]}/{b[1]}" if isinstance(b, tuple) else f"{arm}/{b}"
-            if la not in common or lb not in common:
-                continue
+            if la not in common or lb not in common or (la, lb) in done:
+                continue  # (a secondary pairing that is a primary one is shown once)
+            done.add((la, lb))
             ca, cb = corr(la), corr(lb)
             level = BONFERRONI if primary else 0.95
             deltas[lab] = {
