@@ -1053,3 +1053,31 @@ def test_version_prints_the_installed_version_and_exits_0(capsys):
     want = importlib.metadata.version("netutility-jax")
     assert capsys.readouterr().out == f"netutility {want}\n"
     assert want == nu.__version__  # pyproject's version and the package's agree
+
+
+@pytest.mark.parametrize("allocation", [[], ["--allocation", "all"]], ids=["budget", "all"])
+def test_an_all_zero_adapter_is_warned_of_by_name(folders, tmp_path, capsys, allocation):
+    """An adapter whose update is zero in every module (its lora_B all zeros, as PEFT saves an
+    untrained one) is merged as nothing: one warning naming it and why, instead of silence (or
+    a low-share hint about --min-share, which cannot help a task with no directions); the
+    others are merged as without it (TA keeping every direction: their sum)."""
+    zero = {n: {**m, "lora_b": np.zeros_like(m["lora_b"])} for n, m in _adapter(7, 4).items()}
+    zp = tmp_path / "untrained"
+    nu.peft.save_adapter(zero, zp, base_config=BASE)
+    out = tmp_path / "out"
+    rc, _, err = _run(
+        capsys, "merge", str(zp), *folders[:2], "--out", str(out), "--alpha", "1",
+        "--budget", "4", "--no-plots", "--quiet", *allocation,
+    )  # fmt: skip
+    assert rc == 0, err
+    lines = [ln for ln in err.splitlines() if "zero update in every module" in ln]
+    assert len(lines) == 1 and "untrained" in lines[0] and "contributes nothing" in lines[0]
+    assert not [ln for ln in err.splitlines() if "untrained keeps" in ln]  # (no share hint)
+    for other in folders[:2]:
+        assert os.path.basename(other) not in " ".join(lines)
+    if allocation:  # every direction: the merge is the sum of the two others' updates
+        merged = nu.peft.load_adapter(out)
+        ads = [nu.peft.load_adapter(p) for p in folders[:2]]
+        for n in NAMES:
+            want = sum(_dense(a[n]) for a in ads)
+            np.testing.assert_allclose(_dense(merged[n]), want, atol=1e-4 * np.abs(want).max())

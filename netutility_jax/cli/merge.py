@@ -74,7 +74,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
         report = _merge_and_write(job, ex, out, options, key, bar)
     if ex.index == 0:
         _warn_zeroed(job, report, options)
-        _warn_low_share(job, report)
+        zero = _zero_tasks(report)
+        _warn_zero_tasks(job, zero)
+        _warn_low_share(job, report, skip=zero)
         _note_single(job)
         print(_merge_line(job, report, out))
     return 0
@@ -91,8 +93,34 @@ def _note_single(job: MergeJob) -> None:
         )
 
 
-def _warn_low_share(job: MergeJob, report: Any) -> None:
-    """One warning line per task that keeps less than half its uniform share (net_utility)."""
+def _zero_tasks(report: Any) -> set[int]:
+    """The tasks whose update is zero in every module (no direction to keep: no singular value
+    above zero anywhere, so they keep nothing and ``h`` is undefined)."""
+    kept = np.asarray(report.kept_per_task)
+    if report.scores is None:  # (allocation "all": every candidate kept, so none is zero)
+        return {int(i) for i in np.flatnonzero(kept == 0)}
+    live = np.zeros(len(kept), bool)
+    for ms in report.scores.modules.values():
+        live |= np.asarray(ms.sigma).max(-1, initial=0) > 0
+    return {int(i) for i in np.flatnonzero(~live)}
+
+
+def _warn_zero_tasks(job: MergeJob, zero: set[int]) -> None:
+    """One warning line per adapter whose update is zero in every module: it is merged as
+    nothing (a missing task, not a small one) and ``h`` is undefined."""
+    for i in sorted(zero):
+        say(
+            "merge",
+            "warning",
+            f"{job.names[i]} has a zero update in every module (its lora_B or lora_A is all "
+            "zeros, e.g. saved before training): it contributes nothing to the merge and h is "
+            "undefined (nan); drop it, or check that it is the trained adapter",
+        )
+
+
+def _warn_low_share(job: MergeJob, report: Any, skip: set[int] = frozenset()) -> None:
+    """One warning line per task that keeps less than half its uniform share (net_utility);
+    ``skip``: tasks already warned of (zero everywhere)."""
     from ..planning import report_shares
 
     shares = report_shares(report)
@@ -101,15 +129,19 @@ def _warn_low_share(job: MergeJob, report: Any) -> None:
     positive = np.sum(
         [(np.asarray(ms.utility) > 0).sum(1) for ms in report.scores.modules.values()], axis=0
     )
-    _say_low_share(job, report.kept_per_task, shares, positive, report.min_share, "keeps")
+    _say_low_share(
+        job, report.kept_per_task, shares, positive, report.min_share, "keeps", skip=skip
+    )
 
 
-def _say_low_share(job, kept, shares, positive, min_share, verb: str) -> None:
+def _say_low_share(job, kept, shares, positive, min_share, verb: str, skip=frozenset()) -> None:
     """The warning of each task below :data:`nu.planning.LOW_SHARE` of its uniform share (one
     line naming it, with the remedy)."""
     from ..planning import LOW_SHARE
 
     for i, name in enumerate(job.names):
+        if i in skip:
+            continue
         k, share = int(kept[i]), float(shares[i])
         if not k < LOW_SHARE * share:
             continue
