@@ -150,3 +150,34 @@ def test_full_space_elementwise_module_lapack_calls_are_ordered(route):
     )
     assert _uses_lapack(jaxpr.jaxpr)
     _check_ordered(jaxpr.jaxpr)
+
+
+@pytest.mark.parametrize(("method", "space"), [("tsv", "core"), ("ties", "knots"), ("iso_c", "full")])
+def test_one_program_over_buckets_orders_their_lapack_calls(method, space):
+    """:func:`engine.program.merge_program` traces every bucket's stages in one program: the
+    buckets' LAPACK calls must still be totally ordered (each bucket after the previous one's
+    result), pieces of a bucket included (``lax.map``); independent ones deadlocked a streamed
+    SmolLM2-shaped merge on 2 cores."""
+    from netutility_jax.engine import program
+
+    spec = (("m", 37, 53, (3, 3, 3)), ("n", 37, 29, (3, 2, 3)), ("o", 37, 53, (3, 3, 3)))
+    ads = ref.make_adapters(2, 3, spec)
+    opts = {"density": 0.4} if method == "ties" else {}
+    plan = _plan.plan_merge(
+        "t", ads, None, method=method, space=space, coef=1.0, key=None, options=opts
+    )
+    groups = program._groups(plan)
+    assert len(groups) == 2  # (two buckets: m and o share one)
+    inputs = tuple(program._inputs(jobs, plan.dtype) for _, jobs in groups)
+    masks = tuple(
+        jnp.ones((sum(len(j.bucket.names) for j in jobs), 3, 3), bool) for _, jobs in groups
+    )
+    index = tuple(
+        jnp.asarray([i for j in jobs for i in j.index], jnp.int32) for _, jobs in groups
+    )
+    nums = {k: jnp.asarray(v, jnp.float32) for k, v in plan.numeric.items()}
+    jaxpr = jax.make_jaxpr(
+        functools.partial(program.merge_program.__wrapped__, groups=tuple(g for g, _ in groups))
+    )(inputs, masks, None, index, jnp.asarray(1.0), nums)
+    assert _uses_lapack(jaxpr.jaxpr)
+    _check_ordered(jaxpr.jaxpr)

@@ -10,6 +10,10 @@ loaded by every process, and per call a dispatch and argument buffers per stage 
 one piece's working memory; :func:`run` reads every result back in one transfer and cuts each
 module's live columns on the host, as the per-bucket route does.
 
+The buckets run one after another (each one's factors made data-dependent on the previous
+one's result, :func:`_linalg.after`): on CPU, jaxlib's LAPACK kernels block on the intra-op
+thread pool, and two independent calls in one program can deadlock it (tests/test_lapack_order).
+
 Where it applies (:func:`applies`): no mesh, no model-wide selection, and no method whose
 modules are merged in blocks of rows or module by module in full space (those bound their memory
 by running piece by piece on purpose). The results are the same arithmetic as the per-bucket
@@ -29,6 +33,7 @@ import numpy as np
 
 from .. import _buckets, _mesh, _stages
 from .._host import put_views
+from .._linalg import after
 
 __all__ = ["applies", "merge_program", "merge_traced", "run"]
 
@@ -65,6 +70,7 @@ def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group,
       coef, nums: the coefficient and the method's traced options.
     """
     outs = []
+    prev = None  # the previous group's output: every group's LAPACK calls after the last's
     for x, mk, idx, g in zip(inputs, masks, index, groups, strict=True):
         cfg = g.cfg
         if key is None:
@@ -82,13 +88,17 @@ def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group,
             st, m, k = args
             return _stages.bucket_merge(_mesh.Stacked(*st), m, coef, k, nums, cfg=cfg)
 
+        if prev is not None:  # (CPU: two LAPACK calls at once can deadlock its thread pool)
+            x = x._replace(a=after(x.a, prev))
         args = (tuple(x), mk, kk)
         if g.pieces == 1:
-            outs.append(one(args))
-            continue
-        split = jax.tree.map(lambda y: y.reshape(g.pieces, g.size, *y.shape[1:]), args)
-        out = jax.lax.map(one, split)
-        outs.append(jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), out))
+            out = one(args)
+        else:  # (lax.map: a scan, its pieces one after another)
+            split = jax.tree.map(lambda y: y.reshape(g.pieces, g.size, *y.shape[1:]), args)
+            out = jax.lax.map(one, split)
+            out = jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), out)
+        outs.append(out)
+        prev = out[0]
     return outs
 
 
