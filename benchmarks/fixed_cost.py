@@ -175,6 +175,7 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
 
     adapters = make_adapters(layers, tasks, rank)
     budget = rank
+    name = stage
     stage, _, form = stage.partition(":")
     if form == "stacked":  # stacked once where the adapters enter (not timed)
         adapters = jax.block_until_ready(nu.stack_adapters(adapters))
@@ -208,7 +209,7 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
         with counts.counting():
             _ready(fn())
     except Exception as e:  # e.g. a merge that cannot be traced: recorded, not hidden
-        return {"stage": stage, "layers": layers, "error": f"{type(e).__name__}: {e}"[:400]}
+        return {"stage": name, "layers": layers, "error": f"{type(e).__name__}: {e}"[:400]}
     first = time.perf_counter() - t0
     programs, compile_s = len(events), sum(events)
     for _ in range(2):
@@ -224,7 +225,7 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
     n_before = len(events)
     n_modules = layers * len(KINDS)
     return {
-        "stage": f"{stage}:{form}" if form else stage,
+        "stage": name,
         "layers": layers,
         "modules": n_modules,
         "tasks": tasks,

@@ -106,6 +106,8 @@ class Report:
       data_aware: whether the scores used input second moments (``input_moments`` with data
         for at least one task-module; this project's extension, not the paper's, see
         docs/input_moments.md). False: the paper's data-free score (or no score).
+      interference: the scores' interference term, ``"overlap"`` (the paper's) or ``"signed"``
+        (this project's sign-aware extension, :func:`nu.score`).
     """
 
     lam: float | None
@@ -127,6 +129,7 @@ class Report:
     weights: tuple[float, ...] | None = None
     min_share: float | None = None
     data_aware: bool = False
+    interference: str = "overlap"
 
 
 # A pytree, so that a merge inside jax.jit can return it (its numbers are then arrays); the
@@ -137,7 +140,10 @@ jax.tree_util.register_dataclass(
         "lam", "alpha", "budget_spent", "kept", "kept_per_task", "non_prefix_fraction",
         "heterogeneity", "ranks", "masks", "scores", "weights", "min_share",
     ],
-    meta_fields=["budget", "method", "space", "allocation", "scope", "zeroed", "data_aware"],
+    meta_fields=[
+        "budget", "method", "space", "allocation", "scope", "zeroed", "data_aware",
+        "interference",
+    ],
 )  # fmt: skip
 
 
@@ -207,4 +213,5 @@ def build_report(
         weights=req.weights,
         min_share=req.min_share,
         data_aware=req.data_aware,
+        interference=req.interference,
     )

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _buckets, _checks, _min_share, _plan, _stages, _tree, registry
 from ._linalg import settle
+from ._scoring import check_interference
 from .errors import InputError, InputTypeError
 from .utility import score
 
@@ -49,6 +50,7 @@ DEFAULTS: Mapping[str, Any] = {
     "weights": None,
     "min_share": None,
     "input_moments": None,
+    "interference": "overlap",
 }
 #: :data:`DEFAULTS` and what only a merge takes (not a plan): the merged update's coefficient
 #: and the PRNG key of the methods that draw.
@@ -68,6 +70,8 @@ class MergeRequest:
       min_share: the per-task floor (None: none, or 0).
       options: the method's options as given (``**options``).
       resolved: the method and space with every option checked and defaulted.
+      interference: the scoring's interference term, ``"overlap"`` (the paper's) or
+        ``"signed"`` (this project's sign-aware extension; :func:`nu.score`).
     """
 
     fn: str
@@ -86,6 +90,7 @@ class MergeRequest:
     input_moments: Any
     options: Mapping[str, Any]
     resolved: registry.Resolved
+    interference: str = "overlap"
 
     @classmethod
     def check(
@@ -107,6 +112,7 @@ class MergeRequest:
         coef: Any = 1.0,
         key: Any = None,
         merges: bool = True,
+        interference: Any = "overlap",
     ) -> MergeRequest:
         """The settings checked, in the order every entry point reports them: the method and
         its options, the budget's arguments, ``min_share``, ``input_moments`` against the
@@ -116,6 +122,13 @@ class MergeRequest:
         scope = _check_budget_args(fn, res, allocation, scope, budget, alpha, lam, positive_only)
         floor = _min_share.check_min_share(fn, min_share, allocation)
         check_input_moments(fn, input_moments, allocation)
+        interference = check_interference(fn, interference)
+        if interference != "overlap" and allocation != "net_utility":
+            raise InputError(
+                f"{fn}: interference={interference!r} with allocation={allocation!r}: only the "
+                "net_utility allocation scores interference; drop interference= or use "
+                "allocation='net_utility'."
+            )
         if merges:
             _plan.check_coef(fn, coef)
             if res.spec.needs_key:
@@ -124,7 +137,7 @@ class MergeRequest:
             fn=fn, method=method, space=space, allocation=allocation, scope=scope, budget=budget,
             alpha=alpha, lam=lam, positive_only=positive_only, coef=coef, key=key,
             weights=weights, min_share=floor, input_moments=input_moments,
-            options=dict(options), resolved=res,
+            options=dict(options), resolved=res, interference=interference,
         )  # fmt: skip
 
     def with_tasks(self, m_tasks: int) -> MergeRequest:
@@ -169,8 +182,9 @@ class MergeRequest:
         if self.allocation == "all":
             return None, None, all_candidates(self.fn, names, buckets)
         sc = score(
-            adapters, alpha=self.alpha, lam=self.lam, mesh=mesh, input_moments=self.input_moments
-        )
+            adapters, alpha=self.alpha, lam=self.lam, mesh=mesh, input_moments=self.input_moments,
+            interference=self.interference,
+        )  # fmt: skip
         masks = self.select(sc)
         return sc, masks, masks
 

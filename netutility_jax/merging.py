@@ -339,6 +339,7 @@ def merge_adapters(
     weights: Sequence[float] | None = None,
     min_share: float | None = None,
     input_moments: Sequence[Mapping[str, Any] | None] | None = None,
+    interference: str = "overlap",
     **options: Any,
 ) -> tuple[Any, Report]:
     """Score, allocate a budget, merge and report, in one call (paper, Algorithm 1).
@@ -387,6 +388,9 @@ def merge_adapters(
         not the paper's: docs/input_moments.md), with ``allocation="net_utility"`` only. The
         masks are then ``nu.allocate(nu.score(adapters, input_moments=...), budget)``'s;
         :attr:`Report.data_aware` says whether any data was used.
+      interference: the scores' interference term: ``"overlap"`` (the paper's) or
+        ``"signed"`` (this project's sign-aware extension; :func:`nu.score`), with
+        ``allocation="net_utility"`` only; :attr:`Report.interference` records it.
 
     Returns:
       ``(merged_adapter, Report)``.
@@ -423,12 +427,13 @@ def merge_adapters(
             adapters, budget=budget, method=method, space=space, allocation=allocation,
             scope=scope, alpha=alpha, lam=lam, positive_only=positive_only, coef=coef, key=key,
             mesh=mesh, weights=weights, min_share=min_share, input_moments=input_moments,
-            options=options,
+            options=options, interference=interference,
         )  # fmt: skip
     req = MergeRequest.check(
         "nu.merge_adapters", budget=budget, method=method, space=space, allocation=allocation,
         scope=scope, alpha=alpha, lam=lam, positive_only=positive_only, min_share=min_share,
         input_moments=input_moments, options=options, weights=weights, coef=coef, key=key,
+        interference=interference,
     )  # fmt: skip
     fast = fast_ta(req.fn, method, space, options, mesh)
     if isinstance(adapters, StackedAdapters) and not fast:  # the pipeline takes module views
@@ -442,7 +447,7 @@ def merge_adapters(
         elif not isinstance(req.alpha, str):  # one scoring program, with the energies (for h)
             run = score_run(
                 "nu.score", adapters, (req.alpha,), req.lam, None, False, None, energy=True,
-                input_moments=req.input_moments,
+                input_moments=req.input_moments, interference=req.interference,
             )  # fmt: skip
             sc = run.scores[0]
             masks = req.select(sc)
@@ -460,7 +465,8 @@ def merge_adapters(
                 adapters.unstack(), budget=budget, method=method, space=space,
                 allocation=allocation, scope=scope, alpha=alpha, lam=lam,
                 positive_only=positive_only, coef=coef, key=key, mesh=mesh, weights=weights,
-                min_share=min_share, input_moments=input_moments, **options,
+                min_share=min_share, input_moments=input_moments, interference=interference,
+                **options,
             )  # fmt: skip
         sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
         merged = merge(
@@ -565,7 +571,10 @@ def _merge_adapters_traced(
         sc = None
         masks = {nm: ms.sigma > 0 for nm, ms in score(adapters, lam=0.0).modules.items()}
     else:
-        sc = score(adapters, alpha=req.alpha, lam=req.lam, input_moments=req.input_moments)
+        sc = score(
+            adapters, alpha=req.alpha, lam=req.lam, input_moments=req.input_moments,
+            interference=req.interference,
+        )  # fmt: skip
         masks = req.select(sc)
     merged = _merge_traced(fn, adapters, masks, req.resolved, coef=coef, key=req.key, weights=w)
     counts = traced.traced_report_fields(masks, names)
@@ -583,6 +592,7 @@ def _merge_adapters_traced(
         scores=sc,
         weights=w,
         data_aware=req.data_aware,
+        interference=req.interference,
         **counts,
     )
     return _rebuild(adapters, merged), report

@@ -320,6 +320,7 @@ def plan(
     chunk_bytes: int = streaming.CHUNK_BYTES,
     mesh: Any = None,
     input_moments: Sequence[Any] | None = None,
+    interference: str = "overlap",
     **options: Any,
 ) -> Plan:
     """The plan of a merge: score and allocate as the merge would, and stop (nothing merged).
@@ -341,8 +342,9 @@ def plan(
     Args:
       adapters: M adapters in memory (as for :func:`nu.merge_adapters`), or an ``AdapterSet``.
       budget, method, space, allocation, scope, alpha, lam, positive_only, weights, min_share,
-        input_moments, **options: as for :func:`nu.merge_adapters` (the method's options are
-        checked as there; ``input_moments`` gives the data-aware merge's masks).
+        input_moments, interference, **options: as for :func:`nu.merge_adapters` (the method's
+        options are checked as there; ``input_moments`` gives the data-aware merge's masks,
+        ``interference="signed"`` the sign-aware one's).
       names: M task names (default: the folders' names for an ``AdapterSet``, disambiguated as
         :func:`task_names`; ``"task 0"``, ``"task 1"`` ... for adapters in memory).
       rank: the rank dense results are written at (as ``nu.peft.save_adapter(rank=)``).
@@ -376,6 +378,7 @@ def plan(
         fn, budget=budget, method=method, space=space, allocation=allocation, scope=scope,
         alpha=alpha, lam=lam, positive_only=positive_only, min_share=min_share,
         input_moments=input_moments, options=options, weights=weights, merges=False,
+        interference=interference,
     )  # fmt: skip
     res, scope, floor = req.resolved, req.scope, req.min_share
     _checks.check_choice(fn, "dtype", dtype, ("float32", "bfloat16", "float16"))

@@ -263,10 +263,13 @@ class _Energies:
         if zero.size:
             if not strict:
                 return float("nan")
-            raise InputError(
-                f"{fn}: task {int(zero[0])} has a zero update in every module; its log-energy "
-                "is undefined. Drop that adapter or pass alpha= explicitly."
+            err = InputError(
+                f"{fn}: task {int(zero[0])} (adapters[{int(zero[0])}]) has a zero update in "
+                "every module; its log-energy is undefined. Drop that adapter or pass alpha= "
+                "explicitly (0 or 1)."
             )
+            err.task_index, err.argument = int(zero[0]), "alpha"  # (as nu.score's refusal)
+            raise err
         # (converted on the host, exactly as XLA would: no conversion programs to load; each
         # operation its own kept program, as eagerly: fused, XLA rounds some h differently)
         rel = _add(host_constant(kmax - kmax[0], dtype), _log2(host_constant(total, dtype)))
@@ -479,7 +482,13 @@ def _check_moment_names(fn: str, moments: Any, source: AdapterSet) -> None:
 
 
 def _score_pass(
-    st: _Stream, *, alpha: float | str, lam: Any, mesh: Any = None, input_moments: Any = None
+    st: _Stream,
+    *,
+    alpha: float | str,
+    lam: Any,
+    mesh: Any = None,
+    input_moments: Any = None,
+    interference: str = "overlap",
 ) -> tuple[dict[str, utility.ModuleScores], float, _Energies]:
     """Pass 1: ``(stats, alpha, energies)``: every module's scores with ``lam=0`` (``lam`` if a
     number; :func:`nu.score`'s checks and messages), every process's after the exchange (each
@@ -507,6 +516,7 @@ def _score_pass(
                 energy=True,
                 defer=auto,
                 input_moments=_chunk_moments(input_moments, names),
+                interference=interference,
             )
             for a, sc in enumerate(run.scores):
                 # stacked on the host (exact; an eager jnp.stack compiles per shape)
@@ -566,7 +576,12 @@ def _merge_chunk(
         done = ta.merge_ta(st.fn, adapters, part, coef=call["coef"])  # (as nu.merge's TA)
         if done is not None:
             return _chunk_result(st.fn, adapters, done.modules, on_chunk, zero)
-    plan = _plan.plan_merge(st.fn, adapters, part, **call, module_index=index)
+    # one device: every bucket of the chunk in one program (engine/program.py), its factors
+    # stacked on the host as the one-device mesh would stack them
+    plan = _plan.plan_merge(
+        st.fn, adapters, part, **{**call, "mesh": None if one else call["mesh"]},
+        module_index=index,
+    )  # fmt: skip
     results = merging.run_plan(plan, coef=call["coef"], key=call["key"])
     return _chunk_result(st.fn, adapters, results, on_chunk, zero)
 
@@ -779,8 +794,9 @@ def _allocation(
     if req.allocation == "all":
         return None, None, None
     stats, alpha_v, energies = _score_pass(
-        st, alpha=req.alpha, lam=req.lam, mesh=mesh, input_moments=req.input_moments
-    )
+        st, alpha=req.alpha, lam=req.lam, mesh=mesh, input_moments=req.input_moments,
+        interference=req.interference,
+    )  # fmt: skip
     sc = _global_scores(st.fn, stats, req.lam, alpha_v, st.dtype)
     masks = req.select(sc)
     _agree(st, sc, masks)
@@ -839,6 +855,7 @@ def merge_adapters_streaming(
     min_share: float | None = None,
     input_moments: Sequence[Mapping[str, Any] | None] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    interference: str = "overlap",
     **options: Any,
 ) -> tuple[dict[str, Any], Report]:
     """:func:`nu.merge_adapters` on adapters read from disk a chunk at a time (see the module
@@ -853,6 +870,7 @@ def merge_adapters_streaming(
       input_moments: as for :func:`nu.merge_adapters` (one entry per task, keyed by
         :attr:`AdapterSet.names`); each chunk is scored with every task's entry restricted to
         the chunk's modules, so the scores are the in-memory data-aware ones.
+      interference: as for :func:`nu.merge_adapters`.
       chunk_bytes: every task's factors read at once, in bytes of the compute dtype (a module
         larger than that is read alone).
       on_chunk: called with each chunk's merged modules ``{name: module}``; what it returns is
@@ -911,7 +929,7 @@ def merge_adapters_streaming(
         "nu.merge_adapters_streaming", budget=budget, method=method, space=space,
         allocation=allocation, scope=scope, alpha=alpha, lam=lam, positive_only=positive_only,
         min_share=min_share, input_moments=input_moments, options=options, weights=weights,
-        coef=coef, key=key,
+        coef=coef, key=key, interference=interference,
     )  # fmt: skip
     fn, res = req.fn, req.resolved
     _check_source(fn, source, chunk_bytes, on_chunk)

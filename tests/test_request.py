@@ -69,6 +69,7 @@ def test_the_commands_merge_arguments_are_the_requests_settings():
     job = types.SimpleNamespace(
         budget=4, method="ta", space="full", allocation="net_utility", scope=None, alpha=1.0,
         lam="auto", keep_nonpositive=False, coef=1.0, weights=None, min_share=None, devices=1,
+        interference="overlap",
     )  # fmt: skip
     got = _merge_settings(job, None)
     # input_moments comes from the job's file (loaded apart, once the adapters are known)
@@ -93,6 +94,8 @@ BAD = [
     ({"weights": [1.0, 0.0, 1.0]}, InputError, "weights[1]"),
     ({"method": "ties", "density": 2.0}, InputError, "density"),
     ({"method": "nope"}, InputError, "method="),
+    ({"interference": "cosine"}, InputError, "interference="),
+    ({"interference": "signed", "allocation": "uniform"}, InputError, "interference='signed'"),
 ]
 
 

@@ -385,6 +385,15 @@ def add_scoring(p: argparse.ArgumentParser) -> None:
         "median(benefit) / median(interference) over all candidates (data-free); a number in "
         f"[0, {LAM_MAX:g}]. Default: auto.",
     )
+    p.add_argument(
+        "--interference",
+        choices=("overlap", "signed"),
+        default="overlap",
+        help="the interference term: overlap = the paper's (input-side overlaps with the other "
+        "tasks' directions, sign-blind); signed = this project's sign-aware extension (only "
+        "conflicting pairs of rank-1 components count, agreeing ones add nothing; "
+        "docs/math.md). net_utility only. Default: overlap.",
+    )
 
 
 def add_loading(p: argparse.ArgumentParser) -> None:

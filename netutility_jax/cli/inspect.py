@@ -58,7 +58,13 @@ def heterogeneity_note(paths: Sequence[str], zero: Sequence[int], *, cli: bool =
 
 
 def inspect_dict(
-    adapters: Sequence[Any], paths: Sequence[str], *, alpha, lam, _cli: bool = False
+    adapters: Sequence[Any],
+    paths: Sequence[str],
+    *,
+    alpha,
+    lam,
+    interference: str = "overlap",
+    _cli: bool = False,
 ) -> dict:
     """What ``netutility inspect`` prints, as a dict. ``heterogeneity`` is NaN (``null`` in
     JSON) where a task's update is zero in every module, and ``heterogeneity_note`` says why
@@ -81,7 +87,7 @@ def inspect_dict(
             f"every module (no energy). Give {explicit} explicitly to inspect this "
             f"set, or drop {'that adapter' if len(zero) == 1 else 'those adapters'}."
         )
-    scores = nu.score(adapters, alpha=alpha, lam=lam)
+    scores = nu.score(adapters, alpha=alpha, lam=lam, interference=interference)
     energies = np.asarray(nu.task_energies(adapters), np.float64)
     tasks = []
     for i, path in enumerate(paths):
@@ -137,7 +143,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     resolved = [resolve_adapter(a) for a in given]
     args.names = task_names([r.label for r in resolved])
     loaded = load([r.path for r in resolved], args, "inspect")
-    info = inspect_dict(loaded.adapters, given, alpha=args.alpha, lam=args.lam, _cli=True)
+    info = inspect_dict(
+        loaded.adapters, given, alpha=args.alpha, lam=args.lam,
+        interference=args.interference, _cli=True,
+    )  # fmt: skip
     for task, r in zip(info["tasks"], resolved, strict=True):
         if r.hub is not None:
             task["hub"] = {

@@ -48,6 +48,7 @@ class MergeJob:
     scope: str | None
     alpha: float | str
     lam: float | str
+    interference: str
     strict_targets: bool
     allow_different_base: bool
     skip_non_lora: bool

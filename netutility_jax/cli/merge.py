@@ -14,6 +14,7 @@ after scoring and allocating and prints the plan (:func:`_dry_run`,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import pathlib
 import warnings
@@ -53,7 +54,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     resolve(args)
     job = MergeJob.of(args)
     if job.dry_run:
-        return _dry_run(job)
+        with _in_flag_terms(job):
+            return _dry_run(job)
     if check_join(job) and not _supervise.is_child() and job.argv:
         # the flags are checked; the run itself goes to a supervised child, so that a peer's
         # death ends this process with one line rather than JAX's C++ abort
@@ -69,7 +71,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         bar.set_postfix_str("loading adapters")
     from ..merging import ZeroUpdateWarning
 
-    with warnings.catch_warnings():  # (said below, as one line, from the report)
+    with warnings.catch_warnings(), _in_flag_terms(job):  # (said below, from the report)
         warnings.simplefilter("ignore", ZeroUpdateWarning)
         report = _merge_and_write(job, ex, out, options, key, bar)
     if ex.index == 0:
@@ -80,6 +82,26 @@ def cmd_merge(args: argparse.Namespace) -> int:
         _note_single(job)
         print(_merge_line(job, report, out))
     return 0
+
+
+@contextlib.contextmanager
+def _in_flag_terms(job: MergeJob):
+    """The library's refusal of ``alpha="auto"`` on a set with an all-zero adapter (an
+    :class:`InputError` carrying ``argument`` and ``task_index``) said in the command's terms:
+    ``--alpha`` and the adapter's name and path."""
+    from ..errors import InputError
+
+    try:
+        yield
+    except InputError as err:
+        i = getattr(err, "task_index", None)
+        if getattr(err, "argument", None) != "alpha" or i is None or not 0 <= i < len(job.names):
+            raise
+        raise UsageError(
+            f"--alpha auto: adapter {job.names[i]} ({job.adapters[i]}) has a zero update in "
+            "every module (no energy), so the heterogeneity h that the rule needs is undefined; "
+            "give --alpha 0 or 1, or drop that adapter (it contributes nothing to a merge)."
+        ) from err
 
 
 def _note_single(job: MergeJob) -> None:
@@ -183,7 +205,8 @@ def _dry_run(job: MergeJob) -> int:
     p = plan(
         adapters, budget=job.budget, method=job.method, space=job.space,
         allocation=job.allocation, scope=job.scope, alpha=job.alpha, lam=job.lam,
-        positive_only=not job.keep_nonpositive, weights=job.weights,
+        interference=job.interference, positive_only=not job.keep_nonpositive,
+        weights=job.weights,
         min_share=job.min_share, names=list(job.names), rank=None if low_rank else job.rank,
         dtype=job.dtype, serving_ranks=job.serving_ranks,
         chunk_bytes=max(1, int(job.chunk_mb * 2**20)), mesh=_mesh_of(job),
@@ -259,6 +282,12 @@ def _check_merge(
         out, existing = check_out(job.out, job.adapters)
     check_extras(not job.no_plots)
     method_options(job)
+    if job.interference != "overlap" and job.allocation != "net_utility":
+        raise UsageError(
+            f"--interference {job.interference} with --allocation {job.allocation}: only the "
+            "net_utility allocation scores interference; drop --interference or use "
+            "--allocation net_utility."
+        )
     if job.rank is None and not registry.METHODS[job.method].low_rank_in(job.space):
         raise UsageError(
             f"method {job.method} in full space gives dense updates; pass --rank K to write "
@@ -310,6 +339,7 @@ def _merge_settings(job: MergeJob, key) -> dict[str, Any]:
         "scope": job.scope,
         "alpha": job.alpha,
         "lam": job.lam,
+        "interference": job.interference,
         "positive_only": not job.keep_nonpositive,
         "coef": job.coef,
         "key": key,
@@ -451,6 +481,8 @@ def _merge_line(job: MergeJob, report: Any, out: pathlib.Path) -> str:
         )
     lam = "n/a" if report.lam is None else f"{report.lam:.4g}"
     alpha = "n/a" if report.alpha is None else f"{report.alpha:g}"
+    if report.interference != "overlap":  # (this project's extension: said where it ran)
+        alpha += f", {report.interference} interference"
     return (
         f"{what}{job.allocation}): budget {job.budget}, spent {report.budget_spent:.2f} per "
         f"module, kept per task [{kept}], lambda {lam}, alpha {alpha}, h "

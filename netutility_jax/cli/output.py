@@ -102,7 +102,7 @@ def report_dict(
     keep = (
         "method", "space", "allocation", "scope", "budget", "budget_spent", "lam", "alpha",
         "heterogeneity", "non_prefix_fraction", "kept_per_task", "kept", "ranks", "zeroed",
-        "weights", "min_share", "data_aware",
+        "weights", "min_share", "data_aware", "interference",
     )  # fmt: skip
     out = {k: _io.to_jsonable(getattr(report, k, None)) for k in keep}
     label = (lambda i: int(i)) if names is None else (lambda i: names[int(i)])
