@@ -1,5 +1,5 @@
 """The planted-interference study's plants and read-out (a)
-(netutility_jax/experiments/harness/planted.py), against dense float64 math written out here."""
+(netutility_jax/experiments/harness/planting.py), against dense float64 math written out here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError
-from netutility_jax.experiments.harness import planted as pl
+from netutility_jax.experiments.harness import planting as pl
 
 NAMES = ("v", "c", "o")
 

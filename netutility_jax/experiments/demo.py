@@ -66,6 +66,7 @@ __all__ = [
     "model_devices",
     "preset_of",
     "run",
+    "run_planted",
     "suite_flags",
     "task_args",
 ]
@@ -765,8 +766,6 @@ def _command(args: argparse.Namespace) -> str:
 def _run_planted(args: argparse.Namespace) -> int:
     """``netutility demo --study planted``: :mod:`netutility_jax.experiments.planted` with the
     primary merges, the seeds of ``--seed``/``--seeds`` (default 0-4), ``--out``, ``--cache-dir``."""
-    from . import planted
-
     for flag, given in (
         ("--grid", args.grid), ("--init", args.init), ("--tasks", args.tasks),
         ("--task", args.task), ("--cells", getattr(args, "cells", None)),
@@ -781,7 +780,64 @@ def _run_planted(args: argparse.Namespace) -> int:
         seeds=seeds, out=str(args.out), cache_dir=args.cache_dir, merges="primary",
         quick=args.quick, render=False,
     )  # fmt: skip
-    return planted.run(ns, _command(args))
+    return run_planted(ns, _command(args))
+
+
+def run_planted(args: argparse.Namespace, command: str, *, prog: str = PROG) -> int:
+    """The planted-interference study (:mod:`netutility_jax.experiments.harness.planting`) for
+    parsed options ``seeds``, ``out``, ``cache_dir``, ``merges``, ``quick`` and ``render`` (only
+    re-render ``out``): each seed run, saved and the report re-rendered from every seed in
+    ``out``; a seed already there with at least ``merges`` is not run again. ``command`` is
+    recorded in every seed and the report."""
+    import json
+
+    from .harness import planting as pl
+
+    order = {"none": 0, "primary": 1, "all": 2}
+
+    out = pathlib.Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise DemoError(f"--out {out} is a file; give a directory")
+    if not args.render:
+        preset = enc.QUICK if args.quick else enc.FULL
+        # the per-task initialisation (the default preset's; the regime study's per-task cell)
+        preset = dataclasses.replace(
+            preset, train=dataclasses.replace(preset.train, init="per_task")
+        )
+        pairs = (("word_sentiment", "word_pos"),) if args.quick else pl.PAIRS
+        cache = check_cache_dir(args.cache_dir)
+        specs = task_args([], None, preset.tasks)
+        check_data(specs)
+        check_weights("encoder")
+        task_list = load_tasks(specs, preset)
+        suite = enc.EncoderSuite()
+        for seed in args.seeds:
+            done = out / f"seed{seed}.json"
+            if done.exists():
+                had = json.loads(done.read_text()).get("merges", "none")
+                if order[had] >= order[args.merges]:
+                    print(
+                        f"{prog}: seed {seed} is in {out} (merges {had}); not run again", flush=True
+                    )
+                    continue
+            rec = pl.run_seed(
+                seed, task_list, preset, suite, cache_dir=cache, merges=args.merges,
+                log=lambda s: print(s, flush=True), pairs=pairs,
+            )  # fmt: skip
+            pl.save_seed(out, rec, command=command)
+            _render_planted(out, command, prog)
+    else:
+        _render_planted(out, command, prog)
+    return 0
+
+
+def _render_planted(out: pathlib.Path, command: str, prog: str) -> None:
+    from .harness import planting as pl
+
+    seeds = pl.load_seeds(out)
+    results, markdown = pl.render(seeds, command=command)
+    written = pl.write(out, results, markdown)
+    print(f"{prog}: {len(seeds)} seed(s) rendered: {', '.join(written)}", flush=True)
 
 
 def _run_study(args: argparse.Namespace) -> int:

@@ -25,6 +25,8 @@ import numpy as np
 from .. import _io, _provenance
 from .harness import stats as st
 
+__all__ = ["COMPARISONS", "PROG", "main", "markdown", "per_seed", "pool"]
+
 PROG = "python -m netutility_jax.experiments.regime_seeds"
 CELLS = ("centre", "init=per_task")
 BUDGETS = ("16", "32")
