@@ -36,6 +36,8 @@ import numpy as np
 from ... import _io, _provenance
 from ...errors import InputError
 from . import stats as st
+from .grid import Job
+from .runner import JobCache
 
 __all__ = [
     "ALLOCATIONS",
@@ -317,8 +319,6 @@ def run_seed(
 
     import netutility_jax as nu
 
-    from .runner import JobCache
-
     if merges not in ("primary", "all", "none"):
         raise InputError(f"run_seed: merges={merges!r}; expected 'primary', 'all' or 'none'.")
     t0, c0 = time.perf_counter(), time.process_time()
@@ -402,8 +402,6 @@ def run_seed(
         masks = masks_all[(arm_name, alloc, r)]
         what = {**base_key, "arm": arm_name, "masks": _digest(masks)}
         key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
-        from .grid import Job
-
         path = jobs.path(seed, Job(label, "ta", "full", ("full",), r, alloc), key)
         hit = jobs.load(path)
         if hit is not None:
