@@ -778,7 +778,7 @@ def _run_planted(args: argparse.Namespace) -> int:
     seeds = _chosen_seeds(args, (0, 1, 2, 3, 4))
     ns = argparse.Namespace(
         seeds=seeds, out=str(args.out), cache_dir=args.cache_dir, merges="primary",
-        quick=args.quick, render=False,
+        quick=args.quick, render=False, init="per_task",
     )  # fmt: skip
     return run_planted(ns, _command(args))
 
@@ -800,10 +800,10 @@ def run_planted(args: argparse.Namespace, command: str, *, prog: str = PROG) -> 
         raise DemoError(f"--out {out} is a file; give a directory")
     if not args.render:
         preset = enc.QUICK if args.quick else enc.FULL
-        # the per-task initialisation (the default preset's; the regime study's per-task cell)
-        preset = dataclasses.replace(
-            preset, train=dataclasses.replace(preset.train, init="per_task")
-        )
+        # the per-task initialisation (the default preset's; the regime study's per-task cell),
+        # or the shared one (the regime study's centre)
+        init = getattr(args, "init", None) or "per_task"
+        preset = dataclasses.replace(preset, train=dataclasses.replace(preset.train, init=init))
         pairs = (("word_sentiment", "word_pos"),) if args.quick else pl.PAIRS
         cache = check_cache_dir(args.cache_dir)
         specs = task_args([], None, preset.tasks)

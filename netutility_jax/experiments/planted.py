@@ -47,6 +47,13 @@ def parser() -> argparse.ArgumentParser:
         "merges, gamma 1, R 16 and full capacity), all (every arm, allocation and budget), none "
         "(read-out (a) only: exact, no evaluation)",
     )
+    p.add_argument(
+        "--init",
+        choices=("per_task", "shared"),
+        default="per_task",
+        help="the adapters' LoRA initialisation: per_task (the registered study) or shared (the "
+        "regime study's centre cell: the allocations compared on those adapters too)",
+    )
     p.add_argument("--quick", action="store_true", help="the quick preset's 3 tasks (a smoke test)")
     p.add_argument("--render", action="store_true", help="only re-render the report of --out")
     return p

@@ -440,6 +440,7 @@ def run_seed(
         "seed": seed,
         "tasks": names,
         "pairs": [list(p) for p in pairs],
+        "init": getattr(preset.train, "init", None),
         "training": {
             t.name: {k: t.info.get(k) for k in ("cache_key", "steps", "best_step")} for t in trained
         },
@@ -548,6 +549,10 @@ def render(seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], *, com
     pairs = [tuple(p) for p in recs[0]["pairs"]]
     if any([tuple(p) for p in r["pairs"]] != pairs or r["tasks"] != names for r in recs):
         raise InputError("planted.render: the seeds were run with different tasks or pairs.")
+    # (seeds saved before the init was recorded ran the registered per-task initialisation)
+    inits = {r.get("init") or "per_task" for r in recs}
+    if len(inits) > 1:
+        raise InputError(f"planted.render: the seeds were run with initialisations {inits}.")
     victims = [names.index(v) for v, _ in pairs]
     results: dict[str, Any] = {
         "study": "planted",
@@ -565,6 +570,7 @@ def render(seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], *, com
             "budgets": list(BUDGETS),
             "merge": "TA, full space; coefficient chosen on validation (start 0.3)",
             "normaliser": "the unplanted single LoRAs",
+            "init": next(iter(inits)),
         },
         "seeds": [r["seed"] for r in recs],
         "cpu_hours": sum(r["seconds"]["cpu"] for r in recs) / 3600,
@@ -713,7 +719,7 @@ def _markdown(res: Mapping[str, Any]) -> str:
         f"{', '.join(map(str, res.get('accuracy_seeds', []))) or 'none'}; "
         f"{res['cpu_hours']:.2f} CPU hours, {res['wall_hours']:.2f} wall hours over the seeds' processes.",
         "",
-        "Victim -> carrier pairs: "
+        f"LoRA initialisation: {res['design']['init']}. Victim -> carrier pairs: "
         + "; ".join(f"{v} -> {c}" for v, c in res["design"]["pairs"])
         + f". The victim's top {res['design']['top']} components of every module are appended to "
         "its carrier scaled by -gamma (conflict) or +gamma (agreement). TA in full space, the "
