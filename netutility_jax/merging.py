@@ -211,13 +211,21 @@ def merge(
         done = ta.merge_ta(fn, adapters, masks, coef=coef)
         if done is not None:
             return _rebuild(adapters, done.modules)
-    if isinstance(adapters, StackedAdapters):  # the bucket pipeline takes per-module views
+    if isinstance(adapters, StackedAdapters) and (
+        mesh is not None or registry.resolve_options(fn, method, space, dict(options)).model_wide
+    ):  # the bucket pipeline over a mesh, or model-wide TIES, takes per-module views
         adapters = adapters.unstack()
     plan = _plan.plan_merge(
         fn, adapters, masks, method=method, space=space, coef=coef, key=key, options=options,
         mesh=mesh,
     )  # fmt: skip
-    return _results.rebuild(adapters[0], run_plan(plan, coef=coef, key=key))
+    if isinstance(adapters, StackedAdapters) and not program.applies(plan):
+        adapters = adapters.unstack()  # (module by module or in blocks of rows: views)
+        plan = _plan.plan_merge(
+            fn, adapters, masks, method=method, space=space, coef=coef, key=key,
+            options=options, mesh=mesh,
+        )  # fmt: skip
+    return _rebuild(adapters, run_plan(plan, coef=coef, key=key))
 
 
 # ------------------------------------------------------------------ coef outside the dtype's range
@@ -436,7 +444,7 @@ def merge_adapters(
         interference=interference,
     )  # fmt: skip
     fast = fast_ta(req.fn, method, space, options, mesh)
-    if isinstance(adapters, StackedAdapters) and not fast:  # the pipeline takes module views
+    if isinstance(adapters, StackedAdapters) and mesh is not None:  # (a mesh: module views)
         adapters = adapters.unstack()
     weighted, req = _weighted_input(adapters, req)
     names, buckets, _m_tasks = _tree.collect(adapters, fn=req.fn)
@@ -460,7 +468,7 @@ def merge_adapters(
         kept_masks = masks if masks is not None else MaskTable(done.keep)
         zeroed = tuple(nm for nm in names if done.zero[nm] and _kept_any(kept_masks, nm))
     else:  # the bucket pipeline (for TA: inputs it must refuse or split, see engine/ta.py)
-        if isinstance(adapters, StackedAdapters):
+        if isinstance(adapters, StackedAdapters) and fast:
             return merge_adapters(
                 adapters.unstack(), budget=budget, method=method, space=space,
                 allocation=allocation, scope=scope, alpha=alpha, lam=lam,
@@ -468,7 +476,17 @@ def merge_adapters(
                 min_share=min_share, input_moments=input_moments, interference=interference,
                 **options,
             )  # fmt: skip
-        sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
+        if req.allocation != "all" and not isinstance(req.alpha, str) and mesh is None:
+            # one scoring program, with the energies (for h): no second pass for the report
+            run = score_run(
+                "nu.score", adapters, (req.alpha,), req.lam, None, False, None, energy=True,
+                input_moments=req.input_moments, interference=req.interference,
+            )  # fmt: skip
+            sc = run.scores[0]
+            masks = kept_masks = req.select(sc)
+            h = _h_of(*run.energies)
+        else:
+            sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
         merged = merge(
             weighted, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
         )

@@ -73,6 +73,10 @@ def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group,
     prev = None  # the previous group's output: every group's LAPACK calls after the last's
     for x, mk, idx, g in zip(inputs, masks, index, groups, strict=True):
         cfg = g.cfg
+        if isinstance(x, _mesh.Stacked) and x.a.dtype != cfg.dtype:  # (a stacked set's dtype)
+            x = x._replace(a=x.a.astype(cfg.dtype), b=x.b.astype(cfg.dtype))
+        if isinstance(x, _mesh.Stacked) and x.scale.dtype != cfg.dtype:
+            x = x._replace(scale=x.scale.astype(cfg.dtype))
         if key is None:
             kk = jnp.zeros(idx.shape, jnp.uint32)
         else:
@@ -121,6 +125,8 @@ def _inputs(jobs: Sequence[Any], dtype: Any) -> Any:
     import dataclasses
 
     bk = jobs[0].bucket
+    if bk.stacked is not None:  # (nu.stack_adapters: the group is its whole bucket)
+        return bk.stacked
     if len(jobs) > 1:
         bk = dataclasses.replace(
             bk,
