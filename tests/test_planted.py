@@ -147,3 +147,29 @@ def test_the_quick_planted_study_runs_and_renders(tmp_path):
     assert planted.main(argv) == 0  # primary: the seed runs again with its merges
     res = json.loads((out / "results.json").read_text())
     assert "conflict_g1/energy/R16" in res["accuracy"] and res["deltas"]
+
+
+def test_the_grid_has_a_sign_aware_control_that_merges_as_the_library_does():
+    """grid.VARIANTS["signed"]: the runner's merge is nu.merge_adapters(interference="signed")."""
+    import jax
+
+    from netutility_jax.experiments.harness import grid as gr
+    from netutility_jax.experiments.harness import runner
+
+    ads = _adapters(3)
+    job = gr.Job("ta/full/R2/signed", "ta", "full", ("full",), 2, "signed")
+    sc = nu.score(ads, alpha=1.0)
+    merged, fields = runner._merge(ads, job, seed=0, alpha=1.0, scores=sc)
+    want, rep = nu.merge_adapters(ads, budget=2, alpha=1.0, interference="signed")
+    assert fields["kept_per_task"] == [int(x) for x in np.asarray(rep.kept_per_task)]
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    # and it is not the paper's term's merge (the runner passed the option on)
+    other, _ = nu.merge_adapters(ads, budget=2, alpha=1.0)
+
+    def same(x, y):
+        x, y = np.asarray(x), np.asarray(y)
+        return x.shape == y.shape and np.allclose(x, y)
+
+    pairs = zip(jax.tree.leaves(merged), jax.tree.leaves(other), strict=True)
+    assert not all(same(a, b) for a, b in pairs)

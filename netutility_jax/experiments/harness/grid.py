@@ -92,6 +92,9 @@ class AllocationSpec:
         (``nu.merge_adapters(..., input_moments=...)``, the suite's ``input_moments``: each
         task's LoRA-target inputs under the base model on its training texts), the data-aware
         geometry of docs/input_moments.md (this project's, not the paper's).
+      interference: with ``library="net_utility"``: the scores' interference term
+        (``nu.merge_adapters(..., interference=...)``): ``"overlap"``, the paper's, or
+        ``"signed"``, this project's sign-aware one (docs/math.md 5b).
     """
 
     name: str
@@ -105,6 +108,7 @@ class AllocationSpec:
     alpha: float | None = None
     choose_from: tuple[str, ...] = ()
     data: bool = False
+    interference: str = "overlap"
 
 
 def _variants(*specs: AllocationSpec) -> dict[str, AllocationSpec]:
@@ -169,6 +173,14 @@ VARIANTS: dict[str, AllocationSpec] = _variants(
         what="Net Utility with each task's input second moments as its geometry G_i (a few "
         "hundred unlabelled training texts through the base model; this project's answer to "
         "the paper's stated limitation, not the paper's method), the same global top-K",
+    ),
+    AllocationSpec(
+        "signed",
+        "Net Utility, sign-aware (ours)",
+        "net_utility",
+        interference="signed",
+        what="Net Utility with the sign-aware interference term (only conflicting pairs of "
+        "components count; this project's extension, docs/math.md 5b), the same global top-K",
     ),
     AllocationSpec(
         "lam_val",

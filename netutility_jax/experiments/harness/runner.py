@@ -193,6 +193,8 @@ def _merge(
                     "input_moments(tasks) (suites.SuiteWithMoments); drop the control."
                 )
             data["input_moments"] = moments()
+        if var.interference != "overlap":  # (every other job's call is as it was)
+            data["interference"] = var.interference
         merged, report = nu.merge_adapters(
             adapters,
             budget=budget,
