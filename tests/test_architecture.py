@@ -241,6 +241,7 @@ EXP = "netutility_jax.experiments"
 HARNESS = [f"harness.{m}" for m in [
     "runner", "grid", "stats", "report", "report_tables", "report_markdown", "report_figures",
     "evaluate", "passes", "fitting", "trainer", "allocations", "suites", "study", "seeds",
+    "planting",
 ]]  # fmt: skip
 MODELS = [f"models.{m}" for m in [
     "minilm", "minilm_model", "llama", "llama_config", "llama_load", "llama_model",
@@ -254,8 +255,9 @@ SUITES = [f"suites.{m}" for m in [
     "nli_head", "language_head",
 ]]  # fmt: skip
 #: Modules added to the folders after the move: no old flat path serves them.
-ADDED = {"models.sharding", "suites.language_head", "harness.seeds"}
-COMMAND = ["demo"]  # ``netutility demo``: above the suites
+ADDED = {"models.sharding", "suites.language_head", "harness.seeds", "harness.planting"}
+#: ``netutility demo`` and the studies' own command modules (``python -m``): above the suites
+COMMAND = ["demo", "planted", "regime_seeds"]
 #: The folders (each a layer): their packages import nothing of the package at import time
 FOLDERS = ["models", "data", "suites", "harness"]
 
