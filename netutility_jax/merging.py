@@ -583,7 +583,7 @@ def _merge_adapters_traced(
             f"{fn}: min_share cannot run inside jax.jit, jax.grad or jax.vmap (its floors are "
             "counted on the host); call it outside the transformation."
         )
-    names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
+    names, _, m_tasks = _tree.collect(adapters, fn=fn)
     w = traced.check_traced_weights(fn, weights, m_tasks)
     if req.allocation == "all":  # every candidate: the directions with a nonzero sigma
         sc = None

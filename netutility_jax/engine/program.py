@@ -98,7 +98,9 @@ def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group,
         if g.pieces == 1:
             out = one(args)
         else:  # (lax.map: a scan, its pieces one after another)
-            split = jax.tree.map(lambda y: y.reshape(g.pieces, g.size, *y.shape[1:]), args)
+            split = jax.tree.map(
+                lambda y, g=g: y.reshape(g.pieces, g.size, *y.shape[1:]), args
+            )
             out = jax.lax.map(one, split)
             out = jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), out)
         outs.append(out)
