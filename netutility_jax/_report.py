@@ -14,6 +14,7 @@ import numpy as np
 from . import _checks, _tree
 from .analysis import budget_spent, kept_per_task, non_prefix_fraction
 from .engine.tables import MaskTable
+from .errors import InputError
 from .utility import heterogeneity
 
 if TYPE_CHECKING:
@@ -171,10 +172,14 @@ def _is_table(masks: Any) -> bool:
 
 
 def heterogeneity_or_nan(adapters: Any) -> float:
-    """:func:`nu.heterogeneity` of in-memory adapters, NaN if a task is all zero."""
+    """:func:`nu.heterogeneity` of in-memory adapters, NaN if a task is all zero (the one
+    refusal that means "undefined", an :class:`InputError` naming its ``task_index``); any
+    other error is raised, never reported as NaN."""
     try:
         return float(heterogeneity(adapters))
-    except ValueError:
+    except InputError as err:
+        if getattr(err, "task_index", None) is None:
+            raise
         return float("nan")
 
 
