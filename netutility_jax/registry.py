@@ -347,6 +347,7 @@ RESERVED_OPTION_NAMES = (
     "adapters", "masks", "method", "space", "coef", "key", "mesh", "options",
     "budget", "allocation", "scope", "alpha", "lam", "positive_only",
     "a", "b", "x", "rtol", "is_svd", "keys", "k_top", "weights", "min_share", "input_moments",
+    "interference",
 )  # fmt: skip
 COMMAND_FLAGS = (
     "--allocation",
@@ -368,6 +369,7 @@ COMMAND_FLAGS = (
     "--help",
     "--in-memory",
     "--input-moments",
+    "--interference",
     "--json",
     "--keep-nonpositive",
     "--keep-shards",
