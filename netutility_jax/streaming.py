@@ -263,12 +263,14 @@ class _Energies:
         if zero.size:
             if not strict:
                 return float("nan")
+            i = int(zero[0])  # (word for word nu.score's refusal, as in memory)
             err = InputError(
-                f"{fn}: task {int(zero[0])} (adapters[{int(zero[0])}]) has a zero update in "
-                "every module; its log-energy is undefined. Drop that adapter or pass alpha= "
-                "explicitly (0 or 1)."
+                f"{fn}: alpha='auto' applies the heterogeneity rule, which needs every task's "
+                f"log-energy, but task {i} (adapters[{i}]) has a zero update in every module. "
+                "Drop that adapter, or pass a number for alpha= (1.0 Gram geometry, 0.0 row "
+                "space)."
             )
-            err.task_index, err.argument = int(zero[0]), "alpha"  # (as nu.score's refusal)
+            err.task_index, err.argument = i, "alpha"
             raise err
         # (converted on the host, exactly as XLA would: no conversion programs to load; each
         # operation its own kept program, as eagerly: fused, XLA rounds some h differently)

@@ -53,14 +53,17 @@ def _check_child(found: dict, cases: list) -> None:
         assert sorted(got["cases"]) == sorted(f"{m}/{sp}" for m, sp, _ in cases)
         for name, c in got["cases"].items():
             assert c["masks_equal"] and c["ranks_equal"], (mode, name)
-            if name.startswith("ta/"):
-                # one device runs TA as one program over every bucket (engine/ta.py), a mesh
-                # the bucket pipeline: the same merge to float32 rounding
-                assert c["rel"] <= 2e-5, (mode, name, c["rel"])
-            else:
+            if name.split("/")[1] == "full" and name.split("/")[0] in ("ties", "dare", "dare_ties"):
+                # elementwise in full space: module by module on one device as on the mesh
                 assert c["exact"], (mode, name, c["rel"])  # the same masks: the same bits
+            else:
+                # one device runs every bucket as one program (engine/ta.py for TA,
+                # engine/program.py for the others), a mesh the bucket pipeline stage by
+                # stage: the same merge to float32 rounding
+                assert c["rel"] <= 2e-5, (mode, name, c["rel"])
         if len(cases) > 1:  # netutility merge --devices all (8) vs --devices 1, streamed
-            assert got["cli"] == {"same_names": True, "exact": True}, mode
+            cli = got["cli"]
+            assert cli["same_names"] and cli["rel"] <= 2e-5, (mode, cli)
 
 
 # 33 s: in the slow tier, which CI runs
@@ -88,7 +91,7 @@ def _assert_same(a, b):
         pytest.param("ties", "knots", {}, marks=pytest.mark.slow),
     ],
 )
-def test_one_device_mesh_is_the_plain_path_bit_for_bit(method, space, opts):
+def test_one_device_mesh_is_the_plain_path(method, space, opts):
     ads = _mesh_child.adapters()
     mesh = nu.module_mesh()
     assert mesh.axis_names == ("modules",) and mesh.size == jax.local_device_count()
@@ -99,7 +102,13 @@ def test_one_device_mesh_is_the_plain_path_bit_for_bit(method, space, opts):
     out, rep = nu.merge_adapters(ads, budget=3, method=method, space=space, **opts)
     out_m, rep_m = nu.merge_adapters(ads, budget=3, method=method, space=space, mesh=mesh, **opts)
     assert rep.ranks == rep_m.ranks
-    _assert_same(out, out_m)
+    # without a mesh every bucket runs as one program (engine/program.py), with one the stages
+    # one by one: the same arithmetic, XLA fusing across the former boundaries (float32 rounding)
+    for n in out:
+        want = np.asarray(nu.module_update(out[n]))
+        np.testing.assert_allclose(
+            np.asarray(nu.module_update(out_m[n])), want, rtol=0, atol=2e-5 * np.abs(want).max()
+        )
 
 
 def test_host_stack_pads_modules_and_ranks():
