@@ -453,13 +453,7 @@ def merge_adapters(
         if req.allocation == "all":
             sc = masks = None  # every candidate, which the TA program keeps and returns
         elif not isinstance(req.alpha, str):  # one scoring program, with the energies (for h)
-            run = score_run(
-                "nu.score", adapters, (req.alpha,), req.lam, None, False, None, energy=True,
-                input_moments=req.input_moments, interference=req.interference,
-            )  # fmt: skip
-            sc = run.scores[0]
-            masks = req.select(sc)
-            h = _h_of(*run.energies)
+            sc, masks, h = _scored_with_h(adapters, req)
         else:
             sc, masks, _ = req.allocate(adapters, names, buckets, mesh)
         done = ta.merge_ta("nu.merge", weighted, masks, coef=coef)
@@ -477,14 +471,8 @@ def merge_adapters(
                 **options,
             )  # fmt: skip
         if req.allocation != "all" and not isinstance(req.alpha, str) and mesh is None:
-            # one scoring program, with the energies (for h): no second pass for the report
-            run = score_run(
-                "nu.score", adapters, (req.alpha,), req.lam, None, False, None, energy=True,
-                input_moments=req.input_moments, interference=req.interference,
-            )  # fmt: skip
-            sc = run.scores[0]
-            masks = kept_masks = req.select(sc)
-            h = _h_of(*run.energies)
+            sc, masks, h = _scored_with_h(adapters, req)
+            kept_masks = masks
         else:
             sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
         merged = merge(
@@ -511,6 +499,17 @@ def _rebuild(adapters: Any, results: Mapping[str, Any]) -> Any:
     if isinstance(adapters, StackedAdapters):
         return {nm: results[nm] for nm in adapters.names}
     return _results.rebuild(adapters[0], results)
+
+
+def _scored_with_h(adapters: Any, req: MergeRequest) -> tuple[Any, Any, float]:
+    """``(scores, masks, h)`` from one scoring program that also returns the task energies
+    (so the report's ``h`` needs no second pass over the factors); ``req.alpha`` a number."""
+    run = score_run(
+        "nu.score", adapters, (req.alpha,), req.lam, None, False, None, energy=True,
+        input_moments=req.input_moments, interference=req.interference,
+    )  # fmt: skip
+    sc = run.scores[0]
+    return sc, req.select(sc), _h_of(*run.energies)
 
 
 def _h_of(k: np.ndarray, t: np.ndarray) -> float:

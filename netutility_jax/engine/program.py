@@ -23,6 +23,7 @@ units in the last place (within the 1e-4-of-the-largest-entry guarantee of docs/
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -124,8 +125,6 @@ def _groups(plan: Any) -> list[tuple[Group, list[Any]]]:
 def _inputs(jobs: Sequence[Any], dtype: Any) -> Any:
     """A group's factors: stacked on the host where they are numpy (a streamed chunk: four
     arguments), else the leaves of every piece (stacked inside the program)."""
-    import dataclasses
-
     bk = jobs[0].bucket
     if bk.stacked is not None:  # (nu.stack_adapters: the group is its whole bucket)
         return bk.stacked
