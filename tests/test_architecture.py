@@ -232,6 +232,129 @@ def test_the_library_never_imports_the_command():
     assert not up, f"the library imports the command: {up}"
 
 
+# ------------------------------------------------------- the experiments use the public API only
+
+
+def _public_api() -> tuple[frozenset[str], frozenset[str]]:
+    """``(names, modules)``: the names of ``netutility_jax``'s ``__all__`` (read from the source)
+    with ``__version__``, and the public modules among them (``nu.peft``, ``nu.registry`` ...)
+    with ``nu.errors``, the exception types (docs/python.md)."""
+    tree = ast.parse((ROOT / "__init__.py").read_text())
+    (names,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+    ]
+    modules = {"checkpoint", "errors", "experiments", "nnx", "peft", "plots", "registry"}
+    assert modules - {"errors"} <= set(names), "a public module left netutility_jax.__all__"
+    return frozenset({*names, "__version__"}), frozenset(modules)
+
+
+def _non_public_uses(path: pathlib.Path, mod: str) -> list[str]:
+    """Every use in ``path`` (module ``mod``) of the library other than its public API: an
+    import of a module that is not public (``netutility_jax.merging``, ``netutility_jax._io``),
+    of a name not in ``netutility_jax.__all__``, of an underscored name of a public module, and
+    ``nu.<name>`` / ``nu.peft._<name>`` attributes likewise; as ``"file:line: what"``."""
+    names, modules = _public_api()
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    where = path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path
+    bad: list[str] = []
+    bound: dict[str, str] = {}  # local name -> "netutility_jax" or "netutility_jax.<public>"
+
+    def check_module(full: str, line: int) -> bool:
+        parts = full.split(".")
+        if parts[0] != "netutility_jax" or full.startswith(EXP):
+            return False
+        if len(parts) > 2 or (len(parts) == 2 and parts[1] not in modules):
+            bad.append(f"{where}:{line}: imports {full}, not a public module of netutility_jax")
+            return False
+        return True
+
+    def check_name(base: str, name: str, line: int, how: str) -> None:
+        if name.startswith("__") and name.endswith("__"):  # nu.__version__, nu.__file__
+            return
+        if base == "netutility_jax" and name not in names:
+            bad.append(
+                f"{where}:{line}: {how} netutility_jax.{name}, not in netutility_jax.__all__"
+            )
+        elif base != "netutility_jax" and name.startswith("_") and not name.startswith("__"):
+            bad.append(f"{where}:{line}: {how} {base}.{name}, a private name")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if check_module(a.name, node.lineno):
+                    bound[a.asname or a.name.split(".")[0]] = (
+                        a.name if a.asname else "netutility_jax"
+                    )
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(mod, is_pkg, node)
+            if not check_module(base, node.lineno):
+                continue
+            for a in node.names:
+                check_name(base, a.name, node.lineno, "imports")
+                if base == "netutility_jax" and a.name in modules:
+                    bound[a.asname or a.name] = f"{base}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            base = bound.get(node.value.id)
+            if base is not None:
+                check_name(base, node.attr, node.lineno, "uses")
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and isinstance(node.value.value, ast.Name)
+            and bound.get(node.value.value.id) == "netutility_jax"
+            and node.value.attr in modules
+        ):
+            check_name(f"netutility_jax.{node.value.attr}", node.attr, node.lineno, "uses")
+    return bad
+
+
+def test_the_experiments_use_the_library_s_public_api_only():
+    """``netutility_jax.experiments`` is a user of the library like any other: it imports
+    ``netutility_jax`` (``nu.merge_adapters``, ``nu.peft.save_adapter``) and its public modules,
+    never a private module or name, so that the library's internals can move without breaking
+    it (what the experiments need of their own, e.g. atomic result files, is in
+    ``experiments.harness.records``)."""
+    bad = [
+        use
+        for mod, path in _modules().items()
+        if mod == EXP or mod.startswith(EXP + ".")
+        for use in _non_public_uses(path, mod)
+    ]
+    assert not bad, "the experiments use the library's non-public API:\n" + "\n".join(bad)
+
+
+def test_the_public_api_check_sees_each_kind_of_reach(tmp_path):
+    src = tmp_path / "netutility_jax" / "experiments" / "x.py"
+    src.parent.mkdir(parents=True)
+    src.write_text(
+        "import netutility_jax as nu\n"
+        "import netutility_jax._io\n"
+        "from netutility_jax import _tree, peft, merge_adapters\n"
+        "from .. import _provenance\n"
+        "from ..merging import fold\n"
+        "from ..errors import InputError, _hidden\n"
+        "nu._tree.x, nu.peft._load, nu.merge, nu.__version__, peft._common\n"
+    )
+    bad = _non_public_uses(src, f"{EXP}.x")
+    got = sorted(b.split(": ", 1)[1] for b in bad)
+    assert got == sorted([
+        "imports netutility_jax._io, not a public module of netutility_jax",
+        "imports netutility_jax._tree, not in netutility_jax.__all__",
+        "imports netutility_jax._provenance, not in netutility_jax.__all__",
+        "imports netutility_jax.merging, not a public module of netutility_jax",
+        "imports netutility_jax.errors._hidden, a private name",
+        "uses netutility_jax._tree, not in netutility_jax.__all__",
+        "uses netutility_jax.peft._load, a private name",
+        "uses netutility_jax.peft._common, a private name",
+    ]), got  # fmt: skip
+    assert all(b.startswith(f"{src}:") for b in bad)
+
+
 # --------------------------------------------------------------------- the experiments' layers
 
 # docs/design.md ("The experiments' layers"): a suite imports the harness, never the reverse;
@@ -241,7 +364,7 @@ EXP = "netutility_jax.experiments"
 HARNESS = [f"harness.{m}" for m in [
     "runner", "grid", "stats", "report", "report_tables", "report_markdown", "report_figures",
     "evaluate", "passes", "fitting", "trainer", "allocations", "suites", "study", "seeds",
-    "planting",
+    "planting", "records",
 ]]  # fmt: skip
 MODELS = [f"models.{m}" for m in [
     "minilm", "minilm_model", "llama", "llama_config", "llama_load", "llama_model",
@@ -255,7 +378,10 @@ SUITES = [f"suites.{m}" for m in [
     "nli_head", "language_head",
 ]]  # fmt: skip
 #: Modules added to the folders after the move: no old flat path serves them.
-ADDED = {"models.sharding", "suites.language_head", "harness.seeds", "harness.planting"}
+ADDED = {
+    "models.sharding", "suites.language_head", "harness.seeds", "harness.planting",
+    "harness.records",
+}  # fmt: skip
 #: ``netutility demo`` and the studies' own command modules (``python -m``): above the suites
 COMMAND = ["demo", "planted", "regime_seeds"]
 #: The folders (each a layer): their packages import nothing of the package at import time

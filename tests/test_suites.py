@@ -224,7 +224,8 @@ def test_a_registered_toy_suite_runs_end_to_end_through_the_demo(
     # the commit is the one the run started at (a checkout may move during a run of hours)
     calls = itertools.chain(["at start", "at the end", "later"], itertools.repeat("next runs"))
     monkeypatch.setattr(
-        "netutility_jax._provenance.commit", lambda: {"head": next(calls), "dirty": False}
+        "netutility_jax.experiments.harness.records.commit",
+        lambda: {"head": next(calls), "dirty": False},
     )
     out, cache = tmp_path / "out", tmp_path / "cache"
     rc = demo.main([

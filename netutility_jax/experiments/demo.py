@@ -43,7 +43,7 @@ from ..errors import InputError, NetUtilityError, one_line
 from .data import tasks as tk
 from .harness import fitting as ft
 from .harness import grid as gr
-from .harness import suites
+from .harness import records, suites
 from .suites import encoder as enc
 
 __all__ = [
@@ -842,7 +842,6 @@ def _render_planted(out: pathlib.Path, command: str, prog: str) -> None:
 
 def _run_study(args: argparse.Namespace) -> int:
     """``netutility demo --study NAME``: every cell of the study, then study.json/md/png."""
-    from .. import _provenance
     from .harness import study as sd
 
     t0 = time.perf_counter()
@@ -891,7 +890,7 @@ def _run_study(args: argparse.Namespace) -> int:
         f"{', '.join(map(str, seeds))}, cache {args.cache_dir or ft.default_cache_dir()}",
         flush=True,
     )
-    commit = _provenance.commit()
+    commit = records.commit()
     cells = sd.run_study(
         study, task_list, seeds=seeds, cache_dir=args.cache_dir,
         progress=not args.no_progress, log=lambda s: print(s, flush=True), alpha=args.alpha,

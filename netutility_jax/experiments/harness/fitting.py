@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ... import _io
 from ...errors import InputError
+from . import records
 
 __all__ = [
     "CACHE_ENV",
@@ -344,9 +344,9 @@ def store(path: pathlib.Path, trained: TrainedTask, key_doc: dict[str, Any]) -> 
     stores the same key meanwhile, its entry is kept (it is as good)."""
     from ... import checkpoint
 
-    with _io.atomic_directory(path, fn="train.store", on_exists="keep") as tmp:
+    with records.atomic_directory(path, fn="train.store", on_exists="keep") as tmp:
         checkpoint.save(tmp / "checkpoint", _to_checkpoint(trained))
-        _io.write_json(tmp / "key.json", key_doc, sort_keys=True)
+        records.write_json(tmp / "key.json", key_doc, sort_keys=True)
         if path.exists():
             shutil.rmtree(path)
 

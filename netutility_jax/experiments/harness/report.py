@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _io
+from . import records
 from . import report_figures as rf
 from . import report_tables as rt
 from .report_markdown import SuiteReport as SuiteReport
@@ -84,7 +84,7 @@ def render(run: Any, suite: SuiteReport | None = None, *, command: str | None = 
     rows = rt.main_rows(run, sx)
     results = rt.collect(run, sx, rows, suite, command=command)
     return Experiment(
-        _io.to_jsonable(results),
+        records.to_jsonable(results),
         render_markdown(results, rows, run.preset.grid, suite),
         rf.figures(run, results),
         rt.predictions(run),
@@ -119,7 +119,7 @@ def write_outputs(exp: Experiment, out: str | os.PathLike, *, overwrite: bool = 
     written = []
     for name in RESULT_FILES:
         if name in files:
-            with _io.atomic_file(out / name, "wb") as f:
+            with records.atomic_file(out / name, "wb") as f:
                 f.write(files[name])
             written.append(str(out / name))
     for path in existing:  # an earlier run's figure this run does not draw would pass for its own
@@ -130,7 +130,7 @@ def write_outputs(exp: Experiment, out: str | os.PathLike, *, overwrite: bool = 
 
 def _encode(exp: Experiment) -> dict[str, bytes]:
     """Every output file's bytes (strict JSON: non-finite numbers are null)."""
-    text = json.dumps(_io.to_jsonable(exp.results), indent=1, allow_nan=False) + "\n"
+    text = json.dumps(records.to_jsonable(exp.results), indent=1, allow_nan=False) + "\n"
     files = {"results.json": text.encode(), "results.md": exp.markdown.encode()}
     buf = io.BytesIO()
     np.savez_compressed(buf, **exp.predictions)

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ... import _io, _provenance
 from . import grid as gr
+from . import records
 from . import stats as st
 
 __all__ = [
@@ -152,12 +152,12 @@ def collect(
         "command": command,
         # seeds read from earlier runs (seeds.load), each with its own command and commit
         "seeds_from": list(getattr(run, "seeds_from", []) or []),
-        "commit": run.commit if run.commit is not None else _provenance.commit(),
-        "versions": _provenance.versions(),
+        "commit": run.commit if run.commit is not None else records.commit(),
+        "versions": records.versions(),
         "summary": _summary(table, len(run.seeds), len(run.test)),
         "tasks": task_info(run),
         "train_config": train_config(run),
-        "grid": _io.to_jsonable(dataclasses.asdict(grid)),
+        "grid": records.to_jsonable(dataclasses.asdict(grid)),
         "alpha_arg": run.alpha_arg,
         # hashes of the validation and test sets (what a job's cache key holds of them), of the
         # suite's evaluation key (model weights, code versions) and of the training data

@@ -35,12 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from ... import _io, _provenance, registry
+from ... import registry
 from ...errors import InputError
 from .. import moved_name
 from . import evaluate as ev
 from . import fitting as ft
 from . import grid as gr
+from . import records
 from . import seeds as sds
 from .allocations import random_allocation as random_allocation
 from .allocations import random_split_allocation as random_split_allocation
@@ -119,10 +120,10 @@ class JobCache:
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _io.atomic_file(path, "wb") as f:
+        with records.atomic_file(path, "wb") as f:
             np.savez(
                 f,
-                record=np.frombuffer(json.dumps(_io.to_jsonable(record)).encode(), np.uint8),
+                record=np.frombuffer(json.dumps(records.to_jsonable(record)).encode(), np.uint8),
                 correct=np.packbits(np.asarray(correct, bool)),
                 n=np.asarray(len(correct)),
             )
@@ -309,7 +310,7 @@ def run_experiment(
     t_start, c_start = time.perf_counter(), time.process_time()
     progress = _bars_enabled(progress)
     # the code that runs is the checkout's now, not at the end of a run of hours
-    commit = _provenance.commit()
+    commit = records.commit()
     seeds_from = list(seeds_from)
     read = {s for sv in seeds_from for s in sv.seed_ids}
     # by default the preset's seeds that were not read back (none, when every one was)

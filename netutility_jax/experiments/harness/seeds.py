@@ -402,9 +402,9 @@ def check_distinct(
 
 def _plain(x: Any) -> Any:
     """``x`` as JSON would give it back (tuples as lists, keys as strings)."""
-    from ... import _io
+    from . import records
 
-    return json.loads(json.dumps(_io.to_jsonable(x), sort_keys=True))
+    return json.loads(json.dumps(records.to_jsonable(x), sort_keys=True))
 
 
 def _differs(a: Any, b: Any, path: str = "") -> str:

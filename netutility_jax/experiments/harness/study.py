@@ -53,10 +53,10 @@ from typing import Any
 
 import numpy as np
 
-from ... import _io, _provenance
 from ...errors import InputError
 from .. import moved_name
 from . import grid as gr
+from . import records
 from . import report_tables as rt
 from . import stats as st
 
@@ -242,7 +242,7 @@ class CellResult:
     seconds: dict[str, float]
 
     def to_dict(self) -> dict[str, Any]:
-        return _io.to_jsonable(
+        return records.to_jsonable(
             {
                 "cell": self.cell.name,
                 "factor": self.cell.factor,
@@ -461,7 +461,7 @@ def render(
         "suite": "encoder",
         "command": command,
         "commit": commit,
-        "versions": _provenance.versions(),
+        "versions": records.versions(),
         "design": {
             "centre": {
                 "tasks": list(study.centre.tasks),
@@ -505,7 +505,7 @@ def render(
             "pearson": corr._asdict(),
         },
     }
-    results = _io.to_jsonable(results)
+    results = records.to_jsonable(results)
     return results, _markdown(results, low), _figure(cells, low, xs, ys)
 
 
@@ -747,6 +747,6 @@ def write_outputs(
     }
     out.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
-        with _io.atomic_file(out / name, "wb") as f:
+        with records.atomic_file(out / name, "wb") as f:
             f.write(data)
     return [str(out / n) for n in files]

@@ -267,7 +267,7 @@ def fold_adapter(model: CLIPModel, adapter: Mapping[str, Any], *, coef: float = 
       >>> bool(np.allclose(q(new) - q(model), 0.5))
       True
     """
-    from ...merging import fold
+    import netutility_jax as nu
 
     fn = "clip.fold_adapter"
     if not isinstance(model, CLIPModel):
@@ -292,7 +292,7 @@ def fold_adapter(model: CLIPModel, adapter: Mapping[str, Any], *, coef: float = 
         name: {"kernel": variable_at(model, [*p, "kernel"]).get_value()}
         for name, p in paths.items()
     }
-    folded = fold(params, mods, coef=coef)
+    folded = nu.fold(params, mods, coef=coef)
     new = nnx.clone(model)  # new variables; the arrays are shared
     for name, p in paths.items():
         variable_at(new, [*p, "kernel"]).set_value(folded[name]["kernel"])

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ..._checks import given
 from ...errors import InputError
 
 __all__ = [
@@ -222,6 +222,17 @@ class LlamaConfig:
 _REQUIRED: Any = object()
 
 
+#: a config value, cut short for a message (a config.json's values can be long)
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def _given(x: Any) -> str:
+    """What the file holds, for a message: a short repr and its type."""
+    return f"{_REPR.repr(x)} ({type(x).__name__})"
+
+
 def _json_kind(x: Any) -> str:
     """The JSON name of a parsed value's type, for messages."""
     if isinstance(x, Mapping):
@@ -246,7 +257,7 @@ class _Fields:
         self.fn, self.c = fn, c
 
     def fail(self, name: str, v: Any, expected: str) -> None:
-        raise InputError(f"{self.fn}: {name}={given(v)}; expected {expected}.")
+        raise InputError(f"{self.fn}: {name}={_given(v)}; expected {expected}.")
 
     def _get(self, key, default, label, c, expected):
         c = self.c if c is None else c

@@ -506,11 +506,11 @@ def fold_adapter(model: MiniLM, adapter: Mapping[str, Any], *, coef: float = 1.0
     low rank (``lora_a``/``lora_b``/``scale``) or dense (``delta``), see ``nu.fold``. Use it to
     evaluate a merged adapter of any rank on the base model. ``model`` is not changed.
     """
-    from ...merging import fold
+    import netutility_jax as nu
 
     graphdef, state = nnx.split(model)
     # Adapter names are strings ("layers/0/..."); nnx keys list items by int.
-    pure = fold(_str_keys(nnx.to_pure_dict(state)), adapter, coef=coef)
+    pure = nu.fold(_str_keys(nnx.to_pure_dict(state)), adapter, coef=coef)
     # Variable.replace makes new variables: `model` keeps its own.
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)

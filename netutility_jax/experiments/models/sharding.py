@@ -48,7 +48,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..._mesh import MeshWording, check_mesh
 from ...errors import InputError, InputTypeError
 
 __all__ = [
@@ -77,13 +76,33 @@ COLUMN_LAYERS = frozenset(
 ROW_LAYERS = frozenset({"o_proj", "down_proj", "out_proj", "fc2", "output"})
 """Layers whose kernel ``(d_in, d_out)`` is split along ``d_in`` (they take split inputs)."""
 
-#: How a bad mesh is refused here (the one check, ``_mesh.check_mesh``, in this module's words).
-_WORDING = MeshWording(
-    optional=False,
-    make="sharding.model_mesh",
-    split="the weights are split",
-    local="build it from this process' devices (sharding.model_mesh()).",
-)
+
+def _check_mesh(fn: str, mesh: Any) -> Mesh:
+    """``mesh`` checked: a one-axis :class:`jax.sharding.Mesh` of this process's devices (the
+    library's own check of ``mesh=``, worded for a model's weights).
+
+    Raises:
+      InputTypeError: not a mesh.
+      InputError: several axes, or devices of other processes.
+    """
+    if not isinstance(mesh, Mesh):
+        raise InputTypeError(
+            f"{fn}: mesh is a {type(mesh).__name__}; expected a jax.sharding.Mesh with one axis "
+            "(sharding.model_mesh() makes one of every local device)."
+        )
+    if len(mesh.axis_names) != 1:
+        raise InputError(
+            f"{fn}: mesh has axes {mesh.axis_names} (shape {dict(mesh.shape)}); expected one axis, "
+            "over which the weights are split: sharding.model_mesh(devices)."
+        )
+    local = set(jax.local_devices())
+    foreign = [d for d in mesh.devices.flat if d not in local]
+    if foreign:
+        raise InputError(
+            f"{fn}: mesh holds {len(foreign)} device(s) of other processes (e.g. {foreign[0]}); "
+            "build it from this process' devices (sharding.model_mesh())."
+        )
+    return mesh
 
 
 class ShardSummary(NamedTuple):
@@ -278,7 +297,7 @@ def placer(
       >>> place(("mlp", "up_proj", "kernel"), np.ones((4, 8), np.float32)).shape
       (4, 8)
     """
-    mesh = check_mesh(fn, mesh, wording=_WORDING)
+    mesh = _check_mesh(fn, mesh)
     min_bytes = _check_min_bytes(fn, min_bytes)
     n, axis = mesh.size, mesh.axis_names[0]
 
@@ -388,7 +407,7 @@ def shard_state(state: Any, mesh: Mesh, *, min_bytes: int = MIN_BYTES) -> tuple[
         ``min_bytes``; a placeholder (``jax.ShapeDtypeStruct``) in ``state``.
     """
     fn = "sharding.shard_state"
-    mesh = check_mesh(fn, mesh, wording=_WORDING)
+    mesh = _check_mesh(fn, mesh)
     return _place(fn, state, mesh, _check_min_bytes(fn, min_bytes))
 
 
@@ -422,7 +441,7 @@ def shard_model(model: Any, mesh: Mesh, *, min_bytes: int = MIN_BYTES) -> tuple[
             f"{fn}: model is a {type(model).__name__}; expected an nnx.Module (e.g. a "
             "llama.Llama or a clip.CLIPModel); shard a state with sharding.shard_state."
         )
-    mesh = check_mesh(fn, mesh, wording=_WORDING)
+    mesh = _check_mesh(fn, mesh)
     state, summary = _place(fn, nnx.state(model), mesh, _check_min_bytes(fn, min_bytes))
     nnx.update(model, state)
     return model, summary

@@ -91,7 +91,7 @@ class EncoderSuite:
         model, no LoRA, over the tokens (padding dropped) of the task's first
         :data:`runner.MOMENT_TEXTS` training texts (unlabelled; never validation or test texts),
         packed as the evaluation packs them. Memoised per task name and texts."""
-        from netutility_jax.moments import input_moments
+        import netutility_jax as nu
 
         from ..models.minilm_model import target_inputs
 
@@ -111,7 +111,7 @@ class EncoderSuite:
                     )  # fmt: skip
                     for n in acts:
                         acts[n].append(np.asarray(x[n])[keep])
-                memo[mk] = input_moments(acts)
+                memo[mk] = nu.input_moments(acts)
             out.append(memo[mk])
         return out
 

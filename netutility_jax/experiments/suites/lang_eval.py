@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ... import _io
 from ...errors import InputError
 from ..data import lang_tasks as lt
 from ..harness import evaluate as ev
+from ..harness import records
 from ..harness.evaluate import module_delta as module_delta
 from ..harness.passes import PassCounter
 from ..models import llama
@@ -219,7 +219,7 @@ def cached_correct(
             pass
     ok = np.asarray(compute(), bool)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _io.atomic_file(path, "wb") as f:
+    with records.atomic_file(path, "wb") as f:
         np.savez(f, correct=np.packbits(ok), n=np.asarray(len(ok)))
     return ok, False
 

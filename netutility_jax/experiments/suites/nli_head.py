@@ -68,12 +68,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from ... import _io
 from ...errors import InputError, InputTypeError
 from ..data import lang_tasks as lt
 from ..data import nli_data as nd
 from ..harness import evaluate as ev
 from ..harness import fitting as ft
+from ..harness import records
 from ..harness.passes import PassCounter, TaskSet
 from ..harness.trainer import Batch, LoraTrainer, TaskRun, lora_state, train_cached
 from ..models import llama
@@ -1199,7 +1199,7 @@ def export_peft(
         tensors = dict(stf.load_file(str(pathlib.Path(tmp) / "lora" / nu.peft.WEIGHTS_NAME)))
     tensors[_SCORE_KEY] = jnp.asarray(np.ascontiguousarray(w.T))
     cfg = {**cfg, "modules_to_save": ["score"]}
-    with _io.atomic_directory(out, fn=fn) as tmp_out:
+    with records.atomic_directory(out, fn=fn) as tmp_out:
         stf.save_file(tensors, str(tmp_out / nu.peft.WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp_out / nu.peft.CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
     return cfg
