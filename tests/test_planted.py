@@ -173,3 +173,42 @@ def test_the_grid_has_a_sign_aware_control_that_merges_as_the_library_does():
 
     pairs = zip(jax.tree.leaves(merged), jax.tree.leaves(other), strict=True)
     assert not all(same(a, b) for a, b in pairs)
+
+
+def test_the_report_has_the_headline_two_level_intervals_and_multiplicity():
+    """Rendered from the committed seeds (0, 1, 4) relabelled as the five registered seeds
+    (0, 1, 4 and copies of 0 and 1 as 2 and 3): the registered decision is then applied, each
+    delta has its two-level interval, Holm's family sizes are stated, and the headline is the
+    per-seed mean of a contrast's primary cells."""
+    import copy
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    seeds = pl.load_seeds(root / "docs/planted")
+    by = {r["seed"]: (r, a) for r, a in seeds}
+    assert {0, 1, 4} <= set(by)
+    five = [by[s] for s in sorted(by) if s in pl.REGISTERED_SEEDS]
+    for new, old in ((2, 0), (3, 1)):
+        if new not in by:
+            r, a = by[old]
+            five.append(({**copy.deepcopy(r), "seed": new}, a))
+    five.sort(key=lambda x: x[0]["seed"])
+    res, md = pl.render(five, command="test", n_boot=200)
+    assert res["accuracy_seeds"] == [0, 1, 2, 3, 4]
+    mult = res["multiplicity"]
+    assert mult["registered_rule_applied"] and mult["primary_family"] == 8
+    assert mult["secondary_family"] == 2 * len(res["deltas"]) - 8
+    for lab, d in res["deltas"].items():
+        v = d["victims"]
+        lo, hi = v["two_level_ci95"]
+        assert lo <= v["estimate"] <= hi and "p_holm" in v and "_boot" not in v
+        if d["primary"]:
+            blo, bhi = v["seed_ci_bonferroni"]
+            want = "gain" if blo > 0 else "loss" if bhi < 0 else "no difference declared"
+            assert d["decision"] == want, lab
+    h = res["headline"]["Net Utility - energy, all four primary cells"]
+    cells = [lab for lab, *_ in pl.PRIMARY_DELTAS if lab.startswith("Net Utility - energy,")]
+    assert h["cells"] == cells and len(cells) == 4
+    want = np.mean([res["deltas"][c]["victims"]["per_seed"] for c in cells], axis=0)
+    np.testing.assert_allclose(h["victims"]["per_seed"], want, rtol=1e-12)
+    assert "## Headline" in md and "Holm" in md and "two-level" in md

@@ -14,7 +14,8 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from ..errors import NetUtilityError
+import netutility_jax as nu
+
 from .demo import DemoError, run_planted
 
 __all__ = ["PROG", "main", "parser"]
@@ -65,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "netutility_jax.experiments.planted", *argv])
     try:
         return run_planted(args, command, prog=PROG)
-    except NetUtilityError as e:
+    except nu.NetUtilityError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return e.code if isinstance(e, DemoError) else 2
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
@@ -33,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from ... import _io, _provenance
-from ...errors import InputError
+import netutility_jax as nu
+
 from . import stats as st
 from .grid import Job
 from .runner import JobCache
@@ -184,7 +185,7 @@ def plant(
     index = {n: i for i, n in enumerate(names)}
     missing = [t for pair in pairs for t in pair if t not in index]
     if missing:
-        raise InputError(f"plant: the tasks {missing} of the declared pairs are not merged.")
+        raise nu.InputError(f"plant: the tasks {missing} of the declared pairs are not merged.")
     plants = []
     for p, (victim, carrier) in enumerate(pairs):
         v, c = adapters[index[victim]], out[index[carrier]]
@@ -320,7 +321,7 @@ def run_seed(
     import netutility_jax as nu
 
     if merges not in ("primary", "all", "none"):
-        raise InputError(f"run_seed: merges={merges!r}; expected 'primary', 'all' or 'none'.")
+        raise nu.InputError(f"run_seed: merges={merges!r}; expected 'primary', 'all' or 'none'.")
     t0, c0 = time.perf_counter(), time.process_time()
     cache = pathlib.Path(cache_dir)
     heads = suite.heads(task_list)
@@ -467,15 +468,19 @@ def save_seed(out: pathlib.Path, rec: dict[str, Any], *, command: str) -> None:
     correct = rec.pop("correct")
     single = rec.pop("single_correct")
     task = rec.pop("test_task")
-    rec |= {"command": command, "commit": _provenance.commit(), "versions": _provenance.versions()}
+    commit, versions = st.provenance()
+    rec |= {"command": command, "commit": commit, "versions": versions}
     out.mkdir(parents=True, exist_ok=True)
     arrays = {f"c:{k}": v for k, v in correct.items()} | {"task": task}
     if single is not None:
         arrays["single"] = single
-    with _io.atomic_file(out / f"seed{rec['seed']}.npz", "wb") as f:
-        np.savez_compressed(f, **arrays)
-    with _io.atomic_file(out / f"seed{rec['seed']}.json", "w") as f:
-        f.write(json.dumps(_io.to_jsonable(rec), indent=1, allow_nan=False) + "\n")
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    st.write_atomic(out / f"seed{rec['seed']}.npz", buf.getvalue())
+    st.write_atomic(
+        out / f"seed{rec['seed']}.json",
+        json.dumps(st.jsonable(rec), indent=1, allow_nan=False) + "\n",
+    )
 
 
 def load_seeds(out: pathlib.Path) -> list[tuple[dict[str, Any], dict[str, np.ndarray]]]:
@@ -517,14 +522,24 @@ def _t_quantile(df: int, level: float) -> float:
     return float(sps.t.ppf((1 + level) / 2, df))
 
 
+#: The seeds the registered decision rule needs (docs/experiments.md, pre-registration).
+REGISTERED_SEEDS = (0, 1, 2, 3, 4)
+
+
 def _delta(bs: st.Bootstrap, correct_a, correct_b, single, level: float) -> dict[str, Any]:
-    d = bs.delta(bs.normalized(correct_a, single), bs.normalized(correct_b, single))
+    da, db = bs.normalized(correct_a, single), bs.normalized(correct_b, single)
+    d = bs.delta(da, db)
+    two = bs.two_level(da, db, seed=0)
     per = d.per_seed
     out = {
         "per_seed": [float(x) for x in per],
         "estimate": float(per.mean()),
         "text_ci95": [d.pooled.low, d.pooled.high],
         "seed_ci95": [d.seeds.low, d.seeds.high],
+        "two_level_ci95": [two.low, two.high],
+        "p_seeds": st.seed_p(per),
+        # (B, S) resampled deltas, for the headline's mean over cells (popped before saving)
+        "_boot": da.boot - db.boot,
     }
     if len(per) >= 2:
         half = _t_quantile(len(per) - 1, level) * float(per.std(ddof=1)) / math.sqrt(len(per))
@@ -540,26 +555,31 @@ def _subset(task: np.ndarray, keep: Sequence[int]) -> tuple[np.ndarray, np.ndarr
     return rows, np.array([remap[t] for t in task[rows]], np.int64)
 
 
-def render(seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], *, command: str):
-    """``(results, markdown)`` of the seeds found (:func:`load_seeds`)."""
+def render(
+    seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]],
+    *,
+    command: str,
+    n_boot: int = 2000,
+):
+    """``(results, markdown)`` of the seeds found (:func:`load_seeds`); ``n_boot`` text
+    resamples (shared by every interval)."""
     if not seeds:
-        raise InputError("planted.render: no seed results to render.")
+        raise nu.InputError("planted.render: no seed results to render.")
     recs = [r for r, _ in seeds]
     names = recs[0]["tasks"]
     pairs = [tuple(p) for p in recs[0]["pairs"]]
     if any([tuple(p) for p in r["pairs"]] != pairs or r["tasks"] != names for r in recs):
-        raise InputError("planted.render: the seeds were run with different tasks or pairs.")
+        raise nu.InputError("planted.render: the seeds were run with different tasks or pairs.")
     # (seeds saved before the init was recorded ran the registered per-task initialisation)
     inits = {r.get("init") or "per_task" for r in recs}
     if len(inits) > 1:
-        raise InputError(f"planted.render: the seeds were run with initialisations {inits}.")
+        raise nu.InputError(f"planted.render: the seeds were run with initialisations {inits}.")
     victims = [names.index(v) for v, _ in pairs]
     results: dict[str, Any] = {
         "study": "planted",
         "suite": "encoder",
         "command": command,
-        "commit": _provenance.commit(),
-        "versions": _provenance.versions(),
+        **dict(zip(("commit", "versions"), st.provenance(), strict=True)),
         "seed_commits": {str(r["seed"]): r.get("commit") for r in recs},
         "seed_commands": {str(r["seed"]): r.get("command") for r in recs},
         "design": {
@@ -619,9 +639,9 @@ def render(seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], *, com
         common = set.intersection(*(set(r["records"]) for r, _ in with_acc))
         task = with_acc[0][1]["task"]
         single = np.stack([a["single"] for _, a in with_acc])
-        bs_all = st.Bootstrap(task)
+        bs_all = st.Bootstrap(task, n_boot=n_boot)
         rows, vt = _subset(task, victims)
-        bs_vic = st.Bootstrap(vt)
+        bs_vic = st.Bootstrap(vt, n_boot=n_boot)
 
         def corr(label):
             return np.stack([a[f"c:{label}"] for _, a in with_acc])
@@ -629,8 +649,8 @@ def render(seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], *, com
         for label in sorted(common):
             c = corr(label)
             acc[label] = {
-                "mean": _iv(bs_all.interval(bs_all.normalized(c, single))),
-                "victims": _iv(bs_vic.interval(bs_vic.normalized(c[:, rows], single[:, rows]))),
+                "mean": _iv(bs_all, bs_all.normalized(c, single)),
+                "victims": _iv(bs_vic, bs_vic.normalized(c[:, rows], single[:, rows])),
             }
         pairs_to_do = [(lab, arm, a, b, True) for lab, arm, a, b in PRIMARY_DELTAS]
         for arm in ("conflict_g1", "agreement_g1", "null", "conflict_g0.5", "agreement_g0.5"):
@@ -678,10 +698,16 @@ def render(seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]], *, com
                 "victims": _delta(bs_vic, ca[:, rows], cb[:, rows], single[:, rows], level),
                 "mean": _delta(bs_all, ca, cb, single, level),
             }
-        results["accuracy_seeds"] = [r["seed"] for r, _ in with_acc]
+        acc_seeds = [r["seed"] for r, _ in with_acc]
+        results["accuracy_seeds"] = acc_seeds
+        results["headline"] = _headline(deltas)
+        results["multiplicity"] = _multiplicity(deltas, acc_seeds)
+        for d in deltas.values():
+            for side in ("victims", "mean"):
+                d[side].pop("_boot")
     results["accuracy"] = acc
     results["deltas"] = deltas
-    results = _io.to_jsonable(results)
+    results = st.jsonable(results)
     return results, _markdown(results)
 
 
@@ -690,12 +716,93 @@ def _mean_pairs(vals: Mapping[str, Any], key: str) -> float | None:
     return float(np.mean(xs)) if xs else None
 
 
-def _iv(s: st.Summary) -> dict[str, Any]:
+def _iv(bs: st.Bootstrap, draws: st.NormalizedDraws) -> dict[str, Any]:
+    s = bs.interval(draws)
+    two = bs.two_level(draws, seed=0)
     return {
         "estimate": s.pooled.estimate,
         "text_ci95": [s.pooled.low, s.pooled.high],
         "seed_ci95": [s.seeds.low, s.seeds.high],
+        "two_level_ci95": [two.low, two.high],
         "per_seed": [float(x) for x in s.per_seed],
+    }
+
+
+#: The grid-level headline: each allocation's primary contrast averaged over the primary cells
+#: (conflict and agreement, R = 16 and full capacity), and over each arm's two budgets.
+HEADLINE = (
+    ("Net Utility - energy", "Net Utility - energy"),
+    ("sign-aware - energy", "sign-aware - energy"),
+)
+
+
+def _headline(deltas: Mapping[str, Any]) -> dict[str, Any]:
+    """Per primary contrast, the mean over its cells per seed, with the t interval over seeds and
+    the two-level interval (the cells share the seeds and the test texts, so a replicate averages
+    the cells' resampled deltas on the same texts and seeds)."""
+    out: dict[str, Any] = {}
+    for name, prefix in HEADLINE:
+        for scope, arms in (
+            ("all four primary cells", ("conflict", "agreement")),
+            ("conflict arm (R16, full capacity)", ("conflict",)),
+            ("agreement arm (R16, full capacity)", ("agreement",)),
+        ):
+            cells = [
+                lab
+                for lab, *_ in PRIMARY_DELTAS
+                if lab.startswith(prefix + ",") and lab.split(", ")[1] in arms
+            ]
+            if not cells or any(c not in deltas for c in cells):
+                continue
+            row: dict[str, Any] = {"cells": cells}
+            for side in ("victims", "mean"):
+                per = np.mean([deltas[c][side]["per_seed"] for c in cells], axis=0)
+                boot = np.mean([deltas[c][side]["_boot"] for c in cells], axis=0)
+                seed_iv = st.seed_interval(per)
+                two = st.two_level(per, boot, seed=0)
+                row[side] = {
+                    "per_seed": [float(x) for x in per],
+                    "estimate": seed_iv.estimate,
+                    "seed_ci95": [seed_iv.low, seed_iv.high],
+                    "two_level_ci95": [two.low, two.high],
+                }
+            out[f"{name}, {scope}"] = row
+    return out
+
+
+def _multiplicity(deltas: dict[str, Any], acc_seeds: Sequence[int]) -> dict[str, Any]:
+    """Holm over the primary family (the victims' outcome of the registered comparisons) and,
+    separately, over every other delta shown (secondary victims' and every all-tasks delta);
+    the registered decision (Bonferroni t interval over the five registered seeds) where every
+    registered seed has accuracy. Writes ``p_holm``/``holm_reject``/``decision`` into the
+    deltas."""
+    primary = {lab: d["victims"]["p_seeds"] for lab, d in deltas.items() if d["primary"]}
+    secondary = {
+        f"{lab} | {side}": d[side]["p_seeds"]
+        for lab, d in deltas.items()
+        for side in ("victims", "mean")
+        if not (d["primary"] and side == "victims")
+    }
+    hp, hs = st.holm(primary), st.holm(secondary)
+    registered = sorted(acc_seeds) == list(REGISTERED_SEEDS)
+    for lab, d in deltas.items():
+        for side in ("victims", "mean"):
+            h = hp[lab] if d["primary"] and side == "victims" else hs[f"{lab} | {side}"]
+            d[side]["p_holm"] = h["p_holm"]
+            d[side]["holm_reject"] = h["reject"]
+        if d["primary"]:
+            lo, hi = d["victims"]["seed_ci_bonferroni"]
+            d["decision"] = (
+                ("gain" if lo > 0 else "loss" if hi < 0 else "no difference declared")
+                if registered
+                else f"not applied ({len(acc_seeds)} of the 5 registered seeds)"
+            )
+    return {
+        "primary_family": len(primary),
+        "primary_holm_survivors": [k for k, v in hp.items() if v["reject"]],
+        "secondary_family": sum(not math.isnan(float(v)) for v in secondary.values()),
+        "secondary_holm_survivors": [k for k, v in hs.items() if v["reject"]],
+        "registered_rule_applied": registered,
     }
 
 
@@ -703,6 +810,12 @@ def _f(x: Any, nd: int = 1, sign: bool = False) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "n/a"
     return f"{x:+.{nd}f}" if sign else f"{x:.{nd}f}"
+
+
+def _p(x: Any) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    return f"{x:.3f}" if x >= 0.001 else "<0.001"
 
 
 def _ci(v: Sequence[Any], sign: bool = True) -> str:
@@ -783,41 +896,99 @@ def _markdown(res: Mapping[str, Any]) -> str:
                 + " |"
             )
     if res["accuracy"]:
+        acc_seeds = res.get("accuracy_seeds", [])
+        mult = res.get("multiplicity") or {}
+        lines += [
+            "",
+            "## Headline: each primary contrast over the primary cells",
+            "",
+            "Per seed, the mean of the contrast over its cells (gamma = 1; R16 and full capacity; "
+            "the conflict and agreement arms together and each alone), then the mean over the "
+            f"{len(acc_seeds)} seeds with the t interval over seeds (95%) and the two-level "
+            "bootstrap interval (seeds and test texts resampled together; 95%). Victims' "
+            "normalised accuracy, and all tasks'.",
+            "",
+            "| contrast, cells | victims | per seed | seed 95% | two-level 95% | all tasks | "
+            "seed 95% | two-level 95% |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for lab, h in (res.get("headline") or {}).items():
+            v, m = h["victims"], h["mean"]
+            lines.append(
+                f"| {lab} | {_f(v['estimate'], 2, True)} | "
+                f"{', '.join(_f(x, 1, True) for x in v['per_seed'])} | {_ci(v['seed_ci95'])} | "
+                f"{_ci(v['two_level_ci95'])} | {_f(m['estimate'], 2, True)} | "
+                f"{_ci(m['seed_ci95'])} | {_ci(m['two_level_ci95'])} |"
+            )
         lines += [
             "",
             "## (b) Normalised accuracy of each merge",
             "",
-            "Mean over seeds; the victims' (mean over the victims) and all tasks'; "
-            "95% bootstrap interval over test texts (adapters fixed).",
+            "Mean over seeds; the victims' (mean over the victims) and all tasks'; the 95% "
+            "bootstrap interval over test texts (adapters fixed) and the two-level interval "
+            "(seeds and texts).",
             "",
-            "| merge | victims | all tasks |",
-            "|---|---|---|",
+            "| merge | victims | texts 95% | two-level 95% | all tasks | texts 95% | two-level 95% |",
+            "|---|---|---|---|---|---|---|",
         ]
         for lab, v in res["accuracy"].items():
+            vi, me = v["victims"], v["mean"]
             lines.append(
-                f"| {lab} | {_f(v['victims']['estimate'])} {_ci(v['victims']['text_ci95'], False)} "
-                f"| {_f(v['mean']['estimate'])} {_ci(v['mean']['text_ci95'], False)} |"
+                f"| {lab} | {_f(vi['estimate'])} | {_ci(vi['text_ci95'], False)} | "
+                f"{_ci(vi.get('two_level_ci95', [None, None]), False)} | {_f(me['estimate'])} | "
+                f"{_ci(me['text_ci95'], False)} | "
+                f"{_ci(me.get('two_level_ci95', [None, None]), False)} |"
             )
+        surv_p = mult.get("primary_holm_survivors", [])
+        surv_s = mult.get("secondary_holm_survivors", [])
         lines += [
             "",
             "## Deltas (primary comparisons first)",
             "",
-            "Victims' normalised accuracy (and all tasks'), mean over seeds: the paired bootstrap "
-            "95% interval over test texts, the t interval over seeds (95%, and for the primary "
-            f"comparisons at the Bonferroni level {100 * BONFERRONI:.3f}%). With fewer than two "
-            "seeds there is no seed interval; the text interval alone does not include the "
-            "seed noise and decides nothing under the pre-registered rule.",
+            "Victims' normalised accuracy (and all tasks'), mean over seeds (per seed in the order "
+            f"{', '.join(map(str, acc_seeds))}): the paired bootstrap 95% interval over test "
+            "texts (adapters fixed), the t interval over seeds (95%; for the primary comparisons "
+            f"also at the registered Bonferroni level {100 * BONFERRONI:.3f}%), the two-level "
+            "interval (seeds and texts resampled together, 95%), the two-sided p of the t test "
+            "over seeds and its Holm-adjusted value within its family. With fewer than two seeds "
+            "there is no seed interval; the text interval alone does not include the seed noise "
+            "and decides nothing under the pre-registered rule. With three to five seeds the "
+            "two-level (percentile) interval has no small-sample correction and is often "
+            "narrower than the t interval over seeds: it shows how much the test texts add, "
+            "and the registered rule reads the t interval.",
             "",
-            "| comparison | victims | text 95% | seed 95% | seed Bonferroni | all tasks | text 95% |",
-            "|---|---|---|---|---|---|---|",
+            f"**Multiplicity.** {mult.get('primary_family', 0)} primary comparisons (the victims' "
+            "outcome, registered): the registered decision is the Bonferroni t interval over the "
+            "five registered seeds"
+            + (
+                ""
+                if mult.get("registered_rule_applied")
+                else f" (not applied: accuracy on {len(acc_seeds)} of the 5 registered seeds)"
+            )
+            + "; Holm at family-wise 5% over the "
+            f"{mult.get('primary_family', 0)} keeps "
+            + ("; ".join(surv_p) if surv_p else "none")
+            + f". The other {mult.get('secondary_family', 0)} deltas shown (secondary "
+            "comparisons, and the all-tasks outcome of every comparison) are one family: Holm "
+            f"keeps {len(surv_s)} of them"
+            + (f" ({'; '.join(surv_s)})" if surv_s else "")
+            + ". Read any other delta as exploratory.",
+            "",
+            "| comparison | victims | per seed | text 95% | seed 95% | two-level 95% | seed "
+            "Bonferroni | p | Holm p | decision | all tasks | all tasks two-level 95% |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for lab, d in sorted(res["deltas"].items(), key=lambda kv: not kv[1]["primary"]):
             v, m = d["victims"], d["mean"]
+            bold = "**" if d["primary"] else ""
             lines.append(
-                f"| {'**' if d['primary'] else ''}{lab}{'**' if d['primary'] else ''} | "
-                f"{_f(v['estimate'], 2, True)} | {_ci(v['text_ci95'])} | {_ci(v['seed_ci95'])} | "
-                f"{_ci(v['seed_ci_bonferroni']) if d['primary'] else ''} | {_f(m['estimate'], 2, True)} | "
-                f"{_ci(m['text_ci95'])} |"
+                f"| {bold}{lab}{bold} | {_f(v['estimate'], 2, True)} | "
+                f"{', '.join(_f(x, 1, True) for x in v['per_seed'])} | "
+                f"{_ci(v['text_ci95'])} | {_ci(v['seed_ci95'])} | "
+                f"{_ci(v.get('two_level_ci95', [None, None]))} | "
+                f"{_ci(v['seed_ci_bonferroni']) if d['primary'] else ''} | "
+                f"{_p(v.get('p_seeds'))} | {_p(v.get('p_holm'))} | {d.get('decision', '')} | "
+                f"{_f(m['estimate'], 2, True)} | {_ci(m.get('two_level_ci95', [None, None]))} |"
             )
     else:
         lines += ["", "No merge was evaluated for accuracy (read-out (a) only)."]
@@ -828,8 +999,6 @@ def _markdown(res: Mapping[str, Any]) -> str:
 def write(out: pathlib.Path, results: Mapping[str, Any], markdown: str) -> list[str]:
     """``results.json`` and ``results.md`` under ``out`` (atomically; rewritten as seeds come)."""
     out.mkdir(parents=True, exist_ok=True)
-    with _io.atomic_file(out / "results.json", "w") as f:
-        f.write(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    with _io.atomic_file(out / "results.md", "w") as f:
-        f.write(markdown)
+    st.write_atomic(out / "results.json", json.dumps(results, indent=1, allow_nan=False) + "\n")
+    st.write_atomic(out / "results.md", markdown)
     return [str(out / "results.json"), str(out / "results.md")]
