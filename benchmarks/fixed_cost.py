@@ -85,11 +85,10 @@ class Counts:
 
     @contextlib.contextmanager
     def counting(self):
+        import netutility_jax._host as host_mod
         from jax._src import array as array_mod
         from jax._src import pjit
         from jax._src.interpreters import pxla
-
-        import netutility_jax._host as host_mod
 
         saved = []
 

@@ -171,9 +171,9 @@ def _compute_floor(paths: list[str], chunk_bytes: int) -> dict:
     reference), jitted once per chunk shape."""
     import jax
     import jax.numpy as jnp
+    from netutility_jax.streaming import plan_chunks
 
     from netutility_jax import peft
-    from netutility_jax.streaming import plan_chunks
 
     hi = jax.lax.Precision.HIGHEST
 
@@ -264,9 +264,10 @@ def run_case(
 ) -> dict:
     """One case in this process: its timings and, for merges, a summary of the result
     (``keep_out``: keep a command-line case's output in ``keep_out/<case>``)."""
+    from netutility_jax.streaming import merge_adapters_streaming
+
     import netutility_jax as nu
     from netutility_jax import peft
-    from netutility_jax.streaming import merge_adapters_streaming
 
     if case == "floor":
         return _floor(paths)

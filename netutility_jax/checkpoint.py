@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from . import _tree
-from .decompose import LoraSVD
+from ._core import tree as _tree
 from .errors import InputError, InputTypeError, MissingFileError
-from .merging import Report
-from .utility import ModuleScores, Scores
+from .pipeline.merging import Report
+from .scoring.decompose import LoraSVD
+from .scoring.utility import ModuleScores, Scores
 
 __all__ = ["DATACLASSES", "FORMAT", "NAMED_TUPLES", "VERSION", "restore", "save"]
 

@@ -46,10 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import _tree
-from ._checks import brief
+from ._core import tree as _tree
+from ._core.checks import brief
 from .errors import InputError, InputTypeError
-from .merging import module_update
+from .pipeline.merging import module_update
 
 __all__ = ["MODES", "NAMINGS", "apply_adapter", "extract_adapter"]
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from ._io import atomic_file
-from .analysis import non_prefix_fraction, retention_by_rank
+from ._core.io import atomic_file
+from .allocation.analysis import non_prefix_fraction, retention_by_rank
 from .errors import InputError, InputTypeError
-from .merging import Report
-from .utility import Scores
+from .pipeline.merging import Report
+from .scoring.utility import Scores
 
 __all__ = [
     "budget_heatmap",

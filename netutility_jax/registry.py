@@ -11,7 +11,7 @@ Adding a method is one :class:`MethodSpec` (here, or :func:`register` from user 
 kernel: a low-rank kernel maps factored tasks ``a (..., M, p, r)``, ``b (..., M, q, r)`` to merged
 factors ``(a (..., p, k), b (..., q, k))``; an elementwise kernel maps dense tasks
 ``x (n, M, p, q)`` (a batch of modules) with per-module keys and kept counts to ``(n, p, q)``.
-Kernels are pure and traced inside the pipeline's jitted stages (:mod:`netutility_jax._stages`).
+Kernels are pure and traced inside the pipeline's jitted stages (:mod:`netutility_jax.operators._stages`).
 :func:`register` checks the whole declaration before it is added (one message per mistake,
 naming the field and the values allowed); the stages check every kernel's output against these
 signatures while tracing (shapes, dtype: an error naming the method) and its finiteness per
@@ -35,9 +35,9 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from . import _checks
-from . import methods as _m
+from ._core import checks as _checks
 from .errors import InputError, InputTypeError
+from .operators import methods as _m
 
 __all__ = [
     "ALLOCATIONS",

@@ -14,11 +14,11 @@ import pathlib
 
 import numpy as np
 import pytest
+from netutility_jax.moments import input_moments_dense, load_input_moments, save_input_moments
 from test_cli_config import D_IN, NAMES, _adapter  # the same small adapters
 
 import netutility_jax as nu
 from netutility_jax import cli
-from netutility_jax.moments import input_moments_dense, load_input_moments, save_input_moments
 
 pytest.importorskip("safetensors")
 

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src import monitoring
+from netutility_jax._executables import kernel
 
 import netutility_jax as nu
 from netutility_jax import _executables, _mesh, _stages
-from netutility_jax._executables import kernel
 
 D_IN, R, M = 41, 5, 3
 OUTS = {"q": 29, "v": 13}  # two buckets

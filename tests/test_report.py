@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 import pytest
-
 from netutility_jax._report import heterogeneity_or_nan
+
 from netutility_jax.errors import InputError
 
 

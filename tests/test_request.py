@@ -8,12 +8,12 @@ import types
 
 import numpy as np
 import pytest
+from netutility_jax.planning import plan
 
 import netutility_jax as nu
 from netutility_jax import _request
 from netutility_jax.cli.merge import _merge_settings
 from netutility_jax.errors import InputError, InputTypeError
-from netutility_jax.planning import plan
 
 ENTRY_POINTS = {
     "nu.merge_adapters": nu.merge_adapters,

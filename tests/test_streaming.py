@@ -20,11 +20,11 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+from netutility_jax.streaming import merge_adapters_streaming, plan_chunks
 
 import netutility_jax as nu
 from netutility_jax import peft
 from netutility_jax.errors import InputError, InputTypeError
-from netutility_jax.streaming import merge_adapters_streaming, plan_chunks
 
 SHAPES = {"self_attn.q_proj": (16, 16), "mlp.up_proj": (16, 24)}
 LAYERS = 3

@@ -49,7 +49,7 @@ adapter, model card, report, plots), one module per subcommand (:mod:`.merge`,
 ``python -m netutility_jax.cli`` runs :func:`main` (:mod:`.__main__`).
 
 ``netutility merge --distributed`` splits the streamed merge between the processes of a
-``jax.distributed`` run (see :mod:`netutility_jax.streaming` and :mod:`netutility_jax._exchange`).
+``jax.distributed`` run (see :mod:`netutility_jax.streaming` and :mod:`netutility_jax.pipeline._exchange`).
 """
 
 from __future__ import annotations

@@ -777,7 +777,7 @@ def resolve(args: argparse.Namespace) -> None:
     applied, adapters and ``--out`` present, ``--budget`` where the allocation needs it,
     ``--weights`` one per adapter, ``--min-share`` with net_utility; ``args.names`` the tasks'
     names (the config's, else :func:`nu.planning.task_names` of the folders)."""
-    from ..planning import task_names
+    from ..pipeline.planning import task_names
 
     args.names = getattr(args, "names", None)
     _SEEN.clear()  # (each run hashes each file once, afresh)

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import _exchange, _io
+from .._core import io as _io
 from ..errors import FileAccessError, NetUtilityError
 from ..peft import shard_name, write_index, write_shard
+from ..pipeline import _exchange
 from .common import PROG, UsageError, say
 from .job import MergeJob
 from .output import Merged, step, uniform_rank, write_extras, write_merge

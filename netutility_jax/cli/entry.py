@@ -37,7 +37,7 @@ def default_compile_cache() -> pathlib.Path | None:
 
 def enable_compile_cache(folder: pathlib.Path) -> bool:
     """Turn on JAX's persistent compilation cache in ``folder`` (every kernel the command
-    compiles; nothing else is kept, see :mod:`netutility_jax._executables`). A folder that
+    compiles; nothing else is kept, see :mod:`netutility_jax._core.executables`). A folder that
     cannot be created is a note, not an error: the command runs without the cache. Returns
     whether the cache is on."""
     import jax
@@ -78,7 +78,7 @@ def _versions() -> str:
     """The versions a bug report needs: ours, JAX's and the other dependencies', Python's."""
     import platform
 
-    from .._provenance import versions
+    from .._core.provenance import versions
 
     v = versions()
     parts = [f"{dist} {ver}" for dist, ver in v.items() if dist != "python"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _io
+from .._core import io as _io
 from ..errors import InputError
 from .common import UsageError
 from .load import load
@@ -24,7 +24,7 @@ def _heterogeneity(adapters: Sequence[Any], paths: Sequence[str]) -> tuple[float
     zero in every module (no energy, so no log-energy: ``h`` is NaN then)."""
     import netutility_jax as nu
 
-    from .._scoring import log_energies
+    from ..scoring._run import log_energies
 
     _, t, _ = log_energies(adapters, "netutility inspect", False)
     zero = [int(i) for i in np.flatnonzero(np.asarray(t) <= 0)]
@@ -135,7 +135,7 @@ def _check_diagnose(args: argparse.Namespace) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``netutility inspect``: the adapters (folders, or Hugging Face Hub ids resolved to their
     snapshots, :func:`.paths.resolve_adapter`) loaded, scored and printed."""
-    from ..planning import task_names
+    from ..pipeline.planning import task_names
     from .paths import resolve_adapter
 
     _check_diagnose(args)
@@ -156,7 +156,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     info["coverage"] = {str(n): [int(i) for i in t] for n, t in loaded.coverage.items()}
     diag = None
     if getattr(args, "diagnose", False):
-        from ..diagnostics import diagnose
+        from ..pipeline.diagnostics import diagnose
 
         diag = diagnose(
             loaded.adapters, budget=args.budget, alpha=args.alpha, lam=args.lam,

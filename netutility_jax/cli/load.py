@@ -51,7 +51,7 @@ def _read_adapters(reader, paths: Sequence[str], args: argparse.Namespace | Merg
 
 def _names(args: argparse.Namespace | MergeJob, paths: Sequence[str]) -> list[str]:
     """The tasks' names (``args.names``, a merge job's; else from the folders)."""
-    from ..planning import task_names
+    from ..pipeline.planning import task_names
 
     names = getattr(args, "names", None)
     return list(names) if names is not None else task_names(paths)
@@ -59,7 +59,7 @@ def _names(args: argparse.Namespace | MergeJob, paths: Sequence[str]) -> list[st
 
 def _check_strict_targets(coverage: Mapping[str, Sequence[int]], names: Sequence[str]) -> None:
     """``--strict-targets``: refuse adapters that do not all have every module."""
-    from .._checks import few
+    from .._core.checks import few
 
     for i, name in enumerate(names):
         lacking = [n for n, tasks in coverage.items() if i not in tasks]
@@ -151,8 +151,8 @@ def load_moments(job: MergeJob, adapters: Any) -> list[Any] | None:
     Every refusal is one line naming the flag, the file, the module and the shapes."""
     import hashlib
 
-    from .._checks import few
-    from ..moments import load_input_moments
+    from .._core.checks import few
+    from ..scoring.moments import load_input_moments
 
     if job.input_moments is None:
         return None

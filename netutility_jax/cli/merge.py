@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _supervise
 from ..peft import weight_shapes
+from ..pipeline import _supervise
 from .args import method_options
 from .common import PROG, UsageError, check_extras, say
 from .config import resolve
@@ -69,7 +69,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     bar = progress(5 if job.no_plots else 6, _FN, job.quiet or ex.index > 0)
     if bar is not None:
         bar.set_postfix_str("loading adapters")
-    from ..merging import ZeroUpdateWarning
+    from ..pipeline.merging import ZeroUpdateWarning
 
     with warnings.catch_warnings(), _in_flag_terms(job):  # (said below, from the report)
         warnings.simplefilter("ignore", ZeroUpdateWarning)
@@ -143,7 +143,7 @@ def _warn_zero_tasks(job: MergeJob, zero: set[int]) -> None:
 def _warn_low_share(job: MergeJob, report: Any, skip: set[int] = frozenset()) -> None:
     """One warning line per task that keeps less than half its uniform share (net_utility);
     ``skip``: tasks already warned of (zero everywhere)."""
-    from ..planning import report_shares
+    from ..pipeline.planning import report_shares
 
     shares = report_shares(report)
     if shares is None or report.allocation != "net_utility":
@@ -159,7 +159,7 @@ def _warn_low_share(job: MergeJob, report: Any, skip: set[int] = frozenset()) ->
 def _say_low_share(job, kept, shares, positive, min_share, verb: str, skip=frozenset()) -> None:
     """The warning of each task below :data:`nu.planning.LOW_SHARE` of its uniform share (one
     line naming it, with the remedy)."""
-    from ..planning import LOW_SHARE
+    from ..pipeline.planning import LOW_SHARE
 
     for i, name in enumerate(job.names):
         if i in skip:
@@ -191,7 +191,7 @@ def _dry_run(job: MergeJob) -> int:
     allocated as the merge would (:func:`nu.planning.plan`); the plan printed, nothing
     written (``--out``, if given, is checked and left alone)."""
     from .. import registry
-    from ..planning import plan
+    from ..pipeline.planning import plan
 
     if job.distributed:
         raise UsageError("--dry-run plans in one process; drop --distributed.")
@@ -226,7 +226,7 @@ def _dry_run(job: MergeJob) -> int:
 
 def _warn_zeroed(job: MergeJob, report: Any, options: dict[str, Any]) -> None:
     """One line on stderr naming the modules whose merged update is exactly zero."""
-    from ..merging import zeroed_text
+    from ..pipeline.merging import zeroed_text
 
     if report.zeroed:
         total = len(report.ranks)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _io
+from .._core import io as _io
 from ..errors import NetUtilityError
 from .common import PROG, UsageError
 from .job import MergeJob
@@ -97,7 +97,7 @@ def report_dict(
     import datetime
 
     from .. import __version__
-    from ..planning import report_shares
+    from ..pipeline.planning import report_shares
 
     keep = (
         "method", "space", "allocation", "scope", "budget", "budget_spent", "lam", "alpha",
@@ -117,7 +117,7 @@ def report_dict(
         shares = report_shares(report)
         cand = None
         if report.masks is not None:
-            from .._min_share import candidates
+            from ..allocation._min_share import candidates
 
             counts = candidates(report.scores if report.scores is not None else report.masks)
             cand = np.sum(list(counts.values()), axis=0)

@@ -26,8 +26,8 @@ import stat
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .. import _io
-from .._checks import size_text
+from .._core import io as _io
+from .._core.checks import size_text
 from ..errors import FileAccessError, InputError, MissingFileError, NetUtilityError
 from .common import PROG, UsageError, say, shown
 

@@ -12,8 +12,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .._checks import few
-from .._io import to_jsonable
+from .._core.checks import few
+from .._core.io import to_jsonable
 from ..errors import InputError
 from ._common import CONFIG_NAME as CONFIG_FILE
 from ._common import _clip, _natural

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .._checks import few
+from .._core.checks import few
 from ..errors import InputError
 from ._common import CONFIG_NAME, _clip, _natural, _safetensors
 from ._config import _check_placement, _union_config

@@ -9,7 +9,7 @@ import pathlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .._checks import few
+from .._core.checks import few
 from ..errors import InputError
 from ._common import CONFIG_NAME, _check_bool, _clip, _natural
 from ._config import (

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _io
+from .._core import io as _io
 from . import _convert, _read, _write
 from ._common import CONFIG_NAME, _natural, _save_file
 

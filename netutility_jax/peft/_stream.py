@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _checks
-from .._io import atomic_directory
+from .._core import checks as _checks
+from .._core.io import atomic_directory
 from ..errors import InputError, InputTypeError
 from ._common import CONFIG_NAME, WEIGHTS_NAME, _natural
 from ._convert import _peft_factors

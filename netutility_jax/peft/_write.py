@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import _checks
-from .._io import atomic_directory, to_jsonable
-from .._tree import has_update, is_mapping, walk_modules
+from .._core import checks as _checks
+from .._core.io import atomic_directory, to_jsonable
+from .._core.tree import has_update, is_mapping, walk_modules
 from ..errors import InputError, InputTypeError, PathExistsError
 from ._common import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _natural, _safetensors, _save_file
 from ._config import (

@@ -1,0 +1,180 @@
+"""Per-module results kept stacked, made into per-module arrays only when asked for.
+
+:func:`nu.score` computes every bucket's fields in one array ``(n, 4, M, r_max)`` and
+:func:`nu.allocate` every mask in one flat array. Placing each module's four fields and its mask
+as arrays of their own costs five host-to-device placements per module (thousands for a large
+model), which a pipeline that goes on to allocate and merge never needs. :class:`ScoreTable` and
+:class:`MaskTable` are the ``{name: ...}`` mappings of the public contract with their values made
+on first access (all of them at once: one read per bucket, then the placements), while the
+library's own stages read the stacked form (:meth:`ScoreTable.parts`) or the host copies
+(:meth:`MaskTable.host`) directly.
+
+Both are :class:`collections.abc.MutableMapping` s and pytrees (flattened as the dict of their
+values, unflattened as a plain dict), so ``jax.tree.map``, ``dict(table)``, equality with a dict
+and item assignment work as for the dicts they stand for. A table that was changed is no longer
+:attr:`pristine`, and the stages then read it entry by entry, as any dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .host import put_views
+
+__all__ = ["MaskTable", "ScoreTable"]
+
+
+class ScoreTable(MutableMapping):
+    """``{name: ModuleScores}`` from each bucket's stacked fields (see the module docstring).
+
+    Args:
+      names: every module name, in the adapters' order.
+      parts: per live bucket ``(names, stats)``, ``stats (n, 4, M, r_max)`` on the device (the
+        fields of :class:`ModuleScores` in order).
+      fixed: the entries of modules without a live bucket (no candidate anywhere).
+      make: the :class:`ModuleScores` constructor.
+    """
+
+    __slots__ = ("_done", "_fixed", "_make", "_names", "_parts", "pristine")
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        parts: Sequence[tuple[Sequence[str], jax.Array]],
+        fixed: Mapping[str, Any],
+        make: Any,
+    ):
+        self._names = tuple(names)
+        self._parts = tuple((tuple(n), s) for n, s in parts)
+        self._fixed = dict(fixed)
+        self._make = make
+        self._done: dict[str, Any] | None = None
+        self.pristine = True  # as nu.score made it (no entry set or deleted)
+
+    def parts(self) -> tuple[tuple[tuple[str, ...], jax.Array], ...]:
+        """Per live bucket ``(names, stats (n, 4, M, r_max))``, as the kernel returned them."""
+        return self._parts
+
+    @property
+    def fixed(self) -> dict[str, Any]:
+        """The modules without a live bucket, ``{name: ModuleScores}``."""
+        return self._fixed
+
+    def _values(self) -> dict[str, Any]:
+        if self._done is None:
+            out = dict(self._fixed)
+            host = jax.device_get([s for _, s in self._parts])  # one read per bucket
+            for (names, stats), h in zip(self._parts, host, strict=True):
+                views = [h[i, k] for i in range(len(names)) for k in range(4)]
+                arrays = put_views(views, stats.sharding)
+                out.update(
+                    (nm, self._make(*arrays[4 * i : 4 * i + 4])) for i, nm in enumerate(names)
+                )
+            self._done = out
+        return self._done
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values()[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        values = self._values()
+        if name not in values:
+            self._names = (*self._names, name)
+        values[name] = value
+        self.pristine = False
+
+    def __delitem__(self, name: str) -> None:
+        del self._values()[name]
+        self._names = tuple(n for n in self._names if n != name)
+        self.pristine = False
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __repr__(self) -> str:
+        return f"ScoreTable({len(self._names)} modules)"
+
+
+class MaskTable(MutableMapping):
+    """``{name: bool (M, r_max)}`` masks held on the host, placed on the device on first access.
+
+    Args:
+      host: ``{name: numpy bool (M, r_max)}`` in the adapters' order (views of one array).
+      sharding: where :meth:`__getitem__`'s arrays are placed (None: the default device).
+    """
+
+    __slots__ = ("_done", "_host", "_sharding", "pristine")
+
+    def __init__(self, host: Mapping[str, np.ndarray], sharding: Any = None):
+        self._host = dict(host)
+        self._sharding = sharding
+        self._done: dict[str, jax.Array] | None = None
+        self.pristine = True  # as nu.allocate made it (no entry set or deleted)
+
+    def host(self, name: str) -> np.ndarray:
+        """The mask of ``name`` as a numpy array (no transfer)."""
+        return self._host[name]
+
+    def host_dict(self) -> dict[str, np.ndarray]:
+        """Every mask as numpy (no transfer)."""
+        return dict(self._host)
+
+    def _values(self) -> dict[str, jax.Array]:
+        if self._done is None:
+            names = list(self._host)
+            arrays = put_views([self._host[n] for n in names], self._sharding)
+            self._done = dict(zip(names, arrays, strict=True))
+        return self._done
+
+    def __getitem__(self, name: str) -> jax.Array:
+        if name not in self._host:
+            raise KeyError(name)
+        return self._values()[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        values = self._values()
+        values[name] = value
+        # the host copy follows (a traced or odd value is read where it is used, and refused
+        # there as any dict's would be)
+        self._host[name] = value
+        self.pristine = False
+
+    def __delitem__(self, name: str) -> None:
+        del self._values()[name]
+        del self._host[name]
+        self.pristine = False
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._host)
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._host
+
+    def __repr__(self) -> str:
+        return f"MaskTable({len(self._host)} modules)"
+
+
+def _flatten_table(t: Mapping) -> tuple[list, tuple[str, ...]]:
+    names = tuple(t)
+    return [t[n] for n in names], names
+
+
+def _unflatten_table(names: tuple[str, ...], values: Sequence[Any]) -> dict[str, Any]:
+    return dict(zip(names, values, strict=True))
+
+
+for _cls in (ScoreTable, MaskTable):
+    jax.tree_util.register_pytree_node(_cls, _flatten_table, _unflatten_table)

@@ -1,0 +1,815 @@
+"""Adapter pytrees: walking them, finding LoRA modules, validating them, grouping them into
+buckets, and the compute dtype.
+
+An adapter is a pytree of nested mappings whose LoRA modules are mappings with the keys
+``lora_a`` ``(d_in, r)``, ``lora_b`` ``(r, d_out)`` and an optional ``scale``. A module's name is
+its "/"-joined key path. A task that lacks a module says so explicitly with ``None`` at that path.
+
+Every walk over such a tree goes through :func:`walk_modules` (or :func:`map_modules` to rebuild
+one); :func:`float_dtype` is the one rule for the dtype computations run in.
+
+Everything here is host-side bookkeeping on shapes: no array is read, so it is cheap and runs the
+same under an outer ``jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import InputError, InputTypeError
+from .checks import brief as brief
+from .checks import check_bool as check_bool
+from .checks import check_real as check_real
+from .checks import few as _few
+from .checks import is_real_dtype as _is_real_dtype
+from .checks import is_real_scalar as is_real_scalar
+from .checks import real_value as real_value
+from .checks import short as short
+
+__all__ = [
+    "MAX_DEPTH",
+    "MODULE_KEYS",
+    "NONFINITE_ARRAYS",
+    "UPDATE_KEYS",
+    "Bucket",
+    "KeyPath",
+    "Module",
+    "collect",
+    "compute_dtype",
+    "extract_lora",
+    "flatten_modules",
+    "float_dtype",
+    "has_factor",
+    "has_update",
+    "is_mapping",
+    "map_modules",
+    "name_mismatch",
+    "raise_nonfinite",
+    "unwrap",
+    "walk_modules",
+]
+# Also importable, for older call sites: brief, short, _few, check_bool, check_real, real_value,
+# is_real_scalar, _is_real_dtype (from ._checks), and _unwrap / _is_mapping (aliases).
+
+MODULE_KEYS = frozenset({"lora_a", "lora_b", "scale"})
+UPDATE_KEYS = frozenset({"lora_a", "lora_b", "delta"})  # a merged module, low rank or dense
+MAX_DEPTH = 64  # deeper nesting is not an adapter (and recursive code would hit Python's limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """One task's LoRA module: factors in kernel layout and the scale (arrays, not copied)."""
+
+    lora_a: Any
+    lora_b: Any
+    scale: Any
+
+    @property
+    def d_in(self) -> int:
+        return int(self.lora_a.shape[0])
+
+    @property
+    def d_out(self) -> int:
+        return int(self.lora_b.shape[1])
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_a.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Modules of equal ``(d_in, d_out, r_max)``; scored by one batched call.
+
+    Attributes:
+      names: module names, in adapter order.
+      d_in, d_out, r_max: the common shapes (``r_max`` is the largest rank of any task).
+      modules: ``modules[n][i]`` is task ``i``'s :class:`Module` in module ``names[n]``, or None.
+    """
+
+    names: tuple[str, ...]
+    d_in: int
+    d_out: int
+    r_max: int
+    modules: tuple[tuple[Module | None, ...], ...]
+    # the factors stacked once (``nu.stack_adapters``: a ``_mesh.Stacked`` on the device), in
+    # which case ``modules`` hold their shapes, dtypes and scales only; None: the leaves
+    stacked: Any = None
+
+
+# types whose instances :func:`unwrap` returns as they are (arrays, numbers): a per-type
+# decision, cached so that a walk over thousands of factors makes it once per type
+_PLAIN_TYPES: set[type] = {float, int, np.ndarray}
+
+
+def unwrap(x: Any) -> Any:
+    """A leaf's array: ``flax.nnx`` Variables (``Param``, ``LoRAParam``) give their value
+    (``get_value``, or ``value`` on older flax); anything else is returned as it is."""
+    t = type(x)
+    if t in _PLAIN_TYPES:
+        return x
+    if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float)):
+        if x.__class__ is t:  # decided by the type alone (no __class__ override)
+            _PLAIN_TYPES.add(t)
+        return x
+    if hasattr(x, "get_value"):
+        return x.get_value()
+    if hasattr(x, "value"):
+        return x.value
+    return x
+
+
+def is_mapping(x: Any) -> bool:
+    """A node the walkers enter: a ``Mapping`` (dict, ``flax.nnx.State``) or anything with
+    ``keys`` and ``__getitem__``."""
+    return isinstance(x, Mapping) or (hasattr(x, "keys") and hasattr(x, "__getitem__"))
+
+
+_unwrap = unwrap  # the names merging.py and peft.py use
+_is_mapping = is_mapping
+
+
+def has_factor(node: Any) -> bool:
+    """An input LoRA module: a mapping with ``lora_a`` or ``lora_b`` (one missing is an error the
+    validator reports, not a reason to look inside)."""
+    keys = node.keys()
+    return "lora_a" in keys or "lora_b" in keys
+
+
+def has_update(node: Any) -> bool:
+    """A merged module: low rank (``lora_a`` / ``lora_b``) or dense (``delta``)."""
+    return bool(UPDATE_KEYS & set(node.keys()))
+
+
+KeyPath = tuple[str, ...]  # a node's keys as strings; "/".join gives the module name
+
+
+def _too_deep(path: KeyPath, max_depth: int) -> Exception:
+    return InputError(
+        f"the tree is nested more than {max_depth} levels deep at {short('/'.join(path))!r}."
+    )
+
+
+def _cycle(path: KeyPath) -> Exception:
+    return InputError(
+        f"the tree contains itself at {short('/'.join(path))!r} (a cycle of mappings)."
+    )
+
+
+def _nodes(
+    tree: Any,
+    is_module: Callable[[Any], bool],
+    max_depth: int | None,
+    too_deep: Callable[[KeyPath], Exception] | None,
+    cycle: Callable[[KeyPath], Exception] | None,
+) -> Iterator[tuple[tuple[Any, ...], KeyPath, Any, bool]]:
+    """Every node, depth first in key order: ``(keys, path, node, stop)``; ``keys`` are the
+    mapping keys as they are, ``path`` the same as strings, ``stop`` False for an entered mapping."""
+    # an explicit stack: no recursion limit, and the ancestors of each node for cycle detection.
+    # The ancestors themselves are kept, not their id()s: a mapping may hand out a new object per
+    # lookup (flax.nnx.State does), and a collected one's id can be reused by a later object.
+    stack: list[tuple[tuple[Any, ...], KeyPath, Any, tuple[Any, ...]]] = [((), (), tree, ())]
+    while stack:
+        keys, path, node, ancestors = stack.pop()
+        if max_depth is not None and len(path) > max_depth:
+            raise too_deep(path) if too_deep else _too_deep(path, max_depth)
+        if not is_mapping(node) or is_module(node):
+            yield keys, path, node, True
+            continue
+        yield keys, path, node, False
+        if any(a is node for a in ancestors):
+            raise cycle(path) if cycle else _cycle(path)
+        up = (*ancestors, node)
+        stack.extend(
+            ((*keys, k), (*path, str(k)), node[k], up) for k in reversed(list(node.keys()))
+        )
+
+
+def walk_modules(
+    tree: Any,
+    *,
+    is_module: Callable[[Any], bool] = has_factor,
+    max_depth: int | None = MAX_DEPTH,
+    inner: bool = False,
+    too_deep: Callable[[KeyPath], Exception] | None = None,
+    cycle: Callable[[KeyPath], Exception] | None = None,
+) -> Iterator[tuple[KeyPath, Any]]:
+    """The modules of a tree of nested mappings: the one walker of adapter pytrees.
+
+    Depth first, in each mapping's key order, yields ``(path, node)`` for every node where the
+    walk stops: a mapping for which ``is_module(node)`` holds (a module: not entered), ``None``
+    (a task's placeholder for a module it lacks) and any other non-mapping leaf. Every other
+    mapping (see :func:`is_mapping`: dicts, ``flax.nnx.State``) is entered. ``path`` is the tuple
+    of keys as strings (``"/".join(path)`` is the module name, ``()`` the root); nodes are yielded
+    as they are (:func:`unwrap` gives a Variable's array).
+
+    Args:
+      tree: the root; itself a module, None or a leaf if so (yielded with path ``()``).
+      is_module: called on mappings only; default :func:`has_factor` (input modules);
+        :func:`has_update` for merged ones.
+      max_depth: refuse paths longer than this (checked before the node is yielded); None: no
+        limit.
+      inner: also yield each mapping that is entered, before its children, so a caller can check
+        every name (a caller tells them apart with ``is_mapping(node) and not is_module(node)``).
+      too_deep, cycle: ``path -> exception`` raised for a path longer than ``max_depth`` / for a
+        mapping that contains itself (checked after it is yielded with ``inner``, before it is
+        entered); default an :class:`InputError` naming the path.
+    """
+    for _, path, node, stop in _nodes(tree, is_module, max_depth, too_deep, cycle):
+        if stop or inner:
+            yield path, node
+
+
+def map_modules(
+    tree: Any,
+    fn: Callable[[KeyPath, Any], Any],
+    *,
+    is_module: Callable[[Any], bool] = has_factor,
+    max_depth: int | None = MAX_DEPTH,
+) -> Any:
+    """The tree rebuilt as nested dicts (same keys, same order) with every node where
+    :func:`walk_modules` stops (module, None, leaf) replaced by ``fn(path, node)``."""
+    root: Any = None
+    built: dict[tuple[Any, ...], dict] = {}
+    for keys, path, node, stop in _nodes(tree, is_module, max_depth, None, None):
+        value = fn(path, node) if stop else {}
+        if not stop:
+            built[keys] = value
+        if keys:
+            built[keys[:-1]][keys[-1]] = value
+        else:
+            root = value
+    return root
+
+
+def _as_module(fn: str, task: int, name: str, node: Any) -> Module:
+    """An input module's mapping as a :class:`Module` (factors and scale unwrapped)."""
+    keys = set(node.keys())
+    missing = {"lora_a", "lora_b"} - keys
+    extra = keys - MODULE_KEYS
+    if missing:
+        raise InputError(
+            f"{fn}: module {short(name)!r} of task {task} has no {sorted(missing)[0]!r}; a LoRA "
+            "module needs both 'lora_a' (d_in, r) and 'lora_b' (r, d_out)."
+        )
+    if extra:
+        raise InputError(
+            f"{fn}: module {short(name)!r} of task {task} has keys "
+            f"{brief(sorted(map(str, extra)))} besides 'lora_a', 'lora_b', 'scale'; pass only the "
+            "LoRA part of the parameters (nu.extract_lora(tree) keeps it)."
+        )
+    return Module(unwrap(node["lora_a"]), unwrap(node["lora_b"]), unwrap(node.get("scale", 1.0)))
+
+
+def _new_module(
+    lora_a: Any, lora_b: Any, scale: Any, _new=object.__new__, _set=object.__setattr__
+) -> Module:
+    """``Module(lora_a, lora_b, scale)``: what the frozen dataclass's ``__init__`` does (three
+    ``object.__setattr__``), without its call; made once per module and task."""
+    m = _new(Module)
+    _set(m, "lora_a", lora_a)
+    _set(m, "lora_b", lora_b)
+    _set(m, "scale", scale)
+    return m
+
+
+def _flatten_dicts(adapter: Any) -> dict[str, Module | None] | None:
+    """:func:`flatten_modules` of a tree of plain dicts with nothing to report, or None.
+
+    The common case in one recursive pass over the dicts: inner nodes and modules are ``dict``s
+    (not subclasses, not other mappings), every module has exactly ``lora_a``, ``lora_b`` and
+    optionally ``scale``, and no other leaf than None. None (not an error) as soon as anything
+    else is met: another mapping type, a leaf, a module with missing or extra keys, a repeated
+    name, a dict that contains an ancestor, nesting beyond :data:`MAX_DEPTH`, a root that is a
+    module, or any exception; :func:`flatten_modules` then walks the tree in full and gives the
+    result or the error, in the order it always has.
+    """
+    if type(adapter) is not dict or "lora_a" in adapter or "lora_b" in adapter:
+        return None
+    out: dict[str, Module | None] = {}
+    plain = _PLAIN_TYPES
+
+    def walk(node: dict, prefix: str, depth: int, ancestors: tuple[dict, ...]) -> bool:
+        if depth >= MAX_DEPTH and node:  # its children's paths would be too long
+            return False
+        for k, v in node.items():
+            name = prefix + str(k)
+            if name in out:
+                return False
+            if v is None:
+                out[name] = None
+            elif type(v) is not dict:
+                return False
+            elif "lora_a" in v or "lora_b" in v:
+                has_scale = "scale" in v
+                if len(v) != 2 + has_scale or "lora_a" not in v or "lora_b" not in v:
+                    return False
+                a, b = v["lora_a"], v["lora_b"]
+                s = v["scale"] if has_scale else 1.0
+                out[name] = _new_module(
+                    a if type(a) in plain else unwrap(a),
+                    b if type(b) in plain else unwrap(b),
+                    s if type(s) in plain else unwrap(s),
+                )
+            elif any(u is v for u in ancestors) or not walk(
+                v, name + "/", depth + 1, (*ancestors, v)
+            ):
+                return False
+        return True
+
+    try:
+        return out if walk(adapter, "", 0, (adapter,)) else None
+    except Exception:  # the full walk meets it again and reports it where it always has
+        return None
+
+
+def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | None]:
+    """Map module name -> :class:`Module` (or None where the task lacks the module).
+
+    Raises:
+      InputTypeError: if ``adapter`` is not a mapping.
+      InputError: on a leaf that is not part of a LoRA module, a module missing a factor, two
+        modules of the same name, a cycle, or nesting deeper than :data:`MAX_DEPTH`. Names in
+        messages are cut to 80 characters.
+    """
+    if not is_mapping(adapter):
+        raise InputTypeError(
+            f"{fn}: adapter {task} is a {type(adapter).__name__}; expected a mapping (nested dicts) "
+            "whose LoRA modules are dicts with 'lora_a' (d_in, r) and 'lora_b' (r, d_out)."
+        )
+
+    def too_deep(path: KeyPath) -> Exception:
+        return InputError(
+            f"{fn}: adapter {task} is nested more than {MAX_DEPTH} levels deep at "
+            f"{short('/'.join(path))!r}; an adapter is a shallow tree of dicts whose LoRA modules "
+            "are {'lora_a', 'lora_b'[, 'scale']} dicts."
+        )
+
+    def cycle(path: KeyPath) -> Exception:
+        return InputError(
+            f"{fn}: adapter {task} contains itself at {short('/'.join(path))!r} (a cycle of "
+            "dicts); pass a tree of LoRA modules."
+        )
+
+    fast = _flatten_dicts(adapter)
+    if fast is not None:
+        return fast
+    out: dict[str, Module | None] = {}
+    for path, node in walk_modules(adapter, inner=True, too_deep=too_deep, cycle=cycle):
+        name = "/".join(path)
+        if name in out:
+            raise InputError(
+                f"{fn}: adapter {task} has two modules named {short(name)!r} (a flat key containing "
+                "'/' and a nested path spell the same name); rename one of them."
+            )
+        if node is None:
+            out[name] = None
+        elif is_mapping(node):
+            if has_factor(node):
+                out[name] = _as_module(fn, task, name, node)
+        else:
+            raise InputError(
+                f"{fn}: adapter {task} has a leaf at {short(name)!r} ({type(node).__name__}) that "
+                "is not part of a LoRA module; pass only LoRA modules (nu.extract_lora(tree) keeps "
+                "them), or None for a module the task lacks."
+            )
+    return out
+
+
+def _both_factors(node: Any) -> bool:
+    keys = node.keys()
+    return "lora_a" in keys and "lora_b" in keys
+
+
+def extract_lora(tree: Any) -> dict[str, Any]:
+    """Keep only the LoRA modules of a parameter tree, as a flat dict keyed by module name.
+
+    Useful on a full Flax parameter tree, where LoRA factors sit next to base kernels and biases.
+    A mapping holding both ``lora_a`` and ``lora_b`` is a module; its ``scale`` is kept if present.
+
+    Args:
+      tree: nested mappings (dicts, ``flax.nnx.State``).
+
+    Returns:
+      ``{name: {"lora_a", "lora_b"[, "scale"]}}`` with "/"-joined key paths as names.
+
+    Example:
+      >>> import numpy as np, netutility_jax as nu
+      >>> tree = {"q": {"kernel": np.ones((4, 4)), "lora_a": np.ones((4, 2)), "lora_b": np.ones((2, 4))}}
+      >>> list(nu.extract_lora(tree))
+      ['q']
+    """
+
+    def cycle(path: KeyPath) -> Exception:
+        return InputError(
+            f"nu.extract_lora: the tree contains itself at {short('/'.join(path))!r} (a cycle of "
+            "dicts); pass a tree of parameters."
+        )
+
+    out: dict[str, Any] = {}
+    for path, node in walk_modules(tree, is_module=_both_factors, max_depth=None, cycle=cycle):
+        if is_mapping(node):  # a module; other leaves (kernels, biases) are dropped
+            mod = {"lora_a": unwrap(node["lora_a"]), "lora_b": unwrap(node["lora_b"])}
+            if "scale" in node.keys():
+                mod["scale"] = unwrap(node["scale"])
+            out["/".join(path)] = mod
+    return out
+
+
+def _nnx_other(name: str) -> str:
+    """The other spelling of an nnx LoRA layer's name: ``X`` <-> ``X/lora`` (an
+    ``nnx.LoRALinear`` by layer, and its ``lora`` child's state path), ``lora`` <-> ``""``."""
+    if name == "":
+        return "lora"
+    if name == "lora":
+        return ""
+    return name[: -len("/lora")] if name.endswith("/lora") else f"{name}/lora"
+
+
+def match_names(want: Iterable[str], have: Iterable[str]) -> dict[str, str] | None:
+    """``{name of want: key of have}`` where each key is the name or its other nnx spelling
+    (``X`` / ``X/lora``, see ``nu.nnx``); None unless that pairs every name with exactly one
+    key and uses every key once (exact names first)."""
+    want, have = list(want), set(have)
+    out: dict[str, str] = {}
+    for n in want:
+        if n in have:
+            out[n] = n
+        elif _nnx_other(n) in have and _nnx_other(n) not in want:
+            out[n] = _nnx_other(n)
+        else:
+            return None
+    return out if len(set(out.values())) == len(out) == len(have) else None
+
+
+def name_mismatch(
+    want: Iterable[str],
+    have: Iterable[str],
+    *,
+    missing: Callable[[list[str]], str],
+    extra: Callable[[list[str]], str],
+) -> str:
+    """How two sets of module names differ, for a message: ``""`` if they agree, else
+    ``missing(sorted names of want not in have)`` and ``extra(sorted names of have not in
+    want)``, each only if non-empty, joined by ``"; "``."""
+    want, have = set(want), set(have)
+    parts = [
+        describe(names)
+        for describe, names in ((missing, sorted(want - have)), (extra, sorted(have - want)))
+        if names
+    ]
+    return "; ".join(parts)
+
+
+def _check_module(fn: str, name: str, task: int, m: Module) -> None:
+    a, b = m.lora_a, m.lora_b
+    nm = short(name)
+    for label, x in (("lora_a", a), ("lora_b", b)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise InputTypeError(
+                f"{fn}: {label} of module {nm!r}, task {task}, is a {type(x).__name__}; "
+                "expected an array."
+            )
+        if len(x.shape) != 2:
+            raise InputError(
+                f"{fn}: {label} of module {nm!r}, task {task}, has shape {tuple(x.shape)}; "
+                f"expected 2-D ({'d_in, r' if label == 'lora_a' else 'r, d_out'})."
+            )
+        try:
+            floating = bool(jnp.issubdtype(x.dtype, jnp.floating))
+        except TypeError:
+            floating = False
+        if not floating:
+            raise InputTypeError(
+                f"{fn}: {label} of module {nm!r}, task {task}, has dtype {brief(x.dtype)}; "
+                "expected a floating dtype (bf16/fp16 are upcast to float32)."
+            )
+    if a.shape[1] != b.shape[0]:
+        raise InputError(
+            f"{fn}: factors of module {nm!r}, task {task}, do not chain: lora_a {tuple(a.shape)} "
+            f"is (d_in, r={a.shape[1]}) but lora_b {tuple(b.shape)} is (r={b.shape[0]}, d_out). "
+            "Factors use the flax kernel layout (dK = lora_a @ lora_b); a PEFT checkpoint stores "
+            "lora_A as (r, d_in) and lora_B as (d_out, r): transpose both (nu.peft.load_adapter "
+            "does this)."
+        )
+    s = m.scale
+    if hasattr(s, "shape") and hasattr(s, "dtype") and tuple(s.shape) != ():
+        raise InputError(
+            f"{fn}: scale of module {nm!r}, task {task}, has shape {tuple(s.shape)}; expected a "
+            "scalar."
+        )
+    if not is_real_scalar(s):
+        raise InputTypeError(
+            f"{fn}: scale of module {nm!r}, task {task}, is {brief(s)} ({type(s).__name__}"
+            f"{', dtype ' + str(s.dtype) if hasattr(s, 'dtype') else ''}); expected a real number "
+            "(the LoRA scale lora_alpha / r), e.g. 2.0."
+        )
+    if not isinstance(s, jax.core.Tracer) and not np.isfinite(np.asarray(s, np.float64)):
+        raise InputError(
+            f"{fn}: scale of module {nm!r}, task {task} (lora_a {tuple(a.shape)}, lora_b "
+            f"{tuple(b.shape)}), is {np.asarray(s)}; expected a finite LoRA scale (lora_alpha / r)."
+        )
+
+
+# floating dtypes met so far (np.dtype instances): the factors' dtype check, decided once per dtype
+_FLOATING_DTYPES: set[Any] = set()
+
+
+def _is_floating(dt: Any) -> bool:
+    """:func:`_check_module`'s dtype rule (``jnp.issubdtype(dt, jnp.floating)``, False where that
+    raises ``TypeError``), remembered for ``np.dtype`` instances found floating."""
+    if dt in _FLOATING_DTYPES:
+        return True
+    try:
+        floating = bool(jnp.issubdtype(dt, jnp.floating))
+    except TypeError:
+        return False
+    if floating and isinstance(dt, np.dtype):
+        _FLOATING_DTYPES.add(dt)
+    return floating
+
+
+def _scale_ok(s: Any) -> bool:
+    """True where :func:`_check_module` accepts ``s`` as a module's scale (a finite real scalar,
+    or a traced one), False where it raises its error; an exception where its own steps raise one
+    (``np.asarray`` of an int beyond float64), which :func:`_check_module` raises too."""
+    t = type(s)
+    if t is float:
+        return s - s == 0.0  # finite (inf - inf and nan - nan are nan)
+    if hasattr(s, "shape") and hasattr(s, "dtype") and tuple(s.shape) != ():
+        return False
+    if not is_real_scalar(s):
+        return False
+    return isinstance(s, jax.core.Tracer) or bool(np.isfinite(np.asarray(s, np.float64)))
+
+
+_Groups = dict[tuple[int, int, int], list[tuple[str, tuple[Module | None, ...]]]]
+
+
+def _group_fast(names: list[str], flat: list[dict[str, Module | None]]) -> _Groups | None:
+    """:func:`_group_checked`'s groups where every module passes its checks, else None.
+
+    One pass over the (module, task) pairs that reads each factor's shape and dtype once and
+    decides the dtype rule once per dtype (:func:`_is_floating`); ``None`` (not an error) on
+    anything :func:`_check_module` or the shape checks across tasks would refuse, or might
+    (a shape that is not a tuple, any exception): :func:`_group_checked` then runs the checks
+    one by one, in their order, and raises the first error.
+    """
+    groups: _Groups = {}
+    floating = _FLOATING_DTYPES
+    try:
+        rows = zip(*([f[n] for n in names] for f in flat), strict=True)
+        for name, mods in zip(names, rows, strict=True):
+            d_in0 = d_out0 = None
+            r_max = 0
+            for m in mods:
+                if m is None:
+                    continue
+                a, b = m.lora_a, m.lora_b
+                sa, sb = a.shape, b.shape
+                if type(sa) is not tuple or type(sb) is not tuple:
+                    return None
+                d_in, r = sa  # a ValueError if not 2-D
+                r_b, d_out = sb
+                if (
+                    r != r_b
+                    or type(d_in) is not int
+                    or type(r) is not int
+                    or type(d_out) is not int
+                ):
+                    return None
+                da, db = a.dtype, b.dtype
+                if not (
+                    (da in floating or _is_floating(da)) and (db in floating or _is_floating(db))
+                ):
+                    return None
+                sc = m.scale
+                if not (sc - sc == 0.0 if type(sc) is float else _scale_ok(sc)):
+                    return None
+                if d_in0 is None:
+                    d_in0, d_out0 = d_in, d_out
+                elif d_in != d_in0 or d_out != d_out0:
+                    return None
+                if r > r_max:
+                    r_max = r
+            if d_in0 is None:  # None in every task
+                return None
+            groups.setdefault((d_in0, d_out0, r_max), []).append((name, mods))
+    except Exception:  # the checks one by one meet it again and report it in their order
+        return None
+    return groups
+
+
+def _group_checked(fn: str, names: list[str], flat: list[dict[str, Module | None]]) -> _Groups:
+    """Check every module of every task, one by one in module then task order, and group the
+    modules by ``(d_in, d_out, r_max)``: the reference for :func:`_group_fast`."""
+    groups: _Groups = {}
+    for name in names:
+        mods = tuple(f[name] for f in flat)
+        present = [(i, m) for i, m in enumerate(mods) if m is not None]
+        if not present:
+            raise InputError(
+                f"{fn}: module {short(name)!r} is None in every task; drop it from the adapters."
+            )
+        for i, m in present:
+            _check_module(fn, name, i, m)
+        i0, m0 = present[0]
+        for i, m in present[1:]:
+            if (m.d_in, m.d_out) != (m0.d_in, m0.d_out):
+                raise InputError(
+                    f"{fn}: module {short(name)!r} has update shape (d_in, d_out) = ({m0.d_in}, "
+                    f"{m0.d_out}) in task {i0} (lora_a {tuple(m0.lora_a.shape)}, lora_b "
+                    f"{tuple(m0.lora_b.shape)}) but ({m.d_in}, {m.d_out}) in task {i} (lora_a "
+                    f"{tuple(m.lora_a.shape)}, lora_b {tuple(m.lora_b.shape)}); the adapters must "
+                    "target the same base model."
+                )
+        r_max = max(m.rank for _, m in present)
+        groups.setdefault((m0.d_in, m0.d_out, r_max), []).append((name, mods))
+    return groups
+
+
+def _not_a_list(adapters: Any) -> str:
+    """What :func:`collect`'s refusal says it got: a mapping whose values are adapters with
+    the same modules (a dict of tasks) is told to pass its values."""
+    if not isinstance(adapters, Mapping):
+        return f"{type(adapters).__name__}. Wrap a single adapter in a list: [adapter]."
+    kind = type(adapters).__name__
+    try:
+        keys = list(adapters.keys())
+        mods = [
+            frozenset(extract_lora(v)) if is_mapping(v) and not has_factor(v) else frozenset()
+            for v in (adapters[k] for k in keys)
+        ]
+    except Exception:  # a value that cannot be walked is no adapter: the general advice
+        keys, mods = [], []
+    if len(mods) >= 2 and mods[0] and all(m == mods[0] for m in mods):
+        shown = ", ".join(repr(short(str(k))) for k in keys[:3])
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        return (
+            f"a {kind} of {len(keys)} adapters ({shown}{more}) with the same modules: pass "
+            "list(d.values()) for one task per value (or [d] if the dict is one adapter)."
+        )
+    return (
+        f"a {kind}: wrap a single adapter in a list, [adapter]; for a dict of tasks "
+        "({'sql': adapter, ...}) pass list(d.values())."
+    )
+
+
+def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket], int]:
+    """Validate M adapters and group their modules into buckets of equal shape.
+
+    Returns:
+      ``(names, buckets, M)``: module names in the first adapter's order, the buckets (modules in
+      each bucket keep that order), and the number of tasks.
+
+    Values are not read, except each scale (a scalar): the factors' finiteness is checked by
+    the kernels that read them (see :func:`raise_nonfinite`).
+
+    Raises:
+      InputError: empty list, module names that differ between adapters (a few are named, and a
+        count), factor shapes that do not chain, a module whose (d_in, d_out) differs across
+        tasks, a module that no task has, a scale that is not a finite scalar.
+      InputTypeError: non-array or non-floating factors, a scale that is not a real number (a
+        string, a bool, a complex number...).
+    """
+    stacked = getattr(type(adapters), "_netutility_collect", None)
+    if stacked is not None:  # nu.stack_adapters' set: checked and grouped when it was made
+        return stacked(adapters)
+    if isinstance(adapters, Mapping) or not isinstance(adapters, Sequence):
+        raise InputTypeError(
+            f"{fn}: expected a sequence of adapters (one per task), got {_not_a_list(adapters)}"
+        )
+    if len(adapters) == 0:
+        raise InputError(f"{fn}: the adapter list is empty; pass one adapter per task (M >= 1).")
+    flat = [flatten_modules(ad, fn=fn, task=i) for i, ad in enumerate(adapters)]
+    names = list(flat[0])
+    if not names:
+        raise InputError(f"{fn}: adapter 0 has no LoRA modules ('lora_a'/'lora_b' dicts).")
+    ref = set(names)
+    for i, f in enumerate(flat[1:], start=1):
+        if f.keys() == ref:
+            continue
+        diff = name_mismatch(
+            ref,
+            f,
+            missing=lambda x, i=i: f"task {i} lacks {_few(x)} that task 0 has",
+            extra=lambda x, i=i: f"task {i} has {_few(x)} that task 0 lacks",
+        )
+        if diff:
+            raise InputError(
+                f"{fn}: module names differ between adapters: {diff}. Adapters must "
+                "come from the same base model with the same target modules; where a task really "
+                "lacks a module, put None at that name."
+            )
+    m_tasks = len(flat)
+    groups = _group_fast(names, flat)
+    if groups is None:
+        groups = _group_checked(fn, names, flat)
+    buckets = [
+        Bucket(
+            names=tuple(n for n, _ in items),
+            d_in=k[0],
+            d_out=k[1],
+            r_max=k[2],
+            modules=tuple(mods for _, mods in items),
+        )
+        for k, items in groups.items()
+    ]
+    return names, buckets, m_tasks
+
+
+NONFINITE_ARRAYS = ("lora_a", "lora_b", "scale")
+
+
+def raise_nonfinite(
+    fn: str, buckets: Sequence[Bucket], counts: Sequence[Any], *, dtype: Any
+) -> None:
+    """Raise :class:`InputError` for the first non-finite input, if any.
+
+    Args:
+      buckets: the buckets of :func:`collect`.
+      counts: per bucket, ``(n, M, 3)`` ints: non-finite entries of ``lora_a``, ``lora_b`` and
+        ``scale`` of each module and task, as seen in the compute ``dtype`` (a float64 value
+        beyond float32's range counts: the message says so).
+    """
+    hits = [
+        (bk, np.asarray(c)) for bk, c in zip(buckets, counts, strict=True) if np.asarray(c).any()
+    ]
+    if not hits:
+        return
+    bk, c = hits[0]
+    n, i, k = (int(v) for v in np.argwhere(c > 0)[0])
+    m = bk.modules[n][i]
+    label = NONFINITE_ARRAYS[k]
+    raw = np.asarray(getattr(m, label))
+    size = raw.size
+    count = int(c[n, i, k])
+    as64 = np.asarray(raw, np.float64) if _is_real_dtype(raw.dtype) else None
+    if as64 is not None and np.isfinite(as64).all():
+        big = float(np.max(np.abs(as64)))
+        where = (
+            f"scale = {float(as64):.3g} is"
+            if label == "scale"
+            else f"{label} has {count} {'entry' if count == 1 else 'entries'} (largest |{label}| "
+            f"= {big:.3g})"
+        )
+        what = (
+            f"{where} beyond the range of {np.dtype(dtype).name}. Enable x64 "
+            "(jax.config.update('jax_enable_x64', True)) and pass float64 factors, or rescale "
+            "them (move a power of two between lora_a, lora_b and scale)."
+        )
+    else:
+        what = (
+            f"{label} has {count} non-finite {'entry' if count == 1 else 'entries'} (NaN or Inf)"
+            f"{f' of {size}' if size > 1 else ''}. Fix or retrain that adapter."
+        )
+    bad = [nm for bk2, c2 in hits for nm, row in zip(bk2.names, c2, strict=True) if row.any()]
+    pairs = sum(int((c2.sum(-1) > 0).sum()) for _, c2 in hits)
+    more = (
+        f" In all, {pairs} (module, task) pairs have such entries, in {_few(bad)}."
+        if pairs > 1
+        else ""
+    )
+    raise InputError(
+        f"{fn}: module {short(bk.names[n])!r}, task {i} (lora_a {tuple(m.lora_a.shape)}, lora_b "
+        f"{tuple(m.lora_b.shape)}): {what}{more}"
+    )
+
+
+def float_dtype(*dtypes: Any) -> np.dtype:
+    """The package's one dtype rule: the dtype computations on inputs of these dtypes run in.
+
+    float64 if any of ``dtypes`` is float64 and x64 is enabled; else float32. So bf16 and fp16
+    are upcast to float32, float32 stays float32, and float64 without x64 is float32 (what JAX
+    would make of it anyway). Integer dtypes never ask for float64.
+
+    Decided on canonicalized dtypes, so float64 numpy inputs without x64 give float32 without a
+    truncation warning, and no implicit promotion happens (safe under strict dtype promotion).
+
+    Args:
+      *dtypes: dtypes (``x.dtype``, not arrays); none gives float32.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp
+      >>> from netutility_jax._core.tree import float_dtype
+      >>> float_dtype(jnp.bfloat16, np.float16).name
+      'float32'
+    """
+    f64 = any(jax.dtypes.canonicalize_dtype(d) == np.float64 for d in dtypes)
+    return np.dtype(np.float64 if f64 else np.float32)
+
+
+def compute_dtype(buckets: Sequence[Bucket]) -> np.dtype:
+    """The compute dtype of a set of buckets (see :func:`float_dtype`)."""
+    mods = [m for bk in buckets for mods in bk.modules for m in mods if m is not None]
+    try:  # each distinct dtype once: a handful, not two per module and task
+        dtypes = {m.lora_a.dtype for m in mods} | {m.lora_b.dtype for m in mods}
+    except TypeError:  # an unhashable dtype: every one
+        dtypes = [d for m in mods for d in (m.lora_a.dtype, m.lora_b.dtype)]
+    return float_dtype(*dtypes)

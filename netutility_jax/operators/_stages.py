@@ -1,0 +1,921 @@
+"""The per-bucket pipeline stages of :func:`nu.merge`: pure jitted functions, static configs.
+
+A bucket is a group of modules of equal ``(d_in, d_out, r_max)`` (:class:`_tree.Bucket`); the
+stages take its arrays and a frozen configuration (a ``NamedTuple`` or plain static keywords) and
+nothing global, so that the layers that stream buckets from disk or shard them over devices wrap
+them unchanged. The stages are shared between methods and spaces so that compiled executables are
+too: reduce (the factors in the bases of their spans), coordinates (a space), the method (the
+registry's kernel), decode, map back. :func:`bucket_merge` composes them (traceable as a whole).
+
+Scale safety: the stacked factors and scales are split into powers of two and normalised numbers
+per task (:func:`spaces.normalise_tasks`) before any Gram, and each module is merged in units of
+``2**unit`` (:func:`spaces.module_unit`), multiplied back by the last stage. Every method is
+positively homogeneous of degree one and a power of two rounds nothing, so results are those of
+the unscaled computation wherever that one does not over- or underflow. The last stage also
+reports, per module, whether the result is representable (:func:`range_status`): the caller
+raises instead of returning an infinite or flushed-to-zero module.
+
+The stages are kernels of :func:`_executables.kernel` (plain ``jax.jit``). On one device every
+bucket of a merge is traced through them inside one program
+(:mod:`netutility_jax.operators.program`); run one by one (a mesh, blocked rows, elementwise
+methods in full space), host-side work between them stays on the host (numpy): an eager ``jnp``
+operation on a concrete array is a program of its own, traced, lowered and loaded in every
+process. Traced together, XLA fuses across what were program boundaries and may round a
+multiply-add differently: the two routes agree to float32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import registry
+from .._core import buckets as _buckets
+from .._core import checks as _checks
+from .._core import mesh as _mesh
+from .._core import tree as _tree
+from .._core.executables import kernel
+from .._core.linalg import column_norms, mul_pow2
+from .._core.linalg import mm as _mm
+from .._core.linalg import t as _t
+from .._core.tables import MaskTable
+from ..errors import InputError, InputTypeError
+from ..scoring._kernels import default_rtol
+from . import _rng, _select
+from . import methods as _m
+from . import spaces as _s
+
+__all__ = [
+    "DARE_KEPT",
+    "KERNEL_FINITE",
+    "KERNEL_INF",
+    "KERNEL_NAN",
+    "RANGE_KERNEL_NAN",
+    "BucketConfig",
+    "CoordsConfig",
+    "LowRankConfig",
+    "MapBackConfig",
+    "ReduceConfig",
+    "StackConfig",
+    "apply_ties",
+    "block_tasks",
+    "bucket_merge",
+    "check_elementwise_output",
+    "check_low_rank_output",
+    "coords_tasks",
+    "dare_block",
+    "dare_rows",
+    "elementwise",
+    "entry_counts",
+    "kernel_status",
+    "map_back",
+    "module_dense",
+    "module_dense_rows",
+    "module_kept_coords",
+    "module_tasks",
+    "pad_rows",
+    "range_status",
+    "real_entries",
+    "reduce_bucket",
+    "row_blocks",
+    "row_units",
+    "stack_masks",
+    "stage_coords",
+    "stage_decode",
+    "stage_decode_chunks",
+    "stage_elementwise",
+    "stage_keep",
+    "stage_low_rank",
+    "stage_map_back",
+    "stage_reduce",
+    "stage_scale_dense",
+    "stage_scales",
+    "stage_split",
+    "stage_stack",
+    "ties_apply",
+    "ties_rows",
+]
+
+
+class StackConfig(NamedTuple):
+    """Static shape of a bucket's stacked factors (:func:`stage_stack`)."""
+
+    d_in: int
+    d_out: int
+    r_max: int
+    dtype: Any
+
+
+class ReduceConfig(NamedTuple):
+    """:func:`stage_reduce`: the bucket's shapes, dtype and number of tasks."""
+
+    d_in: int
+    d_out: int
+    r_max: int
+    dtype: Any
+    m_tasks: int
+
+
+class CoordsConfig(NamedTuple):
+    """:func:`stage_coords`: the space (``"full"`` for spectral methods in Core space, see
+    :func:`bucket_merge`), KnOTS's variant, the rank tolerance, and whether the input side is
+    mapped back to ``d_in`` (KnOTS with an elementwise method)."""
+
+    space: str
+    variant: str | None
+    rtol: float
+    ambient_in: bool
+
+
+class LowRankConfig(NamedTuple):
+    """:func:`stage_low_rank`: the registry's method, its static options ``((name, value),
+    ...)``, the rank tolerance, and whether the tasks are already in SVD form."""
+
+    method: str
+    options: tuple[tuple[str, Any], ...]
+    rtol: float
+    is_svd: bool
+
+
+class MapBackConfig(NamedTuple):
+    """:func:`stage_map_back`: the result width mapped back, and whether the input side is
+    still in reduced coordinates."""
+
+    width: int
+    expand_in: bool
+
+
+class BucketConfig(NamedTuple):
+    """One bucket's merge (:func:`bucket_merge`).
+
+    Attributes:
+      method: the registry method that runs (after :attr:`registry.Resolved.kernel_method`).
+      space: ``"full"``, ``"core"`` or ``"knots"``.
+      options: the method's static options ``((name, value), ...)``, sorted.
+      variant: KnOTS's variant (None in other spaces).
+      d_in, d_out, r_max, dtype: the bucket's shapes and compute dtype.
+      chunk: modules per chunk of dense work (elementwise methods).
+      rows: TIES, DARE and DARE-TIES: rows of one module's dense coordinates (full space: of its
+        dense task updates) per block, when a module's dense tasks alone exceed the
+        working-memory budget (:func:`_plan.row_block`); None: whole modules. Blocked modules find TIES's thresholds by
+        streamed radix selection over the blocks (:func:`ties_rows`) and draw DARE's masks a
+        block at a time (:func:`dare_rows`): memory is one block, not the module's ``M x p x q``
+        tasks.
+      compact: elementwise results in Core space re-factored by a thin SVD to their numerical
+        rank (True), or returned as ``basis @ coordinates`` at the width of the coordinates
+        (False: under a transformation, where an SVD of a rank-deficient matrix has no
+        gradient).
+    """
+
+    method: str
+    space: str
+    options: tuple[tuple[str, Any], ...]
+    variant: str | None
+    d_in: int
+    d_out: int
+    r_max: int
+    dtype: Any
+    chunk: int
+    rows: int | None = None
+    compact: bool = True
+
+
+def _coords(k, a, b, ts, *, space, variant, rtol):
+    if space == "full":
+        return _s.full_coords(k)
+    if space == "core":
+        return _s.core_coords(k, a, b, rtol=rtol, a_exp=ts.a_exp, b_exp=ts.b_exp)
+    return _s.knots_coords(k, rtol=rtol, variant=variant, block_exp=_s.HEADROOM)
+
+
+# The bucket pipeline is a few jitted stages (reduce, space transform, method, decode, map back) so
+# that compiled stages are shared between methods and spaces; each is pure and batched over modules.
+#
+# Scale safety: the stacked factors and scales are split into powers of two and normalised numbers
+# per task (spaces.normalise_tasks) before any Gram, and each module is merged in units of 2**unit
+# (spaces.module_unit), multiplied back by the last stage. Every method is positively homogeneous
+# of degree one and a power of two rounds nothing, so results are those of the unscaled
+# computation wherever that one does not over- or underflow. The last stage also reports, per
+# module, whether the result is representable (a range check): merge raises instead of returning
+# an infinite or flushed-to-zero module.
+
+
+@kernel(static_argnames=("cfg",))
+def stage_stack(leaves, *, cfg: StackConfig):
+    """Zero-padded stacked factors of a bucket (see ``_buckets.stack_bucket``), as given."""
+    d_in, d_out, r_max, dtype = cfg
+    a, b, s = leaves
+    return _buckets.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
+
+
+@kernel(static_argnames=("r_max",))
+def stage_keep(a, b, s, r, *, r_max: int):
+    """Every candidate of a stacked bucket ``(n, M, r_max)`` (``allocation="all"``)."""
+    a, b, ts, _ = _s.normalise_tasks(a, b, s, a_axes=(2, 3), b_axes=(2, 3))
+    mask = jnp.ones((*ts.mant.shape, r_max), bool)
+    k = _s.kept_components(a, b, ts.mant, r, mask, cand_rtol=default_rtol(r_max, a.dtype))
+    return k.keep
+
+
+@kernel
+def stage_scales(a, b, s):
+    """Per module the unit (:func:`spaces.module_unit`), per task the :class:`spaces.TaskScales`
+    and the non-finite counts ``(n, M, 3)`` of stacked factors ``a (n, M, d_in, r)``, ``b``."""
+    _, _, ts, bad = _s.normalise_tasks(a, b, s, a_axes=(2, 3), b_axes=(2, 3))
+    return ts, _s.module_unit(ts), bad
+
+
+def reduce_bucket(leaves, *, cfg: ReduceConfig):
+    """:func:`stage_reduce`, in two programs where the factors are stacked on the host
+    (:class:`_mesh.Stacked`, concrete): their scales (:func:`stage_scales`), then the reduction
+    that those call for, plain or scaled (:func:`_reduce_stacked`'s two branches, decided on
+    the host). One branch is compiled, not both, for the same arithmetic (in one program, the
+    branch not taken was half of a cold streamed merge's compilation)."""
+    if isinstance(leaves, _mesh.Stacked) and not any(
+        isinstance(x, jax.core.Tracer) for x in leaves
+    ):
+        A, B, S, R = leaves
+        ts, unit, bad = stage_scales(A, B, S)
+        moderate = (np.abs(np.asarray(ts.a_exp)) <= 24) & (np.abs(np.asarray(ts.b_exp)) <= 24)
+        if moderate.all() and not np.asarray(bad).any():
+            red = _reduce_plain(A, B, ts.a_exp, ts.b_exp, m_tasks=cfg.m_tasks)
+        else:
+            red = _reduce_scaled(A, B, S, m_tasks=cfg.m_tasks)
+        return red, ts, R, bad, unit
+    return stage_reduce(leaves, cfg=cfg)
+
+
+@kernel(static_argnames=("cfg",))
+def stage_reduce(leaves, *, cfg: ReduceConfig):
+    """A bucket's factors, normalised per task by powers of two, in the bases of their own spans
+    (:class:`spaces.Reduced`); their :class:`spaces.TaskScales`, ranks, non-finite counts
+    ``(n, M, 3)`` and units ``(n,)``. The only ``d``-sized work before the map back (two Grams,
+    one product per side, and one read of the factors for their sizes)."""
+    if isinstance(leaves, _mesh.Stacked):
+        return _reduce_stacked(leaves, m_tasks=cfg.m_tasks)
+    d_in, d_out, r_max, dtype, m_tasks = cfg
+    a, b, s = leaves
+    ts, bad = _s.leaf_scales(a, b, s, dtype)
+    mant = tuple(tuple(ts.mant[j, i] for i in range(m_tasks)) for j in range(len(a)))
+
+    def reduce(a, b):
+        xa, yb, _, R = _buckets.stack_bucket_cat(
+            a, b, mant, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype
+        )
+        return _s.reduce_factors(xa, yb, m_tasks), R
+
+    def plain():  # factors of moderate size: their Grams are safe, normalise the small R's
+        red, R = reduce(a, b)
+        ra = mul_pow2(red.a, -ts.a_exp[..., None, None])
+        rb = mul_pow2(red.b, -ts.b_exp[..., None, None])
+        return red._replace(a=ra, b=rb), R
+
+    def scaled():  # extreme (or non-finite) factors: normalise them before any Gram
+        return reduce(*_s.scale_leaves(a, b, ts, dtype))
+
+    # 2**+-24 of the largest entry: no Gram of such factors can leave float32's range
+    moderate = (jnp.abs(ts.a_exp) <= 24) & (jnp.abs(ts.b_exp) <= 24)
+    red, R = jax.lax.cond(jnp.all(moderate) & ~jnp.any(bad), plain, scaled)
+    return red, ts, R, bad, _s.module_unit(ts)
+
+
+def _reduce_cat(a, b, m_tasks: int):
+    """:func:`spaces.reduce_factors` of stacked ``a (n, M, d_in, r)``, ``b (n, M, r, d_out)``,
+    the tasks side by side as :func:`_buckets.stack_bucket_cat` lays them out."""
+    n, _, d_in, r = a.shape
+    xa = jnp.moveaxis(a, 1, 2).reshape(n, d_in, m_tasks * r)
+    return _s.reduce_factors(xa, b.reshape(n, m_tasks * r, b.shape[-1]), m_tasks)
+
+
+def _plain(A, B, a_exp, b_exp, m_tasks: int):
+    """Factors of moderate size: their Grams are safe; the small reduced factors normalised."""
+    red = _reduce_cat(A, B, m_tasks)
+    ra = mul_pow2(red.a, -a_exp[..., None, None])
+    rb = mul_pow2(red.b, -b_exp[..., None, None])
+    return red._replace(a=ra, b=rb)
+
+
+def _scaled(A, B, S, m_tasks: int):
+    """Extreme (or non-finite) factors: normalised before any Gram."""
+    a_n, b_n, _, _ = _s.normalise_tasks(A, B, S, a_axes=(2, 3), b_axes=(2, 3))
+    return _reduce_cat(a_n, b_n, m_tasks)
+
+
+_reduce_plain = kernel(_plain, static_argnames=("m_tasks",))
+_reduce_scaled = kernel(_scaled, static_argnames=("m_tasks",))
+
+
+def _reduce_stacked(st: _mesh.Stacked, *, m_tasks: int):
+    """:func:`stage_reduce` of factors stacked on the host (:func:`_mesh.host_stack`, e.g.
+    sharded over a mesh), traced as one program: the same arithmetic on the same values, from
+    ``(n, M, ...)`` arrays."""
+    A, B, S, R = st
+    _, _, ts, bad = _s.normalise_tasks(A, B, S, a_axes=(2, 3), b_axes=(2, 3))
+    moderate = (jnp.abs(ts.a_exp) <= 24) & (jnp.abs(ts.b_exp) <= 24)
+    red = jax.lax.cond(
+        jnp.all(moderate) & ~jnp.any(bad),
+        lambda: _plain(A, B, ts.a_exp, ts.b_exp, m_tasks),
+        lambda: _scaled(A, B, S, m_tasks),
+    )
+    return red, ts, R, bad, _s.module_unit(ts)
+
+
+def _expand_in(qa, x):
+    """Reduced input-side columns ``x (n, [M,] K, k)`` to ``d_in``: ``Q_a x``."""
+    q1, m = (qa.q1, qa.m) if x.ndim == 3 else (qa.q1[:, None], qa.m[:, None])
+    return _mm(q1, _mm(m, x))
+
+
+@kernel(static_argnames=("cfg",))
+def stage_coords(red, ts, R, mask, unit, *, cfg: CoordsConfig):
+    """Kept components of a bucket in a space's coordinates (:class:`spaces.Coords`), in units
+    of ``2**unit`` (``unit (n,)``: each task's singular values get ``2**(exp_i - unit)``).
+
+    Computed in the reduced coordinates of :class:`spaces.Reduced`; with ``ambient_in`` (KnOTS
+    with an elementwise method, whose input side is entry-wise in ``d_in``) the input side is
+    mapped back to ``d_in``.
+    """
+    space, variant, rtol, ambient_in = cfg
+    k = _s.kept_components(
+        red.a,
+        red.b,
+        ts.mant,
+        R,
+        mask,
+        cand_rtol=default_rtol(red.a.shape[-1], red.a.dtype),
+        scale_exp=ts.exp - unit[:, None],
+    )
+    c = _coords(k, red.a, red.b, ts, space=space, variant=variant, rtol=rtol)
+    if ambient_in:
+        c = c._replace(a=_expand_in(red.qa, c.a))
+    return c
+
+
+@kernel(static_argnames=("cfg",))
+def stage_low_rank(ca, cb, coef, nums, *, cfg: LowRankConfig):
+    """A spectral method (TA, TSV, Iso-C, Iso-CTS: the registry's kernel of ``cfg.method``) on
+    factored coordinates ``ca (n, M, p, r)``, ``cb (n, M, q, r)``; ``nums`` holds its traced
+    options. Returns ``(a (n, p, K), b (n, q, K), status (n,))``: the kernel's output, checked
+    for shapes and dtypes while tracing (:func:`check_low_rank_output`), and per module its
+    :func:`kernel_status`."""
+    kernel = registry.METHODS[cfg.method].kernel
+    out = kernel(ca, cb, coef=coef, rtol=cfg.rtol, is_svd=cfg.is_svd, **dict(cfg.options), **nums)
+    am, bm = check_low_rank_output(cfg.method, ca, cb, out)
+    return am, bm, jnp.maximum(kernel_status(am), kernel_status(bm))
+
+
+#: :func:`kernel_status` codes: the kernel's output of a module is finite, holds an inf (and no
+#: NaN), holds a NaN.
+KERNEL_FINITE, KERNEL_INF, KERNEL_NAN = 0, 1, 2
+
+
+def kernel_status(y):
+    """Per module (leading axis) of a kernel's output ``y (n, p, k)``: :data:`KERNEL_FINITE`,
+    :data:`KERNEL_INF` or :data:`KERNEL_NAN`, from one reduction (the largest ``|y|``, which a
+    NaN anywhere makes NaN and an inf makes inf)."""
+    top = jnp.max(jnp.abs(y), axis=(-2, -1), initial=0)
+    return jnp.where(
+        jnp.isnan(top), KERNEL_NAN, jnp.where(jnp.isinf(top), KERNEL_INF, KERNEL_FINITE)
+    ).astype(jnp.int32)
+
+
+def _kernel_fault(method: str, kind: str, got: str, want: str, *, type_error: bool = False):
+    cls = InputTypeError if type_error else InputError
+    return cls(
+        f"nu.merge: method {method!r}: its {kind} kernel returned {got}; expected {want}. The "
+        f"kernel declared for {method!r} (netutility_jax.registry.MethodSpec.kernel) must "
+        "return that form (see the registry's module docstring)."
+    )
+
+
+def _dims(*xs) -> str:
+    """``(1, 16, K)``: a shape with named dimensions, for messages."""
+    return f"({', '.join(map(str, xs))})"
+
+
+def check_low_rank_output(method: str, ca, cb, out) -> tuple[jax.Array, jax.Array]:
+    """A low-rank kernel's output ``out`` for tasks ``ca (..., M, p, r)``, ``cb (..., M, q, r)``:
+    a pair ``(a (..., p, K), b (..., q, K))`` of the inputs' dtype, or an error naming the method
+    (shapes are static: checked while tracing, at no run-time cost)."""
+    lead, p, q = ca.shape[:-3], ca.shape[-2], cb.shape[-2]
+    want = f"a {_dims(*lead, p, 'K')} and b {_dims(*lead, q, 'K')} (the same K)"
+    tasks = f" for tasks a {tuple(ca.shape)}, b {tuple(cb.shape)}"
+    if not (
+        isinstance(out, (tuple, list))
+        and len(out) == 2
+        and all(hasattr(y, "shape") and hasattr(y, "dtype") for y in out)
+    ):
+        got = (
+            f"an array of shape {tuple(out.shape)}" if hasattr(out, "shape") else _checks.given(out)
+        )
+        raise _kernel_fault(method, "low-rank", got, f"a pair (a, b): {want}{tasks}")
+    am, bm = out
+    sa, sb = tuple(am.shape), tuple(bm.shape)
+    if not (
+        len(sa) == len(sb) == len(lead) + 2
+        and sa[:-2] == sb[:-2] == tuple(lead)
+        and (sa[-2], sb[-2]) == (p, q)
+        and sa[-1] == sb[-1]
+    ):
+        raise _kernel_fault(method, "low-rank", f"a {sa}, b {sb}", want + tasks)
+    if am.dtype != ca.dtype or bm.dtype != ca.dtype:
+        raise _kernel_fault(
+            method, "low-rank", f"dtypes ({am.dtype}, {bm.dtype})",
+            f"{ca.dtype} (its inputs' dtype)", type_error=True,
+        )  # fmt: skip
+    return am, bm
+
+
+def check_elementwise_output(method: str, x, out) -> jax.Array:
+    """An elementwise kernel's output ``out`` for dense tasks ``x (n, M, p, q)``: an array
+    ``(n, p, q)`` of ``x``'s dtype, or an error naming the method (checked while tracing)."""
+    n, _, p, q = x.shape
+    if not (hasattr(out, "shape") and hasattr(out, "dtype")):
+        raise _kernel_fault(
+            method, "elementwise", _checks.given(out), f"an array ({n}, {p}, {q}) (n, p, q)"
+        )
+    if tuple(out.shape) != (n, p, q):
+        raise _kernel_fault(
+            method, "elementwise", f"shape {tuple(out.shape)} for tasks x of shape "
+            f"{tuple(x.shape)}", f"{(n, p, q)} (n, p, q)",
+        )  # fmt: skip
+    if out.dtype != x.dtype:
+        raise _kernel_fault(
+            method, "elementwise", f"dtype {out.dtype}", f"{x.dtype} (its inputs' dtype)",
+            type_error=True,
+        )  # fmt: skip
+    return out
+
+
+def _with_kernel_status(status, bad, check):
+    """A bucket's range ``check`` with its kernel's :func:`kernel_status` folded in, for the
+    modules whose inputs are finite (``bad (n, M, 3)`` all zero; the others are reported as bad
+    inputs). An inf is an overflow (an extreme ``coef``): range code 1, as an overflow found
+    later. A NaN is the kernel's fault: :data:`RANGE_KERNEL_NAN`, which
+    :func:`_results.raise_range` reports naming the method and the modules. Without a NaN or an
+    inf (the usual case) nothing is done on the device."""
+    if status is None:
+        return check
+    code, log2 = check
+    if isinstance(status, jax.core.Tracer) or isinstance(bad, jax.core.Tracer):
+        ok = jnp.sum(bad, axis=(1, 2)) == 0
+        code = jnp.where(ok & (status == KERNEL_INF), 1, code)
+        code = jnp.where(ok & (status == KERNEL_NAN), RANGE_KERNEL_NAN, code).astype(code.dtype)
+        return code, log2
+    status = np.asarray(status)
+    inputs_ok = ~np.asarray(bad).any(axis=(1, 2))
+    over = (status == KERNEL_INF) & inputs_ok
+    nan = (status == KERNEL_NAN) & inputs_ok
+    if not (over.any() or nan.any()):
+        return check
+    fix = np.where(nan, RANGE_KERNEL_NAN, np.where(over, 1, 0)).astype(np.int32)
+    return jnp.where(fix > 0, fix, code).astype(code.dtype), log2
+
+
+#: :func:`range_status`'s code of a module whose method's kernel returned NaN for finite inputs
+#: (folded in by :func:`_with_kernel_status` and :func:`module_dense`).
+RANGE_KERNEL_NAN = 3
+
+
+def range_status(w, y, unit, axes):
+    """Whether ``y = w 2**unit`` (per module, over ``axes``) is representable: ``(code (n,) int32,
+    log2 (n,) float32)``; code 0 fine, 1 not finite, 2 underflow (``w`` is not zero but the
+    largest ``|y|`` is below the dtype's smallest normal number: at best a few bits are left);
+    ``log2`` is ``log2`` of the largest ``|y|`` that exact arithmetic would give."""
+    wmax = jnp.max(jnp.abs(w), axis=axes, initial=0)
+    finite = jnp.all(jnp.isfinite(y), axis=axes)
+    log2 = jnp.log2(wmax).astype(jnp.float32) + unit.astype(jnp.float32)
+    under = (wmax > 0) & (log2 < jnp.finfo(w.dtype).minexp)
+    code = jnp.where(finite, jnp.where(under, 2, 0), 1).astype(jnp.int32)
+    return code, log2
+
+
+def _log2_norm(x, axis):
+    """``log2`` of the largest column norm of ``x (n, p, k)`` over ``axis`` (-2: columns, -1:
+    rows), scale-safely; ``-inf`` for an all-zero module. An entry of ``Q x`` (``Q`` with
+    orthonormal columns) is at most its column's norm, and at least one is ``norm / sqrt(p)``."""
+    cols = column_norms(x if axis == -2 else _t(x))
+    return jnp.log2(jnp.max(cols, axis=-1, initial=0)).astype(jnp.float32)
+
+
+@kernel(static_argnames=("cfg",))
+def stage_map_back(la, lb, qa, qb, unit, *, cfg: MapBackConfig):
+    """Reduced results in units of ``2**unit`` to ``(lora_a (n, d_in, width), lora_b (n, width,
+    d_out))`` of their true size, and per module ``(code, log2)``: code 0 representable, 1 not
+    finite, 2 underflow (the largest ``lora_a`` entry below the smallest normal number)."""
+    width, expand_in = cfg
+    la, lb = la[..., :width], lb[..., :width, :]
+    fi = jnp.finfo(la.dtype)
+    # Bounds of the mapped-back entries from the small sides (no d-sized pass): the module's unit
+    # goes to the input side; where that side alone could overflow (the product need not: KnOTS
+    # blocks carry S on the output side) it is split between both sides.
+    hi_a = _log2_norm(la, -2) if expand_in else jnp.log2(jnp.max(jnp.abs(la), (1, 2), initial=0))
+    hi_b = _log2_norm(lb, -1)
+    hi_a, hi_b = hi_a.astype(jnp.float32), hi_b.astype(jnp.float32)
+    u = unit.astype(jnp.float32)
+    split = hi_a + u >= fi.maxexp - 1
+    d = u + hi_a - hi_b
+    half = jnp.where(split & jnp.isfinite(d), jnp.floor(d / 2), 0).astype(jnp.int32)
+    sa, sb = unit - half, half
+    la = mul_pow2(la, sa[:, None, None])
+    lb = mul_pow2(lb, sb[:, None, None])
+    if expand_in:
+        la = _expand_in(qa, la)
+    lb = qb.times_qt(lb)
+    hi_a, hi_b = hi_a + sa.astype(jnp.float32), hi_b + sb.astype(jnp.float32)
+    lo_a = hi_a - 0.5 * float(np.log2(la.shape[-2]))  # some entry is at least this large
+    surely_fine = (
+        (hi_a < fi.maxexp - 1) & (hi_b < fi.maxexp - 1) & ((lo_a >= fi.minexp) | (hi_a == -jnp.inf))
+    )
+
+    def exact(la, lb):  # one pass over the outputs, only where the bounds cannot decide
+        ma = jnp.max(jnp.abs(la), axis=(1, 2), initial=0)
+        mb = jnp.max(jnp.abs(lb), axis=(1, 2), initial=0)
+        finite = jnp.isfinite(ma) & jnp.isfinite(mb)
+        under = (hi_a > -jnp.inf) & (ma < fi.tiny)
+        code = jnp.where(finite, jnp.where(under, 2, 0), 1).astype(jnp.int32)
+        return code, (jnp.log2(ma) + jnp.log2(mb)).astype(jnp.float32)
+
+    def bounded(la, lb):
+        return jnp.zeros(unit.shape, jnp.int32), hi_a + hi_b
+
+    check = jax.lax.cond(jnp.all(surely_fine), bounded, exact, la, lb)
+    return la, lb, check
+
+
+def map_back(la, lb, live, qa, qb, expand_in, unit):
+    """Reduced results ``la (n, K|d_in, k)``, ``lb (n, k, K)`` (live columns first) in units of
+    ``2**unit`` to ``d_in`` / ``d_out``: only the bucket's largest live count of columns, rounded
+    up to a multiple of 16 (few compiled widths), are mapped back and returned, with the
+    :func:`range_status` of each module."""
+    if isinstance(live, jax.core.Tracer):
+        width = live.shape[-1]
+    else:
+        # on the host: an eager sum and slice of the device array are programs of their own
+        live = np.asarray(live)
+        most = int(live.sum(-1).max(initial=0))
+        width = min(live.shape[-1], -(-most // 16) * 16)
+    la, lb, check = stage_map_back(la, lb, qa, qb, unit, cfg=MapBackConfig(width, expand_in))
+    return la, lb, live[..., :width], check
+
+
+@kernel(static_argnames=("rtol", "compact"))
+def stage_decode(coords, am, bm, *, rtol: float, compact: bool):
+    """A low-rank method's merged factors back to LoRA form (:func:`spaces.decode_factored`)."""
+    return _s.decode_factored(coords, am, bm, rtol=rtol, compact=compact)
+
+
+def entry_counts(c):
+    """Per module the live rows and columns of its dense coordinates ``(p, q)``: columns of
+    ``left`` (``p`` itself without ``left``) and of ``right`` that its bases span."""
+    live_q = (jnp.abs(c.right).sum(-2) > 0).sum(-1, dtype=jnp.int32)
+    if c.left is None:
+        return jnp.full_like(live_q, c.a.shape[-2]), live_q
+    return (jnp.abs(c.left).sum(-2) > 0).sum(-1, dtype=jnp.int32), live_q
+
+
+def real_entries(c):
+    """TIES's ``n`` in core / KnOTS: entries of each module's dense coordinates that its bases
+    span (the bases may be smaller than ``D``); int64 on the host."""
+    rows, cols = entry_counts(c)
+    return np.asarray(rows, np.int64) * np.asarray(cols, np.int64)
+
+
+@kernel(static_argnames=("chunk",))
+def stage_split(coords, keys, table, *, chunk: int):
+    """A bucket's coordinates cut into chunks of whole modules for :func:`stage_elementwise`:
+    ``[(a, b, keys, k_top)]`` per chunk. TIES keeps ``k_top = int(density * n)`` of the ``n``
+    real entries of a module's coordinates, looked up in the host-made ``table``
+    (:func:`_select.count_table`); ``table=None`` (DARE) gives zeros."""
+    c = coords
+    n = c.a.shape[0]
+    if table is None:
+        k_top = jnp.zeros((n,), jnp.int32)
+    else:
+        rows, cols = entry_counts(c)
+        k_top = table[rows if c.left is not None else 0, cols]
+    return [tuple(x[j0 : j0 + chunk] for x in (c.a, c.b, keys, k_top)) for j0 in range(0, n, chunk)]
+
+
+@kernel(static_argnames=("method",))
+def stage_elementwise(a, b, keys, k_top, coef, nums, *, method: str):
+    """TIES / DARE on a chunk of modules' dense core or KnOTS coordinates ``a b^T``: the merged
+    ``(n, p, q)`` and per module its :func:`kernel_status`."""
+    xm = elementwise(_mm(a, _t(b)), keys, method=method, coef=coef, nums=nums, k_top=k_top)
+    return xm, kernel_status(xm)
+
+
+@kernel(static_argnames=("rtol", "compact"))
+def stage_decode_chunks(coords, xms, *, rtol: float, compact: bool = True):
+    """The merged chunks back to LoRA form: KnOTS blocks ``(d_in, k)`` are kept as the input
+    factor, core matrices are re-factored by SVD (unless not ``compact``)."""
+    xm = jnp.concatenate(xms) if len(xms) > 1 else xms[0]
+    return _s.decode_dense(coords, xm, rtol=rtol, compact=compact and coords.left is not None)
+
+
+def _elementwise_bucket(
+    coords, coef, keys, nums, table, *, method, rtol, chunk, rows=None, compact=True
+):
+    """TIES / DARE on a bucket, a chunk of whole modules per call (at most one chunk's dense
+    tasks alive), or a block of ``rows`` rows of one module at a time (:func:`ties_rows`,
+    :func:`dare_rows`), then decoded: ``(la, lb, live, status)``, ``status`` the registry
+    kernel's :func:`kernel_status` per module (None for the blocked built-in TIES and DARE,
+    which run no registry kernel). A Python loop rather than ``lax.map``: XLA:CPU writes a
+    mapped output through an in-place update that it emits as scalar code, ~4 ms per KnOTS
+    module."""
+    status = None
+    if rows is not None and table is None:
+        xms = [
+            dare_rows(a, b, kk, coef, nums, method=method, rows=rows)
+            for a, b, kk, _ in stage_split(coords, keys, table, chunk=1)
+        ]
+    elif rows is not None:
+        xms = [
+            ties_rows(a, b, kt, coef, rows=rows)
+            for a, b, _, kt in stage_split(coords, keys, table, chunk=1)
+        ]
+    else:
+        outs = [
+            stage_elementwise(a, b, kk, kt, coef, nums, method=method)
+            for a, b, kk, kt in stage_split(coords, keys, table, chunk=chunk)
+        ]
+        xms = [xm for xm, _ in outs]
+        sts = [st for _, st in outs]
+        if len(sts) == 1:
+            status = sts[0]
+        elif any(isinstance(st, jax.core.Tracer) for st in sts):
+            status = jnp.concatenate(sts)
+        else:  # on the host: an eager concatenation is a program per count of chunks
+            status = np.concatenate([np.asarray(st) for st in sts])
+    return (*stage_decode_chunks(coords, xms, rtol=rtol, compact=compact), status)
+
+
+@kernel(static_argnames=("rows",))
+def pad_rows(a, *, rows: int):
+    """``a (..., p, r)`` zero-padded to a whole number of ``rows``-row blocks."""
+    p = a.shape[-2]
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, -p % rows), (0, 0)])
+
+
+@kernel(static_argnames=("rows",))
+def block_tasks(a, b, j0, *, rows: int):
+    """Rows ``j0 : j0 + rows`` of the dense coordinates ``a b^T`` (``a`` from :func:`pad_rows`)."""
+    return _mm(jax.lax.dynamic_slice_in_dim(a, j0, rows, axis=-2), _t(b))
+
+
+def row_blocks(a, b, rows: int) -> list:
+    """One module's dense coordinates ``a b^T`` (``a (1, M, p, r)``, ``b (1, M, q, r)``) as
+    ``rows``-row blocks in row order: ``[(produce, (j0, live rows))]``, ``produce()`` giving the
+    block ``(1, M, rows, q)``. Padding rows are zero: zero entries, which TIES's trim never needs
+    (a threshold of zero keeps zeros, which changes nothing)."""
+    p = a.shape[-2]
+    ap = pad_rows(a, rows=rows)
+    return [
+        (lambda j0=j0: block_tasks(ap, b, jnp.int32(j0), rows=rows), (j0, min(rows, p - j0)))
+        for j0 in range(0, p, rows)
+    ]
+
+
+@kernel(static_argnames=("flat_ties",))
+def ties_apply(x, t, room, coef, *, flat_ties):
+    """Trim at the thresholds ``t`` and take the disjoint mean. Without ``flat_ties`` every entry
+    at a task's threshold is known to fit (``room`` = their count), so the running count that
+    breaks ties in flat order (a slow scan on CPU) is skipped."""
+    if flat_ties:
+        trimmed, used = _select.trim_at(x, t, room)
+    else:
+        xt = jnp.moveaxis(x, -3, 0)
+        bits = jax.lax.bitcast_convert_type(jnp.abs(xt), t.dtype)
+        keep = bits >= t.reshape(-1, *([1] * (bits.ndim - 1)))
+        trimmed, used = jnp.moveaxis(jnp.where(keep, xt, 0), 0, -3), room
+    return coef * _m.disjoint_mean(trimmed), used
+
+
+def ties_rows(a, b, k_top, coef, *, rows: int):
+    """TIES on one module's dense coordinates ``a b^T`` a block of ``rows`` rows at a time:
+    ``(1, p, q)``, the same as :func:`elementwise` on the whole ``(1, M, p, q)`` (the same
+    thresholds and, at a threshold, ties kept in the same flat order; the blocks are rows of the
+    same products). Each task's threshold comes from two 16-bit radix passes over the blocks
+    (:func:`_select.radix_threshold`), then a third pass trims and takes the disjoint mean.
+    Memory: one block of every task's coordinates; the blocks are recomputed per pass (``r``
+    multiply-adds an entry, less than a pass of the in-memory threshold search)."""
+    merged: list = []
+    work = row_units(a, b, rows, merged.append)
+    k = int(np.asarray(k_top).reshape(-1)[0])
+    t, room, at = _select.radix_threshold(work, a.shape[1], k, a.dtype)
+    # ties at a nonzero threshold that do not all fit are kept in flat order (a running count);
+    # at a zero threshold keeping every zero changes nothing
+    flat_ties = bool(np.any((at > room) & (t != 0)))
+    apply_ties(work, jnp.asarray(t), room, flat_ties, coef)
+    return merged[0]
+
+
+#: the row-blocked DARE operators (``registry.MethodSpec.blocked``) :func:`dare_rows` runs: their
+#: merge of the dropped tasks, entry by entry
+DARE_KEPT = {"dare": _m.dare_kept, "dare_ties": _m.dare_ties_kept}
+
+
+@kernel(static_argnames=("method", "shape"))
+def dare_block(x, key, j0, coef, nums, *, method: str, shape: tuple[int, int, int]):
+    """DARE / DARE-TIES on rows ``j0 :`` of one module's dense coordinates, ``x (1, M, rows, q)``
+    from :func:`row_blocks`, ``shape = (M, p, q)`` the whole module's: ``(1, rows, q)``. The drop
+    mask is those rows of the whole module's (:func:`_rng.bernoulli_rows`)."""
+    p = nums["p"]
+    keep = _rng.bernoulli_rows(key, 1.0 - jnp.asarray(p, jnp.float32), shape, j0, x.shape[-2])
+    return DARE_KEPT[registry.METHODS[method].blocked](_m.dare_rescale(x[0], keep, p), coef=coef)[
+        None
+    ]
+
+
+def dare_rows(a, b, keys, coef, nums, *, method: str, rows: int):
+    """DARE / DARE-TIES on one module's dense coordinates ``a b^T`` a block of ``rows`` rows at a
+    time: ``(1, p, q)``, the same as :func:`elementwise` on the whole ``(1, M, p, q)``: the same
+    drop mask (:func:`_rng.bernoulli_rows`, for keys that :func:`_rng.blockable` accepts; the
+    plan keeps whole modules otherwise), and both methods combine each entry's tasks alone.
+    Memory: one block of every task's coordinates, and the merged module."""
+    shape = (a.shape[1], a.shape[2], b.shape[2])
+    parts = []
+    for produce, (j0, live) in row_blocks(a, b, rows):
+        xm = dare_block(produce(), keys[0], jnp.int32(j0), coef, nums, method=method, shape=shape)
+        parts.append(xm if live == rows else xm[:, :live])
+    return jnp.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0]
+
+
+def row_units(a, b, rows: int, store) -> list:
+    """One module's dense coordinates as TIES units ``(produce, finish)`` of ``rows`` rows
+    (:func:`row_blocks`); the last unit's finish joins the merged blocks and ``store``s the
+    module ``(1, p, q)``."""
+    blocks = row_blocks(a, b, rows)
+    parts: list = []
+
+    def finish(xm, live, last):
+        parts.append(xm if live == rows else xm[:, :live])
+        if last:
+            store(jnp.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0])
+
+    return [
+        (produce, functools.partial(finish, live=live, last=i == len(blocks) - 1))
+        for i, (produce, (_, live)) in enumerate(blocks)
+    ]
+
+
+def apply_ties(work, t, room, flat_ties: bool, coef) -> np.ndarray:
+    """Trim each unit ``(produce, finish)`` of ``work`` at the thresholds ``t`` and merge it, in
+    flat order (ties at a threshold taken while ``room`` lasts); returns the ties still to keep."""
+    for produce, finish in work:
+        xm, used = ties_apply(
+            produce(), t, jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32), coef,
+            flat_ties=flat_ties,
+        )  # fmt: skip
+        room = room - np.asarray(used, np.int64)
+        finish(xm)
+    return room
+
+
+def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
+    """One bucket, every method except elementwise-in-full: ``(lora_a, lora_b, live, check,
+    bad)``, the factors padded, ``check`` the :func:`range_status` of each module and ``bad``
+    the inputs' non-finite counts ``(n, M, 3)``.
+
+    Composes the jitted stages (traceable as a whole, e.g. by ``jax.make_jaxpr``, unless
+    ``cfg.rows`` is set: row-blocked TIES finds its thresholds on the host).
+    """
+    spec = registry.METHODS[cfg.method]
+    m_tasks = leaves.a.shape[1] if isinstance(leaves, _mesh.Stacked) else len(leaves[0][0])
+    red, ts, R, bad, unit = reduce_bucket(
+        leaves, cfg=ReduceConfig(cfg.d_in, cfg.d_out, cfg.r_max, cfg.dtype, m_tasks)
+    )
+    rtol = _m.rank_rtol((cfg.d_in, cfg.d_out, m_tasks * cfg.r_max), cfg.dtype)
+    elementwise = spec.kind == "elementwise"
+    ambient_in = elementwise and cfg.space == "knots"
+    # Spectral methods are invariant to the orthonormal bases they run in, as long as the bases
+    # span the kept components; the reduced coordinates are such bases (Core Space's reference
+    # bases up to a rotation), so Core Space's bases and core matrices would change nothing:
+    # core-space TA / TSV / Iso-C / Iso-CTS run in the reduced coordinates directly.
+    cspace = "full" if cfg.space == "core" and not elementwise else cfg.space
+    c = stage_coords(
+        red, ts, R, mask, unit, cfg=CoordsConfig(cspace, cfg.variant, rtol, ambient_in)
+    )
+    if elementwise:
+        opts = dict(cfg.options)
+        table = _select.count_table(opts[spec.keeps_top], c) if spec.keeps_top else None
+        la, lb, live, status = _elementwise_bucket(
+            c, coef, keys, nums, table, method=cfg.method, rtol=rtol, chunk=cfg.chunk,
+            rows=cfg.rows, compact=cfg.compact,
+        )  # fmt: skip
+        expand_in = not ambient_in
+    else:
+        am, bm, status = stage_low_rank(
+            c.a, c.b, coef, nums, cfg=LowRankConfig(cfg.method, cfg.options, rtol, cspace == "full")
+        )
+        # the result's factors are exact as they come (live columns = the nonzero ones)
+        la, lb, live = stage_decode(c, am, bm, rtol=rtol, compact=False)
+        expand_in = True
+    # a kernel's NaN or inf would otherwise decode to rank-0 modules (no singular value is
+    # above the cut), silently; its status is read where map_back reads the ranks anyway
+    la, lb, live, check = map_back(la, lb, live, red.qa, red.qb, expand_in, unit)
+    check = _with_kernel_status(status, bad, check)
+    return la, lb, live, check, bad
+
+
+def elementwise(x, keys, *, method, coef, nums, k_top):
+    """An elementwise method (the registry's kernel) on a batch of modules: ``x (n, M, p, q)``,
+    ``keys (n,)``, ``k_top (n,)``, traced options ``nums``; its output checked for shape and
+    dtype while tracing (:func:`check_elementwise_output`)."""
+    out = registry.METHODS[method].kernel(x, keys, coef=coef, k_top=k_top, **nums)
+    return check_elementwise_output(method, x, out)
+
+
+def _kept_coords(a, b, s, r, mask, unit, *, r_max):
+    """One module's kept task updates as full-space coordinates ``(ca (1, M, d_in, r), cb (1, M,
+    d_out, r))``, the dense tasks being ``ca cb^T`` in units of ``2**unit`` (the module's own
+    unit if None), and that unit; ``a (M, d_in, r)``, ``b (M, r, d_out)``, ``s (M,)`` as stacked
+    (normalised here)."""
+    a, b, ts, _ = _s.normalise_tasks(a[None], b[None], s[None], a_axes=(2, 3), b_axes=(2, 3))
+    if unit is None:
+        unit = _s.module_unit(ts)[0]
+    k = _s.kept_components(
+        a,
+        b,
+        ts.mant,
+        r[None],
+        mask[None],
+        cand_rtol=default_rtol(r_max, a.dtype),
+        scale_exp=ts.exp - unit,
+    )
+    c = _s.full_coords(k)
+    return c.a, c.b, unit
+
+
+def _dense_kept(a, b, s, r, mask, unit, *, r_max):
+    """One module's kept dense task updates ``(1, M, d_in, d_out)`` in units of ``2**unit`` (the
+    module's own unit if None) and that unit (:func:`_kept_coords`)."""
+    ca, cb, unit = _kept_coords(a, b, s, r, mask, unit, r_max=r_max)
+    return _mm(ca, _t(cb)), unit
+
+
+def _scale_dense(x, unit):
+    """A dense merged update ``x (d_in, d_out)`` in units of ``2**unit`` back to its size, and
+    its :func:`range_status` (one module)."""
+    y = mul_pow2(x, unit)
+    code, log2 = range_status(x[None], y[None], unit[None], (1, 2))
+    return y, (code, log2)
+
+
+@kernel(static_argnames=("method", "r_max"))
+def module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max: int):
+    """One module, elementwise method in full space: dense ``(d_in, d_out)`` merged update and
+    its :func:`range_status`."""
+    x, unit = _dense_kept(a, b, s, r, mask, None, r_max=r_max)
+    xm = elementwise(x, key[None], method=method, coef=coef, nums=nums, k_top=k_top[None])
+    y, (code, log2) = _scale_dense(xm[0], unit)
+    # a NaN from the kernel itself (the inputs are checked finite before): not an overflow
+    code = jnp.where(kernel_status(xm) == KERNEL_NAN, RANGE_KERNEL_NAN, code).astype(code.dtype)
+    return y, (code, log2)
+
+
+#: One module's kept task updates as full-space coordinates (jitted :func:`_kept_coords`).
+module_kept_coords = kernel(_kept_coords, static_argnames=("r_max",))
+
+
+def module_dense_rows(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max: int, rows):
+    """:func:`module_dense` a block of ``rows`` rows of ``d_in`` at a time (TIES:
+    :func:`ties_rows`, DARE / DARE-TIES: :func:`dare_rows`): the same merge, holding one block of
+    every task's dense update and the merged module instead of the module's ``M`` dense tasks."""
+    ca, cb, unit = module_kept_coords(a, b, s, r, mask, None, r_max=r_max)
+    if registry.METHODS[method].blocked in DARE_KEPT:
+        xm = dare_rows(ca, cb, key[None], coef, nums, method=method, rows=rows)
+    else:
+        xm = ties_rows(ca, cb, k_top[None], coef, rows=rows)
+    return stage_scale_dense(xm[0], unit)
+
+
+@kernel(static_argnames=("r_max",))
+def module_tasks(a, b, s, r, mask, unit, *, r_max: int):
+    """One module's kept dense task updates, full space, in units of ``2**unit``:
+    ``(1, M, d_in, d_out)``."""
+    return _dense_kept(a, b, s, r, mask, unit, r_max=r_max)[0]
+
+
+#: A dense merged update back to its size, and its range status (model-wide TIES).
+stage_scale_dense = kernel(_scale_dense)
+
+
+@kernel
+def coords_tasks(ca, cb):
+    """Dense task coordinates ``a b^T`` of a chunk of modules (model-wide TIES)."""
+    return _mm(ca, _t(cb))
+
+
+def stack_masks(masks, bk: _tree.Bucket, m_tasks: int) -> np.ndarray:
+    """A bucket's stacked masks ``(n, M, r_max)`` (all True without masks), stacked on the host:
+    an eager ``jnp.stack`` (or ``jnp.ones``) is a program of its own per bucket shape, traced,
+    lowered and loaded in every process; the jitted stages take the numpy array as it is."""
+    if masks is None:
+        return np.ones((len(bk.names), m_tasks, bk.r_max), bool)
+    get = masks.host if isinstance(masks, MaskTable) and masks.pristine else masks.__getitem__  # (no transfer)
+    return np.stack([np.asarray(get(nm), bool) for nm in bk.names])
