@@ -1,5 +1,12 @@
 """netutility-jax: budget-aware LoRA merging across tasks with Net Utility, in JAX.
 
+The package follows the data: ``scoring`` (Net Utility of every singular direction), ``allocation``
+(the budgeted choice), ``operators`` (the merge methods, spaces and the stacked engine) and
+``pipeline`` (the entry points that run them together, in memory or streamed), on a private
+``_core``. Every public name is here, as ``nu.<name>``. The public modules' earlier flat paths
+(``netutility_jax.streaming``, ``netutility_jax.moments``, ...) still import, as the same module
+objects (:data:`MODULE_PATHS`).
+
 The numerical core (scoring, allocation, merging) is imported eagerly. The interop and tooling
 submodules are imported on first use, so ``import netutility_jax`` stays light: ``nu.peft``
 (PEFT checkpoints), ``nu.nnx`` (Flax nnx models), ``nu.checkpoint`` (orbax), ``nu.plots``
@@ -46,6 +53,44 @@ from .scoring.utility import score as score
 from .scoring.utility import task_energies as task_energies
 
 __version__ = "0.1.0"
+
+#: The public modules' flat paths (``netutility_jax.<old>``) and where they live now.
+MODULE_PATHS = {
+    "utility": "scoring.utility",
+    "decompose": "scoring.decompose",
+    "moments": "scoring.moments",
+    "allocate": "allocation.allocate",
+    "analysis": "allocation.analysis",
+    "methods": "operators.methods",
+    "spaces": "operators.spaces",
+    "merging": "pipeline.merging",
+    "streaming": "pipeline.streaming",
+    "planning": "pipeline.planning",
+    "diagnostics": "pipeline.diagnostics",
+    "engine.stacked": "operators.stacked",
+    "engine.tables": "_core.tables",
+}
+
+
+def _register_module_paths() -> None:
+    import sys
+    import types
+
+    engine = types.ModuleType(f"{__name__}.engine", "The stacked engine's earlier path.")
+    engine.__all__ = []  # type: ignore[attr-defined]
+    sys.modules[engine.__name__] = engine
+    for old, new in MODULE_PATHS.items():
+        mod = _importlib.import_module(f".{new}", __name__)
+        sys.modules[f"{__name__}.{old}"] = mod
+        owner, _, leaf = old.rpartition(".")
+        if owner:
+            setattr(engine, leaf, mod)
+        elif old not in globals():  # nu.allocate stays the function
+            globals()[old] = mod
+    globals()["engine"] = engine
+
+
+_register_module_paths()
 
 _LAZY = ("checkpoint", "experiments", "nnx", "peft", "plots")
 

@@ -34,6 +34,7 @@ __all__ = [
     "check_choice",
     "check_masks",
     "check_real",
+    "check_weights_sequence",
     "few",
     "given",
     "is_real_dtype",
@@ -257,3 +258,13 @@ def size_text(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
         n /= 1000
     raise AssertionError("unreachable")
+
+
+def check_weights_sequence(fn: str, weights: Any, m_tasks: int) -> None:
+    """:class:`InputTypeError` unless ``weights`` is a sequence (or array): what
+    :func:`check_weights` and the traced merge (whose values cannot be read) both check."""
+    if isinstance(weights, (str, bytes, Mapping)) or not hasattr(weights, "__len__"):
+        raise InputTypeError(
+            f"{fn}: weights={given(weights)}; expected a sequence of {m_tasks} numbers, "
+            "one per task."
+        )

@@ -37,9 +37,9 @@ import numpy as np
 
 from .._core import buckets as _buckets
 from .._core import tree as _tree
+from .._core.checks import check_weights_sequence
 from .._core.linalg import after, eigh_batched
 from ..errors import InputError, InputTypeError
-from ..pipeline._request import check_weights_sequence
 from ._plan import check_masks
 
 __all__ = [

@@ -37,7 +37,6 @@ __all__ = [
     "all_candidates",
     "check_input_moments",
     "check_weights",
-    "check_weights_sequence",
     "has_data",
 ]
 
@@ -249,16 +248,6 @@ def has_data(input_moments: Any) -> bool:
     )
 
 
-def check_weights_sequence(fn: str, weights: Any, m_tasks: int) -> None:
-    """:class:`InputTypeError` unless ``weights`` is a sequence (or array): what
-    :func:`check_weights` and the traced merge (whose values cannot be read) both check."""
-    if isinstance(weights, (str, bytes, Mapping)) or not hasattr(weights, "__len__"):
-        raise InputTypeError(
-            f"{fn}: weights={_checks.given(weights)}; expected a sequence of {m_tasks} numbers, "
-            "one per task."
-        )
-
-
 def check_weights(fn: str, weights: Any, m_tasks: int) -> tuple[float, ...] | None:
     """``weights`` as a tuple of ``m_tasks`` finite nonzero floats (None: no weights).
 
@@ -268,7 +257,7 @@ def check_weights(fn: str, weights: Any, m_tasks: int) -> tuple[float, ...] | No
     """
     if weights is None:
         return None
-    check_weights_sequence(fn, weights, m_tasks)
+    _checks.check_weights_sequence(fn, weights, m_tasks)
     values = list(np.asarray(weights).ravel()) if hasattr(weights, "shape") else list(weights)
     if len(values) != m_tasks:
         raise InputError(
