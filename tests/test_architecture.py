@@ -1,12 +1,13 @@
 """The package's structure: layers that never reach up, and a visible public surface.
 
 Static checks on the source (``ast``): no import cycle between the package's modules (imports
-inside functions included: a lazy import is still a dependency; the one exception is the
-experiments' plug-in imports, :data:`PLUG_INS`), every module declares its public names in
-``__all__``, the library never imports the command (``netutility_jax.cli``), and the command's
-modules never import a layer above their own. The experiments' layer rule (a suite imports the
-harness, never the reverse) is checked on the source and, for what importing a harness module
-really loads, in a fresh interpreter.
+inside functions included: a lazy import is still a dependency; no exception), every module
+declares its public names in ``__all__``, the library never imports the command
+(``netutility_jax.cli``), and the command's modules never import a layer above their own. The
+experiments use the library's public API only, and their layer rule (a suite imports the harness,
+never the reverse, not even inside a function: the harness looks suites up by name in its
+registry) is checked on the source and, for what importing a harness module really loads, in a
+fresh interpreter.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import json
 import pathlib
 import subprocess
 import sys
-import warnings
 
 import pytest
 
@@ -79,10 +79,6 @@ def test_no_import_cycle_inside_the_package():
     # a package's __init__ re-exporting its submodules is not a cycle: drop package -> child
     for m in graph:
         graph[m] = {t for t in graph[m] if not t.startswith(m + ".")}
-    # the experiments' plug-in imports point against the layers on purpose (harness -> suite,
-    # inside a function only: test_the_harness_reaches_a_suite_only_where_listed)
-    for m, t in PLUG_INS:
-        graph[f"{EXP}.{m}"].discard(f"{EXP}.{t}")
     seen: dict[str, int] = {}
     stack: list[str] = []
 
@@ -373,34 +369,16 @@ MODELS = [f"models.{m}" for m in [
 DATA = [f"data.{m}" for m in [
     "tasks", "task_sources", "rdata_reader", "lang_tasks", "nli_data", "vision_data",
 ]]  # fmt: skip
+#: The suite modules that declare a suite (``SPEC``), by the suite's name.
+SUITE_MODULES = ("encoder", "language", "language_head", "vision", "nli")
 SUITES = [f"suites.{m}" for m in [
     "encoder", "encoder_eval", "train", "language", "lang_eval", "lang_train", "vision", "nli",
     "nli_head", "language_head",
 ]]  # fmt: skip
-#: Modules added to the folders after the move: no old flat path serves them.
-ADDED = {
-    "models.sharding", "suites.language_head", "harness.seeds", "harness.planting",
-    "harness.records",
-}  # fmt: skip
 #: ``netutility demo`` and the studies' own command modules (``python -m``): above the suites
 COMMAND = ["demo", "planted", "regime_seeds"]
 #: The folders (each a layer): their packages import nothing of the package at import time
 FOLDERS = ["models", "data", "suites", "harness"]
-
-#: The only imports of a suite by the harness, each inside a function (never at import time):
-#: ``(harness module, suite module): where``. A module ``__getattr__`` serves a name that moved
-#: to a suite from its old module (``grid.FULL``), imported on first use.
-PLUG_INS = {
-    ("harness.suites", "suites.encoder"): "the built-in suites' SuiteSpec callables (the registry)",
-    ("harness.suites", "suites.language"): "the built-in suites' SuiteSpec callables (the registry)",
-    ("harness.suites", "suites.language_head"): "the built-in suites' SuiteSpec callables (the registry)",
-    ("harness.suites", "suites.vision"): "the built-in suites' SuiteSpec callables (the registry)",
-    ("harness.suites", "suites.nli"): "the built-in suites' SuiteSpec callables (the registry)",
-    ("harness.runner", "suites.encoder"): "run_experiment's default suite; __getattr__: EncoderSuite",
-    ("harness.grid", "suites.encoder"): "__getattr__: the encoder's presets (QUICK, FULL, PAPER, ...)",
-    ("harness.study", "suites.encoder"): "run_study's default suite; __getattr__: REGIME, STUDIES",
-    ("harness.evaluate", "suites.encoder_eval"): "__getattr__: the encoder's evaluation (Backbone, ...)",
-}  # fmt: skip
 
 
 def test_every_experiments_module_has_a_layer():
@@ -414,20 +392,30 @@ def test_every_experiments_module_has_a_layer():
     )
 
 
-def test_the_harness_reaches_a_suite_only_where_listed():
-    """On the source: no harness module imports a model, a suite or the command at import time,
-    and the imports of one inside a function are exactly :data:`PLUG_INS`."""
-    at_import, anywhere = _imports(_modules(), lazy=False), _imports(_modules())
-    above = {f"{EXP}.{m}" for m in [*MODELS, *SUITES, *COMMAND]}
-
-    def up(graph):
-        return {(h, t[len(EXP) + 1 :]) for h in HARNESS for t in graph[f"{EXP}.{h}"] if t in above}
-
-    assert not up(at_import), f"harness modules import these at import time: {up(at_import)}"
-    assert up(anywhere) == set(PLUG_INS), (
-        f"harness -> suite or model imports not in PLUG_INS: {sorted(up(anywhere) - set(PLUG_INS))}"
-        f"; listed but gone: {sorted(set(PLUG_INS) - up(anywhere))}"
+def test_the_harness_never_imports_a_model_a_suite_or_the_command():
+    """On the source, imports inside functions included: the harness looks a suite up by name
+    (``suites.get``); each suite registers itself when its module is imported."""
+    graph = _imports(_modules())
+    above = {f"{EXP}.{m}" for m in [*MODELS, *SUITES, *COMMAND, "suites"]}
+    up = sorted(
+        f"{h} -> {t[len(EXP) + 1 :]}" for h in HARNESS for t in graph[f"{EXP}.{h}"] if t in above
     )
+    assert not up, f"harness modules import a model, a suite or the command: {up}"
+
+
+def test_each_builtin_suite_registers_itself_in_one_declaration():
+    """Each suite module (``SUITE_MODULES``) declares one ``SPEC`` registered under its own
+    name; the command imports every one of them, which registers them."""
+    import importlib
+
+    from netutility_jax.experiments.harness import suites
+
+    for name in SUITE_MODULES:
+        module = importlib.import_module(f"{EXP}.suites.{name}")
+        assert suites.get(name) is module.SPEC, name
+    graph = _imports(_modules())
+    missing = {f"{EXP}.suites.{n}" for n in SUITE_MODULES} - graph[f"{EXP}.demo"]
+    assert not missing, f"netutility demo does not import {sorted(missing)}"
 
 
 # run in a fresh interpreter: records who imported each of the package's modules first
@@ -469,119 +457,12 @@ def test_importing_a_harness_module_imports_no_model_or_suite(name):
     assert not bad, f"importing {name} imports a model or suite: " + "; ".join(map(chain, bad))
 
 
-# names that moved out of the harness into the encoder suite, still served by their old modules
-# with a DeprecationWarning: (old module, names, new module)
-_EVALUATE_MOVED = (
-    "ROW_LEN", "ROWS", "MAX_TEXTS", "TEMPERATURE", "Backbone", "Batch", "EvalSet", "Evaluator",
-    "Head", "correct", "encode", "logits", "make_eval_set", "packed_batches", "predict",
-    "zero_shot_heads",
-)  # fmt: skip
-MOVED = [
-    (
-        "harness.grid",
-        ("QUICK", "FULL", "PAPER", "MECHANISM", "PRESETS", "DEFAULT_TASKS"),
-        "suites.encoder",
-    ),
-    ("harness.runner", ("EncoderSuite",), "suites.encoder"),
-    ("harness.study", ("REGIME", "REGIME_QUICK", "STUDIES"), "suites.encoder"),
-    ("harness.evaluate", _EVALUATE_MOVED, "suites.encoder_eval"),
-]
-
-
-@pytest.mark.parametrize("old, names, new", MOVED)
-def test_moved_names_stay_reachable_from_their_old_module(old, names, new):
-    import importlib
-
-    old_mod = importlib.import_module(f"{EXP}.{old}")
-    new_mod = importlib.import_module(f"{EXP}.{new}")
-    for n in names:
-        with pytest.warns(DeprecationWarning, match=rf"{old_mod.__name__}\.{n} moved to "
-                          rf"{new_mod.__name__}\.{n}"):  # fmt: skip
-            assert getattr(old_mod, n) is getattr(new_mod, n), f"{old}.{n}"
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        old_mod.nope  # noqa: B018
-
-
-# ------------------------------------------------------------------ the modules' old flat paths
-
-
-def test_the_old_flat_paths_are_the_layout():
-    """``experiments.MOVED`` (the old paths the package still serves) names every module of a
-    folder once, at the path where it is (``suites``, now a folder, is served by its package)."""
-    import netutility_jax.experiments as exp
-
-    moved = {f"{new}" for new in exp.MOVED.values()}
-    assert moved | {"harness.suites"} == {*HARNESS, *MODELS, *DATA, *SUITES} - ADDED
-    assert all(new.rpartition(".")[2] == old for old, new in exp.MOVED.items())
-    assert {f"{k}.{m}" for k, ms in exp.LAYOUT.items() for m in ms} == moved | {"harness.suites"}
-
-
-@pytest.mark.parametrize("new", sorted(ADDED))
-def test_a_module_added_after_the_move_has_no_old_path(new):
-    import importlib
-
-    importlib.import_module(f"{EXP}.{new}")
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module(f"{EXP}.{new.rpartition('.')[2]}")
-
-
-@pytest.mark.parametrize("old", sorted({*HARNESS, *MODELS, *DATA, *SUITES} - ADDED))
-def test_an_old_flat_path_warns_and_is_the_moved_module(old):
-    """``import netutility_jax.experiments.<old>`` (and ``from netutility_jax.experiments import
-    <old>``) gives the module at its new path, the same object, with a DeprecationWarning that
-    names the new path; ``from netutility_jax.experiments.<old> import X`` gives the same X."""
-    import importlib
-
-    import netutility_jax.experiments as exp
-
-    new = f"{EXP}.{old}"
-    leaf = old.rpartition(".")[2]
-    if leaf == "suites":  # the path is the suites' folder now: its package serves the registry
-        pkg = importlib.import_module(f"{EXP}.suites")
-        with pytest.warns(DeprecationWarning, match=rf"{EXP}\.suites\.SUITES moved to {new}\."):
-            assert pkg.SUITES is importlib.import_module(new).SUITES
-        with pytest.raises(AttributeError, match="no attribute 'nope'"):
-            pkg.nope  # noqa: B018
-        return
-    want = importlib.import_module(new)
-    gone = f"{EXP}.{leaf}"
-
-    def forget():
-        sys.modules.pop(gone, None)
-        exp.__dict__.pop(leaf, None)
-
-    forget()
-    if leaf in exp.PUBLIC:  # a public path (experiments.clip): the same module, no warning
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                assert importlib.import_module(gone) is want
-                forget()
-                assert getattr(__import__(EXP, fromlist=[leaf]), leaf) is want
-        finally:
-            forget()
-        return
-    try:
-        with pytest.warns(DeprecationWarning, match=rf"{gone} moved to {new};"):
-            got = importlib.import_module(gone)
-        assert got is want and sys.modules[gone] is want
-        assert want.__name__ == new and want.__spec__.name == new  # the module's own spec kept
-        forget()
-        with pytest.warns(DeprecationWarning, match=rf"{gone} moved to {new};"):
-            got = getattr(__import__(EXP, fromlist=[leaf]), leaf)
-        assert got is want
-        name = want.__all__[0] if want.__all__ else None
-        if name is not None:
-            assert getattr(importlib.import_module(gone), name) is getattr(want, name)
-    finally:
-        forget()
-
-
-def test_an_old_flat_path_runs_with_python_m(tmp_path):
-    """``python -m netutility_jax.experiments.nli`` (the path .ci/run uses) still runs the module
-    now at ``suites/nli.py``."""
+def test_the_documented_python_m_path_runs_once(tmp_path):
+    """``python -m netutility_jax.experiments.suites.nli`` (the path .ci/run uses) runs the
+    module without a warning (nothing of the package imports it first) and registers it once."""
     out = subprocess.run(
-        [sys.executable, "-m", f"{EXP}.nli", "--help"], capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-W", "error", "-m", f"{EXP}.suites.nli", "--help"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--write-toy" in out.stdout

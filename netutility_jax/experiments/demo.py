@@ -45,6 +45,7 @@ from .harness import fitting as ft
 from .harness import grid as gr
 from .harness import records, suites
 from .suites import encoder as enc
+from .suites import language, language_head, nli, vision  # noqa: F401 (each registers its suite)
 
 __all__ = [
     "DEFAULT_OUT",
@@ -446,7 +447,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="3 short tasks, 1 seed, short training, TA and TIES at R=16 with the controls: a "
         "few minutes on a 2-core CPU (what CI runs)",
     )
-    names = tuple(suites.SUITES)
+    # the registered suites (the built-in ones registered by importing them, above), the default
+    # first
+    names = tuple(sorted(suites.SUITES, key=lambda n: n != suites.DEFAULT))
     parser.add_argument(
         "--suite",
         choices=names,
@@ -455,7 +458,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + "; ".join(
             f"{s.name}{' (default)' if s.name == names[0] else ''}: {s.summary}"
             + (f" ({s.cost})" if s.cost else "")
-            for s in suites.SUITES.values()
+            for s in map(suites.get, names)
         ),
     )
     grids = tuple(dict.fromkeys(g for s in suites.SUITES.values() for g in s.grids))
@@ -615,7 +618,7 @@ def preset_of(args: argparse.Namespace) -> gr.Preset:
     Raises:
       DemoError: ``--grid`` names a preset of another suite.
     """
-    spec = suites.get(getattr(args, "suite", "encoder"))
+    spec = suites.get(getattr(args, "suite", suites.DEFAULT))
     try:
         preset = spec.preset(getattr(args, "grid", None), quick=args.quick)
     except InputError as e:
@@ -652,7 +655,7 @@ def _run(args: argparse.Namespace) -> int:
     if getattr(args, "cells", None) is not None:
         raise DemoError("--cells selects cells of a study; give --study or drop --cells")
     t0 = time.perf_counter()
-    spec = suites.get(getattr(args, "suite", "encoder"))
+    spec = suites.get(getattr(args, "suite", suites.DEFAULT))
     own_data = "data_dir" in spec.flags  # the suite reads its own tasks (suites.SuiteWithData)
     if "adapters" in spec.flags and getattr(args, "init", None) is not None:
         raise DemoError(f"--init: the {spec.name} suite trains nothing (its adapters are given)")

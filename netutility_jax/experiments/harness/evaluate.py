@@ -13,10 +13,9 @@ test pass; each suite's evaluator subclasses it (``encoder_eval.Evaluator`` for 
 ``lang_eval``, ``vision``, ``nli_head`` for the others), the encoder's and the vision suite's
 through :class:`BackboneSearch` (a backbone that embeds, a head per task that reads).
 
-Part of the harness: no model is imported here. The encoder's evaluation (MiniLM, its zero-shot
-heads, ``Backbone``, ``Evaluator``, ``EvalSet``, ...) moved to :mod:`encoder_eval`; its names
-stay reachable from this module (``evaluate.Backbone``), imported on first use, with a
-``DeprecationWarning``.
+Part of the harness: no model or suite is imported here. The encoder's evaluation (MiniLM, its
+zero-shot heads, ``Backbone``, ``Evaluator``, ``EvalSet``, ...) is the encoder suite's,
+:mod:`netutility_jax.experiments.suites.encoder_eval`.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ...errors import InputError
-from .. import moved_name
 from .passes import TaskSet
 
 __all__ = [
@@ -43,22 +41,6 @@ __all__ = [
     "normalized_accuracy",
     "select_coef",
 ]
-
-# the encoder's evaluation, moved to encoder_eval: served from there on first use (importing
-# this module imports no model)
-_MOVED = frozenset({
-    "MAX_TEXTS", "ROWS", "ROW_LEN", "TEMPERATURE", "Backbone", "Batch", "EvalSet", "Evaluator",
-    "Head", "correct", "encode", "logits", "make_eval_set", "packed_batches", "predict",
-    "zero_shot_heads", "_SAME_HEAD", "_Texts", "_build", "_check_distinct", "_fill",
-})  # fmt: skip
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from ..suites import encoder_eval
-
-        return moved_name(__name__, name, encoder_eval)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_modules(

@@ -14,8 +14,7 @@ coefficients the searches start from, and the "Iso-C + TSV" row.
 
 Part of the harness: no model or suite is imported here. A :class:`Preset` is a suite's; the
 encoder's (``QUICK``, ``FULL``, ``PAPER``, ``MECHANISM``, ``PRESETS``, ``DEFAULT_TASKS``) live in
-:mod:`encoder` and stay reachable from this module (``grid.FULL``), imported on first use, with a
-``DeprecationWarning``.
+:mod:`netutility_jax.experiments.suites.encoder`.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from ... import registry
 from ...errors import InputError
-from .. import moved_name
 from . import allocations as al
 
 if TYPE_CHECKING:
@@ -45,18 +43,6 @@ __all__ = [
     "Row",
     "grid_jobs",
 ]
-
-# the encoder's presets, moved to the encoder suite (encoder.py): served from there on first use
-# (importing this module imports no model)
-_MOVED = frozenset({"DEFAULT_TASKS", "FULL", "MECHANISM", "PAPER", "PRESETS", "QUICK", "_MAIN"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from ..suites import encoder
-
-        return moved_name(__name__, name, encoder)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 SPACE_LABELS = {name: space.label for name, space in registry.SPACES.items()}

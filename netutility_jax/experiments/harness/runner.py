@@ -17,9 +17,9 @@ A job's result is cached on disk (``<cache>/merges/``), keyed by everything that
 renders. The data splits are the same for every seed (split seed 0): seeds differ in training
 (initialisation and data order) and DARE's mask, and every merge is evaluated on the same texts.
 
-Part of the harness: no model or suite is imported here at import time (the default suite is
-imported when :func:`run_experiment` is called without one). ``EncoderSuite`` moved to
-:mod:`encoder` and stays reachable from this module (``runner.EncoderSuite``) with a ``DeprecationWarning``.
+Part of the harness: no model or suite is imported here. A run without a suite runs the one
+registered as :data:`DEFAULT_SUITE` (``suites.get("encoder")``, registered when
+:mod:`netutility_jax.experiments.suites.encoder` is imported).
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ import numpy as np
 
 from ... import registry
 from ...errors import InputError
-from .. import moved_name
 from . import evaluate as ev
 from . import fitting as ft
 from . import grid as gr
-from . import records
+from . import records, suites
 from . import seeds as sds
 from .allocations import random_allocation as random_allocation
 from .allocations import random_split_allocation as random_split_allocation
@@ -71,18 +70,6 @@ MOMENT_TEXTS = 256
 #: The suite :func:`run_experiment` runs when none is given (``encoder.EncoderSuite``); it caches
 #: at the top of the cache directory, every other suite under ``<cache>/<suite.name>``.
 DEFAULT_SUITE = "encoder"
-
-# the encoder suite, moved to encoder.py: served from there on first use (importing this module
-# imports no model)
-_MOVED = frozenset({"EncoderSuite", "_Unlabelled"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from ..suites import encoder
-
-        return moved_name(__name__, name, encoder)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _fingerprint(es: TaskSet) -> str:
@@ -268,7 +255,6 @@ def run_experiment(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
-    backbone: Any = None,
     alpha: float | str = "auto",
     suite: Any = None,
     seeds_from: Sequence[Any] = (),
@@ -284,13 +270,11 @@ def run_experiment(
         jobs go to its ``merges/`` folder.
       progress: show tqdm bars.
       log: where one-line status messages go.
-      backbone: the base model of the default suite, ``encoder.EncoderSuite`` (default
-        ``encoder_eval.Backbone()``, the pretrained MiniLM).
       alpha: scoring geometry: ``"auto"`` (the paper's heterogeneity rule), ``1.0`` (Gram) or
         ``0.0`` (row space).
-      suite: the model, heads, training and evaluation (a :class:`suites.Suite`; default
-        ``encoder.EncoderSuite``, :data:`DEFAULT_SUITE`); a suite other than it caches under
-        ``<cache_dir>/<suite.name>``.
+      suite: the model, heads, training and evaluation (a :class:`suites.Suite`; default the
+        registered :data:`DEFAULT_SUITE`'s, ``suites.get("encoder").build()``); a suite other
+        than it caches under ``<cache_dir>/<suite.name>``.
       seeds_from: seeds of earlier runs of the same experiment (:class:`seeds.SavedSeeds`,
         ``seeds.load(directory)``), reported with this run's own: each is checked against this
         run (suite, preset, grid, training, tasks, alpha, test and validation texts, evaluation
@@ -321,12 +305,7 @@ def run_experiment(
         raise InputError("run_experiment: no seeds to run (seeds=[]) and none read (seeds_from)")
     cache = pathlib.Path(cache_dir) if cache_dir is not None else ft.default_cache_dir()
     if suite is None:
-        # the default suite, imported on this path only (test_architecture.PLUG_INS)
-        from ..suites.encoder import EncoderSuite
-
-        suite = EncoderSuite(backbone)
-    elif backbone is not None:
-        raise InputError("run_experiment: pass a backbone or a suite, not both.")
+        suite = suites.get(DEFAULT_SUITE).build()
     if suite.name != DEFAULT_SUITE:
         cache = cache / suite.name
     jobs_cache = JobCache(cache / "merges")

@@ -54,9 +54,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import InputError
-from .. import moved_name
 from . import grid as gr
-from . import records
+from . import records, suites
 from . import report_tables as rt
 from . import stats as st
 
@@ -73,18 +72,6 @@ __all__ = [
     "run_study",
     "write_outputs",
 ]
-
-# the encoder's studies, moved to the encoder suite (encoder.py): served from there on first use
-# (importing this module imports no model)
-_MOVED = frozenset({"REGIME", "REGIME_QUICK", "STUDIES", "_FULL_CENTRE", "_QUICK_CENTRE"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from ..suites import encoder
-
-        return moved_name(__name__, name, encoder)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 STUDY_FILES = ("study.json", "study.md", "study.png")
@@ -395,11 +382,9 @@ def run_study(
             )
         chosen = [c for c in study.cells if c.name in cells]
     if suite is None and _has_data(study.grid):
-        # one encoder (the default suite, runner's) for every cell: the tasks' input moments
-        # (base model, training texts) are then estimated once per task, not once per cell
-        from ..suites.encoder import EncoderSuite
-
-        suite = EncoderSuite()
+        # one default suite (runner's) for every cell: the tasks' input moments (base model,
+        # training texts) are then estimated once per task, not once per cell
+        suite = suites.get(runner.DEFAULT_SUITE).build()
     out = []
     for cell in chosen:
         preset = study.preset(cell)

@@ -36,10 +36,12 @@ that accepts ``data_dir`` reads its own tasks: its suite object also has ``load_
 built-in text tasks (``--task``, ``--tasks`` are refused for it), and a suite that accepts
 ``adapters`` trains nothing (``--init`` is refused for it).
 
-Part of the harness: a suite module imports the harness, never the reverse. The built-in suites
-are declared here, but their modules (``encoder``, ``language``, ``vision``, ``nli``) and
-everything heavy (models, optax) are imported only when a spec's callables run, so listing the
-suites (``netutility demo --help``) stays cheap and imports no suite.
+Part of the harness: a suite module imports the harness, never the reverse, and the harness
+looks a suite up here by name (:func:`get`), never importing one. Each suite registers itself
+in one declaration at the end of its module (``encoder.SPEC = suites.register(...)``, as each
+merge method is one ``registry.register``); the command (``netutility demo``) imports the
+built-in suites' modules (``netutility_jax.experiments.suites.encoder``, ``language``,
+``language_head``, ``vision``, ``nli``), which registers them, in that order.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 from ...errors import InputError, NetUtilityError
 
 __all__ = [
+    "DEFAULT",
     "FLAGS",
     "SUITES",
     "AdapterArg",
@@ -71,6 +74,9 @@ __all__ = [
 #: ``requires``; on the command line ``--model-dir``, ``--data-dir``, ``--adapters``,
 #: ``--model-devices``.
 FLAGS = ("model_dir", "data_dir", "adapters", "model_devices", "min_bytes")
+
+#: The suite ``netutility demo`` and ``runner.run_experiment`` use unless told otherwise.
+DEFAULT = "encoder"
 
 
 class SuiteUnavailable(NetUtilityError):
@@ -322,12 +328,19 @@ class SuiteSpec:
         return presets[name]
 
 
-#: The registered suites, by name, in registration order (the first is ``--suite``'s default).
+#: The registered suites, by name, in registration order.
 SUITES: dict[str, SuiteSpec] = {}
+#: The names registered as built-in (``register(..., builtin=True)``): they cannot be removed.
+_BUILTIN: set[str] = set()
 
 
-def register(spec: SuiteSpec, *, replace: bool = False) -> SuiteSpec:
-    """Add ``spec`` to :data:`SUITES` (``replace``: allow a name that is taken)."""
+def register(spec: SuiteSpec, *, replace: bool = False, builtin: bool = False) -> SuiteSpec:
+    """Add ``spec`` to :data:`SUITES` (``replace``: allow a name that is taken; ``builtin``: a
+    suite of this package, which :func:`unregister` refuses to remove). Returns ``spec``.
+
+    Raises:
+      InputError: not a :class:`SuiteSpec`, or its name is taken (and not ``replace``).
+    """
     if not isinstance(spec, SuiteSpec):
         raise InputError(f"register: expected a SuiteSpec, got {type(spec).__name__}.")
     if spec.name in SUITES and not replace:
@@ -335,6 +348,8 @@ def register(spec: SuiteSpec, *, replace: bool = False) -> SuiteSpec:
             f"register: suite {spec.name!r} is registered already; pass replace=True to replace it."
         )
     SUITES[spec.name] = spec
+    if builtin:
+        _BUILTIN.add(spec.name)
     return spec
 
 
@@ -349,170 +364,14 @@ def get(name: str) -> SuiteSpec:
     """The spec of suite ``name``.
 
     Raises:
-      InputError: no such suite (the message lists the registered ones).
+      InputError: no such suite (the message lists the registered ones, and where the built-in
+        ones come from).
     """
     try:
         return SUITES[name]
     except KeyError:
         raise InputError(
-            f"unknown suite {name!r}; registered suites: {', '.join(SUITES)}"
+            f"unknown suite {name!r}; registered suites: {', '.join(SUITES) or 'none'} (a suite "
+            "registers when its module is imported: the built-in ones are "
+            "netutility_jax.experiments.suites.<name>, which netutility demo imports)"
         ) from None
-
-
-# --------------------------------------------------------------------------- built-in suites
-
-
-def _encoder_presets() -> Mapping[str, Any]:
-    from ..suites import encoder
-
-    return encoder.PRESETS
-
-
-def _encoder_build() -> Suite:
-    from ..suites import encoder
-
-    return encoder.EncoderSuite()
-
-
-def _encoder_requires() -> None:
-    from ..suites import encoder
-
-    encoder.requires()
-
-
-def _language_presets() -> Mapping[str, Any]:
-    from ..suites import language
-
-    return language.PRESETS
-
-
-def _language_build() -> Suite:
-    from ..suites import language
-
-    return language.LanguageSuite()
-
-
-def _language_requires() -> None:
-    from ..suites import language
-
-    language.requires()
-
-
-def _language_head_presets() -> Mapping[str, Any]:
-    from ..suites import language_head
-
-    return language_head.PRESETS
-
-
-def _language_head_build() -> Suite:
-    from ..suites import language_head
-
-    return language_head.LanguageHeadSuite()
-
-
-def _vision_presets() -> Mapping[str, Any]:
-    from ..suites import vision
-
-    return vision.PRESETS
-
-
-def _vision_build(**given: Any) -> Suite:
-    from ..suites import vision
-
-    return vision.build(**given)
-
-
-def _vision_requires(**given: Any) -> None:
-    from ..suites import vision
-
-    try:
-        vision.check_folders(**given)
-    except NetUtilityError as e:  # (a missing file or reader: one line naming the flag)
-        raise SuiteUnavailable(str(e)) from None
-
-
-def _nli_presets() -> Mapping[str, Any]:
-    from ..suites import nli
-
-    return nli.presets()
-
-
-def _nli_build(**given: Any) -> Suite:
-    from ..suites import nli
-
-    return nli.build(**given)
-
-
-def _nli_requires(**given: Any) -> None:
-    from ..suites import nli
-
-    nli.requires(**given)
-
-
-_BUILTIN = ("encoder", "language", "language_head", "vision", "nli")
-register(
-    SuiteSpec(
-        name="encoder",
-        summary="MiniLM with frozen zero-shot heads",
-        presets=_encoder_presets,
-        build=_encoder_build,
-        requires=_encoder_requires,
-        grids=("full", "paper", "mechanism"),
-        cost="full grid about 2 h on a 2-core CPU; paper grid about three times longer",
-    )
-)
-register(
-    SuiteSpec(
-        name="language",
-        summary="SmolLM2-135M (a Llama-architecture decoder) with tasks as prompts scored by "
-        "its LM head",
-        presets=_language_presets,
-        build=_language_build,
-        requires=_language_requires,
-        grids=("full",),
-        cost="hours on a 2-core CPU; --quick: minutes",
-    )
-)
-register(
-    SuiteSpec(
-        name="language_head",
-        summary="SmolLM2-135M with a classification head trained with each LoRA (the paper's "
-        "App. B formulation: last-token pooling, one label space, unused classes masked) on "
-        "this project's tasks",
-        presets=_language_head_presets,
-        build=_language_head_build,
-        requires=_language_requires,
-        grids=("full",),
-        cost="hours on a 2-core CPU; --quick: minutes",
-    )
-)
-register(
-    SuiteSpec(
-        name="vision",
-        summary="CLIP (--model-dir, e.g. openai/clip-vit-base-patch32) with zero-shot heads from "
-        "its text tower, merging given PEFT LoRAs (--adapters, e.g. KnOTS' rank-16 ones) "
-        "evaluated on image datasets (--data-dir): the paper's Table 1",
-        presets=_vision_presets,
-        build=_vision_build,
-        requires=_vision_requires,
-        grids=("paper",),
-        cost="paper grid: 66 merges, each about 9 passes over the validation images and one "
-        "over the test images, about 90k images of the 7 datasets in all: roughly 1-2 h on one "
-        "H100 (an estimate; not measured), far too long for a CPU; --quick: minutes on a GPU",
-        flags=FLAGS,
-    )
-)
-register(
-    SuiteSpec(
-        name="nli",
-        summary="Qwen3 / Llama decoder (--model-dir) with a 3-way classification head per task "
-        "on SNLI, MNLI, SICK, QNLI, RTE, SciTail (--data-dir): the paper's language setting",
-        presets=_nli_presets,
-        build=_nli_build,
-        requires=_nli_requires,
-        grids=("paper",),
-        cost="paper: days on one GPU for Qwen3-4B (full data, batch 1); --quick: a minute on a "
-        "tiny model",
-        flags=("model_dir", "data_dir", "model_devices", "min_bytes"),
-    )
-)

@@ -8,9 +8,8 @@ default suite), the presets (:data:`QUICK`, :data:`FULL`, :data:`PAPER`, :data:`
 (``suites.get("encoder")``). Its model is :mod:`minilm`, its evaluation :mod:`encoder_eval`,
 its training :mod:`train`.
 
-These names were ``grid``'s, ``runner``'s and ``study``'s and stay reachable from there
-(``grid.FULL``, ``runner.EncoderSuite``, ``study.REGIME``), imported on first use, with a
-``DeprecationWarning``.
+The suite registers itself in the harness's registry (:data:`SPEC`, ``suites.get("encoder")``)
+when this module is imported.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..harness import grid as gr
-from ..harness import runner
+from ..harness import runner, suites
 from ..harness import study as sd
 from ..harness.report_markdown import SuiteReport
 from ..harness.suites import SuiteUnavailable
@@ -40,6 +39,7 @@ __all__ = [
     "QUICK",
     "REGIME",
     "REGIME_QUICK",
+    "SPEC",
     "STUDIES",
     "EncoderSuite",
     "requires",
@@ -264,7 +264,7 @@ _QUICK_CENTRE = dataclasses.replace(
 #: Its quick form (what CI runs): the quick preset's 3 tasks and training, 1 seed, R = 16.
 #: Without the data-aware control: it adds about 11 s per cell and 25 s once (the moments and
 #: the data-aware score's compilation), about 80 s over the 5 cells on a busy 2-core CPU; the
-#: slow tier's toy study (tests/test_study_moments.py) runs it instead.
+#: slow tier's toy study (tests/experiments/test_study_moments.py) runs it instead.
 REGIME_QUICK = sd.Study(
     name="regime",
     centre=_QUICK_CENTRE,
@@ -272,3 +272,19 @@ REGIME_QUICK = sd.Study(
     cells=sd.regime_cells(QUICK.tasks, ("word_sentiment",), (2,)),
 )
 STUDIES = {"regime": (REGIME, REGIME_QUICK)}
+
+# ---------------------------------------------------------------------------------- declaration
+
+#: The suite, registered (``netutility demo --suite encoder``, the default).
+SPEC = suites.register(
+    suites.SuiteSpec(
+        name="encoder",
+        summary="MiniLM with frozen zero-shot heads",
+        presets=lambda: PRESETS,
+        build=lambda: EncoderSuite(),  # (looked up when called: a test may replace the class)
+        requires=requires,
+        grids=("full", "paper", "mechanism"),
+        cost="full grid about 2 h on a 2-core CPU; paper grid about three times longer",
+    ),
+    builtin=True,
+)

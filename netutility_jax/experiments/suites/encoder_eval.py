@@ -19,9 +19,6 @@ this model.
 :data:`ROW_LEN` tokens, each attending only to itself, with positions restarting per text, so no
 compute goes to padding. Batches have one fixed shape (:data:`ROWS` x :data:`ROW_LEN`), so the
 forward compiles once. Measured on the 2-core CPU (see ``benchmarks/demo_eval.py``).
-
-These names were ``evaluate``'s and stay reachable from it (``evaluate.Backbone``, ...) with a
-``DeprecationWarning``.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from ...errors import InputError
 from ..data import lang_tasks as lt
 from ..harness import fitting as ft
 from ..harness import grid as gr
+from ..harness import suites
 from ..harness.report_markdown import SuiteReport
 from ..harness.suites import ScoredSuite
 from ..models import llama
@@ -52,6 +53,7 @@ __all__ = [
     "FULL",
     "PRESETS",
     "QUICK",
+    "SPEC",
     "SUITE",
     "LanguageReport",
     "LanguageRun",
@@ -471,3 +473,21 @@ def run(
     exp = render(run_, suite, command=f"netutility_jax.experiments.suites.language.run({p.name!r})")
     written = [] if out is None else report.write_outputs(exp, out, overwrite=overwrite)
     return LanguageRun(run_, exp, written)
+
+
+# ---------------------------------------------------------------------------------- declaration
+
+#: The suite, registered (``netutility demo --suite language``).
+SPEC = suites.register(
+    suites.SuiteSpec(
+        name="language",
+        summary="SmolLM2-135M (a Llama-architecture decoder) with tasks as prompts scored by "
+        "its LM head",
+        presets=lambda: PRESETS,
+        build=lambda: LanguageSuite(),  # (looked up when called: a test may replace the class)
+        requires=requires,
+        grids=("full",),
+        cost="hours on a 2-core CPU; --quick: minutes",
+    ),
+    builtin=True,
+)

@@ -53,6 +53,7 @@ from ...errors import InputError, InputTypeError
 from ..data import nli_data as nd
 from ..data import tasks as tk
 from ..harness import grid as gr
+from ..harness import suites
 from ..harness.report_markdown import SuiteReport
 from ..harness.suites import ScoredSuite
 from ..models import llama
@@ -65,6 +66,7 @@ __all__ = [
     "FULL",
     "PRESETS",
     "QUICK",
+    "SPEC",
     "SUITE",
     "LanguageHeadReport",
     "LanguageHeadRun",
@@ -447,3 +449,22 @@ def run(
     )  # fmt: skip
     written = [] if out is None else report.write_outputs(exp, out, overwrite=overwrite)
     return LanguageHeadRun(run_, exp, written)
+
+
+# ---------------------------------------------------------------------------------- declaration
+
+#: The suite, registered (``netutility demo --suite language_head``).
+SPEC = suites.register(
+    suites.SuiteSpec(
+        name="language_head",
+        summary="SmolLM2-135M with a classification head trained with each LoRA (the paper's "
+        "App. B formulation: last-token pooling, one label space, unused classes masked) on "
+        "this project's tasks",
+        presets=lambda: PRESETS,
+        build=lambda: LanguageHeadSuite(),  # (looked up when called)
+        requires=lg.requires,
+        grids=("full",),
+        cost="hours on a 2-core CPU; --quick: minutes",
+    ),
+    builtin=True,
+)

@@ -57,10 +57,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ...errors import InputError, MissingFileError
+from ...errors import InputError, MissingFileError, NetUtilityError
 from ..data import vision_data as vd
 from ..harness import evaluate as ev
 from ..harness import grid as gr
+from ..harness import suites
 from ..harness.passes import PassCounter, TaskSet
 from ..harness.report_markdown import SuiteReport
 from ..harness.suites import require_modules
@@ -70,6 +71,7 @@ __all__ = [
     "PAPER",
     "PRESETS",
     "QUICK",
+    "SPEC",
     "SUITE",
     "ClipTokenizer",
     "ImageSet",
@@ -85,6 +87,7 @@ __all__ = [
     "load_tokenizer",
     "make_image_set",
     "match_adapters",
+    "requires",
     "tokenize",
     "vision_names",
     "zero_shot_heads",
@@ -715,6 +718,16 @@ def check_folders(
                 ) from None
 
 
+
+def requires(**given: Any) -> None:
+    """:func:`check_folders` as the suite's ``SuiteSpec.requires``: a missing flag, file or
+    reader is a ``suites.SuiteUnavailable`` (one line naming the flag)."""
+    try:
+        check_folders(**given)
+    except NetUtilityError as e:
+        raise suites.SuiteUnavailable(str(e)) from None
+
+
 # ----------------------------------------------------------------------------------- suite
 
 
@@ -1041,3 +1054,25 @@ class VisionReport(SuiteReport):
         for name, i in first.items():
             lines.append(f"| {name} | {i['source']} | {i['r']} | {i['lora_alpha']:g} |")
         return lines
+
+
+# ---------------------------------------------------------------------------------- declaration
+
+#: The suite, registered (``netutility demo --suite vision``).
+SPEC = suites.register(
+    suites.SuiteSpec(
+        name="vision",
+        summary="CLIP (--model-dir, e.g. openai/clip-vit-base-patch32) with zero-shot heads from "
+        "its text tower, merging given PEFT LoRAs (--adapters, e.g. KnOTS' rank-16 ones) "
+        "evaluated on image datasets (--data-dir): the paper's Table 1",
+        presets=lambda: PRESETS,
+        build=build,
+        requires=requires,
+        grids=("paper",),
+        cost="paper grid: 66 merges, each about 9 passes over the validation images and one "
+        "over the test images, about 90k images of the 7 datasets in all: roughly 1-2 h on one "
+        "H100 (an estimate; not measured), far too long for a CPU; --quick: minutes on a GPU",
+        flags=suites.FLAGS,
+    ),
+    builtin=True,
+)
