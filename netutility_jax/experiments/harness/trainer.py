@@ -19,7 +19,7 @@ loss ``loss_fn(state, base_state, *batch.args) -> scalar`` and passes both to
 ``LoraTrainer.__init__``, and defines :meth:`~LoraTrainer.init` (a task's initial trainable
 state), :meth:`~LoraTrainer.adapter` (the trained state as an adapter) and
 :meth:`~LoraTrainer.prepare` (a task's :class:`TaskRun`: its epochs, its steps' batches and its
-validation). ``tests/test_trainer.py`` trains a toy suite (a LoRA on a linear map) this way
+validation). ``tests/experiments/test_trainer.py`` trains a toy suite (a LoRA on a linear map) this way
 against an AdamW loop written out in float64.
 
 **A sharded base model.** When the base model's weights lie on a mesh of several devices
@@ -31,7 +31,7 @@ beside their factors), or else replicated over the base state's mesh (what ``sha
 with every array under its ``min_bytes``, 1 MiB: the LoRA factors and heads of ordinary sizes).
 The harness imports no model code, so the rule is an argument. The step's outputs come back in
 the shardings XLA chose, so its second call may compile once more (then no more); the updates
-are those of one device up to float32 rounding (``tests/test_sharding.py``).
+are those of one device up to float32 rounding (``tests/experiments/test_sharding.py``).
 """
 
 from __future__ import annotations

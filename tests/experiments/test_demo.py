@@ -2,7 +2,7 @@
 ``--model-devices`` flag, declared through ``suites.FLAGS`` and checked before any work.
 
 This process has one CPU device (the 8-device runs of a suite on a mesh are the slow tests of
-``tests/test_sharding.py``).
+``tests/experiments/test_sharding.py``).
 """
 
 from __future__ import annotations

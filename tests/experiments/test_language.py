@@ -754,7 +754,7 @@ def test_demo_suite_language_options(monkeypatch, tmp_path, capsys):
     assert demo.preset_of(parse("--suite", "language")) is language.FULL
     assert demo.preset_of(parse("--suite", "language", "--quick")) is language.QUICK
     with pytest.raises(
-        demo.DemoError, match="--grid paper is for the encoder, vision and nli suites"
+        demo.DemoError, match="--grid paper is for the encoder, nli and vision suites"
     ):
         demo.preset_of(parse("--suite", "language", "--grid", "paper"))
 

@@ -25,7 +25,7 @@ from netutility_jax.experiments import demo
 from netutility_jax.experiments.harness import report, runner
 from netutility_jax.experiments.harness import seeds as sds
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RENDERED = ROOT / "docs" / "language_head" / "seed0"
 
 

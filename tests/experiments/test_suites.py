@@ -70,13 +70,14 @@ def test_a_bad_spec_is_refused_when_declared(kw, match):
 
 
 def test_register_get_and_unregister(registered):
-    assert list(suites.SUITES)[:2] == ["encoder", "language"]
+    # the built-in suites, registered by importing their modules (netutility demo does)
+    assert {"encoder", "language", "language_head", "vision", "nli"} <= set(suites.SUITES)
     spec = registered(_spec())
     assert suites.get("toy") is spec
     with pytest.raises(ValueError, match="registered already; pass replace=True"):
         suites.register(_spec())
     assert suites.register(_spec(summary="b"), replace=True).summary == "b"
-    with pytest.raises(ValueError, match="unknown suite 'nope'; registered suites: encoder, "):
+    with pytest.raises(ValueError, match=r"unknown suite .nope.; registered suites: .*encoder"):
         suites.get("nope")
     with pytest.raises(ValueError, match="'encoder' is a built-in suite"):
         suites.unregister("encoder")

@@ -454,7 +454,8 @@ def test_run_experiment_and_its_job_cache(
         n_val=24,
         n_test=24,
     )
-    kw = {"cache_dir": cache_dir, "progress": False, "log": lambda s: None, "backbone": backbone}
+    suite = enc.EncoderSuite(backbone)
+    kw = {"cache_dir": cache_dir, "progress": False, "log": lambda s: None, "suite": suite}
     run = runner.run_experiment(tiny_tasks, preset, **kw)
     want = {"ta/full/R8/uniform", "ta/full/R8/net_utility", "ta/full/R8/random1", "ta/full/all",
             "ta/full/R32/net_utility", "average"}  # fmt: skip

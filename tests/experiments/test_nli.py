@@ -795,10 +795,9 @@ def test_suite_declaration_and_wiring(toy, tmp_path):
     """The default-tier check of the suite: its declaration, its checks, and one evaluation of
     untrained adapters through the suite's sets and evaluator (each task with its own head)."""
     model_dir, data, model, tok = toy
-    kw = nli.spec_kwargs()
-    fields = {f.name for f in dataclasses.fields(suites.SuiteSpec)}
-    spec = suites.SuiteSpec(**{k: v for k, v in kw.items() if k in fields})
-    assert spec.name == "nli" and kw["flags"] == ("model_dir", "data_dir", "model_devices", "min_bytes")
+    spec = nli.SPEC
+    assert suites.get("nli") is spec  # registered by importing the module
+    assert spec.name == "nli" and spec.flags == ("model_dir", "data_dir", "model_devices", "min_bytes")
     assert spec.preset(None, quick=False).name == "paper" and spec.preset(None, quick=True) is (
         nli.QUICK
     )
@@ -907,23 +906,15 @@ def test_end_to_end_quick_run_cached_rendered_exported(toy, tmp_path):
 
 @pytest.mark.slow
 def test_demo_command_line_quick(toy, tmp_path, capsys):
-    """``netutility demo --suite nli --quick --model-dir M --data-dir D`` on the toy setup (the
-    suite declared with ``nli.spec_kwargs()`` where ``suites`` does not list it yet)."""
+    """``netutility demo --suite nli --quick --model-dir M --data-dir D`` on the toy setup."""
     from netutility_jax.experiments import demo
 
     model_dir, data, _, _ = toy
-    added = "nli" not in suites.SUITES
-    if added:
-        suites.register(suites.SuiteSpec(**nli.spec_kwargs()))
-    try:
-        argv = ["--suite", "nli", "--quick", "--out", str(tmp_path / "out"), "--cache-dir",
-                str(tmp_path / "cache"), "--no-progress"]  # fmt: skip
-        assert demo.main([*argv, "--model-dir", str(model_dir)]) == 2
-        assert "--data-dir not given" in capsys.readouterr().err
-        assert demo.main([*argv, "--model-dir", str(model_dir), "--data-dir", str(data)]) == 0
-    finally:
-        if added:
-            suites.unregister("nli")
+    argv = ["--suite", "nli", "--quick", "--out", str(tmp_path / "out"), "--cache-dir",
+            str(tmp_path / "cache"), "--no-progress"]  # fmt: skip
+    assert demo.main([*argv, "--model-dir", str(model_dir)]) == 2
+    assert "--data-dir not given" in capsys.readouterr().err
+    assert demo.main([*argv, "--model-dir", str(model_dir), "--data-dir", str(data)]) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["suite"] == "nli" and results["preset"] == "quick"
     assert [t["name"] for t in results["tasks"]] == list(nli.QUICK.tasks)

@@ -6,7 +6,7 @@ Fixtures are real files: a tiny random transformers ``CLIPModel`` saved with ``s
 folders of tiny random PNGs in the layouts users have (flat class folders, SUN397's nested ones,
 a dataset's own validation split, a KnOTS index file), and PEFT LoRAs saved by ``get_peft_model``
 with random ``lora_B`` (safetensors, the pickled ``adapter_model.bin``, and PEFT on the vision
-tower itself as KnOTS trains). Run as a script (``python tests/test_vision.py DIR``) it writes
+tower itself as KnOTS trains). Run as a script (``python tests/experiments/test_vision.py DIR``) it writes
 the same fixture for a command-line run (``.ci/run``).
 """
 
@@ -752,7 +752,7 @@ def test_quick_run_end_to_end_through_the_demo(fixture, suite, loaded, tmp_path,
     sds.load(out).check(expected, test, len(val))
 
 
-if __name__ == "__main__":  # python tests/test_vision.py DIR: the demo's flags for the fixture
+if __name__ == "__main__":  # python tests/experiments/test_vision.py DIR: the demo's flags for the fixture
     fx = write_fixture(pathlib.Path(sys.argv[1]))
     print(
         f"--model-dir {fx['model']} --data-dir {fx['data']} "

@@ -8,9 +8,9 @@ training steps of the library's LoRA step (``fitting.optimizers``), with where e
 The child prints one JSON line of findings; the tests here assert on it. The input checks run in
 this process.
 
-A second child (``python tests/test_sharding.py suites NLI_DIR CLIP_DIR``, slow tier) checks the
+A second child (``python tests/experiments/test_sharding.py suites NLI_DIR CLIP_DIR``, slow tier) checks the
 wiring: ``nli.NLISuite(mesh=)`` on ``nli.write_toy``'s tiny Qwen3 folder over 4 of the 8 devices
-and ``vision.VisionSuite(mesh=)`` on ``tests/test_vision.py``'s tiny CLIP folder over 8, against
+and ``vision.VisionSuite(mesh=)`` on ``tests/experiments/test_vision.py``'s tiny CLIP folder over 8, against
 the same suites unsharded (last-token logits, class logits, image features), the loaders placing
 weights as they read them (``llama_load.build`` / ``clip_load.build`` with ``mesh=``), and three
 steps of the NLI suite's trainer (``trainer.LoraTrainer.place``: replicated by default, or by
@@ -453,7 +453,7 @@ def _run_child(*args: str) -> dict:
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={DEVICES}"])
     env["NETUTILITY_COMPILE_CACHE"] = "off"
-    root = str(pathlib.Path(__file__).resolve().parents[1])
+    root = str(pathlib.Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=900
