@@ -798,7 +798,7 @@ def _multiplicity(deltas: dict[str, Any], acc_seeds: Sequence[int]) -> dict[str,
                 else f"not applied ({len(acc_seeds)} of the 5 registered seeds)"
             )
     return {
-        "primary_family": len(primary),
+        "primary_family": sum(not math.isnan(float(v)) for v in primary.values()),
         "primary_holm_survivors": [k for k, v in hp.items() if v["reject"]],
         "secondary_family": sum(not math.isnan(float(v)) for v in secondary.values()),
         "secondary_holm_survivors": [k for k, v in hs.items() if v["reject"]],
