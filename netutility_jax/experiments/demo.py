@@ -49,11 +49,7 @@ from .suites import language, language_head, nli, vision  # noqa: F401 (each reg
 
 __all__ = [
     "DEFAULT_OUT",
-    "FULL",
-    "METHODS",
-    "PAPER",
     "PROG",
-    "QUICK",
     "DemoError",
     "add_arguments",
     "check_cache_dir",
@@ -74,11 +70,6 @@ __all__ = [
 
 PROG = "netutility demo"
 DEFAULT_OUT = "netutility-demo"
-
-# re-exported for callers of the old module layout
-METHODS = gr.METHODS
-QUICK, FULL, PAPER = enc.QUICK, enc.FULL, enc.PAPER
-
 
 class DemoError(NetUtilityError):
     """A problem the user can fix; printed as one line, exit code ``code``."""
@@ -192,7 +183,7 @@ def check_cache_dir(cache_dir: str | os.PathLike | None) -> pathlib.Path:
     """Refuse, before any training, a cache folder the adapters could not be written to.
 
     Returns:
-      The cache folder (``--cache-dir``, else :func:`train.default_cache_dir`).
+      The cache folder (``--cache-dir``, else :func:`fitting.default_cache_dir`).
 
     Raises:
       DemoError: an empty path, a file, a path under a file, or a folder this process cannot

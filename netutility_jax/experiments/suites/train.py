@@ -53,34 +53,17 @@ import optax
 
 from ...errors import InputError
 from ..harness import fitting as ft
-
-# what both suites' training shares lives in fitting; these names were train's and stay reachable
-from ..harness.fitting import CACHE_ENV as CACHE_ENV
-from ..harness.fitting import DEFAULT_CACHE_DIR as DEFAULT_CACHE_DIR
-from ..harness.fitting import TrainedTask as TrainedTask
-from ..harness.fitting import cache_path as cache_path
-from ..harness.fitting import default_cache_dir as default_cache_dir
-from ..harness.fitting import load_cached as load_cached
-from ..harness.fitting import store as store
-from ..harness.fitting import task_fingerprint as task_fingerprint
+from ..harness.fitting import TrainedTask, default_cache_dir, task_fingerprint
 from ..harness.trainer import Batch, LoraTrainer, TaskRun, lora_state, train_cached
 from ..models import minilm
 from . import encoder_eval as ev
 
 __all__ = [
-    "CACHE_ENV",
     "CODE_VERSION",
-    "DEFAULT_CACHE_DIR",
     "TrainConfig",
-    "TrainedTask",
     "Trainer",
     "cache_key",
-    "cache_path",
-    "default_cache_dir",
     "epoch_steps",
-    "load_cached",
-    "store",
-    "task_fingerprint",
     "train_task",
     "train_tasks",
     "weights_fingerprint",
