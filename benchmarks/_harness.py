@@ -13,7 +13,7 @@ one fresh interpreter per case.
 * Provenance: :func:`machine_info` (jax and jaxlib versions, backend, devices, CPUs, platform,
   memory, ``XLA_FLAGS``, load average, date) and :func:`code_info` (git HEAD, uncommitted files, a
   hash of the package sources: the library is measured as it is on disk).
-* Output: :func:`write_json`, atomic (``netutility_jax._io``), partial results included.
+* Output: :func:`write_json`, atomic (``netutility_jax._core.io``), partial results included.
 * Isolation: :func:`run_worker` runs one case in a fresh interpreter (cold compile caches, its own
   peak RSS), with a wall-clock limit, and reads back the JSON record the case wrote;
   :func:`watchdog` ends a process whose call makes no progress (a hung XLA computation cannot be
@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 
-from netutility_jax import _io
+from netutility_jax._core import io as _io
 
 __all__ = [
     "Measurement",

@@ -85,10 +85,11 @@ class Counts:
 
     @contextlib.contextmanager
     def counting(self):
-        import netutility_jax._host as host_mod
         from jax._src import array as array_mod
         from jax._src import pjit
         from jax._src.interpreters import pxla
+
+        import netutility_jax._core.host as host_mod
 
         saved = []
 
@@ -153,7 +154,7 @@ class Counts:
 def _ready(x):
     """Block on ``x``'s device arrays. nu.allocate's masks are held on the host until a module's
     mask is read (MaskTable): reading them here would time placements no pipeline makes."""
-    from netutility_jax.engine.tables import MaskTable
+    from netutility_jax._core.tables import MaskTable
 
     if isinstance(x, MaskTable):
         return x.host_dict()

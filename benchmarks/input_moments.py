@@ -26,9 +26,9 @@ import _harness as h
 import jax
 import numpy as np
 import scoring
-from netutility_jax.moments import input_moments
 
 import netutility_jax as nu
+from netutility_jax.scoring.moments import input_moments
 
 __all__ = ["main", "run_case"]
 

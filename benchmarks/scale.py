@@ -171,9 +171,9 @@ def _compute_floor(paths: list[str], chunk_bytes: int) -> dict:
     reference), jitted once per chunk shape."""
     import jax
     import jax.numpy as jnp
-    from netutility_jax.streaming import plan_chunks
 
     from netutility_jax import peft
+    from netutility_jax.pipeline.streaming import plan_chunks
 
     hi = jax.lax.Precision.HIGHEST
 
@@ -264,10 +264,9 @@ def run_case(
 ) -> dict:
     """One case in this process: its timings and, for merges, a summary of the result
     (``keep_out``: keep a command-line case's output in ``keep_out/<case>``)."""
-    from netutility_jax.streaming import merge_adapters_streaming
-
     import netutility_jax as nu
     from netutility_jax import peft
+    from netutility_jax.pipeline.streaming import merge_adapters_streaming
 
     if case == "floor":
         return _floor(paths)
@@ -322,7 +321,7 @@ class _Phases:
         return max([*self.peaks, h.hwm_mb()])
 
     def opened(self, source, chunk_bytes: int) -> None:
-        from netutility_jax.streaming import plan_chunks
+        from netutility_jax.pipeline.streaming import plan_chunks
 
         self.chunks = len(plan_chunks(source.shapes, len(source.paths), chunk_bytes=chunk_bytes,
                                       itemsize=4))  # fmt: skip
@@ -425,7 +424,7 @@ def _run_all(args, paths: list[str]) -> list[dict]:
 def main() -> None:
     args = _args()
     if args.chunk_mb is None:
-        from netutility_jax.streaming import CHUNK_BYTES
+        from netutility_jax.pipeline.streaming import CHUNK_BYTES
 
         args.chunk_mb = CHUNK_BYTES / 2**20
     if args.case:

@@ -82,8 +82,8 @@ __all__ = [
 # The package re-exports the function `allocate` under the module's name: import the modules.
 nu_allocate = importlib.import_module("netutility_jax.allocate")
 nu_utility = importlib.import_module("netutility_jax.utility")
-nu_kernels = importlib.import_module("netutility_jax._score_kernels")
-nu_scoring = importlib.import_module("netutility_jax._scoring")
+nu_kernels = importlib.import_module("netutility_jax.scoring._kernels")
+nu_scoring = importlib.import_module("netutility_jax.scoring._run")
 
 _HI = jax.lax.Precision.HIGHEST
 _DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "scoring.json")
@@ -248,7 +248,7 @@ def aot_times(adapters, scores, *, alpha: float, budget: int) -> dict[str, float
     Rebuilds the exact arguments ``nu.score`` / ``nu.allocate`` pass to ``score_impl`` /
     ``_allocate_impl`` (private helpers of the library; this is a benchmark of its internals).
     """
-    from netutility_jax import _tree
+    from netutility_jax._core import tree as _tree
 
     jax.clear_caches()
     _, buckets, _ = _tree.collect(adapters, fn="benchmark")
@@ -296,7 +296,8 @@ STAGES = (
 def _grams_only(inputs, *, meta):
     """The scoring kernel's first stage alone: each bucket's stacking + Grams (raw route), from
     the same arguments, chained as in the kernel (``_score_kernels._score_buckets``)."""
-    from netutility_jax import _buckets, _grams
+    from netutility_jax._core import buckets as _buckets
+    from netutility_jax.scoring import _grams
 
     dtype, out, after = meta[0], [], None
     for (a, b, s), (d_in, d_out, r_max) in zip(inputs, meta[1], strict=True):
@@ -323,7 +324,7 @@ def breakdown(adapters, *, alpha: float, budget: int, repeats: int) -> dict[str,
       ``{"stages_ms": {key: median ms}, "grams_ms": ..., "total_ms": ..., "dispatches": ...,
       "transfers": {...}}``.
     """
-    from netutility_jax import _tree
+    from netutility_jax._core import tree as _tree
 
     u, k, sc, fn = nu_utility, nu_kernels, nu_scoring, "nu.score"
 

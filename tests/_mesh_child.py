@@ -12,7 +12,9 @@ import jax
 import numpy as np
 
 import netutility_jax as nu
-from netutility_jax import _mesh, _plan, _tree
+from netutility_jax._core import mesh as _mesh
+from netutility_jax._core import tree as _tree
+from netutility_jax.operators import _plan
 
 DENSE_BYTES = _plan.DENSE_BYTES
 

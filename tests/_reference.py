@@ -74,7 +74,7 @@ def make_adapters(
 
 
 # --------------------------------------------------------------------------------------------
-# Tree walking (independent of netutility_jax._tree)
+# Tree walking (independent of netutility_jax._core.tree)
 # --------------------------------------------------------------------------------------------
 
 

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from netutility_jax.engine.tables import MaskTable, ScoreTable
 
 import netutility_jax as nu
 from netutility_jax import checkpoint as ckpt
+from netutility_jax._core.tables import MaskTable, ScoreTable
 
 NAMES = ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "layers/0/attn/query")
 

@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import netutility_jax as nu
-from netutility_jax import _io, cli
+from netutility_jax import cli
+from netutility_jax._core import io as _io
 from netutility_jax.errors import InputError, one_line
 
 pytest.importorskip("safetensors")
@@ -233,7 +234,7 @@ def test_convert_is_a_command_whose_options_all_have_help():
 def test_chunk_mb_default_is_the_librarys_chunk_size():
     """``--chunk-mb`` states the streamed merge's default (``nu.streaming.CHUNK_BYTES``), which the
     parser writes out as a number so that parsing never imports jax."""
-    from netutility_jax import streaming
+    from netutility_jax.pipeline import streaming
 
     args = cli.build_parser().parse_args(["merge", "a", "b", "--out", "o", "--budget", "4"])
     assert args.chunk_mb * 2**20 == streaming.CHUNK_BYTES
@@ -1018,7 +1019,7 @@ def test_compile_cache_is_used_and_changes_nothing(folders, tmp_path):
 def test_streaming_is_the_default_and_matches_in_memory(folders, tmp_path, capsys, monkeypatch):
     """The default merge streams (nu.merge_adapters is never called) and writes what --in-memory
     writes; dense results (--rank) are truncated per chunk exactly as save_adapter would."""
-    import netutility_jax.merging as merging_mod
+    import netutility_jax.pipeline.merging as merging_mod
 
     for method, space, extra in (("tsv", "core", []), ("ties", "full", ["--rank", "3"])):
         outs, reports = {}, {}

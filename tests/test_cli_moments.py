@@ -14,11 +14,15 @@ import pathlib
 
 import numpy as np
 import pytest
-from netutility_jax.moments import input_moments_dense, load_input_moments, save_input_moments
 from test_cli_config import D_IN, NAMES, _adapter  # the same small adapters
 
 import netutility_jax as nu
 from netutility_jax import cli
+from netutility_jax.scoring.moments import (
+    input_moments_dense,
+    load_input_moments,
+    save_input_moments,
+)
 
 pytest.importorskip("safetensors")
 
@@ -159,7 +163,7 @@ def test_replay_dry_run_and_config(world, tmp_path, capsys):
     rep = json.loads((replay / cli.REPORT_NAME).read_text())
     assert rep["data_aware"] is True
 
-    from netutility_jax.planning import plan
+    from netutility_jax.pipeline.planning import plan
 
     p = plan(nu.peft.open_adapters(folders), **API, input_moments=world["moments"])
     rc, text, err = _run(capsys, "merge", *folders, "--budget", "3", "--alpha", "1",

@@ -76,7 +76,7 @@ def test_dry_run_prints_the_merge_s_plan_and_writes_nothing(folders, tmp_path, c
         assert int(row.split()[1]) == rep["ranks"][n]  # TA: the rank is what the module keeps
     # the size it announces is that of the tensors the merge wrote
     p = nu.planning.plan(nu.peft.open_adapters(folders), budget=3, alpha="auto")
-    assert f"about {nu._checks.size_text(p.out_bytes)} of adapter tensors" in stdout
+    assert f"about {nu._core.checks.size_text(p.out_bytes)} of adapter tensors" in stdout
     st = pytest.importorskip("safetensors.numpy").load_file(str(out / "adapter_model.safetensors"))
     assert p.out_bytes == sum(t.nbytes for t in st.values())
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax.core import FrozenDict
 
-from netutility_jax import _buckets, _tree
+from netutility_jax._core import buckets as _buckets
+from netutility_jax._core import tree as _tree
 from netutility_jax.errors import InputError, InputTypeError
 
 

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import netutility_jax as nu
-from netutility_jax import _tree, diagnostics
+from netutility_jax._core import tree as _tree
 from netutility_jax.errors import InputError, InputTypeError
+from netutility_jax.pipeline import diagnostics
 
 M, R, L = 3, 4, 3
 

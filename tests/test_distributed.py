@@ -1,4 +1,4 @@
-"""Merging with several processes (``netutility merge --distributed``, ``netutility_jax._exchange``).
+"""Merging with several processes (``netutility merge --distributed``, ``netutility_jax.pipeline._exchange``).
 
 Real processes on localhost (``jax.distributed`` on CPU, collectives over gloo) run the same
 command; their output is compared with the one-process command's on the same PEFT folders:
@@ -26,10 +26,11 @@ import pytest
 import safetensors.numpy
 
 import netutility_jax as nu
-from netutility_jax import _exchange, cli, peft
+from netutility_jax import cli, peft
 from netutility_jax.cli import check_adapter_dir
 from netutility_jax.errors import InputError
 from netutility_jax.peft._read import INDEX_NAME
+from netutility_jax.pipeline import _exchange
 
 LAYERS = 6
 RANKS = (4, 4, 3)  # task 2: rank 3, and it lacks the last layer

@@ -7,9 +7,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from netutility_jax.engine.tables import MaskTable, ScoreTable
 
 import netutility_jax as nu
+from netutility_jax._core.tables import MaskTable, ScoreTable
 
 
 def _adapters(seed=0, tie=False):

@@ -20,9 +20,9 @@ import netutility_jax as nu
 from netutility_jax import InputError
 
 utility_mod = importlib.import_module("netutility_jax.utility")
-kernels_mod = importlib.import_module("netutility_jax._score_kernels")
-scoring_mod = importlib.import_module("netutility_jax._scoring")
-host_mod = importlib.import_module("netutility_jax._host")
+kernels_mod = importlib.import_module("netutility_jax.scoring._kernels")
+scoring_mod = importlib.import_module("netutility_jax.scoring._run")
+host_mod = importlib.import_module("netutility_jax._core.host")
 allocate_mod = importlib.import_module("netutility_jax.allocate")
 
 SPEC = (  # three buckets, flat names
@@ -163,7 +163,7 @@ def test_lam_auto_medians_of_runs_are_nanmedians():
 def test_module_scores_are_their_buckets_rows_placed_as_before():
     ads = make_adapters(3, 2, SPEC[:2])  # (two buckets, small: the jitted call compiles quickly)
     sc = nu.score(ads)
-    _, buckets, _ = importlib.import_module("netutility_jax._tree").collect(ads, fn="t")
+    _, buckets, _ = importlib.import_module("netutility_jax._core.tree").collect(ads, fn="t")
     assert list(sc.modules) == [name for name, *_ in SPEC[:2]]
     # each module's four fields: committed float32 (M, r_max) arrays on the default device, and
     # the same values as a jitted call (whose outputs are sliced inside the graph)

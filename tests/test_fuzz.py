@@ -1568,9 +1568,8 @@ def moments_bytes_case_st(draw):
 
 
 def _moments_bytes_property(tmp_path_factory, case):
-    from netutility_jax.moments import load_input_moments
-
     from netutility_jax.errors import NetUtilityError
+    from netutility_jax.scoring.moments import load_input_moments
 
     suffix, kind, where, junk = case
     rng = np.random.default_rng(0)

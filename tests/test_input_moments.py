@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from netutility_jax.moments import InputMoments, input_moments, input_moments_dense
 
 import netutility_jax as nu
 from netutility_jax import InputError, InputTypeError
+from netutility_jax.scoring.moments import InputMoments, input_moments, input_moments_dense
 
 # module: (d_in, d_out, ranks per task; 0 = the task lacks it), samples per task
 SHAPES = {

@@ -1,4 +1,4 @@
-"""netutility_jax._io: atomic files and folders, JSON conversion; _linalg's CPU-only LAPACK rules."""
+"""netutility_jax._core.io: atomic files and folders, JSON conversion; _linalg's CPU-only LAPACK rules."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from netutility_jax import _io, _linalg
+from netutility_jax._core import io as _io
+from netutility_jax._core import linalg as _linalg
 
 
 class _Color(enum.Enum):

@@ -1,4 +1,4 @@
-"""No two LAPACK calls of a merge may run at once (see netutility_jax._linalg).
+"""No two LAPACK calls of a merge may run at once (see netutility_jax._core.linalg).
 
 jaxlib's CPU LAPACK kernels split large batches over the intra-op thread pool and block on it, so
 two independent calls deadlock a 2-thread pool; small test inputs never show it. This test checks
@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import pytest
 
 import netutility_jax as nu
-from netutility_jax import _linalg, _plan, _stages, registry
+from netutility_jax import registry
+from netutility_jax._core import linalg as _linalg
+from netutility_jax.operators import _plan, _stages
 
 LAPACK = {
     "eigh",
@@ -103,13 +105,13 @@ def route(request):
 def test_bucket_merge_lapack_calls_are_ordered(method, space, route):
     d_in, d_out, r = 37, 53, 3
     ads = ref.make_adapters(0, 4, (("m", d_in, d_out, (3, 3, 3, 3)),))
-    _names, buckets, m_tasks = nu._tree.collect(ads, fn="t")
+    _names, buckets, m_tasks = nu._core.tree.collect(ads, fn="t")
     res = registry.resolve_options("t", method, space, {"p": 0.2} if method == "dare" else {})
     cfg = _plan.bucket_config(res, buckets[0], m_tasks, jnp.float32, chunk=1)
     nums = {k: jnp.asarray(v, jnp.float32) for k, v in _plan.numeric_options(res).items()}
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(1))
     jaxpr = jax.make_jaxpr(functools.partial(_stages.bucket_merge, cfg=cfg))(
-        nu._buckets.bucket_arrays(buckets[0]),
+        nu._core.buckets.bucket_arrays(buckets[0]),
         jnp.ones((1, m_tasks, r), bool),
         jnp.asarray(1.0),
         keys,
@@ -132,10 +134,10 @@ def test_checker_catches_independent_calls():
 def test_full_space_elementwise_module_lapack_calls_are_ordered(route):
     d_in, d_out, r = 37, 53, 3
     ads = ref.make_adapters(1, 3, (("m", d_in, d_out, (3, 2, 3)),))
-    _names, buckets, _m_tasks = nu._tree.collect(ads, fn="t")
+    _names, buckets, _m_tasks = nu._core.tree.collect(ads, fn="t")
     bk = buckets[0]
     a, b, s, rk = _stages.stage_stack(
-        nu._buckets.bucket_arrays(bk), cfg=_stages.StackConfig(d_in, d_out, r, jnp.float32)
+        nu._core.buckets.bucket_arrays(bk), cfg=_stages.StackConfig(d_in, d_out, r, jnp.float32)
     )
     jaxpr = jax.make_jaxpr(functools.partial(_stages.module_dense, method="ties", r_max=r))(
         a[0],
@@ -158,7 +160,7 @@ def test_one_program_over_buckets_orders_their_lapack_calls(method, space):
     buckets' LAPACK calls must still be totally ordered (each bucket after the previous one's
     result), pieces of a bucket included (``lax.map``); independent ones deadlocked a streamed
     SmolLM2-shaped merge on 2 cores."""
-    from netutility_jax.engine import program
+    from netutility_jax.operators import program
 
     spec = (("m", 37, 53, (3, 3, 3)), ("n", 37, 29, (3, 2, 3)), ("o", 37, 53, (3, 3, 3)))
     ads = ref.make_adapters(2, 3, spec)

@@ -1,4 +1,4 @@
-"""QR / SVD helpers of netutility_jax._linalg against numpy, in float32 where precision matters."""
+"""QR / SVD helpers of netutility_jax._core.linalg against numpy, in float32 where precision matters."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from netutility_jax import _linalg as L
+from netutility_jax._core import linalg as L
 
 D = 2048  # more rows than _SMALL: the CholeskyQR2 route
 assert D > L._SMALL

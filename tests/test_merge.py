@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import netutility_jax as nu
-from netutility_jax import _plan, _select, _stages, _ties_model, registry
+from netutility_jax import registry
+from netutility_jax.operators import _plan, _select, _stages, _ties_model
 
 # one bucket (keeps compiles few), ragged ranks, a module task 1 lacks; SPEC2 adds a second shape
 SPEC = (
@@ -97,10 +98,10 @@ def _ref_in_space(space, method_fn, ads):
 
 @pytest.fixture(scope="module", params=["householder", "cholesky"])
 def qr_route(request):
-    """The QR route of netutility_jax._linalg: Householder (at most _SMALL rows, as every module
+    """The QR route of netutility_jax._core.linalg: Householder (at most _SMALL rows, as every module
     in these small tests) or CholeskyQR2 (larger modules), forced by setting _SMALL to 0.
     Module-scoped: pytest groups the tests by route, so caches are cleared once per switch."""
-    from netutility_jax import _linalg
+    from netutility_jax._core import linalg as _linalg
 
     saved = _linalg._SMALL
     if request.param == "cholesky":
@@ -487,14 +488,14 @@ def test_low_rank_paths_never_form_dense_update(space, method):
         pytest.skip("elementwise methods in full space are dense by definition")
     d_in, d_out, r = 37, 53, 3
     ads = ref.make_adapters(0, 4, (("m", d_in, d_out, (3, 3, 3, 3)),))
-    _names, buckets, m_tasks = nu._tree.collect(ads, fn="t")
+    _names, buckets, m_tasks = nu._core.tree.collect(ads, fn="t")
     bk = buckets[0]
     res = registry.resolve_options("t", method, space, {"p": 0.2} if method == "dare" else {})
     cfg = _plan.bucket_config(res, buckets[0], m_tasks, jnp.float64, chunk=1)
     nums = {k: jnp.asarray(v, jnp.float64) for k, v in _plan.numeric_options(res).items()}
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(1))
     jaxpr = jax.make_jaxpr(functools.partial(_stages.bucket_merge, cfg=cfg))(
-        nu._buckets.bucket_arrays(bk), jnp.ones((1, m_tasks, r), bool), jnp.asarray(1.0), keys, nums
+        nu._core.buckets.bucket_arrays(bk), jnp.ones((1, m_tasks, r), bool), jnp.asarray(1.0), keys, nums
     )
     shapes = list(_all_shapes(jaxpr.jaxpr))
     assert shapes, "empty jaxpr"
@@ -754,12 +755,12 @@ def test_radix_threshold_keeps_exactly_k_with_ties(dtype):
 
 
 def test_split_bucket_sizes_divide_and_fit():
-    _names, buckets, _m_tasks = nu._tree.collect(_adapters(0, True), fn="t")
+    _names, buckets, _m_tasks = nu._core.tree.collect(_adapters(0, True), fn="t")
     for bk in buckets:
         n = len(bk.names)
         per = M * bk.r_max * (bk.d_in + bk.d_out) * 8
         for cap in (1, per, 2 * per, 10**9):
-            pieces = nu._buckets.split_bucket(bk, cap, 8)
+            pieces = nu._core.buckets.split_bucket(bk, cap, 8)
             assert [nm for p in pieces for nm in p.names] == list(bk.names)
             assert len({len(p.names) for p in pieces}) == 1  # one compiled shape
             assert n % len(pieces[0].names) == 0
@@ -815,7 +816,7 @@ def test_elementwise_chunks_give_the_same_merge(monkeypatch, method, space, opts
 def test_float32_merge_of_tasks_sharing_their_a_init():
     """Tasks trained from one A initialisation (A_i = A_0 + 1e-3 d_i), float32, modules larger
     than the Householder cut: TA keeps float32 accuracy (the reduction switches to Householder)."""
-    from netutility_jax import _linalg
+    from netutility_jax._core import linalg as _linalg
 
     rng = np.random.default_rng(7)
     d_in, d_out, r = _linalg._SMALL + 88, _linalg._SMALL + 40, 4
@@ -907,7 +908,7 @@ def test_count_table_is_peft_count_for_every_live_shape():
     """The traced per-module path looks its count up in a host-made table indexed by the live
     rows and columns of the coordinates (core: both bases; KnOTS: d_in rows): every entry is
     PEFT's count for n = rows * cols; and _stage_split reads the right entry per module."""
-    from netutility_jax import spaces as sp
+    from netutility_jax.operators import spaces as sp
 
     for density in (0.3, 0.7, float(np.nextafter(0.3, 0.0)), 1 / 3):
         for has_left in (True, False):
@@ -1279,7 +1280,7 @@ def test_float32_merge_with_extreme_factors(method, space):
     """Factors of 1e25 and 1e-25 (their product, and every scale, ordinary), modules taller than
     the Householder cut so that the reduction runs on Grams (which 1e25 entries would overflow
     and 1e-25 ones flush to zero in float32): the float32 merge equals the float64 one."""
-    from netutility_jax import _linalg
+    from netutility_jax._core import linalg as _linalg
 
     d_in = _linalg._SMALL + 8
     ads = [

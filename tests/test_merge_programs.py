@@ -1,5 +1,5 @@
 """The merge pass's programs: how many, that they are the previous computation bit for bit, and
-that the library's kernels can drop their compiled programs (``netutility_jax._executables``).
+that the library's kernels can drop their compiled programs (``netutility_jax._core.executables``).
 
 Shapes here (``d_in = 41``, ``d_out`` 29 and 13, ``r = 5``, ``M = 3``) are used by no other test,
 so that every program of a merge below is compiled (or loaded) where it is counted.
@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src import monitoring
-from netutility_jax._executables import kernel
 
 import netutility_jax as nu
-from netutility_jax import _executables, _mesh, _stages
+from netutility_jax._core import executables as _executables
+from netutility_jax._core import mesh as _mesh
+from netutility_jax._core.executables import kernel
+from netutility_jax.operators import _stages
 
 D_IN, R, M = 41, 5, 3
 OUTS = {"q": 29, "v": 13}  # two buckets
@@ -101,9 +103,9 @@ def test_reduce_bucket_is_the_one_program_reduction_bit_for_bit(extreme):
             for mod in ad.values():
                 mod["lora_a"] = mod["lora_a"] * np.float32(2.0**40)
     names = [n for n in ads[0] if n.endswith(".q")]
-    bk = nu._tree.Bucket(
+    bk = nu._core.tree.Bucket(
         tuple(names), D_IN, OUTS["q"], R,
-        tuple(tuple(nu._tree.Module(ad[n]["lora_a"], ad[n]["lora_b"], ad[n]["scale"])
+        tuple(tuple(nu._core.tree.Module(ad[n]["lora_a"], ad[n]["lora_b"], ad[n]["scale"])
                     for ad in ads) for n in names),
     )  # fmt: skip
     st = _mesh.host_stack(bk, np.float32, len(names))
@@ -160,7 +162,7 @@ def test_a_streamed_merge_drops_a_shapes_programs_after_its_last_chunk(tmp_path,
     after its last chunk (pass by pass) without compiling anything again within the pass: the
     same programs, counted from a cold start, as a merge that holds them to the end, the same
     result, and no library kernel holding executables afterwards."""
-    from netutility_jax import streaming
+    from netutility_jax.pipeline import streaming
 
     ads = _adapters(41)
     paths = [tmp_path / f"t{i}" for i in range(M)]
@@ -241,7 +243,7 @@ def test_one_program_is_the_per_bucket_route(method, space, opts, monkeypatch):
     together): each merged update within float32 rounding of the route's (1e-5 of the module's
     largest entry; XLA may contract a multiply-add differently across the former program
     boundaries), DARE drawing the same masks."""
-    from netutility_jax.engine import program
+    from netutility_jax.operators import program
 
     ads = _adapters(30 + len(method))
     masks = _masks(ads, 2)
@@ -256,7 +258,7 @@ def test_pieces_of_a_bucket_go_through_one_mapped_program(monkeypatch):
     """A bucket larger than a piece (``_plan.PIECE_BYTES``) is merged a piece at a time inside
     the one program (``lax.map``: one piece's working memory, one compiled body whatever the
     number of pieces): the same merge as the bucket whole, in one program."""
-    from netutility_jax import _plan
+    from netutility_jax.operators import _plan
 
     ads = [{n: m for n, m in ad.items() if n.endswith(".q")} for ad in _adapters(50)]
     masks = _masks(ads, 4)

@@ -1,4 +1,4 @@
-"""Sharding buckets over a device mesh (``mesh=``, :mod:`netutility_jax._mesh`).
+"""Sharding buckets over a device mesh (``mesh=``, :mod:`netutility_jax._core.mesh`).
 
 The 8-device checks run in a child process (``tests/_mesh_child.py``) with
 ``--xla_force_host_platform_device_count=8``, which must be set before JAX starts: scores, masks,
@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh
 
 import netutility_jax as nu
-from netutility_jax import _mesh
+from netutility_jax._core import mesh as _mesh
 from netutility_jax.errors import InputError, InputTypeError
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -113,7 +113,7 @@ def test_one_device_mesh_is_the_plain_path(method, space, opts):
 
 def test_host_stack_pads_modules_and_ranks():
     ads = _mesh_child.adapters()
-    bk = nu._tree.collect(ads, fn="t")[1][1]  # the v bucket: task 2 lacks l5.v
+    bk = nu._core.tree.collect(ads, fn="t")[1][1]  # the v bucket: task 2 lacks l5.v
     st = _mesh.host_stack(bk, np.float32, 12)
     assert st.a.shape == (12, 3, 64, 6) and st.b.shape == (12, 3, 6, 48)
     j = bk.names.index("l5.v")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from netutility_jax import methods as m
+from netutility_jax.operators import methods as m
 
 
 @pytest.fixture(autouse=True)
@@ -249,7 +249,7 @@ def test_column_norms_and_qr_of_columns_1e30_apart_in_float32():
     """Columns whose sizes differ by 2**200 (a task scaled by 1e30 next to one scaled by 1e-30):
     the norms are not flushed to zero and Q R reproduces every column to float32 accuracy, on
     the Cholesky route too (its Grams of the raw columns would under- and overflow)."""
-    from netutility_jax import _linalg
+    from netutility_jax._core import linalg as _linalg
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 600, 6))

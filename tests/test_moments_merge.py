@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from netutility_jax.moments import input_moments, input_moments_dense
-from netutility_jax.planning import plan
-from netutility_jax.streaming import merge_adapters_streaming
 
 import netutility_jax as nu
 from netutility_jax import peft
 from netutility_jax.errors import InputError, InputTypeError
+from netutility_jax.pipeline.planning import plan
+from netutility_jax.pipeline.streaming import merge_adapters_streaming
+from netutility_jax.scoring.moments import input_moments, input_moments_dense
 
 # by the name's last part; one shape, so that one bucket (one compilation) serves every module
 D_IN = {"q_proj": 16, "up_proj": 16}

@@ -8,11 +8,11 @@ import pathlib
 
 import numpy as np
 import pytest
-from netutility_jax.planning import Plan, plan, task_names
 
 import netutility_jax as nu
-from netutility_jax import _min_share
+from netutility_jax.allocation import _min_share
 from netutility_jax.errors import InputError, InputTypeError
+from netutility_jax.pipeline.planning import Plan, plan, task_names
 
 D_IN, D_OUT = 24, 16
 # the shapes of tests/test_cli.py's adapters: the compiled kernels are shared in a session

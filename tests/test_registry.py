@@ -68,7 +68,7 @@ def test_every_method_returns_the_declared_form_in_every_space(name):
 
 
 def test_option_tables_and_checks_come_from_the_declarations():
-    from netutility_jax import merging
+    from netutility_jax.pipeline import merging
 
     for name, spec in registry.METHODS.items():
         assert merging.METHOD_OPTIONS[name] == {
@@ -497,7 +497,7 @@ def test_a_user_keeps_top_kernel_runs_itself_when_modules_exceed_the_working_mem
 ):
     """Was: with keeps_top, a module larger than the working memory ran TIES's blocked code
     instead of the user's kernel (a different operator, silently: 3.3 off on this merge)."""
-    from netutility_jax import _plan
+    from netutility_jax.operators import _plan
 
     registered(
         registry.MethodSpec("top_sum", "TopSum", "top entries summed", "elementwise", _top_sum,

@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 
 import netutility_jax as nu
-from netutility_jax import _io, cli
-from netutility_jax import merging as merging_mod
+from netutility_jax import cli
+from netutility_jax._core import io as _io
 from netutility_jax.errors import InputError
+from netutility_jax.pipeline import merging as merging_mod
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

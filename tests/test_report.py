@@ -1,4 +1,4 @@
-"""``netutility_jax._report``: a report's ``h`` is NaN only where it is undefined (a task zero in
+"""``netutility_jax.pipeline._report``: a report's ``h`` is NaN only where it is undefined (a task zero in
 every module), never in place of another error."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import math
 
 import numpy as np
 import pytest
-from netutility_jax._report import heterogeneity_or_nan
 
 from netutility_jax.errors import InputError
+from netutility_jax.pipeline._report import heterogeneity_or_nan
 
 
 def _adapters(seed: int = 0) -> list[dict]:

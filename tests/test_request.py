@@ -8,12 +8,12 @@ import types
 
 import numpy as np
 import pytest
-from netutility_jax.planning import plan
 
 import netutility_jax as nu
-from netutility_jax import _request
 from netutility_jax.cli.merge import _merge_settings
 from netutility_jax.errors import InputError, InputTypeError
+from netutility_jax.pipeline import _request
+from netutility_jax.pipeline.planning import plan
 
 ENTRY_POINTS = {
     "nu.merge_adapters": nu.merge_adapters,
@@ -183,7 +183,7 @@ def test_the_requests_allocation_is_the_public_one(allocation):
         scope=None, alpha=1.0, lam="auto", positive_only=True, min_share=None,
         input_moments=None, options={},
     )  # fmt: skip
-    names, buckets, _ = nu._tree.collect(ads, fn="t")
+    names, buckets, _ = nu._core.tree.collect(ads, fn="t")
     sc, masks, kept = req.allocate(ads, names, buckets, None)
     if allocation == "all":
         assert sc is None and masks is None
@@ -216,7 +216,7 @@ def test_a_streamed_merge_and_its_plan_agree_with_memory(sets):
 
 
 def test_sizes_read_in_powers_of_1000():
-    from netutility_jax._checks import size_text
+    from netutility_jax._core.checks import size_text
 
     assert [size_text(n) for n in (0, 999, 1000, 3_410_000, 2.5e9, 7e15)] == [
         "0 bytes", "999 bytes", "1 kB", "3.41 MB", "2.5 GB", "7e+03 TB",

@@ -1,4 +1,4 @@
-"""DARE's drop mask a block of rows at a time (:mod:`netutility_jax._rng`) against
+"""DARE's drop mask a block of rows at a time (:mod:`netutility_jax.operators._rng`) against
 ``jax.random.bernoulli`` on the whole mask, and against threefry-2x32 written out in numpy for
 counters past 2**32 (a whole mask that large cannot be drawn in a test)."""
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from netutility_jax import _rng
+from netutility_jax.operators import _rng
 
 _ROWS = jax.jit(_rng.bernoulli_rows, static_argnums=(2, 4))
 

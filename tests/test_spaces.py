@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from netutility_jax import spaces as sp
+from netutility_jax.operators import spaces as sp
 
 RT = 1e-10
 

@@ -20,11 +20,11 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from netutility_jax.streaming import merge_adapters_streaming, plan_chunks
 
 import netutility_jax as nu
 from netutility_jax import peft
 from netutility_jax.errors import InputError, InputTypeError
+from netutility_jax.pipeline.streaming import merge_adapters_streaming, plan_chunks
 
 SHAPES = {"self_attn.q_proj": (16, 16), "mlp.up_proj": (16, 24)}
 LAYERS = 3
@@ -484,7 +484,7 @@ def test_ties_by_row_blocks_streamed_is_the_in_memory_merge(
     """A working-memory budget below one module's dense KnOTS tasks (or, in full space, dense
     task updates): TIES runs a few rows of a module at a time, streamed or in memory, with the same
     result."""
-    from netutility_jax import _plan, _stages
+    from netutility_jax.operators import _plan, _stages
 
     monkeypatch.setattr(_plan, "DENSE_BYTES", 2048)
     blocked = []
@@ -504,7 +504,7 @@ def test_dare_by_row_blocks_streamed_is_the_in_memory_whole_module_merge(
     """DARE-TIES in KnOTS space, streamed a few rows of a module at a time: each block draws its
     rows of the module's mask (keyed by the module's place in the whole model), so the result is
     the in-memory merge of whole modules."""
-    from netutility_jax import _plan, _stages
+    from netutility_jax.operators import _plan, _stages
 
     kw = {"budget": 3, "method": "dare_ties", "space": "knots", "p": 0.4, "key": jax.random.key(3)}
     in_memory = nu.merge_adapters(loaded.adapters, **kw)
@@ -585,7 +585,7 @@ def test_refusals(paths, monkeypatch):
     source = peft.open_adapters(paths)
     # model-wide TIES streams in one process only: refused before any exchange, so every process
     # of a distributed run raises the same error and none waits for the others
-    from netutility_jax import _exchange, streaming
+    from netutility_jax.pipeline import _exchange, streaming
 
     monkeypatch.setattr(streaming._exchange, "current", lambda fn, d: _exchange.Exchange(1, 2))
     with pytest.raises(InputError, match=r"trim_scope='model'.* not split between 2 processes"):

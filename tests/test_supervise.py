@@ -1,4 +1,4 @@
-"""The supervisor of ``netutility merge --distributed`` (``netutility_jax._supervise``): a child
+"""The supervisor of ``netutility merge --distributed`` (``netutility_jax.pipeline._supervise``): a child
 that dies of a fatal JAX error or a signal ends in one line and exit status 2; everything the
 child writes itself (progress bars with carriage returns included) passes through unchanged;
 JAX's C++ log lines, Gloo's and stack traces are held back."""
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from netutility_jax import _supervise
+from netutility_jax.pipeline import _supervise
 
 # The lines a process of a real 2-process run printed when its peer was killed with -9
 # (jaxlib 0.8, TF_CPP_MIN_LOG_LEVEL=3), shortened.
@@ -96,8 +96,8 @@ def test_the_child_is_marked_and_keeps_the_users_log_level(monkeypatch, capfd):
 @pytest.mark.parametrize("bad", ["localhost", "localhost:0", "localhost:70000", "h:p", ":80",
                                  "[zz]:80", "no-such-host.invalid:1234"])  # fmt: skip
 def test_coordinator_addresses_are_checked_before_joining(bad):
-    from netutility_jax import _exchange
     from netutility_jax.errors import InputError
+    from netutility_jax.pipeline import _exchange
 
     with pytest.raises(InputError, match="coordinator"):
         _exchange.check_coordinator("nu.f", bad)

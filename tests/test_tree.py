@@ -369,7 +369,7 @@ def test_scale_must_be_a_finite_real_scalar(scale, err, match):
 
 
 def test_message_helpers_stay_short():
-    t = importlib.import_module("netutility_jax._tree")
+    t = importlib.import_module("netutility_jax._core.tree")
     assert t._few(["a"]) == "module 'a'"
     assert t._few([f"m{i}" for i in range(2000)]) == "modules 'm0', 'm1', 'm2' and 1997 more"
     assert len(t._few(["x" * 10**6] * 5)) < 400
@@ -398,7 +398,7 @@ def test_message_helpers_stay_short():
     ],
 )
 def test_is_real_scalar(x, ok):
-    t = importlib.import_module("netutility_jax._tree")
+    t = importlib.import_module("netutility_jax._core.tree")
     assert t.is_real_scalar(x) is ok
 
 
@@ -450,10 +450,10 @@ def test_walker_cycle_check_is_not_fooled_by_reused_ids():
     want = [(f"l{i}", "attn", n, "lora") for i in range(6) for n in ("q", "k", "v")]
     _RecycledViews.pool.clear()
     _RecycledViews.reused = 0
-    assert [p for p, _ in nu._tree.walk_modules(_RecycledViews.of(raw))] == want
+    assert [p for p, _ in nu._core.tree.walk_modules(_RecycledViews.of(raw))] == want
     assert _RecycledViews.reused > 0  # the walk did meet recycled objects (reused ids)
     assert set(nu.extract_lora(_RecycledViews.of(raw))) == {"/".join(p) for p in want}
     looped = {"a": {}}
     looped["a"]["b"] = looped  # a real cycle is still refused
     with pytest.raises(nu.InputError, match="contains itself"):
-        list(nu._tree.walk_modules(looped))
+        list(nu._core.tree.walk_modules(looped))

@@ -35,8 +35,8 @@ import netutility_jax as nu
 from netutility_jax import InputError, InputTypeError
 
 utility_mod = importlib.import_module("netutility_jax.utility")
-kernels_mod = importlib.import_module("netutility_jax._score_kernels")
-scoring_mod = importlib.import_module("netutility_jax._scoring")
+kernels_mod = importlib.import_module("netutility_jax.scoring._kernels")
+scoring_mod = importlib.import_module("netutility_jax.scoring._run")
 
 RTOL32 = 1e-4  # float32 library vs float64 reference, relative to each quantity's max
 ALPHAS = [1.0, 0.0, 0.5]
@@ -1358,9 +1358,9 @@ def test_strict_promotion_float64_x64():
 
 # ------------------------------------------------------------------ the kernel's Grams from leaves
 
-_buckets_mod = importlib.import_module("netutility_jax._buckets")
-_grams_mod = importlib.import_module("netutility_jax._grams")
-_tree_mod = importlib.import_module("netutility_jax._tree")
+_buckets_mod = importlib.import_module("netutility_jax._core.buckets")
+_grams_mod = importlib.import_module("netutility_jax.scoring._grams")
+_tree_mod = importlib.import_module("netutility_jax._core.tree")
 
 # 6 modules (one bucket, ranks differing between tasks, a task lacking one) and a second bucket
 LEAF_SPEC = (
