@@ -266,7 +266,7 @@ def run_case(
     (``keep_out``: keep a command-line case's output in ``keep_out/<case>``)."""
     import netutility_jax as nu
     from netutility_jax import peft
-    from netutility_jax.pipeline.streaming import merge_adapters_streaming
+    from netutility_jax.pipeline.streaming import bound_heap, merge_adapters_streaming
 
     if case == "floor":
         return _floor(paths)
@@ -284,6 +284,7 @@ def run_case(
         )
     else:
         method = {"stream_ta": "ta", "stream_tsv": "tsv"}[case]
+        bound_heap()  # as `netutility merge` does before it streams (the library never does)
         phases = _Phases()
         source = sw.lap(peft.open_adapters(paths))
         phases.opened(source, chunk_bytes)

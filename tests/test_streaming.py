@@ -650,3 +650,41 @@ def test_each_chunk_is_released_before_the_next_read_ties_knots(paths):
     merge_adapters_streaming(source, budget=3, method="ties", space="knots", chunk_bytes=TINY)
     assert len(source.calls) > 2
     assert source.lingering == 0
+
+
+# --------------------------------------------------------------------------- the process heap
+
+
+def test_the_streamed_merge_leaves_the_allocator_alone(paths, monkeypatch):
+    # a library does not change glibc's thresholds of the process it runs in: only
+    # `netutility merge` (and a caller who opts in) calls bound_heap, which sets them for good
+    import ctypes
+
+    calls = []
+    libc = ctypes.CDLL(None)
+
+    class _Libc:
+        def __getattr__(self, name):
+            if name == "mallopt":
+                calls.append(name)
+            return getattr(libc, name)
+
+    from netutility_jax.pipeline import streaming
+
+    streaming.bound_heap.cache_clear()
+    monkeypatch.setattr(streaming.ctypes, "CDLL", lambda *a, **k: _Libc())
+    merge_adapters_streaming(peft.open_adapters(paths), budget=4, method="ta", space="core")
+    assert calls == []
+    streaming.bound_heap()  # the opt-in does reach mallopt (so the spy above can see a call)
+    assert calls == ["mallopt"]
+    streaming.bound_heap.cache_clear()
+
+
+def test_the_command_bounds_the_heap_before_it_streams(paths, tmp_path, monkeypatch):
+    from netutility_jax.cli.entry import main
+    from netutility_jax.pipeline import streaming
+
+    calls = []
+    monkeypatch.setattr(streaming, "bound_heap", lambda: calls.append("bound"))
+    rc = main(["merge", *paths, "--out", str(tmp_path / "out"), "--budget", "4", "--no-plots"])
+    assert rc in (0, None) and calls == ["bound"]

@@ -378,7 +378,9 @@ def _merge_streaming(source: Any, job: MergeJob, key, options: dict[str, Any], b
     import netutility_jax as nu
 
     from .. import registry
+    from ..pipeline.streaming import bound_heap
 
+    bound_heap()  # (the command's choice for its process; the library never sets it)
     on_chunk = None
     if job.rank is not None and not registry.METHODS[job.method].low_rank_in(job.space):
         on_chunk = functools.partial(_truncate_dense, rank=job.rank)
@@ -408,7 +410,9 @@ def _merge_writing(tmp: pathlib.Path, source: Any, job, key, options, bar) -> An
     import netutility_jax as nu
 
     from .. import peft
+    from ..pipeline.streaming import bound_heap
 
+    bound_heap()  # (the command's choice for its process; the library never sets it)
     with peft.AdapterWriter(
         tmp / "adapter", rank=job.rank, base_config=source.config, dtype=job.dtype,
         names=source.names,

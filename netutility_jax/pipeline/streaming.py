@@ -121,7 +121,7 @@ from ._request import MergeRequest, all_candidates
 if TYPE_CHECKING:  # the peft package is imported on first use (nu.peft), not by the core
     from ..peft._lazy import AdapterSet
 
-__all__ = ["CHUNK_BYTES", "merge_adapters_streaming", "plan_chunks"]
+__all__ = ["CHUNK_BYTES", "bound_heap", "merge_adapters_streaming", "plan_chunks"]
 
 CHUNK_BYTES = 64 << 20  # every task's factors of one chunk, in the compute dtype
 
@@ -175,8 +175,11 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 @functools.cache
-def _bound_heap() -> None:
-    """glibc's allocation thresholds fixed, once per process: blocks of 1 MiB or more (a chunk's
+def bound_heap() -> None:
+    """Opt-in, for a process that streams large merges: glibc's allocation thresholds fixed,
+    once per process. :func:`nu.merge_adapters_streaming` never calls it (a library does not
+    change the allocator of the process it runs in); ``netutility merge`` does, before it
+    streams. Blocks of 1 MiB or more (a chunk's
     factors, its stacks, XLA's buffers) mapped on their own and unmapped when freed, and free
     space over 1 MiB at the top of a heap returned as it is freed. By default both thresholds
     grow with the largest block freed (up to 32 and 64 MiB), and the tops of the heaps that
@@ -331,7 +334,6 @@ class _Stream:
         """``(chunk index, names, adapters)`` of each of this process's chunks, read from disk,
         in the compute dtype (float32 factors become float64 when another task's are float64
         and x64 is on, as in memory)."""
-        _bound_heap()
         mine = [k for k in range(len(self.chunks)) if self.owner[k] == self.ex.index]
         for i, k in enumerate(mine):
             names = self.chunks[k]
