@@ -12,15 +12,16 @@ sources' commits, commands and CPU time are recorded. Writes ``results.json`` an
 
 Beside the t interval over seeds, each mean has a two-level interval (seeds and test texts
 resampled together, :func:`stats.two_level_normal`). The ``study.json`` files keep no per-text
-correctness, only each seed's delta and its bootstrap interval over texts, so the text noise of a
-seed is drawn as a normal with the standard error that interval implies, independent across the
-seeds of a replicate (:data:`RHO`: the planted study, which saved per-text correctness on the
-same suite, measures the correlation of a delta's text-resampled values across seeds at 0.0-0.2),
-with the fully correlated case (``rho = 1``) reported beside the headline as the bound; the two
-cells of the grid row share one draw (the mean of their standard errors). Energy - uniform and the two data - energy deltas are
-differences of saved deltas; their standard error is bounded by the sum of the parts' (``sd(X -
-Y) <= sd(X) + sd(Y)``), again the wider choice. Multiplicity: every delta of the tables is one
-family; each has the p-value of its t test over seeds and Holm's adjustment over the family.
+correctness, only each seed's delta and its bootstrap interval over texts, so the text noise of
+a seed is drawn as a normal with the standard error that interval implies, independent across
+the seeds of a replicate (:data:`RHO`: the planted study, which saved per-text correctness on
+the same suite, measures the correlation of a delta's text-resampled values across seeds at
+-0.04 to 0.17), with the fully correlated case (``rho = 1``) reported beside the headline as the
+bound; the two cells of the grid row share one draw (the mean of their standard errors).
+Energy - uniform and data - energy are differences of saved deltas; their standard error is
+bounded by the sum of the parts' (``sd(X - Y) <= sd(X) + sd(Y)``), the wider choice.
+Multiplicity: every delta of the tables is one family; each has the p-value of its t test over
+seeds and Holm's adjustment over the family.
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ def markdown(res: Mapping[str, Any]) -> str:
         "keep no per-text correctness: each seed's text noise is a normal with the standard "
         "error its saved bootstrap interval implies, independent across seeds (the planted "
         "study, with per-text correctness on the same suite, measures a correlation of "
-        "0.0-0.2), shared by the two cells of the grid, and for energy - uniform and data - "
+        "-0.04 to 0.17), shared by the two cells of the grid, and for energy - uniform and data - "
         "energy (differences of saved deltas) the sum of the parts' standard errors (an upper "
         "bound). With six "
         "to eight seeds a percentile bootstrap over seeds has no small-sample correction, so "
