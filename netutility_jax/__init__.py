@@ -28,6 +28,8 @@ from .allocation.analysis import retention_by_rank as retention_by_rank
 from .errors import InputError as InputError
 from .errors import InputTypeError as InputTypeError
 from .errors import NetUtilityError as NetUtilityError
+from .folders import MergeConfig as MergeConfig
+from .folders import merge_folders as merge_folders
 from .operators.stacked import StackedAdapters as StackedAdapters
 from .operators.stacked import stack_adapters as stack_adapters
 from .pipeline.diagnostics import Diagnostics as Diagnostics
@@ -113,6 +115,7 @@ __all__ = [
     "InputMoments",
     "InputTypeError",
     "LoraSVD",
+    "MergeConfig",
     "ModuleScores",
     "NetUtilityError",
     "Plan",
@@ -135,6 +138,7 @@ __all__ = [
     "merge",
     "merge_adapters",
     "merge_adapters_streaming",
+    "merge_folders",
     "module_mesh",
     "module_update",
     "nnx",

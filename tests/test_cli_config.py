@@ -244,14 +244,16 @@ def test_config_keys_are_the_flags_without_dashes(folders, tmp_path):
         assert (
             args.alpha == 0.0 and args.chunk_mb == 1.0 and args.names == ["task0", "task1", "task2"]
         )
-        rec = config.recorded_config(args, {"variant": "original"})
+        from netutility_jax.cli.job import settings_of
+
+        rec = settings_of(args).to_dict()
         assert rec["knots-variant"] == "original" and rec["serving-ranks"] == [8, 16]
 
 
-def test_the_merge_job_is_the_resolved_flags_frozen(folders, tmp_path):
-    """``MergeJob.of`` freezes every ``merge`` flag (the registry's option flags as attributes
-    too) once ``--config`` is resolved; nothing can change it afterwards, and it gives the same
-    method options and recorded configuration as the namespace it was made from."""
+def test_the_merge_job_is_the_resolved_flags_as_one_config(folders, tmp_path):
+    """``MergeJob.of`` turns the resolved flags into the merge's ``nu.MergeConfig`` (one field
+    per flag; the registry's option flags in its explicit ``method_options``, not attributes)
+    and the arguments about this run; nothing can change it afterwards."""
     import dataclasses
 
     from netutility_jax.cli import config
@@ -263,8 +265,10 @@ def test_the_merge_job_is_the_resolved_flags_frozen(folders, tmp_path):
     # (--allow-changed is spent by config.resolve, which checks a replay's inputs before the
     # job is made; no step after it reads the flag)
     dests = {a.dest for a in sub._actions} - {"help", "allow_changed"}
-    fields = {f.name for f in dataclasses.fields(MergeJob)} - {"option_flags", "argv", "names"}
-    assert fields | set(option_names()) == dests and not fields & set(option_names())
+    run = {f.name for f in dataclasses.fields(MergeJob)} - {"settings", "argv", "names"}
+    settings = {f.name for f in dataclasses.fields(nu.MergeConfig)} - {"method_options", "names"}
+    assert run | settings | set(option_names()) == dests and not run & settings
+    assert not (run | settings) & set(option_names())
 
     argv = ["merge", *folders, "--budget", "2", "--method", "ties", "--density", "0.4",
             "--out", str(tmp_path / "o")]  # fmt: skip
@@ -273,15 +277,18 @@ def test_the_merge_job_is_the_resolved_flags_frozen(folders, tmp_path):
     config.resolve(args)
     job = MergeJob.of(args)
     assert job.adapters == tuple(folders) and job.names == tuple(args.names)
-    assert job.argv == tuple(argv) and job.density == 0.4 and job.isotropize is False
-    assert cli.method_options(job) == cli.method_options(args) == {"density": 0.4}
-    assert config.recorded_config(job, {"density": 0.4}) == config.recorded_config(
-        args, {"density": 0.4}
+    assert job.settings.names == tuple(args.names)
+    assert job.argv == tuple(argv) and job.settings.method_options == {"density": 0.4}
+    assert cli.method_options(args) == {"density": 0.4}
+    assert job.settings == nu.MergeConfig(
+        method="ties", budget=2, names=tuple(args.names), method_options={"density": 0.4}
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         job.budget = 3  # type: ignore[misc]
-    with pytest.raises(AttributeError, match="no_such_flag"):
-        _ = job.no_such_flag
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.settings.budget = 3  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="density"):
+        _ = job.density  # (no flag is served as an attribute)
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ import netutility_jax as nu
 from netutility_jax import cli
 from netutility_jax.cli import config
 from netutility_jax.errors import FileAccessError, InputError, MissingFileError, NetUtilityError
+from netutility_jax.folders import _digests  # (where the command's digests are taken)
 
 pytest.importorskip("safetensors")
 
@@ -765,16 +766,16 @@ def test_compressed_and_fortran_order_moments_still_load_and_max_bytes_bounds_th
 # ------------------------------------------------------------- each input file hashed once a run
 
 
-SETTLE_NS = 200_000_000  # (config._SETTLE_NS here, so that the files settle in a moment)
+SETTLE_NS = 200_000_000  # (_digests._SETTLE_NS here, so that the files settle in a moment)
 
 
 def _settled_copies(folders, root: pathlib.Path, monkeypatch, extra=()) -> list[str]:
     """Copies of the adapter folders (and the files ``extra``) last modified an hour ago and
     changed over ``SETTLE_NS`` ago: a file written or changed just before it is hashed is hashed
-    again each time (``config._SETTLE_NS``)."""
+    again each time (``_digests._SETTLE_NS``)."""
     import shutil
 
-    monkeypatch.setattr(config, "_SETTLE_NS", SETTLE_NS)
+    monkeypatch.setattr(_digests, "_SETTLE_NS", SETTLE_NS)
     out = []
     old = time.time() - 3600
     for f in folders:
@@ -812,7 +813,7 @@ def test_a_merge_and_its_replay_hash_each_adapter_file_once(folders, tmp_path, c
     copies = _settled_copies(folders, tmp_path, monkeypatch)
     files = sorted(str(p) for c in copies for p in pathlib.Path(c).iterdir())
     assert len(files) == 2 * len(copies)
-    counts = _count_opens(monkeypatch, config, copies)
+    counts = _count_opens(monkeypatch, _digests, copies)
     out = tmp_path / "m"
     rc, _, err = _run(capsys, "merge", *copies, "--budget", "2", "--no-plots", "--quiet",
                       "--out", str(out))  # fmt: skip
@@ -838,7 +839,7 @@ def test_a_moments_file_is_hashed_once_a_run(folders, tmp_path, capsys, monkeypa
     np.savez(mfile, **{n: x.T @ x / 50 for n in NAMES})
     copies = _settled_copies(folders, tmp_path, monkeypatch, extra=[mfile])
     data = mfile.read_bytes()
-    opens = _count_opens(monkeypatch, config, [str(tmp_path)])
+    opens = _count_opens(monkeypatch, _digests, [str(tmp_path)])
     real = hashlib.sha256
     of_bytes = []
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import netutility_jax as nu
-from netutility_jax.cli.merge import _merge_settings
 from netutility_jax.errors import InputError, InputTypeError
+from netutility_jax.folders import merge_settings
 from netutility_jax.pipeline import _request
 from netutility_jax.pipeline.planning import plan
 
@@ -71,7 +71,7 @@ def test_the_commands_merge_arguments_are_the_requests_settings():
         lam="auto", keep_nonpositive=False, coef=1.0, weights=None, min_share=None, devices=1,
         interference="overlap",
     )  # fmt: skip
-    got = _merge_settings(job, None)
+    got = merge_settings(job, None)
     # input_moments comes from the job's file (loaded apart, once the adapters are known)
     assert set(got) == (set(_request.MERGE_DEFAULTS) - {"input_moments"}) | {"mesh"}
     assert got["positive_only"] is True

@@ -7,7 +7,7 @@ import sys
 
 from ..errors import NetUtilityError
 
-__all__ = ["PROG", "UsageError", "check_extras", "say", "shown"]
+__all__ = ["PROG", "UsageError", "check_extras", "flag", "say", "shown"]
 
 PROG = "netutility"
 
@@ -19,6 +19,11 @@ class UsageError(NetUtilityError):
 def shown(text: str) -> str:
     """``repr(text)``, cut to a readable length (argparse prints it inside one line)."""
     return repr(text) if len(text) <= 60 else repr(text[:60]) + f"... ({len(text)} characters)"
+
+
+def flag(field: str) -> str:
+    """The flag of a setting (a :class:`nu.MergeConfig` field): ``chunk_mb`` -> ``--chunk-mb``."""
+    return "--" + field.replace("_", "-")
 
 
 def say(command: str, kind: str, text: str) -> None:

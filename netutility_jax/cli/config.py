@@ -13,7 +13,8 @@ the file; adapters are given in one place, the file or the command line.
 
 A merge report (``netutility_report.json``, a file with ``netutility_version``) is a config too:
 its ``config`` key holds the resolved configuration of that merge (absolute paths, every setting
-but ``out``, each adapter's digest), which :func:`recorded_config` writes; the rest of the report
+but ``out``, each adapter's digest: ``nu.MergeConfig.to_dict`` beside the adapters), which
+:func:`nu.merge_folders` writes; the rest of the report
 is ignored. Replaying it with a new ``--out`` gives the same adapter files bit for bit from the
 same inputs; a replay whose adapters or moments files differ from the digests recorded, or that
 runs under another library version, is refused unless ``--allow-changed`` (:func:`_check_replay`).
@@ -35,10 +36,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..folders import adapter_digest, clear_digests, file_digest
 from .args import WEIGHT_RANGE, add_merge_arguments, join_negative_values, weight_ok
 from .common import UsageError, shown
 
-__all__ = ["CONFIG_KEYS", "apply_config", "given_flags", "recorded_config", "resolve"]
+__all__ = ["CONFIG_KEYS", "apply_config", "given_flags", "resolve", "taken_digests"]
 
 # the flags that are about this run, not the merge: given on the command line only, not recorded
 _RUN_ONLY = {
@@ -639,99 +641,18 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
-ADAPTER_FILES = re.compile(r"adapter_config\.json|adapter_model.*")
-"""The files of an adapter folder that its digest covers (:func:`adapter_digest`): its config
-and every weights file (safetensors, shards and their index, the pickled ``.bin``)."""
-
-
 _DIGESTS: dict[str, str] = {}
 """Each adapter folder's digest as :func:`resolve` took it before the merge read the folder (by
-absolute path; this process's latest merge): :func:`recorded_config` takes it again once the
+absolute path; this process's latest merge): :func:`nu.merge_folders` takes it again once the
 merge is done and refuses a folder that changed in between, so that the report's digest is of
 the files the merge read (without reading them again where their identities show no change:
-:func:`adapter_digest`)."""
-
-_SETTLE_NS = 2 * 10**9
-"""A file is hashed once per run (:func:`adapter_digest`, :func:`_digest`): its digest is kept
-with its identity (:func:`file_identity`) and taken again only if that changed. A file modified
-or changed less than this long before it was hashed is hashed again each time: its times might
-not change on a second write within the file system's timestamp granularity (git's "racy"
-entries)."""
-
-_SEEN: dict[Any, tuple[Any, str]] = {}
-"""This run's digests (cleared by :func:`resolve`): by absolute path of an adapter folder or
-a moments file, its files' identities and the SHA-256 taken from them."""
+:func:`nu.folders.adapter_digest`)."""
 
 
-def file_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
-    """What says a file is the one hashed before: device, inode, size, modification and change
-    times (ns). A write changes the modification time, a rename-over the inode, ``touch -d``
-    or ``cp -p`` over it the change time."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _settled(ident: tuple[int, int, int, int, int], start_ns: int) -> bool:
-    """Whether a file of identity ``ident`` hashed from ``start_ns`` on may be trusted unchanged
-    while its identity is: modified and changed :data:`_SETTLE_NS` before."""
-    return max(ident[3], ident[4]) < start_ns - _SETTLE_NS
-
-
-def seen_digest(path: str, ident: tuple[int, int, int, int, int]) -> str | None:
-    """The SHA-256 this run took of the file at ``path`` (a moments file) if it still has the
-    identity ``ident`` it had then and was settled (:func:`_settled`); else None."""
-    hit = _SEEN.get(("file", os.path.abspath(path)))
-    return hit[1] if hit is not None and hit[0] == ident else None
-
-
-def adapter_digest(folder: str, what: str) -> str:
-    """The SHA-256 of an adapter folder's files as they are now (:data:`ADAPTER_FILES`, in
-    name order; each file's name, size and bytes), which a merge report records per adapter so
-    that a replay notices an adapter changed since (:func:`_check_replay`).
-
-    The files are read once per run: a folder whose files all have the identities
-    (:func:`file_identity`) they had when this run hashed them, and had not just been modified
-    then (:data:`_SETTLE_NS`), gets that digest again without being read.
-
-    Raises:
-      MissingFileError, FileAccessError: the folder or a file of it cannot be read (``what``
-        names it).
-    """
-    import hashlib
-    import time
-
-    from ..errors import FileAccessError, MissingFileError
-
-    try:
-        files = sorted(
-            e.name for e in os.scandir(folder) if ADAPTER_FILES.fullmatch(e.name) and e.is_file()
-        )
-        now = tuple(file_identity(os.stat(os.path.join(folder, n))) for n in files)
-        key = ("folder", os.path.abspath(folder))
-        hit = _SEEN.get(key)
-        if hit is not None and hit[0] == (tuple(files), now):
-            return hit[1]
-        start = time.time_ns()
-        h = hashlib.sha256()
-        read = []
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                before = file_identity(os.fstat(f.fileno()))
-                h.update(f"{name}\0{before[2]}\0".encode())
-                while block := f.read(1 << 24):
-                    h.update(block)
-                after = file_identity(os.fstat(f.fileno()))
-            read.append(before if before == after else None)
-    except (FileNotFoundError, NotADirectoryError):
-        raise MissingFileError(f"{what}: {folder} is gone.") from None
-    except PermissionError:
-        raise FileAccessError(f"{what}: {folder} cannot be read (permission denied).") from None
-    except OSError as e:
-        raise FileAccessError(f"{what}: {folder} cannot be read ({e.strerror or e}).") from None
-    digest = h.hexdigest()
-    _SEEN.pop(key, None)
-    if tuple(read) == now and all(_settled(i, start) for i in now):
-        _SEEN[key] = ((tuple(files), now), digest)
-    return digest
+def taken_digests(paths: list[str] | tuple[str, ...]) -> list[str | None]:
+    """The digests :func:`resolve` took of the adapter folders ``paths`` (None where it could
+    not: the merge's own checks refuse such a folder)."""
+    return [_DIGESTS.get(os.path.abspath(p)) for p in paths]
 
 
 def _check_replay(args: argparse.Namespace) -> dict[str, str]:
@@ -780,7 +701,7 @@ def resolve(args: argparse.Namespace) -> None:
     from ..pipeline.planning import task_names
 
     args.names = getattr(args, "names", None)
-    _SEEN.clear()  # (each run hashes each file once, afresh)
+    clear_digests()  # (each run hashes each file once, afresh)
     if getattr(args, "config", None) is not None:
         apply_config(args, given_flags(_after(args)))
     if not args.adapters:
@@ -860,22 +781,12 @@ _MOMENTS_SUFFIXES = (".safetensors", ".npz")
 
 
 def _digest(path: str, what: str) -> str:
-    """The SHA-256 of the file at ``path`` (read in blocks), its errors in the flag's terms."""
-    import hashlib
-    import time
-
+    """The SHA-256 of the file at ``path`` (:func:`nu.folders.file_digest`), its errors in the
+    flag's terms."""
     from ..errors import FileAccessError, MissingFileError
 
-    h = hashlib.sha256()
-    key = ("file", os.path.abspath(path))
-    _SEEN.pop(key, None)
     try:
-        start = time.time_ns()
-        with open(path, "rb") as f:
-            before = file_identity(os.fstat(f.fileno()))
-            while block := f.read(1 << 24):
-                h.update(block)
-            after = file_identity(os.fstat(f.fileno()))
+        return file_digest(path)
     except (FileNotFoundError, NotADirectoryError):
         raise MissingFileError(
             f"{what}: no such file; give one moments file per adapter, in order "
@@ -887,10 +798,6 @@ def _digest(path: str, what: str) -> str:
         raise FileAccessError(f"{what}: cannot be read (permission denied).") from None
     except OSError as e:
         raise FileAccessError(f"{what}: cannot be read ({e.strerror or e}).") from None
-    digest = h.hexdigest()
-    if before == after and _settled(before, start):  # (:func:`.load.load_moments` reads it
-        _SEEN[key] = (before, digest)  # again and need not hash it again: :func:`seen_digest`)
-    return digest
 
 
 def _check_moments(args: argparse.Namespace) -> None:
@@ -955,54 +862,3 @@ def _after(args: argparse.Namespace) -> list[str]:
     it), or none."""
     argv = list(getattr(args, "argv", None) or [])
     return argv[argv.index("merge") + 1 :] if "merge" in argv else argv
-
-
-def recorded_config(
-    args: argparse.Namespace, options: Mapping[str, Any], *, digests: bool = False
-) -> dict[str, Any]:
-    """The resolved configuration of this merge, for the report: every setting (the merge's
-    flags, spelled as the flags without dashes; ``options``: the method's and space's options
-    with their defaults) and the adapters with absolute paths, weights and names, so that
-    ``--config`` of it with a new ``--out`` replays the merge (``out`` is not recorded: the
-    output folder of a replay is new). An adapter read from a snapshot folder of the Hugging
-    Face Hub cache also records its Hub id and commit (``hub``); with ``digests``, each adapter
-    records the SHA-256 of its files (``sha256``, :func:`adapter_digest`), which a replay
-    checks; ``input-moments`` records each file's absolute path and SHA-256 (None for a task
-    without data)."""
-    from .. import hub
-
-    weights = args.weights or (1.0,) * len(args.adapters)
-    adapters = []
-    for p, w, n in zip(args.adapters, weights, args.names, strict=True):
-        item: dict[str, Any] = {"path": os.path.abspath(p), "weight": float(w), "name": n}
-        snapshot = hub.from_snapshot(item["path"])
-        if snapshot is not None:  # (a replay reads the folder, or id@commit if it is gone)
-            item["hub"] = {"id": snapshot.repo_id, "commit": snapshot.commit}
-        if digests:
-            item["sha256"] = sha = adapter_digest(item["path"], f"adapter {n}")
-            before = _DIGESTS.get(item["path"])
-            if before is not None and before != sha:
-                raise UsageError(
-                    f"adapter {n} at {item['path']}: its files changed while the merge ran "
-                    f"(SHA-256 {before[:16]}... before, {sha[:16]}... after); nothing was "
-                    "written: run the merge again once they are settled."
-                )
-        adapters.append(item)
-    out: dict[str, Any] = {"adapters": adapters}
-    for dest in CONFIG_KEYS:
-        if dest in ("weights", "out"):  # (the weights are the adapters'; a replay needs --out)
-            continue
-        value = getattr(args, dest, None)
-        if value is None:
-            continue
-        if dest == "input_moments":
-            value = [
-                None if f is None else {"path": os.path.abspath(f.path), "sha256": f.sha256}
-                for f in value
-            ]
-        if isinstance(value, tuple):
-            value = list(value)
-        out[_spelling(dest)] = value
-    for name, value in options.items():
-        out[_spelling(name)] = value
-    return out

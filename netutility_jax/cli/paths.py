@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import secrets
 import shutil
 import stat
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +28,7 @@ from typing import Any, NamedTuple
 from .._core import io as _io
 from .._core.checks import size_text
 from ..errors import FileAccessError, InputError, MissingFileError, NetUtilityError
+from ..folders import FACTOR_KEY, STAGING_TAG, staging_name
 from .common import PROG, UsageError, say, shown
 
 __all__ = [
@@ -48,12 +48,8 @@ __all__ = [
     "staging_dir",
     "staging_name",
     "stat_of",
-    "write_error",
     "write_folder",
 ]
-
-
-STAGING_TAG = "netutility-staging"
 
 
 def _user_path(text: str, what: str) -> pathlib.Path:
@@ -363,9 +359,6 @@ OUT_MARGIN = 16 << 20
 """Bytes added to the adapter's estimated size for the report, the plots and file headers."""
 
 
-FACTOR_KEY = re.compile(r"\.lora_([AB])(?:\.[^.]+)?\.weight$")
-
-
 def estimate_out_bytes(
     shapes: Sequence[Mapping[str, Sequence[int]]],
     *,
@@ -439,19 +432,6 @@ _STAGING = re.compile(
 )
 
 
-def staging_name(out: pathlib.Path) -> pathlib.Path:
-    """A fresh path beside ``out`` to assemble the merge in:
-    ``.<name>.netutility-staging-<host>-<pid>-<8 hex digits>`` (not created)."""
-    name = out.name
-    while len(os.fsencode(name)) > 100:  # (room for the suffix within 255 bytes)
-        name = name[:-1]
-    prefix = f".{name}.{STAGING_TAG}-{_io.host_tag()}-{os.getpid()}-"
-    while True:
-        path = out.parent / f"{prefix}{secrets.token_hex(4)}"
-        if not os.path.lexists(path):
-            return path
-
-
 def staging_dir(out: pathlib.Path) -> pathlib.Path:
     """Create the folder the merge is assembled in, beside ``out`` (:func:`staging_name`)."""
     while True:
@@ -471,15 +451,6 @@ def clean_stale_staging(folder: pathlib.Path) -> list[pathlib.Path]:
     folder is never touched (a reused pid keeps a stale folder, never the reverse).
     """
     return _io.remove_stale(folder, ((_STAGING, True),))
-
-
-def write_error(out: str, e: OSError) -> FileAccessError:
-    """A failed write of ``--out`` as the library's error (exit code 2), naming the file."""
-    where = f" at {e.filename}" if getattr(e, "filename", None) else ""
-    return FileAccessError(
-        f"--out {out}: writing the result failed{where} ({e.strerror or e}); nothing was written. "
-        "Check the free space and permissions, or choose another --out."
-    )
 
 
 def clean_staging(folder: pathlib.Path, command: str = "merge") -> None:
