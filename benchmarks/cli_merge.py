@@ -217,7 +217,7 @@ t3 = time.perf_counter()
 import collections, functools, json
 from jax._src import monitoring
 from netutility_jax import peft, streaming
-from netutility_jax.cli import merge as cm, output as co
+from netutility_jax.folders import _run as fr, _write as fw
 events, counts = collections.defaultdict(float), collections.Counter()
 def listen(name, secs, **kw):
     events[name] += secs
@@ -234,16 +234,16 @@ def wrap(owner, attr, key):
         finally:
             spent[key] += time.perf_counter() - s
     setattr(owner, attr, timed)
-wrap(cm, "open_streamed", "open the adapters' headers")
+wrap(fr, "read_adapters", "open the adapters' headers")
 wrap(streaming, "_score_pass", "scoring pass")
-wrap(cm, "_mesh_of", "devices (the backend starts)")
+wrap(fr, "mesh_of", "devices (the backend starts)")
 wrap(streaming, "_global_scores", "lambda and utilities")
-from netutility_jax import _min_share
+from netutility_jax.allocation import _min_share
 wrap(_min_share, "select", "allocation")
 wrap(streaming, "_merge_pass", "merge pass")
 wrap(streaming, "_merge_pass_model_wide", "merge pass")
-wrap(co, "write_extras", "report, model card and plots")
-wrap(co, "write_plots", "plots")
+wrap(fw, "write_extras", "report, model card and plots")
+wrap(fw, "write_plots", "plots")
 wrap(peft.AdapterSet, "read", "read chunks")
 wrap(peft.AdapterWriter, "add", "write chunks")
 wrap(streaming.merging, "run_plan", "merge kernels")
