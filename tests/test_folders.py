@@ -145,9 +145,15 @@ def test_a_yaml_config_is_the_merge_config(folders, tmp_path):
     args.argv = argv
     config.resolve(args)
     job = MergeJob.of(args)
-    want = nu.MergeConfig.from_dict({**data, "serving-ranks": [8, 16]})
+    want = nu.MergeConfig.from_dict(data)
     assert job.settings == dataclasses.replace(want, names=("task0", "second", "task2"))
     assert want.weights == (1.0, 0.5, 1.0) and want.names == (None, "second", None)
+    assert want.serving_ranks == (8, 16)
+    # a null is the field's default; 'none' a task without moments data, as in a --config file
+    assert nu.MergeConfig.from_dict({"budget": 2, "dtype": None}).dtype == "float32"
+    assert nu.MergeConfig.from_dict(
+        {"budget": 2, "input-moments": ["m.npz", "none"]}
+    ).input_moments == ("m.npz", None)
     assert want.method_options == {"density": 0.3, "variant": "original"}
 
 
@@ -162,7 +168,8 @@ def test_a_yaml_config_is_the_merge_config(folders, tmp_path):
         ({"budget": "2"}, InputTypeError, "budget="),
         ({"budget": 2, "chunk-mb": "big"}, InputTypeError, "chunk_mb="),
         ({"budget": 2, "in_memory": 1}, InputTypeError, "in_memory="),
-        ({"budget": 2, "weights": "1,2"}, InputTypeError, "weights="),
+        ({"budget": 2, "weights": "1,x"}, InputError, "weights="),
+        ({"budget": 2, "weights": {"a": 1}}, InputTypeError, "weights="),
         ({"budget": 2, "density": 0.5}, InputError, "method_options['density']"),
         ({"budget": 2, "method": "ties", "density": 2.0}, InputError, "density"),
         ({"budget": 2, "method": "ties", "method_options": {"p": 0.5}}, InputError, "'p'"),

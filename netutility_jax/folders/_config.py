@@ -357,7 +357,8 @@ class MergeConfig:
                     "nu.merge_folders(paths, out, config), not a setting."
                 )
             elif target in fields:
-                kwargs[target] = _from_plain(target, value)
+                if value is not None:  # (None: the field's default, as in a --config file)
+                    kwargs[target] = _from_plain(target, value)
             else:
                 raise InputError(
                     f"{_FN}.from_dict: unknown key {key!r}; a config has "
@@ -383,8 +384,22 @@ _ORDER = (
 """:meth:`MergeConfig.to_dict`'s key order: the command's flags' (as reports were written)."""
 
 
+def _numbers(field: str, text: str, kind: type) -> tuple:
+    """A comma string of numbers (``--weights 1,0.5`` and ``--serving-ranks 8,16`` as a
+    ``--config`` file may spell them) as a tuple."""
+    try:
+        return tuple(kind(p.strip()) for p in text.split(","))
+    except ValueError:
+        raise _bad(field, text, "a list of numbers (or a comma string of them)") from None
+
+
 def _from_plain(field: str, value: Any) -> Any:
-    """A plain value (lists from JSON or YAML) as the field takes it."""
+    """A plain value (lists from JSON or YAML; the comma strings and ``'none'`` moments entries
+    that ``--config`` files may hold) as the field takes it."""
+    if field == "weights" and isinstance(value, str):
+        return _numbers(field, value, float)
+    if field == "serving_ranks" and isinstance(value, str) and value != "vllm":
+        return _numbers(field, value, int)
     if field in ("weights", "names", "serving_ranks") and isinstance(value, list):
         return tuple(value)
     if field == "input_moments" and isinstance(value, list):
@@ -396,7 +411,7 @@ def _from_plain(field: str, value: Any) -> Any:
                 sha = m.get("sha256")
                 out.append(m["path"] if sha is None else MomentsFile(m["path"], sha))
             else:
-                out.append(m)
+                out.append(None if m == "none" else m)  # (``none``: that task data-free)
         return tuple(out)
     return value
 
