@@ -283,7 +283,7 @@ def _round_trip(cfg: nu.MergeConfig, form: str) -> None:
         yaml = pytest.importorskip("yaml")
         plain = yaml.safe_load(yaml.safe_dump(plain))
     back = nu.MergeConfig.from_dict(plain)
-    assert back == cfg
+    assert back == cfg and hash(back) == hash(cfg)
     assert back.to_dict() == cfg.to_dict()
 
 

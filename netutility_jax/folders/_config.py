@@ -170,6 +170,14 @@ class MergeConfig:
         for name, value in self._checked().items():
             object.__setattr__(self, name, value)
 
+    def __hash__(self) -> int:
+        # (the dataclass's own hash would fail on the read-only mapping of method_options)
+        return hash(tuple(
+            tuple(sorted(self.method_options.items())) if f.name == "method_options"
+            else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+        ))  # fmt: skip
+
     def _checked(self) -> dict[str, Any]:
         """Every field checked, in its normal form (floats, tuples, a read-only mapping)."""
         c: dict[str, Any] = {}
