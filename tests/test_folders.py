@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import warnings
 
 import hypothesis
 import hypothesis.strategies as st
@@ -215,6 +216,33 @@ def test_merge_folders_refuses_bad_calls(folders, tmp_path):
     with pytest.raises(PathExistsError, match="out"):
         nu.merge_folders(folders, tmp_path / "there", cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["there"]  # nothing else written
+
+
+def test_refusals_and_notes_name_the_settings_in_python_terms(folders, tmp_path):
+    """A Python caller reads the config's field names where the command reads its flags; the
+    notes come as UserWarnings from the caller's line, or to ``say``."""
+    lacking = tmp_path / "lacking"
+    nu.peft.save_adapter(
+        {n: m for n, m in _adapter(7, 2).items() if "q_proj" in n}, lacking, base_config=BASE
+    )
+    paths = [folders[0], str(lacking)]
+    with pytest.raises(InputError, match=r"^strict_targets: the adapters target different"):
+        nu.merge_folders(paths, tmp_path / "s", nu.MergeConfig(budget=2, strict_targets=True))
+    with pytest.raises(nu.errors.MissingFileError, match=r"^input_moments .*none.npz: no such"):
+        nu.merge_folders(paths, tmp_path / "m", nu.MergeConfig(
+            budget=2, no_plots=True, input_moments=(str(tmp_path / "none.npz"), None)),
+            say=lambda *a: None)  # fmt: skip
+    said = []
+    cfg = nu.MergeConfig(budget=2, no_plots=True, allocation="uniform")
+    nu.merge_folders(paths, tmp_path / "said", cfg, say=lambda *a: said.append(a))
+    assert said[0][0] == "note" and "(strict_targets refuses this)" in said[0][1]
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        nu.merge_folders(paths, tmp_path / "warned", cfg)
+    assert [r.category for r in rec] == [UserWarning] * 2
+    assert "lacking lacks 2 of 4 modules" in str(rec[1].message)
+    assert {r.filename for r in rec} == {__file__}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lacking", "said", "warned"]
 
 
 # ---------------------------------------------------------------- the plain form round-trips

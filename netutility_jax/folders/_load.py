@@ -186,10 +186,10 @@ def _task_modules(adapters: Any, m_tasks: int) -> list[dict[str, int]]:
     ]
 
 
-def _read_bytes(path: str, what: str) -> tuple[bytes, str | None]:
+def _read_bytes(path: str, what: str, *, checked: bool) -> tuple[bytes, str | None]:
     """The bytes of the file at ``path`` and the SHA-256 taken of it this run if the file kept
     the identity it had then while it was read (:func:`seen_digest`: it is not hashed twice),
-    or None: the caller hashes the bytes."""
+    or None: the caller hashes the bytes. ``checked``: the caller saw the file before."""
     try:
         with open(path, "rb") as f:
             before = file_identity(os.fstat(f.fileno()))
@@ -197,7 +197,12 @@ def _read_bytes(path: str, what: str) -> tuple[bytes, str | None]:
             same = before == file_identity(os.fstat(f.fileno()))
             return data, (seen_digest(path, before) if same else None)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise MissingFileError(f"{what}: disappeared after it was checked.") from None
+        if checked:
+            raise MissingFileError(f"{what}: disappeared after it was checked.") from None
+        raise MissingFileError(
+            f"{what}: no such file; give one moments file per adapter, in order "
+            "(nu.moments.save_input_moments writes them; None for a task without data)."
+        ) from None
     except OSError as e:
         raise FileAccessError(f"{what}: cannot be read ({e.strerror or e}).") from None
 
@@ -234,7 +239,7 @@ def read_moments(
         path = entry.path if isinstance(entry, MomentsFile) else entry
         what = f"{spell('input_moments')} {path}"
         name = names[i]
-        data, sha = _read_bytes(path, what)
+        data, sha = _read_bytes(path, what, checked=isinstance(entry, MomentsFile))
         sha = sha or hashlib.sha256(data).hexdigest()
         if isinstance(entry, MomentsFile) and sha != entry.sha256:
             raise InputError(f"{what}: changed while the merge ran; run it again.")

@@ -174,7 +174,7 @@ def _start(paths, out, config, progress, say, terms, exchange, keep_shards, dige
 
 
 def _warn(kind: str, text: str) -> None:
-    warnings.warn(f"nu.merge_folders: {kind}: {text}", UserWarning, stacklevel=4)
+    warnings.warn(f"nu.merge_folders: {kind}: {text}", UserWarning, stacklevel=5)  # (the caller)
 
 
 def _read(run: Run, *, streamed: bool):
