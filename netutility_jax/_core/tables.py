@@ -25,7 +25,7 @@ import numpy as np
 
 from .host import put_views
 
-__all__ = ["MaskTable", "ScoreTable"]
+__all__ = ["MaskTable", "ScoreTable", "StackedMasks"]
 
 
 class ScoreTable(MutableMapping):
@@ -65,6 +65,16 @@ class ScoreTable(MutableMapping):
         return self._fixed
 
     def _values(self) -> dict[str, Any]:
+        if self._done is None and any(isinstance(s, jax.core.Tracer) for _, s in self._parts):
+            # inside a transformation: each module's fields sliced in the graph, and only if
+            # asked for (the library's stages read the stacked parts)
+            out = dict(self._fixed)
+            for names, stats in self._parts:
+                out.update(
+                    (nm, self._make(*(stats[i, k] for k in range(4))))
+                    for i, nm in enumerate(names)
+                )
+            self._done = out
         if self._done is None:
             out = dict(self._fixed)
             host = jax.device_get([s for _, s in self._parts])  # one read per bucket
@@ -167,6 +177,79 @@ class MaskTable(MutableMapping):
         return f"MaskTable({len(self._host)} modules)"
 
 
+class StackedMasks(MutableMapping):
+    """``{name: bool (M, r_max)}`` masks of :func:`nu.allocate` inside a transformation, kept
+    stacked per bucket as the allocation computed them: the merge reads the blocks
+    (:meth:`blocks`), and a module's mask is sliced in the graph only when asked for, so the
+    traced program does not grow by a slice, a stack and a check per module.
+
+    Args:
+      names: every module name, in the adapters' order.
+      blocks: per live bucket ``(names, masks (n, M, r_max))``, traced bool arrays.
+      fixed: the masks of the modules without a live bucket (all False).
+    """
+
+    __slots__ = ("_blocks", "_done", "_fixed", "_names", "pristine")
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        blocks: Sequence[tuple[Sequence[str], Any]],
+        fixed: Mapping[str, Any],
+    ):
+        self._names = tuple(names)
+        self._blocks = tuple((tuple(n), m) for n, m in blocks)
+        self._fixed = dict(fixed)
+        self._done: dict[str, Any] | None = None
+        self.pristine = True  # as nu.allocate made it (no entry set or deleted)
+
+    def blocks(self) -> dict[tuple[str, ...], Any]:
+        """``{bucket's names: masks (n, M, r_max)}``, as the allocation made them."""
+        return dict(self._blocks)
+
+    @property
+    def fixed(self) -> dict[str, Any]:
+        """The modules without a live bucket, ``{name: all-False mask}``."""
+        return self._fixed
+
+    def _values(self) -> dict[str, Any]:
+        if self._done is None:
+            out = dict(self._fixed)
+            for names, m in self._blocks:
+                out.update((nm, m[i]) for i, nm in enumerate(names))
+            self._done = {nm: out[nm] for nm in self._names}
+        return self._done
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._values()[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        values = self._values()
+        if name not in values:
+            self._names = (*self._names, name)
+        values[name] = value
+        self.pristine = False
+
+    def __delitem__(self, name: str) -> None:
+        del self._values()[name]
+        self._names = tuple(n for n in self._names if n != name)
+        self.pristine = False
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __repr__(self) -> str:
+        return f"StackedMasks({len(self._names)} modules)"
+
+
 def _flatten_table(t: Mapping) -> tuple[list, tuple[str, ...]]:
     names = tuple(t)
     return [t[n] for n in names], names
@@ -176,5 +259,5 @@ def _unflatten_table(names: tuple[str, ...], values: Sequence[Any]) -> dict[str,
     return dict(zip(names, values, strict=True))
 
 
-for _cls in (ScoreTable, MaskTable):
+for _cls in (ScoreTable, MaskTable, StackedMasks):
     jax.tree_util.register_pytree_node(_cls, _flatten_table, _unflatten_table)

@@ -14,7 +14,7 @@ import numpy as np
 from .._core.checks import brief, check_bool, check_budget, check_choice, few, short
 from .._core.executables import kernel
 from .._core.host import put_views
-from .._core.tables import MaskTable, ScoreTable
+from .._core.tables import MaskTable, ScoreTable, StackedMasks
 from ..errors import InputError, InputTypeError
 from ..scoring.utility import Scores
 
@@ -116,10 +116,11 @@ def _select(utils, sigmas, *, budget, scope, positive_only):
 
 
 @functools.lru_cache(maxsize=8)
-def _module_order(layout: tuple) -> tuple[jax.Array, tuple[int, ...]]:
+def _module_order(layout: tuple) -> tuple[np.ndarray, tuple[int, ...], np.ndarray]:
     """For the live buckets' ``layout`` (per bucket its names and ``(M, r)``) in the adapters'
-    module order ``layout[0]``: the gather that puts the buckets' flat utilities in module order
-    (a device array, placed once per layout), and each live module's size."""
+    module order ``layout[0]``: the gather that puts the buckets' flat utilities in module order,
+    each live module's size, and the inverse gather (module order back to the buckets' order,
+    for a traced allocation); numpy, so a traced call never caches a tracer."""
     names, buckets = layout
     where = {}
     off = 0
@@ -129,7 +130,14 @@ def _module_order(layout: tuple) -> tuple[jax.Array, tuple[int, ...]]:
         off += len(bnames) * m * r
     idx = [np.arange(where[nm][0], where[nm][0] + where[nm][1]) for nm in names if nm in where]
     perm = np.concatenate(idx).astype(np.int32) if idx else np.zeros(0, np.int32)
-    return jax.device_put(perm), tuple(where[nm][1] for nm in names if nm in where)
+    inverse = np.argsort(perm).astype(np.int32)
+    return perm, tuple(where[nm][1] for nm in names if nm in where), inverse
+
+
+@functools.lru_cache(maxsize=8)
+def _placed_order(layout: tuple) -> jax.Array:
+    """:func:`_module_order`'s gather on the device (concrete calls only: placed once)."""
+    return jax.device_put(_module_order(layout)[0])
 
 
 @functools.partial(jax.jit, static_argnames=("budget", "scope", "positive_only", "n_modules"))
@@ -170,11 +178,15 @@ def _allocate_table(
     else:
         budget = min(budget, max(1, *(m * r for m, r in shapes)))
         layout = (tuple(names), tuple((bn, sh) for (bn, _), sh in zip(parts, shapes, strict=True)))
-        perm, sizes = _module_order(layout)
+        perm, sizes, inverse = _module_order(layout)
+        if not any(isinstance(st, jax.core.Tracer) for st in stats):
+            perm = _placed_order(layout)  # (placed once per layout, not every call)
         flat, bad = _allocate_stacked(
             stats, perm, budget=budget, scope=scope, positive_only=positive_only,
             n_modules=len(names),
         )  # fmt: skip
+        if isinstance(bad, jax.core.Tracer):  # (inside a transformation: no values to check)
+            return _stacked_masks(table, parts, flat, inverse, scope)
         flat, bad = jax.device_get((flat, bad))  # both in one round trip
     if bad:
         return None
@@ -195,6 +207,25 @@ def _allocate_table(
     for nm, ms in table.fixed.items():
         host[nm] = np.zeros(tuple(ms.utility.shape), bool)
     return MaskTable({nm: host[nm] for nm in names})
+
+
+def _stacked_masks(table: ScoreTable, parts, flat, inverse: np.ndarray, scope: str):
+    """The traced allocation's masks kept per bucket (:class:`StackedMasks`): the global top-k's
+    mask, in module order, gathered back into the buckets' order and cut per bucket (a few
+    operations per bucket, none per module); the per-module scopes' masks are per bucket
+    already."""
+    blocks = []
+    if scope == "global":
+        flat = flat[inverse]
+        off = 0
+        for names, st in parts:
+            n, _, m, r = st.shape
+            blocks.append((names, flat[off : off + n * m * r].reshape(n, m, r)))
+            off += n * m * r
+    else:
+        blocks = [(names, masks) for (names, _), masks in zip(parts, flat, strict=True)]
+    fixed = {nm: jnp.zeros(tuple(ms.utility.shape), bool) for nm, ms in table.fixed.items()}
+    return StackedMasks(list(table), blocks, fixed)
 
 
 def _split_masks(flat: jax.Array, shapes: list[tuple[int, int]], scope: str) -> list[jax.Array]:

@@ -22,7 +22,7 @@ from .._core import buckets as _buckets
 from .._core import checks as _checks
 from .._core import mesh as _mesh
 from .._core import tree as _tree
-from .._core.tables import MaskTable
+from .._core.tables import MaskTable, StackedMasks
 from ..errors import InputError, InputTypeError
 from . import _rng
 from ._stages import DARE_KEPT, BucketConfig
@@ -157,6 +157,20 @@ def check_masks(fn: str, masks: Any, names: list[str], buckets, m_tasks: int) ->
             f"{fn}: mask names do not match the adapters' modules: {differ}. Pass the "
             "masks nu.allocate returns for these same adapters."
         )
+    if isinstance(masks, StackedMasks) and masks.pristine:  # (nu.allocate's, traced)
+        blocks = masks.blocks()
+        for bk in buckets:
+            m = blocks.get(tuple(bk.names))
+            if m is None:  # (laid out otherwise: read module by module below)
+                break
+            if tuple(m.shape) != (len(bk.names), m_tasks, bk.r_max) or m.dtype != np.bool_:
+                raise InputError(
+                    f"{fn}: masks of {_checks.few(bk.names)} have shape {tuple(m.shape)} and "
+                    f"dtype {m.dtype}; expected bool (n, M, r_max) = ({len(bk.names)}, "
+                    f"{m_tasks}, {bk.r_max})."
+                )
+        else:
+            return masks
     pristine = isinstance(masks, MaskTable) and masks.pristine
     out = {}
     for bk in buckets:

@@ -39,6 +39,7 @@ from .._core import buckets as _buckets
 from .._core import tree as _tree
 from .._core.checks import check_weights_sequence
 from .._core.linalg import after, eigh_batched
+from .._core.tables import StackedMasks
 from ..errors import InputError, InputTypeError
 from ._plan import check_masks
 
@@ -190,6 +191,12 @@ def kept_directions_many(items: Sequence[tuple]) -> list[tuple[jax.Array, jax.Ar
 
 
 def stacked_masks(fn: str, masks: Mapping[str, Any], bk: _tree.Bucket, m_tasks: int):
+    """The bucket's masks ``(n, M, r_max)``: a traced allocation's block as it is (checked by
+    :func:`check_masks`), or the modules' masks stacked."""
+    if isinstance(masks, StackedMasks) and masks.pristine:
+        block = masks.blocks().get(tuple(bk.names))
+        if block is not None:
+            return block
     rows = []
     for name in bk.names:
         m = masks[name]
@@ -250,25 +257,44 @@ def merge_traced(
     return {nm: out[nm] for nm in names}
 
 
+def _report_blocks(masks: Mapping[str, Any], names: Sequence[str]) -> list[tuple[tuple, Any]]:
+    """The masks as ``(names, (n, M, r) block)`` groups: a traced allocation's blocks (and its
+    all-False modules), else the modules stacked by shape."""
+    if isinstance(masks, StackedMasks) and masks.pristine:
+        out = list(masks.blocks().items())
+        fixed = masks.fixed
+    else:
+        out, fixed = [], {nm: masks[nm] for nm in names}
+    groups: dict[tuple, list[str]] = {}
+    for nm, m in fixed.items():
+        groups.setdefault(tuple(jnp.shape(m)), []).append(nm)
+    out += [(tuple(g), jnp.stack([jnp.asarray(fixed[nm]) for nm in g])) for g in groups.values()]
+    return out
+
+
 def traced_report_fields(masks: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """A traced report's counts: ``kept`` per module ``(M,)``, ``kept_per_task``,
-    ``budget_spent`` and ``non_prefix_fraction`` (as :mod:`netutility_jax.analysis`, in jnp)."""
-    kept = {nm: jnp.sum(jnp.asarray(masks[nm]), 1) for nm in names}
-    per_task = sum(kept.values())
-    spent = sum(jnp.sum(k) for k in kept.values()) / len(names)
-    sets = nonprefix = jnp.zeros((), jnp.int32)
-    for nm in names:
-        m = jnp.asarray(masks[nm])
-        n = m.sum(1)
-        prefix = jnp.arange(m.shape[1])[None, :] < n[:, None]
+    ``budget_spent`` and ``non_prefix_fraction`` (as :mod:`netutility_jax.analysis`, in jnp),
+    computed per block of modules (a few operations per bucket; a slice per module for
+    ``kept``)."""
+    blocks = _report_blocks(masks, names)
+    kept = {}
+    per_task = spent = sets = nonprefix = 0
+    for bnames, m in blocks:
+        m = jnp.asarray(m, bool)
+        n = m.sum(2)  # (n, M)
+        kept.update((nm, n[i]) for i, nm in enumerate(bnames))
+        per_task = per_task + n.sum(0)
+        spent = spent + n.sum()
+        prefix = jnp.arange(m.shape[2])[None, None, :] < n[..., None]
         live = n > 0
         sets = sets + live.sum()
-        nonprefix = nonprefix + (live & jnp.any(m != prefix, 1)).sum()
+        nonprefix = nonprefix + (live & jnp.any(m != prefix, 2)).sum()
     frac = jnp.where(sets > 0, nonprefix / jnp.maximum(sets, 1), 0.0)
     return {
-        "kept": kept,
+        "kept": {nm: kept[nm] for nm in names},
         "kept_per_task": per_task,
-        "budget_spent": spent,
+        "budget_spent": spent / len(names),
         "non_prefix_fraction": frac,
     }
 

@@ -298,12 +298,14 @@ def score_run(
         parts = None if parts is None else cut(parts)
     checks = []
     if traced:
-        for f, d in zip(finished, by_name, strict=True):
+        for a, (f, d) in enumerate(zip(finished, by_name, strict=True)):
             if checked:
                 checkify_score(fn, names, live, f.outs, f.lam_bad)
-            for bk, o in zip(live, f.outs, strict=True):
-                fields = [[o.stats[i, k] for k in range(4)] for i in range(len(bk.names))]
-                d.update(zip(bk.names, (ModuleScores(*x) for x in fields), strict=True))
+            # kept stacked: each module's fields are sliced in the graph only if read
+            tables[a] = ScoreTable(
+                names, [(bk.names, o.stats) for bk, o in zip(live, f.outs, strict=True)], d,
+                ModuleScores,
+            )  # fmt: skip
     else:
         # (the non-finite counts come from the Grams: the same for every alpha)
         if status[0, NONFINITE]:
