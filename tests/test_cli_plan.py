@@ -128,7 +128,7 @@ def test_min_share_needs_net_utility(folders, tmp_path, capsys):
 
 
 def test_plots_name_the_tasks(folders, tmp_path, capsys, monkeypatch):
-    """The plots get the tasks' names (the plotting itself is tests/test_plots.py's)."""
+    """The plots get the tasks' names (the plotting itself is tests/io/test_plots.py's)."""
     seen = {}
 
     def record(fn):

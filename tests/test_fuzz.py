@@ -38,7 +38,7 @@ SLOW = {"max_examples": 150, "deadline": DEADLINE}
 
 # float32 library vs float64 reference, relative to each quantity's largest entry: the scores are
 # float32 r x r eigen/SVD work on normalised Grams, ~1e-6 relative; 1e-4 is the margin the other
-# score tests use (tests/test_utility.py RTOL32)
+# score tests use (tests/scoring/test_utility.py RTOL32)
 RTOL32 = 1e-4
 F32_TINY = 1e-36  # float32 smallest normal is 1.2e-38: a decade of slack for the library's checks
 F32_HUGE = 1e36  # float32 largest is 3.4e38

@@ -1,7 +1,7 @@
 """``interference="signed"`` (this project's sign-aware term, docs/math.md) through the merge
 entry points: ``nu.merge_adapters`` (in memory, under ``jax.jit``), the streamed merge,
 ``nu.plan`` and ``netutility merge --interference``. The term itself is checked against a
-float64 reference in tests/test_signed_interference.py; here: every entry point keeps the masks
+float64 reference in tests/scoring/test_signed_interference.py; here: every entry point keeps the masks
 that ``nu.allocate(nu.score(..., interference=...))`` gives, records the choice, and refuses it
 where nothing is scored.
 """

@@ -252,7 +252,7 @@ def test_masks_of_the_wrong_shape_are_refused_under_a_trace():
 
 
 def test_the_gradient_step_in_the_python_docs_runs():
-    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "python.md").read_text()
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "python.md").read_text()
     section = doc.split("## Composing with jit, vmap and grad", 1)[1]
     (code,) = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.S)
     # (a user's default promotion: optax's adam mixes a Python float and an int32 step count)
