@@ -22,7 +22,7 @@ from ..errors import InputError, InputTypeError, PathExistsError
 from ._config import MergeConfig
 from ._load import read_adapters, read_moments, say_notes
 from ._shards import write_distributed
-from ._write import Merged, Run, Terms, chunk_steps, finish_output, step, write_merge
+from ._write import Merged, Run, Terms, assembled, chunk_steps, finish_output, step, write_merge
 
 __all__ = ["merge_folders", "merge_settings", "mesh_of", "writes_as_it_goes"]
 
@@ -94,7 +94,9 @@ def merge_folders(
     if writes_as_it_goes(cfg, distributed=ex is not None):
         loaded = _read(run, streamed=True)
         step(run.bar, "opened", "scoring, merging and writing (streamed)")
-        return write_merge(run, None, fill=lambda tmp: _merge_writing(tmp, run, loaded, key))
+        with assembled(run) as tmp:
+            report = _merge_writing(tmp, run, loaded, key)
+        return report
     if streamed or ex is not None:
         loaded = (
             ex.check(fn, lambda: _read(run, streamed=True)) if ex else _read(run, streamed=True)

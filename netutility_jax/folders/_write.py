@@ -1,5 +1,5 @@
 """What a merge from folders writes, and how: the output folder assembled in a staging folder
-beside ``out`` and renamed into place (:func:`write_merge`), holding the PEFT adapter
+beside ``out`` and renamed into place (:func:`assembled`), holding the PEFT adapter
 (:func:`write_output`), the JSON report (:func:`report_dict`, :data:`REPORT_NAME`, with the
 configuration that replays it: :func:`recorded_config`), the model card (:func:`model_card`)
 and the plots (:func:`write_plots`); the progress bar's steps (:func:`step`,
@@ -7,13 +7,14 @@ and the plots (:func:`write_plots`); the progress bar's steps (:func:`step`,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import pathlib
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,6 +30,7 @@ __all__ = [
     "Merged",
     "Run",
     "Terms",
+    "assembled",
     "chunk_steps",
     "finish_output",
     "model_card",
@@ -269,18 +271,11 @@ def appeared(run: Run) -> PathExistsError | None:
     )
 
 
-def write_merge(
-    run: Run, result: Merged | None, fill: Callable[[pathlib.Path], Any] | None = None
-) -> Any:
-    """The writing step: ``out`` assembled in a staging folder beside it and renamed into place
-    (complete or not at all); a failed write is the library's :class:`FileAccessError`. The
-    folder is filled by :func:`write_output` from ``result``, or by ``fill(folder)`` (a merge
-    that writes as it goes), whose result is returned."""
-    if fill is None:
-
-        def fill(tmp: pathlib.Path) -> None:
-            write_output(tmp, run, result)
-
+@contextlib.contextmanager
+def assembled(run: Run) -> Iterator[pathlib.Path]:
+    """The output folder assembled: yields a staging folder beside ``out``, which is renamed
+    into place when the block ends (complete or not at all; removed if it raises); a failed
+    write is the library's :class:`FileAccessError`."""
     out = run.out
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -289,16 +284,22 @@ def write_merge(
         raise write_error(run.out_text, e, run.terms) from e
     try:
         with _io.atomic_directory(out, fn=run.terms.fn, staging=staging) as tmp:
-            filled = fill(tmp)
+            yield tmp
             err = appeared(run)
             if err is not None:
                 raise err
         step(run.bar, "done")
-        return filled
     except OSError as e:
         if not isinstance(e, NetUtilityError):
             raise write_error(run.out_text, e, run.terms) from e
         raise
+
+
+def write_merge(run: Run, result: Merged) -> None:
+    """The writing step of a merge done in memory: the output folder assembled
+    (:func:`assembled`) from ``result`` (:func:`write_output`)."""
+    with assembled(run) as tmp:
+        write_output(tmp, run, result)
 
 
 def write_output(tmp: pathlib.Path, run: Run, result: Merged) -> None:
