@@ -22,7 +22,7 @@ os.environ.setdefault(
     "HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "netutility-jax-hypothesis")
 )
 # The CLI's persistent compilation cache is a global JAX setting: off for in-process CLI tests
-# (tests/test_cli.py::test_compile_cache_* turn it on in their own processes).
+# (tests/cli/test_cli.py::test_compile_cache_* turn it on in their own processes).
 os.environ["NETUTILITY_COMPILE_CACHE"] = "off"
 hypothesis.settings.register_profile(
     "netutility", max_examples=15, deadline=None, database=None, derandomize=True

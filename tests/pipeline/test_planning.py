@@ -15,7 +15,7 @@ from netutility_jax.errors import InputError, InputTypeError
 from netutility_jax.pipeline.planning import Plan, plan, task_names
 
 D_IN, D_OUT = 24, 16
-# the shapes of tests/test_cli.py's adapters: the compiled kernels are shared in a session
+# the shapes of tests/cli/test_cli.py's adapters: the compiled kernels are shared in a session
 MODULES = tuple(f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj"))
 
 

@@ -173,7 +173,7 @@ def test_bad_inputs_one_line_and_exit_2(folders, tmp_path, capsys):
     (pk / "adapter_model.bin").write_bytes(b"not really a pickle")
     rc, _, err = _run(capsys, "inspect", str(pk))
     assert rc == 2 and "adapter_model.bin" in err and err.count("\n") == 1
-    # option errors, before loading, one line (dare's --p has a default: tests/test_cli_config.py)
+    # option errors, before loading, one line (dare's --p has a default: tests/cli/test_cli_config.py)
     rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--density", "0.5",
                       "--out", str(tmp_path / "o2"))  # fmt: skip
     assert rc == 2 and err == (
@@ -263,7 +263,7 @@ def test_console_entry_point_runs():
 
 def _without_share_warnings(err: str) -> str:
     """``err`` without the warnings about tasks below half their uniform share (these small
-    budgets leave a task below it; tests/test_cli_plan.py checks those warnings)."""
+    budgets leave a task below it; tests/cli/test_cli_plan.py checks those warnings)."""
     return "".join(line for line in err.splitlines(True) if "of its uniform share" not in line)
 
 

@@ -433,7 +433,7 @@ def test_the_documented_moments_writer_exists():
         for part in name.split("."):
             assert hasattr(obj, part), f"nu.{name} does not exist"
             obj = getattr(obj, part)
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "nu.moments.save_input_moments" in readme
     assert not re.search(r"(?<!moments\.)\bnu\.save_input_moments", readme)
 
