@@ -975,8 +975,9 @@ def _markdown(res: Mapping[str, Any]) -> str:
             + ". Read any other delta as exploratory.",
             "",
             "| comparison | victims | per seed | text 95% | seed 95% | two-level 95% | seed "
-            "Bonferroni | p | Holm p | decision | all tasks | all tasks two-level 95% |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "Bonferroni | p | Holm p | decision | all tasks | all tasks text 95% | all tasks "
+            "two-level 95% |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for lab, d in sorted(res["deltas"].items(), key=lambda kv: not kv[1]["primary"]):
             v, m = d["victims"], d["mean"]
@@ -988,7 +989,8 @@ def _markdown(res: Mapping[str, Any]) -> str:
                 f"{_ci(v.get('two_level_ci95', [None, None]))} | "
                 f"{_ci(v['seed_ci_bonferroni']) if d['primary'] else ''} | "
                 f"{_p(v.get('p_seeds'))} | {_p(v.get('p_holm'))} | {d.get('decision', '')} | "
-                f"{_f(m['estimate'], 2, True)} | {_ci(m.get('two_level_ci95', [None, None]))} |"
+                f"{_f(m['estimate'], 2, True)} | {_ci(m['text_ci95'])} | "
+                f"{_ci(m.get('two_level_ci95', [None, None]))} |"
             )
     else:
         lines += ["", "No merge was evaluated for accuracy (read-out (a) only)."]
