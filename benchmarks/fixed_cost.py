@@ -16,7 +16,8 @@ Per case, each in a fresh interpreter with no compile cache (``run_worker``): pr
 seconds of XLA compiling on the first call (``jax.monitoring``'s backend-compile events), the first
 call's wall time, then over steady calls the median wall time, the time until the call returns
 (host work: tracing-cache lookups, Python, transfers it waits on), and the counts of one steady
-call: jitted dispatches, argument buffers handed to them, host->device placements
+call: jitted dispatches, argument buffers handed to them (for ``merge_jit``, also the traced
+program's top-level jaxpr equations, a size no machine load changes), host->device placements
 (``jax.device_put`` and the library's ``put_views``/``host_constant``, plus numpy arguments of a
 jitted call) and device->host reads (arrays first materialised on the host).
 
@@ -185,6 +186,7 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
     method, _, space = (how or "ta-core").partition("-")
     opts = {"p": 0.5} if method.startswith("dare") else {}
     key = jax.random.key(0) if method.startswith("dare") else None
+    equations = None
     if stage == "score+allocate":
         fn = lambda: nu.allocate(nu.score(adapters), budget)
     elif stage == "merge":
@@ -192,12 +194,16 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
             adapters, budget=budget, method=method, space=space or "core", key=key, **opts
         )[0]
     elif stage == "merge_jit":
-        jitted = jax.jit(
-            lambda ads: nu.merge_adapters(
+        def merged(ads):
+            return nu.merge_adapters(
                 ads, budget=budget, method=method, space=space or "core", key=key, **opts
             )[0]
-        )
+
+        jitted = jax.jit(merged)
         fn = lambda: jitted(adapters)
+        # the traced program's size, which a machine's load does not change (top-level
+        # equations of the jaxpr; XLA's compile time follows it)
+        equations = len(jax.make_jaxpr(merged)(adapters).jaxpr.eqns)
     else:
         raise SystemExit(f"unknown stage {stage!r}")
     events = _compile_events()
@@ -242,6 +248,7 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
         "host_to_device": counts.h2d,
         "device_to_host": counts.d2h,
         "recompiled_on_steady_call": len(events) - n_before,
+        **({} if equations is None else {"jaxpr_equations": equations}),
     }
 
 
@@ -261,7 +268,15 @@ def main(argv=None) -> int:
         "--case", nargs=4, metavar=("STAGE", "LAYERS", "TASKS", "RANK"), help=argparse.SUPPRESS
     )
     p.add_argument("--record", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--equations-only",
+        action="store_true",
+        help="only the merge_jit stages' traced program size (jaxpr equations; nothing compiled, "
+        "so no machine load changes it)",
+    )
     a = p.parse_args(argv)
+    if a.equations_only:
+        return _equations(a, argv)
     if a.case:  # a worker: one case, its record to --record
         stage, layers, tasks, rank = a.case
         rec = run_case(stage, int(layers), int(tasks), int(rank), a.repeats)
@@ -306,6 +321,43 @@ def main(argv=None) -> int:
         "code": _harness.code_info(),
     }
     _harness.write_json(out, payload)
+    print(f"wrote {out}")
+    return 0
+
+
+def _equations(a: argparse.Namespace, argv) -> int:
+    """``--equations-only``: each ``merge_jit`` stage's top-level jaxpr equations at each depth,
+    traced in this process (no compile), to ``--out``."""
+    import netutility_jax as nu
+
+    depths, tasks = ((4, 10), 3) if a.tiny else ((32, 80), 8)
+    if a.depths:
+        depths = tuple(int(x) for x in a.depths.split(","))
+    stages = [s for s in a.stages.split(",") if s.partition(":")[0].partition("@")[0] == "merge_jit"]
+    records = []
+    for stage in stages:
+        for layers in depths:
+            base, _, variant = stage.partition(":")
+            method, _, space = (base.partition("@")[2] or "ta-core").partition("-")
+            adapters = make_adapters(layers, tasks, 16)
+            if variant == "stacked":
+                adapters = nu.stack_adapters(adapters)
+
+            def merged(ads, method=method, space=space):
+                return nu.merge_adapters(ads, budget=16, method=method, space=space or "core")[0]
+
+            n = len(jax.make_jaxpr(merged)(adapters).jaxpr.eqns)
+            records.append({"stage": stage, "layers": layers, "tasks": tasks,
+                            "modules": layers * len(KINDS), "jaxpr_equations": n})  # fmt: skip
+            print(f"{stage:>22} L={layers:<3} equations {n}", flush=True)
+    out = a.out or str(Path(__file__).parent / "results" / "fixed_cost_equations.json")
+    _harness.write_json(out, {
+        "benchmark": "fixed_cost --equations-only",
+        "command": " ".join(["python", "benchmarks/fixed_cost.py", *(argv or sys.argv[1:])]),
+        "cases": records,
+        "machine": _harness.machine_info(),
+        "code": _harness.code_info(),
+    })  # fmt: skip
     print(f"wrote {out}")
     return 0
 
