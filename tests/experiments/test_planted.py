@@ -183,7 +183,7 @@ def test_the_report_has_the_headline_two_level_intervals_and_multiplicity():
     import copy
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     seeds = pl.load_seeds(root / "docs/planted")
     by = {r["seed"]: (r, a) for r, a in seeds}
     assert {0, 1, 4} <= set(by)

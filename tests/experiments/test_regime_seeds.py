@@ -11,7 +11,7 @@ import pytest
 
 from netutility_jax.experiments import regime_seeds as rs
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _study(seeds, nu_u, nu_e, d_u):
