@@ -6,7 +6,7 @@ then each makes the command's one call, :func:`nu.merge_folders` with the run's 
 each merges its share of the modules, and process 0 writes the output (with ``--keep-shards``
 every process writes its own shard, :func:`nu.peft.write_shard`). Every step that can fail in
 one process ends with an exchange of
-the processes' status (:meth:`nu._exchange.Exchange.check`), so that all of them stop with an
+the processes' status (:meth:`netutility_jax.pipeline._exchange.Exchange.check`), so that all of them stop with an
 error instead of waiting for the one that failed.
 """
 

@@ -110,7 +110,7 @@ def test_a_process_that_cannot_join_ends_in_one_line_within_its_timeout():
     code = textwrap.dedent(
         """
         import socket
-        from netutility_jax import _exchange
+        from netutility_jax.pipeline import _exchange
         with socket.socket() as s:
             s.bind(("localhost", 0)); port = s.getsockname()[1]
         _exchange.initialize("nu.f", f"localhost:{port}", 2, 1, timeout_s=2)
