@@ -28,7 +28,43 @@ from .host import put_views
 __all__ = ["MaskTable", "ScoreTable", "StackedMasks"]
 
 
-class ScoreTable(MutableMapping):
+class _NamedTable(MutableMapping):
+    """A mapping over ``_names`` whose values a subclass makes on first access (``_values``);
+    setting or deleting an entry makes every value and clears ``pristine``."""
+
+    __slots__ = ()
+    _names: tuple[str, ...]
+    pristine: bool
+
+    def _values(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        values = self._values()
+        if name not in values:
+            self._names = (*self._names, name)
+        values[name] = value
+        self.pristine = False
+
+    def __delitem__(self, name: str) -> None:
+        del self._values()[name]
+        self._names = tuple(n for n in self._names if n != name)
+        self.pristine = False
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self._names)} modules)"
+
+
+class ScoreTable(_NamedTable):
     """``{name: ModuleScores}`` from each bucket's stacked fields (see the module docstring).
 
     Args:
@@ -90,29 +126,7 @@ class ScoreTable(MutableMapping):
     def __getitem__(self, name: str) -> Any:
         return self._values()[name]
 
-    def __setitem__(self, name: str, value: Any) -> None:
-        values = self._values()
-        if name not in values:
-            self._names = (*self._names, name)
-        values[name] = value
-        self.pristine = False
 
-    def __delitem__(self, name: str) -> None:
-        del self._values()[name]
-        self._names = tuple(n for n in self._names if n != name)
-        self.pristine = False
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __repr__(self) -> str:
-        return f"ScoreTable({len(self._names)} modules)"
 
 
 class MaskTable(MutableMapping):
@@ -177,7 +191,7 @@ class MaskTable(MutableMapping):
         return f"MaskTable({len(self._host)} modules)"
 
 
-class StackedMasks(MutableMapping):
+class StackedMasks(_NamedTable):
     """``{name: bool (M, r_max)}`` masks of :func:`nu.allocate` inside a transformation, kept
     stacked per bucket as the allocation computed them: the merge reads the blocks
     (:meth:`blocks`), and a module's mask is sliced in the graph only when asked for, so the
@@ -225,29 +239,7 @@ class StackedMasks(MutableMapping):
             raise KeyError(name)
         return self._values()[name]
 
-    def __setitem__(self, name: str, value: Any) -> None:
-        values = self._values()
-        if name not in values:
-            self._names = (*self._names, name)
-        values[name] = value
-        self.pristine = False
 
-    def __delitem__(self, name: str) -> None:
-        del self._values()[name]
-        self._names = tuple(n for n in self._names if n != name)
-        self.pristine = False
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __repr__(self) -> str:
-        return f"StackedMasks({len(self._names)} modules)"
 
 
 def _flatten_table(t: Mapping) -> tuple[list, tuple[str, ...]]:
