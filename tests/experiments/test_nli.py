@@ -15,7 +15,7 @@ References and peers:
   logits; its keys are those PEFT's own ``save_pretrained`` writes;
 * the schedule: transformers' ``get_linear_schedule_with_warmup``; clipping: torch's
   ``clip_grad_norm_`` rule in float64;
-* end to end (slow): ``runner.run_experiment`` with :class:`nli.NLISuite` on ``nli.write_toy``'s
+* end to end (slow): ``runner.run_experiment`` with :class:`nli.NLISuite` on ``nli_toy.write_toy``'s
   tiny Qwen3 and synthetic data, then from the cache, then rendered and exported.
 """
 
@@ -59,7 +59,7 @@ ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    """``nli.write_toy``'s tiny Qwen3 folder and synthetic data, loaded."""
+    """``nli_toy.write_toy``'s tiny Qwen3 folder and synthetic data, loaded."""
     folder = tmp_path_factory.mktemp("toy")
     assert nli.main(["--write-toy", str(folder)]) == 0
     model_dir, data_dir = folder / "model", folder / "data"

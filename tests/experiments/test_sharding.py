@@ -9,7 +9,7 @@ The child prints one JSON line of findings; the tests here assert on it. The inp
 this process.
 
 A second child (``python tests/experiments/test_sharding.py suites NLI_DIR CLIP_DIR``, slow tier) checks the
-wiring: ``nli.NLISuite(mesh=)`` on ``nli.write_toy``'s tiny Qwen3 folder over 4 of the 8 devices
+wiring: ``nli.NLISuite(mesh=)`` on ``nli_toy.write_toy``'s tiny Qwen3 folder over 4 of the 8 devices
 and ``vision.VisionSuite(mesh=)`` on ``tests/experiments/test_vision.py``'s tiny CLIP folder over 8, against
 the same suites unsharded (last-token logits, class logits, image features), the loaders placing
 weights as they read them (``llama_load.build`` / ``clip_load.build`` with ``mesh=``), and three
@@ -468,10 +468,10 @@ def suites_found(tmp_path_factory) -> dict:
     which write it, are installed)."""
     import importlib.util
 
-    from netutility_jax.experiments.suites import nli
+    from netutility_jax.experiments.suites import nli_toy
 
     folder = tmp_path_factory.mktemp("nli_toy")
-    nli.write_toy(folder)
+    nli_toy.write_toy(folder)
     clip_dir = ""
     if all(importlib.util.find_spec(m) for m in ("torch", "transformers", "PIL")):
         import test_vision
@@ -627,9 +627,9 @@ def test_nli_suite_on_a_one_device_mesh_records_its_placement(tmp_path):
     import types
 
     from netutility_jax.experiments.models import llama_load, llama_model
-    from netutility_jax.experiments.suites import nli
+    from netutility_jax.experiments.suites import nli, nli_toy
 
-    model_dir, data_dir = nli.write_toy(tmp_path, sizes={"train": 8, "validation": 4, "test": 4})
+    model_dir, data_dir = nli_toy.write_toy(tmp_path, sizes={"train": 8, "validation": 4, "test": 4})
     plain = nli.NLISuite(model_dir=model_dir, data_dir=data_dir)
     suite = nli.build(model_dir=str(model_dir), data_dir=str(data_dir), model_devices=1)
     assert suite.mesh.size == suite.model_devices == 1 and plain.model_devices == 1
