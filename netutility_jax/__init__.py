@@ -10,8 +10,9 @@ objects (:data:`MODULE_PATHS`).
 The numerical core (scoring, allocation, merging) is imported eagerly. The interop and tooling
 submodules are imported on first use, so ``import netutility_jax`` stays light: ``nu.peft``
 (PEFT checkpoints), ``nu.nnx`` (Flax nnx models), ``nu.checkpoint`` (orbax), ``nu.plots``
-(matplotlib) and ``nu.experiments`` (the built-in MiniLM experiment). ``nu.registry`` declares
-the merge methods and spaces (their options, the spaces they run in, their kernels).
+(matplotlib), ``nu.provenance`` (recording a result: versions, commit, atomic JSON and folder
+writes) and ``nu.experiments`` (the built-in MiniLM experiment). ``nu.registry`` declares the
+merge methods and spaces (their options, the spaces they run in, their kernels).
 """
 
 import importlib as _importlib
@@ -94,7 +95,7 @@ def _register_module_paths() -> None:
 
 _register_module_paths()
 
-_LAZY = ("checkpoint", "experiments", "nnx", "peft", "plots")
+_LAZY = ("checkpoint", "experiments", "nnx", "peft", "plots", "provenance")
 
 
 def __getattr__(name: str):
@@ -146,6 +147,7 @@ __all__ = [
     "peft",
     "plan",
     "plots",
+    "provenance",
     "registry",
     "retention_by_rank",
     "score",

@@ -24,7 +24,7 @@ LAYERS = [
     ["registry", "operators"],
     ["peft"],
     ["pipeline"],
-    ["hub", "checkpoint", "nnx", "plots", "folders"],
+    ["hub", "checkpoint", "nnx", "plots", "folders", "provenance"],
     ["experiments"],
     ["cli"],
 ]
