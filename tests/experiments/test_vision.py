@@ -210,9 +210,9 @@ def test_the_seven_datasets_are_declared_as_knots_does():
 def test_class_names_come_from_folders_as_knots_names_sun397():
     import doctest
 
-    from netutility_jax.experiments.suites import vision
+    from netutility_jax.experiments.suites import vision_adapters
 
-    for mod in (vd, vision, suites):  # the docstring examples (class_name's among them)
+    for mod in (vd, vision_adapters, suites):  # the docstring examples (class_name's among them)
         res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
         assert res.attempted > 0 and res.failed == 0, mod.__name__
     assert vd.class_name("a_abbey", flat_index=True) == vd.class_name("a/abbey") == "abbey"
@@ -423,7 +423,7 @@ def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, monkeypatch):
     ):
         vd.load_task(tmp_path, "mnist")
     # and the up-front check says so before any work (empty files stand in for the real ones)
-    from netutility_jax.experiments.suites import vision
+    from netutility_jax.experiments.suites import vision_adapters
 
     model, ads = tmp_path / "model", tmp_path / "ads"
     for f in ("config.json", "tokenizer.json", "model.safetensors"):
@@ -435,9 +435,9 @@ def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, monkeypatch):
             (ads / name / f).write_text("")
     args = suites.parse_adapters(f"{ads / 'svhn'},{ads / 'mnist'}")
     with pytest.raises(InputError, match=r"mnist holds parquet files; .* pip install pyarrow$"):
-        vision.check_folders(model, tmp_path, args)
+        vision_adapters.check_folders(model, tmp_path, args)
     with pytest.raises(InputError, match=r"no folder for dataset 'eurosat'"):
-        vision.check_folders(
+        vision_adapters.check_folders(
             model, tmp_path, suites.parse_adapters(f"{ads / 'svhn'},eurosat={ads / 'mnist'}")
         )
 
@@ -483,11 +483,11 @@ def test_the_vision_suite_is_registered_with_its_flags():
 
 
 def test_parse_and_match_adapters():
-    from netutility_jax.experiments.suites import vision
+    from netutility_jax.experiments.suites import vision_adapters
 
     items = suites.parse_adapters("dtd=/a/x, /m/KnOTS-ViT-B-32_lora_R16_mnist,/b/one,/b/two")
     assert items[0] == suites.AdapterArg("dtd", "/a/x") and items[2] == (None, "/b/one")
-    got = vision.match_adapters(items)
+    got = vision_adapters.match_adapters(items)
     assert {k: str(v) for k, v in got.items()} == {
         "dtd": "/a/x", "mnist": "/m/KnOTS-ViT-B-32_lora_R16_mnist", "eurosat": "/b/one",
         "gtsrb": "/b/two",
@@ -497,17 +497,17 @@ def test_parse_and_match_adapters():
         with pytest.raises(InputError, match=match):
             suites.parse_adapters(bad)
     with pytest.raises(InputError, match="dataset 'dtd' is given twice"):
-        vision.match_adapters(suites.parse_adapters("dtd=/a,/b/lora_dtd"))
+        vision_adapters.match_adapters(suites.parse_adapters("dtd=/a,/b/lora_dtd"))
     with pytest.raises(InputError, match="at least 2 adapters, got 1"):
-        vision.match_adapters(suites.parse_adapters("/a"))
+        vision_adapters.match_adapters(suites.parse_adapters("/a"))
     with pytest.raises(InputError, match="8 folder\\(s\\) without a dataset name and only 7"):
-        vision.match_adapters(suites.parse_adapters(",".join(f"/x{i}" for i in range(8))))
+        vision_adapters.match_adapters(suites.parse_adapters(",".join(f"/x{i}" for i in range(8))))
 
 
 def test_vision_names_map_peft_module_names_to_the_tower():
-    from netutility_jax.experiments.suites import vision
+    from netutility_jax.experiments.suites import vision_adapters
 
-    got = vision.vision_names({
+    got = vision_adapters.vision_names({
         "vision_model.encoder.layers.3.self_attn.q_proj": 1,  # PEFT on CLIPModel
         "encoder.layers.0.self_attn.out_proj": 2,  # PEFT on the tower (KnOTS)
         "model.vision_model.encoder.layers.1.mlp.fc1": 3,
@@ -518,12 +518,12 @@ def test_vision_names_map_peft_module_names_to_the_tower():
         "vision_model.encoder.layers.1.mlp.fc1",
     ]
     with pytest.raises(InputError, match="is in CLIP's text tower"):
-        vision.vision_names({"text_model.encoder.layers.0.self_attn.q_proj": 1})
+        vision_adapters.vision_names({"text_model.encoder.layers.0.self_attn.q_proj": 1})
     with pytest.raises(InputError, match="not a linear layer of CLIP's vision encoder"):
-        vision.vision_names({"vision_model.embeddings.patch_embedding": 1})
+        vision_adapters.vision_names({"vision_model.embeddings.patch_embedding": 1})
     with pytest.raises(InputError, match="two modules map to"):
-        vision.vision_names({"encoder.layers.0.self_attn.q_proj": 1,
-                             "vision_model.encoder.layers.0.self_attn.q_proj": 2})  # fmt: skip
+        vision_adapters.vision_names({"encoder.layers.0.self_attn.q_proj": 1,
+                                      "vision_model.encoder.layers.0.self_attn.q_proj": 2})  # fmt: skip
 
 
 def test_demo_refuses_flags_a_suite_does_not_take_before_any_work(tmp_path, capsys):
@@ -592,7 +592,7 @@ def test_suite_wiring_tasks_adapters_and_heads(fixture, suite, loaded):
     to an independent float64 computation from the text tower's features."""
     from transformers import CLIPTokenizer
 
-    from netutility_jax.experiments.suites import vision
+    from netutility_jax.experiments.suites import vision, vision_heads
 
     assert isinstance(suite, suites.SuiteWithData) and isinstance(suite, suites.Suite)
     tasks, preset = loaded
@@ -614,18 +614,18 @@ def test_suite_wiring_tasks_adapters_and_heads(fixture, suite, loaded):
 
     # tokenization: transformers' CLIPTokenizer on the same folder, padded with the end-of-text id
     texts = [p for t in tasks for cls in t.prompts() for p in cls]
-    ids, mask = vision.tokenize(suite.tokenizer, texts)
+    ids, mask = vision_heads.tokenize(suite.tokenizer, texts)
     want = CLIPTokenizer.from_pretrained(fixture["model"])(texts, padding=True)
     np.testing.assert_array_equal(mask, np.asarray(want["attention_mask"]))
     np.testing.assert_array_equal(
         np.where(mask > 0, ids, -1), np.where(mask > 0, want["input_ids"], -1)
     )
-    long = vision.tokenize(suite.tokenizer, ["w " * 40])[0]
+    long = vision_heads.tokenize(suite.tokenizer, ["w " * 40])[0]
     assert long.shape == (1, 24) and long[0, -1] == suite.tokenizer.eos_id
 
     # heads: float64 from the text features, mean of normalized templates, normalized, scaled
     heads = suite.heads(tasks)
-    feats = vision.text_features(suite.model, suite.tokenizer, texts).astype(np.float64)
+    feats = vision_heads.text_features(suite.model, suite.tokenizer, texts).astype(np.float64)
     scale = np.exp(np.float64(np.asarray(suite.model.logit_scale[...])))
     at = 0
     for t, h in zip(tasks, heads, strict=True):
@@ -648,10 +648,10 @@ def test_merged_adapter_folded_as_peft_applies_it(fixture, suite, loaded):
     import torch
 
     from netutility_jax.experiments.models import clip
-    from netutility_jax.experiments.suites import vision
+    from netutility_jax.experiments.suites import vision_eval
 
     tasks, preset = loaded
-    val = vision.make_image_set(
+    val = vision_eval.make_image_set(
         ["shapes"], [tasks[2].val], suite.image_config, tokens=suite.tokens, batch_size=4
     )
     assert len(val) == 9 and val.slot_tokens == 12 * suite.tokens and val.tokens == 9 * 17
@@ -663,11 +663,11 @@ def test_merged_adapter_folded_as_peft_applies_it(fixture, suite, loaded):
 
     px = clip.preprocess([read(r.path) for r in tasks[2].val.refs], suite.image_config)
     # uint8 pixels normalized through the backbone's table: clip.preprocess's arrays, exactly
-    lut = vision._lut(suite.image_config)
+    lut = vision_eval._lut(suite.image_config)
     np.testing.assert_array_equal(lut[np.arange(3)[:, None, None], val.pixels.astype(int)], px)
     trained = suite.train_tasks(tasks, None, preset.train, cache_dir=None, progress=False, log=None)
     names = sorted(trained[0].adapter)
-    bb = vision.VisionBackbone(suite.model, suite.image_config, names)
+    bb = vision_eval.VisionBackbone(suite.model, suite.image_config, names)
     base = _tiny_clip()
     for t, sub in zip(trained, ("knots_lora_r8_mnist", "sun", "own"), strict=True):
         pm = (
