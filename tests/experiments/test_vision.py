@@ -24,6 +24,8 @@ import pytest
 from netutility_jax.errors import InputError, MissingFileError
 from netutility_jax.experiments import demo
 from netutility_jax.experiments.data import vision_data as vd
+from netutility_jax.experiments.data import vision_images as vi
+from netutility_jax.experiments.data import vision_tasks as vt
 from netutility_jax.experiments.harness import suites
 
 HAVE_PEERS = all(
@@ -212,7 +214,7 @@ def test_class_names_come_from_folders_as_knots_names_sun397():
 
     from netutility_jax.experiments.suites import vision_adapters
 
-    for mod in (vd, vision_adapters, suites):  # the docstring examples (class_name's among them)
+    for mod in (vd, vt, vision_adapters, suites):  # the docstring examples (class_name's, ...)
         res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
         assert res.attempted > 0 and res.failed == 0, mod.__name__
     assert vd.class_name("a_abbey", flat_index=True) == vd.class_name("a/abbey") == "abbey"
@@ -231,29 +233,29 @@ def test_image_folder_tree_is_read_in_imagefolder_order(tmp_path):
     names = [pathlib.Path(r.path).relative_to(split).as_posix() for r in sp.refs]
     assert names[:3] == ["a/abbey/UPPER.PNG", "a/abbey/img000.png", "a/abbey/img001.png"]
     assert sp.labels.tolist() == [0, 0, 0, 1, 1, 2, 2]
-    task = vd.load_task(tmp_path, "sun397")
+    task = vt.load_task(tmp_path, "sun397")
     assert task.labels == ("abbey", "apartment building outdoor", "bakery shop")
     assert task.prompts()[2] == ["a photo of a bakery shop.", "a photo of the bakery shop."]
     assert "test 20% (ours)" in task.source
     # KnOTS' flattened SUN397 folders (a_abbey), in the same order
     flat = tmp_path / "flat"
     write_folder_split(flat / "SUN397" / "test", ("a_abbey", "b_bakery_shop", "c_coast"), 2, 0)
-    assert vd.load_task(flat, "sun397").labels == ("abbey", "bakery shop", "coast")
+    assert vt.load_task(flat, "sun397").labels == ("abbey", "bakery shop", "coast")
     # images directly in a split folder, an empty split, a wrong class count
     write_folder_split(tmp_path / "x" / "test", ("",), 1, 0)
     with pytest.raises(vd.VisionDataError, match="images lie directly in the split folder"):
-        vd.load_task(tmp_path, "x")
+        vt.load_task(tmp_path, "x")
     (tmp_path / "y" / "test" / "empty").mkdir(parents=True)
     with pytest.raises(vd.VisionDataError, match="no images found"):
-        vd.load_task(tmp_path, "y")
+        vt.load_task(tmp_path, "y")
     write_folder_split(tmp_path / "mnist" / "test", ("0", "1", "2"), 5, 0)
     with pytest.raises(vd.VisionDataError, match="the data has 3 classes but 10 class names"):
-        vd.load_task(tmp_path, "mnist")
+        vt.load_task(tmp_path, "mnist")
     with pytest.raises(MissingFileError, match=r"no folder for dataset 'svhn'.*folders there: "):
-        vd.load_task(tmp_path, "svhn")
+        vt.load_task(tmp_path, "svhn")
     (tmp_path / "z" / "train").mkdir(parents=True)
     with pytest.raises(MissingFileError, match="no test split"):
-        vd.load_task(tmp_path, "z")
+        vt.load_task(tmp_path, "z")
 
 
 def test_a_dataset_folder_is_found_without_case_and_overrides_names(tmp_path):
@@ -261,48 +263,48 @@ def test_a_dataset_folder_is_found_without_case_and_overrides_names(tmp_path):
     write_folder_split(tmp_path / "EuroSAT" / "val", ("b", "a"), 2, 1)
     (tmp_path / "EuroSAT" / "classnames.txt").write_text("first class\nsecond class\n")
     (tmp_path / "EuroSAT" / "templates.txt").write_text("satellite {c}\n")
-    t = vd.load_task(tmp_path, "eurosat")
+    t = vt.load_task(tmp_path, "eurosat")
     assert t.labels == ("first class", "second class") and t.templates == ("satellite {c}",)
     assert (len(t.val), len(t.test), t.holdout) == (4, 6, "val split")
     (tmp_path / "EuroSAT" / "templates.txt").write_text("no placeholder\n")
     with pytest.raises(vd.VisionDataError, match=r"has no \{c\}"):
-        vd.load_task(tmp_path, "eurosat")
+        vt.load_task(tmp_path, "eurosat")
     write_folder_split(tmp_path / "w" / "test", ("a", "b"), 3, 0)
     write_folder_split(tmp_path / "w" / "val", ("a", "c"), 3, 0)
     with pytest.raises(vd.VisionDataError, match="splits' classes differ \\('c' vs 'b'\\)"):
-        vd.load_task(tmp_path, "w")
+        vt.load_task(tmp_path, "w")
 
 
 def test_validation_split_is_deterministic_and_disjoint(tmp_path):
     for n in (1, 7, 50, 101):
-        v, t = vd.holdout(n, fraction=vd.KNOTS_VAL_FRACTION, name="gtsrb")
-        v2, t2 = vd.holdout(n, fraction=vd.KNOTS_VAL_FRACTION, name="gtsrb")
+        v, t = vt.holdout(n, fraction=vt.KNOTS_VAL_FRACTION, name="gtsrb")
+        v2, t2 = vt.holdout(n, fraction=vt.KNOTS_VAL_FRACTION, name="gtsrb")
         assert np.array_equal(v, v2) and np.array_equal(t, t2)
         assert len(v) == int(0.2 * n) and not set(v) & set(t)
         assert sorted([*v, *t]) == list(range(n))
-    other, _ = vd.holdout(101, fraction=0.2, name="svhn")
-    assert not np.array_equal(other, vd.holdout(101, fraction=0.2, name="gtsrb")[0])
+    other, _ = vt.holdout(101, fraction=0.2, name="svhn")
+    assert not np.array_equal(other, vt.holdout(101, fraction=0.2, name="gtsrb")[0])
     # pinned: our permutation is PCG64's raw output (the same on every numpy and machine)
     bits = np.random.PCG64(np.random.SeedSequence([0, zlib.crc32(b"gtsrb")])).random_raw(10)
-    assert vd.holdout(10, fraction=0.2, name="gtsrb")[0].tolist() == np.argsort(bits)[:2].tolist()
+    assert vt.holdout(10, fraction=0.2, name="gtsrb")[0].tolist() == np.argsort(bits)[:2].tolist()
     # task-vectors' rule: 10% of train, at most 5000
-    v, rest = vd.holdout(60000, fraction=vd.TRAIN_VAL_FRACTION, cap=vd.TRAIN_VAL_MAX, name="m")
+    v, rest = vt.holdout(60000, fraction=vt.TRAIN_VAL_FRACTION, cap=vt.TRAIN_VAL_MAX, name="m")
     assert (len(v), len(rest)) == (5000, 55000)
 
     # load_task: validation held out of test (KnOTS) or of train (task-vectors), never shared
     write_folder_split(tmp_path / "mnist" / "train", [str(i) for i in range(10)], 3, 1)
     write_folder_split(tmp_path / "mnist" / "test", [str(i) for i in range(10)], 4, 2)
-    a = vd.load_task(tmp_path, "mnist")
-    b = vd.load_task(tmp_path, "mnist")
+    a = vt.load_task(tmp_path, "mnist")
+    b = vt.load_task(tmp_path, "mnist")
     assert [r.path for r in a.val.refs] == [r.path for r in b.val.refs]
     assert (len(a.val), len(a.test)) == (8, 32) and a.holdout == "test 20% (ours)"
     assert not {r.path for r in a.val.refs} & {r.path for r in a.test.refs}
-    c = vd.load_task(tmp_path, "mnist", holdout_from="train")
+    c = vt.load_task(tmp_path, "mnist", holdout_from="train")
     assert (len(c.val), len(c.test), c.holdout) == (3, 40, "train 10% (ours)")
     assert all("/train/" in r.path for r in c.val.refs)
     assert not {r.path for r in c.val.refs} & {r.path for r in c.test.refs}
     # the preset's sizes: a seeded subset, in the split's order
-    d = vd.load_task(tmp_path, "mnist", n_val=5, n_test=10)
+    d = vt.load_task(tmp_path, "mnist", n_val=5, n_test=10)
     assert (len(d.val), len(d.test)) == (5, 10)
     assert {r.path for r in d.test.refs} <= {r.path for r in a.test.refs}
     order = [r.path for r in a.test.refs]
@@ -310,27 +312,27 @@ def test_validation_split_is_deterministic_and_disjoint(tmp_path):
         order.index(r.path) for r in d.test.refs
     )
     with pytest.raises(InputError, match="holdout_from='val'"):
-        vd.load_task(tmp_path, "mnist", holdout_from="val")
+        vt.load_task(tmp_path, "mnist", holdout_from="val")
     write_folder_split(tmp_path / "own" / "test", ("p", "q"), 5, 0)
     with pytest.raises(vd.VisionDataError, match="needs a train split"):
-        vd.load_task(tmp_path, "own", holdout_from="train")
+        vt.load_task(tmp_path, "own", holdout_from="train")
 
 
 def test_knots_index_files(tmp_path):
     write_folder_split(tmp_path / "svhn" / "test", [str(i) for i in range(10)], 2, 0)
     ds = tmp_path / "svhn"
-    full = vd.load_task(tmp_path, "svhn")
+    full = vt.load_task(tmp_path, "svhn")
     refs = [r.path for r in (*full.val.refs, *full.test.refs)]
     reading = sorted(refs, key=lambda p: (int(pathlib.Path(p).parent.name), p))
     perm = np.random.default_rng(0).permutation(20)
     np.save(ds / "shuffled_idxs.npy", perm)
-    t = vd.load_task(tmp_path, "svhn")
+    t = vt.load_task(tmp_path, "svhn")
     assert t.holdout == "knots index file"
     assert [r.path for r in t.val.refs] == [reading[i] for i in perm[:4]]  # int(0.2 * 20)
     assert [r.path for r in t.test.refs] == [reading[i] for i in perm[4:]]
     (ds / "shuffled_idxs.npy").unlink()
     (ds / "shuffled_idxs.json").write_text(json.dumps({"val": [3, 1], "test": [0, 2, 5]}))
-    t = vd.load_task(tmp_path, "svhn")
+    t = vt.load_task(tmp_path, "svhn")
     assert [r.path for r in t.val.refs] == [reading[3], reading[1]] and len(t.test) == 3
     for bad, match in [
         ([0, 1, 2], "holds 3 indices but is not a permutation of the test split's 20"),
@@ -342,16 +344,16 @@ def test_knots_index_files(tmp_path):
     ]:
         (ds / "shuffled_idxs.json").write_text(json.dumps(bad))
         with pytest.raises(vd.VisionDataError, match=match):
-            vd.load_task(tmp_path, "svhn")
+            vt.load_task(tmp_path, "svhn")
     (ds / "shuffled_idxs.txt").write_text(" ".join(map(str, perm)))
     with pytest.raises(vd.VisionDataError, match="several index files"):
-        vd.load_task(tmp_path, "svhn")
+        vt.load_task(tmp_path, "svhn")
     (ds / "shuffled_idxs.json").unlink()
-    assert vd.load_task(tmp_path, "svhn").holdout == "knots index file"  # whitespace ints
+    assert vt.load_task(tmp_path, "svhn").holdout == "knots index file"  # whitespace ints
     (ds / "shuffled_idxs.txt").unlink()
     (ds / "shuffled_idxs.pt").write_bytes(b"PK")
     with pytest.raises(vd.VisionDataError, match="torch file is not unpickled here; convert it"):
-        vd.load_task(tmp_path, "svhn")
+        vt.load_task(tmp_path, "svhn")
 
 
 def _write_parquet(path: pathlib.Path, images, labels, names=None, column="image"):
@@ -390,26 +392,26 @@ def test_parquet_files_of_a_hugging_face_dataset(tmp_path):
     assert found.kind == "parquet" and len(found.paths) == 2
     sp = vd.read_split(found)
     assert sp.labels.tolist() == labels and sp.classes == tuple(names)
-    t = vd.load_task(tmp_path, "sun397")
+    t = vt.load_task(tmp_path, "sun397")
     assert t.labels == ("abbey", "bakery shop", "coast")
     cfg = clip.ImageProcessorConfig(size=16, crop_size=(16, 16))
-    got = vd.load_images(sp, cfg)
+    got = vi.load_images(sp, cfg)
     want = clip.preprocess(ims, vd.dataclasses.replace(cfg, do_rescale=False, do_normalize=False))
     np.testing.assert_array_equal(got, want.astype(np.uint8))
     picked = sp.take([11, 2])
-    np.testing.assert_array_equal(vd.load_images(picked, cfg), got[[11, 2]])
+    np.testing.assert_array_equal(vi.load_images(picked, cfg), got[[11, 2]])
     # a dataset of your own without ClassLabel names needs classnames.txt
     _write_parquet(tmp_path / "own" / "test.parquet", ims[:6], [0, 1, 1, 0, 1, 0])
     with pytest.raises(vd.VisionDataError, match=r"write classnames\.txt"):
-        vd.load_task(tmp_path, "own")
+        vt.load_task(tmp_path, "own")
     (tmp_path / "own" / "classnames.txt").write_text("cat\ndog\n")
-    assert vd.load_task(tmp_path, "own").labels == ("cat", "dog")
+    assert vt.load_task(tmp_path, "own").labels == ("cat", "dog")
     _write_parquet(tmp_path / "bad" / "test.parquet", ims[:2], [0, 1], column="pixels")
     with pytest.raises(vd.VisionDataError, match="expected an image column"):
-        vd.load_task(tmp_path, "bad")
+        vt.load_task(tmp_path, "bad")
     _write_parquet(tmp_path / "big" / "test.parquet", ims[:2], [0, 5], ["a", "b"])
     with pytest.raises(vd.VisionDataError, match="labels run from 0 to 5 but the files name 2"):
-        vd.load_task(tmp_path, "big")
+        vt.load_task(tmp_path, "big")
 
 
 def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, monkeypatch):
@@ -421,7 +423,7 @@ def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, monkeypatch):
     with pytest.raises(
         vd.VisionDataError, match=r"^reading parquet needs pyarrow: pip install pyarrow$"
     ):
-        vd.load_task(tmp_path, "mnist")
+        vt.load_task(tmp_path, "mnist")
     # and the up-front check says so before any work (empty files stand in for the real ones)
     from netutility_jax.experiments.suites import vision_adapters
 

@@ -28,9 +28,9 @@ that setting with the experiment harness (``runner.run_experiment``, :mod:`grid`
    classified by its dataset's head (argmax). Accuracy per dataset; normalized accuracy = merged
    / the dataset's own adapter x 100 (the paper's metric); the coefficient chosen on validation
    by ``evaluate.MergeSearch`` (the grid 0.1 ... 9.9, as for every suite); test evaluated once.
-4. **Data** (:mod:`vision_data`): image folders or parquet files; validation as KnOTS (20% of
-   test, or the dataset's own validation split); the preset's ``n_val``/``n_test`` limit sizes
-   (the paper preset keeps every image).
+4. **Data** (:mod:`vision_data`, :mod:`vision_tasks`): image folders or parquet files;
+   validation as KnOTS (20% of test, or the dataset's own validation split); the preset's
+   ``n_val``/``n_test`` limit sizes (the paper preset keeps every image).
 
 What the model folder (``--model-dir``) must hold: ``config.json`` and ``model.safetensors``
 (or sharded safetensors with their index; pickles are refused), ``tokenizer.json`` (the Hugging
@@ -57,6 +57,7 @@ import numpy as np
 
 from ...errors import InputError, NetUtilityError
 from ..data import vision_data as vd
+from ..data import vision_tasks as vt
 from ..harness import grid as gr
 from ..harness import suites
 from .vision_adapters import check_folders, load_adapter, match_adapters
@@ -164,7 +165,7 @@ class VisionTasks(NamedTuple):
     """What :meth:`VisionSuite.load_tasks` returns: the datasets and the preset with the given
     adapters' rank and alpha (``suites.SuiteWithData``)."""
 
-    tasks: list[vd.VisionTask]
+    tasks: list[vt.VisionTask]
     preset: gr.Preset
 
 
@@ -276,7 +277,7 @@ class VisionSuite:
     # -- data and adapters ---------------------------------------------------------------------
 
     def load_tasks(self, preset: gr.Preset) -> Any:
-        """The datasets of the adapters, split (``vision_data.load_task``), and ``preset`` with
+        """The datasets of the adapters, split (``vision_tasks.load_task``), and ``preset`` with
         the adapters' rank and alpha.
 
         Returns:
@@ -286,7 +287,7 @@ class VisionSuite:
 
         cfg = preset.train
         tasks = [
-            vd.load_task(
+            vt.load_task(
                 self.data_dir,
                 name,
                 n_val=preset.n_val,

@@ -23,6 +23,7 @@ import numpy as np
 
 from ...errors import InputError
 from ..data import vision_data as vd
+from ..data import vision_images
 from ..harness import evaluate as ev
 from ..harness.passes import PassCounter, TaskSet
 from .vision_heads import ZeroShotHead
@@ -45,7 +46,7 @@ class ImageSet(TaskSet):
       labels: ``(N,)`` int32 class ids.
       lengths: ``(N,)`` tokens the vision tower runs per image (patches + class token).
       pixels: ``(N, 3, H, W)`` uint8, CLIP's preprocessing up to the crop
-        (``vision_data.load_images``).
+        (``vision_images.load_images``).
       ids: ``(N, 16)`` uint8 digest of each image's pixels (what the job cache keys on).
       batch_size: images per forward call.
     """
@@ -86,7 +87,7 @@ def make_image_set(
     """Decode and preprocess the splits of several datasets into one :class:`ImageSet`."""
     pixels, task, labels = [], [], []
     for i, sp in enumerate(splits):
-        pixels.append(vd.load_images(sp, image_config))
+        pixels.append(vision_images.load_images(sp, image_config))
         task.append(np.full(len(sp), i, np.int32))
         labels.append(np.asarray(sp.labels, np.int32))
     px = np.concatenate(pixels)

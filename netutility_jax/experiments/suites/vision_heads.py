@@ -148,7 +148,7 @@ def zero_shot_heads(model: Any, tok: ClipTokenizer, tasks: Sequence[Any]) -> lis
     Args:
       model: a ``clip.CLIPModel`` (its text tower and logit scale are used).
       tok: :func:`load_tokenizer`'s.
-      tasks: objects with ``name`` and ``prompts()`` (``vision_data.VisionTask``): per class,
+      tasks: objects with ``name`` and ``prompts()`` (``vision_tasks.VisionTask``): per class,
         one prompt per template.
     """
     prompts = [t.prompts() for t in tasks]
