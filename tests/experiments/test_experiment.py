@@ -25,6 +25,7 @@ from netutility_jax.experiments import demo
 from netutility_jax.experiments.data import tasks
 from netutility_jax.experiments.harness import evaluate as ev
 from netutility_jax.experiments.harness import grid as gr
+from netutility_jax.experiments.harness import jobs as jb
 from netutility_jax.experiments.harness import report, runner
 from netutility_jax.experiments.models import minilm
 from netutility_jax.experiments.suites import encoder as enc
@@ -488,7 +489,7 @@ def test_run_experiment_and_its_job_cache(
     def boom(*a, **k):
         raise AssertionError("a cached job or adapter was recomputed")
 
-    monkeypatch.setattr(runner, "_merge", boom)
+    monkeypatch.setattr(jb, "merge_job", boom)
     monkeypatch.setattr(tr.Trainer, "fit", boom)
     again = runner.run_experiment(tiny_tasks, preset, **kw)
     for s0, s1 in zip(run.seeds, again.seeds, strict=True):

@@ -11,9 +11,10 @@ import pytest
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError
+from netutility_jax.experiments.harness import evaluate as ev
 from netutility_jax.experiments.harness import grid as gr
+from netutility_jax.experiments.harness import jobs, runner
 from netutility_jax.experiments.harness import report_tables as rt
-from netutility_jax.experiments.harness import runner
 from netutility_jax.experiments.suites import encoder as enc
 
 
@@ -106,7 +107,7 @@ def test_lambda_controls_merge_with_a_scaled_median_lambda(name):
     sc = nu.score(ads, alpha=1.0, lam="auto")
     scale = gr.VARIANTS[name].lam_scale
     job = gr.Job(f"ta/full/R5/{name}", "ta", "full", ("full",), 5, name)
-    merged, fields = runner._merge(ads, job, seed=0, alpha=1.0, scores=sc)
+    merged, fields = jobs.merge_job(ads, job, seed=0, alpha=1.0, scores=sc)
     assert fields["lam"] == pytest.approx(scale * float(sc.lam), rel=1e-6)
     want, rep = nu.merge_adapters(
         ads, budget=5, method="ta", allocation="net_utility", alpha=1.0, lam=scale * float(sc.lam)
@@ -137,7 +138,7 @@ def test_a_mask_control_merges_its_masks():
     ads = _adapters()
     sc = nu.score(ads, alpha=1.0)
     job = gr.Job("ta/full/R5/random_split1", "ta", "full", ("full",), 5, "random_split", 1)
-    merged, fields = runner._merge(ads, job, seed=3, alpha=1.0, scores=sc)
+    merged, fields = jobs.merge_job(ads, job, seed=3, alpha=1.0, scores=sc)
     masks = runner.random_split_allocation(nu.allocate(sc, 5), sc, seed=(3, 1, 5))
     want = nu.merge(ads, masks, method="ta", space="full")
     for mod in want:
@@ -146,7 +147,7 @@ def test_a_mask_control_merges_its_masks():
     assert fields["kept_per_task"] == [int(x) for x in np.asarray(nu.kept_per_task(masks))]
     bad = gr.Job("k", "ta", "full", ("full",), 5, "nope")
     with pytest.raises(ValueError, match="unknown allocation 'nope' in job 'k'"):
-        runner._merge(ads, bad, seed=0, alpha=1.0, scores=sc)
+        jobs.merge_job(ads, bad, seed=0, alpha=1.0, scores=sc)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
@@ -155,7 +156,7 @@ def test_alpha_controls_score_with_their_own_alpha(alpha):
     sc = nu.score(ads, alpha=0.5, lam="auto")  # the run's own alpha differs from the control's
     name = f"alpha_{int(alpha)}"
     job = gr.Job(f"ta/full/R5/{name}", "ta", "full", ("full",), 5, name)
-    merged, fields = runner._merge(ads, job, seed=0, alpha=0.5, scores=sc)
+    merged, fields = jobs.merge_job(ads, job, seed=0, alpha=0.5, scores=sc)
     assert fields["alpha"] == alpha
     want, rep = nu.merge_adapters(ads, budget=5, method="ta", allocation="net_utility", alpha=alpha)
     assert fields["lam"] == pytest.approx(float(rep.lam), rel=1e-6)
@@ -220,7 +221,7 @@ def _dense(merged):
     return np.concatenate([np.ravel(np.asarray(one(m))) for m in merged.values()])
 
 
-class _FakeEvaluator(runner.ev.MergeSearch):
+class _FakeEvaluator(ev.MergeSearch):
     """A validation score that depends on the merge (through its dense updates) and on the
     coefficient, unimodal in the coefficient; test 'correctness' = the signs of the scaled
     updates against a fixed threshold. Enough to check what the runner chooses and evaluates."""
@@ -234,9 +235,9 @@ class _FakeEvaluator(runner.ev.MergeSearch):
     def test_of(self, deltas, search):
         ok = deltas * search.coef > 0.01
         acc = {"t": float(ok.mean())}
-        norm = runner.ev.Normalized({"t": 100 * acc["t"]}, 100 * acc["t"])
+        norm = ev.Normalized({"t": 100 * acc["t"]}, 100 * acc["t"])
         s = search.scores[search.coef]
-        return runner.ev.MergeEval(search.coef, search.scores, s, ok, acc, norm)
+        return ev.MergeEval(search.coef, search.scores, s, ok, acc, norm)
 
 
 class _Suite:
@@ -246,8 +247,8 @@ class _Suite:
 
 def _seed_jobs(ads, grid, tmp_path):
     sc = nu.score(ads, alpha=1.0)
-    return runner._SeedJobs(
-        0, ads, sc, _FakeEvaluator(), _Suite(), 1.0, runner.JobCache(tmp_path), {"k": 1},
+    return jobs.SeedJobs(
+        0, ads, sc, _FakeEvaluator(), _Suite(), 1.0, jobs.JobCache(tmp_path), {"k": 1},
         grid=grid,
     )  # fmt: skip
 

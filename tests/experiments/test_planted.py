@@ -154,12 +154,12 @@ def test_the_grid_has_a_sign_aware_control_that_merges_as_the_library_does():
     import jax
 
     from netutility_jax.experiments.harness import grid as gr
-    from netutility_jax.experiments.harness import runner
+    from netutility_jax.experiments.harness import jobs
 
     ads = _adapters(3)
     job = gr.Job("ta/full/R2/signed", "ta", "full", ("full",), 2, "signed")
     sc = nu.score(ads, alpha=1.0)
-    merged, fields = runner._merge(ads, job, seed=0, alpha=1.0, scores=sc)
+    merged, fields = jobs.merge_job(ads, job, seed=0, alpha=1.0, scores=sc)
     want, rep = nu.merge_adapters(ads, budget=2, alpha=1.0, interference="signed")
     assert fields["kept_per_task"] == [int(x) for x in np.asarray(rep.kept_per_task)]
     for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(want), strict=True):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from netutility_jax.experiments.harness import grid as gr
-from netutility_jax.experiments.harness import runner
+from netutility_jax.experiments.harness import jobs, runner
 from netutility_jax.experiments.harness import study as sd
 from netutility_jax.experiments.suites import encoder as enc
 
@@ -45,7 +45,7 @@ def test_only_the_data_aware_jobs_keys_see_the_moments():
     """Every other job's cache key is the formula it had before the control existed (written
     out here), whether or not the run holds moments; the data-aware job's key holds them."""
     base_key = {"code_version": runner.CODE_VERSION, "adapters": ["a", "b"], "alpha": "auto"}
-    held = runner._SeedJobs(3, [], None, None, None, "auto", None, base_key)
+    held = jobs.SeedJobs(3, [], None, None, None, "auto", None, base_key)
     moments = ({"texts": 256, "version": 1}, lambda: None)
     with_moments = dataclasses.replace(held, moments=moments)
     for job in gr.grid_jobs(sd._grid((32, 16)), full_capacity=48):

@@ -38,7 +38,7 @@ import netutility_jax as nu
 
 from . import stats as st
 from .grid import Job
-from .runner import JobCache
+from .jobs import JobCache
 
 __all__ = [
     "ALLOCATIONS",
