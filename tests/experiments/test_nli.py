@@ -35,6 +35,7 @@ from flax import nnx
 import netutility_jax as nu
 from netutility_jax.errors import InputError, MissingFileError
 from netutility_jax.experiments.data import nli_data as nd
+from netutility_jax.experiments.data import nli_tasks as nt
 from netutility_jax.experiments.data import tasks as tk
 from netutility_jax.experiments.harness import evaluate as ev_
 from netutility_jax.experiments.harness import fitting as ft
@@ -330,22 +331,22 @@ def test_reader_errors_name_file_row_and_fields(tmp_path):
     with pytest.raises(MissingFileError, match=r"no folder .*mnli for dataset 'mnli'"):
         nd.read_split(tmp_path, "mnli", ("train",))
     with pytest.raises(nd.NLIDataError, match=r"unknown dataset 'anli'; the NLI suite reads snli"):
-        nd.load_task(tmp_path, "anli")
+        nt.load_task(tmp_path, "anli")
     write(tmp_path / "scitail" / "train.tsv", "a\tb\tentails\n")
     with pytest.raises(MissingFileError, match=r"has no validation split in .*scitail: expected "
                        r"validation or dev"):  # fmt: skip
-        nd.dataset_splits(tmp_path, "scitail")
+        nt.dataset_splits(tmp_path, "scitail")
 
 
 def test_split_protocol_and_caps(toy):
     _, data, _, _ = toy
     # SNLI has a labelled test file: the official splits (rows without gold label dropped)
-    s = nd.dataset_splits(data, "snli")
+    s = nt.dataset_splits(data, "snli")
     assert s.protocol == "official"
     official_val, _, _ = nd.read_split(data, "snli", ("validation",))
     assert s.val.texts == official_val.texts
     # MNLI's test labels are hidden: test = validation_matched, validation held out of train
-    m = nd.dataset_splits(data, "mnli")
+    m = nt.dataset_splits(data, "mnli")
     assert m.protocol == "validation_as_test"
     matched, files, _ = nd.read_split(data, "mnli", ("validation_matched",))
     assert m.test.texts == matched.texts and files[0].name == "validation_matched.json"
@@ -355,23 +356,23 @@ def test_split_protocol_and_caps(toy):
     assert sorted(m.train.texts + m.val.texts) == sorted(train.texts)  # a partition of train
     assert "held out" in m.sources["val"] and "hidden" in m.sources["test"]
     # RTE has no test file at all: the same protocol
-    assert nd.dataset_splits(data, "rte").protocol == "validation_as_test"
-    assert "no test file" in nd.dataset_splits(data, "rte").sources["test"]
+    assert nt.dataset_splits(data, "rte").protocol == "validation_as_test"
+    assert "no test file" in nt.dataset_splits(data, "rte").sources["test"]
     # the same draw every time; caps keep file order
-    again = nd.dataset_splits(data, "mnli")
+    again = nt.dataset_splits(data, "mnli")
     assert again.val.texts == m.val.texts
-    t = nd.load_task(data, "qnli", max_train=50, n_val=7, n_test=9)
+    t = nt.load_task(data, "qnli", max_train=50, n_val=7, n_test=9)
     assert (len(t.train), len(t.val), len(t.test)) == (50, 7, 9)
-    full = nd.load_task(data, "qnli")
+    full = nt.load_task(data, "qnli")
     pos = {x: i for i, x in reversed(list(enumerate(full.train.texts)))}
     assert set(t.train.texts) <= set(pos) and len(set(full.train.texts)) > 50
     assert t.labels == nd.LABELS and t.label_texts == ("entailment", nd.UNUSED, "not_entailment")
     assert set(t.train.labels.tolist()) <= {0, 2} and t.pair
-    sci = nd.load_task(data, "scitail")
+    sci = nt.load_task(data, "scitail")
     assert sci.label_texts == ("entails", "neutral", nd.UNUSED)
     assert set(sci.test.labels.tolist()) <= {0, 1}
     with pytest.raises(nd.NLIDataError, match=r"max_train=-1; expected an integer >= 0"):
-        nd.load_task(data, "qnli", max_train=-1)
+        nt.load_task(data, "qnli", max_train=-1)
 
 
 # ------------------------------------------------------------------------------------- masking
@@ -513,7 +514,7 @@ def test_pair_encoding_matches_transformers(hf_env, toy):
 
 def test_set_batches_cover_every_pair_once(toy):
     _, data, _, tok = toy
-    tasks = [nd.load_task(data, n, n_val=20, n_test=30) for n in ("snli", "qnli")]
+    tasks = [nt.load_task(data, n, n_val=20, n_test=30) for n in ("snli", "qnli")]
     heads = [nh.head_spec(t) for t in tasks]
     ds = nh.make_set(tok, heads, [t.test for t in tasks], max_len=24, eval_tokens=128)
     seen = []
@@ -688,7 +689,7 @@ TINY = nh.NLITrainConfig(
 @pytest.mark.slow
 def test_training_step_float64_loss_and_masked_column_untouched(toy):
     _, data, model, tok = toy
-    task = nd.load_task(data, "qnli", max_train=16, n_val=8, n_test=8)
+    task = nt.load_task(data, "qnli", max_train=16, n_val=8, n_test=8)
     head = nh.head_spec(task)
     trainer = nh.Trainer(dataclasses.replace(TINY, max_steps=20), model, tok)
     enc = nh.encode_pairs(tok, list(task.train.texts), max_len=32)
@@ -726,7 +727,7 @@ def test_training_step_float64_loss_and_masked_column_untouched(toy):
 @pytest.mark.slow
 def test_fit_cache_and_export(toy, tmp_path):
     _, data, model, tok = toy
-    task = nd.load_task(data, "scitail", max_train=16, n_val=8, n_test=8)
+    task = nt.load_task(data, "scitail", max_train=16, n_val=8, n_test=8)
     head = nh.head_spec(task)
     cfg = dataclasses.replace(TINY, lora_dropout=0.1, max_grad_norm=1.0)
     trainer = nh.Trainer(cfg, model, tok)
@@ -749,7 +750,7 @@ def test_fit_cache_and_export(toy, tmp_path):
 @pytest.mark.slow
 def test_bfloat16_compute_close_to_float32(toy):
     _, data, model, tok = toy
-    task = nd.load_task(data, "snli", max_train=8, n_val=8, n_test=16)
+    task = nt.load_task(data, "snli", max_train=8, n_val=8, n_test=16)
     heads = [nh.head_spec(task)]
     ds = nh.make_set(tok, heads, [task.test], max_len=32, eval_tokens=256)
     rng = np.random.default_rng(0)

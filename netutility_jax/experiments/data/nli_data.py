@@ -41,15 +41,8 @@ Labels in CSV/TSV files are text: ``"0"`` reads as 0. A value outside a dataset'
 error naming the file, row and value; a row without a gold label (-1, ``"-"``) is dropped, as
 the hub's users do.
 
-**Splits.** The paper does not say which splits it validated and tested on, so the protocol is
-ours (:func:`dataset_splits`): where the dataset has a test file with labels (SNLI, SICK,
-SciTail), validation is the official validation split and test the official test split; where
-the test labels are hidden (GLUE's MNLI, QNLI, RTE: every test label is -1) or there is no test
-file, **test is the official validation split** (MNLI: ``validation_matched``) and validation is
-a held-out part of train, as many examples as the official validation split but at most a tenth
-of train, drawn with a fixed seed (:data:`SPLIT_SEED` and the dataset's name). A preset's
-``max_train``, ``n_val`` and ``n_test`` then cap each split by a seeded draw that keeps file
-order (:data:`ALL`, 0: every example).
+The datasets' splits under the suite's protocol (validation and test, size caps) and the tasks
+made of them are :mod:`nli_tasks`'s (``nli_tasks.load_task``).
 """
 
 from __future__ import annotations
@@ -59,7 +52,6 @@ import dataclasses
 import json
 import pathlib
 import re
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -69,22 +61,17 @@ from ...errors import InputError, MissingFileError
 from . import tasks as tk
 
 __all__ = [
-    "ALL",
     "DATASETS",
     "FORMATS",
     "LABELS",
     "NAMES",
-    "SPLIT_SEED",
     "UNUSED",
     "DatasetSpec",
     "FieldSet",
     "NLIDataError",
-    "NLISplits",
     "check_data",
-    "dataset_splits",
+    "dataset_spec",
     "find_split",
-    "load_task",
-    "load_tasks",
     "read_split",
 ]
 
@@ -96,10 +83,6 @@ UNUSED = "(unused)"
 NAMES = ("snli", "mnli", "sick", "qnli", "rte", "scitail")
 #: File formats read, in the order they are looked for.
 FORMATS = (".parquet", ".jsonl", ".json", ".csv", ".tsv")
-#: A split size meaning "every example".
-ALL = 0
-#: Seed of the held-out validation draws and of the size caps (``runner.SPLIT_SEED``).
-SPLIT_SEED = 0
 
 
 class NLIDataError(InputError):
@@ -194,7 +177,12 @@ DATASETS: dict[str, DatasetSpec] = {
 }  # fmt: skip
 
 
-def _spec(name: str) -> DatasetSpec:
+def dataset_spec(name: str) -> DatasetSpec:
+    """The spec of dataset ``name`` (a key of :data:`DATASETS`).
+
+    Raises:
+      NLIDataError: an unknown name.
+    """
     try:
         return DATASETS[name]
     except KeyError:
@@ -236,7 +224,7 @@ def find_split(
       MissingFileError: ``DATA/<name>`` is not a folder.
       NLIDataError: a split stored twice in one folder, or found in several subfolders.
     """
-    spec = _spec(name)
+    spec = dataset_spec(name)
     root = pathlib.Path(data_dir) / name
     if not root.is_dir():
         raise MissingFileError(
@@ -436,7 +424,7 @@ def read_split(
       NLIDataError: a missing field (named, with the fields the file has), a label value outside
         the dataset's table, a text that is not a string, a parquet file without pyarrow.
     """
-    spec = _spec(name)
+    spec = dataset_spec(name)
     found = find_split(data_dir, name, stems)
     if found is None:
         return None
@@ -468,163 +456,6 @@ def read_split(
     return tk.Split(tuple(pairs), np.asarray(labels, np.int32)), files, dropped
 
 
-# ----------------------------------------------------------------------------------- splits
-
-
-class NLISplits(NamedTuple):
-    """A dataset's three splits (before any size cap) and where they came from.
-
-    Attributes:
-      train, val, test: ``tasks.Split`` of ``(premise, hypothesis)`` pairs.
-      sources: ``{"train" | "val" | "test": description}`` (files, or the held-out draw).
-      protocol: ``"official"`` (validation and test files) or ``"validation_as_test"`` (test is
-        the official validation split; validation is held out of train).
-    """
-
-    train: tk.Split
-    val: tk.Split
-    test: tk.Split
-    sources: dict[str, str]
-    protocol: str
-
-
-def _permutation(n: int, seed: int, name: str, stream: int) -> np.ndarray:
-    bits = np.random.PCG64(
-        np.random.SeedSequence([seed, zlib.crc32(name.encode()), stream])
-    ).random_raw(n)
-    return np.argsort(bits, kind="stable")
-
-
-def _take(split: tk.Split, idx: np.ndarray) -> tk.Split:
-    idx = np.sort(np.asarray(idx, np.int64))
-    return tk.Split(tuple(split.texts[i] for i in idx), split.labels[idx])
-
-
-def _names(files: Sequence[pathlib.Path]) -> str:
-    return ", ".join(str(f) for f in files)
-
-
-def dataset_splits(data_dir: str | pathlib.Path, name: str, *, seed: int = SPLIT_SEED) -> NLISplits:
-    """Train, validation and test of dataset ``name`` under this module's protocol (docstring).
-
-    Raises:
-      MissingFileError: no train or no validation file (the message names where it looked).
-      NLIDataError: a file that cannot be read (see :func:`read_split`), a split left empty.
-    """
-    spec = _spec(name)
-    root = pathlib.Path(data_dir) / name
-
-    def need(role: str, stems: Sequence[str]) -> tuple[tk.Split, list[pathlib.Path], int]:
-        got = read_split(data_dir, name, stems)
-        if got is None:
-            raise MissingFileError(
-                f"nli_data: dataset {name!r} has no {role} split in {root}: expected "
-                f"{' or '.join(stems)} as a {'/'.join(FORMATS)} file or <stem>-*.parquet shards "
-                f"(here or in a subfolder such as {', '.join(spec.configs) or 'data'})."
-            )
-        if len(got[0]) == 0:
-            raise NLIDataError(
-                f"nli_data: the {role} split of {name!r} ({_names(got[1])}) has no example with "
-                f"a gold label ({got[2]} dropped)."
-            )
-        return got
-
-    train, train_files, _ = need("train", ("train",))
-    val, val_files, _ = need("validation", spec.validation)
-    test_got = read_split(data_dir, name, spec.test)
-    if test_got is not None and len(test_got[0]) > 0:
-        test, test_files, _ = test_got
-        return NLISplits(
-            train, val, test,
-            {"train": _names(train_files), "val": _names(val_files), "test": _names(test_files)},
-            "official",
-        )  # fmt: skip
-    n_val = min(len(val), len(train) // 10)
-    if n_val < 1:
-        raise NLIDataError(
-            f"nli_data: {name!r} has no labelled test split and {len(train)} training examples, "
-            "too few to hold a validation split out of train."
-        )
-    perm = _permutation(len(train), seed, name, 0)
-    why = "no test file" if test_got is None else "its test labels are hidden"
-    return NLISplits(
-        _take(train, perm[n_val:]),
-        _take(train, perm[:n_val]),
-        val,
-        {
-            "train": f"{_names(train_files)} less the held-out validation examples",
-            "val": f"{n_val} examples held out of {_names(train_files)} (seed {seed})",
-            "test": f"{_names(val_files)} (the official validation split; {why})",
-        },
-        "validation_as_test",
-    )
-
-
-def _cap(split: tk.Split, n: int, seed: int, name: str, stream: int) -> tk.Split:
-    if not n or n >= len(split):
-        return split
-    return _take(split, _permutation(len(split), seed, name, stream)[:n])
-
-
-def load_task(
-    data_dir: str | pathlib.Path,
-    name: str,
-    *,
-    seed: int = SPLIT_SEED,
-    max_train: int = ALL,
-    n_val: int = ALL,
-    n_test: int = ALL,
-) -> tk.Task:
-    """Dataset ``name`` as a ``tasks.Task`` in the unified label space.
-
-    The task's ``labels`` are :data:`LABELS`; its ``label_texts`` name each class as the dataset
-    does, :data:`UNUSED` for a class it never uses (its mask); its texts are ``(premise,
-    hypothesis)`` pairs (``pair=True``). Splits follow :func:`dataset_splits`, each then capped
-    to ``max_train`` / ``n_val`` / ``n_test`` examples by a seeded draw (:data:`ALL`: no cap).
-
-    Raises:
-      MissingFileError, NLIDataError: as :func:`dataset_splits`; a negative size.
-    """
-    for arg, v in (("max_train", max_train), ("n_val", n_val), ("n_test", n_test)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise NLIDataError(
-                f"nli_data.load_task: {arg}={v!r}; expected an integer >= 0 (0: every example)."
-            )
-    spec = _spec(name)
-    s = dataset_splits(data_dir, name, seed=seed)
-    source = (
-        f"{spec.title} ({spec.hub}); train: {s.sources['train']}; validation: "
-        f"{s.sources['val']}; test: {s.sources['test']}"
-    )
-    return tk.Task(
-        name,
-        LABELS,
-        _cap(s.train, max_train, seed, name, 1),
-        _cap(s.val, n_val, seed, name, 2),
-        _cap(s.test, n_test, seed, name, 3),
-        source=source,
-        label_texts=spec.label_texts,
-        pair=True,
-    )
-
-
-def load_tasks(
-    data_dir: str | pathlib.Path,
-    names: Sequence[str] = NAMES,
-    *,
-    seed: int = SPLIT_SEED,
-    max_train: int = ALL,
-    n_val: int = ALL,
-    n_test: int = ALL,
-) -> list[tk.Task]:
-    """:func:`load_task` for each of ``names`` (default the paper's six)."""
-    if len(set(names)) != len(names):
-        raise NLIDataError(f"nli_data.load_tasks: a dataset is named twice in {list(names)}.")
-    return [
-        load_task(data_dir, n, seed=seed, max_train=max_train, n_val=n_val, n_test=n_test)
-        for n in names
-    ]
-
 
 def check_data(data_dir: str | pathlib.Path, names: Sequence[str] = NAMES) -> None:
     """Fail early, before any model is loaded, if a dataset's files are missing or unreadable.
@@ -644,7 +475,7 @@ def check_data(data_dir: str | pathlib.Path, names: Sequence[str] = NAMES) -> No
             f"({', '.join(NAMES)})."
         )
     for name in names:
-        spec = _spec(name)
+        spec = dataset_spec(name)
         for role, stems in (("train", ("train",)), ("validation", spec.validation)):
             found = find_split(d, name, stems)
             if found is None:

@@ -3,7 +3,7 @@
 ``netutility demo --suite nli --model-dir QWEN_FOLDER --data-dir DATA`` runs the paper's second
 suite as Appendix B describes it, on a Hugging Face ``Qwen3ForCausalLM`` / ``LlamaForCausalLM``
 folder (the paper's base is Qwen3-4B-Instruct) and local copies of SNLI, MNLI, SICK, QNLI, RTE
-and SciTail (:mod:`nli_data`: layouts, fields, label mapping, split protocol):
+and SciTail (:mod:`nli_data`: layouts, fields, label mapping; :mod:`nli_tasks`: split protocol):
 
 1. every task is a premise-hypothesis pair classified by a linear head over the last token's
    final hidden state, in one three-way label space, a binary task's unused class masked at
@@ -106,7 +106,7 @@ _CACHE: dict[str, Any] = {}
 def _presets() -> dict[str, gr.Preset]:
     if "presets" in _CACHE:
         return _CACHE["presets"]
-    from ..data import nli_data as nd
+    from ..data import nli_tasks as nt
     from ..harness import grid as gr
     from . import nli_head as nh
 
@@ -126,9 +126,9 @@ def _presets() -> dict[str, gr.Preset]:
             full_capacity=False,
             weight_average=False,
         ),
-        max_train=nd.ALL,
-        n_val=nd.ALL,
-        n_test=nd.ALL,
+        max_train=nt.ALL,
+        n_val=nt.ALL,
+        n_test=nt.ALL,
     )
     quick = gr.Preset(
         name="quick",
@@ -464,7 +464,7 @@ def load_tasks(
     data_dir: str | os.PathLike | None = None,
     **_: Any,
 ) -> list[Any]:
-    """The NLI tasks ``names`` from ``data_dir`` (``nli_data.load_tasks``, split seed
+    """The NLI tasks ``names`` from ``data_dir`` (``nli_tasks.load_tasks``, split seed
     ``runner.SPLIT_SEED``, the preset's ``max_train``, ``n_val``, ``n_test``; 0: all).
 
     Raises:
@@ -472,6 +472,7 @@ def load_tasks(
       MissingFileError, nli_data.NLIDataError: a missing or unreadable file (named).
     """
     from ..data import nli_data as nd
+    from ..data import nli_tasks as nt
 
     if data_dir is None:
         raise NLIUnavailable("the nli suite reads its tasks from --data-dir DATA; none given.")
@@ -480,8 +481,8 @@ def load_tasks(
         raise NLIUnavailable(
             f"the nli suite has no task {unknown[0]!r}; its tasks are {', '.join(TASKS)}."
         )
-    return nd.load_tasks(
-        data_dir, list(names), seed=nd.SPLIT_SEED, max_train=preset.max_train,
+    return nt.load_tasks(
+        data_dir, list(names), seed=nt.SPLIT_SEED, max_train=preset.max_train,
         n_val=preset.n_val, n_test=preset.n_test,
     )  # fmt: skip
 
