@@ -600,7 +600,7 @@ def test_preprocessor_config_json(folders, tmp_path):
 # (~10-15 s; the default tier keeps the transformers comparisons; the slow tier runs in CI)
 @pytest.mark.slow
 def test_docstring_examples():
-    for name in ("clip", "clip_model", "clip_load", "clip_image"):
+    for name in ("clip", "clip_config", "clip_model", "clip_load", "clip_image"):
         mod = importlib.import_module(f"netutility_jax.experiments.models.{name}")
         res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
         assert res.failed == 0, name
