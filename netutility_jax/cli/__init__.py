@@ -57,10 +57,6 @@ module re-exports the command's public names; ``python -m netutility_jax.cli`` r
 from __future__ import annotations
 
 from ..peft import weight_shapes as weight_shapes
-from .args import MAX_BUDGET as MAX_BUDGET
-from .args import SEED_BOUND as SEED_BOUND
-from .args import float_or_auto as float_or_auto
-from .args import method_options as method_options
 from .common import PROG as PROG
 from .common import UsageError as UsageError
 from .convert import cmd_convert as cmd_convert
@@ -74,6 +70,7 @@ from .inspect import inspect_dict as inspect_dict
 from .load import coverage_summary as coverage_summary
 from .load import skipped_summary as skipped_summary
 from .merge import cmd_merge as cmd_merge
+from .options import method_options as method_options
 from .output import REPORT_NAME as REPORT_NAME
 from .output import report_dict as report_dict
 from .parser import EXIT_CODES as EXIT_CODES
@@ -87,6 +84,9 @@ from .paths import clean_stale_staging as clean_stale_staging
 from .paths import estimate_out_bytes as estimate_out_bytes
 from .paths import staging_dir as staging_dir
 from .paths import staging_name as staging_name
+from .values import MAX_BUDGET as MAX_BUDGET
+from .values import SEED_BOUND as SEED_BOUND
+from .values import float_or_auto as float_or_auto
 
 __all__ = [
     "EXIT_CODES",

@@ -1,265 +1,46 @@
-"""The ``netutility`` command's argument types and flag groups, and the ``convert`` subcommand's
-parser (:func:`add_convert_parser`).
+"""The ``netutility`` command's flag groups (which flags each subcommand has, with their help),
+and the ``convert`` subcommand's parser (:func:`add_convert_parser`).
 
-Each argparse type refuses a bad value with a message naming the range and the value given. The
-flags of the merge methods and spaces are not listed here: :func:`_add_method_options` derives
-one flag per option of :mod:`netutility_jax.registry` (its type, range and help), and
-:func:`method_options` turns the parsed flags back into the options of
-:func:`netutility_jax.merge_adapters`.
+The flags' value types are :mod:`.values`'. The flags of the merge methods and spaces are not
+listed here: :func:`.options.add_method_options` derives one flag per option of
+:mod:`netutility_jax.registry` (its type, range and help).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-from collections.abc import Sequence
-from typing import Any
 
-from .common import UsageError, shown
+from . import values
+from .options import add_method_options
+from .values import ALPHA_MAX, LAM_MAX, WEIGHT_RANGE, positive_int
 
 __all__ = [
-    "CLI_DEFAULTS",
-    "MAX_BUDGET",
-    "SEED_BOUND",
-    "WEIGHT_BOUND",
-    "WEIGHT_RANGE",
     "add_compile_cache",
     "add_convert_parser",
     "add_loading",
     "add_merge_arguments",
     "add_scoring",
-    "float_or_auto",
-    "join_negative_values",
-    "method_options",
-    "option_names",
-    "positive_int",
-    "weight_ok",
 ]
-
-MAX_BUDGET = 2**31 - 1
-"""Largest ``--budget`` (and ``--rank``): a budget at or above the number of candidate
-directions keeps them all, so a larger one would change nothing."""
-SEED_BOUND = 2**32
-"""``--seed`` is in ``[0, SEED_BOUND)``: ``jax.random.key`` keeps 32 bits of the seed (without
-x64), so larger seeds would repeat smaller ones."""
-
-
-# -------------------------------------------------------------------------------------- types
-
-
-def _number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def float_or_auto(text: str) -> float | str:
-    """argparse type: ``'auto'`` or a finite number >= 0."""
-    if text == "auto":
-        return text
-    v = _number(text)
-    if v is None:
-        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {shown(text)}")
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(
-            f"expected a finite number >= 0 or 'auto', got {shown(text)}"
-        )
-    return v
-
-
-def _bounded_float(low: float, high: float, *, low_open: bool, high_open: bool, what: str):
-    """argparse type: a finite number in the interval ``low``..``high`` (open where asked)."""
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-
-    def parse(text: str) -> float:
-        v = _number(text)
-        if (
-            v is None
-            or not math.isfinite(v)
-            or v < low
-            or v > high
-            or (low_open and v == low)
-            or (high_open and v == high)
-        ):
-            raise argparse.ArgumentTypeError(
-                f"expected a finite number in {interval} ({what}), got {shown(text)}"
-            )
-        return v
-
-    parse.__name__ = f"number in {interval}"
-    return parse
-
-
-def _serving_ranks(text: str) -> str | tuple[int, ...]:
-    """argparse type of ``--serving-ranks``: ``vllm`` or a comma list of positive ranks."""
-    if text == "vllm":
-        return text
-    parts = [p.strip() for p in text.split(",")]
-    if not parts or not all(p.isdigit() and 0 < int(p) <= MAX_BUDGET for p in parts):
-        raise argparse.ArgumentTypeError(
-            f"expected 'vllm' or a comma list of positive ranks (e.g. 8,16,32,64), got "
-            f"{shown(text)}"
-        )
-    return tuple(int(p) for p in parts)
-
-
-WEIGHT_BOUND = 1e30
-"""A task's weight is at most this large and at least its inverse in size: the weighted
-update (a LoRA scale times the weight) must stay in float32's range, 1.2e-38 to 3.4e38."""
-WEIGHT_RANGE = f"a nonzero number between {1 / WEIGHT_BOUND:g} and {WEIGHT_BOUND:g} in size"
-"""How messages state :data:`WEIGHT_BOUND`."""
-
-
-def weight_ok(w: float) -> bool:
-    """Whether ``w`` is a usable task weight: finite, nonzero, within :data:`WEIGHT_BOUND`."""
-    return math.isfinite(w) and 1 / WEIGHT_BOUND <= abs(w) <= WEIGHT_BOUND
-
-
-def _coef(text: str) -> float:
-    """argparse type of ``--coef``: a finite nonzero number. Unlike a weight it has no bound
-    here: the merge runs a coefficient outside float32's normal range exactly (its power of
-    two applied apart) and refuses, naming ``coef=``, one whose merged update would leave the
-    dtype's range."""
-    v = _number(text)
-    if v is None or not math.isfinite(v) or v == 0:
-        raise argparse.ArgumentTypeError(
-            "expected a finite nonzero number (the merged update is multiplied by it; a negative "
-            f"one subtracts it), got {shown(text)}"
-        )
-    return v
-
-
-def _int_in(text: str, low: int, high: int, expected: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = None
-    if v is None or not low <= v <= high:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {shown(text)}")
-    return v
-
-
-def positive_int(text: str) -> int:
-    """argparse type of ``--budget`` and ``--rank``: an integer in ``[1, MAX_BUDGET]``."""
-    return _int_in(
-        text,
-        1,
-        MAX_BUDGET,
-        f"a positive integer up to {MAX_BUDGET} (2**31 - 1; a budget at or above the number "
-        "of candidate directions keeps them all)",
-    )
-
-
-def _rank(text: str) -> int:
-    """argparse type of ``--rank``: an integer in ``[1, MAX_BUDGET]``."""
-    return _int_in(
-        text,
-        1,
-        MAX_BUDGET,
-        f"a positive integer up to {MAX_BUDGET} (2**31 - 1; the rank dense results are "
-        "truncated to, capped at each module's min(d_in, d_out))",
-    )
-
-
-def _count(text: str) -> int:
-    """argparse type of ``--num-processes``: an integer in ``[1, 2**31 - 1]``."""
-    return _int_in(text, 1, MAX_BUDGET, "a positive integer (the number of processes)")
-
-
-def _index(text: str) -> int:
-    """argparse type of ``--process-id``: an integer in ``[0, 2**31 - 2]``."""
-    return _int_in(text, 0, MAX_BUDGET - 1, "an integer >= 0 (this process's index)")
-
-
-def _seed(text: str) -> int:
-    """argparse type of ``--seed``: an integer in ``[0, SEED_BOUND)``."""
-    return _int_in(
-        text,
-        0,
-        SEED_BOUND - 1,
-        f"an integer in [0, 2**32) = [0, {SEED_BOUND - 1}] (jax.random.key keeps 32 bits)",
-    )
-
-
-def _weights(text: str) -> tuple[float, ...]:
-    """argparse type of ``--weights``: a comma list of numbers, each :func:`weight_ok`."""
-    parts = [p.strip() for p in text.split(",")]
-    values = [_number(p) for p in parts]
-    if not parts or any(v is None or not weight_ok(v) for v in values):
-        bad = next(p for p, v in zip(parts, values, strict=True) if v is None or not weight_ok(v))
-        raise argparse.ArgumentTypeError(
-            f"expected a comma list of weights, one per adapter, each {WEIGHT_RANGE} (e.g. "
-            f"1,0.5,2 or -1,0.5,2; drop an adapter instead of weighting it 0), got {shown(text)} "
-            f"({shown(bad)} is not)"
-        )
-    return tuple(float(v) for v in values)  # type: ignore[arg-type]
-
-
-ALPHA_MAX = 16.0
-"""Largest ``--alpha``: the geometry exponent raises each task's normalised singular values
-to it; the paper uses 0 and 1, and far larger exponents send every direction's interference
-but the largest below float32's range (the automatic lambda is then 0)."""
-LAM_MAX = 1e30
-"""Largest ``--lam``: lambda times an interference must stay in float32's range."""
-
-
-def _auto_or(low: float, high: float, what: str):
-    """argparse type: ``'auto'`` or a finite number in ``[low, high]``."""
-
-    def parse(text: str) -> float | str:
-        if text == "auto":
-            return text
-        v = _number(text)
-        if v is None or not math.isfinite(v) or not low <= v <= high:
-            raise argparse.ArgumentTypeError(
-                f"expected 'auto' or a number in [{low:g}, {high:g}] ({what}), got {shown(text)}"
-            )
-        return v
-
-    parse.__name__ = f"'auto' or a number in [{low:g}, {high:g}]"
-    return parse
-
-
-def join_negative_values(actions: Sequence[argparse.Action], argv: Sequence[str]) -> list[str]:
-    """``argv`` with each value that starts with ``-`` but reads as numbers (``--weights
-    -1,0.5,2``, ``--coef -1e-3``) joined to its flag (``--weights=-1,0.5,2``), which argparse
-    would otherwise read as a flag of its own. Only flags that take one typed value (among
-    ``actions``) are joined; anything after ``--`` is left alone."""
-    takes = {
-        o
-        for a in actions
-        if a.option_strings and a.nargs is None and a.type is not None
-        for o in a.option_strings
-    }
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        if tok == "--":
-            out.extend(argv[i:])
-            break
-        nxt = argv[i + 1] if i + 1 < len(argv) else None
-        if (
-            tok in takes
-            and nxt is not None
-            and nxt.startswith("-")
-            and all(_number(p) is not None for p in nxt.split(","))
-        ):
-            out.append(f"{tok}={nxt}")
-            i += 2
-            continue
-        out.append(tok)
-        i += 1
-    return out
 
 
 # -------------------------------------------------------------------------------- flag groups
 
 
 def add_merge_arguments(m: argparse.ArgumentParser) -> None:
-    """Every argument of ``netutility merge``: its inputs (or ``--config``), output, budget and
-    plan, then the flag groups."""
+    """Every argument of ``netutility merge``: its inputs (or ``--config``) and output, its
+    budget and plan, then the flag groups."""
+    _add_merge_inputs(m)
+    _add_merge_budget(m)
+    _add_merge_method(m)
+    add_scoring(m)
+    add_loading(m)
+    add_compile_cache(m)
+    _add_merge_tuning(m)
+    _add_merge_output(m)
+
+
+def _add_merge_inputs(m: argparse.ArgumentParser) -> None:
+    """``merge``: the adapters, ``--config`` (and a replay's ``--allow-changed``), ``--out``."""
     m.add_argument(
         "adapters",
         nargs="*",
@@ -303,6 +84,10 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
         "be (or be creatable in) a writable folder with room for the result: checked before "
         "anything is loaded",
     )
+
+
+def _add_merge_budget(m: argparse.ArgumentParser) -> None:
+    """``merge``: the budget, ``--dry-run``, the tasks' weights and floor, input moments."""
     m.add_argument(
         "--budget",
         type=positive_int,
@@ -322,7 +107,7 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--weights",
-        type=_weights,
+        type=values.weights,
         default=None,
         metavar="W1,W2,...",
         help="per-task weights, one per adapter: task i's kept update is multiplied by Wi in "
@@ -335,7 +120,7 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--min-share",
-        type=_bounded_float(0, 1, low_open=False, high_open=False, what="a fraction"),
+        type=values.bounded_float(0, 1, low_open=False, high_open=False, what="a fraction"),
         default=None,
         metavar="F",
         help="net_utility: a per-task floor. Each task first keeps its int(F x share) best "
@@ -359,19 +144,13 @@ def add_merge_arguments(m: argparse.ArgumentParser) -> None:
         "(data-free there). Give the files after the adapters (or repeat the flag). The report "
         "records data_aware and each file's SHA-256. Default: the data-free score.",
     )
-    _add_merge_method(m)
-    add_scoring(m)
-    add_loading(m)
-    add_compile_cache(m)
-    _add_merge_tuning(m)
-    _add_merge_output(m)
 
 
 def add_scoring(p: argparse.ArgumentParser) -> None:
     """``--alpha`` and ``--lam`` of the scoring (``merge`` and ``inspect``)."""
     p.add_argument(
         "--alpha",
-        type=_auto_or(0, ALPHA_MAX, "the geometry exponent"),
+        type=values.auto_or(0, ALPHA_MAX, "the geometry exponent"),
         default="auto",
         help="geometry exponent of the interference: 1 = Gram geometry (singular-value weighted), "
         "0 = row-space geometry, 'auto' = the paper's rule from the task heterogeneity h "
@@ -379,7 +158,7 @@ def add_scoring(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--lam",
-        type=_auto_or(0, LAM_MAX, "the interference weight"),
+        type=values.auto_or(0, LAM_MAX, "the interference weight"),
         default="auto",
         help="interference weight lambda in utility = benefit - lambda * interference; 'auto' = "
         "median(benefit) / median(interference) over all candidates (data-free); a number in "
@@ -480,18 +259,18 @@ def _add_merge_tuning(m: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--coef",
-        type=_coef,
+        type=values.coef,
         default=1.0,
         help="scaling of the merged update, a finite nonzero number (negative: subtracted; one "
         "whose merged update leaves the dtype's range is refused). Default: 1.",
     )
     m.add_argument(
         "--seed",
-        type=_seed,
+        type=values.seed,
         default=0,
         help="dare/dare_ties: random seed of the drop masks, in [0, 2**32). Default: 0.",
     )
-    _add_method_options(m)
+    add_method_options(m)
 
 
 def _add_merge_output(m: argparse.ArgumentParser) -> None:
@@ -499,7 +278,7 @@ def _add_merge_output(m: argparse.ArgumentParser) -> None:
     and progress bars."""
     m.add_argument(
         "--rank",
-        type=_rank,
+        type=values.rank,
         default=None,
         help="rank to which dense results (ties/dare in full space) are truncated by SVD when "
         "written as a PEFT adapter; required for those, ignored otherwise",
@@ -512,7 +291,7 @@ def _add_merge_output(m: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--serving-ranks",
-        type=_serving_ranks,
+        type=values.serving_ranks,
         default=None,
         metavar="vllm|R1,R2,...",
         help="write every module at one uniform rank (zero-padded, scale folded in, no "
@@ -528,14 +307,14 @@ def _add_merge_output(m: argparse.ArgumentParser) -> None:
     )
     m.add_argument(
         "--chunk-mb",
-        type=_bounded_float(0, 2**20, low_open=True, high_open=False, what="megabytes"),
+        type=values.bounded_float(0, 2**20, low_open=True, high_open=False, what="megabytes"),
         default=64.0,  # nu.streaming.CHUNK_BYTES (not imported: parsing does not load jax)
         help="streaming: the factors of all tasks read at once, in MB (a chunk holds whole "
         "modules of one shape; default 64)",
     )
     m.add_argument(
         "--devices",
-        type=_devices,
+        type=values.devices,
         default="all",
         help="devices of this process to split each chunk's modules between (a one-axis mesh, "
         "nu.module_mesh): 'all' (default; one device, e.g. a CPU, changes nothing) or a count",
@@ -543,18 +322,6 @@ def _add_merge_output(m: argparse.ArgumentParser) -> None:
     m.add_argument("--no-plots", action="store_true", help="do not write plots")
     m.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_distributed(m)
-
-
-def _devices(text: str) -> str | int:
-    """``--devices``: ``all`` or a positive count."""
-    if text.strip().lower() == "all":
-        return "all"
-    try:
-        return positive_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not 'all' or a positive number of devices"
-        ) from None
 
 
 def _add_distributed(m: argparse.ArgumentParser) -> None:
@@ -580,14 +347,14 @@ def _add_distributed(m: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--num-processes",
-        type=_count,
+        type=values.count,
         default=None,
         metavar="N",
         help="--distributed: how many processes take part",
     )
     g.add_argument(
         "--process-id",
-        type=_index,
+        type=values.index,
         default=None,
         metavar="I",
         help="--distributed: this process's index, 0 to N-1 (process 0 writes OUT_DIR)",
@@ -603,7 +370,7 @@ def _add_distributed(m: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--distributed-timeout",
-        type=_bounded_float(0, 86400, low_open=True, high_open=False, what="seconds"),
+        type=values.bounded_float(0, 86400, low_open=True, high_open=False, what="seconds"),
         default=None,
         metavar="S",
         help="--distributed: how long a process waits for all the others to join before it "
@@ -612,7 +379,7 @@ def _add_distributed(m: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--heartbeat-timeout",
-        type=_bounded_float(1, 86400, low_open=False, high_open=False, what="seconds"),
+        type=values.bounded_float(1, 86400, low_open=False, high_open=False, what="seconds"),
         default=None,
         metavar="S",
         help="--distributed: once joined, a process silent for S seconds (killed, out of "
@@ -660,86 +427,3 @@ def add_convert_parser(sub, *, epilog: str | None = None) -> None:
         "folder that holds no adapter is never replaced.",
     )
     c.set_defaults(no_compile_cache=True)  # (it compiles nothing: no JAX cache to set up)
-
-
-# -------------------------------------------------------------------- options of the registry
-
-
-def _options_by_flag() -> dict[str, Any]:
-    """Every method and space option of the registry, once each, by name."""
-    from .. import registry
-
-    out: dict[str, Any] = {}
-    for spec in (*registry.METHODS.values(), *registry.SPACES.values()):
-        for opt in spec.options:
-            out.setdefault(opt.name, opt)
-    return out
-
-
-def option_names() -> tuple[str, ...]:
-    """The names (and ``dest``) of the registry's method and space options' flags."""
-    return tuple(_options_by_flag())
-
-
-CLI_DEFAULTS: dict[str, float] = {"p": 0.8}
-"""The command line's defaults for options the registry requires from Python callers:
-DARE's drop rate ``p`` is 0.8, PEFT's model-merging guide's ``density=0.2`` for
-``dare_ties`` (DARE keeps 20% of the entries). TIES's ``density`` default, 0.2, is the
-registry's (the same guide's value)."""
-
-
-def _add_method_options(m: argparse.ArgumentParser) -> None:
-    """One flag per method / space option of the registry (its type, range and help)."""
-    for opt in _options_by_flag().values():
-        dest = opt.name
-        help_text = opt.help
-        if opt.required and opt.name in CLI_DEFAULTS:
-            help_text += (
-                f". Default: {CLI_DEFAULTS[opt.name]:g} (PEFT's model-merging guide keeps "
-                f"density {1 - CLI_DEFAULTS[opt.name]:g} with DARE)"
-            )
-        if opt.kind == "bool":
-            m.add_argument(opt.cli_flag, dest=dest, action="store_true", help=help_text)
-        elif opt.kind == "choice":
-            m.add_argument(
-                opt.cli_flag, dest=dest, choices=opt.choices, default=None, help=help_text
-            )
-        else:
-            low_open = opt.low_open if opt.cli_low_open is None else opt.cli_low_open
-            parse = _bounded_float(
-                opt.low, opt.high, low_open=low_open, high_open=opt.high_open,
-                what=opt.cli_what or opt.what,
-            )  # fmt: skip
-            m.add_argument(opt.cli_flag, dest=dest, type=parse, default=None, help=help_text)
-
-
-def method_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``**options`` of :func:`nu.merge_adapters` from the flags, refusing (before any
-    loading) a flag the method and space do not take, and a missing required one."""
-    from .. import registry
-
-    everything = _options_by_flag()
-    options: dict[str, Any] = {}
-    for name in everything:
-        value = getattr(args, name, None)
-        if value is not None and value is not False:
-            options[name] = value
-    spec = registry.METHODS[args.method]
-    takes = {o.name: o for o in (*spec.options, *registry.SPACES[args.space].options)}
-    for name in options:
-        if name not in takes:
-            flags = [o.cli_flag for o in takes.values()]
-            raise UsageError(
-                f"{everything[name].cli_flag} does not apply to method {args.method} in "
-                f"{args.space} space; it takes "
-                f"{', '.join(flags) if flags else 'none of the method options'}."
-            )
-    for name, opt in takes.items():
-        if opt.required and name not in options and name in CLI_DEFAULTS:
-            options[name] = CLI_DEFAULTS[name]
-        elif opt.required and name not in options:
-            raise UsageError(
-                f"method {args.method} needs {opt.cli_flag} ({opt.what} in "
-                f"{opt.interval(cli=True)}, e.g. {opt.cli_flag} {opt.example})."
-            )
-    return options

@@ -17,13 +17,11 @@ but ``out``, each adapter's digest: ``nu.MergeConfig.to_dict`` beside the adapte
 :func:`nu.merge_folders` writes; the rest of the report
 is ignored. Replaying it with a new ``--out`` gives the same adapter files bit for bit from the
 same inputs; a replay whose adapters or moments files differ from the digests recorded, or that
-runs under another library version, is refused unless ``--allow-changed`` (:func:`_check_replay`).
+runs under another library version, is refused unless ``--allow-changed``
+(:func:`.digests.check_replay`).
 
-The file is read by a bounded, strict loader (:func:`_read`): at most :data:`MAX_CONFIG_BYTES`,
-read in blocks (``/dev/zero`` is refused at its first NUL byte); YAML by PyYAML's ``SafeLoader``
-with limits (:func:`_yaml_loader`: values counted as aliases expand, :data:`MAX_NODES`; nesting,
-:data:`MAX_DEPTH`; integers, :data:`MAX_DIGITS`; a key given twice refused with its line), JSON
-with the same limits (:func:`_json_load`). Every refusal is one line naming the file.
+The file is read by :func:`.configfile.read_config`, a bounded, strict reader of JSON and YAML;
+this module gives its keys and values their meaning.
 """
 
 from __future__ import annotations
@@ -36,11 +34,26 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..folders import adapter_digest, clear_digests, file_digest
-from .args import WEIGHT_RANGE, add_merge_arguments, join_negative_values, weight_ok
+from ..folders import clear_digests
+from .args import add_merge_arguments
 from .common import UsageError, shown
+from .configfile import MAX_CONFIG_BYTES, MAX_DEPTH, MAX_DIGITS, MAX_NODES, read_config
+from .digests import NO_MOMENTS, check_replay, pin_moments, take_digests, taken_digests
+from .values import WEIGHT_RANGE, join_negative_values, weight_ok
 
-__all__ = ["CONFIG_KEYS", "apply_config", "given_flags", "resolve", "taken_digests"]
+__all__ = [
+    "CONFIG_KEYS",
+    "MAX_CONFIG_BYTES",
+    "MAX_DEPTH",
+    "MAX_DIGITS",
+    "MAX_NODES",
+    "apply_config",
+    "given_flags",
+    "resolve",
+    "taken_digests",
+]
+
+_read = read_config  # (the reader's old name here, which tests/test_fuzz.py still uses)
 
 # the flags that are about this run, not the merge: given on the command line only, not recorded
 _RUN_ONLY = {
@@ -105,344 +118,6 @@ def given_flags(argv: list[str]) -> set[str]:
     if not getattr(ns, "adapters", None):
         given.discard("adapters")
     return given
-
-
-# ------------------------------------------------------------------------------ reading a file
-
-MAX_CONFIG_BYTES = 16 * 2**20
-"""Largest config (or report) file read: a merge's report of a large model is well under it;
-a bigger file (``/dev/zero``, a stream) is refused before it is read whole."""
-MAX_NODES = 100_000
-"""Most values (scalars, lists, mappings) a config may hold once YAML's aliases are expanded:
-a "billion laughs" file, a few lines of anchors that expand to billions of values, is refused
-while it is read."""
-MAX_DEPTH = 64
-"""Deepest nesting of lists and mappings in a config (a config needs 4 levels)."""
-MAX_DIGITS = 40
-"""Most digits of an integer in a config (Python refuses more than 4300 when it converts one)."""
-
-
-def _where(text: str, pos: int) -> str:
-    return f"line {text.count(chr(10), 0, pos) + 1}"
-
-
-def _read_text(path: str, what: str) -> str:
-    """The file's text, read in blocks and refused at once when it is larger than
-    :data:`MAX_CONFIG_BYTES`, holds a NUL byte (a binary file, ``/dev/zero``) or is not UTF-8."""
-    shown_path = path if os.path.isabs(path) else f"{path} ({os.path.abspath(path)})"
-    try:
-        with open(path, "rb") as f:
-            blocks, size = [], 0
-            while block := f.read(1 << 16):
-                if b"\0" in block:
-                    raise UsageError(
-                        f"{what}: holds a NUL byte (at byte {size + block.index(0)}): not a text "
-                        "file; give a YAML or JSON merge config."
-                    )
-                size += len(block)
-                if size > MAX_CONFIG_BYTES:
-                    raise UsageError(
-                        f"{what}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; a merge config "
-                        "(or report) is far smaller: is it the right file?"
-                    )
-                blocks.append(block)
-    except FileNotFoundError:
-        raise UsageError(
-            f"--config {shown_path}: no such file; give a YAML or JSON merge config."
-        ) from None
-    except IsADirectoryError:
-        raise UsageError(f"{what}: is a folder; give a YAML or JSON merge config file.") from None
-    except PermissionError:
-        raise UsageError(f"{what}: cannot be read (permission denied).") from None
-    except OSError as e:
-        raise UsageError(f"{what}: cannot be read ({e.strerror or e}).") from None
-    try:
-        return b"".join(blocks).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(
-            f"{what}: not UTF-8 text (byte {e.start}); give a YAML or JSON merge config."
-        ) from None
-
-
-def _digits(text: str) -> int:
-    """How many digits an integer literal has (sign, ``_`` and a base prefix left out)."""
-    t = text.strip().lstrip("+-").replace("_", "").lower()
-    if t[:2] in ("0x", "0o", "0b"):
-        t = t[2:]
-    return len(t)
-
-
-def _too_many_digits(what: str, where: str, n: int) -> UsageError:
-    return UsageError(
-        f"{what}: {where}: an integer of {n} digits; a config's numbers have at most "
-        f"{MAX_DIGITS} digits."
-    )
-
-
-def _json_load(text: str, what: str) -> Any:
-    """JSON read strictly: duplicate keys, nesting deeper than :data:`MAX_DEPTH` and integers
-    of more than :data:`MAX_DIGITS` digits refused, each naming its line."""
-    import json.decoder
-    import json.scanner
-
-    depth = [0]
-
-    def deeper(parse):
-        def wrapped(s_and_end, *rest):
-            s, end = s_and_end
-            depth[0] += 1
-            try:
-                if depth[0] > MAX_DEPTH:
-                    raise UsageError(
-                        f"{what}: {_where(s, end)}: nested deeper than {MAX_DEPTH} levels; a "
-                        "config is a mapping of lists and mappings a few levels deep."
-                    )
-                return parse(s_and_end, *rest)
-            finally:
-                depth[0] -= 1
-
-        return wrapped
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in items:
-            if k in out:
-                raise _Duplicate(k)
-            out[k] = v
-        return out
-
-    def parse_object(s_and_end, *rest):
-        s, end = s_and_end
-        try:
-            return json.decoder.JSONObject(s_and_end, *rest)
-        except _Duplicate as d:
-            pos = _second_key(s, end - 1, d.key)
-            raise UsageError(
-                f"{what}: {_where(s, pos)}: key {d.key!r} is given twice in one mapping; give "
-                "each key once (the second would silently win)."
-            ) from None
-
-    def parse_int(digits: str) -> int:
-        if _digits(digits) > MAX_DIGITS:
-            raise _too_many_digits(what, _where(text, max(0, text.find(digits))), _digits(digits))
-        return int(digits)
-
-    decoder = json.JSONDecoder(object_pairs_hook=pairs, parse_int=parse_int)
-    decoder.parse_object = deeper(parse_object)
-    decoder.parse_array = deeper(decoder.parse_array)
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # (the C one ignores the hooks)
-    try:
-        return decoder.decode(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{what}: not valid JSON ({e}).") from None
-    except RecursionError:  # (a stack smaller than MAX_DEPTH levels need: should not happen)
-        raise UsageError(f"{what}: nested too deep to read.") from None
-
-
-class _Duplicate(Exception):
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
-
-def _second_key(s: str, start: int, key: str) -> int:
-    """Where the JSON object at ``s[start]`` gives ``key`` the second time (its own keys only,
-    not those of the objects inside it)."""
-    from json.decoder import scanstring
-
-    seen, depth, i = 0, 0, start
-    while i < len(s):
-        c = s[i]
-        if c == '"':
-            value, j = scanstring(s, i + 1)
-            if depth == 1 and s[j:].lstrip().startswith(":"):
-                if value == key:
-                    seen += 1
-                    if seen == 2:
-                        return i
-            i = j
-            continue
-        if c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                break
-        i += 1
-    return start
-
-
-def _yaml_load(text: str, what: str, yaml: Any) -> Any:
-    """YAML read by :func:`_yaml_loader`'s bounded, strict loader (plain data only, nothing
-    constructed from tags)."""
-    loader = _yaml_loader(yaml)(text)
-    loader.what = what
-    try:
-        return loader.get_single_data()
-    except yaml.YAMLError as e:
-        raise UsageError(f"{what}: not valid YAML ({' '.join(str(e).split())}).") from None
-    except RecursionError:  # (a stack smaller than MAX_DEPTH levels need: should not happen)
-        raise UsageError(f"{what}: nested too deep to read.") from None
-    finally:
-        loader.dispose()
-
-
-@functools.cache
-def _yaml_loader(yaml: Any) -> type:
-    """PyYAML's ``SafeLoader`` with limits: every value counted as its aliases expand
-    (:data:`MAX_NODES`, so an anchor bomb stops while it is read), nesting
-    (:data:`MAX_DEPTH`, aliases included), integers (:data:`MAX_DIGITS`), recursive aliases
-    refused, and a key given twice in one mapping refused naming it and its line."""
-
-    class Loader(yaml.SafeLoader):
-        what = "--config"
-
-        def __init__(self, stream: str):
-            super().__init__(stream)
-            self._count = 0
-            self._depth = 0
-            self._open: set[str] = set()  # anchors of the collections being read
-            self._sizes: dict[int, tuple[int, int]] = {}  # id(node): (values, levels)
-
-        def _add(self, n: int, mark: Any) -> None:
-            self._count += n
-            if self._count > MAX_NODES:
-                raise UsageError(
-                    f"{self.what}: line {mark.line + 1}: more than {MAX_NODES} values once "
-                    "YAML's aliases are expanded (an alias bomb?); a config is far smaller."
-                )
-
-        def _size(self, node: Any) -> tuple[int, int]:
-            got = self._sizes.get(id(node))
-            if got is None:
-                if isinstance(node, yaml.SequenceNode):
-                    kids = [self._size(v) for v in node.value]
-                elif isinstance(node, yaml.MappingNode):
-                    kids = [self._size(x) for kv in node.value for x in kv]
-                else:
-                    kids = []
-                got = (1 + sum(k[0] for k in kids), 1 + max((k[1] for k in kids), default=0))
-                self._sizes[id(node)] = got
-            return got
-
-        def compose_node(self, parent: Any, index: Any) -> Any:
-            if self.check_event(yaml.AliasEvent):
-                event = self.peek_event()
-                node = self.anchors.get(event.anchor)
-                if event.anchor in self._open:
-                    raise UsageError(
-                        f"{self.what}: line {event.start_mark.line + 1}: the alias "
-                        f"*{event.anchor} refers to a list or mapping that holds it (a "
-                        "recursive value); a config holds plain values."
-                    )
-                if node is not None:
-                    count, levels = self._size(node)
-                    if self._depth + levels > MAX_DEPTH:
-                        raise self._too_deep(event.start_mark)
-                    self._add(count, event.start_mark)
-                return super().compose_node(parent, index)
-            self._add(1, self.peek_event().start_mark)
-            return super().compose_node(parent, index)
-
-        def _too_deep(self, mark: Any) -> UsageError:
-            return UsageError(
-                f"{self.what}: line {mark.line + 1}: nested deeper than {MAX_DEPTH} levels; a "
-                "config is a mapping of lists and mappings a few levels deep."
-            )
-
-        def _collection(self, compose: Any, anchor: Any) -> Any:
-            self._depth += 1
-            if self._depth > MAX_DEPTH:
-                raise self._too_deep(self.peek_event().start_mark)
-            if anchor is not None:
-                self._open.add(anchor)
-            try:
-                return compose(anchor)
-            finally:
-                self._depth -= 1
-                self._open.discard(anchor)
-
-        def compose_sequence_node(self, anchor: Any) -> Any:
-            return self._collection(super().compose_sequence_node, anchor)
-
-        def compose_mapping_node(self, anchor: Any) -> Any:
-            return self._collection(super().compose_mapping_node, anchor)
-
-        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-            if isinstance(node, yaml.MappingNode):
-                seen: set[Any] = set()
-                for key_node, _ in node.value:
-                    if key_node.tag == "tag:yaml.org,2002:merge":
-                        continue  # (<<: an anchored mapping's keys, which the mapping's own override)
-                    key = self.construct_object(key_node, deep=True)
-                    try:
-                        if key in seen:
-                            raise UsageError(
-                                f"{self.what}: line {key_node.start_mark.line + 1}: key {key!r} "
-                                "is given twice in one mapping; give each key once (the second "
-                                "would silently win)."
-                            )
-                        seen.add(key)
-                    except TypeError:  # (an unhashable key: the constructor refuses it)
-                        pass
-            return super().construct_mapping(node, deep=deep)
-
-        def construct_yaml_int(self, node: Any) -> int:
-            n = _digits(self.construct_scalar(node))
-            if n > MAX_DIGITS:
-                raise _too_many_digits(self.what, f"line {node.start_mark.line + 1}", n)
-            return super().construct_yaml_int(node)
-
-    Loader.add_constructor("tag:yaml.org,2002:int", Loader.construct_yaml_int)
-    return Loader
-
-
-def _read(path: str) -> tuple[dict[str, Any], str | None]:
-    """The config file's mapping (a report's ``config``) and, for a merge report, the library
-    version that wrote it (None for a plain config). Read by a bounded, strict loader
-    (:func:`_read_text`, :func:`_json_load`, :func:`_yaml_loader`)."""
-    what = f"--config {path}"
-    text = _read_text(path, what)
-    if path.lower().endswith(".json"):
-        data = _json_load(text, what)
-    else:
-        try:
-            import yaml
-        except ImportError:
-            if text.lstrip()[:1] not in ("{", "["):
-                raise UsageError(
-                    f"{what}: reading YAML needs PyYAML (pip install pyyaml); or write the "
-                    "config as JSON."
-                ) from None
-            data = _json_load(text, what)
-        else:
-            data = _yaml_load(text, what, yaml)
-    version = None
-    if isinstance(data, Mapping) and "netutility_version" in data:  # a netutility_report.json
-        version = data["netutility_version"]
-        if not isinstance(data.get("config"), Mapping):
-            raise UsageError(
-                f"{what}: a merge report (netutility_version {shown(str(version))}) without a "
-                "'config' mapping, so it cannot be replayed (reports record the configuration "
-                "under 'config'); give the merge's flags, or a config file."
-            )
-        data = data["config"]  # (the rest of the report describes the merge's result)
-        version = str(version)
-    elif isinstance(data, Mapping) and "config" in data:
-        own = sorted(str(k) for k in data if k != "config")
-        raise UsageError(
-            f"{what}: has a 'config' key, which only a merge report has (beside its "
-            "netutility_version), and this file is no report"
-            + (f": its own keys ({', '.join(own[:4])}{', ...' if len(own) > 4 else ''}) would "
-               "be ignored" if own else "")
-            + "; write the merge's settings at the top level, without 'config'."
-        )  # fmt: skip
-    if not isinstance(data, Mapping):
-        raise UsageError(
-            f"{what}: holds a {type(data).__name__}; expected a mapping with 'adapters:' and the "
-            "merge's flags as keys (method, budget, out, ...)."
-        )
-    return dict(data), version
 
 
 def _flag(dest: str, action: argparse.Action | None = None) -> str:
@@ -542,6 +217,9 @@ def _adapters(
     return paths, weights, names, refs, digests
 
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
 def _moments_list(what: str, key: str, value: Any, folder: pathlib.Path) -> tuple[list, list]:
     """``(files or None each, recorded SHA-256 or None each)`` of a config's ``input-moments``:
     a list, each item a file (relative to the config's folder), ``null`` (that task
@@ -583,7 +261,7 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
     version are kept for :func:`_check_replay` (``args.adapter_digests``,
     ``args.report_version``)."""
     what = f"--config {args.config}"
-    data, args.report_version = _read(args.config)
+    data, args.report_version = read_config(args.config)
     folder = pathlib.Path(os.path.abspath(args.config)).parent
     actions = _merge_actions()
     dests = {}
@@ -639,60 +317,6 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
         setattr(args, dest, parsed)
 
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-
-_DIGESTS: dict[str, str] = {}
-"""Each adapter folder's digest as :func:`resolve` took it before the merge read the folder (by
-absolute path; this process's latest merge): :func:`nu.merge_folders` takes it again once the
-merge is done and refuses a folder that changed in between, so that the report's digest is of
-the files the merge read (without reading them again where their identities show no change:
-:func:`nu.folders.adapter_digest`)."""
-
-
-def taken_digests(paths: list[str] | tuple[str, ...]) -> list[str | None]:
-    """The digests :func:`resolve` took of the adapter folders ``paths`` (None where it could
-    not: the merge's own checks refuse such a folder)."""
-    return [_DIGESTS.get(os.path.abspath(p)) for p in paths]
-
-
-def _check_replay(args: argparse.Namespace) -> dict[str, str]:
-    """A replayed report's inputs as it recorded them: the library version that wrote it, and
-    each adapter's digest (:func:`adapter_digest`; the input moments' are checked by
-    :func:`_check_moments`). A difference is refused naming it, or, with ``--allow-changed``,
-    said as a warning. Returns the digests it took, by absolute path."""
-    from .. import __version__
-    from .common import say
-
-    what = f"--config {args.config}"
-    changes, taken = [], {}
-    version = getattr(args, "report_version", None)
-    if version is not None and version != __version__:
-        changes.append(
-            f"the report was written by netutility-jax {version}, this is {__version__} (the "
-            "merge may differ)"
-        )
-    recorded = getattr(args, "adapter_digests", None) or [None] * len(args.adapters)
-    for i, (path, want) in enumerate(zip(args.adapters, recorded, strict=True)):
-        if want is None or not os.path.isdir(path):  # (a folder that is gone: the merge's
-            continue  # own checks refuse it, as they do without a report)
-        sha = taken[os.path.abspath(path)] = adapter_digest(path, f"{what}: adapters[{i}]")
-        if sha != want:
-            changes.append(
-                f"adapters[{i}] ({args.names[i] if args.names else path}) at {path} has changed "
-                f"since that merge (SHA-256 of its files {sha[:16]}..., recorded {want[:16]}...)"
-            )
-    if not changes:
-        return taken
-    if not getattr(args, "allow_changed", False):
-        raise UsageError(
-            f"{what}: {'; '.join(changes)}; the replay would not be that merge. Pass "
-            "--allow-changed to merge the inputs as they are now."
-        )
-    for line in changes:
-        say("merge", "warning", f"{what}: {line} (--allow-changed: merging them as they are)")
-    return taken
-
-
 def resolve(args: argparse.Namespace) -> None:
     """The merge's arguments completed and checked before anything is read: ``--config``
     applied, adapters and ``--out`` present, ``--budget`` where the allocation needs it,
@@ -729,7 +353,11 @@ def resolve(args: argparse.Namespace) -> None:
             f"tasks), not {args.allocation}; drop it."
         )
     labels = _resolve_adapters(args)
-    _check_moments(args)
+    args.input_moments = pin_moments(
+        getattr(args, "input_moments", None), getattr(args, "input_moments_recorded", None),
+        allocation=args.allocation, adapters=len(args.adapters),
+        allow_changed=getattr(args, "allow_changed", False),
+    )  # fmt: skip
     derived = task_names(labels)
     if args.names is None:
         args.names = derived
@@ -740,17 +368,16 @@ def resolve(args: argparse.Namespace) -> None:
                 f"--config {args.config}: two adapters have the same name; give each a distinct "
                 "'name'."
             )
-    taken = _check_replay(args) if getattr(args, "config", None) is not None else {}
+    if getattr(args, "config", None) is None:
+        taken = {}
+    else:
+        taken = check_replay(
+            f"--config {args.config}", args.adapters, args.names,
+            getattr(args, "adapter_digests", None), getattr(args, "report_version", None),
+            allow_changed=getattr(args, "allow_changed", False),
+        )  # fmt: skip
     if not args.dry_run:  # (what the report's digests are checked against once it is written)
-        from ..errors import NetUtilityError
-
-        for i, path in enumerate(args.adapters):
-            key = os.path.abspath(path)
-            _DIGESTS.pop(key, None)
-            try:
-                _DIGESTS[key] = taken.get(key) or adapter_digest(path, f"adapter {args.names[i]}")
-            except NetUtilityError:  # (not a readable folder: the merge's own checks say so, in
-                pass  # every process of a distributed run alike)
+        take_digests(args.adapters, args.names, taken)
 
 
 def _resolve_adapters(args: argparse.Namespace) -> list[str]:
@@ -771,90 +398,6 @@ def _resolve_adapters(args: argparse.Namespace) -> list[str]:
     ]
     args.adapters = [r.path for r in resolved]
     return [r.label for r in resolved]
-
-
-NO_MOMENTS = "none"
-"""The ``--input-moments`` argument that stands for a task without data (the data-free
-geometry for it); a file of that name is given as ``./none``."""
-
-_MOMENTS_SUFFIXES = (".safetensors", ".npz")
-
-
-def _digest(path: str, what: str) -> str:
-    """The SHA-256 of the file at ``path`` (:func:`nu.folders.file_digest`), its errors in the
-    flag's terms."""
-    from ..errors import FileAccessError, MissingFileError
-
-    try:
-        return file_digest(path)
-    except (FileNotFoundError, NotADirectoryError):
-        raise MissingFileError(
-            f"{what}: no such file; give one moments file per adapter, in order "
-            f"(nu.moments.save_input_moments writes them; '{NO_MOMENTS}' for a task without data)."
-        ) from None
-    except IsADirectoryError:
-        raise UsageError(f"{what}: is a folder; expected a .safetensors or .npz file.") from None
-    except PermissionError:
-        raise FileAccessError(f"{what}: cannot be read (permission denied).") from None
-    except OSError as e:
-        raise FileAccessError(f"{what}: cannot be read ({e.strerror or e}).") from None
-
-
-def _check_moments(args: argparse.Namespace) -> None:
-    """``--input-moments``: one file per adapter (or ``none``), with net_utility, each a
-    readable ``.safetensors`` or ``.npz`` whose SHA-256 the
-    merge's reading must match (and a replayed report's recorded one, if any):
-    ``args.input_moments`` becomes a :class:`.job.MomentsFile` (or None) per adapter. The files'
-    contents are checked against the adapters once those are open (:func:`.load.load_moments`)."""
-    from .job import MomentsFile
-
-    files = getattr(args, "input_moments", None)
-    if files is None:
-        return
-    files = [None if f is None or f == NO_MOMENTS else f for f in files]
-    if args.allocation != "net_utility":
-        raise UsageError(
-            f"--input-moments applies to --allocation net_utility (the scores use them); "
-            f"--allocation {args.allocation} scores nothing. Drop one of them."
-        )
-    if len(files) != len(args.adapters):
-        raise UsageError(
-            f"--input-moments has {len(files)} file{'s' if len(files) != 1 else ''} for "
-            f"{len(args.adapters)} adapters; give one per adapter, in the adapters' order "
-            f"('{NO_MOMENTS}' for a task without data)."
-        )
-    if all(f is None for f in files):
-        raise UsageError(
-            f"--input-moments: every entry is '{NO_MOMENTS}'; drop the flag for the data-free merge."
-        )
-    recorded = getattr(args, "input_moments_recorded", None) or [None] * len(files)
-    digests = []
-    for f, want in zip(files, recorded, strict=True):
-        if f is None:
-            digests.append(None)
-            continue
-        what = f"--input-moments {f}"
-        if not f.lower().endswith(_MOMENTS_SUFFIXES):
-            raise UsageError(
-                f"{what}: expected a .safetensors or .npz file of input second moments "
-                "(docs/input_moments.md; nu.moments.save_input_moments writes one)."
-            )
-        sha = _digest(f, what)
-        if want is not None and want != sha:
-            change = (
-                f"{what}: its SHA-256 is {sha[:16]}..., not {want[:16]}... as the config "
-                "records: the file changed since that merge"
-            )
-            if not getattr(args, "allow_changed", False):
-                raise UsageError(
-                    f"{change}; give the recorded file, drop its 'sha256', or pass "
-                    "--allow-changed to merge it as it is now."
-                )
-            from .common import say
-
-            say("merge", "warning", f"{change} (--allow-changed: merging it as it is)")
-        digests.append(MomentsFile(f, sha))
-    args.input_moments = digests
 
 
 def _after(args: argparse.Namespace) -> list[str]:

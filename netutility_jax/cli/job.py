@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from ..folders import MergeConfig, MomentsFile
-from .args import method_options
+from .options import method_options
 
 __all__ = ["MergeJob", "MomentsFile", "settings_of"]
 

@@ -25,7 +25,8 @@ from ..folders import Terms, merge_folders, mesh_of, read_moments, writes_as_it_
 from ..peft import weight_shapes
 from ..pipeline import _supervise, streaming
 from .common import PROG, UsageError, check_extras, flag, say
-from .config import resolve, taken_digests
+from .config import resolve
+from .digests import taken_digests
 from .distributed import agreed_facts, check_join, join
 from .job import MergeJob
 from .load import load, open_streamed

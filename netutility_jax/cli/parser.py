@@ -16,12 +16,11 @@ from .args import (
     add_loading,
     add_merge_arguments,
     add_scoring,
-    join_negative_values,
-    positive_int,
 )
 from .common import PROG
 from .demo import add_demo_parser
 from .output import REPORT_NAME
+from .values import join_negative_values, positive_int
 
 __all__ = ["EXIT_CODES", "MAX_MESSAGE", "build_parser", "required_merge_arguments"]
 

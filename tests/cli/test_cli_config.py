@@ -257,8 +257,8 @@ def test_the_merge_job_is_the_resolved_flags_as_one_config(folders, tmp_path):
     import dataclasses
 
     from netutility_jax.cli import config
-    from netutility_jax.cli.args import option_names
     from netutility_jax.cli.job import MergeJob
+    from netutility_jax.cli.options import option_names
 
     parser = cli.build_parser(demo_options=False)
     sub = next(a for a in parser._actions if a.dest == "command").choices["merge"]

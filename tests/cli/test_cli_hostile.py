@@ -25,7 +25,7 @@ from test_cli_config import BASE, NAMES, RANKS, _adapter
 
 import netutility_jax as nu
 from netutility_jax import cli
-from netutility_jax.cli import config
+from netutility_jax.cli import config, configfile
 from netutility_jax.errors import FileAccessError, InputError, MissingFileError, NetUtilityError
 from netutility_jax.folders import _digests  # (where the command's digests are taken)
 
@@ -90,13 +90,13 @@ def test_a_yaml_alias_bomb_is_refused_in_one_line_within_a_second(tmp_path, caps
     limit; the same bomb under an adapter's weight."""
     pytest.importorskip("yaml")
     text = _bomb(key)
-    assert 9**10 > config.MAX_NODES  # (so the limit must bind)
+    assert 9**10 > configfile.MAX_NODES  # (so the limit must bind)
     f = tmp_path / "bomb.yaml"
     f.write_text(text)
     tracemalloc.start()
     t0 = time.process_time()  # (CPU time: other processes on a busy machine do not count)
     with pytest.raises(cli.UsageError) as e:
-        config._read(str(f))
+        configfile.read_config(str(f))
     seconds = time.process_time() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
@@ -106,7 +106,7 @@ def test_a_yaml_alias_bomb_is_refused_in_one_line_within_a_second(tmp_path, caps
     # the line where the count passes the limit, counted here: the top mapping, then per line a
     # key and its list (line 1: 9 strings; line i: 9 copies of line i - 1's list)
     total, size, line = 1, 0, 0
-    while total <= config.MAX_NODES:
+    while total <= configfile.MAX_NODES:
         line += 1
         size = 1 + 9 * (size or 1)
         total += 1 + size
@@ -117,7 +117,7 @@ def test_a_yaml_alias_bomb_is_refused_in_one_line_within_a_second(tmp_path, caps
         _bomb("x").replace("\nx: ", "\nadapters:\n  - {path: a, weight: ").rstrip("\n") + "}\n"
     )
     with pytest.raises(cli.UsageError, match="aliases are expanded"):
-        config._read(str(adapter))
+        configfile.read_config(str(adapter))
 
 
 def test_aliases_within_the_limit_and_merge_keys_are_plain_yaml(tmp_path):
@@ -130,7 +130,7 @@ def test_aliases_within_the_limit_and_merge_keys_are_plain_yaml(tmp_path):
     )
     f = tmp_path / "ok.yaml"
     f.write_text(text)
-    data, version = config._read(str(f))
+    data, version = configfile.read_config(str(f))
     assert data == yaml.safe_load(text) and version is None
     assert data["both"] == {"budget": 3, "method": "ta"}
 
@@ -140,7 +140,7 @@ def test_a_recursive_alias_is_refused(tmp_path):
     f = tmp_path / "r.yaml"
     f.write_text("a: 1\nb: &x [1, *x]\n")
     with pytest.raises(cli.UsageError, match=rf"^--config {re.escape(str(f))}: line 2: the alias"):
-        config._read(str(f))
+        configfile.read_config(str(f))
 
 
 def test_dev_zero_and_large_files_are_refused_without_reading_them_whole(
@@ -151,14 +151,14 @@ def test_dev_zero_and_large_files_are_refused_without_reading_them_whole(
         _refused(capsys, ["merge", "--config", "/dev/zero", "--dry-run"],
                  "--config /dev/zero: holds a NUL byte (at byte 0): not a text file")  # fmt: skip
         assert time.perf_counter() - t0 < 5
-    monkeypatch.setattr(config, "MAX_CONFIG_BYTES", 1000)
+    monkeypatch.setattr(configfile, "MAX_CONFIG_BYTES", 1000)
     f = tmp_path / "big.yaml"
     f.write_text("budget: 2\n" + "# padding\n" * 200)  # 2010 bytes of valid YAML
     with pytest.raises(cli.UsageError, match=r"larger than 0 MiB"):
-        config._read(str(f))
+        configfile.read_config(str(f))
     f.write_bytes(b"budget: \xff\n")
     with pytest.raises(cli.UsageError, match=r"not UTF-8 text \(byte 8\)"):
-        config._read(str(f))
+        configfile.read_config(str(f))
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
@@ -192,9 +192,9 @@ def test_a_json_key_repeated_inside_a_nested_mapping_is_not_a_duplicate(tmp_path
     text = '{"a": {"path": 1},\n "b": {"path": 2},\n "c": {"x": {"path": 3},\n  "path": 4,\n  "path": 5}}'
     f.write_text(text)
     with pytest.raises(cli.UsageError, match=r": line 5: key 'path' is given twice"):
-        config._read(str(f))
+        configfile.read_config(str(f))
     f.write_text('{"a": {"path": 1}, "b": {"path": 2}}')
-    assert config._read(str(f))[0] == {"a": {"path": 1}, "b": {"path": 2}}
+    assert configfile.read_config(str(f))[0] == {"a": {"path": 1}, "b": {"path": 2}}
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
@@ -207,20 +207,20 @@ def test_nesting_and_integers_are_bounded(tmp_path, capsys, suffix):
     deep = "[" * 5000 + "]" * 5000
     f.write_text(f'{{"budget": 2,\n "x": {deep}}}')
     _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
-             f"--config {f}: line 2: nested deeper than {config.MAX_DEPTH} levels")  # fmt: skip
+             f"--config {f}: line 2: nested deeper than {configfile.MAX_DEPTH} levels")  # fmt: skip
     f.write_text(f'{{"adapters": ["a"],\n "budget": {"9" * 5000}}}')
     _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
              f"--config {f}: line 2: an integer of 5000 digits")  # fmt: skip
-    ok = config.MAX_DEPTH - 1  # the mapping is the first level
+    ok = configfile.MAX_DEPTH - 1  # the mapping is the first level
     f.write_text('{"x": ' + "[" * ok + "]" * ok + "}")
-    data = config._read(str(f))[0]
+    data = configfile.read_config(str(f))[0]
     depth, x = 1, data["x"]
     while isinstance(x, list):
         depth, x = depth + 1, (x[0] if x else None)
-    assert depth == config.MAX_DEPTH
+    assert depth == configfile.MAX_DEPTH
     f.write_text('{"x": ' + "[" * (ok + 1) + "]" * (ok + 1) + "}")
     with pytest.raises(cli.UsageError, match="nested deeper"):
-        config._read(str(f))
+        configfile.read_config(str(f))
 
 
 def test_a_config_with_a_config_key_and_a_report_without_one(tmp_path, capsys):
@@ -232,7 +232,7 @@ def test_a_config_with_a_config_key_and_a_report_without_one(tmp_path, capsys):
     _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
              "has a 'config' key, which only a merge report has")  # fmt: skip
     with pytest.raises(cli.UsageError, match=r"its own keys \(adapters, budget\) would be ignored"):
-        config._read(str(f))
+        configfile.read_config(str(f))
     f.write_text(json.dumps({"netutility_version": "0.1", "adapters": ["a"], "budget": 2}))
     _refused(capsys, ["merge", "--config", str(f), "--dry-run"],
              "a merge report (netutility_version '0.1') without a 'config' mapping")  # fmt: skip
@@ -553,9 +553,9 @@ def test_the_help_states_the_loader_s_limits():
     parser = cli.build_parser(demo_options=False)
     sub = next(a for a in parser._actions if a.dest == "command").choices["merge"]
     text = " ".join(next(a for a in sub._actions if a.dest == "config").help.split())
-    assert f"over {config.MAX_CONFIG_BYTES // 2**20} MiB" in text
-    assert f"deeper than {config.MAX_DEPTH} levels" in text
-    assert f"past {config.MAX_NODES} values" in text and "--allow-changed" in text
+    assert f"over {configfile.MAX_CONFIG_BYTES // 2**20} MiB" in text
+    assert f"deeper than {configfile.MAX_DEPTH} levels" in text
+    assert f"past {configfile.MAX_NODES} values" in text and "--allow-changed" in text
 
 
 # ------------------------------------------------------------------ inspect of an all-zero adapter
@@ -865,8 +865,8 @@ def test_a_file_rewritten_with_its_size_and_mtime_kept_is_still_noticed(
     place to the same size with its modification time set back (``cp -p``) changes its change
     time, so the digest is taken again (and a merge would refuse the change)."""
     copies = _settled_copies(folders, tmp_path, monkeypatch)
-    before = config.adapter_digest(copies[0], "x")
-    assert config.adapter_digest(copies[0], "x") == before == _digest(copies[0])
+    before = _digests.adapter_digest(copies[0], "x")
+    assert _digests.adapter_digest(copies[0], "x") == before == _digest(copies[0])
     f = pathlib.Path(copies[0]) / "adapter_config.json"
     st = f.stat()
     text = f.read_text()
@@ -876,5 +876,5 @@ def test_a_file_rewritten_with_its_size_and_mtime_kept_is_still_noticed(
     f.write_text(changed)
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
-    after = config.adapter_digest(copies[0], "x")
+    after = _digests.adapter_digest(copies[0], "x")
     assert after != before and after == _digest(copies[0])

@@ -141,7 +141,7 @@ def test_cli_flags_are_the_registry_options():
             a = actions[opt.name]
             assert opt.cli_flag in a.option_strings
             # the registry's help, and for an option the command gives a default, that default
-            default = cli.args.CLI_DEFAULTS.get(opt.name) if opt.required else None
+            default = cli.options.CLI_DEFAULTS.get(opt.name) if opt.required else None
             assert (
                 a.help == opt.help
                 if default is None
