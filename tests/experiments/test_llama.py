@@ -39,7 +39,7 @@ from hypothesis import given, settings
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError, InputTypeError, MissingFileError
-from netutility_jax.experiments.models import gguf_io, llama, llama_tokenizer
+from netutility_jax.experiments.models import gguf_io, gguf_tokenizer, llama, llama_tokenizer
 from netutility_jax.experiments.models.minilm import LoRALinear
 
 
@@ -1261,7 +1261,7 @@ def test_tokenizer_batching():
         tok(["a"], padding_side="middle")
     with pytest.raises(InputError, match="has no chat template"):
         tok.chat([{"role": "user", "content": "hi"}])
-    assert llama_tokenizer.bytes_to_unicode()[ord(" ")] == "Ġ"
+    assert gguf_tokenizer.bytes_to_unicode()[ord(" ")] == "Ġ"
 
 
 def _run_docstrings(objs):
