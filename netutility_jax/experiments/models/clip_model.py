@@ -29,18 +29,10 @@ from .clip_config import CLIPVisionConfig as CLIPVisionConfig
 from .clip_config import LoRAConfig as LoRAConfig
 from .llama_model import init_model, linear, retyped, with_fresh_lora
 
-__all__ = [
-    "ACTIVATIONS",
-    "ALL_TARGETS",
-    "LORA_TARGETS",
-    "TOWERS",
-    "CLIPConfig",
+__all__ = [  # (the config names re-imported above are clip_config's)
     "CLIPModel",
     "CLIPOutput",
-    "CLIPTextConfig",
-    "CLIPVisionConfig",
     "EncoderLayer",
-    "LoRAConfig",
     "ModelOptions",
     "SelfAttention",
     "TextTransformer",
