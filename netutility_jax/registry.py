@@ -1,11 +1,12 @@
 """Merge methods and spaces as declarations: the one table everything else reads.
 
 Each merge method is one :class:`MethodSpec`: its name and label, its options (:class:`Option`:
-type, default, range, help, command-line flag), the spaces it runs in, whether its result stays
-low rank there, the spaces in which it gives identical results, and its kernel. Each space is one
-:class:`SpaceSpec` with its options. :func:`nu.merge` validates and resolves options through
+type, default, range, help), the spaces it runs in, whether its result stays low rank there, the
+spaces in which it gives identical results, and its kernel. Each space is one :class:`SpaceSpec`
+with its options. :func:`nu.merge` validates and resolves options through
 :func:`resolve_options`; ``netutility merge`` builds its flags and help from :data:`METHODS` and
-:data:`SPACES`; the built-in experiment takes labels and identical spaces from here.
+:data:`SPACES` (in its own wording where it differs: ``netutility_jax.cli.options``); the
+built-in experiment takes labels and identical spaces from here.
 
 Adding a method is one :class:`MethodSpec` (here, or :func:`register` from user code) plus its
 kernel: a low-rank kernel maps factored tasks ``a (..., M, p, r)``, ``b (..., M, q, r)`` to merged
@@ -135,8 +136,6 @@ _DENSITY = Option(
     high=1.0,
     example="0.2",
     traced=False,
-    cli_low_open=True,
-    cli_what="the kept fraction",
 )
 _TRIM_SCOPE = Option(
     "trim_scope",

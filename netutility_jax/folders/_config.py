@@ -40,11 +40,20 @@ def _options() -> dict[str, registry.Option]:
     return out
 
 
+_KEYS = {"variant": "knots-variant"}
+"""The options a config and a report spell otherwise than by their name: KnOTS' ``variant``,
+whose name alone would not say which space it belongs to."""
+
+
 def option_key(name: str) -> str:
-    """How a config (and a report) spells the option ``name``: its flag without the dashes
-    (``density``, ``knots-variant`` for ``variant``)."""
-    opt = _options().get(name)
-    return (opt.cli_flag if opt is not None else "--" + name.replace("_", "-"))[2:]
+    """How a config (and a report) spells the option ``name``: its name with dashes
+    (``density``, ``trim-scope``; ``knots-variant`` for ``variant``), which is also the command
+    line's flag without its dashes. An option declared with the deprecated
+    ``registry.Option(flag=...)`` is spelled as that flag."""
+    flag = getattr(_options().get(name), "flag", None)
+    if flag:
+        return flag[2:]
+    return _KEYS.get(name, name.replace("_", "-"))
 
 
 def _key(field: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -34,6 +35,9 @@ class _Required:
 #: The default of an option that has none (the user must give it).
 REQUIRED: Any = _Required()
 
+#: :class:`Option`'s deprecated fields: the command line's wording, which the command line owns.
+_CLI_FIELDS = ("flag", "cli_low_open", "cli_what")
+
 
 @dataclasses.dataclass(frozen=True)
 class Option:
@@ -50,10 +54,10 @@ class Option:
       choices, choice_help: the values of a choice option, and what each means.
       traced: a real option that reaches a kernel only as data (may be traced, a new value does
         not recompile); False for one the host uses (TIES's ``density`` sets kept counts).
-      flag: the command-line flag (default ``--name`` with dashes).
-      cli_low_open: the command line's own lower bound, if stricter (a density of 0 keeps
-        nothing, which no one asks for from a shell).
-      cli_what: the command line's wording of ``what``, if different.
+      flag, cli_low_open, cli_what: deprecated (they keep working for one release, with a
+        :class:`DeprecationWarning` when given): how the command line words the option is the
+        command line's, ``netutility_jax.cli.options.OPTION_WORDING`` (its flag, a stricter
+        lower bound, other words for ``what``).
     """
 
     name: str
@@ -73,16 +77,33 @@ class Option:
     cli_low_open: bool | None = None
     cli_what: str | None = None
 
+    def __post_init__(self) -> None:
+        given = [f"{f}=" for f in _CLI_FIELDS if getattr(self, f) is not None]
+        if given:
+            warnings.warn(
+                f"registry.Option({self.name!r}): {', '.join(given)} "
+                f"{'is' if len(given) == 1 else 'are'} deprecated (kept for one release): the "
+                "command line's wording of an option is the command line's, "
+                f"netutility_jax.cli.options.OPTION_WORDING[(method, {self.name!r})] = "
+                "OptionWording(flag=..., low_open=..., what=...).",
+                DeprecationWarning,
+                stacklevel=3,  # (the caller of the dataclass's __init__)
+            )
+
     @property
     def required(self) -> bool:
         return self.default is REQUIRED
 
     @property
     def cli_flag(self) -> str:
+        """Deprecated (kept for one release): the flag the deprecated ``flag`` field declares,
+        else ``--name``. The command line's flag of an option is
+        ``netutility_jax.cli.options.option_flag(name)`` (``--knots-variant`` for KnOTS'
+        ``variant``)."""
         return self.flag or "--" + self.name.replace("_", "-")
 
     def interval(self, *, cli: bool = False) -> str:
-        """``[0, 1)`` and such."""
+        """``[0, 1)`` and such (``cli``: with the deprecated ``cli_low_open``, if given)."""
         low_open = self.cli_low_open if cli and self.cli_low_open is not None else self.low_open
         return (
             f"{'(' if low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
@@ -196,7 +217,6 @@ KNOTS_VARIANT = Option(
     "knots space: core_space (unscaled blocks, default) or original (scaled blocks)",
     choices=("core_space", "original"),
     choice_help=" ('core_space': unscaled blocks V_i, default; 'original': scaled blocks S V_i)",
-    flag="--knots-variant",
 )
 
 #: Every merge method, in the order the command line and messages list them.

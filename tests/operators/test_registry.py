@@ -139,7 +139,9 @@ def test_cli_flags_are_the_registry_options():
     for spec in (*registry.METHODS.values(), *registry.SPACES.values()):
         for opt in spec.options:
             a = actions[opt.name]
-            assert opt.cli_flag in a.option_strings
+            # the command's flag: "--" and the config key (--knots-variant for KnOTS' variant)
+            flag = cli.options.option_flag(opt.name)
+            assert a.option_strings == [flag] and flag == "--" + nu.folders.option_key(opt.name)
             # the registry's help, and for an option the command gives a default, that default
             default = cli.options.CLI_DEFAULTS.get(opt.name) if opt.required else None
             assert (
@@ -149,6 +151,87 @@ def test_cli_flags_are_the_registry_options():
             ), (opt.name, a.help)
             if opt.kind == "choice":
                 assert tuple(a.choices) == opt.choices
+
+
+def test_the_command_line_s_wording_is_the_command_line_s():
+    """The registry declares no command-line wording: the command line's own table words TIES'
+    density (a stricter lower bound, shorter words), and KnOTS' variant's flag is its config
+    key; the flags, their ranges and their messages are what they were."""
+    for spec in (*registry.METHODS.values(), *registry.SPACES.values()):
+        for opt in spec.options:
+            assert (opt.flag, opt.cli_low_open, opt.cli_what) == (None, None, None), opt.name
+    assert cli.options.option_flag("variant") == "--knots-variant"
+    assert cli.options.option_wording("density") == cli.options.OptionWording(
+        "--density", low_open=True, what="the kept fraction"
+    )
+    assert cli.options.option_wording("p") == cli.options.OptionWording(
+        "--p", low_open=False, what="the drop rate"
+    )
+    parser = cli.build_parser(demo_options=False)
+    base = ["merge", "x", "--out", "o", "--budget", "2"]
+    args = parser.parse_args([*base, "--method", "ties", "--space", "knots", "--density", "0.5",
+                              "--knots-variant", "original"])  # fmt: skip
+    assert cli.method_options(args) == {"density": 0.5, "variant": "original"}
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args([*base, "--density", "0"])  # (0 is the registry's, not the shell's)
+    assert info.value.code == 2
+    registry.resolve_options("f", "ties", "full", {"density": 0.0})
+    with pytest.raises(cli.UsageError, match=r"--knots-variant does not apply to method ta in "
+                       r"full space; it takes --isotropize\."):  # fmt: skip
+        cli.method_options(parser.parse_args([*base, "--knots-variant", "original"]))
+
+
+def test_the_deprecated_wording_fields_warn_and_still_word_the_flag(capsys):
+    """``registry.Option(..., flag=, cli_low_open=, cli_what=)`` (a user's method declared
+    before the wording moved to the command line) warns, pointing at the caller, and the
+    command line still takes the flag, its bound and its words; its config key is the flag."""
+    with pytest.warns(DeprecationWarning, match=r"flag=, cli_low_open=, cli_what= are "
+                      r"deprecated .*OPTION_WORDING") as rec:  # fmt: skip
+        opt = registry.Option("toy_share", "real", 0.5, "toy: a share", what="the share",
+                              low=0.0, high=1.0, example="0.5", flag="--toy-part",
+                              cli_low_open=True, cli_what="the part")  # fmt: skip
+    assert rec[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match=r"cli_what= is deprecated"):
+        registry.Option("toy_x", "real", 0.5, "x", low=0.0, high=1.0, cli_what="x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        registry.Option("toy_y", "real", 0.5, "y", low=0.0, high=1.0)  # (no wording: no warning)
+    assert opt.cli_flag == "--toy-part" and opt.interval(cli=True) == "(0, 1]"
+
+    def kernel(a, b, *, coef, rtol, is_svd, toy_share):
+        return nu.methods.ta(a, b, coef=coef)
+
+    registry.register(registry.MethodSpec("toy_old", "Toy", "toy", "low_rank", kernel, (opt,)))
+    try:
+        assert cli.options.option_flag("toy_share") == "--toy-part"
+        assert nu.folders.option_key("toy_share") == "toy-part"
+        parser = cli.build_parser(demo_options=False)
+        base = ["merge", "x", "--out", "o", "--budget", "2", "--method", "toy_old"]
+        assert cli.method_options(parser.parse_args([*base, "--toy-part", "0.25"])) == {
+            "toy_share": 0.25
+        }
+        with pytest.raises(SystemExit):
+            parser.parse_args([*base, "--toy-part", "0"])  # cli_low_open: (0, 1]
+        assert "expected a finite number in (0, 1] (the part), got '0'" in capsys.readouterr().err
+        cfg = nu.MergeConfig(method="toy_old", budget=2, method_options={"toy_share": 0.25})
+        assert cfg.to_dict()["toy-part"] == 0.25
+        assert nu.MergeConfig.from_dict(cfg.to_dict()) == cfg
+        # the command line's own table words it instead, once the user moves the wording there
+        cli.options.OPTION_WORDING[("toy_old", "toy_share")] = cli.options.OptionWording(
+            flag="--toy-fraction", what="the fraction"
+        )
+        try:
+            words = cli.options.option_wording("toy_share")
+            assert (words.flag, words.low_open, words.what) == ("--toy-fraction", True,
+                                                                "the fraction")  # fmt: skip
+            args = cli.build_parser(demo_options=False).parse_args(
+                [*base, "--toy-fraction", "0.75"]
+            )
+            assert cli.method_options(args) == {"toy_share": 0.75}
+        finally:
+            del cli.options.OPTION_WORDING[("toy_old", "toy_share")]
+    finally:
+        del registry.METHODS["toy_old"]
 
 
 # (~15-25 s of merge compilations; the slow tier runs in CI)
@@ -316,8 +399,7 @@ def test_command_flags_are_the_parsers_own_and_options_cannot_take_them():
     for command in ("merge", "inspect"):
         for a in sub.choices[command]._actions:
             own |= {s for s in a.option_strings if s.startswith("--")}
-    options = {o.cli_flag for sp in (*registry.METHODS.values(), *registry.SPACES.values())
-               for o in sp.options}  # fmt: skip
+    options = {cli.options.option_flag(n) for n in cli.options.option_names()}
     assert set(registry.COMMAND_FLAGS) == own - options
     for name in ("rank", "out", "dry_run"):
         opt = registry.Option(name, "real", 1.0, "x", low=0.0, high=2.0, traced=True)
