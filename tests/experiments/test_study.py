@@ -16,6 +16,7 @@ from netutility_jax.experiments import demo
 from netutility_jax.experiments.harness import fitting
 from netutility_jax.experiments.harness import grid as gr
 from netutility_jax.experiments.harness import study as sd
+from netutility_jax.experiments.harness import study_report as sr
 from netutility_jax.experiments.suites import encoder as enc
 from netutility_jax.experiments.suites import train as tr
 
@@ -212,7 +213,7 @@ def test_a_study_runs_end_to_end_and_its_numbers_agree(tmp_path):
     d.update(per_seed=[0.5, 1.5, 1.0], seed_ci=[1.0 - half, 1.0 + half], seeds_exclude_zero=False)
     e = multi["cells"][1]["allocation"]["8"]["net_utility_minus_uniform"]
     e.update(per_seed=[0.9, 1.1, 1.0], seed_ci=[0.75, 1.25], seeds_exclude_zero=True)
-    md = sd._markdown(multi, 8)
+    md = sr.markdown(multi, 8)
     assert "| centre | NU - uniform R8 | +0.5, +1.5, +1.0 | [-0.2, +2.2] | " in md
     assert "| h=4x | NU - uniform R8 | +0.9, +1.1, +1.0 | [+0.8, +1.2]* | " in md
     rows = [ln for ln in md.split("## Across seeds")[1].split("\n## ")[0].splitlines()

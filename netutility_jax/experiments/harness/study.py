@@ -37,7 +37,8 @@ stopped. The centre's training is the ``--grid mechanism`` preset's, so either r
 other's cache.
 
 Outputs: ``study.json`` (every number, the design, the command, commit and versions),
-``study.md`` and ``study.png`` (the deltas against the indices).
+``study.md`` and ``study.png`` (the deltas against the indices; :mod:`study_report` writes
+both).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from . import grid as gr
 from . import records, suites
 from . import report_tables as rt
 from . import stats as st
+from . import study_report as sr
 
 __all__ = [
     "STUDY_FILES",
@@ -254,12 +256,38 @@ def _mean(xs: Sequence[float]) -> float:
 
 def analyse_cell(cell: Cell, run: Any, *, alpha: Any = "auto") -> CellResult:
     """The indices, merge regime and allocation deltas of one cell's ``runner.Run``."""
-    import netutility_jax as nu
-
     grid = run.preset.grid
     names = [t.name for t in run.tasks]
     sx = rt.Stats(run)
     low = min(grid.budgets)
+    indices = _indices(run, names, low, alpha)
+    regime = {
+        "keep_all_ta": rt.summary_dict(sx.value("ta/full/all")),
+        "iso_c_minus_ta": rt.summary_dict(sx.delta("iso_c/full/all", "ta/full/all")),
+        "uniform_minus_keep_all": rt.summary_dict(
+            sx.delta(f"ta/full/R{low}/uniform", "ta/full/all")
+        ),
+    }
+    allocation = _allocation(sx, grid)
+    return CellResult(
+        cell=cell,
+        tasks=names,
+        seeds=[s.seed for s in run.seeds],
+        test_texts=len(run.test),
+        indices=indices,
+        regime=regime,
+        allocation=allocation,
+        per_task=_per_task(sx, names, low, indices["per_seed"], data=_has_data(grid)),
+        seconds=dict(run.seconds),
+    )
+
+
+def _indices(run: Any, names: Sequence[str], low: int, alpha: Any) -> dict[str, Any]:
+    """The data-free indices of a cell per seed (``nu.diagnose`` at the tightest budget
+    ``low``, and the seed's scores), their means over seeds, and the seeds' under
+    ``"per_seed"``."""
+    import netutility_jax as nu
+
     per_seed = []
     for s in run.seeds:
         diag = nu.diagnose(s.adapters, budget=low, alpha=alpha, names=names)
@@ -277,7 +305,7 @@ def analyse_cell(cell: Cell, run: Any, *, alpha: Any = "auto") -> CellResult:
                 "warnings": list(diag.warnings),
             }
         )
-    indices = {
+    indices: dict[str, Any] = {
         k: _mean([p[k] for p in per_seed])
         for k in (
             "overlap_vs_chance", "heterogeneity", "effective_rank", "lam",
@@ -285,13 +313,12 @@ def analyse_cell(cell: Cell, run: Any, *, alpha: Any = "auto") -> CellResult:
         )
     }  # fmt: skip
     indices["per_seed"] = per_seed
-    regime = {
-        "keep_all_ta": rt.summary_dict(sx.value("ta/full/all")),
-        "iso_c_minus_ta": rt.summary_dict(sx.delta("iso_c/full/all", "ta/full/all")),
-        "uniform_minus_keep_all": rt.summary_dict(
-            sx.delta(f"ta/full/R{low}/uniform", "ta/full/all")
-        ),
-    }
+    return indices
+
+
+def _allocation(sx: rt.Stats, grid: gr.GridConfig) -> dict[str, Any]:
+    """Per budget: uniform's and Net Utility's normalized accuracy, Net Utility minus uniform
+    and minus energy, and the data-aware control's against both (when the grid has it)."""
     allocation: dict[str, Any] = {}
     data = _has_data(grid)
     for r in grid.budgets:
@@ -308,6 +335,16 @@ def analyse_cell(cell: Cell, run: Any, *, alpha: Any = "auto") -> CellResult:
                 "net_utility_data_minus_uniform": rt.summary_dict(sx.delta(dd, u)),
                 "net_utility_data_minus_net_utility": rt.summary_dict(sx.delta(dd, o)),
             }
+    return allocation
+
+
+def _per_task(
+    sx: rt.Stats, names: Sequence[str], low: int, per_seed: Sequence[Mapping[str, Any]], *,
+    data: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """Per task at the tightest budget ``low``: its energy share and kept share against
+    uniform's (means over seeds), and Net Utility minus uniform on it (with ``data``, the
+    data-aware control minus uniform and minus Net Utility)."""
     per_task = {}
     du, do = sx.draws(f"ta/full/R{low}/uniform"), sx.draws(f"ta/full/R{low}/net_utility")
     dd = sx.draws(f"ta/full/R{low}/{DATA}") if data else None
@@ -328,17 +365,7 @@ def analyse_cell(cell: Cell, run: Any, *, alpha: Any = "auto") -> CellResult:
         if data:
             per_task[n]["delta_data"] = delta(dd, du, i)  # NU(data) - uniform
             per_task[n]["delta_data_vs_net_utility"] = delta(dd, do, i)
-    return CellResult(
-        cell=cell,
-        tasks=names,
-        seeds=[s.seed for s in run.seeds],
-        test_texts=len(run.test),
-        indices=indices,
-        regime=regime,
-        allocation=allocation,
-        per_task=per_task,
-        seconds=dict(run.seconds),
-    )
+    return per_task
 
 
 # ----------------------------------------------------------------------------------- running
@@ -404,22 +431,6 @@ def run_study(
 
 
 # ----------------------------------------------------------------------------------- rendering
-
-
-def _iv(d: Mapping[str, Any] | None) -> str:
-    if not d:
-        return "n/a"
-    lo, hi = d["bootstrap_ci"]
-    mark = "*" if d.get("bootstrap_excludes_zero") else ""
-    return f"{d['estimate']:+.1f} [{lo:+.1f}, {hi:+.1f}]{mark}"
-
-
-def _times(x: Any, m: int) -> Any:
-    return None if x is None else x * m
-
-
-def _num(x: Any, nd: int = 2) -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{x:.{nd}f}"
 
 
 def _pooled_tasks(cells: Sequence[CellResult]) -> tuple[list[float], list[float]]:
@@ -491,217 +502,13 @@ def render(
         },
     }
     results = records.to_jsonable(results)
-    return results, _markdown(results, low), _figure(cells, low, xs, ys)
+    return results, sr.markdown(results, low), sr.figure(cells, low, xs, ys)
 
 
 def _moment_texts() -> int:
     from .runner import MOMENT_TEXTS
 
     return MOMENT_TEXTS
-
-
-def _markdown(results: Mapping[str, Any], low: int) -> str:
-    budgets = results["design"]["budgets"]
-    centre = results["design"]["centre"]
-    data = bool(results["design"].get("data_aware"))
-    lines = [
-        f"# Regime study ({results['study']})",
-        "",
-        "Where does Net Utility's budget-aware allocation help? One factor of the training regime "
-        "is moved at a time around a centre (one shared LoRA initialisation, the paper's "
-        "codebase's regime; equal training; all tasks; rank 16). The design, the cells and the "
-        "indices are this project's, not the paper's. Normalized accuracy (% of each task's own "
-        "LoRA), means over seeds; deltas in points with the paired bootstrap 95% interval over "
-        "test texts pooled over seeds (`*`: it excludes 0).",
-        "",
-        f"Centre: {len(centre['tasks'])} tasks, seeds {', '.join(map(str, centre['seeds']))}, "
-        f"up to {centre['n_test']} test texts per task.",
-        "",
-        "| cell | tasks | overlap / chance | h | eff. rank | lambda | keep-all TA | Iso-C - TA "
-        f"| uniform R{low} - keep-all | "
-        + " | ".join(f"NU - uniform R{r}" for r in budgets)
-        + f" | NU - energy R{low} |"
-        + "".join(f" NU(data) - uniform R{r} | NU(data) - NU R{r} |" for r in budgets if data),
-        "|" + "---|" * (9 + len(budgets) + (2 * len(budgets) if data else 0)),
-    ]
-    for c in results["cells"]:
-        ix, rg, al = c["indices"], c["regime"], c["allocation"]
-        keep = "n/a" if not rg["keep_all_ta"] else f"{rg['keep_all_ta']['estimate']:.1f}"
-        lines.append(
-            f"| {c['cell']} | {len(c['tasks'])} | {_num(ix['overlap_vs_chance'], 1)} | "
-            f"{_num(ix['heterogeneity'])} | {_num(ix['effective_rank'], 1)} | "
-            f"{_num(ix['lam'], 3)} | {keep} | "
-            f"{_iv(rg['iso_c_minus_ta'])} | {_iv(rg['uniform_minus_keep_all'])} | "
-            + " | ".join(_iv(al[str(r)]["net_utility_minus_uniform"]) for r in budgets)
-            + f" | {_iv(al[str(low)]['net_utility_minus_energy'])} |"
-            + "".join(
-                f" {_iv(al[str(r)].get('net_utility_data_minus_uniform'))} |"
-                f" {_iv(al[str(r)].get('net_utility_data_minus_net_utility'))} |"
-                for r in budgets
-                if data
-            )
-        )
-    corr = results["per_task_delta_vs_energy"]["pearson"]
-    lines += [
-        "",
-        "Overlap / chance: the mean normalised overlap of the tasks' input subspaces over its "
-        "value for random subspaces (1 = chance). h: the variance of the tasks' log energies "
-        "(the paper's heterogeneity). Eff. rank: exp of the entropy of each task's spectrum, "
-        "mean over tasks and modules.",
-        "",
-        *(
-            [
-                "NU(data): Net Utility scored with each task's input second moments as its "
-                "geometry G_i (`nu.score(..., input_moments=...)`; docs/input_moments.md), "
-                "estimated from the LoRA-target inputs of "
-                f"{results['design']['moment_texts']} unlabelled training "
-                "texts per task under the base model (padding dropped), the same global top-K. "
-                "This variant is this project's answer to the limitation the paper states (its "
-                "geometry is data-free because G_i cannot be estimated without task data), not "
-                "the paper's method. NU(data) - NU compares it with the data-free score.",
-                "",
-            ]
-            if data
-            else []
-        ),
-        *_across_seeds(results, budgets, low, data),
-        f"## Per task: Net Utility minus uniform at R={low} against the task's energy",
-        "",
-        f"Pooled over cells (each task of each cell one point, its delta a mean over seeds): "
-        f"Pearson r = {_num(corr['r'])} (95% interval {_num(corr['low'])} to "
-        f"{_num(corr['high'])}, permutation p = {_num(corr['p'], 3)}, n = {corr['n']}). "
-        "Energy share x tasks: 1 is an equal share.",
-        "",
-        "| cell | task | energy share x tasks | kept / uniform share | delta |",
-        "|---|---|---|---|---|",
-    ]
-    for c in results["cells"]:
-        m = len(c["tasks"])
-        for n, t in c["per_task"].items():
-            delta = "n/a" if t["delta"] is None else f"{t['delta']:+.1f}"
-            lines.append(
-                f"| {c['cell']} | {n} | {_num(_times(t['energy_share'], m))} | "
-                f"{_num(t['kept_vs_uniform'])} | {delta} |"
-            )
-    seconds = sum(c["seconds"].get("total", 0.0) for c in results["cells"])
-    cpu = [c["seconds"].get("total_cpu") for c in results["cells"]]
-    cpu_text = (
-        f", CPU time {sum(cpu) / 3600:.2f} h (this process, every thread)"
-        if cpu and None not in cpu
-        else ""
-    )
-    commit = results.get("commit") or {}
-    lines += [
-        "",
-        f"Wall time {seconds / 3600:.2f} h{cpu_text} (cached jobs count as their load time). "
-        f"Command: "
-        f"`{results.get('command') or 'a Python call'}`; commit {commit.get('head', 'unknown')}"
-        f"{' (uncommitted changes)' if commit.get('dirty') else ''}.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _seeds_iv(d: Mapping[str, Any] | None) -> tuple[str, str, int]:
-    """``(per-seed values, t interval over seeds, intervals that exclude 0)`` of one delta."""
-    if not d:
-        return "n/a", "n/a", 0
-    lo, hi = d["seed_ci"]
-    mark = "*" if d.get("seeds_exclude_zero") else ""
-    seeds = (
-        "n/a" if lo is None or not (math.isfinite(lo) and math.isfinite(hi))
-        else f"[{lo:+.1f}, {hi:+.1f}]{mark}"
-    )  # fmt: skip
-    return ", ".join(f"{v:+.1f}" for v in d["per_seed"]), seeds, int(bool(mark))
-
-
-def _across_seeds(
-    results: Mapping[str, Any], budgets: Sequence[int], low: int, data: bool
-) -> list[str]:
-    """The Net Utility deltas seed by seed, with the t interval over seeds: the main table's
-    bootstrap resamples test texts and does not see how much a new training seed moves a delta."""
-    cells = results["cells"]
-    if len(results["design"]["centre"]["seeds"]) < 2:
-        return []
-    rows = [(f"NU - uniform R{r}", r, "net_utility_minus_uniform") for r in budgets]
-    rows.append((f"NU - energy R{low}", low, "net_utility_minus_energy"))
-    if data:
-        rows += [(f"NU(data) - uniform R{r}", r, "net_utility_data_minus_uniform") for r in budgets]
-        rows += [(f"NU(data) - NU R{r}", r, "net_utility_data_minus_net_utility") for r in budgets]
-    lines = [
-        "## Across seeds",
-        "",
-        "Each delta seed by seed, and the 95% t interval over seeds (`*`: it excludes 0). The "
-        "intervals above resample test texts and do not cover seed-to-seed variation; these do, "
-        "from few seeds, so they are wide.",
-        "",
-        "| cell | comparison | per seed | over seeds | over texts |",
-        "|---|---|---|---|---|",
-    ]
-    boot = seeds_ex = total = 0
-    for c in cells:
-        for label, r, key in rows:
-            d = c["allocation"][str(r)].get(key)
-            per_seed, over, ex = _seeds_iv(d)
-            lines.append(f"| {c['cell']} | {label} | {per_seed} | {over} | {_iv(d)} |")
-            if d:
-                total += 1
-                seeds_ex += ex
-                boot += int(bool(d.get("bootstrap_excludes_zero")))
-    lines += [
-        "",
-        f"Of these {total} comparisons, {boot} intervals over texts and {seeds_ex} over seeds "
-        "exclude 0; were no allocation different from another, a calibrated 95% interval would "
-        f"exclude 0 in about {0.05 * total:.1f} of them.",
-        "",
-    ]
-    return lines
-
-
-def _figure(cells: Sequence[CellResult], low: int, xs, ys):
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(13, 4))
-    axes = fig.subplots(1, 3)
-    for ax, key, label in (
-        (axes[0], "overlap_vs_chance", "input overlap / chance"),
-        (axes[1], "heterogeneity", "heterogeneity h"),
-    ):
-        for c in cells:
-            d = c.allocation[str(low)]["net_utility_minus_uniform"]
-            x = c.indices[key]
-            if d is None or not math.isfinite(x):
-                continue
-            lo, hi = d["bootstrap_ci"]
-            ax.errorbar(
-                x, d["estimate"], yerr=[[d["estimate"] - lo], [hi - d["estimate"]]], fmt="o",
-                capsize=3,
-            )  # fmt: skip
-            ax.annotate(c.cell.name, (x, d["estimate"]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")  # fmt: skip
-        ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xlabel(label)
-        ax.set_ylabel(f"NU - uniform at R={low} (points)")
-    axes[0].set_xscale("log")
-    ax = axes[2]
-    for c in cells:
-        pts = [
-            (t["energy_share"] * len(c.tasks), t["delta"])
-            for t in c.per_task.values()
-            if t["delta"] is not None and math.isfinite(t["energy_share"])
-        ]
-        if pts:
-            ax.scatter(*zip(*pts, strict=True), s=14, label=c.cell.name)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.axvline(1, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("task energy share x tasks")
-    ax.set_ylabel("per-task delta (points)")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    return fig
 
 
 def existing(out: pathlib.Path) -> list[pathlib.Path]:
