@@ -312,13 +312,13 @@ def test_only_searched_methods_change_their_cache_keys(tmp_path):
 
 
 def test_the_report_lists_the_options_chosen_per_seed():
-    from netutility_jax.experiments.harness import report_markdown as rm
+    from netutility_jax.experiments.harness import report_sections as rs
 
     rec = {"options": {"density": 0.3}, "coef": 1.0, "val_scores": {"1": 2.0},
            "option_search": {"option": "density", "validation": {"0.1": 80.0, "0.3": 81.5}}}  # fmt: skip
     results = {"merges": {"0": {"ties/full/R8/uniform": rec, "ta/full/all": {"coef": 0.3,
                "val_scores": {}}}, "1": {"ties/full/R8/uniform": {**rec, "options": {"density": 0.1}}}}}  # fmt: skip
-    lines = rm._options_md(results)
+    lines = rs.options_md(results)
     assert "| ties/full/R8/uniform | density | 0.3 | 0.1 | 0.1: 80.0, 0.3: 81.5 |" in lines
     assert not any("ta/full/all" in x for x in lines)
-    assert rm._options_md({"merges": {"0": {"ta/full/all": {"coef": 1.0}}}}) == []
+    assert rs.options_md({"merges": {"0": {"ta/full/all": {"coef": 1.0}}}}) == []
