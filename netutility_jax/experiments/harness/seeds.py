@@ -306,58 +306,101 @@ def _build(
             "(written by an older version, which kept only their means); read directories of "
             "one seed each"
         )
-    out = []
-    for i, seed in enumerate(seeds):
-        k = f"s{seed}/"
-        correct = {key[len(k) :]: pred[key].astype(bool) for key in pred if key.startswith(k)}
-        single_correct = correct.pop("single")
-        zero_shot_correct = correct.pop("zero_shot")
-        records = results["merges"][str(seed)]
-        missing = [key for key in records if key not in correct]
-        if missing:
-            raise InputError(
-                f"{where}: predictions.npz has no test correctness for seed {seed}'s {missing[0]!r}"
-            )
-        unrecorded = [key for key in correct if key not in records]
-        if unrecorded:
-            raise InputError(
-                f"{where}: results.json has no record of seed {seed}'s {unrecorded[0]!r} "
-                "(predictions.npz has its test correctness)"
-            )
-        if "zero_shot_test_per_seed" in single[names[0]]:
-            zs_test = {n: single[n]["zero_shot_test_per_seed"][i] for n in names}
-            zs_val = {n: single[n]["zero_shot_val_per_seed"][i] for n in names}
-        elif len(seeds) == 1:
-            zs_test = {n: single[n]["zero_shot_test"] for n in names}
-            zs_val = {n: single[n]["zero_shot_val"] for n in names}
-        else:  # written before the per-seed zero-shot fields: the first seed's only
-            raise InputError(f"{where}: no per-seed zero-shot accuracies for seed {seed}")
-        out.append(
-            SeedResult(
-                seed=seed,
-                training=results["training"][str(seed)],
-                single_val={n: single[n]["individual_val_per_seed"][i] for n in names},
-                single_test={n: single[n]["individual_test_per_seed"][i] for n in names},
-                zero_shot_val=zs_val,
-                zero_shot_test=zs_test,
-                single_correct=single_correct,
-                zero_shot_correct=zero_shot_correct,
-                records={key: dict(v) for key, v in records.items()},
-                correct=correct,
-                scoring=results["scoring"][str(seed)],
-                kept_per_module=(kept["mean_over_seeds"] if old else kept["per_seed"][str(seed)]),
-                retention=[  # (a rank slot with no candidate: NaN, written as null)
-                    np.nan if v is None else float(v)
-                    for v in (
-                        retention["mean_over_seeds"] if old else retention["per_seed"][str(seed)]
-                    )
-                ],
-                masks=None,
-                scores=None,
-                seconds=results["timings"]["per_seed"][str(seed)],
-            )
+    out = [
+        _seed_result(
+            i, seed, results, pred, where, names=names, single=single, kept=kept,
+            retention=retention, old=old, n_seeds=len(seeds),
         )
-    n = len(task)
+        for i, seed in enumerate(seeds)
+    ]  # fmt: skip
+    _check_shapes(out, len(task), where)
+    return SavedSeeds(
+        directory=d,
+        results=results,
+        seeds=tuple(out),
+        task=task,
+        labels=np.asarray(pred["label"]),
+        task_names=tuple(str(x) for x in pred["task_names"]),
+        label=label,
+    )
+
+
+def _seed_result(
+    i: int,
+    seed: int,
+    results: Mapping[str, Any],
+    pred: Mapping[str, np.ndarray],
+    where: str,
+    *,
+    names: Sequence[str],
+    single: Mapping[str, Any],
+    kept: Mapping[str, Any],
+    retention: Mapping[str, Any],
+    old: bool,
+    n_seeds: int,
+) -> SeedResult:
+    """The ``i``-th of the ``n_seeds`` seeds of a rendered run, without its adapters, scores
+    and masks: ``names`` its tasks, ``single`` its single-LoRA and zero-shot accuracies,
+    ``kept`` and ``retention`` its analyses' kept directions and retention by rank (``old``:
+    written before each seed's were kept, a run of one seed).
+
+    Raises:
+      InputError: a merge with a record and no test correctness or the reverse, or no per-seed
+        zero-shot accuracies in a run of several seeds.
+    """
+    k = f"s{seed}/"
+    correct = {key[len(k) :]: pred[key].astype(bool) for key in pred if key.startswith(k)}
+    single_correct = correct.pop("single")
+    zero_shot_correct = correct.pop("zero_shot")
+    records = results["merges"][str(seed)]
+    missing = [key for key in records if key not in correct]
+    if missing:
+        raise InputError(
+            f"{where}: predictions.npz has no test correctness for seed {seed}'s {missing[0]!r}"
+        )
+    unrecorded = [key for key in correct if key not in records]
+    if unrecorded:
+        raise InputError(
+            f"{where}: results.json has no record of seed {seed}'s {unrecorded[0]!r} "
+            "(predictions.npz has its test correctness)"
+        )
+    if "zero_shot_test_per_seed" in single[names[0]]:
+        zs_test = {n: single[n]["zero_shot_test_per_seed"][i] for n in names}
+        zs_val = {n: single[n]["zero_shot_val_per_seed"][i] for n in names}
+    elif n_seeds == 1:
+        zs_test = {n: single[n]["zero_shot_test"] for n in names}
+        zs_val = {n: single[n]["zero_shot_val"] for n in names}
+    else:  # written before the per-seed zero-shot fields: the first seed's only
+        raise InputError(f"{where}: no per-seed zero-shot accuracies for seed {seed}")
+    return SeedResult(
+        seed=seed,
+        training=results["training"][str(seed)],
+        single_val={n: single[n]["individual_val_per_seed"][i] for n in names},
+        single_test={n: single[n]["individual_test_per_seed"][i] for n in names},
+        zero_shot_val=zs_val,
+        zero_shot_test=zs_test,
+        single_correct=single_correct,
+        zero_shot_correct=zero_shot_correct,
+        records={key: dict(v) for key, v in records.items()},
+        correct=correct,
+        scoring=results["scoring"][str(seed)],
+        kept_per_module=(kept["mean_over_seeds"] if old else kept["per_seed"][str(seed)]),
+        retention=[  # (a rank slot with no candidate: NaN, written as null)
+            np.nan if v is None else float(v)
+            for v in (retention["mean_over_seeds"] if old else retention["per_seed"][str(seed)])
+        ],
+        masks=None,
+        scores=None,
+        seconds=results["timings"]["per_seed"][str(seed)],
+    )
+
+
+def _check_shapes(out: Sequence[SeedResult], n: int, where: str) -> None:
+    """Every seed's test correctness has one entry per test text (``n``).
+
+    Raises:
+      InputError: naming the seed, the entry of predictions.npz and its shape.
+    """
     for s in out:
         for key, c in [
             ("single", s.single_correct),
@@ -369,15 +412,6 @@ def _build(
                     f"{where}: s{s.seed}/{key} in predictions.npz has shape {c.shape}, "
                     f"expected ({n},) (one entry per test text)"
                 )
-    return SavedSeeds(
-        directory=d,
-        results=results,
-        seeds=tuple(out),
-        task=task,
-        labels=np.asarray(pred["label"]),
-        task_names=tuple(str(x) for x in pred["task_names"]),
-        label=label,
-    )
 
 
 def check_distinct(
