@@ -54,9 +54,9 @@ COMPARISONS = (
 )
 
 
-def per_seed(study: Mapping[str, Any], cells: Sequence[str] = CELLS) -> dict[str, Any]:
-    """``{cell: {budget: {seed: {comparison: value}}}}`` of one ``study.json``."""
-    out: dict[str, Any] = {}
+def _saved(study: Mapping[str, Any], cells: Sequence[str]):
+    """``(cell, budget, i, seed, allocation)`` of every seed of every budget of ``cells`` in one
+    ``study.json`` (``allocation``: the budget's saved deltas, ``i``: the seed's index in them)."""
     for c in study["cells"]:
         if c["cell"] not in cells:
             continue
@@ -65,18 +65,25 @@ def per_seed(study: Mapping[str, Any], cells: Sequence[str] = CELLS) -> dict[str
             if a is None:
                 continue
             for i, seed in enumerate(c["seeds"]):
-                nu_u = a["net_utility_minus_uniform"]["per_seed"][i]
-                nu_e = a["net_utility_minus_energy"]["per_seed"][i]
-                vals = {
-                    "energy - uniform": nu_u - nu_e,
-                    "net_utility - uniform": nu_u,
-                    "net_utility - energy": nu_e,
-                }
-                if "net_utility_data_minus_uniform" in a:
-                    d_u = a["net_utility_data_minus_uniform"]["per_seed"][i]
-                    vals["data - uniform"] = d_u
-                    vals["data - energy"] = d_u - (nu_u - nu_e)
-                out.setdefault(c["cell"], {}).setdefault(b, {})[int(seed)] = vals
+                yield c["cell"], b, i, int(seed), a
+
+
+def per_seed(study: Mapping[str, Any], cells: Sequence[str] = CELLS) -> dict[str, Any]:
+    """``{cell: {budget: {seed: {comparison: value}}}}`` of one ``study.json``."""
+    out: dict[str, Any] = {}
+    for cell, b, i, seed, a in _saved(study, cells):
+        nu_u = a["net_utility_minus_uniform"]["per_seed"][i]
+        nu_e = a["net_utility_minus_energy"]["per_seed"][i]
+        vals = {
+            "energy - uniform": nu_u - nu_e,
+            "net_utility - uniform": nu_u,
+            "net_utility - energy": nu_e,
+        }
+        if "net_utility_data_minus_uniform" in a:
+            d_u = a["net_utility_data_minus_uniform"]["per_seed"][i]
+            vals["data - uniform"] = d_u
+            vals["data - energy"] = d_u - (nu_u - nu_e)
+        out.setdefault(cell, {}).setdefault(b, {})[seed] = vals
     return out
 
 
@@ -99,32 +106,43 @@ def per_seed_se(study: Mapping[str, Any], cells: Sequence[str] = CELLS) -> dict[
     ``study.json``, from each saved delta's per-seed bootstrap interval (a derived delta: the sum
     of its parts', an upper bound)."""
     out: dict[str, Any] = {}
-    for c in study["cells"]:
-        if c["cell"] not in cells:
-            continue
-        for b in BUDGETS:
-            a = c["allocation"].get(b)
-            if a is None:
-                continue
-            for i, seed in enumerate(c["seeds"]):
-                nu_u = _se(a.get("net_utility_minus_uniform"), i)
-                nu_e = _se(a.get("net_utility_minus_energy"), i)
-                vals = {
-                    "energy - uniform": _sum(nu_u, nu_e),
-                    "net_utility - uniform": nu_u,
-                    "net_utility - energy": nu_e,
-                }
-                if "net_utility_data_minus_uniform" in a:
-                    d_u = _se(a.get("net_utility_data_minus_uniform"), i)
-                    d_nu = _se(a.get("net_utility_data_minus_net_utility"), i)
-                    vals["data - uniform"] = d_u
-                    vals["data - energy"] = _sum(d_nu, nu_e)
-                out.setdefault(c["cell"], {}).setdefault(b, {})[int(seed)] = vals
+    for cell, b, i, seed, a in _saved(study, cells):
+        nu_u = _se(a.get("net_utility_minus_uniform"), i)
+        nu_e = _se(a.get("net_utility_minus_energy"), i)
+        vals = {
+            "energy - uniform": _sum(nu_u, nu_e),
+            "net_utility - uniform": nu_u,
+            "net_utility - energy": nu_e,
+        }
+        if "net_utility_data_minus_uniform" in a:
+            d_u = _se(a.get("net_utility_data_minus_uniform"), i)
+            d_nu = _se(a.get("net_utility_data_minus_net_utility"), i)
+            vals["data - uniform"] = d_u
+            vals["data - energy"] = _sum(d_nu, nu_e)
+        out.setdefault(cell, {}).setdefault(b, {})[seed] = vals
     return out
 
 
 def pool(sources: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
     """The pooled results of ``(path, study.json)`` pairs; a seed in two sources is an error."""
+    meta, table, ses = _read(sources)
+    summary = _cells(table, ses)
+    grid = _grid(table, ses)
+    return {
+        "sources": meta,
+        "per_seed": table,
+        "per_seed_text_se": ses,
+        "cells": summary,
+        "grid": grid,
+        "multiplicity": _holm(summary, grid),
+    }
+
+
+def _read(
+    sources: Sequence[tuple[str, Mapping[str, Any]]],
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """``(sources, values, text standard errors)``: each source's seeds, cells, commit, command
+    and CPU hours, and ``{cell: {budget: {seed: {comparison: ...}}}}`` over every source."""
     table: dict[str, Any] = {}
     ses: dict[str, Any] = {}
     seen: dict[int, str] = {}
@@ -153,6 +171,11 @@ def pool(sources: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
         for cell, per_b in per_seed_se(study).items():
             for b, per_s in per_b.items():
                 ses.setdefault(cell, {}).setdefault(b, {}).update(per_s)
+    return meta, table, ses
+
+
+def _cells(table: Mapping[str, Any], ses: Mapping[str, Any]) -> dict[str, Any]:
+    """``{cell: {budget: {comparison: interval}}}`` over the seeds of each cell."""
     summary: dict[str, Any] = {}
     for cell, per_b in table.items():
         for b, per_s in per_b.items():
@@ -160,6 +183,11 @@ def pool(sources: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
                 vals = {s: v[comp] for s, v in sorted(per_s.items()) if comp in v}
                 se = {s: ses.get(cell, {}).get(b, {}).get(s, {}).get(comp) for s in vals}
                 summary.setdefault(cell, {}).setdefault(b, {})[comp] = _iv(vals, se)
+    return summary
+
+
+def _grid(table: Mapping[str, Any], ses: Mapping[str, Any]) -> dict[str, Any]:
+    """``{budget: {comparison: interval}}`` of the grid: per seed, the mean of the cells."""
     grid: dict[str, Any] = {}
     for b in BUDGETS:
         for comp in COMPARISONS:
@@ -179,39 +207,38 @@ def pool(sources: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
                 parts = [ses.get(c, {}).get(b, {}).get(s, {}).get(comp) for c in CELLS]
                 se[s] = None if any(p is None for p in parts) else float(np.mean(parts))
             grid.setdefault(b, {})[comp] = _iv(by_seed, se)
+    return grid
+
+
+def _holm(summary: Mapping[str, Any], grid: Mapping[str, Any]) -> dict[str, Any]:
+    """Holm's correction over every delta of the tables (one family): each interval's
+    ``p_holm`` and ``holm_reject`` are set; returns the family's size and survivors."""
+
+    def rows(b: str, comp: str):
+        return [
+            *((c, summary.get(c, {}).get(b, {}).get(comp)) for c in CELLS),
+            ("grid", grid[b][comp]),
+        ]
+
     family = {
         f"{row} | R{b} | {comp}": iv["p_seeds"]
         for b in BUDGETS
         for comp in COMPARISONS
-        for row, iv in [
-            *((c, summary.get(c, {}).get(b, {}).get(comp)) for c in CELLS),
-            ("grid", grid[b][comp]),
-        ]
+        for row, iv in rows(b, comp)
         if iv is not None and iv["p_seeds"] is not None
     }
     holm = st.holm(family)
     for b in BUDGETS:
         for comp in COMPARISONS:
-            for row, iv in [
-                *((c, summary.get(c, {}).get(b, {}).get(comp)) for c in CELLS),
-                ("grid", grid[b][comp]),
-            ]:
+            for row, iv in rows(b, comp):
                 if iv is not None:
                     h = holm.get(f"{row} | R{b} | {comp}")
                     iv["p_holm"] = None if h is None else h["p_holm"]
                     iv["holm_reject"] = bool(h and h["reject"])
-    multiplicity = {
+    return {
         "family": len(family),
         "holm_survivors": [k for k, v in holm.items() if v["reject"]],
         "registered": "grid | R16 | energy - uniform",
-    }
-    return {
-        "sources": meta,
-        "per_seed": table,
-        "per_seed_text_se": ses,
-        "cells": summary,
-        "grid": grid,
-        "multiplicity": multiplicity,
     }
 
 
@@ -253,6 +280,13 @@ def _ivs(iv: Mapping[str, Any] | None, holm: bool = True) -> str:
 
 
 def markdown(res: Mapping[str, Any]) -> str:
+    """``results.md`` of the pooled results (:func:`pool`, with the command and commit)."""
+    return "\n".join([*_headline(res), *_tables(res), *_per_seed_lines(res)])
+
+
+def _headline(res: Mapping[str, Any]) -> list[str]:
+    """The title, the headline (the grid's energy - uniform), how to read the entries, the
+    multiplicity, and the sources."""
     mult = res.get("multiplicity") or {}
     g16 = res["grid"]["16"]["energy - uniform"]
     seeds16 = sorted(int(s) for s in g16["per_seed"])
@@ -305,6 +339,12 @@ def markdown(res: Mapping[str, Any]) -> str:
             f"{((m['commit'] or {}).get('head') or '')[:10]} | "
             f"{'n/a' if cpu is None else f'{cpu:.2f}'} | `{m['command']}` |"
         )
+    return lines
+
+
+def _tables(res: Mapping[str, Any]) -> list[str]:
+    """Per budget, every comparison in each cell and the grid."""
+    lines: list[str] = []
     for b in BUDGETS:
         lines += [
             "",
@@ -322,7 +362,12 @@ def markdown(res: Mapping[str, Any]) -> str:
                 ]
             ]
             lines.append(f"| {comp} | " + " | ".join(cells) + " |")
-    lines += ["", "## Per seed", ""]
+    return lines
+
+
+def _per_seed_lines(res: Mapping[str, Any]) -> list[str]:
+    """Energy - uniform seed by seed, per budget and cell."""
+    lines = ["", "## Per seed", ""]
     for b in BUDGETS:
         seeds = sorted({int(s) for s in res["grid"][b]["energy - uniform"]["per_seed"]})
         lines += [
@@ -338,7 +383,7 @@ def markdown(res: Mapping[str, Any]) -> str:
             ),
             "",
         ]
-    return "\n".join(lines)
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
