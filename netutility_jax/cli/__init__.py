@@ -37,18 +37,21 @@ killed while writing leaves one behind, and the next merge into the same parent 
 those whose process (on this host) is gone, saying so on stderr.
 
 The command is a package, one module per concern, over one library call: ``merge`` turns its
-flags into a :class:`nu.MergeConfig` and calls :func:`nu.merge_folders`, which reads, merges and
-writes the output folder. :mod:`.common` (its name, :class:`UsageError`, one-line messages, the
-flags' spelling), :mod:`.args` (argument types and flag groups, the method flags derived from
-the registry), :mod:`.config` (``--config`` files and a replayed report's checks), :mod:`.job`
-(:class:`~.job.MergeJob`: ``merge``'s settings as one :class:`nu.MergeConfig` and the arguments
-about the run), :mod:`.paths` (input and output checks, the size estimate, staging folders),
-:mod:`.load` (loading for ``inspect`` and ``--dry-run``, the notes about it), :mod:`.output`
-(the progress bar), one module per subcommand (:mod:`.merge`, :mod:`.distributed` for ``merge
---distributed``, :mod:`.inspect`, :mod:`.convert`, :mod:`.demo`), :mod:`.parser` (the parser,
-one function per subcommand) and :mod:`.entry` (:func:`main`, the compilation cache). This
-module re-exports the command's public names; ``python -m netutility_jax.cli`` runs
-:func:`main` (:mod:`.__main__`).
+flags (a ``--config`` file's settings under them) into one :class:`nu.MergeConfig` and calls
+:func:`nu.merge_folders`, which reads, merges and writes the output folder. :mod:`.common` (its
+name, :class:`UsageError`, one-line messages, the flags' spelling), :mod:`.values` (the flags'
+value types), :mod:`.args` (the flag groups), :mod:`.options` (the registry's method and space
+options as flags, in the command line's wording), :mod:`.configfile` (the bounded, strict
+reader of a ``--config`` file), :mod:`.config` (flags and ``--config`` -> the one
+:class:`nu.MergeConfig`), :mod:`.digests` (the inputs' digests, a replayed report's checks),
+:mod:`.job` (:class:`~.job.MergeJob`: ``merge``'s settings as one :class:`nu.MergeConfig` and
+the arguments about the run), :mod:`.paths` (input and output checks, the size estimate,
+staging folders), :mod:`.load` (loading for ``inspect`` and ``--dry-run``, the notes about it),
+:mod:`.output` (the progress bar), one module per subcommand (:mod:`.merge`, :mod:`.distributed`
+for ``merge --distributed``, :mod:`.inspect`, :mod:`.convert`, :mod:`.demo`), :mod:`.parser`
+(the parser, one function per subcommand) and :mod:`.entry` (:func:`main`, the compilation
+cache). This module re-exports the command's public names; ``python -m netutility_jax.cli``
+runs :func:`main` (:mod:`.__main__`).
 
 ``netutility merge --distributed`` splits the streamed merge between the processes of a
 ``jax.distributed`` run (see :mod:`netutility_jax.streaming` and :mod:`netutility_jax.pipeline._exchange`).

@@ -1,23 +1,25 @@
-"""``netutility merge``'s arguments as one frozen job, made once from the parsed command line.
+"""``netutility merge``'s arguments as one frozen job: the merge's configuration and the
+arguments about this run.
 
-:func:`.config.resolve` completes the parsed namespace (``--config``, the tasks' names, the
-checks of what goes together); :meth:`MergeJob.of` then turns it into the merge's
-configuration (:class:`nu.MergeConfig`, :attr:`MergeJob.settings`: every setting, the method's
-and space's options an explicit mapping of it) and the few arguments that are about this run
-only (the folders, ``--out``, ``--dry-run``, ``--quiet``, the distributed run's flags). The
-command then makes one call, :func:`nu.merge_folders`, with them.
+:func:`.config.resolve` makes the configuration from the flags and ``--config``
+(:class:`nu.MergeConfig`, by :func:`settings_from`: every setting, the method's and space's
+options an explicit mapping of it) and completes the arguments about the run; :meth:`MergeJob.of`
+then holds them together with the few arguments that are about this run only (the folders,
+``--out``, ``--dry-run``, ``--quiet``, the distributed run's flags). The command then makes
+one call, :func:`nu.merge_folders`, with them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..folders import MergeConfig, MomentsFile
 from .options import method_options
 
-__all__ = ["MergeJob", "MomentsFile", "settings_of"]
+__all__ = ["MergeJob", "MomentsFile", "settings_from", "settings_of"]
 
 #: The fields of :class:`nu.MergeConfig` that are one flag each (``dest``); ``names`` and
 #: ``method_options`` are made apart.
@@ -26,16 +28,23 @@ _FLAGS = tuple(
 )
 
 
+def settings_from(
+    values: Mapping[str, Any], *, names: Sequence[str] | None, options: Mapping[str, Any]
+) -> MergeConfig:
+    """The merge's configuration: :meth:`nu.MergeConfig.from_dict` of the settings' values
+    (``values``: by field, as the flags' ``dest`` spell them, ``chunk_mb``; None: the field's
+    default), the tasks' ``names`` and the method's and space's ``options``."""
+    plain: dict[str, Any] = {name: values.get(name) for name in _FLAGS}
+    plain["names"] = None if names is None else tuple(names)
+    return MergeConfig.from_dict({**plain, "method_options": dict(options)})
+
+
 def settings_of(args: argparse.Namespace) -> MergeConfig:
-    """The merge's configuration from the resolved flags: one field per flag, the method's and
-    space's option flags checked (in the flags' terms) and gathered in ``method_options``."""
-    options = method_options(args)
-    values: dict[str, Any] = {name: getattr(args, name) for name in _FLAGS}
-    if values["input_moments"] is not None:
-        values["input_moments"] = tuple(values["input_moments"])
-    names = getattr(args, "names", None)
-    return MergeConfig(
-        **values, names=None if names is None else tuple(names), method_options=options
+    """The merge's configuration from the flags alone (no ``--config``): one field per flag,
+    the method's and space's option flags checked (in the flags' terms) and gathered in
+    ``method_options``."""
+    return settings_from(
+        vars(args), names=getattr(args, "names", None), options=method_options(args)
     )
 
 
@@ -64,13 +73,16 @@ class MergeJob:
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> MergeJob:
-        """The job of ``args``, a ``merge`` namespace completed by :func:`.config.resolve`."""
+        """The job of ``args``, a ``merge`` namespace completed by :func:`.config.resolve`
+        (its configuration ``args.settings``; without it, the flags' alone:
+        :func:`settings_of`)."""
         special = {"adapters", "names", "settings", "argv"}
         plain = {f.name for f in dataclasses.fields(cls)} - special
+        settings = getattr(args, "settings", None)
         return cls(
             adapters=tuple(args.adapters),
             names=tuple(args.names),
-            settings=settings_of(args),
+            settings=settings if settings is not None else settings_of(args),
             argv=tuple(getattr(args, "argv", None) or ()),
             **{name: getattr(args, name) for name in plain},
         )

@@ -1,8 +1,9 @@
 """``netutility merge``: flags -> configuration -> one call, and ``--dry-run``.
 
-:func:`cmd_merge` completes its arguments from ``--config`` (:mod:`.config`), turns them into
-the merge's :class:`nu.MergeConfig` (:meth:`.job.MergeJob.of`), checks everything the user
-gave in the flags' terms before anything is loaded (:func:`_check_merge`), and calls
+:func:`cmd_merge` makes the merge's one :class:`nu.MergeConfig` from its flags and
+``--config`` (:func:`.config.resolve`: a flag given, else the file's key, else the default),
+holds it with the arguments about the run (:meth:`.job.MergeJob.of`), checks everything the
+user gave in the flags' terms before anything is loaded (:func:`_check_merge`), and calls
 :func:`nu.merge_folders`, which reads the adapters, merges and writes the output folder
 atomically (a staging folder renamed into place); then it prints one line and warns about
 what the report shows (zero tasks and modules, tasks that keep less than half their uniform
@@ -46,12 +47,12 @@ _FN = f"{PROG} merge"
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    """``netutility merge``: flags -> configuration -> one call. With ``--config``, the file's
-    settings first (:func:`.config.resolve`); the arguments are then turned into the merge's
-    :class:`nu.MergeConfig` (:meth:`.job.MergeJob.of`), everything the user gave is checked in
-    the flags' terms before anything is loaded (:func:`_check_merge`), and
-    :func:`nu.merge_folders` merges and writes ``--out``; then one line, and the warnings the
-    report calls for. With ``--dry-run``, the plan only (:func:`_dry_run`)."""
+    """``netutility merge``: flags -> configuration -> one call. The flags (and ``--config``'s
+    settings under them) become the merge's :class:`nu.MergeConfig` (:func:`.config.resolve`),
+    held with the arguments about the run (:meth:`.job.MergeJob.of`); everything the user gave
+    is checked in the flags' terms before anything is loaded (:func:`_check_merge`), and
+    :func:`nu.merge_folders` merges with that config and writes ``--out``; then one line, and
+    the warnings the report calls for. With ``--dry-run``, the plan only (:func:`_dry_run`)."""
     resolve(args)
     job = MergeJob.of(args)
     if job.dry_run:

@@ -226,7 +226,8 @@ def test_strict_targets_refusal_names_the_flag(folders, tmp_path, capsys):
 
 def test_config_keys_are_the_flags_without_dashes(folders, tmp_path):
     """Every spelling of a flag without its dashes names it (knots-variant, knots_variant, the
-    dest variant); values go through the flag's own parsing; the command line wins."""
+    dest variant); values go through the flag's own parsing; the command line wins. The
+    namespace keeps the flags as parsed: the settings are the one config."""
     from netutility_jax.cli import config
 
     parser = cli.build_parser(demo_options=False)
@@ -239,14 +240,15 @@ def test_config_keys_are_the_flags_without_dashes(folders, tmp_path):
         argv = ["merge", "--config", str(cfg), "--alpha", "0", "--dry-run"]
         args = parser.parse_args(argv)
         args.argv = argv
-        config.resolve(args)
-        assert (args.variant, args.space, args.serving_ranks) == ("original", "knots", (8, 16))
-        assert (
-            args.alpha == 0.0 and args.chunk_mb == 1.0 and args.names == ["task0", "task1", "task2"]
-        )
-        from netutility_jax.cli.job import settings_of
-
-        rec = settings_of(args).to_dict()
+        settings = config.resolve(args)
+        assert settings is args.settings
+        assert (settings.method_options["variant"], settings.space, settings.serving_ranks) == (
+            "original", "knots", (8, 16)
+        )  # fmt: skip
+        assert settings.alpha == 0.0 and settings.chunk_mb == 1.0
+        assert args.names == ["task0", "task1", "task2"] == list(settings.names)
+        assert (args.variant, args.space, args.chunk_mb) == (None, "full", 64.0)  # (as parsed)
+        rec = settings.to_dict()
         assert rec["knots-variant"] == "original" and rec["serving-ranks"] == [8, 16]
 
 
@@ -289,6 +291,111 @@ def test_the_merge_job_is_the_resolved_flags_as_one_config(folders, tmp_path):
         job.settings.budget = 3  # type: ignore[misc]
     with pytest.raises(AttributeError, match="density"):
         _ = job.density  # (no flag is served as an attribute)
+
+
+def _resolved(tmp_path, data, *flags):
+    """``merge --config FILE FLAGS --dry-run``'s configuration (:func:`config.resolve`) and
+    the namespace it completed."""
+    from netutility_jax.cli import config
+
+    cfg = tmp_path / "p.json"
+    cfg.write_text(json.dumps(data))
+    argv = ["merge", "--config", str(cfg), *flags, "--dry-run"]
+    args = cli.build_parser(demo_options=False).parse_args(argv)
+    args.argv = argv
+    return config.resolve(args), args
+
+
+def test_precedence_is_the_flag_given_then_the_file_then_the_default(folders, tmp_path):
+    """Setting by setting: a flag given on the command line (however spelled, even at its
+    default value), else the config's key, else the flag's default; the adapters' weights
+    likewise under --weights; and that one config is the job's."""
+    from netutility_jax.cli.job import MergeJob
+
+    data = {"adapters": folders, "budget": 2, "method": "ties", "density": 0.3, "coef": 0.5,
+            "chunk-mb": 8, "no-plots": True, "seed": 7, "out": "o"}  # fmt: skip
+    cfg, args = _resolved(tmp_path, data)
+    assert (cfg.method, cfg.budget, cfg.coef, cfg.chunk_mb, cfg.no_plots, cfg.seed) == (
+        "ties", 2, 0.5, 8.0, True, 7
+    )  # fmt: skip
+    assert cfg.method_options == {"density": 0.3} and args.out == str(tmp_path / "o")
+    assert (cfg.dtype, cfg.alpha, cfg.space) == ("float32", "auto", "full")  # the defaults
+    assert MergeJob.of(args).settings is cfg
+    cfg, args = _resolved(
+        tmp_path, data, "--method", "ties", "--coef", "1", "--bud", "3", "--chunk-mb=16",
+        "--dtype", "bfloat16", "--density", "0.6", "--out", str(tmp_path / "flag"),
+    )  # fmt: skip
+    assert (cfg.coef, cfg.budget, cfg.chunk_mb, cfg.dtype) == (1.0, 3, 16.0, "bfloat16")
+    assert cfg.method_options == {"density": 0.6} and args.out == str(tmp_path / "flag")
+    assert cfg.seed == 7 and cfg.no_plots  # (the file's, where no flag was given)
+    cfg, _ = _resolved(tmp_path, {**data, "density": None}, "--method", "ta")  # (the default)
+    assert cfg.method == "ta" and cfg.method_options == {}
+    weighted = {"adapters": [folders[0], {"path": folders[1], "weight": 0.5}, folders[2]],
+                "budget": 2}  # fmt: skip
+    assert _resolved(tmp_path, weighted)[0].weights == (1.0, 0.5, 1.0)
+    assert _resolved(tmp_path, weighted, "--weights", "2,2,-1")[0].weights == (2.0, 2.0, -1.0)
+    assert _resolved(tmp_path, {**weighted, "adapters": folders})[0].weights is None
+
+
+def test_the_merge_call_receives_the_resolved_config(folders, tmp_path, capsys, monkeypatch):
+    """``nu.merge_folders`` gets the one config: the file's settings with the flags over them."""
+    from netutility_jax.cli import merge as merge_cmd
+
+    got = []
+
+    def merge_folders(paths, out, config, **kwargs):
+        got.append((paths, out, config))
+        raise nu.InputError("stopped here")
+
+    monkeypatch.setattr(merge_cmd, "merge_folders", merge_folders)
+    cfg = tmp_path / "m.json"
+    cfg.write_text(json.dumps({"adapters": folders, "budget": 2, "coef": 0.5, "seed": 3}))
+    rc, _, err = _run(capsys, "merge", "--config", str(cfg), "--seed", "4", "--out",
+                      str(tmp_path / "o"), "--quiet", "--no-plots")  # fmt: skip
+    assert rc == 2 and "stopped here" in err
+    ((paths, out, config),) = got
+    assert paths == tuple(folders) and out == str(tmp_path / "o")
+    assert config == nu.MergeConfig(budget=2, coef=0.5, seed=4, no_plots=True,
+                                    names=("task0", "task1", "task2"))  # fmt: skip
+
+
+def test_a_setting_merge_config_refuses_names_the_file_and_the_key(
+    folders, tmp_path, capsys, monkeypatch
+):
+    """An option the method does not take is refused by ``nu.MergeConfig``; the command says so
+    first, in its terms: the file and its key where the file gave it, the flag where a flag
+    did (also when the method that does not take it came from the command line)."""
+    data = {"adapters": folders, "budget": 2, "density": 0.3}
+    with pytest.raises(nu.InputError, match=r"does not take 'density'"):
+        nu.MergeConfig.from_dict({k: v for k, v in data.items() if k != "adapters"})
+    cfg = tmp_path / "m.json"
+    cfg.write_text(json.dumps(data))
+    out = str(tmp_path / "o")
+    rc, stdout, err = _run(capsys, "merge", "--config", str(cfg), "--out", out)
+    assert rc == 2 and stdout == "" and err.count("\n") == 1, err
+    assert err == (
+        f"netutility merge: error: --config {cfg}: key 'density' (--density) does not apply to "
+        "method ta in full space; it takes --isotropize.\n"
+    )
+    rc, _, err = _run(capsys, "merge", *folders, "--budget", "2", "--density", "0.3", "--out", out)
+    assert rc == 2 and err.startswith("netutility merge: error: --density does not apply to ")
+    cfg.write_text(json.dumps({**data, "method": "ties"}))
+    rc, _, err = _run(capsys, "merge", "--config", str(cfg), "--method", "dare", "--out", out)
+    assert rc == 2 and f"--config {cfg}: key 'density' (--density) does not apply to method " \
+        "dare in full space; it takes --p." in err  # fmt: skip
+    # whatever else nu.MergeConfig refuses is one line naming the file and the key
+    from netutility_jax.cli import config
+
+    def refused(values, **kwargs):
+        return nu.MergeConfig.from_dict({"budget": 2, "chunk_mb": 0.0})
+
+    monkeypatch.setattr(config, "settings_from", refused)
+    cfg.write_text(json.dumps({**data, "density": None, "chunk-mb": 1}))
+    rc, _, err = _run(capsys, "merge", "--config", str(cfg), "--out", out)
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith(f"netutility merge: error: --config {cfg}: key 'chunk-mb': "
+                          "MergeConfig: chunk_mb=0.0; expected")  # fmt: skip
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize(

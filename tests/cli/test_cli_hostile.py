@@ -494,8 +494,7 @@ def test_a_leading_negative_value_is_the_flag_s_value(folders, tmp_path):
     argv = ["merge", "--config", str(f), "--weights", "-1,0.5,2", "--dry-run"]
     args = parser.parse_args(argv)
     args.argv = argv
-    config.resolve(args)
-    assert args.weights == (-1.0, 0.5, 2.0)
+    assert config.resolve(args).weights == (-1.0, 0.5, 2.0)  # (the flag's, over the file's)
     with pytest.raises(SystemExit):  # (a flag's missing value is still refused)
         parser.parse_args([*base, "--weights", "--quiet"])
 
