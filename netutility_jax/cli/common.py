@@ -3,11 +3,13 @@ messages, and the check for the optional packages it needs."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
-from ..errors import NetUtilityError
+from ..errors import FileAccessError, MissingFileError, NetUtilityError
 
-__all__ = ["PROG", "UsageError", "check_extras", "flag", "say", "shown"]
+__all__ = ["PROG", "UsageError", "check_extras", "flag", "reading", "say", "shown"]
 
 PROG = "netutility"
 
@@ -24,6 +26,23 @@ def shown(text: str) -> str:
 def flag(field: str) -> str:
     """The flag of a setting (a :class:`nu.MergeConfig` field): ``chunk_mb`` -> ``--chunk-mb``."""
     return "--" + field.replace("_", "-")
+
+
+@contextlib.contextmanager
+def reading(what: str, *, missing: str, folder: str, named: str | None = None) -> Iterator[None]:
+    """The OS's refusals to read the file the user gave (``what``: how it is named) as one line
+    each: no such file (``missing``: what to give instead; ``named``: how to name it there,
+    default ``what``), a folder (``folder``: what to give instead), no permission, any other."""
+    try:
+        yield
+    except (FileNotFoundError, NotADirectoryError):
+        raise MissingFileError(f"{named or what}: no such file; {missing}") from None
+    except IsADirectoryError:
+        raise UsageError(f"{what}: is a folder; {folder}") from None
+    except PermissionError:
+        raise FileAccessError(f"{what}: cannot be read (permission denied).") from None
+    except OSError as e:
+        raise FileAccessError(f"{what}: cannot be read ({e.strerror or e}).") from None
 
 
 def say(command: str, kind: str, text: str) -> None:

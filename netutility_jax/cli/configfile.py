@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .common import UsageError, shown
+from .common import UsageError, reading, shown
 
 __all__ = ["MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_DIGITS", "MAX_NODES", "read_config"]
 
@@ -93,32 +93,29 @@ def _read_text(path: str, what: str) -> str:
     """The file's text, read in blocks and refused at once when it is larger than
     :data:`MAX_CONFIG_BYTES`, holds a NUL byte (a binary file, ``/dev/zero``) or is not UTF-8."""
     shown_path = path if os.path.isabs(path) else f"{path} ({os.path.abspath(path)})"
-    try:
-        with open(path, "rb") as f:
-            blocks, size = [], 0
-            while block := f.read(1 << 16):
-                if b"\0" in block:
-                    raise UsageError(
-                        f"{what}: holds a NUL byte (at byte {size + block.index(0)}): not a text "
-                        "file; give a YAML or JSON merge config."
-                    )
-                size += len(block)
-                if size > MAX_CONFIG_BYTES:
-                    raise UsageError(
-                        f"{what}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; a merge config "
-                        "(or report) is far smaller: is it the right file?"
-                    )
-                blocks.append(block)
-    except FileNotFoundError:
-        raise UsageError(
-            f"--config {shown_path}: no such file; give a YAML or JSON merge config."
-        ) from None
-    except IsADirectoryError:
-        raise UsageError(f"{what}: is a folder; give a YAML or JSON merge config file.") from None
-    except PermissionError:
-        raise UsageError(f"{what}: cannot be read (permission denied).") from None
-    except OSError as e:
-        raise UsageError(f"{what}: cannot be read ({e.strerror or e}).") from None
+    with (
+        reading(
+            what,
+            missing="give a YAML or JSON merge config.",
+            folder="give a YAML or JSON merge config file.",
+            named=f"--config {shown_path}",
+        ),
+        open(path, "rb") as f,
+    ):
+        blocks, size = [], 0
+        while block := f.read(1 << 16):
+            if b"\0" in block:
+                raise UsageError(
+                    f"{what}: holds a NUL byte (at byte {size + block.index(0)}): not a text "
+                    "file; give a YAML or JSON merge config."
+                )
+            size += len(block)
+            if size > MAX_CONFIG_BYTES:
+                raise UsageError(
+                    f"{what}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; a merge config "
+                    "(or report) is far smaller: is it the right file?"
+                )
+            blocks.append(block)
     try:
         return b"".join(blocks).decode("utf-8")
     except UnicodeDecodeError as e:

@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 
 from ..folders import MomentsFile, adapter_digest, file_digest
-from .common import UsageError, say
+from .common import UsageError, reading, say
 
 __all__ = ["NO_MOMENTS", "check_replay", "pin_moments", "take_digests", "taken_digests"]
 
@@ -96,21 +96,13 @@ def check_replay(
 def _digest(path: str, what: str) -> str:
     """The SHA-256 of the file at ``path`` (:func:`nu.folders.file_digest`), its errors in the
     flag's terms."""
-    from ..errors import FileAccessError, MissingFileError
-
-    try:
+    with reading(
+        what,
+        missing="give one moments file per adapter, in order (nu.moments.save_input_moments "
+        f"writes them; '{NO_MOMENTS}' for a task without data).",
+        folder="expected a .safetensors or .npz file.",
+    ):
         return file_digest(path)
-    except (FileNotFoundError, NotADirectoryError):
-        raise MissingFileError(
-            f"{what}: no such file; give one moments file per adapter, in order "
-            f"(nu.moments.save_input_moments writes them; '{NO_MOMENTS}' for a task without data)."
-        ) from None
-    except IsADirectoryError:
-        raise UsageError(f"{what}: is a folder; expected a .safetensors or .npz file.") from None
-    except PermissionError:
-        raise FileAccessError(f"{what}: cannot be read (permission denied).") from None
-    except OSError as e:
-        raise FileAccessError(f"{what}: cannot be read ({e.strerror or e}).") from None
 
 
 def pin_moments(

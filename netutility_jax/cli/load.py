@@ -6,15 +6,18 @@ the library's reading (:func:`nu.folders.read_adapters`, its refusals in the fla
 :func:`load` reads every adapter into memory (:func:`nu.peft.load_adapters`);
 :func:`open_streamed` opens them for a streamed merge (:func:`nu.peft.open_adapters`: configs
 and headers checked, no tensor read). Tasks are named by their folders
-(:func:`nu.planning.task_names`) or by ``--config``'s names.
+(:func:`nu.planning.task_names`) or by ``--config``'s names. :func:`skipped_summary` and
+:func:`coverage_summary` are :mod:`nu.folders`', whose messages name the settings by their flags
+unless told otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .. import folders
+from ..folders import coverage_summary, skipped_summary
 from .common import flag, say
 from .paths import check_adapter_dir
 
@@ -59,40 +62,3 @@ def open_streamed(paths: Sequence[str], args: Any, *, notes: bool = True):
     """The adapters opened for streaming (:func:`nu.peft.open_adapters`: configs and headers
     checked, nothing read yet), with the same notes as :func:`load` (if ``notes``)."""
     return _read(paths, args, "merge", streamed=True, notes=notes)
-
-
-def skipped_summary(
-    paths: Sequence[str],
-    adapters: Sequence[Mapping[str, Any]],
-    *,
-    names: Sequence[str] | None = None,
-) -> str:
-    """The ``--skip-non-lora`` warning: how many tensors each adapter had beyond its LoRA
-    factors (every loaded module is one lora_A and one lora_B); "" if none. Tasks are named by
-    ``names`` (default ``task i (path)``)."""
-    return folders.skipped_summary(paths, adapters, names=names, spell=flag)
-
-
-def coverage_summary(
-    coverage: Mapping[str, Sequence[int]],
-    m_tasks: int,
-    *,
-    labels: Sequence[str] | None = None,
-    shown: int = 3,
-    max_lines: int = 10,
-    verb: str = "merged",
-) -> list[str]:
-    """Short lines saying which tasks lack which modules; ``[]`` if every task has every module.
-
-    At most ``max_lines`` lines and ``shown`` module names per task, whatever the model size.
-    Tasks are named by ``labels`` (their names; default ``task 0``, ``task 1`` ...).
-
-    Example:
-      >>> coverage_summary({"q": (0, 1), "k": (0,), "v": (0,)}, 2)
-      ['the adapters target different modules: merged over the union of 3 modules, a task \
-contributing nothing where it has no LoRA module (--strict-targets refuses this)', 'task 1 lacks \
-2 of 3 modules: k, v']
-    """
-    return folders.coverage_summary(
-        coverage, m_tasks, labels=labels, shown=shown, max_lines=max_lines, verb=verb, spell=flag
-    )

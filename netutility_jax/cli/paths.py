@@ -90,6 +90,20 @@ def _nearest_existing(path: pathlib.Path, what: str) -> tuple[pathlib.Path, os.s
         path = path.parent
 
 
+def _writable_parent(path: pathlib.Path, what: str) -> pathlib.Path:
+    """The nearest existing folder above ``path``, which a new folder at ``path`` is made in:
+    refused if it is a file or cannot be written in."""
+    anc, st = _nearest_existing(path.parent, what)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{what}: {anc} is a file, not a folder; choose a path in a folder.")
+    # (root passes this check for any folder: root may write anywhere)
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise FileAccessError(
+            f"{what}: cannot write in {anc} (permission denied); choose a writable folder."
+        )
+    return anc
+
+
 def check_adapter_dir(text: str) -> pathlib.Path:
     """Refuse an ``ADAPTER_DIR`` argument that cannot be a readable PEFT adapter folder.
 
@@ -219,15 +233,7 @@ def check_out(out: str, inputs: Sequence[str]) -> tuple[pathlib.Path, pathlib.Pa
         ri = _resolve(pathlib.Path(inp), f"adapter folder {inp}")
         if res == ri or ri in res.parents:
             raise UsageError(f"--out {out}: inside input adapter {inp}; write the merge elsewhere.")
-    anc, st = _nearest_existing(path.parent, f"--out {out}")
-    if not stat.S_ISDIR(st.st_mode):
-        raise UsageError(f"--out {out}: {anc} is a file, not a folder; choose a path in a folder.")
-    # (root passes this check for any folder: root may write anywhere)
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise FileAccessError(
-            f"--out {out}: cannot write in {anc} (permission denied); choose a writable folder."
-        )
-    return path, anc
+    return path, _writable_parent(path, f"--out {out}")
 
 
 def check_convert_out(text: str, src: str, *, overwrite: bool) -> tuple[pathlib.Path, bool]:
@@ -286,13 +292,7 @@ def check_convert_out(text: str, src: str, *, overwrite: bool) -> tuple[pathlib.
                 "folder."
             )
         replace = bool(entries)
-    anc, ast = _nearest_existing(path.parent, what)
-    if not stat.S_ISDIR(ast.st_mode):
-        raise UsageError(f"{what}: {anc} is a file, not a folder; choose a path in a folder.")
-    if not os.access(anc, os.W_OK | os.X_OK):
-        raise FileAccessError(
-            f"{what}: cannot write in {anc} (permission denied); choose a writable folder."
-        )
+    _writable_parent(path, what)
     return path, replace
 
 
