@@ -41,6 +41,7 @@ __all__ = [
     "MeshWording",
     "Stacked",
     "check_mesh",
+    "host_leaves",
     "host_stack",
     "module_mesh",
     "pad_rows",
@@ -140,6 +141,16 @@ def padded(n: int, mesh: Mesh) -> int:
     """``n`` rounded up to a whole number of modules per device."""
     d = mesh.size
     return -(-n // d) * d
+
+
+def host_leaves(bucket: Any) -> bool:
+    """Whether every factor of the bucket is a numpy array (on the host): such a bucket is
+    stacked by :func:`host_stack` and placed as four arrays, not handed over leaf by leaf."""
+    return all(
+        m is None or (isinstance(m.lora_a, np.ndarray) and isinstance(m.lora_b, np.ndarray))
+        for row in bucket.modules
+        for m in row
+    )
 
 
 def host_stack(bucket: Any, dtype: Any, n_pad: int) -> Stacked:

@@ -32,6 +32,7 @@ import numpy as np
 from .._core import buckets as _buckets
 from .._core import mesh as _mesh
 from .._core import tree as _tree
+from .._core.mesh import host_leaves
 from ..errors import InputTypeError
 from . import _stages
 
@@ -116,15 +117,6 @@ class StackedAdapters(Sequence):
             )
             buckets.append(dataclasses.replace(bk, modules=mods, stacked=st._replace(scale=scale)))
         return StackedAdapters(self.names, buckets, self.m_tasks)
-
-
-def host_leaves(bk: _tree.Bucket) -> bool:
-    """Whether every factor of the bucket is a numpy array (on the host)."""
-    return all(
-        m is None or (isinstance(m.lora_a, np.ndarray) and isinstance(m.lora_b, np.ndarray))
-        for row in bk.modules
-        for m in row
-    )
 
 
 def _shell(bk: _tree.Bucket, scales: np.ndarray) -> tuple:

@@ -136,6 +136,24 @@ def _stacked_input(bk: _tree.Bucket, dtype: Any) -> _mesh.Stacked:
     return _mesh.Stacked(st.a.astype(dtype), st.b.astype(dtype), st.scale.astype(dtype), st.rank)
 
 
+def _leaf_input(bk: _tree.Bucket, leaves: tuple, dtype: Any) -> Any:
+    """One bucket's input without a mesh. Numpy factors (a PEFT folder's, a streamed chunk's)
+    are stacked on the host and handed over as four arrays (:class:`_mesh.Stacked`), which the
+    merge programs do too: no argument per leaf, and the program's size does not grow with the
+    modules. Device factors stay leaves, which the kernel reads a group of modules at a time
+    instead of copying the bucket (:func:`_grams.leaf_grams`); their concrete scales become one
+    ``(n, M)`` array (one argument, not one per scale)."""
+    a, b, s = leaves
+    host = _buckets.host_scales(s, dtype)
+    if host is None:
+        return a, b, s
+    if _mesh.host_leaves(bk):
+        with np.errstate(over="ignore", invalid="ignore"):  # beyond the dtype: inf, as XLA casts
+            st = _mesh.host_stack(bk, dtype, len(bk.names))
+        return st._replace(scale=host)  # (the scales as XLA rounds them)
+    return a, b, host
+
+
 def score_inputs(fn: str, live: Sequence[_tree.Bucket], dtype: Any, mesh: Any) -> tuple:
     """The live buckets' inputs of :func:`score_impl`: their leaves, or with a mesh their
     factors stacked on the host and sharded over it (:mod:`netutility_jax._core.mesh`); the
@@ -149,11 +167,7 @@ def score_inputs(fn: str, live: Sequence[_tree.Bucket], dtype: Any, mesh: Any) -
         return tuple(_stacked_input(bk, dtype) for bk in live)
     leaves = tuple(_buckets.bucket_arrays(bk) for bk in live)
     if _mesh.check_mesh(fn, mesh) is None:
-        # concrete scales as one (n, M) array per bucket: one argument each, not one per scale
-        host = [_buckets.host_scales(s, dtype) for _, _, s in leaves]
-        return tuple(
-            (a, b, s if h is None else h) for (a, b, s), h in zip(leaves, host, strict=True)
-        )
+        return tuple(_leaf_input(bk, x, dtype) for bk, x in zip(live, leaves, strict=True))
     if _traced(leaves):
         raise InputError(
             f"{fn}: mesh= stacks the factors on the host, so it needs concrete arrays, not "
@@ -237,8 +251,54 @@ def score_run(
     lam_val = 0.0 if lam_is_auto else lam
     dtype = _tree.compute_dtype(buckets)
     live = [bk for bk in buckets if not _dead(bk)]
-    n_alpha = len(alphas)
-    by_name: list[dict[str, ModuleScores]] = [{} for _ in alphas]
+    by_name = _dead_scores(buckets, m_tasks, dtype, len(alphas))
+    if live:
+        k = _Kernel(fn, live, dtype, mesh, lam_is_auto, energy, interference)
+        finished, parts, traced, status, stacked_moments = k.run(
+            buckets, mrows, alphas, lam_val, rtol
+        )
+    else:
+        none = Finished((), jnp.asarray(lam_val, dtype), jnp.asarray(False), None, None)
+        finished, parts, stacked_moments = (none,) * len(alphas), None, None
+        traced = _traced(alphas, lam_val)
+        status = np.zeros((len(alphas), 4), bool)
+    if mesh is not None and live:  # drop the padding modules of each bucket
+        # (no eager slice without padding: each would compile a gather)
+        cut = functools.partial(_unpad, sizes=[len(bk.names) for bk in live])
+        finished = tuple(f._replace(outs=cut(f.outs)) for f in finished)
+        parts = None if parts is None else cut(parts)
+    checks: list[Deferred] = []
+    if traced:
+        if checked:
+            for f in finished:
+                checkify_score(fn, names, live, f.outs, f.lam_bad)
+    else:
+        checks = _check_concrete(
+            fn, names, buckets, live, finished, status, mrows, stacked_moments, dtype,
+            lam_is_auto, defer,
+        )  # fmt: skip
+    scores = [
+        # kept stacked: each module's fields are sliced (in the graph, or made on the host)
+        # only when read (see _core.tables)
+        Scores(_table(names, live, f, d), f.lam, host_constant(a, dtype))
+        for d, f, a in zip(by_name, finished, alphas, strict=True)
+    ]
+    energies = sum_energies(parts, m_tasks) if energy else None
+    return Run(scores, energies, checks)
+
+
+def _table(names, live, finished: Finished, dead: dict) -> Any:
+    """One alpha's scores: a :class:`ScoreTable` over the live buckets' stats (the dead ones'
+    entries given), or with no live bucket the dead entries as a dict in module order."""
+    if not live:
+        return {k: dead[k] for k in names}
+    stats = [(bk.names, o.stats) for bk, o in zip(live, finished.outs, strict=True)]
+    return ScoreTable(names, stats, dead, ModuleScores)
+
+
+def _dead_scores(buckets, m_tasks: int, dtype: Any, n_alpha: int) -> list[dict]:
+    """Per alpha, the scores of the modules of dead buckets (:func:`_dead`): no candidate."""
+    by_name: list[dict[str, ModuleScores]] = [{} for _ in range(n_alpha)]
     for bk in buckets:
         if _dead(bk):
             zeros = jnp.zeros((m_tasks, bk.r_max), dtype)
@@ -247,10 +307,27 @@ def score_run(
             )
             for d in by_name:
                 d.update((nm, empty) for nm in bk.names)
-    tables: dict[int, ScoreTable] = {}  # per alpha, on concrete inputs
-    parts = None  # with energy: each bucket's (mantissa, exponent) of every task-module
-    stacked_moments = None
-    if live:
+    return by_name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """The scoring kernel over the live buckets: :meth:`run` places the inputs, calls it by the
+    route the inputs allow and reads its flags back."""
+
+    fn: str
+    live: list
+    dtype: Any
+    mesh: Any
+    lam_is_auto: bool
+    energy: bool
+    interference: str
+
+    def run(self, buckets, mrows, alphas, lam_val, rtol) -> tuple:
+        """``(finished, parts, traced, status, stacked_moments)``: per alpha the kernel's
+        :class:`Finished`, the energies' parts, whether the values are abstract, the flags
+        ``(A, 4)`` on the host (None if traced) and the moments as handed over."""
+        fn, live, dtype, mesh = self.fn, self.live, self.dtype, self.mesh
         meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in live))
         rtols = tuple(
             host_constant(default_rtol(bk.r_max, dtype) if rtol is None else rtol, dtype)
@@ -258,19 +335,21 @@ def score_run(
         )
         inputs = score_inputs(fn, live, dtype, mesh)
         if all(isinstance(a, (bool, int, float, np.generic)) for a in alphas):
-            alpha_arg = host_constant(alphas[0] if n_alpha == 1 else np.asarray(alphas), dtype)
+            alpha_arg = host_constant(alphas[0] if len(alphas) == 1 else np.asarray(alphas), dtype)
         else:
-            alpha_arg = jnp.asarray(alphas[0] if n_alpha == 1 else jnp.stack(alphas), dtype)
-        kw = {"meta": meta, "lam_is_auto": lam_is_auto, "energy": energy}
-        kw["interference"] = interference
+            alpha_arg = jnp.asarray(alphas[0] if len(alphas) == 1 else jnp.stack(alphas), dtype)
+        kw = {"meta": meta, "lam_is_auto": self.lam_is_auto, "energy": self.energy}
+        kw["interference"] = self.interference
+        stacked_moments = None
         if mrows is not None:
             stacked_moments = _score_moments(fn, buckets, mrows, dtype, mesh)
             kw["moments"] = stacked_moments
         traced = _traced(inputs, alpha_arg, lam_val, stacked_moments)
-        # float64 values beyond float32 become inf when cast: counted and reported below
+        impl = score_impl if mesh is None else functools.partial(score_by_device, mesh=mesh)
+        args = (inputs, alpha_arg, lam_val, rtols)
+        status = None
+        # float64 values beyond float32 become inf when cast: counted and reported later
         with np.errstate(over="ignore"):
-            args = (inputs, alpha_arg, lam_val, rtols)
-            impl = score_impl if mesh is None else functools.partial(score_by_device, mesh=mesh)
             finished, raw_ok, parts = impl(*args, **kw, route="cond" if traced else "raw")
             if not traced and isinstance(raw_ok, jax.core.Tracer):
                 # concrete inputs inside an outer transformation (constants closed over by a
@@ -285,69 +364,43 @@ def score_run(
                 if not status[0, RAW_OK]:
                     finished, _, parts = impl(*args, **kw, route="normalise")
                     status = _status(finished)
-    else:
-        none = Finished((), jnp.asarray(lam_val, dtype), jnp.asarray(False), None, None)
-        finished = (none,) * n_alpha
-        traced = _traced(alphas, lam_val)
-        status = np.zeros((n_alpha, 4), bool)
-    if mesh is not None and live:  # drop the padding modules of each bucket
-        sizes = [len(bk.names) for bk in live]
-        # (no eager slice without padding: each would compile a gather)
-        cut = functools.partial(_unpad, sizes=sizes)
-        finished = tuple(f._replace(outs=cut(f.outs)) for f in finished)
-        parts = None if parts is None else cut(parts)
+        return finished, parts, traced, status, stacked_moments
+
+
+def _check_concrete(
+    fn, names, buckets, live, finished, status, mrows, stacked_moments, dtype, lam_is_auto, defer
+) -> list[Deferred]:
+    """The checks of concrete scores: non-finite factors, blind input moments, results beyond
+    the dtype (raised, or per alpha a :class:`Deferred` with ``defer``), and ``lam="auto"``
+    without a candidate. Returns the deferred checks (empty without ``defer``)."""
     checks = []
-    if traced:
-        for a, (f, d) in enumerate(zip(finished, by_name, strict=True)):
-            if checked:
-                checkify_score(fn, names, live, f.outs, f.lam_bad)
-            # kept stacked: each module's fields are sliced in the graph only if read
-            tables[a] = ScoreTable(
-                names, [(bk.names, o.stats) for bk, o in zip(live, f.outs, strict=True)], d,
-                ModuleScores,
-            )  # fmt: skip
-    else:
-        # (the non-finite counts come from the Grams: the same for every alpha)
-        if status[0, NONFINITE]:
-            _tree.raise_nonfinite(fn, live, [o.nonfinite for o in finished[0].outs], dtype=dtype)
-        # each bucket's four fields of every alpha, one transfer each
-        if stacked_moments is not None:
-            isos = [
-                _buckets.moment_iso(r)
-                for bk, r in zip(buckets, mrows, strict=True)
-                if not _dead(bk)
-            ]
-            host0 = jax.device_get([o.stats for o in finished[0].outs])
-            raise_blind_moments(fn, live, host0, isos)
-        held = [_shell(bk) for bk in live] if defer else live
-        for a, (f, d) in enumerate(zip(finished, by_name, strict=True)):
-            check = Deferred(
-                fn, held, list(f.outs), f.lam, f.lam_bad, dtype, lam_is_auto,
-                bool(status[a, BEYOND]),
-            )  # fmt: skip
-            if defer:
-                checks.append(check)
-            else:
-                check.check()
-            # each module's fields made only when asked for (see engine.tables)
-            tables[a] = ScoreTable(
-                names, [(bk.names, o.stats) for bk, o in zip(live, f.outs, strict=True)], d,
-                ModuleScores,
-            )  # fmt: skip
-        if lam_is_auto and not status[0, ANY_SIGMA]:
-            raise InputError(
-                f"{fn}: no candidate directions: the update of every task is zero (or below "
-                f"rtol, or of rank 0) in all {len(names)} modules, so lam='auto' (a median over "
-                "candidates) is undefined. Check that the adapters are trained (lora_b is zero "
-                "at initialisation) and loaded correctly; with lam= given explicitly the scores "
-                "are defined (every utility -inf) and nu.allocate keeps nothing."
-            )
-    scores = [
-        Scores(tables.get(i) or {k: d[k] for k in names}, f.lam, host_constant(a, dtype))
-        for i, (d, f, a) in enumerate(zip(by_name, finished, alphas, strict=True))
-    ]
-    energies = sum_energies(parts, m_tasks) if energy else None
-    return Run(scores, energies, checks)
+    # (the non-finite counts come from the Grams: the same for every alpha)
+    if status[0, NONFINITE]:
+        _tree.raise_nonfinite(fn, live, [o.nonfinite for o in finished[0].outs], dtype=dtype)
+    if stacked_moments is not None:
+        isos = [
+            _buckets.moment_iso(r) for bk, r in zip(buckets, mrows, strict=True) if not _dead(bk)
+        ]
+        host0 = jax.device_get([o.stats for o in finished[0].outs])
+        raise_blind_moments(fn, live, host0, isos)
+    held = [_shell(bk) for bk in live] if defer else live
+    for a, f in enumerate(finished):
+        check = Deferred(
+            fn, held, list(f.outs), f.lam, f.lam_bad, dtype, lam_is_auto, bool(status[a, BEYOND])
+        )
+        if defer:
+            checks.append(check)
+        else:
+            check.check()
+    if lam_is_auto and not status[0, ANY_SIGMA]:
+        raise InputError(
+            f"{fn}: no candidate directions: the update of every task is zero (or below "
+            f"rtol, or of rank 0) in all {len(names)} modules, so lam='auto' (a median over "
+            "candidates) is undefined. Check that the adapters are trained (lora_b is zero "
+            "at initialisation) and loaded correctly; with lam= given explicitly the scores "
+            "are defined (every utility -inf) and nu.allocate keeps nothing."
+        )
+    return checks
 
 
 def _status(finished: Sequence[Finished]) -> np.ndarray:

@@ -1425,8 +1425,10 @@ def test_score_kernel_keeps_one_group_of_stacked_factors_in_memory():
     # the Grams come from the leaves a group at a time, chained through data: XLA's temporary
     # memory holds about one group's stacked copy, not the bucket's (on XLA:CPU a bucket-sized
     # temporary is fresh memory every call, whose page faults cost as much as the Grams)
+    # (device factors: numpy ones are stacked on the host and handed over as four arrays, see
+    # test_numpy_factors_are_handed_over_stacked_and_score_the_same_bits)
     spec = tuple((f"layers/{i}/q", 2048, 256, (16, 16, 16, 16)) for i in range(24))
-    ads = make_adapters(0, 4, spec, with_scale=False)
+    ads = jax.device_put(make_adapters(0, 4, spec, with_scale=False))
     _, buckets, _ = _tree_mod.collect(ads, fn="t")
     dtype = jnp.float32
     meta = (dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
@@ -1438,6 +1440,26 @@ def test_score_kernel_keeps_one_group_of_stacked_factors_in_memory():
     factors = sum(np.asarray(x).nbytes for x in jax.tree.leaves(ads) if np.ndim(x) == 2)
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < factors / 4, (temp, factors)
+
+
+def test_numpy_factors_are_handed_over_stacked_and_score_the_same_bits():
+    # numpy factors (a PEFT folder's, a streamed chunk's) are stacked on the host: four
+    # arguments per bucket whatever the number of modules, and the same bits as device leaves
+    def n_args(ads):
+        _, buckets, _ = _tree_mod.collect(ads, fn="t")
+        inputs = scoring_mod.score_inputs("t", buckets, jnp.float32, None)
+        return len(jax.tree.leaves(inputs)), len(buckets)
+
+    small, large = make_adapters(5, 3, LEAF_SPEC[:3]), make_adapters(5, 3, LEAF_SPEC)
+    (k_small, b_small), (k_large, b_large) = n_args(small), n_args(large)
+    assert k_small == 4 * b_small and k_large == 4 * b_large, (k_small, k_large)
+    dev = jax.device_put(large)
+    assert n_args(dev)[0] > 4 * b_large  # device factors: leaves (read a group at a time)
+    sc, sc_dev = nu.score(large), nu.score(dev)
+    for n, ms in sc.modules.items():
+        for f, x, y in zip(ms._fields, ms, sc_dev.modules[n], strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{n} {f}")
+    np.testing.assert_array_equal(np.asarray(sc.lam), np.asarray(sc_dev.lam))
 
 
 def test_one_device_mesh_scores_are_the_plain_scores_bit_for_bit():
