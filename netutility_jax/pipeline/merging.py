@@ -34,14 +34,13 @@ from .. import registry
 from .._core import checks as _checks
 from .._core import tree as _tree
 from .._core.tables import MaskTable
-from ..errors import InputError, InputTypeError
+from ..errors import InputError
 from ..operators import _plan, _results, program, ta, traced
 from ..operators._module_ops import fold as fold
 from ..operators._module_ops import module_update as module_update
 from ..operators._module_ops import to_lora as to_lora
 from ..operators.stacked import StackedAdapters
 from ..scoring._run import score_run
-from ..scoring.utility import heterogeneity, score
 from . import _run as _pipeline
 from ._report import Report as Report
 from ._report import ZeroUpdateWarning as ZeroUpdateWarning
@@ -51,6 +50,7 @@ from ._report import zeroed_modules as zeroed_modules
 from ._report import zeroed_text as zeroed_text
 from ._request import MergeRequest
 from ._request import check_weights as check_weights
+from ._traced import merge_adapters_traced, merge_traced, refuse_traced_mesh
 
 __all__ = [
     "ALLOCATIONS",
@@ -207,9 +207,9 @@ def merge(
     if traced.any_traced(adapters, masks, coef):
         res = registry.resolve_options(fn, method, space, dict(options))
         traced.refuse_untraceable(fn, res, options)
-        _refuse_traced_mesh(fn, mesh)
+        refuse_traced_mesh(fn, mesh)
         _plan.check_coef(fn, coef)
-        return _rebuild(adapters, _merge_traced(fn, adapters, masks, res, coef=coef, key=key))
+        return _rebuild(adapters, merge_traced(fn, adapters, masks, res, coef=coef, key=key))
     if fast_ta(fn, method, space, options, mesh):
         done = ta.merge_ta(fn, adapters, masks, coef=coef)
         if done is not None:
@@ -434,12 +434,13 @@ def merge_adapters(
       True
     """
     if traced.any_traced(adapters, coef, weights, input_moments):
-        return _merge_adapters_traced(
+        merged, report = merge_adapters_traced(
             adapters, budget=budget, method=method, space=space, allocation=allocation,
             scope=scope, alpha=alpha, lam=lam, positive_only=positive_only, coef=coef, key=key,
             mesh=mesh, weights=weights, min_share=min_share, input_moments=input_moments,
             options=options, interference=interference,
         )  # fmt: skip
+        return _rebuild(adapters, merged), report
     req = MergeRequest.check(
         "nu.merge_adapters", budget=budget, method=method, space=space, allocation=allocation,
         scope=scope, alpha=alpha, lam=lam, positive_only=positive_only, min_share=min_share,
@@ -451,20 +452,8 @@ def merge_adapters(
         adapters = adapters.unstack()
     weighted, req = _weighted_input(adapters, req)
     names, buckets, _m_tasks = _tree.collect(adapters, fn=req.fn)
-    h = done = None
-    if fast:  # TA: one program over every bucket (engine/ta.py)
-        if req.allocation == "all":
-            sc = masks = None  # every candidate, which the TA program keeps and returns
-        elif not isinstance(req.alpha, str):  # one scoring program, with the energies (for h)
-            sc, masks, h = _scored_with_h(adapters, req)
-        else:
-            sc, masks, _ = req.allocate(adapters, names, buckets, mesh)
-        done = ta.merge_ta("nu.merge", weighted, masks, coef=coef)
-    if done is not None:
-        merged = _rebuild(weighted, done.modules)
-        kept_masks = masks if masks is not None else MaskTable(done.keep)
-        zeroed = tuple(nm for nm in names if done.zero[nm] and _kept_any(kept_masks, nm))
-    else:  # the bucket pipeline (for TA: inputs it must refuse or split, see engine/ta.py)
+    done = _merged_ta(adapters, weighted, req, names, buckets, coef) if fast else None
+    if done is None:  # the bucket pipeline (for TA: inputs it must refuse or split, see ta.py)
         if isinstance(adapters, StackedAdapters) and fast:
             return merge_adapters(
                 adapters.unstack(), budget=budget, method=method, space=space,
@@ -473,19 +462,8 @@ def merge_adapters(
                 min_share=min_share, input_moments=input_moments, interference=interference,
                 **options,
             )  # fmt: skip
-        if req.allocation != "all" and not isinstance(req.alpha, str) and mesh is None:
-            sc, masks, h = _scored_with_h(adapters, req)
-            kept_masks = masks
-        else:
-            sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
-        merged = merge(
-            weighted, masks, method=method, space=space, coef=coef, key=key, mesh=mesh, **options
-        )
-        flat = {
-            "/".join(path) or "lora": node
-            for path, node in _tree.walk_modules(merged, is_module=_tree.has_update, max_depth=None)
-        }
-        zeroed = tuple(zeroed_modules(flat, kept_masks))
+        done = _merged_by_stages(adapters, weighted, req, names, buckets, mesh, options)
+    merged, kept_masks, sc, h, zeroed = done
     zeroed = () if req.zero_merge else zeroed
     warn_zeroed(req.fn, zeroed, len(names), method, options)
     ranks = ranks_of(merged)
@@ -494,6 +472,44 @@ def merge_adapters(
         ranks={nm: ranks[nm] for nm in names}, zeroed=zeroed,
     )  # fmt: skip
     return merged, report
+
+
+def _merged_ta(adapters, weighted, req: MergeRequest, names, buckets, coef) -> tuple | None:
+    """TA as one program over every bucket (:mod:`..operators.ta`): ``(merged, kept masks,
+    scores, h, zeroed)``, or None where that program must refuse or split the inputs."""
+    h = None
+    if req.allocation == "all":
+        sc = masks = None  # every candidate, which the TA program keeps and returns
+    elif not isinstance(req.alpha, str):  # one scoring program, with the energies (for h)
+        sc, masks, h = _scored_with_h(adapters, req)
+    else:
+        sc, masks, _ = req.allocate(adapters, names, buckets, None)
+    done = ta.merge_ta("nu.merge", weighted, masks, coef=req.coef)
+    if done is None:
+        return None
+    kept_masks = masks if masks is not None else MaskTable(done.keep)
+    zeroed = tuple(nm for nm in names if done.zero[nm] and _kept_any(kept_masks, nm))
+    return _rebuild(weighted, done.modules), kept_masks, sc, h, zeroed
+
+
+def _merged_by_stages(adapters, weighted, req: MergeRequest, names, buckets, mesh, options):
+    """Any method by the bucket pipeline (:func:`merge`): ``(merged, kept masks, scores, h,
+    zeroed)``."""
+    h = None
+    if req.allocation != "all" and not isinstance(req.alpha, str) and mesh is None:
+        sc, masks, h = _scored_with_h(adapters, req)
+        kept_masks = masks
+    else:
+        sc, masks, kept_masks = req.allocate(adapters, names, buckets, mesh)
+    merged = merge(
+        weighted, masks, method=req.method, space=req.space, coef=req.coef, key=req.key,
+        mesh=mesh, **options,
+    )  # fmt: skip
+    flat = {
+        "/".join(path) or "lora": node
+        for path, node in _tree.walk_modules(merged, is_module=_tree.has_update, max_depth=None)
+    }
+    return merged, kept_masks, sc, h, tuple(zeroed_modules(flat, kept_masks))
 
 
 def _rebuild(adapters: Any, results: Mapping[str, Any]) -> Any:
@@ -530,21 +546,6 @@ def _kept_any(masks: Mapping[str, Any], name: str) -> bool:
     return bool(np.asarray(m).any())
 
 
-def _merge_traced(
-    fn: str, adapters, masks, res: Any, *, coef: Any, key: Any, weights: Any = None
-) -> dict[str, Any]:
-    """A merge under a transformation: TA by :func:`traced.merge_traced` (its own directions,
-    no space basis), the other methods as the bucket pipeline's stages traced in one program
-    (:func:`program.merge_traced`)."""
-    if res.kernel_method == "ta":
-        return traced.merge_traced(fn, adapters, masks, coef=coef, weights=weights)
-    if res.spec.needs_key:
-        _plan.check_key(fn, key, res.spec.name)
-    return program.merge_traced(
-        fn, adapters, masks, res=res, coef=coef, key=key, weights=weights
-    )
-
-
 def fast_ta(fn: str, method: str, space: str, options: Mapping[str, Any], mesh: Any) -> bool:
     """Whether a concrete merge is TA without a mesh or ``isotropize``: one program over
     every bucket (:mod:`.engine.ta`). The options are checked here as the bucket pipeline
@@ -553,69 +554,6 @@ def fast_ta(fn: str, method: str, space: str, options: Mapping[str, Any], mesh: 
         return False
     res = registry.resolve_options(fn, method, space, dict(options))
     return res.kernel_method == "ta"
-
-
-def _refuse_traced_mesh(fn: str, mesh: Any) -> None:
-    if mesh is not None:
-        raise InputError(
-            f"{fn}: mesh= stacks the factors on the host, so it cannot run inside jax.jit, "
-            "jax.grad or jax.vmap: shard the inputs of the jitted function yourself and leave "
-            "mesh=None."
-        )
-
-
-def _merge_adapters_traced(
-    adapters: Sequence[Any],
-    *,
-    weights: Any,
-    coef: Any,
-    mesh: Any,
-    options: Mapping[str, Any],
-    **settings: Any,
-) -> tuple[Any, Report]:
-    """:func:`merge_adapters` inside a JAX transformation (see :mod:`.engine.traced`): the
-    scores, masks and merge as one traceable computation, each module at rank ``M r_max``, and
-    a :class:`Report` whose numbers are arrays (``zeroed`` is empty: it needs the values)."""
-    fn = "nu.merge_adapters"
-    req = MergeRequest.check(fn, options=options, coef=1.0, **settings)
-    traced.refuse_untraceable(fn, req.resolved, options)
-    _refuse_traced_mesh(fn, mesh)
-    if req.min_share is not None:
-        raise InputTypeError(
-            f"{fn}: min_share cannot run inside jax.jit, jax.grad or jax.vmap (its floors are "
-            "counted on the host); call it outside the transformation."
-        )
-    names, _, m_tasks = _tree.collect(adapters, fn=fn)
-    w = traced.check_traced_weights(fn, weights, m_tasks)
-    if req.allocation == "all":  # every candidate: the directions with a nonzero sigma
-        sc = None
-        masks = {nm: ms.sigma > 0 for nm, ms in score(adapters, lam=0.0).modules.items()}
-    else:
-        sc = score(
-            adapters, alpha=req.alpha, lam=req.lam, input_moments=req.input_moments,
-            interference=req.interference,
-        )  # fmt: skip
-        masks = req.select(sc)
-    merged = _merge_traced(fn, adapters, masks, req.resolved, coef=coef, key=req.key, weights=w)
-    counts = traced.traced_report_fields(masks, names)
-    report = Report(
-        lam=None if sc is None else sc.lam,
-        alpha=None if sc is None else sc.alpha,
-        budget=req.budget,
-        heterogeneity=heterogeneity(adapters),
-        ranks={nm: int(merged[nm]["lora_a"].shape[-1]) for nm in names},  # (static widths)
-        method=req.method,
-        space=req.space,
-        allocation=req.allocation,
-        scope=req.report_scope,
-        masks=masks,
-        scores=sc,
-        weights=w,
-        data_aware=req.data_aware,
-        interference=req.interference,
-        **counts,
-    )
-    return _rebuild(adapters, merged), report
 
 
 # ------------------------------------------------------------------------------ task weights

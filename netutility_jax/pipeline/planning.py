@@ -15,7 +15,7 @@ import os
 import pathlib
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -383,16 +383,79 @@ def plan(
         input_moments=input_moments, options=options, weights=weights, merges=False,
         interference=interference,
     )  # fmt: skip
-    res, scope, floor = req.resolved, req.scope, req.min_share
     _checks.check_choice(fn, "dtype", dtype, ("float32", "bfloat16", "float16"))
-    if rank is not None:
-        r = _checks.as_integer(rank)
-        if r is None or r < 1:
-            raise InputError(
-                f"{fn}: rank={_checks.given(rank)}; expected a positive integer (the rank dense "
-                "results are written at) or None."
-            )
-        rank = r
+    rank = _check_rank(fn, rank)
+    p = _scored(fn, adapters, req, chunk_bytes, mesh)
+    tasks = _check_names(fn, names, p.m_tasks) if names is not None else tuple(p.default_names)
+    seconds = time.perf_counter() - start
+    kept = {n: np.asarray(m, bool).sum(1) for n, m in p.kept_masks.items()}
+    ranks = _written_ranks(
+        fn, kept, p.shapes, low_rank=req.resolved.spec.low_rank_in(space), rank=rank,
+        serving_ranks=serving_ranks,
+    )  # fmt: skip
+    itemsize = 4 if dtype == "float32" else 2
+    out_bytes = sum(
+        (d_in * d_out if ranks[n] is None else ranks[n] * (d_in + d_out)) * itemsize  # type: ignore[operator]
+        for n, (d_in, d_out) in p.shapes.items()
+    )
+    passes = 4 if req.resolved.model_wide else 1
+    peak = _peak_rss()
+    held = out_bytes * 4 // itemsize  # (the merged result is held in float32, then cast)
+    sc = p.scores
+    return Plan(
+        tasks=tasks,
+        method=method,
+        space=space,
+        allocation=allocation,
+        scope=p.req.report_scope,
+        budget=None if budget is None else int(budget),
+        min_share=req.min_share,
+        weights=p.req.weights,
+        lam=None if sc is None else float(sc.lam),
+        alpha=None if sc is None else float(sc.alpha),
+        heterogeneity=p.h,
+        **_task_counts(sc, kept, budget, allocation, req.scope),
+        kept={n: tuple(int(x) for x in k) for n, k in kept.items()},
+        ranks=ranks,
+        shapes={n: (int(a), int(b)) for n, (a, b) in p.shapes.items()},
+        out_bytes=int(out_bytes),
+        dtype=dtype,
+        streamed=p.streamed,
+        seconds=seconds,
+        est_seconds=seconds * (passes if allocation == "all" else 1 + passes),
+        peak_memory=peak,
+        est_memory=None if peak is None else peak + held,
+        masks=dict(p.kept_masks),
+    )
+
+
+def _check_rank(fn: str, rank: Any) -> int | None:
+    if rank is None:
+        return None
+    r = _checks.as_integer(rank)
+    if r is None or r < 1:
+        raise InputError(
+            f"{fn}: rank={_checks.given(rank)}; expected a positive integer (the rank dense "
+            "results are written at) or None."
+        )
+    return r
+
+
+class _Scored(NamedTuple):
+    """The plan's scoring pass (:func:`_scored`)."""
+
+    req: MergeRequest  # with its weights checked against the tasks
+    scores: Any  # None for allocation="all"
+    kept_masks: Mapping[str, Any]
+    h: float
+    shapes: dict[str, tuple[int, int]]
+    m_tasks: int
+    default_names: list[str]
+    streamed: bool
+
+
+def _scored(fn: str, adapters: Any, req: MergeRequest, chunk_bytes: int, mesh: Any) -> _Scored:
+    """Score and allocate as the merge would: streamed for an ``AdapterSet``, else in memory."""
     streamed = all(hasattr(adapters, a) for a in ("names", "shapes", "paths", "read"))
     if streamed:
         m_tasks = len(adapters.paths)
@@ -401,82 +464,38 @@ def plan(
             adapters, req, chunk_bytes=chunk_bytes, mesh=mesh
         )
         shapes = {n: tuple(adapters.shapes[n][:2]) for n in adapters.names}
-        default_names = task_names(adapters.paths)
-    else:
-        mod_names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
-        req = req.with_tasks(m_tasks)
-        sc, _, kept_masks = req.allocate(adapters, mod_names, buckets, mesh)
-        shapes = {n: (bk.d_in, bk.d_out) for bk in buckets for n in bk.names}
-        shapes = {n: shapes[n] for n in mod_names}
-        h = heterogeneity_or_nan(adapters)
-        default_names = [f"task {i}" for i in range(m_tasks)]
-    weights = req.weights
-    tasks = _check_names(fn, names, m_tasks) if names is not None else tuple(default_names)
-    seconds = time.perf_counter() - start
-    kept = {n: np.asarray(m, bool).sum(1) for n, m in kept_masks.items()}
+        return _Scored(req, sc, kept_masks, h, shapes, m_tasks, task_names(adapters.paths), True)
+    mod_names, buckets, m_tasks = _tree.collect(adapters, fn=fn)
+    req = req.with_tasks(m_tasks)
+    sc, _, kept_masks = req.allocate(adapters, mod_names, buckets, mesh)
+    shapes = {n: (bk.d_in, bk.d_out) for bk in buckets for n in bk.names}
+    shapes = {n: shapes[n] for n in mod_names}
+    h = heterogeneity_or_nan(adapters)
+    default_names = [f"task {i}" for i in range(m_tasks)]
+    return _Scored(req, sc, kept_masks, h, shapes, m_tasks, default_names, False)
+
+
+def _task_counts(sc: Any, kept: Mapping[str, np.ndarray], budget, allocation, scope) -> dict:
+    """The plan's per-task counts: kept, uniform share, candidates, positive utilities."""
     cand = _min_share.candidates(sc) if sc is not None else kept
-    per_task = np.sum(list(kept.values()), axis=0).astype(int)
-    low_rank = res.spec.low_rank_in(space)
-    ranks = _written_ranks(
-        fn, kept, shapes, low_rank=low_rank, rank=rank, serving_ranks=serving_ranks
-    )
-    itemsize = 4 if dtype == "float32" else 2
-    out_bytes = sum(
-        (d_in * d_out if ranks[n] is None else ranks[n] * (d_in + d_out)) * itemsize  # type: ignore[operator]
-        for n, (d_in, d_out) in shapes.items()
-    )
-    passes = 4 if res.model_wide else 1
-    est_seconds = seconds * (passes if allocation == "all" else 1 + passes)
-    peak = _peak_rss()
-    held = out_bytes * 4 // itemsize  # (the merged result is held in float32, then cast)
-    return Plan(
-        tasks=tasks,
-        method=method,
-        space=space,
-        allocation=allocation,
-        scope=req.report_scope,
-        budget=None if budget is None else int(budget),
-        min_share=floor,
-        weights=weights,
-        lam=None if sc is None else float(sc.lam),
-        alpha=None if sc is None else float(sc.alpha),
-        heterogeneity=h,
-        kept_per_task=tuple(int(k) for k in per_task),
-        uniform_share=(
-            None
-            if allocation == "all"
-            else tuple(
-                float(s)
-                for s in _min_share.uniform_shares(
-                    cand,
-                    budget,  # type: ignore[arg-type]
-                    scope=scope if allocation == "net_utility" else "local",
-                )
+    uniform = None
+    if allocation != "all":
+        uniform = tuple(
+            float(s)
+            for s in _min_share.uniform_shares(
+                cand, budget, scope=scope if allocation == "net_utility" else "local"
             )
-        ),
-        candidates_per_task=tuple(int(c) for c in np.sum(list(cand.values()), axis=0)),
-        positive_per_task=(
-            None
-            if sc is None
-            else tuple(
-                int(c)
-                for c in np.sum(
-                    [(np.asarray(ms.utility) > 0).sum(1) for ms in sc.modules.values()], axis=0
-                )
-            )
-        ),
-        kept={n: tuple(int(x) for x in k) for n, k in kept.items()},
-        ranks=ranks,
-        shapes={n: (int(a), int(b)) for n, (a, b) in shapes.items()},
-        out_bytes=int(out_bytes),
-        dtype=dtype,
-        streamed=streamed,
-        seconds=seconds,
-        est_seconds=est_seconds,
-        peak_memory=peak,
-        est_memory=None if peak is None else peak + held,
-        masks=dict(kept_masks),
-    )
+        )
+    positive = None
+    if sc is not None:
+        utilities = [(np.asarray(ms.utility) > 0).sum(1) for ms in sc.modules.values()]
+        positive = tuple(int(c) for c in np.sum(utilities, axis=0))
+    return {
+        "kept_per_task": tuple(int(k) for k in np.sum(list(kept.values()), axis=0).astype(int)),
+        "uniform_share": uniform,
+        "candidates_per_task": tuple(int(c) for c in np.sum(list(cand.values()), axis=0)),
+        "positive_per_task": positive,
+    }
 
 
 def _check_names(fn: str, names: Any, m_tasks: int) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ XLA, about 170 MB) and the compiled programs of the chunk shape at hand: chunks 
 read one after another, and after the last of them its programs are dropped
 (:func:`_executables.release`: the next shape, or the next pass, compiles its own). A chunk is
 dropped before the next is read and the freed heap handed back to the OS
-(:func:`_release_heap`); each merged module is kept in an array of its own size (not a view of
+(:func:`release_heap`); each merged module is kept in an array of its own size (not a view of
 its chunk's output, padded to the chunk's largest rank). A chunk's working memory is about four
 times ``chunk_bytes`` (the factors as read, stacked on the host, on the device, and the
 kernels' QR factors), hence the default of 64 MiB (on a Llama-3-8B-shaped set of 16 tasks,
@@ -89,297 +89,43 @@ into the space's coordinates. One process only (``distributed=True`` is refused 
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import numbers
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import registry
-from .._core import buckets as _buckets
 from .._core import checks as _checks
 from .._core import mesh as _mesh
 from .._core import tree as _tree
-from .._core.executables import kernel, release
+from .._core.executables import kernel
 from .._core.host import host_constant
 from ..errors import InputError, InputTypeError
-from ..operators import _plan, _results, ta
-from ..operators._ties_model import ties_model_streamed
 from ..scoring import _run as _scoring
 from ..scoring import utility
 from ..scoring.moments import check_entries
-from . import _exchange, merging
-from ._report import Report, build_report, ranks_of, warn_zeroed, zeroed_modules
-from ._request import MergeRequest, all_candidates
+from . import _exchange
+from ._chunks import (
+    CHUNK_BYTES,
+    Energies,
+    Progress,
+    Stream,
+    bound_heap,
+    plan_chunks,
+    reads,
+)
+from ._report import Report, build_report, warn_zeroed
+from ._request import MergeRequest
+from ._stream_merge import all_kept, merge_pass, merge_pass_model_wide, refuse_model_wide
 
 if TYPE_CHECKING:  # the peft package is imported on first use (nu.peft), not by the core
     from ..peft._lazy import AdapterSet
 
 __all__ = ["CHUNK_BYTES", "bound_heap", "merge_adapters_streaming", "plan_chunks"]
-
-CHUNK_BYTES = 64 << 20  # every task's factors of one chunk, in the compute dtype
-
-
-def plan_chunks(
-    shapes: Mapping[str, tuple[int, int, int]], m_tasks: int, *, chunk_bytes: int, itemsize: int
-) -> list[tuple[str, ...]]:
-    """The chunks of a streamed merge: module names grouped by ``(d_in, d_out, r_max)`` (groups
-    in order of first appearance, names in their order). A group whose stacked factors (``M
-    r_max (d_in + d_out) itemsize`` bytes per module) exceed ``chunk_bytes`` is cut into runs of
-    equal length that fit: :func:`_buckets.split_bucket`'s rule (one length per group, so one
-    compiled shape), or one module where a single module is larger. Consecutive groups that fit
-    whole share a chunk while their sum fits: a small set is one chunk, scored and merged by one
-    program per pass (the in-memory engine's), not one per shape."""
-    groups: dict[tuple[int, int, int], list[str]] = {}
-    for name, shape in shapes.items():
-        groups.setdefault(tuple(shape), []).append(name)
-    chunks: list[tuple[str, ...]] = []
-    packed: list[str] = []  # whole groups gathered into the chunk being filled
-    packed_bytes = 0
-    for (d_in, d_out, r_max), names in groups.items():
-        # a bucket of shapes only: split_bucket reads the names, shapes and task count
-        shell = _tree.Bucket(tuple(names), d_in, d_out, r_max, ((None,) * m_tasks,) * len(names))
-        pieces = _buckets.split_bucket(shell, chunk_bytes, itemsize)
-        size = len(names) * m_tasks * r_max * (d_in + d_out) * itemsize
-        if len(pieces) == 1 and size <= chunk_bytes:
-            if packed and packed_bytes + size > chunk_bytes:
-                chunks.append(tuple(packed))
-                packed, packed_bytes = [], 0
-            packed += names
-            packed_bytes += size
-            continue
-        if packed:
-            chunks.append(tuple(packed))
-            packed, packed_bytes = [], 0
-        chunks.extend(p.names for p in pieces)
-    if packed:
-        chunks.append(tuple(packed))
-    return chunks
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS, Windows)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-@functools.cache
-def bound_heap() -> None:
-    """Opt-in, for a process that streams large merges: glibc's allocation thresholds fixed,
-    once per process. :func:`nu.merge_adapters_streaming` never calls it (a library does not
-    change the allocator of the process it runs in); ``netutility merge`` does, before it
-    streams. Blocks of 1 MiB or more (a chunk's
-    factors, its stacks, XLA's buffers) mapped on their own and unmapped when freed, and free
-    space over 1 MiB at the top of a heap returned as it is freed. By default both thresholds
-    grow with the largest block freed (up to 32 and 64 MiB), and the tops of the heaps that
-    XLA's threads allocate from are not returned by ``malloc_trim`` at all: freed, a chunk's
-    memory stayed resident (on a Llama-3-70B-shaped set of 20 tasks, 32 layers: the peak fell
-    from 987 to 766 MiB with this). The settings stay for the rest of the process (glibc cannot
-    go back to its adaptive thresholds); large allocations elsewhere are then mapped and
-    unmapped on their own too. Elsewhere (musl, macOS, Windows) nothing."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError):
-        return
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
-
-
-def _release_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim(0)``; elsewhere nothing),
-    once a chunk is dropped. A chunk's factors are many arrays of about a megabyte, which glibc
-    serves from its heaps once its mmap threshold has risen past them (it does on the first
-    free of such a block), and XLA's threads allocate from arenas of their own: freed, those
-    pages stay in the process (on the Llama-3-8B-shaped set of 16 tasks, 256 MiB chunks: 1.2 GB
-    resident once the merge had returned, 0.8 GB when released chunk by chunk, the 0.17 GB
-    result held in both). A few milliseconds a chunk."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@dataclasses.dataclass
-class _Energies:
-    """Per-task energies summed over chunks, each chunk's as ``t 2^k`` (``utility``'s form),
-    kept by chunk index so that every process sums them in the same order as one process."""
-
-    parts: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
-    failed: bool = False
-
-    def add(self, chunk: int, adapters: Sequence[Any], fn: str, *, strict: bool) -> None:
-        try:
-            k, t, _ = _scoring.log_energies(adapters, fn, False, stacked=True)
-        except ValueError:
-            if strict:
-                raise
-            self.failed = True  # as nu.merge_adapters' report: h is then NaN
-            return
-        self.parts[chunk] = (np.asarray(k, np.int64), np.asarray(t, np.float64))
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The parts as arrays for :meth:`Exchange.allgather` (:meth:`gathered` reads them)."""
-        out = {"e/failed": np.asarray(self.failed)}
-        for c, (k, t) in self.parts.items():
-            out[f"e/k/{c}"], out[f"e/t/{c}"] = k, t
-        return out
-
-    @classmethod
-    def gathered(cls, shared: Sequence[Mapping[str, np.ndarray]]) -> _Energies:
-        """Every process's parts, from their :meth:`arrays`."""
-        out = cls()
-        for arrays in shared:
-            out.failed |= bool(arrays.get("e/failed", False))
-            for name, k in arrays.items():
-                if name.startswith("e/k/"):
-                    c = int(name[4:])
-                    out.parts[c] = (k, arrays[f"e/t/{c}"])
-        return out
-
-    def heterogeneity(self, dtype: Any, fn: str, *, strict: bool) -> float:
-        """``h = Var_i log ||dW_i||_F^2`` (paper Eq. h), as :func:`nu.heterogeneity` computes
-        it; a task zero everywhere raises (``strict``) or gives NaN."""
-        if self.failed:
-            return float("nan")
-        # each chunk's (k, t) is a (mantissa, exponent) pair like a module's: summed the same way
-        kmax, total = _scoring.sum_energies(
-            [(self.parts[c][1][None], self.parts[c][0][None]) for c in sorted(self.parts)],
-            len(next(iter(self.parts.values()))[0]),
-        )
-        zero = np.flatnonzero(total <= 0)
-        if zero.size:
-            if not strict:
-                return float("nan")
-            i = int(zero[0])  # (word for word nu.score's refusal, as in memory)
-            err = InputError(
-                f"{fn}: alpha='auto' applies the heterogeneity rule, which needs every task's "
-                f"log-energy, but task {i} (adapters[{i}]) has a zero update in every module. "
-                "Drop that adapter, or pass a number for alpha= (1.0 Gram geometry, 0.0 row "
-                "space)."
-            )
-            err.task_index, err.argument = i, "alpha"
-            raise err
-        # (converted on the host, exactly as XLA would: no conversion programs to load; each
-        # operation its own kept program, as eagerly: fused, XLA rounds some h differently)
-        rel = _add(host_constant(kmax - kmax[0], dtype), _log2(host_constant(total, dtype)))
-        return float(_var(_multiply(rel, np.log(2.0).astype(dtype))))
-
-
-@dataclasses.dataclass
-class _Progress:
-    """``merge_adapters_streaming``'s ``progress`` callback and its count: ``total`` chunk reads
-    planned (this process's chunks times the passes that read them), ``done`` so far."""
-
-    report: Callable[[int, int], None]
-    total: int
-    done: int = 0
-
-    def start(self) -> None:
-        self.report(0, self.total)
-
-    def tick(self) -> None:
-        self.done += 1
-        self.report(self.done, self.total)
-
-    def finish(self) -> None:
-        """A search that stopped early (model-wide TIES keeping nothing) skips its last reads:
-        the count jumps to the total, in one call."""
-        if self.done < self.total:
-            self.done = self.total
-            self.report(self.done, self.total)
-
-
-def _reads(allocation: str, model_wide: bool, dtype: Any) -> int:
-    """How many times a streamed merge reads each chunk: the scoring pass (none for
-    ``allocation="all"``), then the merge pass; model-wide TIES reads every chunk for the common
-    unit, once per 16-bit radix pass of the magnitudes' bit patterns, and to merge
-    (:func:`_ties_model.ties_model_streamed`)."""
-    merge = 2 + np.dtype(dtype).itemsize * 8 // 16 if model_wide else 1
-    return (0 if allocation == "all" else 1) + merge
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stream:
-    """What every pass shares: the source, its chunks, the merge's compute dtype, and the
-    processes: ``owner[k]`` reads chunk ``k`` (all 0 with one process); ``weights``: the tasks'
-    weights, which the merge pass applies to each chunk (:meth:`weighted`; None: none)."""
-
-    fn: str
-    source: AdapterSet
-    chunks: tuple[tuple[str, ...], ...]
-    dtype: np.dtype
-    ex: _exchange.Exchange
-    owner: tuple[int, ...]
-    weights: tuple[float, ...] | None = None
-    progress: _Progress | None = None
-    release_programs: bool = True  # drop each shape's compiled programs after its last chunk
-
-    def names_of(self, p: int) -> list[str]:
-        """Process ``p``'s modules, in :attr:`AdapterSet.names` order."""
-        mine = {n for k, names in enumerate(self.chunks) if self.owner[k] == p for n in names}
-        return [n for n in self.source.names if n in mine]
-
-    def read(self) -> Iterator[tuple[int, tuple[str, ...], list[dict[str, Any]]]]:
-        """``(chunk index, names, adapters)`` of each of this process's chunks, read from disk,
-        in the compute dtype (float32 factors become float64 when another task's are float64
-        and x64 is on, as in memory)."""
-        mine = [k for k in range(len(self.chunks)) if self.owner[k] == self.ex.index]
-        for i, k in enumerate(mine):
-            names = self.chunks[k]
-            adapters = self.source.read(names, host=True)  # stacked on the host (_mesh)
-            if self.dtype == np.float64:
-                adapters = [{n: _as(m, self.dtype) for n, m in ad.items()} for ad in adapters]
-            yield k, names, adapters
-            # (the caller asks for the next: this one is done, and the caller has dropped it)
-            del adapters
-            if self.release_programs and (
-                i + 1 == len(mine) or self._shape(mine[i + 1]) != self._shape(k)
-            ):
-                # the last chunk of its shape in this read: its compiled programs are done with
-                # (chunks of one shape are consecutive), dropped rather than held to the end
-                release()
-            _release_heap()
-            if self.progress is not None:
-                self.progress.tick()
-
-    def _shape(self, k: int) -> tuple[Any, int]:
-        """What chunk ``k``'s compiled programs are specific to: its modules' shape, their count."""
-        names = self.chunks[k]
-        return tuple(self.source.shapes[names[0]]), len(names)
-
-    def weighted(self, adapters: list[dict[str, Any]]) -> list[Any]:
-        """A chunk's adapters with the tasks' weights applied (the merge pass's input; the
-        scores and the kept candidates are those of the unweighted tasks, as in memory)."""
-        return merging.weight_adapters(adapters, self.weights)
-
-
-def _as(m: dict[str, Any] | None, dtype: Any) -> dict[str, Any] | None:
-    if m is None:
-        return None
-    return {
-        **m,
-        "lora_a": np.asarray(m["lora_a"], dtype),
-        "lora_b": np.asarray(m["lora_b"], dtype),
-    }
-
-
-# The heterogeneity's operations, one program each as jnp runs them eagerly (the same programs,
-# so the same h), kept whole (:mod:`._executables`): not traced and lowered in every process.
-_log2 = kernel(jnp.log2)
-_add = kernel(jnp.add)
-_multiply = kernel(jnp.multiply)
-_var = kernel(jnp.var)
 
 
 @kernel
@@ -481,14 +227,14 @@ def _check_moment_names(fn: str, moments: Any, source: AdapterSet) -> None:
 
 
 def _score_pass(
-    st: _Stream,
+    st: Stream,
     *,
     alpha: float | str,
     lam: Any,
     mesh: Any = None,
     input_moments: Any = None,
     interference: str = "overlap",
-) -> tuple[dict[str, utility.ModuleScores], float, _Energies]:
+) -> tuple[dict[str, utility.ModuleScores], float, Energies]:
     """Pass 1: ``(stats, alpha, energies)``: every module's scores with ``lam=0`` (``lam`` if a
     number; :func:`nu.score`'s checks and messages), every process's after the exchange (each
     module's four statistics stacked, ``(4, M, r_max)``), and the tasks' energies, from the
@@ -498,7 +244,7 @@ def _score_pass(
     auto = isinstance(alpha, str)
     alphas = (0.0, 1.0) if auto else (float(alpha),)
     lam_k = 0.0 if isinstance(lam, str) else lam
-    mine = _Energies()
+    mine = Energies()
     checks: dict[int, list[_scoring.Deferred]] = {}
 
     def work() -> dict[str, Any]:
@@ -531,7 +277,7 @@ def _score_pass(
         return {**out, **mine.arrays()}
 
     shared = st.ex.allgather(st.fn, work)
-    energies = _Energies.gathered(shared)
+    energies = Energies.gathered(shared)
     pick = 0
     if auto:
         h = energies.heterogeneity(st.dtype, f"{st.fn} (alpha='auto')", strict=True)
@@ -548,7 +294,7 @@ def _score_pass(
     return {n: stats[n] for n in st.source.names}, alphas[pick], energies
 
 
-def _agree(st: _Stream, sc: utility.Scores, masks: Mapping[str, Any]) -> None:
+def _agree(st: Stream, sc: utility.Scores, masks: Mapping[str, Any]) -> None:
     """Refuse masks that differ between processes (they cannot, from the same statistics and
     the same code, unless the hosts compute differently): a checksum of lambda and the masks."""
     if st.ex.count == 1:
@@ -562,108 +308,6 @@ def _agree(st: _Stream, sc: utility.Scores, masks: Mapping[str, Any]) -> None:
             f"{st.fn}: the processes chose different directions from the same statistics; run "
             "every process on the same kind of machine with the same versions of jax and jaxlib."
         )
-
-
-def _merge_chunk(
-    st: _Stream, call: Mapping[str, Any], names, adapters, masks, index, on_chunk, zero: set
-):  # fmt: skip
-    """One chunk's merged modules (``masks=None``: every candidate); the names of those whose
-    merged update is exactly zero are added to ``zero``."""
-    part = None if masks is None else {n: masks[n] for n in names}
-    one = call["mesh"] is None or call["mesh"].size == 1
-    if one and merging.fast_ta(st.fn, call["method"], call["space"], call["options"], None):
-        done = ta.merge_ta(st.fn, adapters, part, coef=call["coef"])  # (as nu.merge's TA)
-        if done is not None:
-            return _chunk_result(st.fn, adapters, done.modules, on_chunk, zero)
-    # one device: every bucket of the chunk in one program (engine/program.py), its factors
-    # stacked on the host as the one-device mesh would stack them
-    plan = _plan.plan_merge(
-        st.fn, adapters, part, **{**call, "mesh": None if one else call["mesh"]},
-        module_index=index,
-    )  # fmt: skip
-    results = merging.run_plan(plan, coef=call["coef"], key=call["key"])
-    return _chunk_result(st.fn, adapters, results, on_chunk, zero)
-
-
-def _chunk_result(
-    fn: str, adapters, results: dict[str, Any], on_chunk, zero: set
-) -> Mapping[str, Any]:  # fmt: skip
-    """A chunk's merged modules in its adapters' tree, through ``on_chunk`` if given; the names
-    of the all-zero ones go to ``zero`` first (``on_chunk`` may replace them)."""
-    out = _results.rebuild(adapters[0], results)
-    every = dict.fromkeys(results, np.ones((1, 1), bool))  # (which were kept: decided later)
-    zero.update(zeroed_modules(results, every))
-    return out if on_chunk is None else _on_chunk(fn, on_chunk, out)
-
-
-def _all_kept(fn: str, k: int, names, adapters, kept: dict, energies: _Energies) -> None:
-    """``masks=None`` (every candidate kept): the chunk's kept masks and task energies, which
-    the merge pass is then the first to read."""
-    _, buckets, _ = _tree.collect(adapters, fn=fn)
-    kept.update(all_candidates(fn, list(names), buckets))
-    energies.add(k, adapters, "nu.heterogeneity", strict=False)
-
-
-def _merge_pass(
-    st: _Stream,
-    call: Mapping[str, Any],
-    masks: Mapping[str, Any] | None,
-    *,
-    on_chunk: Callable[[dict[str, Any]], Mapping[str, Any]] | None,
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, int | None], _Energies | None, set[str]]:
-    """Pass 2: ``(merged, kept masks, ranks, energies, zero)`` chunk by chunk: this process's
-    merged modules; every module's kept masks (``masks=None`` keeps every candidate: the kept
-    masks are then computed here, as :func:`nu.merge_adapters` does, and exchanged) and merged
-    rank; the energies (only for ``masks=None``); every module whose merged update is zero."""
-    fn, names_all = st.fn, st.source.names
-    index = {n: i for i, n in enumerate(names_all)}
-    merged: dict[str, Any] = {}
-    kept: dict[str, Any] = {}
-    zero: set[str] = set()
-    mine = _Energies()
-
-    def work() -> dict[str, Any]:
-        for k, names, adapters in st.read():
-            if masks is None:
-                _all_kept(fn, k, names, adapters, kept, mine)
-            merged.update(
-                _merge_chunk(st, call, names, st.weighted(adapters), masks, index, on_chunk, zero)
-            )
-            del adapters  # (before the next read: one chunk alive at a time)
-        out = {f"r/{n}": np.asarray(-1 if r is None else r) for n, r in ranks_of(merged).items()}
-        out.update({f"m/{n}": m for n, m in kept.items()})
-        out.update({f"z/{n}": np.asarray(True) for n in zero})
-        return out if masks is not None else {**out, **mine.arrays()}
-
-    shared = st.ex.allgather(fn, work)
-    ranks: dict[str, int | None] = {}
-    for arrays in shared:
-        for name, a in arrays.items():
-            if name.startswith("r/"):
-                ranks[name[2:]] = None if int(a) < 0 else int(a)
-            elif name.startswith("m/"):
-                kept[name[2:]] = jnp.asarray(a)
-            elif name.startswith("z/"):
-                zero.add(name[2:])
-    kept = dict(masks) if masks is not None else kept
-    return (
-        {n: merged[n] for n in st.names_of(st.ex.index)},
-        {n: kept[n] for n in names_all},
-        {n: ranks[n] for n in names_all},
-        None if masks is not None else _Energies.gathered(shared),
-        zero,
-    )
-
-
-def _on_chunk(fn: str, on_chunk: Callable, out: dict[str, Any]) -> Mapping[str, Any]:
-    kept = on_chunk(out)
-    if not isinstance(kept, Mapping) or list(kept) != list(out):
-        raise InputError(
-            f"{fn}: on_chunk returned {type(kept).__name__} "
-            f"{_checks.few(list(kept)) if isinstance(kept, Mapping) else ''}; expected a dict "
-            f"with the chunk's modules {_checks.few(list(out))}, in that order."
-        )
-    return kept
 
 
 def _check_progress(fn: str, progress: Any) -> None:
@@ -698,81 +342,13 @@ def _check_source(fn: str, source: Any, chunk_bytes: Any, on_chunk: Any) -> None
         )
 
 
-def _refuse_model_wide(fn: str, res: registry.Resolved, ex: _exchange.Exchange) -> None:
-    if res.model_wide and ex.count > 1:
-        opt, value = res.spec.model_wide
-        raise InputError(
-            f"{fn}: method={res.spec.name!r} with {opt}={value!r} keeps each task's largest "
-            "entries over the whole model; streamed, that threshold is found by one process, "
-            f"not split between {ex.count} processes. Run it in one process (without "
-            f"distributed=True / --distributed), or use {opt}='module'."
-        )
-
-
-def _merge_pass_model_wide(
-    st: _Stream,
-    call: Mapping[str, Any],
-    masks: Mapping[str, Any] | None,
-    *,
-    on_chunk: Callable[[dict[str, Any]], Mapping[str, Any]] | None,
-    density: float,
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, int | None], _Energies | None, set[str]]:
-    """:func:`_merge_pass` for model-wide TIES (one process): every chunk read once for the
-    common unit, once per radix pass and once to merge (:func:`_ties_model.ties_model_streamed`);
-    the kept masks and energies of ``masks=None`` come from the first read."""
-    st = dataclasses.replace(st, release_programs=False)  # (each chunk is read in several passes)
-    fn, names_all = st.fn, st.source.names
-    index = {n: i for i, n in enumerate(names_all)}
-    merged: dict[str, Any] = {}
-    kept: dict[str, Any] = {}
-    zero: set[str] = set()
-    mine = _Energies()
-    reads = [0]
-    mant, exp2 = merging.coef_split(call["coef"], st.dtype)
-
-    def plans() -> Iterator[tuple[_plan.MergePlan, Callable[[dict[str, Any]], None]]]:
-        first = reads[0] == 0
-        reads[0] += 1
-        for k, names, adapters in st.read():
-            if masks is None and first:
-                _all_kept(fn, k, names, adapters, kept, mine)
-            part = None if masks is None else {n: masks[n] for n in names}
-            adapters = st.weighted(adapters)
-            plan = _plan.plan_merge(fn, adapters, part, **call, module_index=index)
-
-            def sink(results: dict[str, Any], adapters=adapters) -> None:
-                if exp2:  # (a coef outside the dtype's range: run as its mantissa)
-                    results = merging.scale_results(fn, results, exp2, st.dtype, call["coef"])
-                merged.update(_chunk_result(fn, adapters, results, on_chunk, zero))
-
-            yield plan, sink
-            del adapters, plan, sink  # (before the next read: one chunk alive at a time)
-
-    ties_model_streamed(
-        plans,
-        m_tasks=len(st.source.paths),
-        dtype=st.dtype,
-        density=density,
-        coef=jnp.asarray(mant, st.dtype),
-    )
-    ranks = ranks_of(merged)
-    kept = dict(masks) if masks is not None else kept
-    return (
-        {n: merged[n] for n in names_all},
-        {n: kept[n] for n in names_all},
-        {n: ranks[n] for n in names_all},
-        None if masks is not None else mine,
-        zero,
-    )
-
-
 def _stream(
     fn: str,
     source: AdapterSet,
     chunk_bytes: int,
     ex: _exchange.Exchange,
     weights: tuple[float, ...] | None = None,
-) -> _Stream:
+) -> Stream:
     codes = source.stored_dtypes
     dtype = _tree.float_dtype(*(np.float64 if c == "F64" else np.float32 for c in codes))
     m_tasks = len(source.paths)
@@ -782,12 +358,12 @@ def _stream(
         d_in, d_out, r_max = source.shapes[names[0]]
         sizes.append(len(names) * m_tasks * r_max * (d_in + d_out))
     owner = _exchange.assign(sizes, ex.count)
-    return _Stream(fn, source, tuple(chunks), dtype, ex, owner, weights)
+    return Stream(fn, source, tuple(chunks), dtype, ex, owner, weights)
 
 
 def _allocation(
-    st: _Stream, req: MergeRequest, mesh: Any
-) -> tuple[utility.Scores | None, dict[str, Any] | None, _Energies | None]:
+    st: Stream, req: MergeRequest, mesh: Any
+) -> tuple[utility.Scores | None, dict[str, Any] | None, Energies | None]:
     """Pass 1 and the allocation: ``(scores, masks, energies)``, all None for
     ``allocation="all"`` (which reads nothing here: the merge pass keeps every candidate)."""
     if req.allocation == "all":
@@ -802,13 +378,13 @@ def _allocation(
     return sc, masks, energies
 
 
-def _kept_pass(st: _Stream) -> tuple[dict[str, Any], _Energies]:
+def _kept_pass(st: Stream) -> tuple[dict[str, Any], Energies]:
     """Every candidate of every module (``allocation="all"``) and the tasks' energies, read a
     chunk at a time (one process): what the merge pass computes on its way, for a plan."""
     kept: dict[str, Any] = {}
-    energies = _Energies()
+    energies = Energies()
     for k, names, adapters in st.read():
-        _all_kept(st.fn, k, names, adapters, kept, energies)
+        all_kept(st.fn, k, names, adapters, kept, energies)
         del adapters  # (before the next read: one chunk alive at a time)
     return {n: kept[n] for n in st.source.names}, energies
 
@@ -939,11 +515,11 @@ def merge_adapters_streaming(
     # program per stage and chunk shape, not one traced over every module's leaves
     mesh = _mesh.check_mesh(fn, mesh) or _mesh.module_mesh(jax.local_devices()[:1])
     st = _stream(fn, source, chunk_bytes, _exchange.current(fn, distributed), req.weights)
-    _refuse_model_wide(fn, res, st.ex)
+    refuse_model_wide(fn, res, st.ex)
     if progress is not None:
         mine = sum(1 for p in st.owner if p == st.ex.index)
         st = dataclasses.replace(
-            st, progress=_Progress(progress, mine * _reads(allocation, res.model_wide, st.dtype))
+            st, progress=Progress(progress, mine * reads(allocation, res.model_wide, st.dtype))
         )
         st.progress.start()
     sc, masks, energies = _allocation(st, req, mesh)
@@ -951,11 +527,11 @@ def merge_adapters_streaming(
     call["mesh"] = mesh
     if res.model_wide:
         density = res.options["density"]
-        merged, kept, ranks, e2, zero = _merge_pass_model_wide(
+        merged, kept, ranks, e2, zero = merge_pass_model_wide(
             st, call, masks, on_chunk=on_chunk, density=density
         )
     else:
-        merged, kept, ranks, e2, zero = _merge_pass(st, call, masks, on_chunk=on_chunk)
+        merged, kept, ranks, e2, zero = merge_pass(st, call, masks, on_chunk=on_chunk)
     energies = energies or e2  # (the first pass that read everything summed them)
     if st.progress is not None:
         st.progress.finish()

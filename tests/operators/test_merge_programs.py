@@ -162,7 +162,6 @@ def test_a_streamed_merge_drops_a_shapes_programs_after_its_last_chunk(tmp_path,
     after its last chunk (pass by pass) without compiling anything again within the pass: the
     same programs, counted from a cold start, as a merge that holds them to the end, the same
     result, and no library kernel holding executables afterwards."""
-    from netutility_jax.pipeline import streaming
 
     ads = _adapters(41)
     paths = [tmp_path / f"t{i}" for i in range(M)]
@@ -180,7 +179,7 @@ def test_a_streamed_merge_drops_a_shapes_programs_after_its_last_chunk(tmp_path,
 
     held_programs, held, held_rep = None, None, None
     with monkeypatch.context() as mp:
-        mp.setattr(streaming, "release", lambda: None)
+        mp.setattr(_executables, "release", lambda: None)
         held_programs, held, held_rep = run()
     programs, out, rep = run()
     assert rep.ranks == held_rep.ranks
