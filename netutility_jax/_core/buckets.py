@@ -16,10 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InputTypeError
+from .executables import kernel
 from .tree import Bucket
 
 __all__ = [
     "Leaves",
+    "StackConfig",
     "StackedMoments",
     "bucket_arrays",
     "host_scales",
@@ -29,6 +31,7 @@ __all__ = [
     "stack_bucket",
     "stack_bucket_cat",
     "stack_moments",
+    "stage_stack",
 ]
 
 
@@ -232,3 +235,20 @@ def split_bucket(bucket: Bucket, max_bytes: int, itemsize: int = 4) -> list[Buck
         )
         for i in range(0, n, size)
     ]
+
+
+class StackConfig(NamedTuple):
+    """Static shape of a bucket's stacked factors (:func:`stage_stack`)."""
+
+    d_in: int
+    d_out: int
+    r_max: int
+    dtype: Any
+
+
+@kernel(static_argnames=("cfg",))
+def stage_stack(leaves, *, cfg: StackConfig):
+    """Zero-padded stacked factors of a bucket (see :func:`stack_bucket`), as given."""
+    d_in, d_out, r_max, dtype = cfg
+    a, b, s = leaves
+    return stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)

@@ -26,6 +26,7 @@ from ..errors import InputError, InputTypeError
 from .tables import MaskTable
 
 __all__ = [
+    "NONFINITE_ARRAYS",
     "as_integer",
     "brief",
     "check_auto",
@@ -39,6 +40,7 @@ __all__ = [
     "given",
     "is_real_dtype",
     "is_real_scalar",
+    "raise_nonfinite",
     "real_option",
     "real_value",
     "short",
@@ -216,7 +218,9 @@ def check_masks(fn: str, masks: Mapping[str, jax.Array]) -> dict[str, np.ndarray
             f"{fn}: masks is empty; expected the {{name: bool (M, r_max)}} masks returned by "
             "nu.allocate (one entry per module)."
         )
-    if isinstance(masks, MaskTable) and masks.pristine:  # nu.allocate's own masks, on the host already
+    if (
+        isinstance(masks, MaskTable) and masks.pristine
+    ):  # nu.allocate's own masks, on the host already
         return masks.host_dict()
     out: dict[str, np.ndarray] = {}
     bad_type: list = []
@@ -268,3 +272,59 @@ def check_weights_sequence(fn: str, weights: Any, m_tasks: int) -> None:
             f"{fn}: weights={given(weights)}; expected a sequence of {m_tasks} numbers, "
             "one per task."
         )
+
+
+NONFINITE_ARRAYS = ("lora_a", "lora_b", "scale")
+
+
+def raise_nonfinite(fn: str, buckets: Sequence[Any], counts: Sequence[Any], *, dtype: Any) -> None:
+    """Raise :class:`InputError` for the first non-finite input, if any.
+
+    Args:
+      buckets: the buckets of :func:`..tree.collect` (their names and modules).
+      counts: per bucket, ``(n, M, 3)`` ints: non-finite entries of ``lora_a``, ``lora_b`` and
+        ``scale`` of each module and task, as seen in the compute ``dtype`` (a float64 value
+        beyond float32's range counts: the message says so).
+    """
+    hits = [
+        (bk, np.asarray(c)) for bk, c in zip(buckets, counts, strict=True) if np.asarray(c).any()
+    ]
+    if not hits:
+        return
+    bk, c = hits[0]
+    n, i, k = (int(v) for v in np.argwhere(c > 0)[0])
+    m = bk.modules[n][i]
+    label = NONFINITE_ARRAYS[k]
+    raw = np.asarray(getattr(m, label))
+    size = raw.size
+    count = int(c[n, i, k])
+    as64 = np.asarray(raw, np.float64) if is_real_dtype(raw.dtype) else None
+    if as64 is not None and np.isfinite(as64).all():
+        big = float(np.max(np.abs(as64)))
+        where = (
+            f"scale = {float(as64):.3g} is"
+            if label == "scale"
+            else f"{label} has {count} {'entry' if count == 1 else 'entries'} (largest |{label}| "
+            f"= {big:.3g})"
+        )
+        what = (
+            f"{where} beyond the range of {np.dtype(dtype).name}. Enable x64 "
+            "(jax.config.update('jax_enable_x64', True)) and pass float64 factors, or rescale "
+            "them (move a power of two between lora_a, lora_b and scale)."
+        )
+    else:
+        what = (
+            f"{label} has {count} non-finite {'entry' if count == 1 else 'entries'} (NaN or Inf)"
+            f"{f' of {size}' if size > 1 else ''}. Fix or retrain that adapter."
+        )
+    bad = [nm for bk2, c2 in hits for nm, row in zip(bk2.names, c2, strict=True) if row.any()]
+    pairs = sum(int((c2.sum(-1) > 0).sum()) for _, c2 in hits)
+    more = (
+        f" In all, {pairs} (module, task) pairs have such entries, in {few(bad)}."
+        if pairs > 1
+        else ""
+    )
+    raise InputError(
+        f"{fn}: module {short(bk.names[n])!r}, task {i} (lora_a {tuple(m.lora_a.shape)}, lora_b "
+        f"{tuple(m.lora_b.shape)}): {what}{more}"
+    )

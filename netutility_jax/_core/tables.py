@@ -107,8 +107,7 @@ class ScoreTable(_NamedTable):
             out = dict(self._fixed)
             for names, stats in self._parts:
                 out.update(
-                    (nm, self._make(*(stats[i, k] for k in range(4))))
-                    for i, nm in enumerate(names)
+                    (nm, self._make(*(stats[i, k] for k in range(4)))) for i, nm in enumerate(names)
                 )
             self._done = out
         if self._done is None:
@@ -125,8 +124,6 @@ class ScoreTable(_NamedTable):
 
     def __getitem__(self, name: str) -> Any:
         return self._values()[name]
-
-
 
 
 class MaskTable(MutableMapping):
@@ -238,8 +235,6 @@ class StackedMasks(_NamedTable):
         if name not in self._names:
             raise KeyError(name)
         return self._values()[name]
-
-
 
 
 def _flatten_table(t: Mapping) -> tuple[list, tuple[str, ...]]:

@@ -15,7 +15,7 @@ same under an outer ``jit``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,14 +23,57 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InputError, InputTypeError
+from .checks import NONFINITE_ARRAYS as NONFINITE_ARRAYS
 from .checks import brief as brief
 from .checks import check_bool as check_bool
 from .checks import check_real as check_real
 from .checks import few as _few
-from .checks import is_real_dtype as _is_real_dtype
 from .checks import is_real_scalar as is_real_scalar
+from .checks import raise_nonfinite as raise_nonfinite
 from .checks import real_value as real_value
 from .checks import short as short
+from .walk import (
+    MAX_DEPTH as MAX_DEPTH,
+)
+from .walk import (
+    MODULE_KEYS as MODULE_KEYS,
+)
+from .walk import (  # (re-exported: the walk of the trees)
+    PLAIN_TYPES,
+)
+from .walk import (
+    UPDATE_KEYS as UPDATE_KEYS,
+)
+from .walk import (
+    KeyPath as KeyPath,
+)
+from .walk import (
+    extract_lora as extract_lora,
+)
+from .walk import (
+    has_factor as has_factor,
+)
+from .walk import (
+    has_update as has_update,
+)
+from .walk import (
+    is_mapping as is_mapping,
+)
+from .walk import (
+    map_modules as map_modules,
+)
+from .walk import (
+    match_names as match_names,
+)
+from .walk import (
+    name_mismatch as name_mismatch,
+)
+from .walk import (
+    unwrap as unwrap,
+)
+from .walk import (
+    walk_modules as walk_modules,
+)
 
 __all__ = [
     "MAX_DEPTH",
@@ -56,10 +99,6 @@ __all__ = [
 ]
 # Also importable, for older call sites: brief, short, _few, check_bool, check_real, real_value,
 # is_real_scalar, _is_real_dtype (from ._checks), and _unwrap / _is_mapping (aliases).
-
-MODULE_KEYS = frozenset({"lora_a", "lora_b", "scale"})
-UPDATE_KEYS = frozenset({"lora_a", "lora_b", "delta"})  # a merged module, low rank or dense
-MAX_DEPTH = 64  # deeper nesting is not an adapter (and recursive code would hit Python's limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,151 +140,6 @@ class Bucket:
     # the factors stacked once (``nu.stack_adapters``: a ``_mesh.Stacked`` on the device), in
     # which case ``modules`` hold their shapes, dtypes and scales only; None: the leaves
     stacked: Any = None
-
-
-# types whose instances :func:`unwrap` returns as they are (arrays, numbers): a per-type
-# decision, cached so that a walk over thousands of factors makes it once per type
-_PLAIN_TYPES: set[type] = {float, int, np.ndarray}
-
-
-def unwrap(x: Any) -> Any:
-    """A leaf's array: ``flax.nnx`` Variables (``Param``, ``LoRAParam``) give their value
-    (``get_value``, or ``value`` on older flax); anything else is returned as it is."""
-    t = type(x)
-    if t in _PLAIN_TYPES:
-        return x
-    if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float)):
-        if x.__class__ is t:  # decided by the type alone (no __class__ override)
-            _PLAIN_TYPES.add(t)
-        return x
-    if hasattr(x, "get_value"):
-        return x.get_value()
-    if hasattr(x, "value"):
-        return x.value
-    return x
-
-
-def is_mapping(x: Any) -> bool:
-    """A node the walkers enter: a ``Mapping`` (dict, ``flax.nnx.State``) or anything with
-    ``keys`` and ``__getitem__``."""
-    return isinstance(x, Mapping) or (hasattr(x, "keys") and hasattr(x, "__getitem__"))
-
-
-_unwrap = unwrap  # the names merging.py and peft.py use
-_is_mapping = is_mapping
-
-
-def has_factor(node: Any) -> bool:
-    """An input LoRA module: a mapping with ``lora_a`` or ``lora_b`` (one missing is an error the
-    validator reports, not a reason to look inside)."""
-    keys = node.keys()
-    return "lora_a" in keys or "lora_b" in keys
-
-
-def has_update(node: Any) -> bool:
-    """A merged module: low rank (``lora_a`` / ``lora_b``) or dense (``delta``)."""
-    return bool(UPDATE_KEYS & set(node.keys()))
-
-
-KeyPath = tuple[str, ...]  # a node's keys as strings; "/".join gives the module name
-
-
-def _too_deep(path: KeyPath, max_depth: int) -> Exception:
-    return InputError(
-        f"the tree is nested more than {max_depth} levels deep at {short('/'.join(path))!r}."
-    )
-
-
-def _cycle(path: KeyPath) -> Exception:
-    return InputError(
-        f"the tree contains itself at {short('/'.join(path))!r} (a cycle of mappings)."
-    )
-
-
-def _nodes(
-    tree: Any,
-    is_module: Callable[[Any], bool],
-    max_depth: int | None,
-    too_deep: Callable[[KeyPath], Exception] | None,
-    cycle: Callable[[KeyPath], Exception] | None,
-) -> Iterator[tuple[tuple[Any, ...], KeyPath, Any, bool]]:
-    """Every node, depth first in key order: ``(keys, path, node, stop)``; ``keys`` are the
-    mapping keys as they are, ``path`` the same as strings, ``stop`` False for an entered mapping."""
-    # an explicit stack: no recursion limit, and the ancestors of each node for cycle detection.
-    # The ancestors themselves are kept, not their id()s: a mapping may hand out a new object per
-    # lookup (flax.nnx.State does), and a collected one's id can be reused by a later object.
-    stack: list[tuple[tuple[Any, ...], KeyPath, Any, tuple[Any, ...]]] = [((), (), tree, ())]
-    while stack:
-        keys, path, node, ancestors = stack.pop()
-        if max_depth is not None and len(path) > max_depth:
-            raise too_deep(path) if too_deep else _too_deep(path, max_depth)
-        if not is_mapping(node) or is_module(node):
-            yield keys, path, node, True
-            continue
-        yield keys, path, node, False
-        if any(a is node for a in ancestors):
-            raise cycle(path) if cycle else _cycle(path)
-        up = (*ancestors, node)
-        stack.extend(
-            ((*keys, k), (*path, str(k)), node[k], up) for k in reversed(list(node.keys()))
-        )
-
-
-def walk_modules(
-    tree: Any,
-    *,
-    is_module: Callable[[Any], bool] = has_factor,
-    max_depth: int | None = MAX_DEPTH,
-    inner: bool = False,
-    too_deep: Callable[[KeyPath], Exception] | None = None,
-    cycle: Callable[[KeyPath], Exception] | None = None,
-) -> Iterator[tuple[KeyPath, Any]]:
-    """The modules of a tree of nested mappings: the one walker of adapter pytrees.
-
-    Depth first, in each mapping's key order, yields ``(path, node)`` for every node where the
-    walk stops: a mapping for which ``is_module(node)`` holds (a module: not entered), ``None``
-    (a task's placeholder for a module it lacks) and any other non-mapping leaf. Every other
-    mapping (see :func:`is_mapping`: dicts, ``flax.nnx.State``) is entered. ``path`` is the tuple
-    of keys as strings (``"/".join(path)`` is the module name, ``()`` the root); nodes are yielded
-    as they are (:func:`unwrap` gives a Variable's array).
-
-    Args:
-      tree: the root; itself a module, None or a leaf if so (yielded with path ``()``).
-      is_module: called on mappings only; default :func:`has_factor` (input modules);
-        :func:`has_update` for merged ones.
-      max_depth: refuse paths longer than this (checked before the node is yielded); None: no
-        limit.
-      inner: also yield each mapping that is entered, before its children, so a caller can check
-        every name (a caller tells them apart with ``is_mapping(node) and not is_module(node)``).
-      too_deep, cycle: ``path -> exception`` raised for a path longer than ``max_depth`` / for a
-        mapping that contains itself (checked after it is yielded with ``inner``, before it is
-        entered); default an :class:`InputError` naming the path.
-    """
-    for _, path, node, stop in _nodes(tree, is_module, max_depth, too_deep, cycle):
-        if stop or inner:
-            yield path, node
-
-
-def map_modules(
-    tree: Any,
-    fn: Callable[[KeyPath, Any], Any],
-    *,
-    is_module: Callable[[Any], bool] = has_factor,
-    max_depth: int | None = MAX_DEPTH,
-) -> Any:
-    """The tree rebuilt as nested dicts (same keys, same order) with every node where
-    :func:`walk_modules` stops (module, None, leaf) replaced by ``fn(path, node)``."""
-    root: Any = None
-    built: dict[tuple[Any, ...], dict] = {}
-    for keys, path, node, stop in _nodes(tree, is_module, max_depth, None, None):
-        value = fn(path, node) if stop else {}
-        if not stop:
-            built[keys] = value
-        if keys:
-            built[keys[:-1]][keys[-1]] = value
-        else:
-            root = value
-    return root
 
 
 def _as_module(fn: str, task: int, name: str, node: Any) -> Module:
@@ -293,7 +187,7 @@ def _flatten_dicts(adapter: Any) -> dict[str, Module | None] | None:
     if type(adapter) is not dict or "lora_a" in adapter or "lora_b" in adapter:
         return None
     out: dict[str, Module | None] = {}
-    plain = _PLAIN_TYPES
+    plain = PLAIN_TYPES
 
     def walk(node: dict, prefix: str, depth: int, ancestors: tuple[dict, ...]) -> bool:
         if depth >= MAX_DEPTH and node:  # its children's paths would be too long
@@ -380,91 +274,6 @@ def flatten_modules(adapter: Any, *, fn: str, task: int) -> dict[str, Module | N
                 "them), or None for a module the task lacks."
             )
     return out
-
-
-def _both_factors(node: Any) -> bool:
-    keys = node.keys()
-    return "lora_a" in keys and "lora_b" in keys
-
-
-def extract_lora(tree: Any) -> dict[str, Any]:
-    """Keep only the LoRA modules of a parameter tree, as a flat dict keyed by module name.
-
-    Useful on a full Flax parameter tree, where LoRA factors sit next to base kernels and biases.
-    A mapping holding both ``lora_a`` and ``lora_b`` is a module; its ``scale`` is kept if present.
-
-    Args:
-      tree: nested mappings (dicts, ``flax.nnx.State``).
-
-    Returns:
-      ``{name: {"lora_a", "lora_b"[, "scale"]}}`` with "/"-joined key paths as names.
-
-    Example:
-      >>> import numpy as np, netutility_jax as nu
-      >>> tree = {"q": {"kernel": np.ones((4, 4)), "lora_a": np.ones((4, 2)), "lora_b": np.ones((2, 4))}}
-      >>> list(nu.extract_lora(tree))
-      ['q']
-    """
-
-    def cycle(path: KeyPath) -> Exception:
-        return InputError(
-            f"nu.extract_lora: the tree contains itself at {short('/'.join(path))!r} (a cycle of "
-            "dicts); pass a tree of parameters."
-        )
-
-    out: dict[str, Any] = {}
-    for path, node in walk_modules(tree, is_module=_both_factors, max_depth=None, cycle=cycle):
-        if is_mapping(node):  # a module; other leaves (kernels, biases) are dropped
-            mod = {"lora_a": unwrap(node["lora_a"]), "lora_b": unwrap(node["lora_b"])}
-            if "scale" in node.keys():
-                mod["scale"] = unwrap(node["scale"])
-            out["/".join(path)] = mod
-    return out
-
-
-def _nnx_other(name: str) -> str:
-    """The other spelling of an nnx LoRA layer's name: ``X`` <-> ``X/lora`` (an
-    ``nnx.LoRALinear`` by layer, and its ``lora`` child's state path), ``lora`` <-> ``""``."""
-    if name == "":
-        return "lora"
-    if name == "lora":
-        return ""
-    return name[: -len("/lora")] if name.endswith("/lora") else f"{name}/lora"
-
-
-def match_names(want: Iterable[str], have: Iterable[str]) -> dict[str, str] | None:
-    """``{name of want: key of have}`` where each key is the name or its other nnx spelling
-    (``X`` / ``X/lora``, see ``nu.nnx``); None unless that pairs every name with exactly one
-    key and uses every key once (exact names first)."""
-    want, have = list(want), set(have)
-    out: dict[str, str] = {}
-    for n in want:
-        if n in have:
-            out[n] = n
-        elif _nnx_other(n) in have and _nnx_other(n) not in want:
-            out[n] = _nnx_other(n)
-        else:
-            return None
-    return out if len(set(out.values())) == len(out) == len(have) else None
-
-
-def name_mismatch(
-    want: Iterable[str],
-    have: Iterable[str],
-    *,
-    missing: Callable[[list[str]], str],
-    extra: Callable[[list[str]], str],
-) -> str:
-    """How two sets of module names differ, for a message: ``""`` if they agree, else
-    ``missing(sorted names of want not in have)`` and ``extra(sorted names of have not in
-    want)``, each only if non-empty, joined by ``"; "``."""
-    want, have = set(want), set(have)
-    parts = [
-        describe(names)
-        for describe, names in ((missing, sorted(want - have)), (extra, sorted(have - want)))
-        if names
-    ]
-    return "; ".join(parts)
 
 
 def _check_module(fn: str, name: str, task: int, m: Module) -> None:
@@ -722,64 +531,6 @@ def collect(adapters: Sequence[Any], *, fn: str) -> tuple[list[str], list[Bucket
         for k, items in groups.items()
     ]
     return names, buckets, m_tasks
-
-
-NONFINITE_ARRAYS = ("lora_a", "lora_b", "scale")
-
-
-def raise_nonfinite(
-    fn: str, buckets: Sequence[Bucket], counts: Sequence[Any], *, dtype: Any
-) -> None:
-    """Raise :class:`InputError` for the first non-finite input, if any.
-
-    Args:
-      buckets: the buckets of :func:`collect`.
-      counts: per bucket, ``(n, M, 3)`` ints: non-finite entries of ``lora_a``, ``lora_b`` and
-        ``scale`` of each module and task, as seen in the compute ``dtype`` (a float64 value
-        beyond float32's range counts: the message says so).
-    """
-    hits = [
-        (bk, np.asarray(c)) for bk, c in zip(buckets, counts, strict=True) if np.asarray(c).any()
-    ]
-    if not hits:
-        return
-    bk, c = hits[0]
-    n, i, k = (int(v) for v in np.argwhere(c > 0)[0])
-    m = bk.modules[n][i]
-    label = NONFINITE_ARRAYS[k]
-    raw = np.asarray(getattr(m, label))
-    size = raw.size
-    count = int(c[n, i, k])
-    as64 = np.asarray(raw, np.float64) if _is_real_dtype(raw.dtype) else None
-    if as64 is not None and np.isfinite(as64).all():
-        big = float(np.max(np.abs(as64)))
-        where = (
-            f"scale = {float(as64):.3g} is"
-            if label == "scale"
-            else f"{label} has {count} {'entry' if count == 1 else 'entries'} (largest |{label}| "
-            f"= {big:.3g})"
-        )
-        what = (
-            f"{where} beyond the range of {np.dtype(dtype).name}. Enable x64 "
-            "(jax.config.update('jax_enable_x64', True)) and pass float64 factors, or rescale "
-            "them (move a power of two between lora_a, lora_b and scale)."
-        )
-    else:
-        what = (
-            f"{label} has {count} non-finite {'entry' if count == 1 else 'entries'} (NaN or Inf)"
-            f"{f' of {size}' if size > 1 else ''}. Fix or retrain that adapter."
-        )
-    bad = [nm for bk2, c2 in hits for nm, row in zip(bk2.names, c2, strict=True) if row.any()]
-    pairs = sum(int((c2.sum(-1) > 0).sum()) for _, c2 in hits)
-    more = (
-        f" In all, {pairs} (module, task) pairs have such entries, in {_few(bad)}."
-        if pairs > 1
-        else ""
-    )
-    raise InputError(
-        f"{fn}: module {short(bk.names[n])!r}, task {i} (lora_a {tuple(m.lora_a.shape)}, lora_b "
-        f"{tuple(m.lora_b.shape)}): {what}{more}"
-    )
 
 
 def float_dtype(*dtypes: Any) -> np.dtype:

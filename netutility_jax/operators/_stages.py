@@ -26,7 +26,6 @@ multiply-add differently: the two routes agree to float32 rounding, not bit for 
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -35,19 +34,49 @@ import numpy as np
 
 from .. import registry
 from .._core import buckets as _buckets
-from .._core import checks as _checks
 from .._core import mesh as _mesh
 from .._core import tree as _tree
+from .._core.buckets import StackConfig, stage_stack  # (re-exported)
 from .._core.executables import kernel
-from .._core.linalg import column_norms, mul_pow2
 from .._core.linalg import mm as _mm
+from .._core.linalg import mul_pow2
 from .._core.linalg import t as _t
 from .._core.tables import MaskTable
-from ..errors import InputError, InputTypeError
 from ..scoring._kernels import default_rtol
-from . import _rng, _select
+from . import _select
 from . import methods as _m
 from . import spaces as _s
+from ._outputs import (  # the stages' checks (re-exported)
+    KERNEL_FINITE,
+    KERNEL_INF,
+    KERNEL_NAN,
+    RANGE_KERNEL_NAN,
+    check_elementwise_output,
+    check_low_rank_output,
+    kernel_status,
+    log2_norm,
+    range_status,
+    with_kernel_status,
+)
+from ._rows import (  # the row-block and module stages (re-exported)
+    DARE_KEPT,
+    apply_ties,
+    block_tasks,
+    coords_tasks,
+    dare_block,
+    dare_rows,
+    elementwise,
+    module_dense,
+    module_dense_rows,
+    module_kept_coords,
+    module_tasks,
+    pad_rows,
+    row_blocks,
+    row_units,
+    stage_scale_dense,
+    ties_apply,
+    ties_rows,
+)
 
 __all__ = [
     "DARE_KEPT",
@@ -99,15 +128,6 @@ __all__ = [
     "ties_apply",
     "ties_rows",
 ]
-
-
-class StackConfig(NamedTuple):
-    """Static shape of a bucket's stacked factors (:func:`stage_stack`)."""
-
-    d_in: int
-    d_out: int
-    r_max: int
-    dtype: Any
 
 
 class ReduceConfig(NamedTuple):
@@ -202,14 +222,6 @@ def _coords(k, a, b, ts, *, space, variant, rtol):
 # computation wherever that one does not over- or underflow. The last stage also reports, per
 # module, whether the result is representable (a range check): merge raises instead of returning
 # an infinite or flushed-to-zero module.
-
-
-@kernel(static_argnames=("cfg",))
-def stage_stack(leaves, *, cfg: StackConfig):
-    """Zero-padded stacked factors of a bucket (see ``_buckets.stack_bucket``), as given."""
-    d_in, d_out, r_max, dtype = cfg
-    a, b, s = leaves
-    return _buckets.stack_bucket(a, b, s, d_in=d_in, d_out=d_out, r_max=r_max, dtype=dtype)
 
 
 @kernel(static_argnames=("r_max",))
@@ -368,140 +380,6 @@ def stage_low_rank(ca, cb, coef, nums, *, cfg: LowRankConfig):
     return am, bm, jnp.maximum(kernel_status(am), kernel_status(bm))
 
 
-#: :func:`kernel_status` codes: the kernel's output of a module is finite, holds an inf (and no
-#: NaN), holds a NaN.
-KERNEL_FINITE, KERNEL_INF, KERNEL_NAN = 0, 1, 2
-
-
-def kernel_status(y):
-    """Per module (leading axis) of a kernel's output ``y (n, p, k)``: :data:`KERNEL_FINITE`,
-    :data:`KERNEL_INF` or :data:`KERNEL_NAN`, from one reduction (the largest ``|y|``, which a
-    NaN anywhere makes NaN and an inf makes inf)."""
-    top = jnp.max(jnp.abs(y), axis=(-2, -1), initial=0)
-    return jnp.where(
-        jnp.isnan(top), KERNEL_NAN, jnp.where(jnp.isinf(top), KERNEL_INF, KERNEL_FINITE)
-    ).astype(jnp.int32)
-
-
-def _kernel_fault(method: str, kind: str, got: str, want: str, *, type_error: bool = False):
-    cls = InputTypeError if type_error else InputError
-    return cls(
-        f"nu.merge: method {method!r}: its {kind} kernel returned {got}; expected {want}. The "
-        f"kernel declared for {method!r} (netutility_jax.registry.MethodSpec.kernel) must "
-        "return that form (see the registry's module docstring)."
-    )
-
-
-def _dims(*xs) -> str:
-    """``(1, 16, K)``: a shape with named dimensions, for messages."""
-    return f"({', '.join(map(str, xs))})"
-
-
-def check_low_rank_output(method: str, ca, cb, out) -> tuple[jax.Array, jax.Array]:
-    """A low-rank kernel's output ``out`` for tasks ``ca (..., M, p, r)``, ``cb (..., M, q, r)``:
-    a pair ``(a (..., p, K), b (..., q, K))`` of the inputs' dtype, or an error naming the method
-    (shapes are static: checked while tracing, at no run-time cost)."""
-    lead, p, q = ca.shape[:-3], ca.shape[-2], cb.shape[-2]
-    want = f"a {_dims(*lead, p, 'K')} and b {_dims(*lead, q, 'K')} (the same K)"
-    tasks = f" for tasks a {tuple(ca.shape)}, b {tuple(cb.shape)}"
-    if not (
-        isinstance(out, (tuple, list))
-        and len(out) == 2
-        and all(hasattr(y, "shape") and hasattr(y, "dtype") for y in out)
-    ):
-        got = (
-            f"an array of shape {tuple(out.shape)}" if hasattr(out, "shape") else _checks.given(out)
-        )
-        raise _kernel_fault(method, "low-rank", got, f"a pair (a, b): {want}{tasks}")
-    am, bm = out
-    sa, sb = tuple(am.shape), tuple(bm.shape)
-    if not (
-        len(sa) == len(sb) == len(lead) + 2
-        and sa[:-2] == sb[:-2] == tuple(lead)
-        and (sa[-2], sb[-2]) == (p, q)
-        and sa[-1] == sb[-1]
-    ):
-        raise _kernel_fault(method, "low-rank", f"a {sa}, b {sb}", want + tasks)
-    if am.dtype != ca.dtype or bm.dtype != ca.dtype:
-        raise _kernel_fault(
-            method, "low-rank", f"dtypes ({am.dtype}, {bm.dtype})",
-            f"{ca.dtype} (its inputs' dtype)", type_error=True,
-        )  # fmt: skip
-    return am, bm
-
-
-def check_elementwise_output(method: str, x, out) -> jax.Array:
-    """An elementwise kernel's output ``out`` for dense tasks ``x (n, M, p, q)``: an array
-    ``(n, p, q)`` of ``x``'s dtype, or an error naming the method (checked while tracing)."""
-    n, _, p, q = x.shape
-    if not (hasattr(out, "shape") and hasattr(out, "dtype")):
-        raise _kernel_fault(
-            method, "elementwise", _checks.given(out), f"an array ({n}, {p}, {q}) (n, p, q)"
-        )
-    if tuple(out.shape) != (n, p, q):
-        raise _kernel_fault(
-            method, "elementwise", f"shape {tuple(out.shape)} for tasks x of shape "
-            f"{tuple(x.shape)}", f"{(n, p, q)} (n, p, q)",
-        )  # fmt: skip
-    if out.dtype != x.dtype:
-        raise _kernel_fault(
-            method, "elementwise", f"dtype {out.dtype}", f"{x.dtype} (its inputs' dtype)",
-            type_error=True,
-        )  # fmt: skip
-    return out
-
-
-def _with_kernel_status(status, bad, check):
-    """A bucket's range ``check`` with its kernel's :func:`kernel_status` folded in, for the
-    modules whose inputs are finite (``bad (n, M, 3)`` all zero; the others are reported as bad
-    inputs). An inf is an overflow (an extreme ``coef``): range code 1, as an overflow found
-    later. A NaN is the kernel's fault: :data:`RANGE_KERNEL_NAN`, which
-    :func:`_results.raise_range` reports naming the method and the modules. Without a NaN or an
-    inf (the usual case) nothing is done on the device."""
-    if status is None:
-        return check
-    code, log2 = check
-    if isinstance(status, jax.core.Tracer) or isinstance(bad, jax.core.Tracer):
-        ok = jnp.sum(bad, axis=(1, 2)) == 0
-        code = jnp.where(ok & (status == KERNEL_INF), 1, code)
-        code = jnp.where(ok & (status == KERNEL_NAN), RANGE_KERNEL_NAN, code).astype(code.dtype)
-        return code, log2
-    status = np.asarray(status)
-    inputs_ok = ~np.asarray(bad).any(axis=(1, 2))
-    over = (status == KERNEL_INF) & inputs_ok
-    nan = (status == KERNEL_NAN) & inputs_ok
-    if not (over.any() or nan.any()):
-        return check
-    fix = np.where(nan, RANGE_KERNEL_NAN, np.where(over, 1, 0)).astype(np.int32)
-    return jnp.where(fix > 0, fix, code).astype(code.dtype), log2
-
-
-#: :func:`range_status`'s code of a module whose method's kernel returned NaN for finite inputs
-#: (folded in by :func:`_with_kernel_status` and :func:`module_dense`).
-RANGE_KERNEL_NAN = 3
-
-
-def range_status(w, y, unit, axes):
-    """Whether ``y = w 2**unit`` (per module, over ``axes``) is representable: ``(code (n,) int32,
-    log2 (n,) float32)``; code 0 fine, 1 not finite, 2 underflow (``w`` is not zero but the
-    largest ``|y|`` is below the dtype's smallest normal number: at best a few bits are left);
-    ``log2`` is ``log2`` of the largest ``|y|`` that exact arithmetic would give."""
-    wmax = jnp.max(jnp.abs(w), axis=axes, initial=0)
-    finite = jnp.all(jnp.isfinite(y), axis=axes)
-    log2 = jnp.log2(wmax).astype(jnp.float32) + unit.astype(jnp.float32)
-    under = (wmax > 0) & (log2 < jnp.finfo(w.dtype).minexp)
-    code = jnp.where(finite, jnp.where(under, 2, 0), 1).astype(jnp.int32)
-    return code, log2
-
-
-def _log2_norm(x, axis):
-    """``log2`` of the largest column norm of ``x (n, p, k)`` over ``axis`` (-2: columns, -1:
-    rows), scale-safely; ``-inf`` for an all-zero module. An entry of ``Q x`` (``Q`` with
-    orthonormal columns) is at most its column's norm, and at least one is ``norm / sqrt(p)``."""
-    cols = column_norms(x if axis == -2 else _t(x))
-    return jnp.log2(jnp.max(cols, axis=-1, initial=0)).astype(jnp.float32)
-
-
 @kernel(static_argnames=("cfg",))
 def stage_map_back(la, lb, qa, qb, unit, *, cfg: MapBackConfig):
     """Reduced results in units of ``2**unit`` to ``(lora_a (n, d_in, width), lora_b (n, width,
@@ -513,8 +391,8 @@ def stage_map_back(la, lb, qa, qb, unit, *, cfg: MapBackConfig):
     # Bounds of the mapped-back entries from the small sides (no d-sized pass): the module's unit
     # goes to the input side; where that side alone could overflow (the product need not: KnOTS
     # blocks carry S on the output side) it is split between both sides.
-    hi_a = _log2_norm(la, -2) if expand_in else jnp.log2(jnp.max(jnp.abs(la), (1, 2), initial=0))
-    hi_b = _log2_norm(lb, -1)
+    hi_a = log2_norm(la, -2) if expand_in else jnp.log2(jnp.max(jnp.abs(la), (1, 2), initial=0))
+    hi_b = log2_norm(lb, -1)
     hi_a, hi_b = hi_a.astype(jnp.float32), hi_b.astype(jnp.float32)
     u = unit.astype(jnp.float32)
     split = hi_a + u >= fi.maxexp - 1
@@ -654,128 +532,6 @@ def _elementwise_bucket(
     return (*stage_decode_chunks(coords, xms, rtol=rtol, compact=compact), status)
 
 
-@kernel(static_argnames=("rows",))
-def pad_rows(a, *, rows: int):
-    """``a (..., p, r)`` zero-padded to a whole number of ``rows``-row blocks."""
-    p = a.shape[-2]
-    return jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, -p % rows), (0, 0)])
-
-
-@kernel(static_argnames=("rows",))
-def block_tasks(a, b, j0, *, rows: int):
-    """Rows ``j0 : j0 + rows`` of the dense coordinates ``a b^T`` (``a`` from :func:`pad_rows`)."""
-    return _mm(jax.lax.dynamic_slice_in_dim(a, j0, rows, axis=-2), _t(b))
-
-
-def row_blocks(a, b, rows: int) -> list:
-    """One module's dense coordinates ``a b^T`` (``a (1, M, p, r)``, ``b (1, M, q, r)``) as
-    ``rows``-row blocks in row order: ``[(produce, (j0, live rows))]``, ``produce()`` giving the
-    block ``(1, M, rows, q)``. Padding rows are zero: zero entries, which TIES's trim never needs
-    (a threshold of zero keeps zeros, which changes nothing)."""
-    p = a.shape[-2]
-    ap = pad_rows(a, rows=rows)
-    return [
-        (lambda j0=j0: block_tasks(ap, b, jnp.int32(j0), rows=rows), (j0, min(rows, p - j0)))
-        for j0 in range(0, p, rows)
-    ]
-
-
-@kernel(static_argnames=("flat_ties",))
-def ties_apply(x, t, room, coef, *, flat_ties):
-    """Trim at the thresholds ``t`` and take the disjoint mean. Without ``flat_ties`` every entry
-    at a task's threshold is known to fit (``room`` = their count), so the running count that
-    breaks ties in flat order (a slow scan on CPU) is skipped."""
-    if flat_ties:
-        trimmed, used = _select.trim_at(x, t, room)
-    else:
-        xt = jnp.moveaxis(x, -3, 0)
-        bits = jax.lax.bitcast_convert_type(jnp.abs(xt), t.dtype)
-        keep = bits >= t.reshape(-1, *([1] * (bits.ndim - 1)))
-        trimmed, used = jnp.moveaxis(jnp.where(keep, xt, 0), 0, -3), room
-    return coef * _m.disjoint_mean(trimmed), used
-
-
-def ties_rows(a, b, k_top, coef, *, rows: int):
-    """TIES on one module's dense coordinates ``a b^T`` a block of ``rows`` rows at a time:
-    ``(1, p, q)``, the same as :func:`elementwise` on the whole ``(1, M, p, q)`` (the same
-    thresholds and, at a threshold, ties kept in the same flat order; the blocks are rows of the
-    same products). Each task's threshold comes from two 16-bit radix passes over the blocks
-    (:func:`_select.radix_threshold`), then a third pass trims and takes the disjoint mean.
-    Memory: one block of every task's coordinates; the blocks are recomputed per pass (``r``
-    multiply-adds an entry, less than a pass of the in-memory threshold search)."""
-    merged: list = []
-    work = row_units(a, b, rows, merged.append)
-    k = int(np.asarray(k_top).reshape(-1)[0])
-    t, room, at = _select.radix_threshold(work, a.shape[1], k, a.dtype)
-    # ties at a nonzero threshold that do not all fit are kept in flat order (a running count);
-    # at a zero threshold keeping every zero changes nothing
-    flat_ties = bool(np.any((at > room) & (t != 0)))
-    apply_ties(work, jnp.asarray(t), room, flat_ties, coef)
-    return merged[0]
-
-
-#: the row-blocked DARE operators (``registry.MethodSpec.blocked``) :func:`dare_rows` runs: their
-#: merge of the dropped tasks, entry by entry
-DARE_KEPT = {"dare": _m.dare_kept, "dare_ties": _m.dare_ties_kept}
-
-
-@kernel(static_argnames=("method", "shape"))
-def dare_block(x, key, j0, coef, nums, *, method: str, shape: tuple[int, int, int]):
-    """DARE / DARE-TIES on rows ``j0 :`` of one module's dense coordinates, ``x (1, M, rows, q)``
-    from :func:`row_blocks`, ``shape = (M, p, q)`` the whole module's: ``(1, rows, q)``. The drop
-    mask is those rows of the whole module's (:func:`_rng.bernoulli_rows`)."""
-    p = nums["p"]
-    keep = _rng.bernoulli_rows(key, 1.0 - jnp.asarray(p, jnp.float32), shape, j0, x.shape[-2])
-    return DARE_KEPT[registry.METHODS[method].blocked](_m.dare_rescale(x[0], keep, p), coef=coef)[
-        None
-    ]
-
-
-def dare_rows(a, b, keys, coef, nums, *, method: str, rows: int):
-    """DARE / DARE-TIES on one module's dense coordinates ``a b^T`` a block of ``rows`` rows at a
-    time: ``(1, p, q)``, the same as :func:`elementwise` on the whole ``(1, M, p, q)``: the same
-    drop mask (:func:`_rng.bernoulli_rows`, for keys that :func:`_rng.blockable` accepts; the
-    plan keeps whole modules otherwise), and both methods combine each entry's tasks alone.
-    Memory: one block of every task's coordinates, and the merged module."""
-    shape = (a.shape[1], a.shape[2], b.shape[2])
-    parts = []
-    for produce, (j0, live) in row_blocks(a, b, rows):
-        xm = dare_block(produce(), keys[0], jnp.int32(j0), coef, nums, method=method, shape=shape)
-        parts.append(xm if live == rows else xm[:, :live])
-    return jnp.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0]
-
-
-def row_units(a, b, rows: int, store) -> list:
-    """One module's dense coordinates as TIES units ``(produce, finish)`` of ``rows`` rows
-    (:func:`row_blocks`); the last unit's finish joins the merged blocks and ``store``s the
-    module ``(1, p, q)``."""
-    blocks = row_blocks(a, b, rows)
-    parts: list = []
-
-    def finish(xm, live, last):
-        parts.append(xm if live == rows else xm[:, :live])
-        if last:
-            store(jnp.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0])
-
-    return [
-        (produce, functools.partial(finish, live=live, last=i == len(blocks) - 1))
-        for i, (produce, (_, live)) in enumerate(blocks)
-    ]
-
-
-def apply_ties(work, t, room, flat_ties: bool, coef) -> np.ndarray:
-    """Trim each unit ``(produce, finish)`` of ``work`` at the thresholds ``t`` and merge it, in
-    flat order (ties at a threshold taken while ``room`` lasts); returns the ties still to keep."""
-    for produce, finish in work:
-        xm, used = ties_apply(
-            produce(), t, jnp.asarray(np.minimum(room, 2**31 - 1), jnp.int32), coef,
-            flat_ties=flat_ties,
-        )  # fmt: skip
-        room = room - np.asarray(used, np.int64)
-        finish(xm)
-    return room
-
-
 def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
     """One bucket, every method except elementwise-in-full: ``(lora_a, lora_b, live, check,
     bad)``, the factors padded, ``check`` the :func:`range_status` of each module and ``bad``
@@ -818,97 +574,8 @@ def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
     # a kernel's NaN or inf would otherwise decode to rank-0 modules (no singular value is
     # above the cut), silently; its status is read where map_back reads the ranks anyway
     la, lb, live, check = map_back(la, lb, live, red.qa, red.qb, expand_in, unit)
-    check = _with_kernel_status(status, bad, check)
+    check = with_kernel_status(status, bad, check)
     return la, lb, live, check, bad
-
-
-def elementwise(x, keys, *, method, coef, nums, k_top):
-    """An elementwise method (the registry's kernel) on a batch of modules: ``x (n, M, p, q)``,
-    ``keys (n,)``, ``k_top (n,)``, traced options ``nums``; its output checked for shape and
-    dtype while tracing (:func:`check_elementwise_output`)."""
-    out = registry.METHODS[method].kernel(x, keys, coef=coef, k_top=k_top, **nums)
-    return check_elementwise_output(method, x, out)
-
-
-def _kept_coords(a, b, s, r, mask, unit, *, r_max):
-    """One module's kept task updates as full-space coordinates ``(ca (1, M, d_in, r), cb (1, M,
-    d_out, r))``, the dense tasks being ``ca cb^T`` in units of ``2**unit`` (the module's own
-    unit if None), and that unit; ``a (M, d_in, r)``, ``b (M, r, d_out)``, ``s (M,)`` as stacked
-    (normalised here)."""
-    a, b, ts, _ = _s.normalise_tasks(a[None], b[None], s[None], a_axes=(2, 3), b_axes=(2, 3))
-    if unit is None:
-        unit = _s.module_unit(ts)[0]
-    k = _s.kept_components(
-        a,
-        b,
-        ts.mant,
-        r[None],
-        mask[None],
-        cand_rtol=default_rtol(r_max, a.dtype),
-        scale_exp=ts.exp - unit,
-    )
-    c = _s.full_coords(k)
-    return c.a, c.b, unit
-
-
-def _dense_kept(a, b, s, r, mask, unit, *, r_max):
-    """One module's kept dense task updates ``(1, M, d_in, d_out)`` in units of ``2**unit`` (the
-    module's own unit if None) and that unit (:func:`_kept_coords`)."""
-    ca, cb, unit = _kept_coords(a, b, s, r, mask, unit, r_max=r_max)
-    return _mm(ca, _t(cb)), unit
-
-
-def _scale_dense(x, unit):
-    """A dense merged update ``x (d_in, d_out)`` in units of ``2**unit`` back to its size, and
-    its :func:`range_status` (one module)."""
-    y = mul_pow2(x, unit)
-    code, log2 = range_status(x[None], y[None], unit[None], (1, 2))
-    return y, (code, log2)
-
-
-@kernel(static_argnames=("method", "r_max"))
-def module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max: int):
-    """One module, elementwise method in full space: dense ``(d_in, d_out)`` merged update and
-    its :func:`range_status`."""
-    x, unit = _dense_kept(a, b, s, r, mask, None, r_max=r_max)
-    xm = elementwise(x, key[None], method=method, coef=coef, nums=nums, k_top=k_top[None])
-    y, (code, log2) = _scale_dense(xm[0], unit)
-    # a NaN from the kernel itself (the inputs are checked finite before): not an overflow
-    code = jnp.where(kernel_status(xm) == KERNEL_NAN, RANGE_KERNEL_NAN, code).astype(code.dtype)
-    return y, (code, log2)
-
-
-#: One module's kept task updates as full-space coordinates (jitted :func:`_kept_coords`).
-module_kept_coords = kernel(_kept_coords, static_argnames=("r_max",))
-
-
-def module_dense_rows(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max: int, rows):
-    """:func:`module_dense` a block of ``rows`` rows of ``d_in`` at a time (TIES:
-    :func:`ties_rows`, DARE / DARE-TIES: :func:`dare_rows`): the same merge, holding one block of
-    every task's dense update and the merged module instead of the module's ``M`` dense tasks."""
-    ca, cb, unit = module_kept_coords(a, b, s, r, mask, None, r_max=r_max)
-    if registry.METHODS[method].blocked in DARE_KEPT:
-        xm = dare_rows(ca, cb, key[None], coef, nums, method=method, rows=rows)
-    else:
-        xm = ties_rows(ca, cb, k_top[None], coef, rows=rows)
-    return stage_scale_dense(xm[0], unit)
-
-
-@kernel(static_argnames=("r_max",))
-def module_tasks(a, b, s, r, mask, unit, *, r_max: int):
-    """One module's kept dense task updates, full space, in units of ``2**unit``:
-    ``(1, M, d_in, d_out)``."""
-    return _dense_kept(a, b, s, r, mask, unit, r_max=r_max)[0]
-
-
-#: A dense merged update back to its size, and its range status (model-wide TIES).
-stage_scale_dense = kernel(_scale_dense)
-
-
-@kernel
-def coords_tasks(ca, cb):
-    """Dense task coordinates ``a b^T`` of a chunk of modules (model-wide TIES)."""
-    return _mm(ca, _t(cb))
 
 
 def stack_masks(masks, bk: _tree.Bucket, m_tasks: int) -> np.ndarray:
@@ -917,5 +584,7 @@ def stack_masks(masks, bk: _tree.Bucket, m_tasks: int) -> np.ndarray:
     lowered and loaded in every process; the jitted stages take the numpy array as it is."""
     if masks is None:
         return np.ones((len(bk.names), m_tasks, bk.r_max), bool)
-    get = masks.host if isinstance(masks, MaskTable) and masks.pristine else masks.__getitem__  # (no transfer)
+    get = (
+        masks.host if isinstance(masks, MaskTable) and masks.pristine else masks.__getitem__
+    )  # (no transfer)
     return np.stack([np.asarray(get(nm), bool) for nm in bk.names])

@@ -101,9 +101,7 @@ def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group,
         if g.pieces == 1:
             out = one(args)
         else:  # (lax.map: a scan, its pieces one after another)
-            split = jax.tree.map(
-                lambda y, g=g: y.reshape(g.pieces, g.size, *y.shape[1:]), args
-            )
+            split = jax.tree.map(lambda y, g=g: y.reshape(g.pieces, g.size, *y.shape[1:]), args)
             out = jax.lax.map(one, split)
             out = jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), out)
         outs.append(out)
@@ -185,7 +183,6 @@ def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, 
     for k, nm in enumerate(order):
         results[nm] = {"lora_a": placed[2 * k], "lora_b": placed[2 * k + 1], "scale": 1.0}
     return results, checks
-
 
 
 def merge_traced(

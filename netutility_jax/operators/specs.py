@@ -27,6 +27,7 @@ __all__ = [
     "SpaceSpec",
 ]
 
+
 class _Required:
     def __repr__(self) -> str:
         return "REQUIRED"
