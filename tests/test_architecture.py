@@ -190,7 +190,7 @@ CLI_LAYERS = [
     ["merge", "inspect", "convert", "demo"],
     ["distributed"],
     ["load", "output", "config"],
-    ["paths", "args", "job"],
+    ["paths", "args", "job", "configfile", "digests", "options", "values"],
     ["common"],
 ]
 
@@ -242,7 +242,16 @@ def _public_api() -> tuple[frozenset[str], frozenset[str]]:
         if isinstance(node, ast.Assign)
         and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
     ]
-    modules = {"checkpoint", "errors", "experiments", "nnx", "peft", "plots", "registry"}
+    modules = {
+        "checkpoint",
+        "errors",
+        "experiments",
+        "nnx",
+        "peft",
+        "plots",
+        "provenance",
+        "registry",
+    }
     assert modules - {"errors"} <= set(names), "a public module left netutility_jax.__all__"
     return frozenset({*names, "__version__"}), frozenset(modules)
 
@@ -360,23 +369,28 @@ EXP = "netutility_jax.experiments"
 HARNESS = [f"harness.{m}" for m in [
     "runner", "grid", "stats", "report", "report_tables", "report_markdown", "report_figures",
     "evaluate", "passes", "fitting", "trainer", "allocations", "suites", "study", "seeds",
-    "planting", "records",
+    "planting", "records", "jobs", "plants", "planting_report", "planting_markdown",
+    "study_report", "report_sections",
 ]]  # fmt: skip
 MODELS = [f"models.{m}" for m in [
     "minilm", "minilm_model", "llama", "llama_config", "llama_load", "llama_model",
-    "llama_tokenizer", "gguf_io", "clip", "clip_model", "clip_load", "clip_image", "sharding",
+    "llama_tokenizer", "gguf_tokenizer", "gguf_io", "clip", "clip_config", "clip_model",
+    "clip_load", "clip_image", "sharding",
 ]]  # fmt: skip
 DATA = [f"data.{m}" for m in [
-    "tasks", "task_sources", "rdata_reader", "lang_tasks", "nli_data", "vision_data",
+    "tasks", "task_sources", "rdata_reader", "lang_tasks", "nli_data", "nli_tasks",
+    "vision_data", "vision_tasks", "vision_images",
 ]]  # fmt: skip
 #: The suite modules that declare a suite (``SPEC``), by the suite's name.
 SUITE_MODULES = ("encoder", "language", "language_head", "vision", "nli")
 SUITES = [f"suites.{m}" for m in [
-    "encoder", "encoder_eval", "train", "language", "lang_eval", "lang_train", "vision", "nli",
-    "nli_head", "language_head",
+    "encoder", "encoder_eval", "train", "language", "lang_eval", "lang_train", "vision",
+    "vision_heads", "vision_eval", "vision_adapters", "vision_report", "nli", "nli_toy",
+    "nli_report", "nli_head", "nli_head_model", "nli_head_data", "nli_head_eval",
+    "nli_head_train", "nli_head_export", "language_head",
 ]]  # fmt: skip
 #: ``netutility demo`` and the studies' own command modules (``python -m``): above the suites
-COMMAND = ["demo", "planted", "regime_seeds"]
+COMMAND = ["demo", "demo_checks", "demo_options", "demo_studies", "planted", "regime_seeds"]
 #: The folders (each a layer): their packages import nothing of the package at import time
 FOLDERS = ["models", "data", "suites", "harness"]
 

@@ -12,6 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = [
     "_core.tree",
+    "_core.walk",
     "scoring.decompose",
     "scoring.utility",
     "allocation.allocate",
@@ -24,6 +25,8 @@ MODULES = [
     "pipeline.streaming",
     "pipeline.planning",
     "scoring.moments",
+    "scoring._moment_files",
+    "provenance",
     "peft",
     "cli",
     "nnx",
@@ -32,6 +35,7 @@ MODULES = [
     "experiments.harness.evaluate",
     "experiments.harness.records",
     "experiments.demo",
+    "experiments.demo_checks",
     "experiments.harness.stats",
     "experiments.harness.report_markdown",
 ]

@@ -1277,7 +1277,7 @@ def config_text_st(draw):
     ``fan ** levels`` values; with the violations of the loader's limits it holds, computed
     here from the tree: ``dup``, ``deep``, ``digits``, ``bomb`` (``maybe_bomb``: near the
     limit, either outcome)."""
-    from netutility_jax.cli import config
+    from netutility_jax.cli import configfile
 
     yaml_form = draw(st.booleans())
     top = ("map", draw(st.lists(st.tuples(st.sampled_from(_CFG_KEYS), _CFG_TREE), max_size=3)))
@@ -1291,7 +1291,7 @@ def config_text_st(draw):
         if draw(st.booleans()):
             plausible.append(("method", ("scalar", draw(st.sampled_from(["ta", "tsv", "x"])))))
         top = ("map", plausible + (top[1] if draw(st.booleans()) else []))
-    deep = draw(st.sampled_from([0, 0, 0, config.MAX_DEPTH - 2, config.MAX_DEPTH - 1, 200]))
+    deep = draw(st.sampled_from([0, 0, 0, configfile.MAX_DEPTH - 2, configfile.MAX_DEPTH - 1, 200]))
     if deep:
         leaf = ("scalar", 1)
         for _ in range(deep):
@@ -1325,7 +1325,7 @@ def config_text_st(draw):
         return found, d - depth
 
     violations, depth = walk(top)
-    if depth > config.MAX_DEPTH:
+    if depth > configfile.MAX_DEPTH:
         violations.add("deep")
     lines = [f"{json.dumps(k)}: {dump(x)}" for k, x in top[1]]  # (then the bomb's keys)
     if levels:
@@ -1333,9 +1333,9 @@ def config_text_st(draw):
         for i in range(1, levels):
             lines.append(f'"b{i}": &b{i} [' + ", ".join([f"*b{i - 1}"] * fan) + "]")
         expanded = fan**levels
-        if expanded > 2 * config.MAX_NODES:
+        if expanded > 2 * configfile.MAX_NODES:
             violations.add("bomb")
-        elif expanded > config.MAX_NODES // 4:
+        elif expanded > configfile.MAX_NODES // 4:
             violations.add("maybe_bomb")
     text = "{" + ",\n".join(lines) + "}\n"
     return ("yaml" if yaml_form else "json"), text, violations
@@ -1361,14 +1361,14 @@ def _expected_config(data):
 
 
 def _config_text_property(tmp_path_factory, case):
-    from netutility_jax.cli import config
+    from netutility_jax.cli import configfile
     from netutility_jax.cli.common import UsageError
 
     form, text, violations = case
     path = tmp_path_factory.mktemp("cfg") / f"c.{form}"
     path.write_text(text)
     try:
-        data, _ = config._read(str(path))
+        data, _ = configfile.read_config(str(path))
     except UsageError as e:
         msg = str(e)
         assert msg.startswith(f"--config {path}: ") and "\n" not in msg, msg

@@ -44,7 +44,7 @@ from ..errors import NetUtilityError
 from ..folders import MergeConfig, clear_digests
 from .args import add_merge_arguments
 from .common import UsageError, shown
-from .configfile import MAX_CONFIG_BYTES, MAX_DEPTH, MAX_DIGITS, MAX_NODES, read_config
+from .configfile import read_config
 from .digests import NO_MOMENTS, check_replay, pin_moments, take_digests
 from .job import settings_from
 from .options import option_flag, options_of
@@ -52,17 +52,11 @@ from .values import WEIGHT_RANGE, join_negative_values, weight_ok
 
 __all__ = [
     "CONFIG_KEYS",
-    "MAX_CONFIG_BYTES",
-    "MAX_DEPTH",
-    "MAX_DIGITS",
-    "MAX_NODES",
     "ConfigFile",
     "given_flags",
     "read_file",
     "resolve",
 ]
-
-_read = read_config  # (the reader's old name here, which tests/test_fuzz.py still uses)
 
 # the flags that are about this run, not the merge: given on the command line only, not recorded
 _RUN_ONLY = {

@@ -262,9 +262,10 @@ def _check_options(spec: MethodSpec, spaces: tuple[str, ...], ms: _Mistakes) -> 
             continue
         opts[opt.name] = opt
         at = f"option {opt.name!r}: "
-        if opt.cli_flag in COMMAND_FLAGS:
+        flag = _flag(opt)
+        if flag in COMMAND_FLAGS:
             ms.add(
-                f"{at}its command-line flag {opt.cli_flag} is one of netutility merge's own flags; "
+                f"{at}its command-line flag {flag} is one of netutility merge's own flags; "
                 "choose another name."
             )
         shadows = [sp for sp in spaces if any(o.name == opt.name for o in SPACES[sp].options)]
@@ -289,7 +290,7 @@ def _check_options(spec: MethodSpec, spaces: tuple[str, ...], ms: _Mistakes) -> 
             ms.add(
                 f"{at}{who} declares it as a {o.kind} option{rng}"
                 f"{f' with choices {o.choices}' if o.choices else ''}; options that share a name "
-                f"share one command-line flag ({o.cli_flag}), so they must have the same kind, "
+                f"share one command-line flag ({_flag(o)}), so they must have the same kind, "
                 "range and choices (or choose another name)."
             )
         if (
@@ -425,3 +426,9 @@ def _check_renamed(
             )
         elif old in takes:
             ms.add(f"renamed: {old!r} -> {new!r}: {old!r} is still an option's name.")
+
+
+def _flag(opt: Any) -> str:
+    """An option's command-line flag: ``--`` and its name (the deprecated ``Option(flag=)``
+    where a caller still gives one), read without :attr:`Option.cli_flag`'s property."""
+    return opt.flag or "--" + opt.name.replace("_", "-")

@@ -21,6 +21,7 @@ import hypothesis.strategies as st
 import pytest
 
 from netutility_jax import cli, registry
+from netutility_jax.cli.options import option_flag
 from netutility_jax.errors import InputError, InputTypeError
 
 SETTINGS = {"max_examples": 60, "deadline": datetime.timedelta(seconds=2)}
@@ -173,11 +174,11 @@ def _exercise(spec: registry.MethodSpec) -> None:
     args = ["merge", "x", "--out", "o", "--budget", "2", "--method", spec.name]
     for o in spec.options:
         if o.kind == "bool":
-            args.append(o.cli_flag)
+            args.append(option_flag(o.name))
         elif o.kind == "choice":
-            args.append(f"{o.cli_flag}={o.choices[-1]}")
+            args.append(f"{option_flag(o.name)}={o.choices[-1]}")
         elif o.required or o.in_range(_valid_value(o), cli=True):
-            args.append(f"{o.cli_flag}={_valid_value(o)!r}")  # "=": a value may start with "-"
+            args.append(f"{option_flag(o.name)}={_valid_value(o)!r}")  # "=": a value may start with "-"
     parsed = parser.parse_args(args)
     cli.method_options(parsed)
 
