@@ -12,7 +12,7 @@ import pytest
 
 import netutility_jax as nu
 from netutility_jax import registry
-from netutility_jax.operators import _plan, _select, _stages, _ties_model
+from netutility_jax.operators import _plan, _rows, _select, _stages, _ties_model
 
 # one bucket (keeps compiles few), ragged ranks, a module task 1 lacks; SPEC2 adds a second shape
 SPEC = (
@@ -549,13 +549,13 @@ def _spy_rows(monkeypatch, budget_rows, cols=15):
     15 columns; full space: ``cols=12``, d_out), and a count of the modules merged by blocks."""
     monkeypatch.setattr(_plan, "DENSE_BYTES", budget_rows * 8 * M * cols * 8)
     calls = []
-    real = _stages.row_blocks
+    real = _rows.row_blocks  # (where the row-block merges call it)
 
     def spy(a, b, rows):
         calls.append(rows)
         return real(a, b, rows)
 
-    monkeypatch.setattr(_stages, "row_blocks", spy)
+    monkeypatch.setattr(_rows, "row_blocks", spy)
     return calls
 
 

@@ -484,13 +484,13 @@ def test_ties_by_row_blocks_streamed_is_the_in_memory_merge(
     """A working-memory budget below one module's dense KnOTS tasks (or, in full space, dense
     task updates): TIES runs a few rows of a module at a time, streamed or in memory, with the same
     result."""
-    from netutility_jax.operators import _plan, _stages
+    from netutility_jax.operators import _plan, _rows
 
     monkeypatch.setattr(_plan, "DENSE_BYTES", 2048)
     blocked = []
-    real = _stages.row_blocks
+    real = _rows.row_blocks  # (where the row-block merges call it)
     monkeypatch.setattr(
-        _stages, "row_blocks", lambda a, b, rows: blocked.append(rows) or real(a, b, rows)
+        _rows, "row_blocks", lambda a, b, rows: blocked.append(rows) or real(a, b, rows)
     )
     kw = {"budget": 3, "method": "ties", "space": space, "trim_scope": scope, "density": 0.3}
     streamed, in_memory, _ = _both(paths, loaded, **kw)
@@ -504,15 +504,15 @@ def test_dare_by_row_blocks_streamed_is_the_in_memory_whole_module_merge(
     """DARE-TIES in KnOTS space, streamed a few rows of a module at a time: each block draws its
     rows of the module's mask (keyed by the module's place in the whole model), so the result is
     the in-memory merge of whole modules."""
-    from netutility_jax.operators import _plan, _stages
+    from netutility_jax.operators import _plan, _rows
 
     kw = {"budget": 3, "method": "dare_ties", "space": "knots", "p": 0.4, "key": jax.random.key(3)}
     in_memory = nu.merge_adapters(loaded.adapters, **kw)
     monkeypatch.setattr(_plan, "DENSE_BYTES", 2048)
     blocked = []
-    real = _stages.row_blocks
+    real = _rows.row_blocks  # (where the row-block merges call it)
     monkeypatch.setattr(
-        _stages, "row_blocks", lambda a, b, rows: blocked.append(rows) or real(a, b, rows)
+        _rows, "row_blocks", lambda a, b, rows: blocked.append(rows) or real(a, b, rows)
     )
     streamed = merge_adapters_streaming(peft.open_adapters(paths), chunk_bytes=TINY, **kw)
     assert blocked
@@ -672,7 +672,7 @@ def test_the_streamed_merge_leaves_the_allocator_alone(paths, monkeypatch):
     from netutility_jax.pipeline import streaming
 
     streaming.bound_heap.cache_clear()
-    monkeypatch.setattr(streaming.ctypes, "CDLL", lambda *a, **k: _Libc())
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: _Libc())
     merge_adapters_streaming(peft.open_adapters(paths), budget=4, method="ta", space="core")
     assert calls == []
     streaming.bound_heap()  # the opt-in does reach mallopt (so the spy above can see a call)
