@@ -354,4 +354,4 @@ def test_unwrap_decides_per_type_but_still_unwraps_variables():
 
     sp = Spoof()
     assert _tree.unwrap(sp) is sp
-    assert Spoof not in _tree._PLAIN_TYPES
+    assert Spoof not in _tree.PLAIN_TYPES

@@ -21,6 +21,7 @@ from netutility_jax import InputError
 
 utility_mod = importlib.import_module("netutility_jax.utility")
 kernels_mod = importlib.import_module("netutility_jax.scoring._kernels")
+median_mod = importlib.import_module("netutility_jax.scoring._median")
 scoring_mod = importlib.import_module("netutility_jax.scoring._run")
 host_mod = importlib.import_module("netutility_jax._core.host")
 allocate_mod = importlib.import_module("netutility_jax.allocate")
@@ -146,12 +147,12 @@ def test_lam_auto_medians_of_runs_are_nanmedians():
     # the medians themselves, including an empty run (NaN) and ties at zero
     x = np.asarray([0.0, 3.0, 0.0, np.nan, 1.0, 2.0, -0.0, 5.0], np.float32)
     cand = np.asarray([1, 1, 1, 1, 1, 0, 1, 1], bool)
-    med, med_pos = kernels_mod._median_runs(jnp.asarray(x), jnp.asarray(cand), positive=True)
+    med, med_pos = median_mod._median_runs(jnp.asarray(x), jnp.asarray(cand), positive=True)
     np.testing.assert_array_equal(np.asarray(med), _np_median(x[cand & ~np.isnan(x)]))
     np.testing.assert_array_equal(
         np.asarray(med_pos), _np_median(np.asarray([3, 1, 5], np.float32))
     )
-    (none,) = kernels_mod._median_runs(jnp.asarray(x), jnp.zeros(8, bool), positive=False)
+    (none,) = median_mod._median_runs(jnp.asarray(x), jnp.zeros(8, bool), positive=False)
     assert np.isnan(np.asarray(none))
 
 
