@@ -210,7 +210,9 @@ def test_ties_single_task_density_one_returns_task(space):
         np.testing.assert_allclose(ref.dense(out[n]), ref.dense(ads[0][n], SHAPES[n]), atol=1e-9)
 
 
-@pytest.mark.parametrize("space", ["full", "core", "knots"])
+@pytest.mark.parametrize(
+    "space", ["full", pytest.param("core", marks=pytest.mark.slow), "knots"]  # core: 15-30 s
+)
 def test_dare(space):
     ads = _adapters(5)
     masks = _masks(ads, 2)
@@ -879,10 +881,9 @@ def test_ties_full_space_keeps_peft_count(d_in, d_out):
         np.testing.assert_allclose(got, want, atol=1e-12, err_msg=str(density))
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [np.float64, pytest.param(np.float32, marks=pytest.mark.slow)],  # 7-8 s each
-)
+# in the slow tier: one compile per density of the sweep (40-100 s on 2 cores)
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_ties_traced_knots_count_is_peft_count(dtype):
     """KnOTS, one task of rank r: TIES trims the (d_in, r) block, which the result keeps as its
     lora_a; its nonzero count must be PEFT's count for n = d_in r, for every density, when the
