@@ -47,11 +47,8 @@ from ._common import CONFIG_NAME as CONFIG_NAME
 from ._common import PICKLE_NAME as PICKLE_NAME
 from ._common import PREFIX as PREFIX
 from ._common import WEIGHTS_NAME as WEIGHTS_NAME
-from ._common import _natural as _natural
 from ._common import save_tensors as save_tensors
 from ._config import CARRIED_FIELDS as CARRIED_FIELDS
-from ._config import _targeted as _targeted
-from ._config import _untargeted as _untargeted
 from ._convert import truncate_dense as truncate_dense
 from ._lazy import AdapterSet as AdapterSet
 from ._lazy import open_adapters as open_adapters
@@ -62,10 +59,6 @@ from ._load import load_adapters as load_adapters
 from ._read import INDEX_NAME as INDEX_NAME
 from ._read import load_config as load_config
 from ._read import read_tensors as read_tensors
-from ._regex import _glob as _glob
-from ._regex import _glob_full as _glob_full
-from ._regex import _glob_suffix as _glob_suffix
-from ._regex import _Regexes as _Regexes
 from ._regex import pattern_key as pattern_key
 from ._shards import shard_name as shard_name
 from ._shards import weight_shapes as weight_shapes
@@ -101,9 +94,7 @@ __all__ = [
     "write_index",
     "write_shard",
 ]
-# Also importable: PICKLE_NAME and PREFIX (the CLI and tests use them), and for the tests
-# _natural, _Regexes, _glob, _glob_full, _glob_suffix, _targeted,
-# _untargeted.
+# Also importable: PICKLE_NAME and PREFIX (the CLI and tests use them).
 
 # The public functions and LoadedAdapters are documented, pickled and doctested as
 # nu.peft.<name>, where they have always lived.

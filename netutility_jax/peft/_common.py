@@ -13,7 +13,17 @@ import numpy as np
 
 from ..errors import InputTypeError
 
-__all__ = ["CONFIG_NAME", "PICKLE_NAME", "PREFIX", "WEIGHTS_NAME", "save_tensors"]
+__all__ = [
+    "CONFIG_NAME",
+    "PICKLE_NAME",
+    "PREFIX",
+    "WEIGHTS_NAME",
+    "check_flag",
+    "clip_repr",
+    "natural_key",
+    "safetensors_module",
+    "save_tensors",
+]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -21,7 +31,9 @@ PICKLE_NAME = "adapter_model.bin"
 PREFIX = "base_model.model."
 
 
-def _safetensors():
+def safetensors_module():
+    """The ``safetensors`` package (with ``safetensors.numpy``); without it, an ImportError
+    saying what to install."""
     try:
         import safetensors
         import safetensors.numpy
@@ -37,14 +49,8 @@ def save_tensors(tensors: Mapping[str, Any], path: str | os.PathLike) -> None:
     """``{key: numpy array}`` written to the safetensors file ``path`` as PEFT writes its
     weights (``{"format": "pt"}`` metadata); a failed write (a full disk, a file-size limit,
     permissions) is the :class:`OSError` it is, naming ``path``."""
-    _save_file(tensors, path)
-
-
-def _save_file(tensors: Mapping[str, Any], path: str | os.PathLike) -> None:
-    """``safetensors.numpy.save_file(tensors, path)`` (PEFT's ``{"format": "pt"}`` metadata),
-    with a failed write (a full disk, a file-size limit, permissions) as the :class:`OSError`
-    it is, naming ``path``: safetensors reports it as its own ``SafetensorError``."""
-    st = _safetensors()
+    # safetensors.numpy.save_file reports a failed write as its own SafetensorError
+    st = safetensors_module()
     try:
         st.numpy.save_file(dict(tensors), os.fspath(path), metadata={"format": "pt"})
     except st.SafetensorError as e:
@@ -56,18 +62,18 @@ def _save_file(tensors: Mapping[str, Any], path: str | os.PathLike) -> None:
         raise OSError(code, os.strerror(code), os.fspath(path)) from e
 
 
-def _clip(x: Any, n: int = 120) -> str:
+def clip_repr(x: Any, n: int = 120) -> str:
     """``repr(x)``, cut to about ``n`` characters (values from files can be arbitrarily long)."""
     s = repr(x)
     return s if len(s) <= n else f"{s[: n - 10]}...' ({len(s)} characters)"
 
 
-def _natural(name: str) -> list[Any]:
+def natural_key(name: str) -> list[Any]:
     # "layers.2" before "layers.10"
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name)]
 
 
-def _check_bool(value: Any, name: str, *, fn: str) -> None:
+def check_flag(value: Any, name: str, *, fn: str) -> None:
     # not _checks.check_bool: the tests pin this message, which quotes the value without its type
     if not isinstance(value, (bool, np.bool_)):
-        raise InputTypeError(f"{fn}: {name}={_clip(value)}; expected True or False.")
+        raise InputTypeError(f"{fn}: {name}={clip_repr(value)}; expected True or False.")

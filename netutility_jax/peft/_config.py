@@ -16,10 +16,25 @@ from .._core.checks import few
 from .._core.io import to_jsonable
 from ..errors import InputError
 from ._common import CONFIG_NAME as CONFIG_FILE
-from ._common import _clip, _natural
-from ._regex import _Regexes
+from ._common import clip_repr, natural_key
+from ._regex import Regexes
 
-__all__ = ["CARRIED_FIELDS"]
+__all__ = [
+    "CARRIED_FIELDS",
+    "COMPUTED_FIELDS",
+    "CONFIG_OVERRIDES",
+    "ModuleSetting",
+    "carried_config",
+    "check_lora_config",
+    "check_placement",
+    "check_same_base",
+    "check_targets",
+    "is_targeted",
+    "module_settings",
+    "rank_patterns",
+    "union_config",
+    "untargeted",
+]
 
 # PEFT's defaults for a LoraConfig that omits them.
 _DEFAULT_R = 8
@@ -39,9 +54,9 @@ CARRIED_FIELDS = (
     "layer_replication",
 )
 # Fields save_adapter accepts as keyword overrides: the carried ones plus inference_mode.
-_CONFIG_OVERRIDES = (*CARRIED_FIELDS, "inference_mode")
+CONFIG_OVERRIDES = (*CARRIED_FIELDS, "inference_mode")
 # Fields save_adapter computes itself (a user value would break the saved update).
-_COMPUTED_FIELDS = (
+COMPUTED_FIELDS = (
     "peft_type",
     "r",
     "lora_alpha",
@@ -95,23 +110,24 @@ _REFUSED = (
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_lora_config(cfg: Mapping[str, Any], f: pathlib.Path, *, fn: str) -> None:
+def check_lora_config(cfg: Mapping[str, Any], f: pathlib.Path, *, fn: str) -> None:
     """Refuse configs whose update is not ``scale * B A`` on the base weights."""
     where = f"{fn}: {str(f)!r}"
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise InputError(
-            f"{where} has peft_type={_clip(peft_type)}; only LoRA adapters (peft_type 'LORA') can be "
-            "loaded."
+            f"{where} has peft_type={clip_repr(peft_type)}; only LoRA adapters (peft_type 'LORA') "
+            "can be loaded."
         )
     for field, why in _REFUSED:
         if cfg.get(field):
-            raise InputError(f"{where} {why.format(v=_clip(cfg[field]))}")
+            raise InputError(f"{where} {why.format(v=clip_repr(cfg[field]))}")
     init = str(cfg.get("init_lora_weights", True)).lower()
     if any(init.startswith(p) for p in _MUTATING_INITS):
         raise InputError(
-            f"{where} has init_lora_weights={_clip(cfg['init_lora_weights'])}: this initialisation "
-            "rewrites the base weights, so the saved update is relative to the rewritten weights. "
+            f"{where} has init_lora_weights={clip_repr(cfg['init_lora_weights'])}: this "
+            "initialisation rewrites the base weights, so the saved update is relative to the "
+            "rewritten weights. "
             "Re-save it with PEFT: model.save_pretrained(out, "
             "path_initial_model_for_weight_conversion=<dir of the initial adapter>), which "
             "converts it into an ordinary LoRA update of the original base model."
@@ -126,12 +142,12 @@ def _check_lora_config(cfg: Mapping[str, Any], f: pathlib.Path, *, fn: str) -> N
     rslora = cfg.get("use_rslora", False)
     if rslora is not None and not isinstance(rslora, bool):
         raise InputError(
-            f"{where}: use_rslora is {_clip(rslora)}; expected true or false (it decides the scale "
-            "lora_alpha / r or lora_alpha / sqrt(r))."
+            f"{where}: use_rslora is {clip_repr(rslora)}; expected true or false (it decides the "
+            "scale lora_alpha / r or lora_alpha / sqrt(r))."
         )
 
 
-class _Setting(NamedTuple):
+class ModuleSetting(NamedTuple):
     """A module's ``r`` and ``lora_alpha`` as the config gives them (not yet checked), where each
     came from (``"r"``, ``"rank_pattern['q_proj']"`` ...), and whether rsLoRA scales it."""
 
@@ -142,21 +158,21 @@ class _Setting(NamedTuple):
     rslora: bool
 
 
-def _module_settings(
+def module_settings(
     cfg: Mapping[str, Any], modules: Sequence[str], *, where: str, fn: str
-) -> list[_Setting]:
-    """Each module's :class:`_Setting`, as PEFT resolves ``rank_pattern`` / ``alpha_pattern``
+) -> list[ModuleSetting]:
+    """Each module's :class:`ModuleSetting`, as PEFT resolves ``rank_pattern`` / ``alpha_pattern``
     (:func:`pattern_key`'s rule); ``where`` names the config file in messages."""
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
-    rx = _Regexes(fn, f"{where}: ")
+    rx = Regexes(fn, f"{where}: ")
     r_hits = rx.first_keys("rank_pattern key", list(rank_pattern), modules)
     a_hits = rx.first_keys("alpha_pattern key", list(alpha_pattern), modules)
     r_default = cfg.get("r", _DEFAULT_R)
     alpha_default = cfg.get("lora_alpha", _DEFAULT_ALPHA)
     rslora = bool(cfg.get("use_rslora", False))
     return [
-        _Setting(
+        ModuleSetting(
             *_config_value(rank_pattern, r_hit, module, r_default, "r", "rank_pattern"),
             *_config_value(
                 alpha_pattern, a_hit, module, alpha_default, "lora_alpha", "alpha_pattern"
@@ -173,11 +189,11 @@ def _config_value(
     """A module's value of ``r`` / ``lora_alpha`` and where it came from, as PEFT resolves it."""
     if hit >= 0:
         key = list(pattern)[hit]
-        return pattern[key], f"{pfield}[{_clip(key)}]"
+        return pattern[key], f"{pfield}[{clip_repr(key)}]"
     # PEFT falls back to looking the name itself up; a name always matches itself as a regex
     # unless it holds regex syntax, which module names do not, but stay faithful.
     if module in pattern:
-        return pattern[module], f"{pfield}[{_clip(module)}]"
+        return pattern[module], f"{pfield}[{clip_repr(module)}]"
     return default, field
 
 
@@ -186,11 +202,11 @@ def _config_value(
 # ---------------------------------------------------------------------------------------------
 
 
-def _carried(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def carried_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {k: to_jsonable(cfg[k]) for k in CARRIED_FIELDS if k in cfg and cfg[k] is not None}
 
 
-def _check_same_base(configs: Sequence[Mapping[str, Any]], labels: Sequence[str], *, fn: str):
+def check_same_base(configs: Sequence[Mapping[str, Any]], labels: Sequence[str], *, fn: str):
     known = [
         (c.get("base_model_name_or_path"), lab) for c, lab in zip(configs, labels, strict=True)
     ]
@@ -200,9 +216,9 @@ def _check_same_base(configs: Sequence[Mapping[str, Any]], labels: Sequence[str]
         if b != b0:
             raise InputError(
                 f"{fn}: the adapters were trained on different base models: {lab0} on "
-                f"{_clip(b0)} but {lab} on {_clip(b)} (base_model_name_or_path); a merge of "
-                "updates to different weights is meaningless. If both name the same model (a Hub "
-                "id and a local copy), pass allow_different_base=True (CLI: "
+                f"{clip_repr(b0)} but {lab} on {clip_repr(b)} (base_model_name_or_path); a merge "
+                "of updates to different weights is meaningless. If both name the same model (a "
+                "Hub id and a local copy), pass allow_different_base=True (CLI: "
                 "--allow-different-base)."
             )
 
@@ -214,7 +230,7 @@ def _check_same_base(configs: Sequence[Mapping[str, Any]], labels: Sequence[str]
 _LAYOUT_FIELDS = ("layer_replication",)
 
 
-def _check_placement(
+def check_placement(
     configs: Sequence[Mapping[str, Any]],
     labels: Sequence[str],
     modules: Sequence[Sequence[str]],
@@ -242,7 +258,7 @@ def _check_placement(
             if v != values[0]:
                 raise InputError(
                     f"{fn}: the adapters place their weights differently: {labels[0]} has "
-                    f"{field}={_clip(values[0])} but {lab} has {field}={_clip(v)} (in "
+                    f"{field}={clip_repr(values[0])} but {lab} has {field}={clip_repr(v)} (in "
                     f"{CONFIG_FILE}; null: none). {field} builds the model's layers from the base "
                     "model's, so the same module name stands for different weights; merge "
                     f"adapters trained with the same {field}."
@@ -250,18 +266,18 @@ def _check_placement(
     for cfg, lab, names, f in zip(configs, labels, modules, files, strict=True):
         if cfg.get("target_modules") is None:
             continue
-        rx = _Regexes(fn, f"{f!r}: ")
-        missed = _untargeted(cfg, names, rx, fn=fn)
+        rx = Regexes(fn, f"{f!r}: ")
+        missed = untargeted(cfg, names, rx, fn=fn)
         if not missed:
             continue
         blame = "target_modules"
         for fields in (("layers_to_transform", "layers_pattern"), ("exclude_modules",)):
             if any(cfg.get(f) is not None for f in fields):
                 rest = {k: v for k, v in cfg.items() if k not in fields}
-                if len(_untargeted(rest, missed, rx, fn=fn)) < len(missed):
+                if len(untargeted(rest, missed, rx, fn=fn)) < len(missed):
                     blame = fields[0]
                     break
-        shown = ", ".join(f"{k}={_clip(cfg[k], 80)}" for k in _TARGET_FIELDS if cfg.get(k))
+        shown = ", ".join(f"{k}={clip_repr(cfg[k], 80)}" for k in _TARGET_FIELDS if cfg.get(k))
         what = (
             f"all {len(names)} modules its weights hold"
             if len(missed) == len(names)
@@ -274,13 +290,13 @@ def _check_placement(
         )
 
 
-def _union_config(
+def union_config(
     configs: Sequence[Mapping[str, Any]], names: Sequence[str], *, where: str, fn: str
 ) -> dict[str, Any]:
     """The first config's carried fields, with target fields that cover all of ``names``."""
-    carried = _carried(configs[0])
-    rx = _Regexes(fn, where)
-    if not _untargeted(carried, names, rx, fn=fn):
+    carried = carried_config(configs[0])
+    rx = Regexes(fn, where)
+    if not untargeted(carried, names, rx, fn=fn):
         return carried
     out = {k: v for k, v in carried.items() if k not in _TARGET_FIELDS}
     lists = [to_jsonable(c.get("target_modules")) for c in configs]
@@ -289,7 +305,7 @@ def _union_config(
     ) and not any(c.get(k) for c in configs for k in _TARGET_FIELDS[1:])
     if plain:
         union = {**out, "target_modules": sorted({x for t in lists for x in t})}
-        if not _untargeted(union, names, rx, fn=fn):
+        if not untargeted(union, names, rx, fn=fn):
             return union
     return out
 
@@ -322,19 +338,17 @@ def _check_target_fields(cfg: Mapping[str, Any], *, fn: str, where: str) -> None
         v = cfg.get(field)
         if v is not None and not ok(v):
             raise InputError(
-                f"{fn}: {where}{field} is {_clip(v)}; expected {want} (as PEFT's LoraConfig)."
+                f"{fn}: {where}{field} is {clip_repr(v)}; expected {want} (as PEFT's LoraConfig)."
             )
 
 
-def _untargeted(
-    cfg: Mapping[str, Any], names: Sequence[str], rx: _Regexes, *, fn: str
-) -> list[str]:
+def untargeted(cfg: Mapping[str, Any], names: Sequence[str], rx: Regexes, *, fn: str) -> list[str]:
     """The modules among ``names`` that PEFT would not put a LoRA layer on under this config.
 
     PEFT's rule (``check_target_module_exists``): ``exclude_modules`` wins; a string
     ``target_modules`` is a regex that must match the whole name; a list matches the name itself
     or a suffix after a dot, and then ``layers_to_transform`` (with ``layers_pattern``) restricts
-    the layer index. Each regex is evaluated (boundedly, see :class:`_Regexes`) only on the names
+    the layer index. Each regex is evaluated (boundedly, see :class:`Regexes`) only on the names
     PEFT would evaluate it on.
     """
     _check_target_fields(cfg, fn=fn, where=rx.where)
@@ -376,16 +390,16 @@ def _untargeted(
                     i != layers if isinstance(layers, numbers.Integral) else i not in layers
                 ):
                     out.append(n)
-    return sorted(out, key=_natural)
+    return sorted(out, key=natural_key)
 
 
-def _targeted(cfg: Mapping[str, Any], name: str) -> bool:
+def is_targeted(cfg: Mapping[str, Any], name: str) -> bool:
     """Whether PEFT would put a LoRA layer on module ``name`` under this config."""
-    return not _untargeted(cfg, [name], _Regexes("nu.peft"), fn="nu.peft")
+    return not untargeted(cfg, [name], Regexes("nu.peft"), fn="nu.peft")
 
 
-def _check_targets(cfg: Mapping[str, Any], names: Iterable[str], *, fn: str) -> None:
-    missed = _untargeted(cfg, list(names), _Regexes(fn), fn=fn)
+def check_targets(cfg: Mapping[str, Any], names: Iterable[str], *, fn: str) -> None:
+    missed = untargeted(cfg, list(names), Regexes(fn), fn=fn)
     if missed:
         shown = []
         for k in _TARGET_FIELDS:
@@ -395,7 +409,7 @@ def _check_targets(cfg: Mapping[str, Any], names: Iterable[str], *, fn: str) -> 
             if isinstance(v, (list, tuple)) and len(v) > 3:
                 shown.append(f"{k}=[{few([str(x) for x in v])}]")
             else:
-                shown.append(f"{k}={_clip(v)}")
+                shown.append(f"{k}={clip_repr(v)}")
         raise InputError(
             f"{fn}: with {', '.join(shown) or 'no target_modules'} PEFT would not adapt "
             f"{few(missed)}, so {'its' if len(missed) == 1 else 'their'} weights would not be "
@@ -409,7 +423,7 @@ def _check_targets(cfg: Mapping[str, Any], names: Iterable[str], *, fn: str) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-def _rank_patterns(ranks: Mapping[str, int]) -> tuple[int, dict[str, int]]:
+def rank_patterns(ranks: Mapping[str, int]) -> tuple[int, dict[str, int]]:
     """Default ``r`` (the most common rank) and a ``rank_pattern`` for the other modules.
 
     Keys are ``"^" + re.escape(name)``, the form PEFT documents for an exact match: under its rule
@@ -420,5 +434,5 @@ def _rank_patterns(ranks: Mapping[str, int]) -> tuple[int, dict[str, int]]:
     for r in ranks.values():
         counts[r] = counts.get(r, 0) + 1
     r0 = min(counts, key=lambda r: (-counts[r], r))
-    listed = sorted((n for n, r in ranks.items() if r != r0), key=_natural)
+    listed = sorted((n for n, r in ranks.items() if r != r0), key=natural_key)
     return r0, {"^" + re.escape(n): ranks[n] for n in listed}

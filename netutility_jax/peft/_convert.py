@@ -21,12 +21,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InputError, InputTypeError
-from ._common import PREFIX, _clip
-from ._config import _Setting
+from ._common import PREFIX, clip_repr
+from ._config import ModuleSetting
 
-__all__ = ["truncate_dense"]
+__all__ = [
+    "SAVE_DTYPES",
+    "check_factor_shapes",
+    "module_from_peft",
+    "peft_factors",
+    "peft_scale",
+    "peft_tensors",
+    "saved_dtype",
+    "truncate_dense",
+]
 
-_SAVE_DTYPES = ("float32", "bfloat16", "float16")
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -34,7 +43,7 @@ _SAVE_DTYPES = ("float32", "bfloat16", "float16")
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_shapes(
+def check_factor_shapes(
     module: str,
     keys: tuple[str, str],
     sa: tuple[int, ...],
@@ -46,31 +55,31 @@ def _check_shapes(
     """``lora_A`` ``sa`` = ``(r, d_in)`` and ``lora_B`` ``sb`` = ``(d_out, r)``, with ``r >= 1``."""
     if len(sa) != 2 or len(sb) != 2:
         raise InputError(
-            f"{fn}: module {_clip(module)} in {str(wf)!r} has lora_A {sa} and lora_B {sb}; "
+            f"{fn}: module {clip_repr(module)} in {str(wf)!r} has lora_A {sa} and lora_B {sb}; "
             "only 2-D factors (LoRA on Linear / Conv1D) are supported, not LoRA on "
             "convolutions."
         )
     if sa[0] != sb[1]:
         raise InputError(
-            f"{fn}: module {_clip(module)} in {str(wf)!r} has lora_A {sa} = (r, d_in) but "
+            f"{fn}: module {clip_repr(module)} in {str(wf)!r} has lora_A {sa} = (r, d_in) but "
             f"lora_B {sb} = (d_out, r) with a different r; the file is corrupt: save the "
             "adapter again."
         )
     if sa[0] == 0:
         ka, kb = keys
         raise InputError(
-            f"{fn}: {str(wf)!r} holds rank-0 factors for module {_clip(module)} "
-            f"({_clip(ka)} {sa}, {_clip(kb)} {sb}); PEFT adapters have r >= 1 and never "
+            f"{fn}: {str(wf)!r} holds rank-0 factors for module {clip_repr(module)} "
+            f"({clip_repr(ka)} {sa}, {clip_repr(kb)} {sb}); PEFT adapters have r >= 1 and never "
             "save rank 0, so the file was not written by PEFT or is corrupt: save the "
             "adapter again."
         )
 
 
-def _scale(
+def peft_scale(
     module: str,
     sa: tuple[int, ...],
     sb: tuple[int, ...],
-    setting: _Setting,
+    setting: ModuleSetting,
     *,
     wf: pathlib.Path,
     where: str,
@@ -81,19 +90,19 @@ def _scale(
     r, alpha = setting.r, setting.alpha
     if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r <= 0:
         raise InputError(
-            f"{fn}: {where} gives module {_clip(module)} r={_clip(r)} ({setting.r_src}); "
+            f"{fn}: {where} gives module {clip_repr(module)} r={clip_repr(r)} ({setting.r_src}); "
             "expected a positive integer (the rank of lora_A / lora_B)."
         )
     if sa[0] != r:
         raise InputError(
-            f"{fn}: module {_clip(module)} has lora_A {sa} and lora_B {sb} (rank {sa[0]}) "
-            f"in {str(wf)!r}, but {where} gives it r={_clip(r)} (r / rank_pattern); the "
+            f"{fn}: module {clip_repr(module)} has lora_A {sa} and lora_B {sb} (rank {sa[0]}) "
+            f"in {str(wf)!r}, but {where} gives it r={clip_repr(r)} (r / rank_pattern); the "
             "config does not belong to these weights: keep each adapter's config with its "
             "weights."
         )
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
         raise InputError(
-            f"{fn}: {where} gives module {_clip(module)} lora_alpha={_clip(alpha)} "
+            f"{fn}: {where} gives module {clip_repr(module)} lora_alpha={clip_repr(alpha)} "
             f"({setting.alpha_src}); expected a number."
         )
     try:
@@ -102,13 +111,13 @@ def _scale(
         alpha_f = math.inf
     if not math.isfinite(alpha_f):
         raise InputError(
-            f"{fn}: {where} gives module {_clip(module)} lora_alpha={_clip(alpha)} "
+            f"{fn}: {where} gives module {clip_repr(module)} lora_alpha={clip_repr(alpha)} "
             f"({setting.alpha_src}); expected a finite number (the scale is lora_alpha / r)."
         )
     return alpha_f / (math.sqrt(r) if setting.rslora else float(r))
 
 
-def _from_peft(
+def module_from_peft(
     a: Any,
     b: Any,
     scale: float,
@@ -124,7 +133,7 @@ def _from_peft(
     for k, x in zip(keys, (a, b), strict=True):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise InputTypeError(
-                f"{fn}: {_clip(k)} in {str(wf)!r} has dtype {x.dtype}; LoRA factors are "
+                f"{fn}: {clip_repr(k)} in {str(wf)!r} has dtype {x.dtype}; LoRA factors are "
                 "floating point (float32, bf16, fp16)."
             )
     return {"lora_a": _upcast(a, host), "lora_b": _upcast(b, host), "scale": scale}
@@ -164,7 +173,7 @@ def _host(x: Any, label: str, name: str, *, fn: str) -> np.ndarray:
     return arr
 
 
-def _peft_factors(
+def peft_factors(
     name: str, mod: Mapping[str, Any], rank: int | None, *, fn: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(A (r, d_in), B (d_out, r))`` in float64 with ``B A = dK^T`` exactly (PEFT scale 1)."""
@@ -221,19 +230,19 @@ def truncate_dense(
     out = {}
     for name, mod in modules.items():
         if mod is not None and "delta" in mod:
-            a, b = _peft_factors(name, mod, rank, fn=fn)
+            a, b = peft_factors(name, mod, rank, fn=fn)
             mod = {"lora_a": a.T, "lora_b": b.T, "scale": 1.0}
         out[name] = mod
     return out
 
 
-def _save_dtype(dtype: str) -> Any:
+def saved_dtype(dtype: str) -> Any:
     """The numpy dtype of a ``save_adapter`` dtype name (bfloat16: ml_dtypes', via jnp)."""
     np_dtype = {"float32": np.float32, "float16": np.float16}.get(dtype)
     return jnp.bfloat16 if np_dtype is None else np_dtype
 
 
-def _peft_tensors(name: str, a: np.ndarray, b: np.ndarray, dtype: str, *, fn: str) -> dict:
+def peft_tensors(name: str, a: np.ndarray, b: np.ndarray, dtype: str, *, fn: str) -> dict:
     """Module ``name``'s PEFT factors ``(A (r, d_in), B (d_out, r))`` as the checkpoint's tensors
     ``{"base_model.model.<name>.lora_A.weight": A, ...}`` in the saved ``dtype``."""
     return {
@@ -243,10 +252,10 @@ def _peft_tensors(name: str, a: np.ndarray, b: np.ndarray, dtype: str, *, fn: st
 
 
 def _to_peft(x: np.ndarray, dtype: str, name: str, part: str, *, fn: str) -> np.ndarray:
-    """``x`` cast to the saved ``dtype`` (a name from ``_SAVE_DTYPES``), contiguous; an entry
+    """``x`` cast to the saved ``dtype`` (a name from ``SAVE_DTYPES``), contiguous; an entry
     that overflows it is refused."""
     with np.errstate(over="ignore"):  # overflow is reported below, with the module
-        y = np.ascontiguousarray(x.astype(_save_dtype(dtype)))
+        y = np.ascontiguousarray(x.astype(saved_dtype(dtype)))
     if not np.all(np.isfinite(y.astype(np.float32))):
         raise InputError(
             f"{fn}: module {name!r}'s {part} overflows {dtype} (largest entry "

@@ -24,11 +24,11 @@ import numpy as np
 
 from .._core.checks import few
 from ..errors import InputError
-from ._common import CONFIG_NAME, _clip, _natural, _safetensors
-from ._config import _check_placement, _union_config
-from ._convert import _from_peft
-from ._load import _check_compatible, _check_set, _header_modules
-from ._read import _open_weights
+from ._common import CONFIG_NAME, clip_repr, natural_key, safetensors_module
+from ._config import check_placement, union_config
+from ._convert import module_from_peft
+from ._load import check_adapter_set, check_adapters_compatible, header_modules
+from ._read import open_weights
 
 __all__ = ["AdapterSet", "open_adapters"]
 
@@ -50,10 +50,11 @@ def _itemsize(code: str) -> int:
 
 
 def _stand_in(code: str) -> np.ndarray:
-    """An empty array of a header dtype, for :func:`_from_peft`'s dtype check without the data;
-    floating codes numpy lacks (BF16, F8 ...) stand as float32 (the check only asks "floating?")."""
+    """An empty array of a header dtype, for :func:`module_from_peft`'s dtype check without the
+    data; floating codes numpy lacks (BF16, F8 ...) stand as float32 (the check only asks
+    "floating?")."""
     try:
-        dt = _safetensors().numpy._getdtype(code)
+        dt = safetensors_module().numpy._getdtype(code)
     except (AttributeError, KeyError):
         dt = np.float32
     return np.empty((0, 0), dt)
@@ -63,14 +64,14 @@ def _check_dtypes(entry: _Entry, wf: pathlib.Path, *, fn: str) -> None:
     """Refuse non-floating factors from the header alone, with :func:`load_adapter`'s message."""
     a, b = (_stand_in(c) for c in entry.dtypes)
     if not (np.issubdtype(a.dtype, np.floating) and np.issubdtype(b.dtype, np.floating)):
-        _from_peft(a, b, entry.scale, entry.keys, wf, fn=fn)  # raises InputTypeError
+        module_from_peft(a, b, entry.scale, entry.keys, wf, fn=fn)  # raises InputTypeError
 
 
 def _open_one(path: Any, *, strict: bool, fn: str) -> tuple[pathlib.Path, dict[str, _Entry]]:
     """:func:`load_adapter`'s checks for one adapter, from its config and header: its weights
     file and ``{module: _Entry}`` in natural order."""
     out: dict[str, _Entry] = {}
-    with _header_modules(path, strict=strict, fn=fn) as (wf, fh, modules):
+    with header_modules(path, strict=strict, fn=fn) as (wf, fh, modules):
         for m in modules:
             codes = tuple(fh.get_slice(k).get_dtype() for k in m.keys)
             out[m.module] = _Entry(m.keys, m.scale, *m.shapes, codes)
@@ -179,16 +180,16 @@ class AdapterSet:
             f"{fn}: {str(wf)!r} changed since it was opened (nu.peft.open_adapters); open the "
             "adapters again."
         )
-        with _open_weights(wf, fn=fn) as fh:
+        with open_weights(wf, fn=fn) as fh:
             for n in have:
                 e = entries[n]
                 try:
                     a, b = fh.get_tensor(e.keys[0]), fh.get_tensor(e.keys[1])
-                except _safetensors().SafetensorError as err:
-                    raise InputError(f"{changed} ({_clip(str(err), 200)})") from err
+                except safetensors_module().SafetensorError as err:
+                    raise InputError(f"{changed} ({clip_repr(str(err), 200)})") from err
                 if (tuple(a.shape), tuple(b.shape)) != (e.shape_a, e.shape_b):
-                    raise InputError(f"{changed} (module {_clip(n)})")
-                out[n] = _from_peft(a, b, e.scale, e.keys, wf, fn=fn, host=host)
+                    raise InputError(f"{changed} (module {clip_repr(n)})")
+                out[n] = module_from_peft(a, b, e.scale, e.keys, wf, fn=fn, host=host)
         return out
 
 
@@ -237,15 +238,15 @@ def open_adapters(
       >>> tmp.cleanup()
     """
     fn = "nu.peft.open_adapters"
-    configs, labels = _check_set(
+    configs, labels = check_adapter_set(
         fn, paths, "pass [path]", strict, strict_targets, allow_different_base
     )
     opened = [_open_one(p, strict=strict, fn=fn) for p in paths]
     files = [str(pathlib.Path(os.fspath(p)) / CONFIG_NAME) for p in paths]
-    _check_placement(configs, labels, [list(e) for _, e in opened], files=files, fn=fn)
+    check_placement(configs, labels, [list(e) for _, e in opened], files=files, fn=fn)
     stand_ins = [{n: _shape_only(e) for n, e in entries.items()} for _, entries in opened]
-    _check_compatible(stand_ins, labels, strict_targets=strict_targets, fn=fn)
-    names = tuple(sorted({n for _, entries in opened for n in entries}, key=_natural))
+    check_adapters_compatible(stand_ins, labels, strict_targets=strict_targets, fn=fn)
+    names = tuple(sorted({n for _, entries in opened for n in entries}, key=natural_key))
     where = f"{str(pathlib.Path(os.fspath(paths[0])) / CONFIG_NAME)!r}: "
     shapes = {}
     for n in names:
@@ -254,7 +255,7 @@ def open_adapters(
     return AdapterSet(
         paths=tuple(os.fspath(p) for p in paths),
         names=names,
-        config=_union_config(configs, list(names), where=where, fn=fn),
+        config=union_config(configs, list(names), where=where, fn=fn),
         shapes=shapes,
         _files=tuple(wf for wf, _ in opened),
         _entries=tuple(entries for _, entries in opened),

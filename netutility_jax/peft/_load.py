@@ -11,27 +11,35 @@ from typing import Any, NamedTuple
 
 from .._core.checks import few
 from ..errors import InputError
-from ._common import CONFIG_NAME, _check_bool, _clip, _natural
+from ._common import CONFIG_NAME, check_flag, clip_repr, natural_key
 from ._config import (
-    _check_lora_config,
-    _check_placement,
-    _check_same_base,
-    _module_settings,
-    _union_config,
+    check_lora_config,
+    check_placement,
+    check_same_base,
+    module_settings,
+    union_config,
 )
-from ._convert import _check_shapes, _from_peft, _scale
+from ._convert import check_factor_shapes, module_from_peft, peft_scale
 from ._read import (
-    _check_readable,
-    _directory,
-    _factor_keys,
-    _factor_pair,
-    _open_weights,
-    _read_shapes,
-    _weights_file,
+    adapter_directory,
+    check_readable_dtype,
+    factor_keys,
+    factor_pair,
     load_config,
+    open_weights,
+    read_shapes,
+    weights_file,
 )
 
-__all__ = ["LoadedAdapters", "check_compatible", "load_adapter", "load_adapters"]
+__all__ = [
+    "LoadedAdapters",
+    "check_adapter_set",
+    "check_adapters_compatible",
+    "check_compatible",
+    "header_modules",
+    "load_adapter",
+    "load_adapters",
+]
 
 
 def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, dict[str, Any]]:
@@ -103,10 +111,10 @@ def load_adapter(path: str | os.PathLike, *, strict: bool = True) -> dict[str, d
       >>> tmp.cleanup()
     """
     fn = "nu.peft.load_adapter"
-    _check_bool(strict, "strict", fn=fn)
-    with _header_modules(path, strict=strict, fn=fn) as (wf, fh, modules):
+    check_flag(strict, "strict", fn=fn)
+    with header_modules(path, strict=strict, fn=fn) as (wf, fh, modules):
         return {
-            m.module: _from_peft(
+            m.module: module_from_peft(
                 fh.get_tensor(m.keys[0]), fh.get_tensor(m.keys[1]), m.scale, m.keys, wf, fn=fn
             )
             for m in modules
@@ -123,31 +131,31 @@ class _HeaderModule(NamedTuple):
 
 
 @contextlib.contextmanager
-def _header_modules(path: Any, *, strict: bool, fn: str) -> Iterator[tuple]:
+def header_modules(path: Any, *, strict: bool, fn: str) -> Iterator[tuple]:
     """One adapter's folder opened with :func:`load_adapter`'s checks of its config and header:
     ``(weights file, open safetensors handle, modules)``, the modules (:class:`_HeaderModule`, in
     natural order) checked one at a time as they are iterated, so that a caller reading each
     module's tensors meets the first bad module's error where a whole read would."""
-    d = _directory(path, fn=fn)
-    wf = _weights_file(d, fn=fn)
+    d = adapter_directory(path, fn=fn)
+    wf = weights_file(d, fn=fn)
     cfg = load_config(d)
     cf = d / CONFIG_NAME
-    _check_lora_config(cfg, cf, fn=fn)
+    check_lora_config(cfg, cf, fn=fn)
     where = f"{str(cf)!r}"
-    with _open_weights(wf, fn=fn) as fh:
-        shapes = _read_shapes(fh, wf, fn=fn)
-        factors = _factor_keys(shapes, wf, strict=strict, fn=fn)
-        names = sorted(factors, key=_natural)
-        settings = _module_settings(cfg, names, where=where, fn=fn)
+    with open_weights(wf, fn=fn) as fh:
+        shapes = read_shapes(fh, wf, fn=fn)
+        factors = factor_keys(shapes, wf, strict=strict, fn=fn)
+        names = sorted(factors, key=natural_key)
+        settings = module_settings(cfg, names, where=where, fn=fn)
 
         def modules() -> Iterator[_HeaderModule]:
             for module, setting in zip(names, settings, strict=True):
-                keys = _factor_pair(module, factors[module], shapes, wf, fn=fn)
+                keys = factor_pair(module, factors[module], shapes, wf, fn=fn)
                 for k in keys:  # (from the header: an unreadable dtype before any data)
-                    _check_readable(wf, k, fh.get_slice(k).get_dtype(), fn=fn)
+                    check_readable_dtype(wf, k, fh.get_slice(k).get_dtype(), fn=fn)
                 sa, sb = shapes[keys[0]], shapes[keys[1]]
-                _check_shapes(module, keys, sa, sb, wf, fn=fn)
-                scale = _scale(module, sa, sb, setting, wf=wf, where=where, fn=fn)
+                check_factor_shapes(module, keys, sa, sb, wf, fn=fn)
+                scale = peft_scale(module, sa, sb, setting, wf=wf, where=where, fn=fn)
                 yield _HeaderModule(module, keys, (sa, sb), scale)
 
         yield wf, fh, modules()
@@ -217,11 +225,11 @@ def check_compatible(
       >>> peft.check_compatible([a, c], strict_targets=False)  # different modules too
     """
     fn = "nu.peft.check_compatible"
-    _check_bool(strict_targets, "strict_targets", fn=fn)
-    _check_compatible(adapters, labels, strict_targets=strict_targets, fn=fn)
+    check_flag(strict_targets, "strict_targets", fn=fn)
+    check_adapters_compatible(adapters, labels, strict_targets=strict_targets, fn=fn)
 
 
-def _check_compatible(
+def check_adapters_compatible(
     adapters: Sequence[Mapping[str, Any]],
     labels: Sequence[str] | None,
     *,
@@ -243,7 +251,7 @@ def _check_compatible(
                 (present[0], have, ref_label, label),
                 (names, ref, label, ref_label),
             ):
-                missing = sorted((n for n in xs if n not in x_has), key=_natural)
+                missing = sorted((n for n in xs if n not in x_has), key=natural_key)
                 if missing:
                     verb = "is" if len(missing) == 1 else "are"
                     raise InputError(
@@ -262,7 +270,7 @@ def _check_compatible(
             s0, l0 = first[name]
             if shape != s0:
                 raise InputError(
-                    f"{fn}: module {_clip(name)} has update shape (d_in, d_out) = {s0} in {l0} "
+                    f"{fn}: module {clip_repr(name)} has update shape (d_in, d_out) = {s0} in {l0} "
                     f"but {shape} in {label}; the adapters were trained on different base models "
                     "and cannot be merged."
                 )
@@ -274,7 +282,7 @@ def _update_shape(mod: Mapping[str, Any]) -> tuple[int, int]:
     return int(mod["lora_a"].shape[0]), int(mod["lora_b"].shape[1])
 
 
-def _check_set(
+def check_adapter_set(
     fn: str,
     paths: Any,
     one: str,
@@ -287,19 +295,19 @@ def _check_set(
     (cheap), and the same base model unless ``allow_different_base``; ``(configs, labels)``."""
     if isinstance(paths, (str, os.PathLike)) or not isinstance(paths, Sequence) or not paths:
         raise InputError(
-            f"{fn}: expected a non-empty list of adapter directories, got {_clip(paths)}; for one "
-            f"adapter {one}."
+            f"{fn}: expected a non-empty list of adapter directories, got {clip_repr(paths)}; for "
+            f"one adapter {one}."
         )
     for name, v in (
         ("strict", strict),
         ("strict_targets", strict_targets),
         ("allow_different_base", allow_different_base),
     ):
-        _check_bool(v, name, fn=fn)
+        check_flag(v, name, fn=fn)
     configs = [load_config(p) for p in paths]  # cheap: refuse different bases before the weights
     labels = [repr(os.fspath(p)) for p in paths]
     if not allow_different_base:
-        _check_same_base(configs, labels, fn=fn)
+        check_same_base(configs, labels, fn=fn)
     return configs, labels
 
 
@@ -346,14 +354,14 @@ def load_adapters(
       FileNotFoundError, PermissionError: as for :func:`load_adapter`.
     """
     fn = "nu.peft.load_adapters"
-    configs, labels = _check_set(
+    configs, labels = check_adapter_set(
         fn, paths, "use nu.peft.load_adapter(path)", strict, strict_targets, allow_different_base
     )
     loaded = [load_adapter(p, strict=strict) for p in paths]
     files = [str(pathlib.Path(os.fspath(p)) / CONFIG_NAME) for p in paths]
-    _check_placement(configs, labels, [list(ad) for ad in loaded], files=files, fn=fn)
-    _check_compatible(loaded, labels, strict_targets=strict_targets, fn=fn)
-    names = sorted({n for ad in loaded for n in ad}, key=_natural)
+    check_placement(configs, labels, [list(ad) for ad in loaded], files=files, fn=fn)
+    check_adapters_compatible(loaded, labels, strict_targets=strict_targets, fn=fn)
+    names = sorted({n for ad in loaded for n in ad}, key=natural_key)
     adapters = [{n: ad.get(n) for n in names} for ad in loaded]
     where = f"{str(pathlib.Path(os.fspath(paths[0])) / CONFIG_NAME)!r}: "
-    return LoadedAdapters(adapters, _union_config(configs, names, where=where, fn=fn))
+    return LoadedAdapters(adapters, union_config(configs, names, where=where, fn=fn))

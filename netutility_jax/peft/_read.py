@@ -22,10 +22,22 @@ from typing import Any
 import numpy as np
 
 from ..errors import FileAccessError, InputError, InputTypeError, MissingFileError
-from ._common import CONFIG_NAME, PICKLE_NAME, PREFIX, WEIGHTS_NAME, _clip, _safetensors
-from ._torch_pickle import TorchArchive, _LegacyFormat
+from ._common import CONFIG_NAME, PICKLE_NAME, PREFIX, WEIGHTS_NAME, clip_repr, safetensors_module
+from ._torch_pickle import LegacyFormat, TorchArchive
 
-__all__ = ["INDEX_NAME", "READABLE_DTYPES", "load_config", "read_tensors"]
+__all__ = [
+    "INDEX_NAME",
+    "READABLE_DTYPES",
+    "adapter_directory",
+    "check_readable_dtype",
+    "factor_keys",
+    "factor_pair",
+    "load_config",
+    "open_weights",
+    "read_shapes",
+    "read_tensors",
+    "weights_file",
+]
 
 #: The safetensors dtype codes of floating factors this package reads (float8 through
 #: ``ml_dtypes``, which JAX installs; every factor is upcast to float32 when loaded).
@@ -83,11 +95,11 @@ def _readable_file(f: pathlib.Path, what: str, *, fn: str) -> None:
         ) from e
 
 
-def _directory(path: Any, *, fn: str) -> pathlib.Path:
+def adapter_directory(path: Any, *, fn: str) -> pathlib.Path:
     if not isinstance(path, (str, os.PathLike)):
         raise InputTypeError(
-            f"{fn}: an adapter path is a {type(path).__name__} ({_clip(path)}); expected a str or "
-            "os.PathLike naming the adapter directory."
+            f"{fn}: an adapter path is a {type(path).__name__} ({clip_repr(path)}); expected a str "
+            "or os.PathLike naming the adapter directory."
         )
     p = pathlib.Path(os.fspath(path))
     kind = _kind(p, fn=fn)
@@ -133,7 +145,7 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
       >>> tmp.cleanup()
     """
     fn = "nu.peft.load_config"
-    d = _directory(path, fn=fn)
+    d = adapter_directory(path, fn=fn)
     f = d / CONFIG_NAME
     _readable_file(f, f"the JSON file {CONFIG_NAME}", fn=fn)
     try:
@@ -146,8 +158,8 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
         ) from e
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(
-            f"{fn}: {str(f)!r} is not valid JSON ({_clip(str(e), 200)}); the file is corrupt or "
-            "truncated: re-save the adapter with PEFT's save_pretrained."
+            f"{fn}: {str(f)!r} is not valid JSON ({clip_repr(str(e), 200)}); the file is corrupt "
+            "or truncated: re-save the adapter with PEFT's save_pretrained."
         ) from e
     if not isinstance(cfg, dict):
         raise InputError(
@@ -162,7 +174,7 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _weights_file(d: pathlib.Path, *, fn: str) -> pathlib.Path:
+def weights_file(d: pathlib.Path, *, fn: str) -> pathlib.Path:
     """``d/adapter_model.safetensors``, readable, or else its index (a sharded adapter, as
     ``netutility merge --distributed --keep-shards`` writes), or else the pickled
     ``adapter_model.bin`` (what PEFT writes with ``safe_serialization=False``)."""
@@ -176,22 +188,22 @@ def _weights_file(d: pathlib.Path, *, fn: str) -> pathlib.Path:
     return wf
 
 
-def _open_weights(f: pathlib.Path, *, fn: str):
+def open_weights(f: pathlib.Path, *, fn: str):
     """``safe_open(f)``, or for an index a :class:`_Sharded` file, or for a pickled
     ``adapter_model.bin`` a :class:`_Pickled` file, with the same interface."""
     if f.name == INDEX_NAME:
         return _Sharded(f, _read_index(f, fn=fn), fn=fn)
     if f.name == PICKLE_NAME:
         return _Pickled(f, fn=fn)
-    st = _safetensors()
+    st = safetensors_module()
     try:
         # numpy: no device copy per tensor (callers upcast and place them); bf16 reads as
         # ml_dtypes.bfloat16, which jax registers with numpy on import
         return _SafeFile(st.safe_open(str(f), framework="numpy"), f, fn=fn)
     except st.SafetensorError as e:
         raise InputError(
-            f"{fn}: {str(f)!r} is not a readable safetensors file ({_clip(str(e), 200)}); it is "
-            "corrupt or truncated (an interrupted download or copy): download or save it again."
+            f"{fn}: {str(f)!r} is not a readable safetensors file ({clip_repr(str(e), 200)}); it "
+            "is corrupt or truncated (an interrupted download or copy): download or save it again."
         ) from e
     except FileNotFoundError as e:  # safetensors reports any failure to open this way
         _readable_file(f, f"the safetensors file {WEIGHTS_NAME}", fn=fn)
@@ -204,14 +216,14 @@ def _float8_dtypes() -> dict[str, Any]:
     return {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
-def _check_readable(f: pathlib.Path, key: str, code: str, *, fn: str) -> None:
+def check_readable_dtype(f: pathlib.Path, key: str, code: str, *, fn: str) -> None:
     """Refuse a floating dtype code this package cannot read (F4, F6, F8_E8M0 ...), naming the
     file, the tensor and the code; integer codes are left to the factors' dtype check."""
     if code in READABLE_DTYPES or not (code.startswith("F") or code.startswith("BF")):
         return
     what = " (4-bit floats, two to a byte)" if code == "F4" else ""
     raise InputError(
-        f"{fn}: {str(f)!r} stores the tensor {_clip(key)} as {code}{what}, a dtype this "
+        f"{fn}: {str(f)!r} stores the tensor {clip_repr(key)} as {code}{what}, a dtype this "
         f"library cannot read; LoRA factors are read from {', '.join(READABLE_DTYPES)} "
         "(float8 upcast to float32). Save the adapter in one of these (e.g. bfloat16)."
     )
@@ -241,19 +253,19 @@ class _SafeFile:
         code = self._h.get_slice(key).get_dtype()
         f8 = _float8_dtypes().get(code)
         if f8 is None:
-            _check_readable(self._f, key, code, fn=self._fn)
+            check_readable_dtype(self._f, key, code, fn=self._fn)
             return self._h.get_tensor(key)
         start, entry = self._entry(key)
         shape = tuple(int(n) for n in entry["shape"])
         lo, hi = (int(x) for x in entry["data_offsets"])
         if hi - lo != int(np.prod(shape, dtype=np.int64)):
             raise InputError(
-                f"{self._fn}: {str(self._f)!r} gives {_clip(key)} ({code}, shape {shape}) "
+                f"{self._fn}: {str(self._f)!r} gives {clip_repr(key)} ({code}, shape {shape}) "
                 f"{hi - lo} bytes; the file is corrupt: save it again."
             )
         data = np.fromfile(self._f, dtype=np.uint8, count=hi - lo, offset=start + lo)
         if data.size != hi - lo:
-            raise InputError(f"{self._fn}: {str(self._f)!r} is truncated at {_clip(key)}.")
+            raise InputError(f"{self._fn}: {str(self._f)!r} is truncated at {clip_repr(key)}.")
         return data.view(f8).reshape(shape)
 
     def _entry(self, key: str) -> tuple[int, dict[str, Any]]:
@@ -278,7 +290,7 @@ def _read_index(f: pathlib.Path, *, fn: str) -> dict[str, pathlib.Path]:
     try:
         index = json.loads(f.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise InputError(f"{fn}: {str(f)!r} is not valid JSON ({_clip(str(e), 200)}).") from e
+        raise InputError(f"{fn}: {str(f)!r} is not valid JSON ({clip_repr(str(e), 200)}).") from e
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise InputError(
@@ -289,8 +301,8 @@ def _read_index(f: pathlib.Path, *, fn: str) -> dict[str, pathlib.Path]:
     for key, name in wmap.items():
         if not isinstance(name, str) or pathlib.Path(name).name != name or name in ("", ".", ".."):
             raise InputError(
-                f"{fn}: {str(f)!r} maps {_clip(key)} to {_clip(name)}; expected the name of a "
-                "shard file in the same folder."
+                f"{fn}: {str(f)!r} maps {clip_repr(key)} to {clip_repr(name)}; expected the name "
+                "of a shard file in the same folder."
             )
         out[str(key)] = f.parent / name
     return out
@@ -320,14 +332,15 @@ class _Sharded:
         path = self._files[key]
         if path not in self._open:
             _readable_file(path, f"the shard {path.name} of {INDEX_NAME}", fn=self._fn)
-            h = _open_weights(path, fn=self._fn).__enter__()
+            h = open_weights(path, fn=self._fn).__enter__()
             self._open[path] = h
             have = set(h.keys())
             lost = [k for k, p in self._files.items() if p == path and k not in have]
             if lost:
                 raise InputError(
-                    f"{self._fn}: {str(self._index)!r} places {_clip(lost[0])} in {str(path)!r}, "
-                    "which does not hold it; the sharded adapter is incomplete: write it again."
+                    f"{self._fn}: {str(self._index)!r} places {clip_repr(lost[0])} in "
+                    f"{str(path)!r}, which does not hold it; the sharded adapter is incomplete: "
+                    "write it again."
                 )
         return self._open[path]
 
@@ -353,7 +366,7 @@ class _Pickled:
         self._f, self._fn = f, fn
         try:
             self._archive = TorchArchive(f, fn=fn)
-        except _LegacyFormat as e:
+        except LegacyFormat as e:
             raise InputError(
                 f"{fn}: {str(f)!r} is in torch's legacy pickle format (torch.save(..., "
                 "_use_new_zipfile_serialization=False)), which is not read here: only torch's "
@@ -376,7 +389,7 @@ class _Pickled:
     def _known(self, key: str) -> str:
         if key not in self._archive.tensors:  # (safe_open raises its own error here)
             raise InputError(
-                f"{self._fn}: {str(self._f)!r} holds no tensor {_clip(key)}; did the file "
+                f"{self._fn}: {str(self._f)!r} holds no tensor {clip_repr(key)}; did the file "
                 "change since it was opened?"
             )
         return key
@@ -401,15 +414,15 @@ class _PickledSlice:
         return self._info.code
 
 
-def _read_shapes(fh: Any, wf: pathlib.Path, *, fn: str) -> dict[str, tuple[int, ...]]:
+def read_shapes(fh: Any, wf: pathlib.Path, *, fn: str) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape in the open file ``fh``, from its header, in the file's key order."""
     shapes: dict[str, tuple[int, ...]] = {}
     try:
         for k in list(fh.keys()):
             shapes[k] = tuple(fh.get_slice(k).get_shape())
-    except _safetensors().SafetensorError as e:
+    except safetensors_module().SafetensorError as e:
         raise InputError(
-            f"{fn}: {str(wf)!r} is not a readable safetensors file ({_clip(str(e), 200)}); it "
+            f"{fn}: {str(wf)!r} is not a readable safetensors file ({clip_repr(str(e), 200)}); it "
             "is corrupt or truncated: download or save it again."
         ) from e
     return shapes
@@ -431,7 +444,7 @@ def _split_key(key: str) -> tuple[str, str | None, str | None, str]:
     return body, None, None, ""
 
 
-def _factor_keys(
+def factor_keys(
     shapes: Mapping[str, tuple[int, ...]], wf: pathlib.Path, *, strict: bool, fn: str
 ) -> dict[str, dict[str, str]]:
     """``{module: {"lora_A": key, "lora_B": key}}`` (either may be missing) for the keys of one
@@ -443,7 +456,7 @@ def _factor_keys(
         if kind is None:
             if strict:
                 raise InputError(
-                    f"{fn}: {str(wf)!r} holds {_clip(k)} {shapes[k]}, which is not a LoRA "
+                    f"{fn}: {str(wf)!r} holds {clip_repr(k)} {shapes[k]}, which is not a LoRA "
                     "factor (a modules_to_save copy, trainable tokens or a trained bias). A "
                     "merge of LoRA updates cannot carry it; pass strict=False (CLI: "
                     "--skip-non-lora) to skip such tensors."
@@ -455,8 +468,8 @@ def _factor_keys(
         slot = factors.setdefault(module, {})
         if kind in slot:
             raise InputError(
-                f"{fn}: {str(wf)!r} holds two {kind} tensors for module {_clip(module)} "
-                f"({_clip(slot[kind])} and {_clip(k)}); keep one adapter per directory."
+                f"{fn}: {str(wf)!r} holds two {kind} tensors for module {clip_repr(module)} "
+                f"({clip_repr(slot[kind])} and {clip_repr(k)}); keep one adapter per directory."
             )
         slot[kind] = k
     if len(adapter_names) > 1:
@@ -464,7 +477,7 @@ def _factor_keys(
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         raise InputError(
             f"{fn}: {str(wf)!r} holds several adapters "
-            f"([{', '.join(_clip(n) for n in names[:3])}{more}]); save each with PEFT's "
+            f"([{', '.join(clip_repr(n) for n in names[:3])}{more}]); save each with PEFT's "
             "save_pretrained(..., selected_adapters=[name]) and load them one by one."
         )
     if not factors:
@@ -479,28 +492,28 @@ def _check_part(k: str, module: str, kind: str, param: str, wf: pathlib.Path, *,
     """Refuse LoRA-named tensors that are not a plain ``lora_A`` / ``lora_B`` weight."""
     if kind == "lora_magnitude_vector":
         raise InputError(
-            f"{fn}: {str(wf)!r} holds the DoRA magnitude {_clip(k)}: DoRA adapters are "
+            f"{fn}: {str(wf)!r} holds the DoRA magnitude {clip_repr(k)}: DoRA adapters are "
             "not scale * B A updates and cannot be merged as LoRA."
         )
     if kind in ("lora_embedding_A", "lora_embedding_B"):
         raise InputError(
-            f"{fn}: {str(wf)!r} holds {_clip(k)}: LoRA on an embedding layer "
-            f"({_clip(module)}) is not supported; train the adapter without embedding "
+            f"{fn}: {str(wf)!r} holds {clip_repr(k)}: LoRA on an embedding layer "
+            f"({clip_repr(module)}) is not supported; train the adapter without embedding "
             "layers in target_modules."
         )
     if kind not in ("lora_A", "lora_B"):
         raise InputError(
-            f"{fn}: {str(wf)!r} holds {_clip(k)} ({_clip(kind)}), which is not part of a "
+            f"{fn}: {str(wf)!r} holds {clip_repr(k)} ({clip_repr(kind)}), which is not part of a "
             "LoRA adapter (lora_A / lora_B); was it saved by another PEFT method?"
         )
     if param == "bias":
         raise InputError(
-            f"{fn}: {str(wf)!r} holds the bias {_clip(k)}: an adapter trained with "
+            f"{fn}: {str(wf)!r} holds the bias {clip_repr(k)}: an adapter trained with "
             "lora_bias=true is not a pure scale * B A update and cannot be merged as LoRA."
         )
 
 
-def _factor_pair(
+def factor_pair(
     module: str,
     slot: Mapping[str, str],
     shapes: Mapping[str, tuple[int, ...]],
@@ -512,8 +525,8 @@ def _factor_pair(
     for have, need in (("lora_A", "lora_B"), ("lora_B", "lora_A")):
         if have in slot and need not in slot:
             raise InputError(
-                f"{fn}: {str(wf)!r} has {_clip(slot[have])} {shapes[slot[have]]} but no "
-                f"{need} for module {_clip(module)}; the file is incomplete: save the "
+                f"{fn}: {str(wf)!r} has {clip_repr(slot[have])} {shapes[slot[have]]} but no "
+                f"{need} for module {clip_repr(module)}; the file is incomplete: save the "
                 "adapter again."
             )
     return slot["lora_A"], slot["lora_B"]
@@ -529,11 +542,11 @@ def read_tensors(folder: str | os.PathLike, *, fn: str) -> tuple[pathlib.Path, d
       InputError: a corrupt or truncated file, or one that holds no tensors.
       FileAccessError: a file that cannot be read; MissingFileError: one that vanished.
     """
-    st = _safetensors()
+    st = safetensors_module()
     d = pathlib.Path(folder)
     try:
-        wf = _weights_file(d, fn=fn)
-        with _open_weights(wf, fn=fn) as fh:
+        wf = weights_file(d, fn=fn)
+        with open_weights(wf, fn=fn) as fh:
             tensors = {k: np.ascontiguousarray(fh.get_tensor(k)) for k in fh.keys()}
     except st.SafetensorError as e:
         raise InputError(

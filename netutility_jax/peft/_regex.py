@@ -3,7 +3,7 @@
 ``rank_pattern`` / ``alpha_pattern`` keys and a string ``target_modules`` / ``exclude_modules`` /
 ``layers_pattern`` are regular expressions read from a file. Plain name patterns are matched here
 directly (exactly as ``re`` would); any other is run by Python's ``re`` in a short-lived helper
-process under a time limit (:class:`_Regexes`), so a hostile pattern is an error, never a hang.
+process under a time limit (:class:`Regexes`), so a hostile pattern is an error, never a hang.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..errors import InputError, InputTypeError
-from ._common import _clip
+from ._common import clip_repr
 
-__all__ = ["pattern_key"]
+__all__ = ["Regexes", "pattern_key", "plain_full_match", "plain_pattern", "plain_suffix_match"]
 
 
 # rank_pattern / alpha_pattern keys and a string target_modules / exclude_modules / layers_pattern
@@ -81,7 +81,7 @@ say(["ok", results])
 """
 
 
-def _glob(pattern: str) -> tuple[bool, tuple[str | None, ...]] | None:
+def plain_pattern(pattern: str) -> tuple[bool, tuple[str | None, ...]] | None:
     """``(anchored, chars)`` if ``pattern`` is a plain name pattern, else None.
 
     A plain pattern is an optional leading ``^`` followed by literal characters (escaped
@@ -114,8 +114,9 @@ def _chars_match(chars: tuple[str | None, ...], s: str) -> bool:
     return all(x != "\n" if c is None else x == c for c, x in zip(chars, s, strict=True))
 
 
-def _glob_suffix(g: tuple[bool, tuple[str | None, ...]], name: str) -> bool:
-    """``re.match(rf"(.*\\.)?({key})$", name)`` for a plain ``key`` (:func:`_glob`), exactly.
+def plain_suffix_match(g: tuple[bool, tuple[str | None, ...]], name: str) -> bool:
+    """``re.match(rf"(.*\\.)?({key})$", name)`` for a plain ``key`` (:func:`plain_pattern`),
+    exactly.
 
     The key matches a tail of the name (before an optional final newline, where ``$`` also
     matches); the head before it is empty or ends with a dot and holds no newline (``.*`` does not
@@ -143,12 +144,12 @@ def _tails(s: str) -> Iterator[str]:
         p = s.find(".", p + 1)
 
 
-def _glob_full(g: tuple[bool, tuple[str | None, ...]], name: str) -> bool:
-    """``re.fullmatch(pattern, name)`` for a plain pattern (:func:`_glob`), exactly."""
+def plain_full_match(g: tuple[bool, tuple[str | None, ...]], name: str) -> bool:
+    """``re.fullmatch(pattern, name)`` for a plain pattern (:func:`plain_pattern`), exactly."""
     return len(name) == len(g[1]) and _chars_match(g[1], name)
 
 
-class _Regexes:
+class Regexes:
     """PEFT's regex rules on patterns from an untrusted file, at bounded cost.
 
     ``fn`` and ``where`` (the file, ``"'path': "``) prefix every message. Each method evaluates
@@ -166,7 +167,7 @@ class _Regexes:
         name and its tails after each dot, so the cost does not grow with their number.
         """
         keys = list(keys)
-        globs = [_glob(k) for k in keys]
+        globs = [plain_pattern(k) for k in keys]
         exact: dict[str, int] = {}  # "^literal" -> first index
         tail: dict[str, int] = {}  # "literal" -> first index
         other: list[int] = []  # keys with "." wildcards, and real regexes
@@ -189,7 +190,7 @@ class _Regexes:
                 if g is None:
                     best = -2  # a real regex must be tried first: the helper decides
                     break
-                if _glob_suffix(g, name):
+                if plain_suffix_match(g, name):
                     best = j
                     break
             if best == -2:
@@ -204,9 +205,9 @@ class _Regexes:
 
     def fullmatch(self, label: str, pattern: str, names: Sequence[str]) -> list[bool]:
         """``re.fullmatch(pattern, name)`` for each name."""
-        g = _glob(pattern)
+        g = plain_pattern(pattern)
         if g is not None:
-            return [_glob_full(g, n) for n in names]
+            return [plain_full_match(g, n) for n in names]
         found = self._run(label, [pattern], [pattern], "full", list(names))
         return [f is not None for f in found]
 
@@ -235,8 +236,8 @@ class _Regexes:
             return []
         if getattr(sys, "frozen", False) or not sys.executable:
             raise InputError(
-                f"{self.fn}: {self.where}{label} {_clip(shown[0])} is a regular expression, and "
-                "this Python cannot start the helper process that evaluates regexes from files "
+                f"{self.fn}: {self.where}{label} {clip_repr(shown[0])} is a regular expression, "
+                "and this Python cannot start the helper process that evaluates regexes from files "
                 "under a time limit; write plain module names or suffixes instead."
             )
         budget = _REGEX_STARTUP + _REGEX_PER_EVAL * len(names) * len(patterns)
@@ -260,12 +261,12 @@ class _Regexes:
         if last is None:
             return InputError(
                 f"{fn}: the helper process that evaluates the regular expression {label} "
-                f"{_clip(shown[0])} of {where.rstrip(': ') or 'the config'} did not start within "
-                f"{budget:.0f} s (exit status {status}); the machine is overloaded: try "
+                f"{clip_repr(shown[0])} of {where.rstrip(': ') or 'the config'} did not start "
+                f"within {budget:.0f} s (exit status {status}); the machine is overloaded: try "
                 "again."
             )
         j, name = last[2], names[last[1]]
-        key, mod = _clip(shown[j]), _clip(name)
+        key, mod = clip_repr(shown[j]), clip_repr(name)
         if last[0] == "invalid":
             return InputError(
                 f"{fn}: {where}{label} {key} is not a valid regular expression ({last[3]}; "
@@ -368,7 +369,7 @@ def pattern_key(pattern_keys: Iterable[str], name: str) -> str | None:
     for label, x in [*(("a pattern key", k) for k in keys), ("name", name)]:
         if not isinstance(x, str):
             raise InputTypeError(
-                f"{fn}: {label} is a {type(x).__name__} ({_clip(x)}); expected str."
+                f"{fn}: {label} is a {type(x).__name__} ({clip_repr(x)}); expected str."
             )
-    j = _Regexes(fn).first_keys("pattern key", keys, [name])[0]
+    j = Regexes(fn).first_keys("pattern key", keys, [name])[0]
     return None if j < 0 else keys[j]

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._core import io as _io
 from . import _convert, _read, _write
-from ._common import CONFIG_NAME, _natural, _save_file
+from ._common import CONFIG_NAME, natural_key, save_tensors
 
 __all__ = ["shard_name", "weight_shapes", "write_index", "write_shard"]
 
@@ -37,8 +37,8 @@ def weight_shapes(folder: str | os.PathLike) -> dict[str, tuple[int, ...]] | Non
 
     fn = "weight_shapes"
     try:
-        wf = _read._weights_file(pathlib.Path(folder), fn=fn)
-        with _read._open_weights(wf, fn=fn) as fh:
+        wf = _read.weights_file(pathlib.Path(folder), fn=fn)
+        with _read.open_weights(wf, fn=fn) as fh:
             return {k: tuple(int(n) for n in fh.get_slice(k).get_shape()) for k in fh.keys()}
     except (OSError, ValueError, safetensors.SafetensorError):
         return None
@@ -65,17 +65,17 @@ def write_shard(
     ``{"t/<tensor>": bytes, "r/<module>": rank written}``, what :func:`write_index` takes.
     A failed write raises the ``OSError``; ``fn`` names the caller in the library's errors."""
     tensors, out = {}, {}
-    for name in sorted(modules, key=_natural):
-        a, b = _convert._peft_factors(name, modules[name], rank, fn=fn)
+    for name in sorted(modules, key=natural_key):
+        a, b = _convert.peft_factors(name, modules[name], rank, fn=fn)
         if serving is not None:  # (zero directions: the same update)
             pad = serving - len(a)
             a, b = np.pad(a, ((0, pad), (0, 0))), np.pad(b, ((0, 0), (0, pad)))
         out[f"r/{name}"] = np.asarray(len(a), np.int64)
-        for key, y in _write._written_tensors(name, a, b, dtype, fn=fn).items():
+        for key, y in _write.written_tensors(name, a, b, dtype, fn=fn).items():
             tensors[key] = y
             out[f"t/{key}"] = np.asarray(y.nbytes, np.int64)
     tmp = folder / f".{file}.tmp"
-    _save_file(tensors, tmp)
+    save_tensors(tensors, tmp)
     os.replace(tmp, folder / file)
     return out
 
@@ -104,6 +104,6 @@ def write_index(
         "weight_map": dict(sorted(files.items())),
     }
     _io.write_json(folder / _read.INDEX_NAME, index, indent=2)
-    cfg = _write._saved_config(config, {}, sorted(ranks, key=_natural), ranks, fn=fn)
+    cfg = _write.saved_config(config, {}, sorted(ranks, key=natural_key), ranks, fn=fn)
     with _io.atomic_file(folder / CONFIG_NAME, "w") as f:
-        f.write(_write._config_text(cfg, fn=fn))
+        f.write(_write.config_text(cfg, fn=fn))

@@ -31,15 +31,15 @@ import numpy as np
 from .._core import checks as _checks
 from .._core.io import atomic_directory
 from ..errors import InputError, InputTypeError
-from ._common import CONFIG_NAME, WEIGHTS_NAME, _natural
-from ._convert import _peft_factors
+from ._common import CONFIG_NAME, WEIGHTS_NAME, natural_key
+from ._convert import peft_factors
 from ._write import (
-    _check_free,
-    _check_options,
-    _config_text,
-    _modules_for_save,
-    _saved_config,
-    _written_tensors,
+    check_free_dir,
+    check_save_options,
+    config_text,
+    modules_for_save,
+    saved_config,
+    written_tensors,
 )
 
 __all__ = ["AdapterWriter"]
@@ -99,14 +99,14 @@ class AdapterWriter:
         names: Sequence[str] | None = None,
         **config: Any,
     ):
-        _check_options(rank, dtype, config, fn=_FN)
+        check_save_options(rank, dtype, config, fn=_FN)
         self.path = pathlib.Path(path)
-        _check_free(self.path, fn=_FN)
+        check_free_dir(self.path, fn=_FN)
         self._rank, self._dtype = rank, dtype
         self._base, self._config = base_config, config
         self._names = None if names is None else _check_names(names)
         if self._names is not None:  # the config's target modules, checked before any work
-            _saved_config(base_config, config, self._names, dict.fromkeys(self._names, 1), fn=_FN)
+            saved_config(base_config, config, self._names, dict.fromkeys(self._names, 1), fn=_FN)
         self.ranks: dict[str, int] = {}
         self.config: dict[str, Any] | None = None
         self._entries: dict[str, dict[str, Any]] = {}
@@ -133,9 +133,9 @@ class AdapterWriter:
             raise InputError(f"{_FN}: add() is called inside the writer's `with` block.")
         if isinstance(modules, Mapping) and not modules:
             return {}  # an empty chunk adds nothing
-        mods = _modules_for_save(modules, fn=_FN)
+        mods = modules_for_save(modules, fn=_FN)
         expected = None if self._names is None else set(self._names)
-        names = sorted(mods, key=_natural)
+        names = sorted(mods, key=natural_key)
         for name in names:
             if name in self.ranks:
                 raise InputError(f"{_FN}: module {name!r} was already written; add it once.")
@@ -148,8 +148,8 @@ class AdapterWriter:
         # fails leaves the file as it was
         tensors, out = {}, {}
         for name in names:
-            a, b = _peft_factors(name, mods[name], self._rank, fn=_FN)
-            tensors.update(_written_tensors(name, a, b, self._dtype, fn=_FN))
+            a, b = peft_factors(name, mods[name], self._rank, fn=_FN)
+            tensors.update(written_tensors(name, a, b, self._dtype, fn=_FN))
             out[name] = int(a.shape[0])
         for key, y in tensors.items():
             self._write(key, y)
@@ -183,7 +183,7 @@ class AdapterWriter:
         return bool(self._ctx.__exit__(exc_type, exc, tb))
 
     def _finish(self) -> None:
-        names = sorted(self.ranks, key=_natural)
+        names = sorted(self.ranks, key=natural_key)
         if not names:
             raise InputError(f"{_FN}: no module was added; nothing to write.")
         if self._names is not None:
@@ -193,8 +193,8 @@ class AdapterWriter:
                     f"{_FN}: {len(missing)} of the {len(self._names)} modules named were never "
                     f"added ({_checks.few(missing)}); nothing was written."
                 )
-        self.config = _saved_config(self._base, self._config, names, self.ranks, fn=_FN)
-        text = _config_text(self.config, fn=_FN)
+        self.config = saved_config(self._base, self._config, names, self.ranks, fn=_FN)
+        text = config_text(self.config, fn=_FN)
         self._data.close()
         # the safetensors package's layout, byte for byte: tensors in name order (one dtype),
         # a compact JSON header padded with spaces to 8 bytes

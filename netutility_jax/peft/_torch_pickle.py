@@ -49,9 +49,9 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import FileAccessError, InputError, MissingFileError
-from ._common import _clip
+from ._common import clip_repr
 
-__all__ = ["TensorInfo", "TorchArchive"]
+__all__ = ["LegacyFormat", "TensorInfo", "TorchArchive"]
 
 _MAX_PICKLE = 1 << 28
 """Largest ``data.pkl`` read (bytes); a state dict of 100k tensors pickles to a few MB."""
@@ -205,7 +205,7 @@ class _Unpickler(pickle.Unpickler):
             and pid[4] >= 0
         ):
             raise a._error(
-                f"its data.pkl refers to the persistent object {_clip(pid)}; a torch "
+                f"its data.pkl refers to the persistent object {clip_repr(pid)}; a torch "
                 "checkpoint refers only to storages ('storage', storage type, key, location, "
                 "numel)."
             )
@@ -215,13 +215,13 @@ class _Unpickler(pickle.Unpickler):
         have = a._record_size(key)
         if have < nbytes:
             raise a._error(
-                f"storage {_clip(key)} is {numel} {dtype.name} elements ({nbytes} bytes), but "
+                f"storage {clip_repr(key)} is {numel} {dtype.name} elements ({nbytes} bytes), but "
                 f"its record holds {have} bytes; the file is truncated or corrupt: save it again."
             )
         known = self._storages.get(key)
         if known is not None and known.numel * known.dtype.numpy.itemsize != nbytes:
             raise a._error(
-                f"storage {_clip(key)} is referred to with two sizes ({known.numel} "
+                f"storage {clip_repr(key)} is referred to with two sizes ({known.numel} "
                 f"{known.dtype.name}, {numel} {dtype.name}); the file is corrupt."
             )
         self._storages[key] = _Storage(key, dtype, numel)
@@ -245,7 +245,7 @@ class _Unpickler(pickle.Unpickler):
     ) -> _TensorRef:  # fmt: skip
         if not isinstance(dtype, _Dtype):
             raise self._archive._error(
-                f"a tensor's dtype is {_clip(dtype)}; expected one of torch's dtypes."
+                f"a tensor's dtype is {clip_repr(dtype)}; expected one of torch's dtypes."
             )
         return self._tensor(storage, storage_offset, size, stride, dtype)
 
@@ -259,7 +259,7 @@ class _Unpickler(pickle.Unpickler):
     def _tensor(self, storage, offset, size, stride, dtype: _Dtype | None) -> _TensorRef:
         a = self._archive
         if not isinstance(storage, _Storage):
-            raise a._error(f"a tensor's storage is {_clip(storage)}; the file is corrupt.")
+            raise a._error(f"a tensor's storage is {clip_repr(storage)}; the file is corrupt.")
         dtype = dtype or storage.dtype
         if not (
             _int(offset)
@@ -269,19 +269,19 @@ class _Unpickler(pickle.Unpickler):
             and all(_int(n) for n in (*size, *stride))
         ):
             raise a._error(
-                f"a tensor of storage {_clip(storage.key)} has offset {_clip(offset)}, sizes "
-                f"{_clip(size)} and strides {_clip(stride)}; expected integers, one stride "
-                "per size."
+                f"a tensor of storage {clip_repr(storage.key)} has offset {clip_repr(offset)}, "
+                f"sizes {clip_repr(size)} and strides {clip_repr(stride)}; expected integers, one "
+                "stride per size."
             )
         if len(size) > 32 or any(n >= 1 << 62 for n in (*size, *stride, offset)):
             raise a._error(
-                f"a tensor of storage {_clip(storage.key)} has {len(size)} sizes "
-                f"{_clip(size)}; that is not a tensor a checkpoint holds (at most 32 axes, "
+                f"a tensor of storage {clip_repr(storage.key)} has {len(size)} sizes "
+                f"{clip_repr(size)}; that is not a tensor a checkpoint holds (at most 32 axes, "
                 "each below 2**62)."
             )
         if offset < 0 or any(n < 0 for n in (*size, *stride)):
             raise a._error(
-                f"a tensor of storage {_clip(storage.key)} has offset {offset}, sizes "
+                f"a tensor of storage {clip_repr(storage.key)} has offset {offset}, sizes "
                 f"{size} and strides {stride}; negative values are not a torch tensor."
             )
         elements = storage.numel * storage.dtype.numpy.itemsize // dtype.numpy.itemsize
@@ -291,13 +291,13 @@ class _Unpickler(pickle.Unpickler):
             if last >= elements:
                 raise a._error(
                     f"a {dtype.name} tensor of shape {size} (strides {stride}, offset {offset}) "
-                    f"needs {last + 1} elements of storage {_clip(storage.key)}, which holds "
+                    f"needs {last + 1} elements of storage {clip_repr(storage.key)}, which holds "
                     f"{elements}; the file is corrupt."
                 )
             if numel > elements:
                 raise a._error(
                     f"a {dtype.name} tensor of shape {size} (strides {stride}) views "
-                    f"{elements} elements of storage {_clip(storage.key)}, a broadcast or "
+                    f"{elements} elements of storage {clip_repr(storage.key)}, a broadcast or "
                     "overlapping view, which is not read; save a contiguous copy "
                     "(tensor.contiguous()) instead."
                 )
@@ -400,7 +400,7 @@ class TorchArchive:
                 "Download or save it again."
             )
         if len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5:  # a pickle's PROTO
-            return _LegacyFormat(
+            return LegacyFormat(
                 f"{self._fn}: {str(self.path)!r} is in torch's legacy pickle format "
                 "(torch.save(..., _use_new_zipfile_serialization=False)), which is not read "
                 "here: only torch's default zip format is (without running its pickle). Re-save "
@@ -422,7 +422,9 @@ class TorchArchive:
         records: dict[str, zipfile.ZipInfo] = {}
         for info in self._zip.infolist():
             if info.filename in records:
-                raise self._error(f"holds the entry {_clip(info.filename)} twice; it is corrupt.")
+                raise self._error(
+                    f"holds the entry {clip_repr(info.filename)} twice; it is corrupt."
+                )
             records[info.filename] = info
         tops = [n[: -len("/data.pkl")] for n in records if n.endswith("/data.pkl")]
         tops = [t for t in tops if t and "/" not in t]
@@ -433,7 +435,7 @@ class TorchArchive:
             )
         if len(tops) > 1:
             raise self._error(
-                f"holds {len(tops)} pickles ({', '.join(_clip(t) for t in tops[:3])} ...); a "
+                f"holds {len(tops)} pickles ({', '.join(clip_repr(t) for t in tops[:3])} ...); a "
                 "torch checkpoint holds one."
             )
         return tops[0], records
@@ -446,7 +448,7 @@ class TorchArchive:
         order = self._bytes(info, 16, "byteorder").strip()
         if order not in (b"little", b"big"):
             raise self._error(
-                f"its byteorder record says {_clip(order)}; expected 'little' or 'big'."
+                f"its byteorder record says {clip_repr(order)}; expected 'little' or 'big'."
             )
         return order == b"big"
 
@@ -466,8 +468,9 @@ class TorchArchive:
         info = self._records.get(f"{self._top}/data/{key}")
         if info is None:
             raise self._error(
-                f"its pickle refers to the storage {_clip(key)}, which the archive does not hold "
-                f"(no {_clip(f'{self._top}/data/{key}')}); the file is corrupt or incomplete."
+                f"its pickle refers to the storage {clip_repr(key)}, which the archive does not "
+                f"hold (no {clip_repr(f'{self._top}/data/{key}')}); the file is corrupt or "
+                "incomplete."
             )
         return info.file_size
 
@@ -491,7 +494,7 @@ class TorchArchive:
         except Exception as e:  # whatever a malformed pickle raises: bad input
             raise self._error(
                 f"its data.pkl is not a pickled state dict of tensors ({type(e).__name__}: "
-                f"{_clip(str(e), 200)}); the file is corrupt or not a torch checkpoint."
+                f"{clip_repr(str(e), 200)}); the file is corrupt or not a torch checkpoint."
             ) from e
         if not isinstance(obj, dict):
             raise self._error(
@@ -502,11 +505,11 @@ class TorchArchive:
         for k, v in obj.items():
             if not isinstance(k, str):
                 raise self._error(
-                    f"its state dict has the key {_clip(k)}; tensor names are strings."
+                    f"its state dict has the key {clip_repr(k)}; tensor names are strings."
                 )
             if not isinstance(v, _TensorRef):
                 raise self._error(
-                    f"its state dict holds {_clip(k)}: a {type(v).__name__}, not a tensor; "
+                    f"its state dict holds {clip_repr(k)}: a {type(v).__name__}, not a tensor; "
                     "expected a dict of tensor names to tensors (what PEFT's save_pretrained "
                     "writes)."
                 )
@@ -521,7 +524,7 @@ class TorchArchive:
             for op, arg, _ in pickletools.genops(data):
                 if op.name in ("EXT1", "EXT2", "EXT4"):
                     raise self._error(
-                        f"its data.pkl uses the pickle opcode {op.name} (code {_clip(arg)}), a "
+                        f"its data.pkl uses the pickle opcode {op.name} (code {clip_repr(arg)}), a "
                         "reference to copyreg's extension registry, which a tensor checkpoint "
                         "never uses; refused before anything was built."
                     )
@@ -530,7 +533,7 @@ class TorchArchive:
         except Exception as e:  # a malformed pickle: let the unpickler's error not matter
             raise self._error(
                 f"its data.pkl is not a valid pickle ({type(e).__name__}: "
-                f"{_clip(str(e), 200)}); the file is corrupt or truncated: save it again."
+                f"{clip_repr(str(e), 200)}); the file is corrupt or truncated: save it again."
             ) from e
 
     # -- the tensors -------------------------------------------------------------------------
@@ -552,9 +555,9 @@ class TorchArchive:
         buf = self._bytes(info, needed * itemsize, f"storage {t.storage!r}")
         if len(buf) < needed * itemsize:
             raise self._error(
-                f"storage {_clip(t.storage)} holds {len(buf)} bytes, but tensor {_clip(name)} "
-                f"of shape {t.shape} needs {needed * itemsize}; the file is truncated or changed "
-                "while read: save it again."
+                f"storage {clip_repr(t.storage)} holds {len(buf)} bytes, but tensor "
+                f"{clip_repr(name)} of shape {t.shape} needs {needed * itemsize}; the file is "
+                "truncated or changed while read: save it again."
             )
         if self._big and itemsize > 1:
             raw = np.frombuffer(buf, np.dtype(f">u{itemsize}"), count=needed)
@@ -570,14 +573,14 @@ class TorchArchive:
         return np.array(view, order="C", copy=True)
 
 
-class _LegacyFormat(InputError):
+class LegacyFormat(InputError):
     """A file in torch's legacy (non-zip) pickle format (refused)."""
 
 
 def _named(module: Any, name: Any) -> str:
     """``'module.name'``, and the Python 3 name a protocol-2 pickle's Python 2 name stands for
     (``__builtin__.eval`` is ``builtins.eval``, ``commands.call`` is ``subprocess.call``)."""
-    shown = _clip(f"{module}.{name}")
+    shown = clip_repr(f"{module}.{name}")
     try:
         import _compat_pickle  # (pickle's own table of the renamed modules)
 

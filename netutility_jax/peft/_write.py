@@ -17,18 +17,36 @@ from .._core import checks as _checks
 from .._core.io import atomic_directory, to_jsonable
 from .._core.tree import has_update, is_mapping, walk_modules
 from ..errors import InputError, InputTypeError, PathExistsError
-from ._common import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _natural, _safetensors, _save_file
-from ._config import (
-    _COMPUTED_FIELDS,
-    _CONFIG_OVERRIDES,
-    _carried,
-    _check_targets,
-    _rank_patterns,
+from ._common import (
+    CONFIG_NAME,
+    PREFIX,
+    WEIGHTS_NAME,
+    natural_key,
+    safetensors_module,
+    save_tensors,
 )
-from ._convert import _SAVE_DTYPES, _peft_factors, _peft_tensors, _save_dtype
+from ._config import (
+    COMPUTED_FIELDS,
+    CONFIG_OVERRIDES,
+    carried_config,
+    check_targets,
+    rank_patterns,
+)
+from ._convert import SAVE_DTYPES, peft_factors, peft_tensors, saved_dtype
 from ._read import load_config
 
-__all__ = ["VLLM_RANKS", "save_adapter", "serving_ranks"]
+__all__ = [
+    "VLLM_RANKS",
+    "check_free_dir",
+    "check_save_options",
+    "check_serving_ranks",
+    "config_text",
+    "modules_for_save",
+    "save_adapter",
+    "saved_config",
+    "serving_ranks",
+    "written_tensors",
+]
 
 
 def save_adapter(
@@ -129,26 +147,26 @@ def save_adapter(
       >>> tmp.cleanup()
     """
     fn = "nu.peft.save_adapter"
-    _safetensors()  # (without it: an ImportError saying what to install, before any work)
-    _check_options(rank, dtype, config, fn=fn)
+    safetensors_module()  # (without it: an ImportError saying what to install, before any work)
+    check_save_options(rank, dtype, config, fn=fn)
     allowed = check_serving_ranks(serving_ranks, fn=fn)
     out_dir = pathlib.Path(os.fspath(path))
-    _check_free(out_dir, fn=fn)
-    modules = _modules_for_save(adapter, fn=fn)
-    names = sorted(modules, key=_natural)
+    check_free_dir(out_dir, fn=fn)
+    modules = modules_for_save(adapter, fn=fn)
+    names = sorted(modules, key=natural_key)
     tensors: dict[str, np.ndarray] = {}
     ranks: dict[str, int] = {}
-    factors = {name: _peft_factors(name, modules[name], rank, fn=fn) for name in names}
+    factors = {name: peft_factors(name, modules[name], rank, fn=fn) for name in names}
     if allowed is not None:
         factors = _pad_uniform(factors, allowed, fn=fn)
     for name in names:
         a, b = factors[name]
         ranks[name] = int(a.shape[0])
-        tensors.update(_written_tensors(name, a, b, dtype, fn=fn))
-    cfg = _saved_config(base_config, config, names, ranks, fn=fn)
-    text = _config_text(cfg, fn=fn)
+        tensors.update(written_tensors(name, a, b, dtype, fn=fn))
+    cfg = saved_config(base_config, config, names, ranks, fn=fn)
+    text = config_text(cfg, fn=fn)
     with atomic_directory(out_dir, fn=fn) as tmp:
-        _save_file(tensors, tmp / WEIGHTS_NAME)
+        save_tensors(tensors, tmp / WEIGHTS_NAME)
         (tmp / CONFIG_NAME).write_text(text, encoding="utf-8")
     return cfg
 
@@ -157,7 +175,7 @@ def _finfo(dtype: str) -> Any:
     """``finfo`` of a ``save_adapter`` dtype name (bfloat16 through ml_dtypes)."""
     import ml_dtypes
 
-    return ml_dtypes.finfo(_save_dtype(dtype))
+    return ml_dtypes.finfo(saved_dtype(dtype))
 
 
 def _fit_dtype(
@@ -195,11 +213,11 @@ def _fit_dtype(
     return np.ldexp(a, k), np.ldexp(b, -k)
 
 
-def _written_tensors(name: str, a: np.ndarray, b: np.ndarray, dtype: str, *, fn: str) -> dict:
+def written_tensors(name: str, a: np.ndarray, b: np.ndarray, dtype: str, *, fn: str) -> dict:
     """Module ``name``'s PEFT factors as the checkpoint's tensors in ``dtype``
-    (:func:`_fit_dtype`, then :func:`_convert._peft_tensors`): what every writer writes."""
+    (:func:`_fit_dtype`, then :func:`_convert.peft_tensors`): what every writer writes."""
     a, b = _fit_dtype(name, a, b, dtype, fn=fn)
-    return _peft_tensors(name, a, b, dtype, fn=fn)
+    return peft_tensors(name, a, b, dtype, fn=fn)
 
 
 #: The LoRA ranks vLLM serves (its ``max_lora_rank`` choices).
@@ -261,7 +279,7 @@ def _pad_uniform(
     }
 
 
-def _check_options(rank: Any, dtype: Any, config: Mapping[str, Any], *, fn: str) -> None:
+def check_save_options(rank: Any, dtype: Any, config: Mapping[str, Any], *, fn: str) -> None:
     if rank is not None and (
         isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1
     ):
@@ -269,21 +287,21 @@ def _check_options(rank: Any, dtype: Any, config: Mapping[str, Any], *, fn: str)
             f"{fn}: rank={rank!r}; expected a positive integer (the rank dense modules are "
             "truncated to) or None."
         )
-    if dtype not in _SAVE_DTYPES:
-        raise InputError(f"{fn}: dtype={dtype!r}; expected one of {_SAVE_DTYPES}.")
+    if dtype not in SAVE_DTYPES:
+        raise InputError(f"{fn}: dtype={dtype!r}; expected one of {SAVE_DTYPES}.")
     for k in config:
-        if k in _COMPUTED_FIELDS:
+        if k in COMPUTED_FIELDS:
             raise InputError(
                 f"{fn}: {k}= is computed by save_adapter (each module's rank, with lora_alpha = r "
                 "so PEFT's scale is 1 and the merged scale is folded into lora_B); drop it."
             )
-        if k not in _CONFIG_OVERRIDES:
+        if k not in CONFIG_OVERRIDES:
             raise InputError(
-                f"{fn}: unknown config field {k}=; accepted: {', '.join(_CONFIG_OVERRIDES)}."
+                f"{fn}: unknown config field {k}=; accepted: {', '.join(CONFIG_OVERRIDES)}."
             )
 
 
-def _check_free(out_dir: pathlib.Path, *, fn: str) -> None:
+def check_free_dir(out_dir: pathlib.Path, *, fn: str) -> None:
     if out_dir.is_dir():
         if any(out_dir.iterdir()):
             raise PathExistsError(
@@ -296,7 +314,7 @@ def _check_free(out_dir: pathlib.Path, *, fn: str) -> None:
         )
 
 
-def _modules_for_save(adapter: Any, *, fn: str) -> dict[str, Mapping[str, Any]]:
+def modules_for_save(adapter: Any, *, fn: str) -> dict[str, Mapping[str, Any]]:
     """``{PEFT module name: module}``: nested dicts joined with ``"."``, down to the mappings with
     ``lora_a`` / ``lora_b`` / ``delta``; any other leaf, and a name PEFT would not read, is
     refused."""
@@ -333,7 +351,7 @@ def _modules_for_save(adapter: Any, *, fn: str) -> dict[str, Mapping[str, Any]]:
     return out
 
 
-def _saved_config(
+def saved_config(
     base_config: Any,
     config: Mapping[str, Any],
     names: Sequence[str],
@@ -344,12 +362,12 @@ def _saved_config(
     """The ``adapter_config.json`` to write: the carried fields (``base_config``, then the
     ``config`` overrides, ``target_modules`` default the module names), checked to cover every
     module, and the computed ones (per-module ranks, PEFT scale 1), sorted by field."""
-    r0, rank_pattern = _rank_patterns(ranks)
+    r0, rank_pattern = rank_patterns(ranks)
     cfg: dict[str, Any] = _resolve_base_config(base_config, fn=fn)
     cfg.update({k: to_jsonable(v) for k, v in config.items()})
     if cfg.get("target_modules") is None:
         cfg["target_modules"] = list(names)
-    _check_targets(cfg, names, fn=fn)
+    check_targets(cfg, names, fn=fn)
     cfg.update(
         {
             "peft_type": "LORA",
@@ -373,7 +391,7 @@ def _resolve_base_config(base_config: Any, *, fn: str) -> dict[str, Any]:
     if base_config is None:
         return {}
     if isinstance(base_config, (str, os.PathLike)):
-        return _carried(load_config(base_config))
+        return carried_config(load_config(base_config))
     if hasattr(base_config, "to_dict") and not isinstance(base_config, Mapping):
         base_config = base_config.to_dict()
     if not isinstance(base_config, Mapping):
@@ -382,10 +400,10 @@ def _resolve_base_config(base_config: Any, *, fn: str) -> dict[str, Any]:
             "nu.peft.load_config(dir) or load_adapters(...).config), a peft LoraConfig, or an "
             "adapter directory."
         )
-    return _carried(base_config)
+    return carried_config(base_config)
 
 
-def _config_text(cfg: Mapping[str, Any], *, fn: str) -> str:
+def config_text(cfg: Mapping[str, Any], *, fn: str) -> str:
     try:
         return json.dumps(cfg, indent=2) + "\n"
     except TypeError as e:

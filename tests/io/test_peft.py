@@ -29,6 +29,9 @@ from hypothesis import strategies as st
 import netutility_jax as nu
 from netutility_jax import peft as nu_peft
 from netutility_jax.errors import FileAccessError, InputError, InputTypeError, MissingFileError
+from netutility_jax.peft._common import natural_key
+from netutility_jax.peft._config import is_targeted, untargeted
+from netutility_jax.peft._regex import Regexes, plain_full_match, plain_pattern, plain_suffix_match
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="nu.peft needs safetensors")
 
@@ -432,7 +435,7 @@ def test_save_round_trip_ranks_rank0_dense(tmp_path):
             r"^model\.layers\.1\.v": 1,
         }
     )
-    assert cfg["target_modules"] == sorted(merged, key=nu_peft._natural)
+    assert cfg["target_modules"] == sorted(merged, key=natural_key)
     assert cfg["base_model_name_or_path"] == "org/base"
 
     back = nu_peft.load_adapter(out)
@@ -981,7 +984,7 @@ def test_target_rule_matches_peft():
         )
         for name in names:
             want = bool(check_target_module_exists(ns, name))
-            assert nu_peft._targeted(cfg, name) == want, (cfg, name)
+            assert is_targeted(cfg, name) == want, (cfg, name)
 
 
 def test_save_refuses_config_missing_modules(tmp_path):
@@ -1124,10 +1127,10 @@ _NAME_CHARS = "ab_-.é\n"
 def test_plain_patterns_match_exactly_like_re(anchor, tokens, name):
     # the direct matcher of plain patterns against re itself, on the rules PEFT applies
     key = ("^" if anchor else "") + "".join(tokens)
-    g = nu_peft._glob(key)
+    g = plain_pattern(key)
     assert g is not None, key
-    assert nu_peft._glob_suffix(g, name) == bool(re.match(rf"(.*\.)?({key})$", name)), (key, name)
-    assert nu_peft._glob_full(g, name) == bool(re.fullmatch(key, name)), (key, name)
+    assert plain_suffix_match(g, name) == bool(re.match(rf"(.*\.)?({key})$", name)), (key, name)
+    assert plain_full_match(g, name) == bool(re.fullmatch(key, name)), (key, name)
 
 
 @settings(max_examples=300, deadline=None)
@@ -1140,7 +1143,7 @@ def test_plain_patterns_match_exactly_like_re(anchor, tokens, name):
 def test_first_plain_key_follows_peft_rule(keys, names):
     # literal keys are looked up, wildcard keys scanned: the first key in order still wins
     ks = [("^" if anchor else "") + "".join(tokens) for anchor, tokens in keys]
-    got = nu_peft._Regexes("test").first_keys("key", ks, names)
+    got = Regexes("test").first_keys("key", ks, names)
     for name, j in zip(names, got, strict=True):
         want = next((i for i, k in enumerate(ks) if re.match(rf"(.*\.)?({k})$", name)), -1)
         assert j == want, (ks, name)
@@ -1148,7 +1151,7 @@ def test_first_plain_key_follows_peft_rule(keys, names):
 
 def test_real_regexes_are_not_taken_for_plain_patterns():
     for key in (HOSTILE, "q*", "[qk]_proj", r"\d", "a|b", "(a)", "a{2}", "a$", "a?", "a+", "x^"):
-        assert nu_peft._glob(key) is None, key
+        assert plain_pattern(key) is None, key
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1410,7 +1413,7 @@ def test_peft_union_merge_save_load_forward(llama, tmp_path, layers):
         own.append({n: scales[n.rsplit(".", 1)[1]] for n in _lora_layers(pm)})
         pm.save_pretrained(str(tmp_path / f"task{i}"))
         dirs.append(tmp_path / f"task{i}")
-    union = sorted(set().union(*own), key=nu_peft._natural)
+    union = sorted(set().union(*own), key=natural_key)
     assert len(union) == 8 and all(len(o) < 8 for o in own)
 
     loaded = nu_peft.load_adapters(dirs)
@@ -1482,10 +1485,8 @@ def test_target_rule_with_patterns_matches_peft():
         ns = SimpleNamespace(
             **{k: cfg.get(k) for k in fields}, modules_to_save=None, target_parameters=None
         )
-        want = sorted(
-            (n for n in names if not check_target_module_exists(ns, n)), key=nu_peft._natural
-        )
-        got = nu_peft._untargeted(cfg, names, nu_peft._Regexes("test"), fn="test")
+        want = sorted((n for n in names if not check_target_module_exists(ns, n)), key=natural_key)
+        got = untargeted(cfg, names, Regexes("test"), fn="test")
         assert got == want, cfg
 
 
