@@ -101,16 +101,23 @@ class Option:
         else ``--name``. The command line's flag of an option is
         ``netutility_jax.cli.options.option_flag(name)`` (``--knots-variant`` for KnOTS'
         ``variant``)."""
+        _deprecated_cli(f"Option({self.name!r}).cli_flag", "option_flag(name)")
         return self.flag or "--" + self.name.replace("_", "-")
 
     def interval(self, *, cli: bool = False) -> str:
-        """``[0, 1)`` and such (``cli``: with the deprecated ``cli_low_open``, if given)."""
+        """``[0, 1)`` and such (``cli``, deprecated: with the deprecated ``cli_low_open``, if
+        given)."""
+        if cli:
+            _deprecated_cli(f"Option({self.name!r}).interval(cli=True)", "option_wording(name)")
         low_open = self.cli_low_open if cli and self.cli_low_open is not None else self.low_open
         return (
             f"{'(' if low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
         )
 
     def in_range(self, v: float, *, cli: bool = False) -> bool:
+        """Whether ``v`` is in :meth:`interval` (``cli``: deprecated, as there)."""
+        if cli:
+            _deprecated_cli(f"Option({self.name!r}).in_range(cli=True)", "option_wording(name)")
         low_open = self.cli_low_open if cli and self.cli_low_open is not None else self.low_open
         return (
             math.isfinite(v)
@@ -287,3 +294,14 @@ an option's flag must not be one of them (argparse would refuse the whole parser
 KINDS = ("low_rank", "elementwise")
 OPTION_KINDS = ("real", "bool", "choice")
 BUDGET_SCOPES = ("global", "local")
+
+
+def _deprecated_cli(what: str, instead: str) -> None:
+    """The DeprecationWarning of a command-line reading of an :class:`Option` (kept for one
+    release), pointing at the caller."""
+    warnings.warn(
+        f"registry.{what} is deprecated (kept for one release): the command line's wording of an "
+        f"option is the command line's, netutility_jax.cli.options.{instead}.",
+        DeprecationWarning,
+        stacklevel=3,
+    )

@@ -13,6 +13,7 @@ a per-example ``deadline`` keep the file to a few seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 
@@ -21,7 +22,7 @@ import hypothesis.strategies as st
 import pytest
 
 from netutility_jax import cli, registry
-from netutility_jax.cli.options import option_flag
+from netutility_jax.cli.options import option_flag, option_wording
 from netutility_jax.errors import InputError, InputTypeError
 
 SETTINGS = {"max_examples": 60, "deadline": datetime.timedelta(seconds=2)}
@@ -177,8 +178,10 @@ def _exercise(spec: registry.MethodSpec) -> None:
             args.append(option_flag(o.name))
         elif o.kind == "choice":
             args.append(f"{option_flag(o.name)}={o.choices[-1]}")
-        elif o.required or o.in_range(_valid_value(o), cli=True):
-            args.append(f"{option_flag(o.name)}={_valid_value(o)!r}")  # "=": a value may start with "-"
+        elif o.required or _cli_in_range(o, _valid_value(o)):
+            args.append(
+                f"{option_flag(o.name)}={_valid_value(o)!r}"
+            )  # "=": a value may start with "-"
     parsed = parser.parse_args(args)
     cli.method_options(parsed)
 
@@ -248,3 +251,9 @@ def test_a_well_formed_option_is_accepted_and_resolved(kind, low, width, at, tra
                     registry.resolve_options("f", "fz_ok", "core", {"opt_f": at})
     finally:
         del registry.METHODS["fz_ok"]
+
+
+def _cli_in_range(o, v) -> bool:
+    """``v`` in the command line's range of option ``o`` (its own lower bound, if stricter)."""
+    low_open = option_wording(o.name).low_open
+    return dataclasses.replace(o, low_open=o.low_open if low_open is None else low_open).in_range(v)

@@ -196,7 +196,12 @@ def test_the_deprecated_wording_fields_warn_and_still_word_the_flag(capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         registry.Option("toy_y", "real", 0.5, "y", low=0.0, high=1.0)  # (no wording: no warning)
-    assert opt.cli_flag == "--toy-part" and opt.interval(cli=True) == "(0, 1]"
+    with pytest.warns(DeprecationWarning, match=r"cli_flag is deprecated"):
+        assert opt.cli_flag == "--toy-part"
+    with pytest.warns(DeprecationWarning, match=r"interval\(cli=True\) is deprecated"):
+        assert opt.interval(cli=True) == "(0, 1]"
+    with pytest.warns(DeprecationWarning, match=r"in_range\(cli=True\) is deprecated"):
+        assert not opt.in_range(0.0, cli=True) and opt.in_range(0.0)
 
     def kernel(a, b, *, coef, rtol, is_svd, toy_share):
         return nu.methods.ta(a, b, coef=coef)
