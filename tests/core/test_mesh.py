@@ -31,8 +31,11 @@ CHILD = pathlib.Path(__file__).parent / "_mesh_child.py"
 
 
 def _run_child(*args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NETUTILITY_MESH_SPMD")}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", NETUTILITY_COMPILE_CACHE="off")
+    env = {k: v for k, v in os.environ.items() if k != "NETUTILITY_MESH_SPMD"}
+    # the session's compile flags (tests/conftest.py) stay; the device count is this test's
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags.append("--xla_force_host_platform_device_count=8")
+    env.update(XLA_FLAGS=" ".join(flags), NETUTILITY_COMPILE_CACHE="off")
     proc = subprocess.run(
         [sys.executable, str(CHILD), *args], env=env, capture_output=True, text=True, timeout=900
     )
