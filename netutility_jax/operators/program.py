@@ -34,6 +34,7 @@ import numpy as np
 
 from .._core import buckets as _buckets
 from .._core import mesh as _mesh
+from .._core import stacking as _stacking
 from .._core.host import put_views
 from .._core.linalg import after
 from . import _stages
@@ -123,8 +124,8 @@ def _groups(plan: Any) -> list[tuple[Group, list[Any]]]:
 
 
 def _inputs(jobs: Sequence[Any], dtype: Any) -> Any:
-    """A group's factors: stacked on the host where they are numpy (a streamed chunk: four
-    arguments), else the leaves of every piece (stacked inside the program)."""
+    """A group's factors as four arrays (:func:`_stacking.stacked_input`), or where they are
+    traced the leaves of every piece (stacked inside the program)."""
     bk = jobs[0].bucket
     if bk.stacked is not None:  # (nu.stack_adapters: the group is its whole bucket)
         return bk.stacked
@@ -134,10 +135,10 @@ def _inputs(jobs: Sequence[Any], dtype: Any) -> Any:
             names=tuple(nm for j in jobs for nm in j.bucket.names),
             modules=tuple(m for j in jobs for m in j.bucket.modules),
         )
-    if all(isinstance(getattr(mod, "lora_a", None), np.ndarray) for row in bk.modules for mod in row
-           if mod is not None):  # fmt: skip
-        return _mesh.host_stack(bk, dtype, len(bk.names))
-    return _buckets.bucket_arrays(bk)
+    # numpy factors stacked on the host, device ones on their device (the program would stack
+    # the leaves inside: the same copy, and a program that grows with the modules)
+    st = _stacking.stacked_input(bk, dtype, cap=False)
+    return _buckets.bucket_arrays(bk) if st is None else st
 
 
 def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, list]:

@@ -31,6 +31,7 @@ import numpy as np
 
 from .._core import buckets as _buckets
 from .._core import mesh as _mesh
+from .._core import stacking as _stacking
 from .._core import tree as _tree
 from .._core.mesh import host_leaves
 from ..errors import InputTypeError
@@ -179,7 +180,10 @@ def stack_adapters(adapters: Sequence[Any]) -> StackedAdapters:
             )
         if host_leaves(bk):  # numpy factors: stacked on the host, placed once
             st = _mesh.Stacked(*jax.device_put(tuple(_mesh.host_stack(bk, dtype, len(bk.names)))))
-        else:
+        elif _stacking.device_leaves(bk):  # device factors: on their device, a group at a time
+            st = _stacking.device_stack(bk, dtype, len(bk.names), scales)
+            st = st._replace(scale=jax.device_put(st.scale), rank=jax.device_put(st.rank))
+        else:  # numpy and device factors mixed
             cfg = _stages.StackConfig(bk.d_in, bk.d_out, bk.r_max, dtype)
             st = _mesh.Stacked(*_stages.stage_stack((a, b, scales), cfg=cfg))
         out.append(dataclasses.replace(bk, modules=_shell(bk, scales), stacked=st))

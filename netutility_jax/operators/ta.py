@@ -25,12 +25,12 @@ import numpy as np
 
 from .._core import buckets as _buckets
 from .._core import mesh as _mesh
+from .._core import stacking as _stacking
 from .._core import tree as _tree
 from .._core.host import put_views
 from .._core.tables import MaskTable
 from ..scoring._kernels import default_rtol
 from ._plan import check_coef, check_masks, check_scale_range
-from .stacked import host_leaves
 from .traced import kept_directions_many
 
 __all__ = ["TaResult", "merge_ta", "ta_program"]
@@ -134,8 +134,11 @@ def merge_ta(
         if bk.stacked is not None:  # (nu.stack_adapters)
             inputs.append(bk.stacked)
             continue
-        if host_leaves(bk):  # numpy factors (a streamed chunk): stacked here, 4 arguments
-            inputs.append(_mesh.host_stack(bk, dtype, len(bk.names)))
+        # numpy factors (a streamed chunk) stacked on the host, device ones on their device:
+        # 4 arguments (the program would stack the leaves inside: the same copy)
+        st = _stacking.stacked_input(bk, dtype, cap=False)
+        if st is not None:
+            inputs.append(st)
             continue
         a, b, s = _buckets.bucket_arrays(bk)
         host = _buckets.host_scales(s, dtype)

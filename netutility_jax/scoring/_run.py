@@ -22,6 +22,7 @@ import numpy as np
 
 from .._core import buckets as _buckets
 from .._core import mesh as _mesh
+from .._core import stacking as _stacking
 from .._core import tree as _tree
 from .._core.checks import brief, check_auto, check_real, real_option, real_value
 from .._core.host import host_constant, put_views
@@ -137,19 +138,19 @@ def _stacked_input(bk: _tree.Bucket, dtype: Any) -> _mesh.Stacked:
 
 
 def _leaf_input(bk: _tree.Bucket, leaves: tuple, dtype: Any) -> Any:
-    """One bucket's input without a mesh. Numpy factors (a PEFT folder's, a streamed chunk's)
-    are stacked on the host and handed over as four arrays (:class:`_mesh.Stacked`), which the
-    merge programs do too: no argument per leaf, and the program's size does not grow with the
-    modules. Device factors stay leaves, which the kernel reads a group of modules at a time
-    instead of copying the bucket (:func:`_grams.leaf_grams`); their concrete scales become one
-    ``(n, M)`` array (one argument, not one per scale)."""
+    """One bucket's input without a mesh: its factors stacked where they are
+    (:func:`_stacking.stacked_input`: numpy factors on the host, concrete device factors on
+    their device) and handed over as four arrays (:class:`_mesh.Stacked`), which the merge
+    programs take too: no argument per leaf, and the program's size does not grow with the
+    modules. Traced factors, and a bucket of device factors too large to copy, stay leaves,
+    which the kernel reads a group of modules at a time (:func:`_grams.leaf_grams`); their
+    concrete scales become one ``(n, M)`` array (one argument, not one per scale)."""
     a, b, s = leaves
     host = _buckets.host_scales(s, dtype)
     if host is None:
         return a, b, s
-    if _mesh.host_leaves(bk):
-        with np.errstate(over="ignore", invalid="ignore"):  # beyond the dtype: inf, as XLA casts
-            st = _mesh.host_stack(bk, dtype, len(bk.names))
+    st = _stacking.stacked_input(bk, dtype)
+    if st is not None:
         return st._replace(scale=host)  # (the scales as XLA rounds them)
     return a, b, host
 

@@ -33,6 +33,7 @@ from jax.experimental import checkify
 
 import netutility_jax as nu
 from netutility_jax import InputError, InputTypeError
+from netutility_jax._core import stacking as stacking_mod
 
 utility_mod = importlib.import_module("netutility_jax.utility")
 kernels_mod = importlib.import_module("netutility_jax.scoring._kernels")
@@ -1421,12 +1422,13 @@ def test_leaf_grams_equal_the_float64_products():
             np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
 
 
-def test_score_kernel_keeps_one_group_of_stacked_factors_in_memory():
-    # the Grams come from the leaves a group at a time, chained through data: XLA's temporary
-    # memory holds about one group's stacked copy, not the bucket's (on XLA:CPU a bucket-sized
-    # temporary is fresh memory every call, whose page faults cost as much as the Grams)
-    # (device factors: numpy ones are stacked on the host and handed over as four arrays, see
+def test_score_kernel_keeps_one_group_of_stacked_factors_in_memory(monkeypatch):
+    # a bucket of device factors too large to copy (here: any, the cap set to 0) keeps its
+    # leaves, and the Grams come from them a group at a time, chained through data: XLA's
+    # temporary memory holds about one group's stacked copy, not the bucket's
+    # (smaller buckets are stacked before the program, see
     # test_numpy_factors_are_handed_over_stacked_and_score_the_same_bits)
+    monkeypatch.setattr(stacking_mod, "DEVICE_STACK_BYTES", 0)
     spec = tuple((f"layers/{i}/q", 2048, 256, (16, 16, 16, 16)) for i in range(24))
     ads = jax.device_put(make_adapters(0, 4, spec, with_scale=False))
     _, buckets, _ = _tree_mod.collect(ads, fn="t")
@@ -1442,9 +1444,10 @@ def test_score_kernel_keeps_one_group_of_stacked_factors_in_memory():
     assert temp < factors / 4, (temp, factors)
 
 
-def test_numpy_factors_are_handed_over_stacked_and_score_the_same_bits():
-    # numpy factors (a PEFT folder's, a streamed chunk's) are stacked on the host: four
-    # arguments per bucket whatever the number of modules, and the same bits as device leaves
+def test_numpy_factors_are_handed_over_stacked_and_score_the_same_bits(monkeypatch):
+    # numpy factors (a PEFT folder's, a streamed chunk's) are stacked on the host, device ones
+    # on their device: four arguments per bucket whatever the number of modules, and the same
+    # bits as each other and as the leaves a bucket too large to copy keeps
     def n_args(ads):
         _, buckets, _ = _tree_mod.collect(ads, fn="t")
         inputs = scoring_mod.score_inputs("t", buckets, jnp.float32, None)
@@ -1454,12 +1457,16 @@ def test_numpy_factors_are_handed_over_stacked_and_score_the_same_bits():
     (k_small, b_small), (k_large, b_large) = n_args(small), n_args(large)
     assert k_small == 4 * b_small and k_large == 4 * b_large, (k_small, k_large)
     dev = jax.device_put(large)
-    assert n_args(dev)[0] > 4 * b_large  # device factors: leaves (read a group at a time)
+    assert n_args(dev) == (4 * b_large, b_large)
     sc, sc_dev = nu.score(large), nu.score(dev)
-    for n, ms in sc.modules.items():
-        for f, x, y in zip(ms._fields, ms, sc_dev.modules[n], strict=True):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{n} {f}")
-    np.testing.assert_array_equal(np.asarray(sc.lam), np.asarray(sc_dev.lam))
+    monkeypatch.setattr(stacking_mod, "DEVICE_STACK_BYTES", 0)
+    assert n_args(dev)[0] > 4 * b_large  # above the cap: leaves (read a group at a time)
+    sc_leaves = nu.score(dev)
+    for other in (sc_dev, sc_leaves):
+        for n, ms in sc.modules.items():
+            for f, x, y in zip(ms._fields, ms, other.modules[n], strict=True):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{n} {f}")
+        np.testing.assert_array_equal(np.asarray(sc.lam), np.asarray(other.lam))
 
 
 def test_one_device_mesh_scores_are_the_plain_scores_bit_for_bit():
