@@ -7,8 +7,8 @@ takes four arrays per bucket (:class:`.mesh.Stacked`) and its program is the sam
 Numpy factors (a PEFT folder's, a streamed chunk's) are stacked on the host
 (:func:`.mesh.host_stack`). Factors already on a device are stacked there by
 :func:`device_stack`, :data:`GROUP` leaves at a time: one small program per leaf shape (the last
-group padded with zeros so it reuses it) and one that joins the groups, about 0.1 s of compiling
-at any depth; one ``concatenate`` of every leaf would take 13 s at 4,480 leaves, and a detour
+group padded with zeros so it reuses it) and one per bucket that joins the groups, about 0.1-0.4
+s of compiling at any depth; one ``concatenate`` of every leaf would take 13 s at 4,480 leaves, and a detour
 through the host would copy every factor twice on an accelerator.
 
 Stacking copies the bucket once. Up to :data:`DEVICE_STACK_BYTES` per bucket that copy is what
@@ -54,24 +54,28 @@ def _stack_group(xs: tuple, *, dtype: Any) -> jax.Array:
     return jnp.stack([x.astype(dtype) for x in xs])
 
 
-def _stack_leaves(leaves: list, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """``leaves`` (module-major, task-minor, each of ``shape[2:]``) as one ``shape`` array."""
-    count = len(leaves)
-    zero = jnp.zeros(shape[2:], dtype)
-    padded = leaves + [zero] * (-count % GROUP)
-    parts = tuple(
+def _groups(leaves: list, zero: jax.Array, dtype: Any) -> tuple:
+    """``leaves`` (module-major, task-minor) stacked :data:`GROUP` at a time, the last group
+    padded with ``zero`` so that every group reuses one program."""
+    padded = leaves + [zero] * (-len(leaves) % GROUP)
+    return tuple(
         _stack_group(tuple(padded[i : i + GROUP]), dtype=np.dtype(dtype))
         for i in range(0, len(padded), GROUP)
     )
-    return _cut(parts, count=count, shape=shape)
 
 
-@functools.partial(jax.jit, static_argnames=("count", "shape"))
-def _cut(parts: tuple, *, count: int, shape: tuple[int, ...]) -> jax.Array:
+def _cut(parts: tuple, count: int, shape: tuple[int, ...]) -> jax.Array:
+    """The groups joined, their padding cut, as ``shape`` (modules beyond the bucket's: 0)."""
     x = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
     x = x[:count].reshape(count // shape[1], *shape[1:])
     extra = shape[0] - x.shape[0]
     return jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1)) if extra else x
+
+
+@functools.partial(jax.jit, static_argnames=("count", "shapes"))
+def _join(parts_a: tuple, parts_b: tuple, *, count: int, shapes: tuple) -> tuple:
+    """Both factors' groups as their stacked arrays: one program per bucket."""
+    return _cut(parts_a, count, shapes[0]), _cut(parts_b, count, shapes[1])
 
 
 def device_stack(bucket: Any, dtype: Any, n_pad: int, scales: Any = None) -> Stacked:
@@ -82,7 +86,13 @@ def device_stack(bucket: Any, dtype: Any, n_pad: int, scales: Any = None) -> Sta
     their :func:`.buckets.host_scales`, if made already)."""
     m = len(bucket.modules[0])
     d_in, d_out, r_max = bucket.d_in, bucket.d_out, bucket.r_max
-    zero_a, zero_b = jnp.zeros((d_in, r_max), dtype), jnp.zeros((r_max, d_out), dtype)
+    first = next(mod.lora_a for row in bucket.modules for mod in row if mod is not None)
+    place = (
+        first.sharding if isinstance(first.sharding, jax.sharding.SingleDeviceSharding) else None
+    )
+    # zeros placed where the factors are, not made by a program
+    zero_a = jax.device_put(np.zeros((d_in, r_max), dtype), place)
+    zero_b = jax.device_put(np.zeros((r_max, d_out), dtype), place)
     a_leaves, b_leaves = [], []
     ranks = np.zeros((n_pad, m), np.int32)
     for j, mods in enumerate(bucket.modules):
@@ -99,8 +109,12 @@ def device_stack(bucket: Any, dtype: Any, n_pad: int, scales: Any = None) -> Sta
                 b = jnp.pad(b, ((0, r_max - r), (0, 0)))
             a_leaves.append(a)
             b_leaves.append(b)
-    a = _stack_leaves(a_leaves, (n_pad, m, d_in, r_max), dtype)
-    b = _stack_leaves(b_leaves, (n_pad, m, r_max, d_out), dtype)
+    a, b = _join(
+        _groups(a_leaves, zero_a, dtype),
+        _groups(b_leaves, zero_b, dtype),
+        count=len(a_leaves),
+        shapes=((n_pad, m, d_in, r_max), (n_pad, m, r_max, d_out)),
+    )
     if scales is None:
         scales = _buckets.host_scales(_buckets.bucket_arrays(bucket)[2], dtype)
     s = np.zeros((n_pad, m), dtype)
