@@ -19,7 +19,10 @@ Traced factors (a call inside ``jax.jit``) are never stacked here: the caller's 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -29,11 +32,37 @@ import numpy as np
 from . import buckets as _buckets
 from .mesh import Stacked, host_leaves, host_stack
 
-__all__ = ["DEVICE_STACK_BYTES", "GROUP", "device_leaves", "device_stack", "stacked_input"]
+__all__ = [
+    "DEVICE_STACK_BYTES",
+    "GROUP",
+    "device_leaves",
+    "device_stack",
+    "reuse",
+    "stacked_input",
+]
 
 # Leaves per stacking program, and the most bytes of a bucket stacked on its device.
 GROUP = 32
 DEVICE_STACK_BYTES = 1 << 30
+
+
+# Inside reuse(): stacked factors by the identity of their leaves (the leaves kept alive with
+# them, so an id is never another array's while the entry lives).
+_REUSE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("stack_reuse", default=None)
+
+
+@contextlib.contextmanager
+def reuse() -> Iterator[None]:
+    """Within the block, :func:`device_stack` of the same factor arrays (the same objects, at the
+    same dtype and padding) returns the arrays it stacked the first time: one copy for a call
+    that scores and then merges the same adapters (``nu.merge_adapters``), not one per stage.
+    Nested blocks share the outermost one's entries; they are dropped when it ends."""
+    token = _REUSE.set({}) if _REUSE.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _REUSE.reset(token)
 
 
 def device_leaves(bucket: Any) -> bool:
@@ -86,6 +115,24 @@ def device_stack(bucket: Any, dtype: Any, n_pad: int, scales: Any = None) -> Sta
     their :func:`.buckets.host_scales`, if made already)."""
     m = len(bucket.modules[0])
     d_in, d_out, r_max = bucket.d_in, bucket.d_out, bucket.r_max
+    if scales is None:
+        scales = _buckets.host_scales(_buckets.bucket_arrays(bucket)[2], dtype)
+    s = np.zeros((n_pad, m), dtype)
+    s[: len(bucket.modules)] = scales
+    ranks = np.zeros((n_pad, m), np.int32)
+    for j, mods in enumerate(bucket.modules):
+        for i, mod in enumerate(mods):
+            ranks[j, i] = 0 if mod is None else mod.lora_a.shape[1]
+    cache = _REUSE.get()
+    key = (
+        tuple(
+            None if x is None else (id(x.lora_a), id(x.lora_b)) for r in bucket.modules for x in r
+        ),
+        np.dtype(dtype).str,
+        n_pad,
+    )
+    if cache is not None and key in cache:
+        return Stacked(*cache[key][1], s, ranks)
     first = next(mod.lora_a for row in bucket.modules for mod in row if mod is not None)
     place = (
         first.sharding if isinstance(first.sharding, jax.sharding.SingleDeviceSharding) else None
@@ -94,15 +141,13 @@ def device_stack(bucket: Any, dtype: Any, n_pad: int, scales: Any = None) -> Sta
     zero_a = jax.device_put(np.zeros((d_in, r_max), dtype), place)
     zero_b = jax.device_put(np.zeros((r_max, d_out), dtype), place)
     a_leaves, b_leaves = [], []
-    ranks = np.zeros((n_pad, m), np.int32)
-    for j, mods in enumerate(bucket.modules):
-        for i, mod in enumerate(mods):
+    for mods in bucket.modules:
+        for mod in mods:
             if mod is None:
                 a_leaves.append(zero_a)
                 b_leaves.append(zero_b)
                 continue
             r = mod.lora_a.shape[1]
-            ranks[j, i] = r
             a, b = mod.lora_a, mod.lora_b
             if r < r_max:  # a ragged rank (rank_pattern): padded on its own
                 a = jnp.pad(a, ((0, 0), (0, r_max - r)))
@@ -115,10 +160,8 @@ def device_stack(bucket: Any, dtype: Any, n_pad: int, scales: Any = None) -> Sta
         count=len(a_leaves),
         shapes=((n_pad, m, d_in, r_max), (n_pad, m, r_max, d_out)),
     )
-    if scales is None:
-        scales = _buckets.host_scales(_buckets.bucket_arrays(bucket)[2], dtype)
-    s = np.zeros((n_pad, m), dtype)
-    s[: len(bucket.modules)] = scales
+    if cache is not None:
+        cache[key] = (bucket.modules, (a, b))
     return Stacked(a, b, s, ranks)
 
 

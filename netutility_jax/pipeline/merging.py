@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import registry
 from .._core import checks as _checks
+from .._core import stacking as _stacking
 from .._core import tree as _tree
 from .._core.tables import MaskTable
 from ..errors import InputError
@@ -452,17 +453,18 @@ def merge_adapters(
         adapters = adapters.unstack()
     weighted, req = _weighted_input(adapters, req)
     names, buckets, _m_tasks = _tree.collect(adapters, fn=req.fn)
-    done = _merged_ta(adapters, weighted, req, names, buckets, coef) if fast else None
-    if done is None:  # the bucket pipeline (for TA: inputs it must refuse or split, see ta.py)
-        if isinstance(adapters, StackedAdapters) and fast:
-            return merge_adapters(
-                adapters.unstack(), budget=budget, method=method, space=space,
-                allocation=allocation, scope=scope, alpha=alpha, lam=lam,
-                positive_only=positive_only, coef=coef, key=key, mesh=mesh, weights=weights,
-                min_share=min_share, input_moments=input_moments, interference=interference,
-                **options,
-            )  # fmt: skip
-        done = _merged_by_stages(adapters, weighted, req, names, buckets, mesh, options)
+    with _stacking.reuse():  # device factors stacked once, for the scoring and the merge
+        done = _merged_ta(adapters, weighted, req, names, buckets, coef) if fast else None
+        if done is None:  # the bucket pipeline (for TA: inputs it must refuse or split, ta.py)
+            if isinstance(adapters, StackedAdapters) and fast:
+                return merge_adapters(
+                    adapters.unstack(), budget=budget, method=method, space=space,
+                    allocation=allocation, scope=scope, alpha=alpha, lam=lam,
+                    positive_only=positive_only, coef=coef, key=key, mesh=mesh,
+                    weights=weights, min_share=min_share, input_moments=input_moments,
+                    interference=interference, **options,
+                )  # fmt: skip
+            done = _merged_by_stages(adapters, weighted, req, names, buckets, mesh, options)
     merged, kept_masks, sc, h, zeroed = done
     zeroed = () if req.zero_merge else zeroed
     warn_zeroed(req.fn, zeroed, len(names), method, options)

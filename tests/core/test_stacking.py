@@ -78,3 +78,28 @@ def test_stacked_input_routes():
 
     inside(_on_device(ads))
     assert seen == [None]
+
+
+@pytest.mark.parametrize("method", ["ta", "tsv"])
+def test_merge_adapters_stacks_each_bucket_once_and_merges_as_numpy_factors_do(method, monkeypatch):
+    # scoring and merging read the same stacked copy (stacking.reuse), weighted tasks included,
+    # and the merge is the one of the same factors given as numpy arrays
+    import netutility_jax as nu
+
+    ads = make_adapters(2, 3, SPEC)
+    dev = _on_device(ads)
+    joins = []
+    join = stacking._join
+    monkeypatch.setattr(stacking, "_join", lambda *a, **k: joins.append(1) or join(*a, **k))
+    kw = dict(budget=6, method=method, space="core", weights=[1.0, 0.5, 2.0])
+    got, _ = nu.merge_adapters(dev, **kw)
+    assert len(joins) == len(_buckets(dev))
+    want, _ = nu.merge_adapters(ads, **kw)
+    for (path, x), (_, y) in zip(
+        jax.tree_util.tree_leaves_with_path(got),
+        jax.tree_util.tree_leaves_with_path(want),
+        strict=True,
+    ):
+        np.testing.assert_allclose(
+            np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6, err_msg=str(path)
+        )
