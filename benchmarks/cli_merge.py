@@ -246,7 +246,8 @@ wrap(fw, "write_extras", "report, model card and plots")
 wrap(fw, "write_plots", "plots")
 wrap(peft.AdapterSet, "read", "read chunks")
 wrap(peft.AdapterWriter, "add", "write chunks")
-wrap(streaming.merging, "run_plan", "merge kernels")
+from netutility_jax.pipeline import _stream_merge
+wrap(_stream_merge.merging, "run_plan", "merge kernels")
 s = time.perf_counter()
 rc = entry.main(sys.argv[1:])
 main_s = time.perf_counter() - s
