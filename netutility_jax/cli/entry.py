@@ -20,7 +20,15 @@ from .inspect import cmd_inspect
 from .merge import cmd_merge
 from .parser import MAX_MESSAGE, build_parser, required_merge_arguments
 
-__all__ = ["default_compile_cache", "enable_compile_cache", "exit_now", "main", "run"]
+__all__ = [
+    "CPU_COMPILE_FLAGS",
+    "cpu_compile_flags",
+    "default_compile_cache",
+    "enable_compile_cache",
+    "exit_now",
+    "main",
+    "run",
+]
 
 
 def default_compile_cache() -> pathlib.Path | None:
@@ -53,6 +61,23 @@ def enable_compile_cache(folder: pathlib.Path) -> bool:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return True
+
+
+# XLA:CPU code generation for the command's programs, unless XLA_FLAGS names the flag: its
+# legacy emitters compile the library's small programs in about half the time of its MLIR
+# fusion emitters (benchmarks/cli_merge.py; no flag changes what a program computes, and a GPU
+# or TPU backend ignores them).
+CPU_COMPILE_FLAGS = ("xla_cpu_use_fusion_emitters=false",)
+
+
+def cpu_compile_flags() -> None:
+    """Add :data:`CPU_COMPILE_FLAGS` to ``XLA_FLAGS`` (those it does not name already), before
+    the command's first computation starts the backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag in CPU_COMPILE_FLAGS:
+        if flag.split("=")[0] not in flags:
+            flags = f"{flags} --{flag}".strip()
+    os.environ["XLA_FLAGS"] = flags
 
 
 def exit_now(code: int) -> None:
@@ -108,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": cmd_demo,
     }
     try:
+        if args.command != "demo":  # (the demo trains: compiled as JAX's defaults compile)
+            cpu_compile_flags()
         cache = default_compile_cache()
         if args.command != "demo" and not args.no_compile_cache and cache is not None:
             enable_compile_cache(cache)

@@ -71,3 +71,22 @@ def test_inspect_then_dry_runs_then_merges_all_succeed_from_one_cache(tmp_path):
         np.testing.assert_array_equal(
             np.asarray(nu.module_update(one[name])), np.asarray(nu.module_update(two[name]))
         )
+
+
+def test_the_command_adds_its_cpu_compile_flags_to_what_xla_flags_says(monkeypatch):
+    # added where XLA_FLAGS does not name them; a user's own setting and other flags are kept
+    from netutility_jax.cli import entry
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    entry.cpu_compile_flags()
+    assert os.environ["XLA_FLAGS"].split() == [f"--{f}" for f in entry.CPU_COMPILE_FLAGS]
+    mine = "--xla_force_host_platform_device_count=2 --xla_cpu_use_fusion_emitters=true"
+    monkeypatch.setenv("XLA_FLAGS", mine)
+    entry.cpu_compile_flags()
+    assert os.environ["XLA_FLAGS"] == mine
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    entry.cpu_compile_flags()
+    assert os.environ["XLA_FLAGS"].split() == [
+        "--xla_force_host_platform_device_count=2",
+        *(f"--{f}" for f in entry.CPU_COMPILE_FLAGS),
+    ]
