@@ -664,6 +664,7 @@ _CLI_FLAGS = {  # flag: a valid value (the rest of the time the value is garbage
     "--chunk-mb": "1",
     "--devices": "all",
     "--min-share": "0.5",
+    "--interference": "overlap",
     # one file for two adapters (refused: the count), or garbage (refused: no such file)
     "--input-moments": "none",
     # without --distributed (never drawn: it would wait for other processes) these are refused
@@ -704,6 +705,8 @@ def cli_case_st(draw):
     for flag, good in _CLI_FLAGS.items():
         if flag == "--trim-scope":  # both scopes are valid (model-wide TIES streams too)
             good = draw(st.sampled_from(["module", "model"]))
+        if flag == "--interference":  # the paper's term or the sign-aware one
+            good = draw(st.sampled_from(["overlap", "signed"]))
         if flag == "--budget" or draw(st.booleans()):
             garbage = draw(st.integers(0, 2)) == 0
             n_garbage += garbage
@@ -781,6 +784,7 @@ _CLI_COUNTER = [0]
     [
         ["--method", "ta", "--budget", "2", "--coef", "0.5"],
         ["--method", "tsv", "--budget", "3", "--lam", "0.1", "--alpha", "0"],
+        ["--method", "ta", "--budget", "3", "--interference", "signed", "--space", "core"],
         # model-wide TIES streamed a module at a time (1 KB chunks)
         [
             "--method",
