@@ -11,9 +11,10 @@ group padded with zeros so it reuses it) and one per bucket that joins the group
 s of compiling at any depth; one ``concatenate`` of every leaf would take 13 s at 4,480 leaves, and a detour
 through the host would copy every factor twice on an accelerator.
 
-Stacking copies the bucket once. Up to :data:`DEVICE_STACK_BYTES` per bucket that copy is what
-the stage's program would make inside anyway; a larger bucket of device leaves keeps its leaves
-(:func:`stacked_input` returns None), which the scoring kernel reads a group of modules at a time.
+Stacking copies the bucket once: the merge programs made that copy inside anyway, but the
+scoring kernel reads leaves a group of modules at a time without one. So for scoring a bucket of
+device factors is stacked only up to :func:`stack_limit` bytes (1 GiB, or a sixteenth of an
+accelerator's memory); a larger one keeps its leaves (:func:`stacked_input` returns None).
 Traced factors (a call inside ``jax.jit``) are never stacked here: the caller's trace does it.
 """
 
@@ -38,12 +39,26 @@ __all__ = [
     "device_leaves",
     "device_stack",
     "reuse",
+    "stack_limit",
     "stacked_input",
 ]
 
-# Leaves per stacking program, and the most bytes of a bucket stacked on its device.
+# Leaves per stacking program, and the most bytes of a bucket stacked on its device for scoring
+# (at least; on a device that reports its memory, a sixteenth of it where that is more).
 GROUP = 32
 DEVICE_STACK_BYTES = 1 << 30
+
+
+def stack_limit(leaf: jax.Array) -> int:
+    """The most bytes of one bucket scoring stacks on ``leaf``'s device: :data:`DEVICE_STACK_BYTES`,
+    or a sixteenth of the device's memory where it reports a larger one (an accelerator's
+    ``memory_stats()['bytes_limit']``; a CPU reports none)."""
+    try:
+        stats = next(iter(leaf.devices())).memory_stats() or {}
+    except Exception:  # (a backend without memory statistics)
+        stats = {}
+    limit = int(stats.get("bytes_limit", 0)) // 16
+    return max(DEVICE_STACK_BYTES, limit) if DEVICE_STACK_BYTES > 0 else 0
 
 
 # Inside reuse(): stacked factors by the identity of their leaves (the leaves kept alive with
@@ -168,7 +183,7 @@ def device_stack(bucket: Any, dtype: Any, n_pad: int, scales: Any = None) -> Sta
 def stacked_input(bucket: Any, dtype: Any, n_pad: int | None = None, *, cap: bool = True) -> Any:
     """The bucket as :class:`.mesh.Stacked` for a stage's program, or None where it keeps its
     leaves: numpy factors stacked on the host, concrete device factors on their device (up to
-    :data:`DEVICE_STACK_BYTES` with ``cap``), traced ones or traced scales never."""
+    :func:`stack_limit` with ``cap``), traced ones or traced scales never."""
     n_pad = len(bucket.names) if n_pad is None else n_pad
     if host_leaves(bucket):
         with np.errstate(over="ignore", invalid="ignore"):  # beyond the dtype: inf, as XLA casts
@@ -176,8 +191,10 @@ def stacked_input(bucket: Any, dtype: Any, n_pad: int | None = None, *, cap: boo
     if not device_leaves(bucket):
         return None
     size = n_pad * len(bucket.modules[0]) * bucket.r_max * (bucket.d_in + bucket.d_out)
-    if cap and size * np.dtype(dtype).itemsize > DEVICE_STACK_BYTES:
-        return None
+    if cap:
+        first = next(m.lora_a for row in bucket.modules for m in row if m is not None)
+        if size * np.dtype(dtype).itemsize > stack_limit(first):
+            return None
     scales = _buckets.host_scales(_buckets.bucket_arrays(bucket)[2], dtype)
     if scales is None:
         return None

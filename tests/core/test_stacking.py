@@ -103,3 +103,25 @@ def test_merge_adapters_stacks_each_bucket_once_and_merges_as_numpy_factors_do(m
         np.testing.assert_allclose(
             np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6, err_msg=str(path)
         )
+
+
+def test_stack_limit_is_a_sixteenth_of_a_reported_device_memory_at_least_the_floor():
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    class Leaf:
+        def __init__(self, stats):
+            self.device = Device(stats)
+
+        def devices(self):
+            return {self.device}
+
+    floor = stacking.DEVICE_STACK_BYTES
+    assert stacking.stack_limit(Leaf(None)) == floor  # a CPU reports no memory statistics
+    assert stacking.stack_limit(Leaf({"bytes_limit": 4 * floor})) == floor
+    assert stacking.stack_limit(Leaf({"bytes_limit": 141 << 30})) == (141 << 30) // 16
+    assert stacking.stack_limit(jax.numpy.zeros(2)) == floor  # this machine's CPU
