@@ -8,8 +8,8 @@ Numpy factors (a PEFT folder's, a streamed chunk's) are stacked on the host
 (:func:`.mesh.host_stack`). Factors already on a device are stacked there by
 :func:`device_stack`, :data:`GROUP` leaves at a time: one small program per leaf shape (the last
 group padded with zeros so it reuses it) and one per bucket that joins the groups, about 0.1-0.4
-s of compiling at any depth; one ``concatenate`` of every leaf would take 13 s at 4,480 leaves, and a detour
-through the host would copy every factor twice on an accelerator.
+s of compiling at any depth; one ``concatenate`` of every leaf would take 13 s at 4,480 leaves,
+and a detour through the host would copy every factor twice on an accelerator.
 
 Stacking copies the bucket once: the merge programs made that copy inside anyway, but the
 scoring kernel reads leaves a group of modules at a time without one. So for scoring a bucket of
@@ -180,10 +180,13 @@ def device_stack(bucket: Any, dtype: Any, n_pad: int, scales: Any = None) -> Sta
     return Stacked(a, b, s, ranks)
 
 
-def stacked_input(bucket: Any, dtype: Any, n_pad: int | None = None, *, cap: bool = True) -> Any:
+def stacked_input(
+    bucket: Any, dtype: Any, n_pad: int | None = None, *, cap: bool = True, scales: Any = None
+) -> Any:
     """The bucket as :class:`.mesh.Stacked` for a stage's program, or None where it keeps its
     leaves: numpy factors stacked on the host, concrete device factors on their device (up to
-    :func:`stack_limit` with ``cap``), traced ones or traced scales never."""
+    :func:`stack_limit` with ``cap``), traced ones or traced scales never (``scales``: the
+    bucket's :func:`.buckets.host_scales`, if the caller made them already)."""
     n_pad = len(bucket.names) if n_pad is None else n_pad
     if host_leaves(bucket):
         with np.errstate(over="ignore", invalid="ignore"):  # beyond the dtype: inf, as XLA casts
@@ -195,7 +198,8 @@ def stacked_input(bucket: Any, dtype: Any, n_pad: int | None = None, *, cap: boo
         first = next(m.lora_a for row in bucket.modules for m in row if m is not None)
         if size * np.dtype(dtype).itemsize > stack_limit(first):
             return None
-    scales = _buckets.host_scales(_buckets.bucket_arrays(bucket)[2], dtype)
+    if scales is None:
+        scales = _buckets.host_scales(_buckets.bucket_arrays(bucket)[2], dtype)
     if scales is None:
         return None
     return device_stack(bucket, dtype, n_pad, scales)

@@ -149,7 +149,7 @@ def _leaf_input(bk: _tree.Bucket, leaves: tuple, dtype: Any) -> Any:
     host = _buckets.host_scales(s, dtype)
     if host is None:
         return a, b, s
-    st = _stacking.stacked_input(bk, dtype)
+    st = _stacking.stacked_input(bk, dtype, scales=host)
     if st is not None:
         return st._replace(scale=host)  # (the scales as XLA rounds them)
     return a, b, host
