@@ -9,7 +9,11 @@ on first access (all of them at once: one read per bucket, then the placements),
 library's own stages read the stacked form (:meth:`ScoreTable.parts`) or the host copies
 (:meth:`MaskTable.host`) directly.
 
-Both are :class:`collections.abc.MutableMapping` s and pytrees (flattened as the dict of their
+:class:`MergedTable` is the same for a merge under ``jax.jit`` of a ``nu.stack_adapters`` set: its
+merged factors stay stacked per bucket, so the compiled program returns two arrays per bucket
+rather than two slices per module.
+
+These tables are :class:`collections.abc.MutableMapping` s and pytrees (flattened as the dict of their
 values, unflattened as a plain dict), so ``jax.tree.map``, ``dict(table)``, equality with a dict
 and item assignment work as for the dicts they stand for. A table that was changed is no longer
 :attr:`pristine`, and the stages then read it entry by entry, as any dict.
@@ -25,7 +29,7 @@ import numpy as np
 
 from .host import put_views
 
-__all__ = ["MaskTable", "ScoreTable", "StackedMasks"]
+__all__ = ["MaskTable", "MergedTable", "ScoreTable", "StackedMasks", "StackedRows"]
 
 
 class _NamedTable(MutableMapping):
@@ -188,16 +192,15 @@ class MaskTable(MutableMapping):
         return f"MaskTable({len(self._host)} modules)"
 
 
-class StackedMasks(_NamedTable):
-    """``{name: bool (M, r_max)}`` masks of :func:`nu.allocate` inside a transformation, kept
-    stacked per bucket as the allocation computed them: the merge reads the blocks
-    (:meth:`blocks`), and a module's mask is sliced in the graph only when asked for, so the
-    traced program does not grow by a slice, a stack and a check per module.
+class StackedRows(_NamedTable):
+    """``{name: row}`` from blocks of rows stacked per bucket, a module's row sliced only when
+    asked for (in the graph when traced), so a traced program does not grow by a slice per
+    module that nothing reads (a traced report's ``kept`` counts).
 
     Args:
       names: every module name, in the adapters' order.
-      blocks: per live bucket ``(names, masks (n, M, r_max))``, traced bool arrays.
-      fixed: the masks of the modules without a live bucket (all False).
+      blocks: per live bucket ``(names, rows (n, ...))``.
+      fixed: the rows of the modules without a live bucket.
     """
 
     __slots__ = ("_blocks", "_done", "_fixed", "_names", "pristine")
@@ -212,15 +215,15 @@ class StackedMasks(_NamedTable):
         self._blocks = tuple((tuple(n), m) for n, m in blocks)
         self._fixed = dict(fixed)
         self._done: dict[str, Any] | None = None
-        self.pristine = True  # as nu.allocate made it (no entry set or deleted)
+        self.pristine = True  # as it was made (no entry set or deleted)
 
     def blocks(self) -> dict[tuple[str, ...], Any]:
-        """``{bucket's names: masks (n, M, r_max)}``, as the allocation made them."""
+        """``{bucket's names: rows (n, ...)}`` (masks: ``(n, M, r_max)``), as they were made."""
         return dict(self._blocks)
 
     @property
     def fixed(self) -> dict[str, Any]:
-        """The modules without a live bucket, ``{name: all-False mask}``."""
+        """The modules without a live bucket, ``{name: row}`` (masks: all False)."""
         return self._fixed
 
     def _values(self) -> dict[str, Any]:
@@ -237,6 +240,113 @@ class StackedMasks(_NamedTable):
         return self._values()[name]
 
 
+class StackedMasks(StackedRows):
+    """``{name: bool (M, r_max)}`` masks of :func:`nu.allocate` inside a transformation, kept
+    stacked per bucket as the allocation computed them: the merge reads the blocks
+    (:meth:`blocks`), and a module's mask is sliced in the graph only when asked for, so the
+    traced program does not grow by a slice, a stack and a check per module.
+
+    Args:
+      names: every module name, in the adapters' order.
+      blocks: per live bucket ``(names, masks (n, M, r_max))``, traced bool arrays.
+      fixed: the masks of the modules without a live bucket (all False).
+    """
+
+    __slots__ = ()
+
+
+@jax.jit
+def _row(x: jax.Array, i: jax.Array) -> jax.Array:
+    """Row ``i`` of ``x (..., n, p, q)`` on axis -3: one program per shape, the row an argument."""
+    return jax.lax.dynamic_index_in_dim(x, i, axis=x.ndim - 3, keepdims=False)
+
+
+class MergedTable(_NamedTable):
+    """``{name: {"lora_a", "lora_b", "scale"}}`` of a merge whose factors stay stacked per bucket.
+
+    What ``nu.merge`` and ``nu.merge_adapters`` return for a ``nu.stack_adapters`` set inside a
+    transformation. As a pytree a pristine table's leaves are the stacked factors, two per bucket
+    (``lora_a (..., n, d_in, w)``, ``lora_b (..., n, w, d_out)``; a ``jax.vmap`` adds its axes in
+    front): a jitted merge returns them as they are, and its compiled program does not grow by two
+    output slices per module. A module's factors are row ``i`` of its bucket's arrays, sliced when
+    the module is read (in the graph when traced; outside, by one small program per shape), and
+    ``jax.tree.map`` over a pristine table maps the stacked arrays and gives a table again.
+    Setting or deleting an entry makes every module's factors, and the table then flattens as the
+    dict of its values, as the other tables do.
+
+    Args:
+      names: every module name, in the adapters' order.
+      blocks: per bucket ``(names, lora_a (n, d_in, w), lora_b (n, w, d_out))``.
+      scale: every module's ``scale`` (the merged factors carry the scaling).
+    """
+
+    __slots__ = ("_blocks", "_done", "_names", "_where", "pristine", "scale")
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        blocks: Sequence[tuple[Sequence[str], Any, Any]],
+        scale: float = 1.0,
+    ):
+        self._names = tuple(names)
+        self._blocks = tuple((tuple(n), a, b) for n, a, b in blocks)
+        self._where = {
+            nm: (k, i) for k, (bn, _, _) in enumerate(self._blocks) for i, nm in enumerate(bn)
+        }
+        missing = [nm for nm in self._names if nm not in self._where]
+        if missing or len(self._where) != len(self._names):
+            raise ValueError(f"MergedTable: modules {missing[:3]} are in no block")
+        self.scale = scale
+        self._done: dict[str, Any] | None = None
+        self.pristine = True  # as the merge made it (no entry set or deleted)
+
+    def blocks(self) -> tuple[tuple[tuple[str, ...], Any, Any], ...]:
+        """Per bucket ``(names, lora_a (n, d_in, w), lora_b (n, w, d_out))``, as merged."""
+        return self._blocks
+
+    def ranks(self) -> dict[str, int]:
+        """Each module's rank, the width ``w`` of its bucket's factors (no slicing)."""
+        return {nm: int(self._blocks[self._where[nm][0]][1].shape[-1]) for nm in self._names}
+
+    def _module(self, name: str) -> dict[str, Any]:
+        k, i = self._where[name]
+        _, a, b = self._blocks[k]
+        if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+            a_i, b_i = a[..., i, :, :], b[..., i, :, :]
+        else:
+            idx = np.int32(i)
+            a_i, b_i = _row(a, idx), _row(b, idx)
+        return {"lora_a": a_i, "lora_b": b_i, "scale": self.scale}
+
+    def _values(self) -> dict[str, Any]:
+        if self._done is None:
+            self._done = {nm: self._module(nm) for nm in self._names}
+        return self._done
+
+    def __getitem__(self, name: str) -> Any:
+        if self._done is not None:
+            return self._done[name]
+        if name not in self._where:
+            raise KeyError(name)
+        return self._module(name)
+
+
+def _flatten_merged(t: MergedTable) -> tuple[list, tuple]:
+    if t.pristine:
+        children = [x for _, a, b in t.blocks() for x in (a, b)]
+        return children, ("stacked", t._names, tuple(bn for bn, _, _ in t.blocks()), t.scale)
+    values, names = _flatten_table(t)
+    return values, ("dict", names)
+
+
+def _unflatten_merged(aux: tuple, children: Sequence[Any]) -> Any:
+    if aux[0] == "dict":
+        return _unflatten_table(aux[1], children)
+    _, names, block_names, scale = aux
+    it = iter(children)
+    return MergedTable(names, [(bn, next(it), next(it)) for bn in block_names], scale)
+
+
 def _flatten_table(t: Mapping) -> tuple[list, tuple[str, ...]]:
     names = tuple(t)
     return [t[n] for n in names], names
@@ -246,5 +356,6 @@ def _unflatten_table(names: tuple[str, ...], values: Sequence[Any]) -> dict[str,
     return dict(zip(names, values, strict=True))
 
 
-for _cls in (ScoreTable, MaskTable, StackedMasks):
+for _cls in (ScoreTable, MaskTable, StackedRows, StackedMasks):
     jax.tree_util.register_pytree_node(_cls, _flatten_table, _unflatten_table)
+jax.tree_util.register_pytree_node(MergedTable, _flatten_merged, _unflatten_merged)

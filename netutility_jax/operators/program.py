@@ -37,6 +37,7 @@ from .._core import mesh as _mesh
 from .._core import stacking as _stacking
 from .._core.host import put_views
 from .._core.linalg import after
+from .._core.tables import MergedTable
 from . import _stages
 
 __all__ = ["applies", "merge_program", "merge_traced", "run"]
@@ -195,9 +196,10 @@ def merge_traced(
     coef: Any,
     key: Any,
     weights: Any = None,
-) -> dict[str, dict[str, jax.Array]]:
-    """:func:`merge_program` inside a transformation (any traced input): ``{name: module}``,
-    each module at the program's static width (its live columns first, the others zero).
+) -> MergedTable:
+    """:func:`merge_program` inside a transformation (any traced input): ``{name: module}`` as a
+    :class:`MergedTable` (factors stacked per bucket), each module at the program's static width
+    (its live columns first, the others zero).
 
     ``res``: the resolved method (:func:`registry.resolve_options`); ``weights`` ``(M,)`` scale
     the tasks. The value checks of the concrete route (non-finite inputs, results beyond the
@@ -250,10 +252,8 @@ def merge_traced(
         tuple(inputs), tuple(mks), key, tuple(index), jnp.asarray(coef, dtype), nums,
         groups=tuple(groups),
     )  # fmt: skip
-    out: dict[str, dict[str, jax.Array]] = {}
-    one = jnp.ones((), dtype)
+    blocks = []
     for bk, (la, lb, live, _, _) in zip(buckets, outs, strict=True):
         la = la * live[:, None, :].astype(la.dtype)  # (dead columns exactly zero)
-        for i, nm in enumerate(bk.names):
-            out[nm] = {"lora_a": la[i], "lora_b": lb[i], "scale": one}
-    return {nm: out[nm] for nm in names}
+        blocks.append((bk.names, la, lb))
+    return MergedTable(names, blocks)

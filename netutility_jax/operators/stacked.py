@@ -14,7 +14,9 @@ where a list of adapters goes:
 * :func:`nu.merge` and :func:`nu.merge_adapters` with ``method="ta"`` (one program over the
   buckets, or traced under ``jax.jit``); other methods and a ``mesh=`` merge the per-module
   views of :meth:`StackedAdapters.unstack`. The merged adapter is a flat dict keyed by module
-  name (the stacked set keeps no tree).
+  name (the stacked set keeps no tree); under a transformation a mapping whose factors stay
+  stacked per bucket (``_core.tables.MergedTable``: two arrays per bucket as its pytree leaves,
+  a module sliced when read), so a jitted merge's program does not grow with the modules.
 
 It is a pytree (the arrays are its leaves; names, shapes, ranks and the scales' host copies are
 static), so it passes through ``jax.jit`` as an argument.

@@ -39,7 +39,7 @@ from .._core import buckets as _buckets
 from .._core import tree as _tree
 from .._core.checks import check_weights_sequence
 from .._core.linalg import after, eigh_batched
-from .._core.tables import StackedMasks
+from .._core.tables import MergedTable, StackedMasks, StackedRows
 from ..errors import InputError, InputTypeError
 from ._plan import check_masks
 
@@ -217,8 +217,9 @@ def merge_traced(
     *,
     coef: Any,
     weights: Any = None,
-) -> dict[str, dict[str, jax.Array]]:
-    """TA of the kept components, traceable: ``{name: {"lora_a", "lora_b", "scale"}}``.
+) -> MergedTable:
+    """TA of the kept components, traceable: ``{name: {"lora_a", "lora_b", "scale"}}`` as a
+    :class:`MergedTable` (the factors stacked per bucket, a module sliced when it is read).
 
     Each module comes back at rank ``M r_max`` (see the module docstring); ``coef`` and
     ``weights`` (``(M,)`` or None) may be traced, and gradients flow to them and to the factors.
@@ -246,15 +247,13 @@ def merge_traced(
         done = [kept_directions(*it) for it in items]
     else:
         done = [x[:2] for x in kept_directions_many(items)]
-    out: dict[str, dict[str, jax.Array]] = {}
-    one = jnp.ones((), dtype)
+    blocks = []
     for bk, (la, lb) in zip(buckets, done, strict=True):
         n = len(bk.names)
         la = jnp.moveaxis(la, 1, 2).reshape(n, bk.d_in, m_tasks * bk.r_max)
         lb = lb.reshape(n, m_tasks * bk.r_max, bk.d_out)
-        for i, name in enumerate(bk.names):
-            out[name] = {"lora_a": la[i], "lora_b": lb[i], "scale": one}
-    return {nm: out[nm] for nm in names}
+        blocks.append((bk.names, la, lb))
+    return MergedTable(names, blocks)
 
 
 def _report_blocks(masks: Mapping[str, Any], names: Sequence[str]) -> list[tuple[tuple, Any]]:
@@ -275,15 +274,15 @@ def _report_blocks(masks: Mapping[str, Any], names: Sequence[str]) -> list[tuple
 def traced_report_fields(masks: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """A traced report's counts: ``kept`` per module ``(M,)``, ``kept_per_task``,
     ``budget_spent`` and ``non_prefix_fraction`` (as :mod:`netutility_jax.analysis`, in jnp),
-    computed per block of modules (a few operations per bucket; a slice per module for
-    ``kept``)."""
+    computed per block of modules (a few operations per bucket; ``kept`` stays stacked, a module's
+    counts sliced when read: :class:`StackedRows`)."""
     blocks = _report_blocks(masks, names)
-    kept = {}
+    kept_blocks = []
     per_task = spent = sets = nonprefix = 0
     for bnames, m in blocks:
         m = jnp.asarray(m, bool)
         n = m.sum(2)  # (n, M)
-        kept.update((nm, n[i]) for i, nm in enumerate(bnames))
+        kept_blocks.append((bnames, n))
         per_task = per_task + n.sum(0)
         spent = spent + n.sum()
         prefix = jnp.arange(m.shape[2])[None, None, :] < n[..., None]
@@ -292,7 +291,7 @@ def traced_report_fields(masks: Mapping[str, Any], names: Sequence[str]) -> dict
         nonprefix = nonprefix + (live & jnp.any(m != prefix, 2)).sum()
     frac = jnp.where(sets > 0, nonprefix / jnp.maximum(sets, 1), 0.0)
     return {
-        "kept": {nm: kept[nm] for nm in names},
+        "kept": StackedRows(names, kept_blocks, {}),
         "kept_per_task": per_task,
         "budget_spent": spent / len(names),
         "non_prefix_fraction": frac,

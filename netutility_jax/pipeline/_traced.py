@@ -83,7 +83,7 @@ def merge_adapters_traced(
         alpha=None if sc is None else sc.alpha,
         budget=req.budget,
         heterogeneity=heterogeneity(adapters),
-        ranks={nm: int(merged[nm]["lora_a"].shape[-1]) for nm in names},  # (static widths)
+        ranks=merged.ranks(),  # (static widths; no module sliced)
         method=req.method,
         space=req.space,
         allocation=req.allocation,

@@ -34,7 +34,7 @@ from .. import registry
 from .._core import checks as _checks
 from .._core import stacking as _stacking
 from .._core import tree as _tree
-from .._core.tables import MaskTable
+from .._core.tables import MaskTable, MergedTable
 from ..errors import InputError
 from ..operators import _plan, _results, program, ta, traced
 from ..operators._module_ops import fold as fold
@@ -515,9 +515,12 @@ def _merged_by_stages(adapters, weighted, req: MergeRequest, names, buckets, mes
 
 
 def _rebuild(adapters: Any, results: Mapping[str, Any]) -> Any:
-    """The merged modules in the first adapter's tree; a flat dict in module order for a
-    ``nu.stack_adapters`` set (which keeps no tree)."""
+    """The merged modules in the first adapter's tree; for a ``nu.stack_adapters`` set (which
+    keeps no tree) a flat dict in module order, or under a transformation the
+    :class:`MergedTable` itself (its factors stacked per bucket)."""
     if isinstance(adapters, StackedAdapters):
+        if isinstance(results, MergedTable):  # (traced: kept stacked, a module read by slicing)
+            return results
         return {nm: results[nm] for nm in adapters.names}
     return _results.rebuild(adapters[0], results)
 
