@@ -75,7 +75,10 @@ def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group,
       coef, nums: the coefficient and the method's traced options.
     """
     outs = []
-    prev = None  # the previous group's output: every group's LAPACK calls after the last's
+    # On CPU no two LAPACK calls may run at once (_linalg.after). XLA inlines the stages, so
+    # every input of a group waits: on the previous group's outputs, and the first group on every
+    # mask (under a jitted merge_adapters, the scoring's results: its LAPACK calls come first).
+    prev = tuple(masks)
     for x, mk, idx, g in zip(inputs, masks, index, groups, strict=True):
         cfg = g.cfg
         if isinstance(x, _mesh.Stacked) and x.a.dtype != cfg.dtype:  # (a stacked set's dtype)
@@ -97,8 +100,8 @@ def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group,
             st, m, k = args
             return _stages.bucket_merge(_mesh.Stacked(*st), m, coef, k, nums, cfg=cfg)
 
-        if prev is not None:  # (CPU: two LAPACK calls at once can deadlock its thread pool)
-            x = x._replace(a=after(x.a, prev))
+        if prev:  # (CPU: two LAPACK calls at once can deadlock its thread pool)
+            x = x._replace(a=after(x.a, *prev), b=after(x.b, *prev), scale=after(x.scale, *prev))
         args = (tuple(x), mk, kk)
         if g.pieces == 1:
             out = one(args)
@@ -107,7 +110,7 @@ def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group,
             out = jax.lax.map(one, split)
             out = jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), out)
         outs.append(out)
-        prev = out[0]
+        prev = tuple(jax.tree.leaves(out))
     return outs
 
 
