@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import doctest
 import json
-import math
 
 import numpy as np
 import pytest
@@ -310,71 +309,3 @@ def test_fewer_than_two_tasks():
     with pytest.raises(InputError, match="adapters"):
         nu.diagnose([], budget=4)
     assert issubclass(InputError, ValueError)
-
-
-# ------------------------------------------------------------------------------------- CLI
-
-
-@pytest.fixture(scope="module")
-def peft_folders(tmp_path_factory) -> list[str]:
-    from test_cli import BASE, _adapter
-
-    root = tmp_path_factory.mktemp("diag_adapters")
-    out = []
-    for i in range(M):
-        p = root / f"task{i}"
-        nu.peft.save_adapter(_adapter(i, R), p, base_config=BASE)
-        out.append(str(p))
-    return out
-
-
-def test_cli_inspect_diagnose(peft_folders, capsys):
-    from test_cli import _run
-
-    rc, out, err = _run(capsys, "inspect", *peft_folders, "--diagnose", "--budget", "4")
-    assert rc == 0, err
-    assert "overlap vs chance" in out and "random-rotation control" in out
-    assert "heterogeneity h =" in out  # the usual table comes first
-    rc, out, err = _run(capsys, "inspect", *peft_folders, "--diagnose", "--budget", "4", "--json")
-    assert rc == 0, err
-    info = json.loads(out)
-    diag = info["diagnostics"]
-    assert diag["budget"] == 4 and [t["name"] for t in diag["tasks"]] == peft_folders
-    ads = [nu.peft.load_adapter(f) for f in peft_folders]
-    want = nu.diagnose(ads, budget=4, names=peft_folders).to_dict()
-    assert diag["kept"] == want["kept"]
-    assert diag["overlap_vs_chance"] == pytest.approx(want["overlap_vs_chance"], rel=1e-6)
-    assert not math.isnan(diag["overlap_vs_chance"])
-
-
-def test_cli_diagnose_needs_budget(peft_folders, capsys):
-    from test_cli import _run
-
-    rc, out, err = _run(capsys, "inspect", *peft_folders, "--diagnose")
-    assert rc == 2 and out == ""
-    assert err.count("\n") == 1
-    assert err.startswith("netutility inspect: error: --diagnose needs --budget N")
-    rc, _, err = _run(capsys, "inspect", *peft_folders, "--budget", "4")
-    assert rc == 2 and err.count("\n") == 1 and "--budget applies only with --diagnose" in err
-
-
-@pytest.mark.parametrize("budget", ["0", "-3", "abc", "1.5", "", "nan", "9" * 40])
-def test_cli_hostile_budgets_exit_2_without_a_traceback(peft_folders, capsys, budget):
-    from test_cli import _run
-
-    with pytest.raises(SystemExit) as e:  # argparse refuses it, before any work
-        _run(capsys, "inspect", *peft_folders, "--diagnose", "--budget", budget)
-    out, err = capsys.readouterr()
-    assert e.value.code == 2 and out == "", (budget, out)
-    assert "Traceback" not in err and "argument --budget: expected a positive integer" in err
-
-
-def test_cli_a_budget_beyond_every_direction_keeps_at_most_every_direction(peft_folders, capsys):
-    from test_cli import _run
-
-    rc, out, err = _run(capsys, "inspect", *peft_folders, "--diagnose", "--budget", "10000000",
-                        "--json")  # fmt: skip
-    assert rc == 0, err
-    diag = json.loads(out)["diagnostics"]
-    ads = [nu.peft.load_adapter(f) for f in peft_folders]
-    assert diag["kept"] == nu.diagnose(ads, budget=10_000_000).to_dict()["kept"]
