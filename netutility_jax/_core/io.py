@@ -73,8 +73,8 @@ def to_jsonable(x: Any) -> Any:
         return str(x)
     if isinstance(x, (bool, int, str)) or x is None:
         return x
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
+    if isinstance(x, float):  # (np.float64 too: a float subclass, made a plain float)
+        return float(x) if math.isfinite(x) else None
     if isinstance(x, np.generic) or (hasattr(x, "shape") and hasattr(x, "dtype")):
         a = np.asarray(x)
         return to_jsonable(a.tolist() if a.ndim else a.item())

@@ -134,6 +134,7 @@ def test_to_jsonable_gives_plain_json_values():
         "nan": float("nan"),
         "inf": np.float64(-np.inf),
         "nested": {"deep": [np.array([np.nan, 1.0])]},
+        "f64": np.float64(0.5),  # a float subclass: made a plain float too
     }
     got = pv.to_jsonable(x)
     assert got == {
@@ -149,8 +150,10 @@ def test_to_jsonable_gives_plain_json_values():
         "nan": None,
         "inf": None,
         "nested": {"deep": [[None, 1.0]]},
+        "f64": 0.5,
     }
     assert type(got["1"]) is float and type(got["arr"][0][0]) is int
+    assert type(got["f64"]) is float
     assert type(got["tuple"][0]) is bool
     json.dumps(got, allow_nan=False)  # strict JSON
     other = object()

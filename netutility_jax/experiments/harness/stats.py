@@ -45,15 +45,10 @@ two-sided permutation p-value (all ``n!`` orders for ``n <= 8``).
 
 from __future__ import annotations
 
-import contextlib
-import importlib.metadata
 import itertools
 import math
 import os
 import pathlib
-import platform
-import subprocess
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -470,72 +465,26 @@ def summarize(values: Mapping[str, Sequence[float]]) -> dict[str, Interval]:
 
 
 def jsonable(x: Any) -> Any:
-    """``x`` as plain JSON values (mappings with string keys, lists, numbers, strings, None):
-    arrays become lists, numpy scalars Python ones, non-finite floats None (JSON has no NaN).
+    """``x`` as plain JSON values (:func:`nu.provenance.to_jsonable`: arrays as lists, numpy
+    scalars as Python ones, non-finite floats as None, paths as strings).
 
     Example:
       >>> jsonable({1: np.float64(0.5), "x": (np.arange(2), float("nan"))})
       {'1': 0.5, 'x': [[0, 1], None]}
     """
-    if isinstance(x, Mapping):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.generic) or (hasattr(x, "shape") and hasattr(x, "dtype")):
-        a = np.asarray(x)
-        return jsonable(a.tolist() if a.ndim else a.item())
-    if isinstance(x, (bool, int, str)) or x is None:
-        return x
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, os.PathLike):
-        return os.fspath(x)
-    return x
+    return nu.provenance.to_jsonable(x)
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write ``data`` (text or bytes) to ``path`` atomically: a temporary file in the same
-    folder, renamed over ``path`` once written (removed if writing fails)."""
+    """Write ``data`` (text or bytes) to ``path`` atomically (:func:`nu.provenance.atomic_file`),
+    its folder made first if missing."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with nu.provenance.atomic_file(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
 
 
 def provenance() -> tuple[dict[str, Any], dict[str, str]]:
-    """``(commit, versions)`` of a result: the package checkout's ``{"head": hash, "dirty":
-    bool}`` (None values outside a git checkout) and the versions of the library, jax, jaxlib,
-    numpy and Python."""
-    pkg = pathlib.Path(nu.__file__).resolve().parent
-    commit: dict[str, Any] = {"head": None, "dirty": None}
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=pkg, capture_output=True, text=True, timeout=10
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
-            cwd=pkg,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        if head.returncode == 0 and dirty.returncode == 0:
-            commit = {"head": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
-    except (OSError, subprocess.SubprocessError):
-        pass
-    versions = {}
-    for dist in ("netutility-jax", "jax", "jaxlib", "numpy"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    versions["python"] = platform.python_version()
-    return commit, versions
+    """``(commit, versions)`` of a result: :func:`nu.provenance.commit` of the library's
+    checkout and :func:`nu.provenance.versions`."""
+    return nu.provenance.commit(), nu.provenance.versions()
