@@ -145,6 +145,20 @@ def test_a_jitted_merge_of_a_stacked_set_returns_its_factors_stacked(method):
     )
 
 
+def test_a_merged_table_is_written_and_checkpointed_as_a_dict_is(tmp_path):
+    ads, run = _merged_stacked()
+    got = run(ads, 1.0)
+    nu.peft.save_adapter(got, tmp_path / "peft")
+    back = nu.peft.load_adapter(tmp_path / "peft")
+    nu.checkpoint.save(tmp_path / "ckpt", got)
+    restored = nu.checkpoint.restore(tmp_path / "ckpt")
+    assert sorted(back) == sorted(ads.names) and sorted(restored) == sorted(ads.names)
+    for nm in ads.names:
+        w = _update64(got[nm])
+        for other in (back[nm], restored[nm]):
+            np.testing.assert_allclose(_update64(other), w, atol=1e-5 * np.abs(w).max(), err_msg=nm)
+
+
 def test_a_merged_table_read_inside_the_trace_and_after_vmap():
     ads, _ = _merged_stacked()
     nm = ads.names[3]
