@@ -65,7 +65,9 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize(
     "settings, passes",
     [
-        ({"budget": 4, "method": "ta", "space": "core"}, 2),  # scoring pass, merge pass
+        pytest.param(  # scoring pass, merge pass
+            {"budget": 4, "method": "ta", "space": "core"}, 2, marks=pytest.mark.slow
+        ),
         ({"method": "tsv", "space": "core", "allocation": "all"}, 1),  # merge pass only
         # model-wide TIES: scoring, the common unit, two 16-bit radix passes (float32), merging
         ({"budget": 4, "method": "ties", "space": "core", "trim_scope": "model"}, 5),

@@ -124,14 +124,15 @@ def test_ta_merges_compose_with_jit_vmap_and_grad():
         _same(jax.tree.map(lambda x, i=i: x[i], out), one, rtol=1e-4)
 
 
+_SLOW = pytest.mark.slow  # (the default tier keeps one merge per kind: SVD, TIES, DARE)
 _OTHERS = [
     ("tsv", "core", {}),
-    ("iso_c", "full", {}),
-    ("iso_cts", "knots", {}),
-    ("ties", "core", {"density": 0.5}),
+    pytest.param("iso_c", "full", {}, marks=_SLOW),
+    pytest.param("iso_cts", "knots", {}, marks=_SLOW),
+    pytest.param("ties", "core", {"density": 0.5}, marks=_SLOW),
     ("ties", "knots", {"density": 0.5}),
     ("dare", "core", {"p": 0.3}),
-    ("dare_ties", "knots", {"p": 0.3}),
+    pytest.param("dare_ties", "knots", {"p": 0.3}, marks=_SLOW),
 ]
 
 

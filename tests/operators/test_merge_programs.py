@@ -195,13 +195,13 @@ def test_a_streamed_merge_drops_a_shapes_programs_after_its_last_chunk(tmp_path,
 
 # ------------------------------------------------------------- every bucket in one program
 
-_ONE_PROGRAM = [
+_ONE_PROGRAM = [  # (the default tier keeps one merge per kind: SVD, TIES, DARE)
     ("tsv", "core", {}),
-    ("iso_c", "knots", {}),
-    ("iso_cts", "full", {}),
+    pytest.param("iso_c", "knots", {}, marks=pytest.mark.slow),
+    pytest.param("iso_cts", "full", {}, marks=pytest.mark.slow),
     ("ties", "knots", {"density": 0.4}),
     ("dare", "core", {"p": 0.5}),
-    ("dare_ties", "knots", {"p": 0.3}),
+    pytest.param("dare_ties", "knots", {"p": 0.3}, marks=pytest.mark.slow),
 ]
 
 

@@ -96,7 +96,11 @@ def _ref_in_space(space, method_fn, ads):
     return want
 
 
-@pytest.fixture(scope="module", params=["householder", "cholesky"])
+# the CholeskyQR2 route runs the whole product in the slow tier (tests/core/test_linalg.py checks
+# the route itself in the default one)
+@pytest.fixture(
+    scope="module", params=["householder", pytest.param("cholesky", marks=pytest.mark.slow)]
+)
 def qr_route(request):
     """The QR route of netutility_jax._core.linalg: Householder (at most _SMALL rows, as every module
     in these small tests) or CholeskyQR2 (larger modules), forced by setting _SMALL to 0.

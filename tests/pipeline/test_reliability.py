@@ -293,12 +293,19 @@ def test_same_layer_replication_everywhere_is_carried(folders, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+_TIES0 = ["--method", "ties", "--space", "core", "--density", "1e-300"]
+_DARE0 = ["--method", "dare", "--space", "core", "--p", "0.999999"]
+
+
 @pytest.mark.parametrize(
-    "flags",
-    [["--method", "ties", "--space", "core", "--density", "1e-300"],
-     ["--method", "dare", "--space", "core", "--p", "0.999999"]],
-)  # fmt: skip
-@pytest.mark.parametrize("route", [[], ["--in-memory"]])
+    "flags, route",
+    [
+        (_TIES0, []),
+        (_DARE0, ["--in-memory"]),
+        pytest.param(_TIES0, ["--in-memory"], marks=pytest.mark.slow),
+        pytest.param(_DARE0, [], marks=pytest.mark.slow),
+    ],
+)
 def test_all_zero_merges_are_reported(folders, loaded, tmp_path, capsys, flags, route):
     out = tmp_path / "o"
     rc, _, err = _run(capsys, "merge", *folders, "--budget", "4", "--out", str(out),

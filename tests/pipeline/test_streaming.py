@@ -441,7 +441,7 @@ def test_reads_one_chunk_at_a_time_each_module_once_per_pass(
 @pytest.mark.parametrize(
     "space, allocation",
     [
-        ("full", "net_utility"),
+        pytest.param("full", "net_utility", marks=pytest.mark.slow),
         ("core", "net_utility"),
         pytest.param("knots", "net_utility", marks=pytest.mark.slow),
         pytest.param("knots", "all", marks=pytest.mark.slow),  # 10 s
@@ -476,7 +476,8 @@ def test_model_wide_ties_streamed_is_the_in_memory_merge(paths, loaded, space, a
 
 
 @pytest.mark.parametrize(
-    "scope, space", [("module", "knots"), ("model", "knots"), ("model", "full")]
+    "scope, space",
+    [("module", "knots"), ("model", "knots"), pytest.param("model", "full", marks=pytest.mark.slow)],
 )
 def test_ties_by_row_blocks_streamed_is_the_in_memory_merge(
     paths, loaded, scope, space, monkeypatch
