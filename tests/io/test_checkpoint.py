@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
@@ -16,7 +17,6 @@ import pytest
 
 import netutility_jax as nu
 from netutility_jax import checkpoint as ckpt
-from netutility_jax._core.tables import MaskTable, ScoreTable
 
 NAMES = ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "layers/0/attn/query")
 
@@ -48,9 +48,9 @@ def merged(adapters):
 
 
 def _assert_same(a, b, where="obj"):
-    """Same structure, types, dtypes and bits (the library's lazy per-module tables,
-    ``engine.tables``, stand for the dicts they restore as)."""
-    a, b = (dict(x) if isinstance(x, (ScoreTable, MaskTable)) else x for x in (a, b))
+    """Same structure, types, dtypes and bits (the library's lazy per-module tables, mappings
+    that are not dicts, stand for the dicts they restore as)."""
+    a, b = (dict(x) if isinstance(x, Mapping) and not isinstance(x, dict) else x for x in (a, b))
     assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
     if isinstance(a, (jax.Array, np.ndarray, np.generic)):
         assert a.dtype == b.dtype and a.shape == b.shape, where
