@@ -104,10 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             "versions": results.get("versions") or results.get("environment"),
             "estimates": now,
         }
-        text = json.dumps(doc, indent=1, sort_keys=False, allow_nan=False) + "\n"
-        tmp = a.baseline.with_name(f".{a.baseline.name}.tmp")
-        tmp.write_text(text)
-        tmp.replace(a.baseline)
+        import netutility_jax as nu  # (only to write: the check itself needs the JSON alone)
+
+        nu.provenance.write_json(a.baseline, doc)
         print(f"wrote {len(now)} estimates to {a.baseline}")
         return 0
     try:

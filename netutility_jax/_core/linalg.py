@@ -64,12 +64,16 @@ def lapack_serial() -> bool:
 
 
 def after(x: jax.Array, *deps: jax.Array) -> jax.Array:
-    """``x`` made data-dependent on ``deps`` (adds ``0 * dep[0...]``), to order LAPACK calls on
-    CPU; ``x`` itself on other backends."""
+    """``x`` made data-dependent on ``deps`` (adds ``0 * dep[0...]``, a non-finite entry read as
+    0 so that it cannot make ``x`` NaN), to order LAPACK calls on CPU; ``x`` itself on other
+    backends."""
     if not lapack_serial():
         return x
     for d in deps:
-        x = x + jnp.zeros((), x.dtype) * d.reshape(-1)[0].astype(x.dtype)
+        v = d.reshape(-1)[0].astype(x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            v = jnp.where(jnp.isfinite(v), v, 0)
+        x = x + jnp.zeros((), x.dtype) * v
     return x
 
 

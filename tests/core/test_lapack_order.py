@@ -9,6 +9,7 @@ dependencies, in the graph XLA runs (jitted calls inlined; control-flow bodies e
 from __future__ import annotations
 
 import functools
+import itertools
 
 import _merge_reference as ref
 import jax
@@ -82,7 +83,7 @@ def _check_ordered(jaxpr, path="top"):
     """Every pair of LAPACK-using operations of ``jaxpr`` is ordered by data dependencies, with
     the call-like primitives inlined as XLA inlines them; control-flow bodies recursively."""
     users: list[tuple[int, str]] = []
-    ids = iter(range(1 << 30))
+    ids = itertools.count()
     var = jax.extend.core.Var
 
     def walk(jx, env):  # env: variable -> the LAPACK users it depends on
