@@ -219,8 +219,72 @@ def factor_bytes(modules: dict, layers: int, tasks: int, rank: int) -> int:
     return 4 * layers * tasks * rank * sum(a + b for a, b in modules.values())
 
 
+# seconds of every XLA backend compile since the start (jax.monitoring's public listener)
+_COMPILES: list[float] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda ev, secs, **kw: (
+        _COMPILES.append(secs) if ev == "/jax/core/compile/backend_compile_duration" else None
+    )
+)
+
+
+def kernel_summary(fn, calls: int, top: int = 25) -> dict[str, Any]:
+    """``calls`` steady calls of a compiled ``fn`` under ``jax.profiler``: the device ops'
+    (kernels') total time per call, their count and the ``top`` names by time (from the trace's
+    Perfetto export: events of the processes whose name says GPU/TPU, or of all on a CPU)."""
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    jax.block_until_ready(fn())  # compiled and warm
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(fn())
+        files = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not files:
+            return {"error": "no perfetto trace written"}
+        with gzip.open(files[0]) as f:
+            data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs = {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    dev = {p for p, n in procs.items() if "GPU" in n or "TPU" in n or "gpu" in n}
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e in events:
+        if e.get("ph") != "X" or (dev and e.get("pid") not in dev):
+            continue
+        nm = str(e.get("name", ""))
+        total[nm] = total.get(nm, 0.0) + float(e.get("dur", 0.0))
+        count[nm] = count.get(nm, 0) + 1
+    ranked = sorted(total, key=total.get, reverse=True)
+    return {
+        "calls": calls,
+        "device_processes": sorted(procs[p] for p in dev),
+        "events_per_call": sum(count.values()) / calls,
+        "event_us_per_call": sum(total.values()) / calls,
+        "top": [
+            {
+                "name": nm[:160],
+                "us_per_call": total[nm] / calls,
+                "count_per_call": count[nm] / calls,
+            }
+            for nm in ranked[:top]
+        ],
+    }
+
+
 def scoring_section(args, cases, bandwidth: float | None) -> dict[str, Any]:
+    """Per case, stacked and jitted forms first (what the engine is built for), the per-module
+    list forms last: each measurement starts only while the time budget lasts, and one that would
+    start later is recorded as skipped."""
     out = {}
+    traced_once: list[str] = []
     for name, (modules, layers, tasks, rank) in cases.items():
         elapsed = time.perf_counter() - _T0
         if elapsed > args.budget_s:  # a case is minutes at the 70B shapes: keep what was measured
@@ -232,58 +296,96 @@ def scoring_section(args, cases, bandwidth: float | None) -> dict[str, Any]:
         jax.block_until_ready(adapters)
         nbytes = factor_bytes(modules, layers, tasks, rank)
         budget = 16 if rank >= 16 else rank
-
-        def score_allocate(adapters=adapters, budget=budget):
-            scores = nu.score(adapters, alpha=1.0, lam="auto")
-            return nu.allocate(scores, budget, scope="global")
-
-        t_score, masks = time_calls(score_allocate, repeats=args.repeats)
-        kept = int(sum(int(jnp.sum(m)) for m in masks.values()))
-        # the same on the set stacked once where it enters (nu.stack_adapters)
-        t_stack, stacked = time_calls(
-            functools.partial(nu.stack_adapters, adapters), repeats=1, warmup=0
-        )
-        t_score_st, _ = time_calls(
-            functools.partial(score_allocate, stacked, budget), repeats=args.repeats
-        )
-        t_gram, _ = time_calls(_grams(modules, layers, tasks, rank), repeats=args.repeats)
-        _say(f"scoring {name}: first {t_score.first_s:.1f} s, steady {t_score.median_s:.4f} s")
-        rec = {
+        rec: dict[str, Any] = {
             "modules": layers * len(modules),
             "tasks": tasks,
             "rank": rank,
             "factor_bytes": nbytes,
-            "score_allocate": t_score.as_dict(),
-            "stack_adapters": t_stack.as_dict(),
-            "score_allocate_stacked": t_score_st.as_dict(),
-            "kept_directions": kept,
-            "grams": t_gram.as_dict(),
-            "ratio_to_grams": t_score.median_s / t_gram.median_s,
         }
         if bandwidth:
             rec["floor_s"] = nbytes / bandwidth
-            rec["ratio_to_floor"] = t_score.median_s / rec["floor_s"]
-        for method in args.merge_methods:
-            if "merge" not in args.only:
-                break
-
-            def merge(method=method, adapters=adapters, budget=budget):
-                merged, _ = nu.merge_adapters(adapters, budget=budget, method=method, space="core")
-                return merged
-
-            t_merge, _ = time_calls(merge, repeats=max(1, args.repeats // 2))
-            rec[f"merge_{method}_core"] = t_merge.as_dict()
-            t_merge_st, _ = time_calls(
-                functools.partial(merge, method, stacked), repeats=max(1, args.repeats // 2)
-            )
-            rec[f"merge_{method}_core_stacked"] = t_merge_st.as_dict()
-            if bandwidth:
-                rec[f"merge_{method}_core"]["ratio_to_floor"] = t_merge.median_s / (
-                    nbytes / bandwidth
-                )
         out[name] = rec
+
+        def measure(key, fn, repeats=args.repeats, rec=rec, name=name):
+            """Time ``fn`` into ``rec[key]`` (first call with its compiles, then steady calls)."""
+            form = (
+                "jit"
+                if key.endswith("_jit")
+                else "stacked"
+                if key.endswith("_stacked")
+                else ("list")
+            )
+            if key not in ("stack_adapters", "grams") and form not in args.forms:
+                return None
+            elapsed = time.perf_counter() - _T0
+            if elapsed > args.budget_s:
+                rec[key] = {"skipped": f"time budget: {elapsed:.0f} s elapsed"}
+                args.partial(out)
+                return None
+            n = len(_COMPILES)
+            timing, res = time_calls(fn, repeats=repeats)
+            done = _COMPILES[n:]
+            rec[key] = {
+                **timing.as_dict(),
+                "programs_compiled": len(done),
+                "compile_s": float(sum(done)),
+            }
+            if "grams" in rec and "median_s" in rec["grams"]:
+                rec[key]["ratio_to_grams"] = timing.median_s / rec["grams"]["median_s"]
+            if bandwidth:
+                rec[key]["ratio_to_floor"] = timing.median_s / rec["floor_s"]
+            args.partial(out)
+            _say(f"{name} {key}: first {timing.first_s:.2f} s, steady {timing.median_s:.4f} s")
+            return res
+
+        def score_allocate(ads, budget=budget):
+            scores = nu.score(ads, alpha=1.0, lam="auto")
+            return nu.allocate(scores, budget, scope="global")
+
+        def merge(ads, method, budget=budget):
+            return nu.merge_adapters(ads, budget=budget, method=method, space="core")[0]
+
+        # stacked once where the adapters enter (nu.stack_adapters), then every stage on it
+        stacked = measure("stack_adapters", functools.partial(nu.stack_adapters, adapters), 1)
+        measure("grams", _grams(modules, layers, tasks, rank))
+        masks = measure("score_allocate_stacked", functools.partial(score_allocate, stacked))
+        if masks is not None:
+            rec["kept_directions"] = int(sum(int(jnp.sum(m)) for m in masks.values()))
+        jit_score = jax.jit(score_allocate)
+        measure("score_allocate_jit", functools.partial(jit_score, stacked))
+        if "merge" in args.only:
+            for method in args.merge_methods:
+                jit_merge = jax.jit(functools.partial(merge, method=method))
+                measure(f"merge_{method}_core_jit", functools.partial(jit_merge, stacked))
+                measure(
+                    f"merge_{method}_core_stacked",
+                    functools.partial(merge, stacked, method),
+                    max(1, args.repeats // 2),
+                )
+        if args.trace and not traced_once:  # the first case's jitted stages, kernel by kernel
+            traced_once.append(name)
+            fns = {"score_allocate_jit": functools.partial(jit_score, stacked)}
+            if "merge" in args.only:
+                for method in args.merge_methods:
+                    fns[f"merge_{method}_core_jit"] = functools.partial(
+                        jax.jit(functools.partial(merge, method=method)), stacked
+                    )
+            rec["trace"] = {k: kernel_summary(fn, args.trace) for k, fn in fns.items()}
+            args.partial(out)
+        # the per-module list forms (a list of trees, as PEFT readers give them)
+        measure("score_allocate", functools.partial(score_allocate, adapters))
+        if "merge" in args.only:
+            for method in args.merge_methods:
+                measure(
+                    f"merge_{method}_core",
+                    functools.partial(merge, adapters, method),
+                    max(1, args.repeats // 2),
+                )
+        if "median_s" in rec.get("score_allocate", {}) and "median_s" in rec["grams"]:
+            rec["ratio_to_grams"] = rec["score_allocate"]["median_s"] / rec["grams"]["median_s"]
+        if bandwidth and "median_s" in rec.get("score_allocate", {}):
+            rec["ratio_to_floor"] = rec["score_allocate"]["median_s"] / rec["floor_s"]
         args.partial(out)
-        _say(f"scoring {name}: {rec['score_allocate']['median_s']:.4f} s steady")
         del adapters, masks, stacked
     return out
 
@@ -520,9 +622,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qwen-batches", default="1x128,16x128", help="BxT pairs")
     p.add_argument("--clip-batches", default="128", help="images per step")
     p.add_argument("--cases", default=None, help="scoring cases to run (default: all)")
+    p.add_argument(
+        "--forms", default="stacked,jit,list",
+        help="scoring and merge forms: stacked (eager on nu.stack_adapters), jit, list",
+    )  # fmt: skip
+    p.add_argument(
+        "--trace", type=int, default=0, metavar="CALLS",
+        help="profile CALLS steady calls of the first case's jitted stages (kernel summary)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     args.only = set(args.only.split(","))
     args.merge_methods = [m for m in args.merge_methods.split(",") if m]
+    args.forms = set(args.forms.split(","))
+    if args.forms - {"stacked", "jit", "list"}:
+        p.error(f"--forms: unknown {', '.join(sorted(args.forms - {'stacked', 'jit', 'list'}))}")
     args.qwen_batches = _pairs(args.qwen_batches)
     args.clip_batches = [int(b) for b in args.clip_batches.split(",") if b]
     if args.tiny:

@@ -19,7 +19,7 @@ def test_gpu_benchmark_runs_tiny_on_cpu_and_its_ratios_agree(tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--tiny", "--repeats", "1",
-         "--merge-methods", "ta", "--out", str(out)],
+         "--merge-methods", "ta", "--trace", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -43,6 +43,22 @@ def test_gpu_benchmark_runs_tiny_on_cpu_and_its_ratios_agree(tmp_path):
         assert rec["floor_s"] == pytest.approx(nbytes / bw)
         assert 0 < rec["kept_directions"] <= rec["modules"] * 16
         assert "merge_ta_core" in rec
+        # the stacked and jitted forms, each with its compiles counted; a jitted stage is one
+        # program, compiled on its first call and never again
+        for key in ("score_allocate_jit", "merge_ta_core_jit"):
+            assert rec[key]["programs_compiled"] == 1, (name, key, rec[key])
+            assert rec[key]["median_s"] > 0 and rec[key]["first_s"] >= rec[key]["compile_s"]
+            assert rec[key]["ratio_to_grams"] == pytest.approx(
+                rec[key]["median_s"] / rec["grams"]["median_s"]
+            )
+        assert rec["stack_adapters"]["median_s"] > 0
+    # the first case's jitted stages profiled: each names its ops with their time per call
+    trace = sec["scoring"]["tiny-attn"]["trace"]
+    assert set(trace) == {"score_allocate_jit", "merge_ta_core_jit"}
+    assert "trace" not in sec["scoring"]["tiny-all"]
+    for summary in trace.values():
+        assert summary["events_per_call"] > 0 and summary["top"]
+        assert sum(t["us_per_call"] for t in summary["top"]) <= summary["event_us_per_call"] + 1
     for key in ("clip", "qwen"):
         cases = [v for v in sec[key].values() if isinstance(v, dict) and "train_step" in v]
         assert cases and all(c["train_step"]["median_s"] > 0 for c in cases)

@@ -21,6 +21,7 @@ and item assignment work as for the dicts they stand for. A table that was chang
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -203,17 +204,24 @@ class StackedRows(_NamedTable):
       fixed: the rows of the modules without a live bucket.
     """
 
-    __slots__ = ("_blocks", "_done", "_fixed", "_names", "pristine")
+    __slots__ = ("_blocks", "_done", "_fixed", "_names", "_row_ndims", "pristine")
 
     def __init__(
         self,
         names: Sequence[str],
         blocks: Sequence[tuple[Sequence[str], Any]],
         fixed: Mapping[str, Any],
+        row_ndims: Sequence[int] | None = None,
     ):
         self._names = tuple(names)
         self._blocks = tuple((tuple(n), m) for n, m in blocks)
         self._fixed = dict(fixed)
+        # a row's rank as made (a jax.vmap of the table adds axes in front of the blocks')
+        self._row_ndims = (
+            tuple(int(m.ndim) - 1 for _, m in self._blocks)
+            if row_ndims is None
+            else tuple(row_ndims)
+        )
         self._done: dict[str, Any] | None = None
         self.pristine = True  # as it was made (no entry set or deleted)
 
@@ -229,8 +237,20 @@ class StackedRows(_NamedTable):
     def _values(self) -> dict[str, Any]:
         if self._done is None:
             out = dict(self._fixed)
-            for names, m in self._blocks:
-                out.update((nm, m[i]) for i, nm in enumerate(names))
+            for (names, m), rank in zip(self._blocks, self._row_ndims, strict=True):
+                axis = m.ndim - 1 - rank
+                if isinstance(m, jax.core.Tracer) or not isinstance(m, jax.Array):
+                    out.update(
+                        (
+                            nm,
+                            np.take(m, i, axis)
+                            if isinstance(m, np.ndarray)
+                            else m[(slice(None),) * axis + (i,)],
+                        )
+                        for i, nm in enumerate(names)
+                    )
+                else:  # (one program per shape, the row an argument)
+                    out.update((nm, _row_at(m, np.int32(i), axis)) for i, nm in enumerate(names))
             self._done = {nm: out[nm] for nm in self._names}
         return self._done
 
@@ -255,10 +275,27 @@ class StackedMasks(StackedRows):
     __slots__ = ()
 
 
+@functools.partial(jax.jit, static_argnums=(2,))
+def _row_at(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
+    """Row ``i`` of ``x`` on ``axis``: one program per shape, the row an argument."""
+    return jax.lax.dynamic_index_in_dim(x, i, axis=axis, keepdims=False)
+
+
 @jax.jit
 def _row(x: jax.Array, i: jax.Array) -> jax.Array:
     """Row ``i`` of ``x (..., n, p, q)`` on axis -3: one program per shape, the row an argument."""
     return jax.lax.dynamic_index_in_dim(x, i, axis=x.ndim - 3, keepdims=False)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _row_factors(
+    a: jax.Array, b: jax.Array, i: jax.Array, *, k: int
+) -> tuple[jax.Array, jax.Array]:
+    """Row ``i`` of ``a (..., n, d_in, w)`` and ``b (..., n, w, d_out)``, their first ``k``
+    columns (rows of ``b``): one program per shape and ``k``, the row an argument."""
+    a_i = jax.lax.dynamic_index_in_dim(a, i, axis=a.ndim - 3, keepdims=False)
+    b_i = jax.lax.dynamic_index_in_dim(b, i, axis=b.ndim - 3, keepdims=False)
+    return a_i[..., :k], b_i[..., :k, :]
 
 
 class MergedTable(_NamedTable):
@@ -274,22 +311,35 @@ class MergedTable(_NamedTable):
     Setting or deleting an entry makes every module's factors, and the table then flattens as the
     dict of its values, as the other tables do.
 
+    With ``counts`` (what a merge outside a transformation returns, :func:`nu.merge_adapters` of
+    a stacked set with TA), each module's live columns come first in its row and a module's rank
+    is its count: reading it gives its first ``count`` columns (rows of ``lora_b``), so the merge
+    itself reads back only the counts and places nothing.
+
     Args:
       names: every module name, in the adapters' order.
       blocks: per bucket ``(names, lora_a (n, d_in, w), lora_b (n, w, d_out))``.
       scale: every module's ``scale`` (the merged factors carry the scaling).
+      counts: None (every module's rank is ``w``), or per bucket the ``n`` ranks (Python ints
+        at most ``w``).
     """
 
-    __slots__ = ("_blocks", "_done", "_names", "_where", "pristine", "scale")
+    __slots__ = ("_blocks", "_counts", "_done", "_names", "_where", "pristine", "scale")
 
     def __init__(
         self,
         names: Sequence[str],
         blocks: Sequence[tuple[Sequence[str], Any, Any]],
         scale: float = 1.0,
+        counts: Sequence[Sequence[int]] | None = None,
     ):
         self._names = tuple(names)
         self._blocks = tuple((tuple(n), a, b) for n, a, b in blocks)
+        self._counts = None if counts is None else tuple(tuple(int(c) for c in cs) for cs in counts)
+        if self._counts is not None and [len(c) for c in self._counts] != [
+            len(bn) for bn, _, _ in self._blocks
+        ]:
+            raise ValueError("MergedTable: counts must give one rank per module of each block")
         self._where = {
             nm: (k, i) for k, (bn, _, _) in enumerate(self._blocks) for i, nm in enumerate(bn)
         }
@@ -304,18 +354,31 @@ class MergedTable(_NamedTable):
         """Per bucket ``(names, lora_a (n, d_in, w), lora_b (n, w, d_out))``, as merged."""
         return self._blocks
 
+    @property
+    def counts(self) -> tuple[tuple[int, ...], ...] | None:
+        """Per bucket each module's rank, or None (every rank is its bucket's width)."""
+        return self._counts
+
     def ranks(self) -> dict[str, int]:
-        """Each module's rank, the width ``w`` of its bucket's factors (no slicing)."""
+        """Each module's rank: its count, or the width ``w`` of its bucket's factors (no
+        slicing)."""
+        if self._counts is not None:
+            return {nm: self._counts[k][i] for nm, (k, i) in self._where.items()}
         return {nm: int(self._blocks[self._where[nm][0]][1].shape[-1]) for nm in self._names}
 
     def _module(self, name: str) -> dict[str, Any]:
         k, i = self._where[name]
         _, a, b = self._blocks[k]
+        w = None if self._counts is None else self._counts[k][i]
         if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
             a_i, b_i = a[..., i, :, :], b[..., i, :, :]
-        else:
+            if w is not None:
+                a_i, b_i = a_i[..., :w], b_i[..., :w, :]
+        elif w is None:
             idx = np.int32(i)
             a_i, b_i = _row(a, idx), _row(b, idx)
+        else:
+            a_i, b_i = _row_factors(a, b, np.int32(i), k=w)
         return {"lora_a": a_i, "lora_b": b_i, "scale": self.scale}
 
     def _values(self) -> dict[str, Any]:
@@ -334,7 +397,8 @@ class MergedTable(_NamedTable):
 def _flatten_merged(t: MergedTable) -> tuple[list, tuple]:
     if t.pristine:
         children = [x for _, a, b in t.blocks() for x in (a, b)]
-        return children, ("stacked", t._names, tuple(bn for bn, _, _ in t.blocks()), t.scale)
+        blocks = tuple(bn for bn, _, _ in t.blocks())
+        return children, ("stacked", t._names, blocks, t.scale, t.counts)
     values, names = _flatten_table(t)
     return values, ("dict", names)
 
@@ -342,9 +406,9 @@ def _flatten_merged(t: MergedTable) -> tuple[list, tuple]:
 def _unflatten_merged(aux: tuple, children: Sequence[Any]) -> Any:
     if aux[0] == "dict":
         return _unflatten_table(aux[1], children)
-    _, names, block_names, scale = aux
+    _, names, block_names, scale, counts = aux
     it = iter(children)
-    return MergedTable(names, [(bn, next(it), next(it)) for bn in block_names], scale)
+    return MergedTable(names, [(bn, next(it), next(it)) for bn in block_names], scale, counts)
 
 
 def _flatten_table(t: Mapping) -> tuple[list, tuple[str, ...]]:
@@ -356,6 +420,29 @@ def _unflatten_table(names: tuple[str, ...], values: Sequence[Any]) -> dict[str,
     return dict(zip(names, values, strict=True))
 
 
-for _cls in (ScoreTable, MaskTable, StackedRows, StackedMasks):
+def _flatten_rows(t: StackedRows) -> tuple[list, tuple]:
+    """A pristine table's leaves are its blocks and fixed rows (a jitted allocation returns its
+    masks stacked, not one output slice per module); otherwise the dict of its values."""
+    if t.pristine:
+        fixed = tuple(t.fixed)
+        children = [m for _, m in t._blocks] + [t.fixed[nm] for nm in fixed]
+        blocks = tuple(bn for bn, _ in t._blocks)
+        return children, ("stacked", type(t), t._names, blocks, fixed, t._row_ndims)
+    values, names = _flatten_table(t)
+    return values, ("dict", names)
+
+
+def _unflatten_rows(aux: tuple, children: Sequence[Any]) -> Any:
+    if aux[0] == "dict":
+        return _unflatten_table(aux[1], children)
+    _, cls, names, block_names, fixed, row_ndims = aux
+    blocks = list(zip(block_names, children[: len(block_names)], strict=True))
+    rest = dict(zip(fixed, children[len(block_names) :], strict=True))
+    return cls(names, blocks, rest, row_ndims)
+
+
+for _cls in (ScoreTable, MaskTable):
     jax.tree_util.register_pytree_node(_cls, _flatten_table, _unflatten_table)
+for _cls in (StackedRows, StackedMasks):
+    jax.tree_util.register_pytree_node(_cls, _flatten_rows, _unflatten_rows)
 jax.tree_util.register_pytree_node(MergedTable, _flatten_merged, _unflatten_merged)

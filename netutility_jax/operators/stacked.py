@@ -13,10 +13,12 @@ where a list of adapters goes:
   per bucket, whatever the number of modules, and no walk of the trees;
 * :func:`nu.merge` and :func:`nu.merge_adapters` with ``method="ta"`` (one program over the
   buckets, or traced under ``jax.jit``); other methods and a ``mesh=`` merge the per-module
-  views of :meth:`StackedAdapters.unstack`. The merged adapter is a flat dict keyed by module
-  name (the stacked set keeps no tree); under a transformation a mapping whose factors stay
+  views of :meth:`StackedAdapters.unstack`. The merged adapter is a flat mapping keyed by
+  module name (the stacked set keeps no tree). A TA merge returns a mapping whose factors stay
   stacked per bucket (``_core.tables.MergedTable``: two arrays per bucket as its pytree leaves,
-  a module sliced when read), so a jitted merge's program does not grow with the modules.
+  a module sliced when read): under a transformation, so a jitted merge's program does not grow
+  with the modules, and outside one with each module's kept columns first and its rank known,
+  so the merge reads back only its flags and places nothing. Other methods give a dict.
 
 It is a pytree (the arrays are its leaves; names, shapes, ranks and the scales' host copies are
 static), so it passes through ``jax.jit`` as an argument.

@@ -28,7 +28,7 @@ from .._core import mesh as _mesh
 from .._core import stacking as _stacking
 from .._core import tree as _tree
 from .._core.host import put_views
-from .._core.tables import MaskTable
+from .._core.tables import MaskTable, MergedTable, StackedMasks
 from ..scoring._kernels import default_rtol
 from ._plan import check_coef, check_masks, check_scale_range
 from .traced import kept_directions_many
@@ -39,6 +39,7 @@ __all__ = ["TaResult", "merge_ta", "ta_program"]
 class _Meta(NamedTuple):
     dtype: Any
     dims: tuple[tuple[int, int, int], ...]  # per bucket (d_in, d_out, r_max)
+    compact: bool = False  # live columns first, results left on the device (a stacked set)
 
 
 @functools.partial(jax.jit, static_argnames=("meta",))
@@ -53,7 +54,10 @@ def ta_program(inputs, masks, coef, *, meta: _Meta):
 
     Returns:
       ``outs[b] = (la (n, d_in, M r_max), lb (n, M r_max, d_out), keep (n, M r_max))`` and
-      ``ok`` (``()`` bool): every input and output finite.
+      ``ok`` (``()`` bool): every input and output finite. With ``meta.compact`` each row's
+      kept columns come first (in their order), ``outs[b] = (la, lb)`` and the second result
+      is every bucket's ``keep`` and ``nonzero (n,)`` (whether the row's update is not exactly
+      zero) raveled in bucket order, then ``ok``, in one bool vector.
     """
     masks = (None,) * len(inputs) if masks is None else masks
     items = []
@@ -93,20 +97,36 @@ def ta_program(inputs, masks, coef, *, meta: _Meta):
         ok = ok & jnp.all(jnp.isfinite(la)) & jnp.all(jnp.isfinite(lb))
         la = jnp.moveaxis(la, 1, 2).reshape(n, d_in, m_tasks * r_max)
         lb = lb.reshape(n, m_tasks * r_max, d_out)
-        outs.append((la, lb, keep.reshape(n, m_tasks * r_max)))
+        keep = keep.reshape(n, m_tasks * r_max)
+        if not meta.compact:
+            outs.append((la, lb, keep))
+            continue
+        order = jnp.argsort(~keep, axis=-1, stable=True)  # kept columns first, in order
+        la = jnp.take_along_axis(la, order[:, None, :], axis=2)
+        lb = jnp.take_along_axis(lb, order[:, :, None], axis=1)
+        nonzero = jnp.any(la != 0, (1, 2)) & jnp.any(lb != 0, (1, 2))
+        outs.append((la, lb, keep, nonzero))
+    if meta.compact:  # every flag in one array: one read (:func:`_merge_ta_stacked`)
+        flags = [x.ravel() for _, _, keep, nonzero in outs for x in (keep, nonzero)]
+        return tuple((la, lb) for la, lb, _, _ in outs), jnp.concatenate([*flags, ok[None]])
     return tuple(outs), ok
 
 
 class TaResult(NamedTuple):
-    """What :func:`merge_ta` returns: ``{name: module}``, per module whether its merged update
+    """What :func:`merge_ta` returns: ``{name: module}`` (for a stacked set a
+    :class:`MergedTable` whose factors stay on the device), per module whether its merged update
     is exactly zero, and the directions it kept ``(M, r_max)`` (host copies, no transfer)."""
 
-    modules: dict[str, dict[str, Any]]
+    modules: Mapping[str, dict[str, Any]]
     zero: dict[str, bool]
     keep: dict[str, np.ndarray]
 
 
-def _bucket_masks(masks: Mapping[str, Any], bk: _tree.Bucket, m_tasks: int) -> np.ndarray:
+def _bucket_masks(masks: Mapping[str, Any], bk: _tree.Bucket, m_tasks: int) -> Any:
+    if isinstance(masks, StackedMasks) and masks.pristine:  # a jitted nu.allocate's blocks
+        block = masks.blocks().get(tuple(bk.names))
+        if block is not None:  # (checked by check_masks): used where it is, no read
+            return block
     if isinstance(masks, MaskTable) and masks.pristine:  # nu.allocate's, on the host already
         rows = [masks.host(nm) for nm in bk.names]
     else:
@@ -144,7 +164,10 @@ def merge_ta(
         host = _buckets.host_scales(s, dtype)
         inputs.append((a, b, s if host is None else host))
     stacked = None if masks is None else tuple(_bucket_masks(masks, bk, m_tasks) for bk in buckets)
-    meta = _Meta(np.dtype(dtype), tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets))
+    dims = tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets)
+    if buckets and all(bk.stacked is not None for bk in buckets):
+        return _merge_ta_stacked(names, buckets, m_tasks, inputs, stacked, c, dtype, dims)
+    meta = _Meta(np.dtype(dtype), dims)
     with np.errstate(over="ignore", invalid="ignore"):
         outs, ok = ta_program(tuple(inputs), stacked, np.asarray(c, dtype), meta=meta)
         outs, ok = jax.device_get((outs, ok))
@@ -167,3 +190,31 @@ def merge_ta(
         for nm in bk.names:
             modules[nm] = {"lora_a": next(it), "lora_b": next(it), "scale": 1.0}
     return TaResult({nm: modules[nm] for nm in names}, zero, {nm: kept[nm] for nm in names})
+
+
+def _merge_ta_stacked(names, buckets, m_tasks, inputs, masks, c, dtype, dims) -> TaResult | None:
+    """A stacked set's TA: the merged factors stay on the device, stacked per bucket with each
+    module's kept columns first (a :class:`MergedTable` with counts); only the kept flags, the
+    zero flags and ``ok`` are read back (no factor is read, none placed)."""
+    meta = _Meta(np.dtype(dtype), dims, compact=True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        outs, flags = ta_program(tuple(inputs), masks, np.asarray(c, dtype), meta=meta)
+        flags = np.asarray(jax.device_get(flags))  # the one read
+    if not flags[-1]:
+        return None
+    zero: dict[str, bool] = {}
+    kept: dict[str, np.ndarray] = {}
+    counts = []
+    at = 0
+    for bk in buckets:
+        n, w = len(bk.names), m_tasks * bk.r_max
+        keep = flags[at : at + n * w].reshape(n, w)
+        nonzero = flags[at + n * w : at + n * w + n]
+        at += n * w + n
+        counts.append(keep.sum(1).tolist())
+        for i, nm in enumerate(bk.names):
+            kept[nm] = keep[i].reshape(m_tasks, bk.r_max)
+            zero[nm] = not bool(nonzero[i])
+    blocks = [(bk.names, la, lb) for bk, (la, lb) in zip(buckets, outs, strict=True)]
+    table = MergedTable(names, blocks, 1.0, counts)
+    return TaResult(table, zero, {nm: kept[nm] for nm in names})

@@ -13,7 +13,7 @@ import numpy as np
 
 from .._core import checks as _checks
 from .._core import tree as _tree
-from .._core.tables import MaskTable
+from .._core.tables import MaskTable, MergedTable
 from ..allocation.analysis import budget_spent, kept_per_task, non_prefix_fraction
 from ..errors import InputError
 from ..scoring.utility import heterogeneity
@@ -151,6 +151,8 @@ jax.tree_util.register_dataclass(
 
 def ranks_of(merged: Any) -> dict[str, int | None]:
     """Each merged module's rank (None for dense modules)."""
+    if isinstance(merged, MergedTable) and merged.pristine:  # (no module read)
+        return merged.ranks()
     return {
         "/".join(path) or "lora": int(node["lora_a"].shape[1]) if "lora_a" in node.keys() else None
         for path, node in _tree.walk_modules(merged, is_module=_tree.has_update, max_depth=None)

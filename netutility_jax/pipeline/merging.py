@@ -516,10 +516,10 @@ def _merged_by_stages(adapters, weighted, req: MergeRequest, names, buckets, mes
 
 def _rebuild(adapters: Any, results: Mapping[str, Any]) -> Any:
     """The merged modules in the first adapter's tree; for a ``nu.stack_adapters`` set (which
-    keeps no tree) a flat dict in module order, or under a transformation the
-    :class:`MergedTable` itself (its factors stacked per bucket)."""
+    keeps no tree) a flat dict in module order, or the :class:`MergedTable` itself (its factors
+    stacked per bucket: a traced merge, or TA's)."""
     if isinstance(adapters, StackedAdapters):
-        if isinstance(results, MergedTable):  # (traced: kept stacked, a module read by slicing)
+        if isinstance(results, MergedTable):  # (kept stacked, a module read by slicing)
             return results
         return {nm: results[nm] for nm in adapters.names}
     return _results.rebuild(adapters[0], results)

@@ -45,8 +45,10 @@ NAMES = ["l0/q", "l0/v", "l1/q", "l1/v"]
 def _dense(mod):
     if mod is None:
         return 0.0
-    return float(mod.get("scale", 1.0)) * np.asarray(mod["lora_a"], np.float64) @ np.asarray(
-        mod["lora_b"], np.float64
+    return (
+        float(mod.get("scale", 1.0))
+        * np.asarray(mod["lora_a"], np.float64)
+        @ np.asarray(mod["lora_b"], np.float64)
     )
 
 
@@ -116,6 +118,63 @@ def test_merges_of_the_stacked_set_are_the_adapters_merges(method, space):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
         np.testing.assert_array_equal(r2.kept[name], r1.kept[name])
     assert r2.ranks == r1.ranks and r2.heterogeneity == pytest.approx(r1.heterogeneity)
+
+
+@pytest.mark.parametrize("allocation", ["net_utility", "all"])
+def test_a_stacked_ta_merge_keeps_its_factors_stacked_and_trims_each_module_on_read(
+    allocation, tmp_path
+):
+    ads = _adapters(6, host=False)
+    st = nu.stack_adapters(ads)
+    budget = None if allocation == "all" else 2
+    want, r1 = nu.merge_adapters(ads, budget=budget, allocation=allocation, space="core")
+    got, r2 = nu.merge_adapters(st, budget=budget, allocation=allocation, space="core")
+    # two stacked leaves per bucket (q and v), not two per module: nothing was sliced or placed
+    leaves = jax.tree.leaves(got)
+    assert len(leaves) == 4 and {x.shape[0] for x in leaves} == {2}
+    assert r2.ranks == r1.ranks and r2.zeroed == r1.zeroed
+    assert r2.kept_per_task.tolist() == r1.kept_per_task.tolist()
+    for name in NAMES:
+        layer, kind = name.split("/")
+        mod = got[name]
+        # a module's rank is its number of kept directions, as for the list of trees
+        assert mod["lora_a"].shape == (32, r1.ranks[name])
+        assert mod["lora_b"].shape == (r1.ranks[name], 16 if kind == "q" else 8)
+        w = _dense(want[layer][kind])
+        np.testing.assert_allclose(_dense(mod), w, rtol=0, atol=1e-5 * np.abs(w).max())
+    # the stacked result goes through a transformation as its blocks, and comes back whole
+    twice = jax.jit(lambda t: jax.tree.map(lambda x: 2 * x, t))(got)
+    for name in NAMES:
+        np.testing.assert_allclose(_dense(twice[name]), 4 * _dense(got[name]), rtol=1e-6, atol=1e-6)
+    # checkpointed as a dict is: each module at its own rank
+    nu.checkpoint.save(tmp_path / "ckpt", got)
+    back = nu.checkpoint.restore(tmp_path / "ckpt")
+    for name in NAMES:
+        assert np.asarray(back[name]["lora_a"]).shape[1] == r1.ranks[name]
+        np.testing.assert_allclose(_dense(back[name]), _dense(got[name]), rtol=0, atol=0)
+
+
+def test_a_jitted_allocation_returns_its_masks_stacked_and_merges_with_them():
+    ads = _adapters(7, host=False)
+    st = nu.stack_adapters(ads)
+
+    @jax.jit
+    def allocate(s):
+        return nu.allocate(nu.score(s), 2)
+
+    masks = allocate(st)
+    want = nu.allocate(nu.score(ads), 2)
+    # one block of (n, M, r_max) masks per bucket, not one output per module
+    assert len(jax.tree.leaves(masks)) == 2
+    for name in NAMES:
+        np.testing.assert_array_equal(np.asarray(masks[name]), np.asarray(want[name]))
+    for method in ("ta", "tsv"):
+        got = nu.merge(st, masks, method=method, space="core")
+        ref = nu.merge(ads, want, method=method, space="core")
+        for name in NAMES:
+            layer, kind = name.split("/")
+            w = _dense(ref[layer][kind])
+            np.testing.assert_allclose(_dense(got[name]), w, rtol=0, atol=1e-5 * np.abs(w).max())
 
 
 def test_the_stacked_set_passes_through_jit_without_retracing():
