@@ -29,8 +29,10 @@ import netutility_jax as nu
 from netutility_jax import cli, peft
 from netutility_jax.cli import check_adapter_dir
 from netutility_jax.errors import InputError
-from netutility_jax.peft._read import INDEX_NAME
 from netutility_jax.pipeline import _exchange
+
+# the index of a sharded safetensors checkpoint (transformers and PEFT name it so)
+SHARD_INDEX = "adapter_model.safetensors.index.json"
 
 LAYERS = 6
 RANKS = (4, 4, 3)  # task 2: rank 3, and it lacks the last layer
@@ -374,7 +376,7 @@ def _shard(folder: pathlib.Path, out: pathlib.Path, index: dict | None = None) -
         safetensors.numpy.save_file({k: tensors[k] for k in part}, str(out / name))
         files.update(dict.fromkeys(part, name))
     index = {"metadata": {}, "weight_map": files} if index is None else index
-    (out / INDEX_NAME).write_text(json.dumps(index))
+    (out / SHARD_INDEX).write_text(json.dumps(index))
     return files
 
 
@@ -434,7 +436,7 @@ def test_four_processes_keep_shards(folders, tmp_path, capsys):
     netutility inspect."""
     argv = ["--space", "core", "--serving-ranks", "8,16", "--dtype", "bfloat16"]
     dist, ref = _run_both(4, argv, folders, tmp_path, capsys, ["--keep-shards"])
-    index = json.loads((dist / INDEX_NAME).read_text())
+    index = json.loads((dist / SHARD_INDEX).read_text())
     shards = sorted(f for f in os.listdir(dist) if f.startswith("adapter_model-"))
     assert shards == [f"adapter_model-{i:05d}-of-00004.safetensors" for i in (1, 2, 3, 4)]
     assert set(index["weight_map"].values()) == set(shards)

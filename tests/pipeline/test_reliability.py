@@ -13,6 +13,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -25,9 +26,15 @@ import pytest
 
 import netutility_jax as nu
 from netutility_jax import cli
-from netutility_jax._core import io as _io
 from netutility_jax.errors import InputError
 from netutility_jax.pipeline import merging as merging_mod
+
+
+def _host_tag() -> str:
+    """The host part of the library's temporary names, as its contract states it: the host
+    name's letters and digits, at most 32 of them ("host" if none)."""
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -483,7 +490,7 @@ def test_stale_save_temporaries_are_removed_by_the_next_write(tmp_path):
     keep = [tmp_path / ".sa.tmp-unrelated", tmp_path / ".other"]
     for k in keep:
         k.mkdir()
-    mine = tmp_path / f".x.tmp-{_io.host_tag()}-{os.getpid()}-abcd1234"  # a live process's
+    mine = tmp_path / f".x.tmp-{_host_tag()}-{os.getpid()}-abcd1234"  # a live process's
     mine.mkdir()
     m = {"m.q": {"lora_a": np.ones((8, 2)), "lora_b": np.ones((2, 8))}}
     nu.peft.save_adapter(m, tmp_path / "next")

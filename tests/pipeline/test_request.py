@@ -213,11 +213,3 @@ def test_a_streamed_merge_and_its_plan_agree_with_memory(sets):
         for n in mem.masks:
             np.testing.assert_array_equal(np.asarray(mem.masks[n]), np.asarray(disk.masks[n]))
             np.testing.assert_array_equal(np.asarray(mem.masks[n]), np.asarray(p.masks[n]))
-
-
-def test_sizes_read_in_powers_of_1000():
-    from netutility_jax._core.checks import size_text
-
-    assert [size_text(n) for n in (0, 999, 1000, 3_410_000, 2.5e9, 7e15)] == [
-        "0 bytes", "999 bytes", "1 kB", "3.41 MB", "2.5 GB", "7e+03 TB",
-    ]  # fmt: skip
