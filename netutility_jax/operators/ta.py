@@ -167,6 +167,11 @@ def merge_ta(
     dims = tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets)
     if buckets and all(bk.stacked is not None for bk in buckets):
         return _merge_ta_stacked(names, buckets, m_tasks, inputs, stacked, c, dtype, dims)
+    if buckets and _slices_on_device(buckets):  # an accelerator's factors: no round trip
+        done = _merge_ta_stacked(names, buckets, m_tasks, inputs, stacked, c, dtype, dims)
+        if done is None:
+            return None
+        return TaResult({nm: done.modules[nm] for nm in names}, done.zero, done.keep)
     meta = _Meta(np.dtype(dtype), dims)
     with np.errstate(over="ignore", invalid="ignore"):
         outs, ok = ta_program(tuple(inputs), stacked, np.asarray(c, dtype), meta=meta)
@@ -190,6 +195,25 @@ def merge_ta(
         for nm in bk.names:
             modules[nm] = {"lora_a": next(it), "lora_b": next(it), "scale": 1.0}
     return TaResult({nm: modules[nm] for nm in names}, zero, {nm: kept[nm] for nm in names})
+
+
+# Whether a list of device factors is merged with its results sliced on the device (each module
+# by one small program per shape and rank) rather than read back and placed again; None: on
+# every backend but the CPU, whose host copies cost nothing (tests set it to check the route).
+DEVICE_SLICES: bool | None = None
+
+
+def _slices_on_device(buckets: Sequence[_tree.Bucket]) -> bool:
+    """:data:`DEVICE_SLICES`'s rule, for factors that are all device arrays (numpy factors, as a
+    streamed chunk gives, are merged for the host that writes them)."""
+    on = jax.default_backend() != "cpu" if DEVICE_SLICES is None else DEVICE_SLICES
+    return on and all(
+        isinstance(m.lora_a, jax.Array) and isinstance(m.lora_b, jax.Array)
+        for bk in buckets
+        for row in bk.modules
+        for m in row
+        if m is not None
+    )
 
 
 def _merge_ta_stacked(names, buckets, m_tasks, inputs, masks, c, dtype, dims) -> TaResult | None:

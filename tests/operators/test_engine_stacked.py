@@ -213,3 +213,30 @@ def test_the_plan_and_diagnostics_of_a_stacked_set_are_the_adapters():
     assert [list(ad) for ad in st] == [NAMES] * M  # a sequence of flat adapters too
     with pytest.raises(InputError, match=r"nu\.score: mesh= shards the adapters' leaves"):
         nu.score(st, mesh=nu.module_mesh())
+
+
+@pytest.mark.parametrize("allocation", ["net_utility", "all"])
+def test_a_list_of_device_factors_can_be_sliced_on_the_device(monkeypatch, allocation):
+    """The accelerators' route of a TA merge of device factors (forced here on the CPU): the
+    merged modules are sliced on the device at their ranks, nothing is placed again, and every
+    factor equals the host route's bit for bit."""
+    from netutility_jax.operators import ta
+
+    ads = _adapters(8, host=False)
+    budget = None if allocation == "all" else 2
+    want, r1 = nu.merge_adapters(ads, budget=budget, allocation=allocation, space="core")
+    monkeypatch.setattr(ta, "DEVICE_SLICES", True)
+    monkeypatch.setattr(ta, "put_views", lambda *a, **k: pytest.fail("placed again"))
+    got, r2 = nu.merge_adapters(ads, budget=budget, allocation=allocation, space="core")
+    assert r2.ranks == r1.ranks and r2.zeroed == r1.zeroed
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert isinstance(x, jax.Array) == isinstance(y, jax.Array)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # numpy factors (a streamed chunk's) keep the host route, which places its results
+    placed = []
+    monkeypatch.setattr(
+        ta, "put_views", lambda views: placed.append(len(views)) or [jnp.asarray(v) for v in views]
+    )
+    nu.merge_adapters(_adapters(8), budget=budget, allocation=allocation, space="core")
+    assert placed
