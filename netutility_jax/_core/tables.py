@@ -322,9 +322,13 @@ class MergedTable(_NamedTable):
       scale: every module's ``scale`` (the merged factors carry the scaling).
       counts: None (every module's rank is ``w``), or per bucket the ``n`` ranks (Python ints
         at most ``w``).
+      nonzero: None, or per bucket whether each module's merged update is not exactly zero (host
+        bools the merge computed on the device: :meth:`zeros` reads no factor).
     """
 
-    __slots__ = ("_blocks", "_counts", "_done", "_names", "_where", "pristine", "scale")
+    __slots__ = (
+        "_blocks", "_counts", "_done", "_names", "_nonzero", "_where", "pristine", "scale"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -332,6 +336,7 @@ class MergedTable(_NamedTable):
         blocks: Sequence[tuple[Sequence[str], Any, Any]],
         scale: float = 1.0,
         counts: Sequence[Sequence[int]] | None = None,
+        nonzero: Sequence[Sequence[bool]] | None = None,
     ):
         self._names = tuple(names)
         self._blocks = tuple((tuple(n), a, b) for n, a, b in blocks)
@@ -340,6 +345,9 @@ class MergedTable(_NamedTable):
             len(bn) for bn, _, _ in self._blocks
         ]:
             raise ValueError("MergedTable: counts must give one rank per module of each block")
+        self._nonzero = (
+            None if nonzero is None else tuple(tuple(bool(z) for z in zs) for zs in nonzero)
+        )
         self._where = {
             nm: (k, i) for k, (bn, _, _) in enumerate(self._blocks) for i, nm in enumerate(bn)
         }
@@ -359,11 +367,20 @@ class MergedTable(_NamedTable):
         """Per bucket each module's rank, or None (every rank is its bucket's width)."""
         return self._counts
 
+    def zeros(self) -> dict[str, bool] | None:
+        """Whether each module's merged update is exactly zero, as the merge flagged it (None
+        when it did not: read the modules)."""
+        if self._nonzero is None or not self.pristine:
+            return None
+        where = self._where
+        return {nm: not self._nonzero[where[nm][0]][where[nm][1]] for nm in self._names}
+
     def ranks(self) -> dict[str, int]:
         """Each module's rank: its count, or the width ``w`` of its bucket's factors (no
         slicing)."""
         if self._counts is not None:
-            return {nm: self._counts[k][i] for nm, (k, i) in self._where.items()}
+            where = self._where
+            return {nm: self._counts[where[nm][0]][where[nm][1]] for nm in self._names}
         return {nm: int(self._blocks[self._where[nm][0]][1].shape[-1]) for nm in self._names}
 
     def _module(self, name: str) -> dict[str, Any]:

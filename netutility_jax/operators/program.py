@@ -39,6 +39,7 @@ from .._core.host import put_views
 from .._core.linalg import after
 from .._core.tables import MergedTable
 from . import _stages
+from . import ta as _ta
 
 __all__ = ["applies", "merge_program", "merge_traced", "run"]
 
@@ -162,6 +163,10 @@ def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, 
         tuple(inputs), tuple(masks), key, tuple(index), coef, nums,
         groups=tuple(g for g, _ in groups),
     )  # fmt: skip
+    if all(jobs[0].bucket.stacked is not None for _, jobs in groups) or _ta._slices_on_device(
+        [j.bucket for _, jobs in groups for j in jobs]
+    ):  # a stacked set, or an accelerator's factors: the factors stay where they are
+        return _device_results(plan, groups, outs)
     outs = jax.device_get(outs)  # one transfer: every bucket's factors, ranks and checks
     results: dict[str, Any] = {}
     checks: list = []
@@ -188,6 +193,47 @@ def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, 
     for k, nm in enumerate(order):
         results[nm] = {"lora_a": placed[2 * k], "lora_b": placed[2 * k + 1], "scale": 1.0}
     return results, checks
+
+
+@jax.jit
+def _nonzero(factors: tuple[tuple[jax.Array, jax.Array], ...]) -> tuple[jax.Array, ...]:
+    """Per group and row ``(n,)``: whether ``la @ lb`` can be nonzero (neither factor all
+    zero); one program for every group."""
+    return tuple(
+        jnp.any(la != 0, axis=(1, 2)) & jnp.any(lb != 0, axis=(1, 2)) for la, lb in factors
+    )
+
+
+def _device_results(plan: Any, groups: list, outs: Sequence[Any]) -> tuple[Any, list]:
+    """:func:`run`'s results with the merged factors left on the device, stacked per group
+    (each module's live columns come first): a :class:`MergedTable` whose modules are sliced
+    at their ranks when read. One read: the live flags, the checks, the non-finite flags and
+    whether each module merged to zero."""
+    from ._results import raise_nonfinite
+
+    nonzero_rows = _nonzero(tuple((la, lb) for la, lb, *_ in outs))
+    small = jax.device_get(
+        [
+            (live, check, bad, nz)
+            for (_, _, live, check, bad), nz in zip(outs, nonzero_rows, strict=True)
+        ]
+    )
+    checks: list = []
+    buckets, bads, blocks, counts, nonzero = [], [], [], [], []
+    for (_, jobs), (la, lb, *_), (live, check, bad, nz) in zip(groups, outs, small, strict=True):
+        names = tuple(nm for j in jobs for nm in j.bucket.names)
+        buckets.extend(j.bucket for j in jobs)
+        i0 = 0
+        for j in jobs:
+            n = len(j.bucket.names)
+            bads.append(bad[i0 : i0 + n])
+            i0 += n
+        checks.append((names, check))
+        blocks.append((names, la, lb))
+        counts.append(np.asarray(live).sum(-1).tolist())
+        nonzero.append(np.asarray(nz).tolist())
+    raise_nonfinite(plan.fn, buckets, bads, plan.dtype)
+    return MergedTable(plan.names, blocks, 1.0, counts, nonzero), checks
 
 
 def merge_traced(

@@ -11,14 +11,15 @@ where a list of adapters goes:
 
 * :func:`nu.score`, :func:`nu.heterogeneity` and :func:`nu.task_energies`: four argument buffers
   per bucket, whatever the number of modules, and no walk of the trees;
-* :func:`nu.merge` and :func:`nu.merge_adapters` with ``method="ta"`` (one program over the
-  buckets, or traced under ``jax.jit``); other methods and a ``mesh=`` merge the per-module
-  views of :meth:`StackedAdapters.unstack`. The merged adapter is a flat mapping keyed by
-  module name (the stacked set keeps no tree). A TA merge returns a mapping whose factors stay
-  stacked per bucket (``_core.tables.MergedTable``: two arrays per bucket as its pytree leaves,
-  a module sliced when read): under a transformation, so a jitted merge's program does not grow
-  with the modules, and outside one with each module's kept columns first and its rank known,
-  so the merge reads back only its flags and places nothing. Other methods give a dict.
+* :func:`nu.merge` and :func:`nu.merge_adapters` (one program over the buckets, or traced
+  under ``jax.jit``); a ``mesh=``, model-wide TIES and the methods' row-block or per-module
+  routes merge the per-module views of :meth:`StackedAdapters.unstack`. The merged adapter is a flat mapping keyed by
+  module name (the stacked set keeps no tree), whose factors stay stacked per bucket
+  (``_core.tables.MergedTable``: two arrays per bucket as its pytree leaves, a module sliced
+  when read): under a transformation, so a jitted merge's program does not grow with the
+  modules, and outside one with each module's kept columns first and its rank known, so the
+  merge reads back only its flags and places nothing. A merge over a ``mesh`` or model-wide
+  TIES (which take the per-module views) gives a dict.
 
 It is a pytree (the arrays are its leaves; names, shapes, ranks and the scales' host copies are
 static), so it passes through ``jax.jit`` as an argument.

@@ -39,7 +39,7 @@ from .._core import buckets as _buckets
 from .._core import tree as _tree
 from .._core.checks import check_weights_sequence
 from .._core.linalg import after, eigh_batched
-from .._core.tables import MergedTable, StackedMasks, StackedRows
+from .._core.tables import MaskTable, MergedTable, StackedMasks, StackedRows
 from ..errors import InputError, InputTypeError
 from ._plan import check_masks
 
@@ -59,8 +59,12 @@ _HI = jax.lax.Precision.HIGHEST
 def any_traced(*trees: Any) -> bool:
     """Whether any leaf of ``trees`` is a tracer (the call runs inside a JAX transformation).
 
-    flax ``nnx`` Variables are unwrapped first, so their values are what is looked at."""
+    flax ``nnx`` Variables are unwrapped first, so their values are what is looked at. A
+    pristine :class:`MaskTable` holds host arrays, never tracers: it is not flattened (which
+    would place every module's mask on the device)."""
     for tree in trees:
+        if isinstance(tree, MaskTable) and tree.pristine:
+            continue
         leaves = jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "get_value"))
         if any(isinstance(_tree.unwrap(x), jax.core.Tracer) for x in leaves):
             return True

@@ -47,6 +47,9 @@ def zeroed_modules(merged: Mapping[str, Any], kept: Mapping[str, Any]) -> list[s
     """The modules of ``merged`` (``{name: module}``) whose update is exactly zero although
     ``kept`` (``{name: bool (M, r_max)}``) keeps components there."""
     out = []
+    flags = merged.zeros() if isinstance(merged, MergedTable) else None
+    if flags is not None:  # (flagged by the merge on the device: no module is read)
+        return [nm for nm, z in flags.items() if z and nm in kept and np.asarray(kept[nm]).any()]
     for name, mod in merged.items():
         if mod is None or name not in kept or not np.asarray(kept[name]).any():
             continue

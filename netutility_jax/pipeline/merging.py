@@ -507,11 +507,17 @@ def _merged_by_stages(adapters, weighted, req: MergeRequest, names, buckets, mes
         weighted, masks, method=req.method, space=req.space, coef=req.coef, key=req.key,
         mesh=mesh, **options,
     )  # fmt: skip
-    flat = {
+    return merged, kept_masks, sc, h, tuple(zeroed_modules(_flat(merged), kept_masks))
+
+
+def _flat(merged: Any) -> Mapping[str, Any]:
+    """The merged modules by name; a stacked result as it is (no module sliced)."""
+    if isinstance(merged, MergedTable):
+        return merged
+    return {
         "/".join(path) or "lora": node
         for path, node in _tree.walk_modules(merged, is_module=_tree.has_update, max_depth=None)
     }
-    return merged, kept_masks, sc, h, tuple(zeroed_modules(flat, kept_masks))
 
 
 def _rebuild(adapters: Any, results: Mapping[str, Any]) -> Any:

@@ -110,7 +110,9 @@ def test_merges_of_the_stacked_set_are_the_adapters_merges(method, space):
     w = [1.0, 0.5, 2.0]
     o1, r1 = nu.merge_adapters(ads, budget=2, method=method, space=space, weights=w)
     o2, r2 = nu.merge_adapters(st, budget=2, method=method, space=space, weights=w)
-    assert list(o2) == NAMES  # a flat dict: the stacked set keeps no tree
+    assert list(o2) == NAMES  # a flat mapping: the stacked set keeps no tree
+    # the merged factors stay stacked: two arrays per bucket (q and v), not two per module
+    assert len(jax.tree.leaves(o2)) == 4
     for name in NAMES:
         layer, kind = name.split("/")
         want = np.asarray(nu.module_update(o1[layer][kind]), np.float64)
@@ -240,3 +242,19 @@ def test_a_list_of_device_factors_can_be_sliced_on_the_device(monkeypatch, alloc
     )
     nu.merge_adapters(_adapters(8), budget=budget, allocation=allocation, space="core")
     assert placed
+
+
+@pytest.mark.parametrize(
+    ("method", "opts"), [("ties", {"density": 1e-300}), ("dare", {"p": 0.999999})]
+)
+def test_stacked_merges_flag_modules_merged_to_zero_as_the_list_does(method, opts):
+    ads = _adapters(9, host=False)
+    st = nu.stack_adapters(ads)
+    key = jax.random.key(0)
+    with pytest.warns(UserWarning, match="exactly zero"):
+        _, want = nu.merge_adapters(ads, budget=2, method=method, space="core", key=key, **opts)
+    with pytest.warns(UserWarning, match="exactly zero"):
+        got, rep = nu.merge_adapters(st, budget=2, method=method, space="core", key=key, **opts)
+    assert rep.zeroed == want.zeroed and rep.zeroed  # the flags agree with the modules read
+    for name in rep.zeroed:
+        assert not np.any(_dense(got[name]))
