@@ -163,7 +163,7 @@ def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, 
         tuple(inputs), tuple(masks), key, tuple(index), coef, nums,
         groups=tuple(g for g, _ in groups),
     )  # fmt: skip
-    if all(jobs[0].bucket.stacked is not None for _, jobs in groups) or _ta._slices_on_device(
+    if all(jobs[0].bucket.stacked is not None for _, jobs in groups) or _ta.slices_on_device(
         [j.bucket for _, jobs in groups for j in jobs]
     ):  # a stacked set, or an accelerator's factors: the factors stay where they are
         return _device_results(plan, groups, outs)

@@ -33,7 +33,7 @@ from ..scoring._kernels import default_rtol
 from ._plan import check_coef, check_masks, check_scale_range
 from .traced import kept_directions_many
 
-__all__ = ["TaResult", "merge_ta", "ta_program"]
+__all__ = ["DEVICE_SLICES", "TaResult", "merge_ta", "slices_on_device", "ta_program"]
 
 
 class _Meta(NamedTuple):
@@ -167,7 +167,7 @@ def merge_ta(
     dims = tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets)
     if buckets and all(bk.stacked is not None for bk in buckets):
         return _merge_ta_stacked(names, buckets, m_tasks, inputs, stacked, c, dtype, dims)
-    if buckets and _slices_on_device(buckets):  # an accelerator's factors: no round trip
+    if buckets and slices_on_device(buckets):  # an accelerator's factors: no round trip
         done = _merge_ta_stacked(names, buckets, m_tasks, inputs, stacked, c, dtype, dims)
         if done is None:
             return None
@@ -203,7 +203,7 @@ def merge_ta(
 DEVICE_SLICES: bool | None = None
 
 
-def _slices_on_device(buckets: Sequence[_tree.Bucket]) -> bool:
+def slices_on_device(buckets: Sequence[_tree.Bucket]) -> bool:
     """:data:`DEVICE_SLICES`'s rule, for factors that are all device arrays (numpy factors, as a
     streamed chunk gives, are merged for the host that writes them)."""
     on = jax.default_backend() != "cpu" if DEVICE_SLICES is None else DEVICE_SLICES
