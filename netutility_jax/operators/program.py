@@ -174,13 +174,7 @@ def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, 
     views = []
     order = []
     for (_, jobs), (la, lb, live, check, bad) in zip(groups, outs, strict=True):
-        names = tuple(nm for j in jobs for nm in j.bucket.names)
-        buckets.extend(j.bucket for j in jobs)
-        i0 = 0
-        for j in jobs:
-            n = len(j.bucket.names)
-            bads.append(bad[i0 : i0 + n])
-            i0 += n
+        names = _group_names(jobs, bad, buckets, bads)
         checks.append((names, check))
         ranks = np.asarray(live).sum(-1)
         for i, nm in enumerate(names):
@@ -193,6 +187,18 @@ def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, 
     for k, nm in enumerate(order):
         results[nm] = {"lora_a": placed[2 * k], "lora_b": placed[2 * k + 1], "scale": 1.0}
     return results, checks
+
+
+def _group_names(jobs: Sequence[Any], bad: Any, buckets: list, bads: list) -> tuple[str, ...]:
+    """A group's module names, in order; its buckets and each piece's non-finite flags (rows of
+    ``bad``) are appended to ``buckets`` and ``bads``."""
+    i0 = 0
+    for j in jobs:
+        n = len(j.bucket.names)
+        buckets.append(j.bucket)
+        bads.append(bad[i0 : i0 + n])
+        i0 += n
+    return tuple(nm for j in jobs for nm in j.bucket.names)
 
 
 @jax.jit
@@ -221,13 +227,7 @@ def _device_results(plan: Any, groups: list, outs: Sequence[Any]) -> tuple[Any, 
     checks: list = []
     buckets, bads, blocks, counts, nonzero = [], [], [], [], []
     for (_, jobs), (la, lb, *_), (live, check, bad, nz) in zip(groups, outs, small, strict=True):
-        names = tuple(nm for j in jobs for nm in j.bucket.names)
-        buckets.extend(j.bucket for j in jobs)
-        i0 = 0
-        for j in jobs:
-            n = len(j.bucket.names)
-            bads.append(bad[i0 : i0 + n])
-            i0 += n
+        names = _group_names(jobs, bad, buckets, bads)
         checks.append((names, check))
         blocks.append((names, la, lb))
         counts.append(np.asarray(live).sum(-1).tolist())
