@@ -240,15 +240,8 @@ class StackedRows(_NamedTable):
             for (names, m), rank in zip(self._blocks, self._row_ndims, strict=True):
                 axis = m.ndim - 1 - rank
                 if isinstance(m, jax.core.Tracer) or not isinstance(m, jax.Array):
-                    out.update(
-                        (
-                            nm,
-                            np.take(m, i, axis)
-                            if isinstance(m, np.ndarray)
-                            else m[(slice(None),) * axis + (i,)],
-                        )
-                        for i, nm in enumerate(names)
-                    )
+                    at = (slice(None),) * axis
+                    out.update((nm, m[(*at, i)]) for i, nm in enumerate(names))
                 else:  # (one program per shape, the row an argument)
                     out.update((nm, _row_at(m, np.int32(i), axis)) for i, nm in enumerate(names))
             self._done = {nm: out[nm] for nm in self._names}
@@ -279,12 +272,6 @@ class StackedMasks(StackedRows):
 def _row_at(x: jax.Array, i: jax.Array, axis: int) -> jax.Array:
     """Row ``i`` of ``x`` on ``axis``: one program per shape, the row an argument."""
     return jax.lax.dynamic_index_in_dim(x, i, axis=axis, keepdims=False)
-
-
-@jax.jit
-def _row(x: jax.Array, i: jax.Array) -> jax.Array:
-    """Row ``i`` of ``x (..., n, p, q)`` on axis -3: one program per shape, the row an argument."""
-    return jax.lax.dynamic_index_in_dim(x, i, axis=x.ndim - 3, keepdims=False)
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
@@ -393,7 +380,7 @@ class MergedTable(_NamedTable):
                 a_i, b_i = a_i[..., :w], b_i[..., :w, :]
         elif w is None:
             idx = np.int32(i)
-            a_i, b_i = _row(a, idx), _row(b, idx)
+            a_i, b_i = _row_at(a, idx, a.ndim - 3), _row_at(b, idx, b.ndim - 3)
         else:
             a_i, b_i = _row_factors(a, b, np.int32(i), k=w)
         return {"lora_a": a_i, "lora_b": b_i, "scale": self.scale}
