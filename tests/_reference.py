@@ -9,6 +9,8 @@ and components ``n`` (Eq. net-utility for alpha = 1, App. A.4 for alpha = 0, API
 from __future__ import annotations
 
 import functools
+import hashlib
+import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -463,3 +465,14 @@ def paper_objective(
                 num += lam * g_norm(kj, g)
         total += num / g_norm(dw, g)
     return total
+
+
+def folder_digest(folder: str) -> str:
+    """An adapter folder's digest, computed here: its config and weight files in name order,
+    each as name, NUL, size, NUL, bytes."""
+    h = hashlib.sha256()
+    for f in sorted(pathlib.Path(folder).iterdir()):
+        if f.name == "adapter_config.json" or f.name.startswith("adapter_model"):
+            data = f.read_bytes()
+            h.update(f"{f.name}\0{len(data)}\0".encode() + data)
+    return h.hexdigest()

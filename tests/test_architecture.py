@@ -13,6 +13,7 @@ fresh interpreter.
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import pathlib
 import subprocess
@@ -480,3 +481,140 @@ def test_the_documented_python_m_path_runs_once(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--write-toy" in out.stdout
+
+
+# ------------------------------------------------------------ the tests mirror the package's stages
+
+TESTS = pathlib.Path(__file__).resolve().parent
+# each folder of tests/ and the stages of the package whose private modules its tests may use
+TEST_STAGES = {
+    "core": {"_core"},
+    "scoring": {"scoring"},
+    "allocation": {"allocation"},
+    "operators": {"operators"},
+    "pipeline": {"pipeline"},
+    "io": {"peft", "folders", "checkpoint", "hub", "nnx", "plots"},
+    "cli": {"cli"},
+    "experiments": {"experiments"},
+}
+
+
+def _private_reaches(path: pathlib.Path) -> list[tuple[str, int]]:
+    """Every dotted path into ``netutility_jax`` that ``path`` names with a private part, as
+    (path, line): imports, ``importlib.import_module("...")`` and ``monkeypatch.setattr("...")``
+    strings, and attribute chains on a name bound to the package or one of its modules."""
+    tree = ast.parse(path.read_text(), str(path))
+    bound: dict[str, str] = {}
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "netutility_jax":
+                    found.append((a.name, node.lineno))
+                    bound[a.asname or "netutility_jax"] = a.name if a.asname else "netutility_jax"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("netutility_jax"):
+            for a in node.names:
+                found.append((f"{node.module}.{a.name}", node.lineno))
+                bound[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("import_module", "setattr", "delattr")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("netutility_jax")
+        ):
+            found.append((node.args[0].value, node.lineno))
+    for node in ast.walk(tree):  # m = importlib.import_module("netutility_jax.allocate")
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute)
+            and node.value.func.attr == "import_module"
+            and node.value.args
+            and isinstance(node.value.args[0], ast.Constant)
+            and str(node.value.args[0].value).startswith("netutility_jax")
+        ):
+            bound[node.targets[0].id] = node.value.args[0].value
+    for node in ast.walk(tree):  # nu._core.tree.collect, _plan.DENSE_BYTES (bound above)
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if chain and isinstance(node, ast.Name) and node.id in bound:
+            found.append((".".join([bound[node.id], *reversed(chain)]), node.lineno))
+    return [(p, line) for p, line in found if any(_is_private(x) for x in p.split(".")[1:])]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _stage_of(dotted: str) -> str:
+    """The stage owning a private path: its first part below the package (``_core`` for
+    ``netutility_jax._core.tree``, ``operators`` for ``netutility_jax.operators._plan``)."""
+    parts = dotted.split(".")
+    if len(parts) < 2:
+        return ""
+    try:  # a top-level alias module (netutility_jax.allocate is allocation.allocate)
+        return importlib.import_module(".".join(parts[:2])).__name__.split(".")[1]
+    except ImportError:
+        return parts[1]
+
+
+def test_each_stage_s_tests_reach_only_its_own_private_modules():
+    """A test of one stage uses the public API, its own stage's private modules and the private
+    core's (``_core``: trees, buckets, linear algebra, devices; every stage is built on it, as
+    the stages' own code is), never another stage's: what a test needs of another stage it
+    reaches through that stage's public functions, and a test that exercises a stage's
+    internals lives in that stage's folder. Tests outside a stage folder (docs, fuzz, layers)
+    use the public API and the core only."""
+    bad = []
+    for path in sorted(TESTS.rglob("*.py")):
+        rel = path.relative_to(TESTS)
+        if rel.name == "test_architecture.py":  # its sources under test are strings
+            continue
+        allowed = {"_core"} | TEST_STAGES.get(rel.parts[0], set()) if len(rel.parts) > 1 else {
+            "_core"
+        }
+        for dotted, line in _private_reaches(path):
+            if _stage_of(dotted) not in allowed:
+                bad.append(f"tests/{rel}:{line}: {dotted}")
+    assert not bad, "tests reaching into another stage's private modules:\n" + "\n".join(
+        sorted(set(bad))
+    )
+
+
+def test_the_test_reach_check_sees_each_form(tmp_path):
+    src = (
+        "import importlib\n"
+        "import netutility_jax as nu\n"
+        "from netutility_jax.operators import _plan\n"
+        "from netutility_jax.scoring._run import score_run\n"
+        "k = importlib.import_module('netutility_jax.scoring._kernels')\n"
+        "nu._core.tree.collect\n"
+        "nu.pipeline._report.x\n"
+        "nu.merge\n"
+        "m = importlib.import_module('netutility_jax.allocate')\n"
+        "m._bad_counts\n"
+        "def f(monkeypatch):\n"
+        "    monkeypatch.setattr('netutility_jax.folders._digests._SETTLE_NS', 0)\n"
+    )
+    (tmp_path / "t.py").write_text(src)
+    got = sorted({p for p, _ in _private_reaches(tmp_path / "t.py")})
+    assert got == sorted({
+        "netutility_jax.operators._plan",
+        "netutility_jax.scoring._run.score_run",
+        "netutility_jax.scoring._kernels",
+        "netutility_jax._core.tree.collect",
+        "netutility_jax._core.tree",
+        "netutility_jax._core",
+        "netutility_jax.pipeline._report.x",
+        "netutility_jax.pipeline._report",
+        "netutility_jax.folders._digests._SETTLE_NS",
+        "netutility_jax.allocate._bad_counts",
+    }), got
+    got = [_stage_of(p) for p in ("netutility_jax._core.tree", "netutility_jax.allocate._x")]
+    assert got == ["_core", "allocation"]

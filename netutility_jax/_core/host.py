@@ -61,7 +61,7 @@ def put_views(views: Sequence[np.ndarray], sharding: Any = None) -> list[jax.Arr
     uncommitted, as ``jax.device_put`` does), each array is made by the jaxlib call that
     ``jax.device_put`` ends in (``batched_device_put``, same aliasing of host memory, inside
     jax's explicit-transfer scope); anything else, or a jax without that internal, takes
-    ``jax.device_put`` itself. tests/test_fixed_costs.py checks that both give the same arrays.
+    ``jax.device_put`` itself. tests/core/test_host.py checks that both give the same arrays.
     """
     views = list(views)
     if _batched_put is None or not views:

@@ -18,7 +18,7 @@ anyway). On one device (``mesh=None``) nothing changes. The results are those of
 the same masks and ranks, scores to float32 rounding (a device's batch changes how XLA fuses one
 elementwise step of the benefit), merged modules bit for bit at the tested shapes and to float32
 rounding in general (a smaller batch can change the last bit of a batched kernel on large
-factors, as a streamed chunk's can); see ``tests/test_mesh.py``.
+factors, as a streamed chunk's can); see ``tests/operators/test_mesh.py``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ module's live columns on the host, as the per-bucket route does.
 
 The buckets run one after another (each one's factors made data-dependent on the previous
 one's result, :func:`_linalg.after`): on CPU, jaxlib's LAPACK kernels block on the intra-op
-thread pool, and two independent calls in one program can deadlock it (tests/test_lapack_order).
+thread pool, and two independent calls in one program can deadlock it (tests/operators/test_lapack_order.py).
 
 Where it applies (:func:`applies`): no mesh, no model-wide selection, and no method whose
 modules are merged in blocks of rows or module by module in full space (those bound their memory

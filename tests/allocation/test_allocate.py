@@ -474,3 +474,53 @@ def test_allocate_under_outer_jit():
     for scope in SCOPES:
         jitted = jax.jit(lambda s, scope=scope: nu.allocate(s, 3, scope=scope))(eager_sc)
         _assert_masks_equal(jitted, np_masks(nu.allocate(eager_sc, 3, scope=scope)), scope)
+
+
+# ------------------------------------------------------------- the masks' placement and bad entries
+
+FIVE = (  # three buckets, flat names
+    ("l0.q", 24, 16, (3, 4, 2)),
+    ("l0.v", 24, 8, (3, 4, 2)),
+    ("l1.q", 24, 16, (3, 4, 2)),
+    ("l1.v", 24, 8, (3, 4, 2)),
+    ("l2.o", 16, 24, (2, 2, 2)),
+)
+
+
+@pytest.mark.parametrize("scope", ["global", "local", "uniform"])
+def test_masks_are_uncommitted_bools_of_each_module(scope):
+    ads = make_adapters(4, 3, FIVE)
+    sc = nu.score(ads)
+    masks = nu.allocate(sc, 2, scope=scope)
+    jitted = jax.jit(lambda s: nu.allocate(s, 2, scope=scope))(sc)
+    assert list(masks) == list(sc.modules)
+    for name, m in masks.items():
+        assert isinstance(m, jax.Array) and not m.committed
+        assert m.dtype == jnp.bool_ and m.shape == sc.modules[name].utility.shape
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(jitted[name]), err_msg=name)
+    if scope == "global":  # the top L R utilities over everything, positive ones only
+        u = np.concatenate([np.asarray(ms.utility).ravel() for ms in sc.modules.values()])
+        kept = np.concatenate([np.asarray(m).ravel() for m in masks.values()])
+        k = min(2 * len(masks), int((u > 0).sum()))
+        np.testing.assert_array_equal(np.sort(u[kept]), np.sort(u)[::-1][:k][::-1])
+
+
+def test_allocate_counts_bad_entries_per_module_only_when_there_are_some():
+    ads = make_adapters(5, 3, FIVE)
+    sc = nu.score(ads)
+    mods = dict(sc.modules)
+    u = np.array(mods["l1.q"].utility)
+    u[0, 0], u[1, 0] = np.nan, np.inf
+    s = np.array(mods["l2.o"].sigma)
+    s[2, 1] = -1.0
+    mods["l1.q"] = mods["l1.q"]._replace(utility=jnp.asarray(u))
+    mods["l2.o"] = mods["l2.o"]._replace(sigma=jnp.asarray(s))
+    bad = sc._replace(modules=mods)
+    with pytest.raises(
+        InputError, match=r"modules 'l1.q', 'l2.o' hold NaN .*\(2 such entries in 'l1.q'\)"
+    ):
+        nu.allocate(bad, 2)
+    counts = allocate_mod._bad_counts(
+        [ms.utility for ms in mods.values()], [ms.sigma for ms in mods.values()]
+    )
+    np.testing.assert_array_equal(counts, [0, 0, 2, 0, 1])

@@ -259,9 +259,7 @@ def test_plan_chunks_packs_whole_small_groups_together():
         "a0": (8, 8, 2), "b0": (8, 4, 2), "a1": (8, 8, 2), "d0": (8, 4, 1), "c0": (16, 16, 4),
     }  # fmt: skip
     size = {s: 3 * s[2] * (s[0] + s[1]) * 4 for s in set(shapes.values())}
-    assert plan_chunks(shapes, 3, chunk_bytes=10**6, itemsize=4) == [
-        ("a0", "a1", "b0", "d0", "c0")
-    ]
+    assert plan_chunks(shapes, 3, chunk_bytes=10**6, itemsize=4) == [("a0", "a1", "b0", "d0", "c0")]
     # room for the a and b groups together, not for d's as well; c's alone is too large
     limit = 2 * size[(8, 8, 2)] + size[(8, 4, 2)]
     chunks = plan_chunks(shapes, 3, chunk_bytes=limit, itemsize=4)
@@ -272,9 +270,9 @@ def test_plan_chunks_packs_whole_small_groups_together():
         ("a0",), ("a1",), ("b0", "d0"), ("c0",)
     ]  # fmt: skip
     for c in chunks:  # (a single module larger than the limit is a chunk of its own)
-        assert len(c) == 1 or sum(size[shapes[n]] for n in c) <= 2 * size[(8, 8, 2)] + size[
-            (8, 4, 2)
-        ]
+        assert (
+            len(c) == 1 or sum(size[shapes[n]] for n in c) <= 2 * size[(8, 8, 2)] + size[(8, 4, 2)]
+        )
 
 
 def _grouped(shapes):
@@ -473,51 +471,6 @@ def test_model_wide_ties_streamed_is_the_in_memory_merge(paths, loaded, space, a
         not np.allclose(nu.module_update(streamed[0][n]), nu.module_update(per_module[0][n]))
         for n in per_module[0]
     )
-
-
-@pytest.mark.parametrize(
-    "scope, space",
-    [("module", "knots"), ("model", "knots"), pytest.param("model", "full", marks=pytest.mark.slow)],
-)
-def test_ties_by_row_blocks_streamed_is_the_in_memory_merge(
-    paths, loaded, scope, space, monkeypatch
-):
-    """A working-memory budget below one module's dense KnOTS tasks (or, in full space, dense
-    task updates): TIES runs a few rows of a module at a time, streamed or in memory, with the same
-    result."""
-    from netutility_jax.operators import _plan, _rows
-
-    monkeypatch.setattr(_plan, "DENSE_BYTES", 2048)
-    blocked = []
-    real = _rows.row_blocks  # (where the row-block merges call it)
-    monkeypatch.setattr(
-        _rows, "row_blocks", lambda a, b, rows: blocked.append(rows) or real(a, b, rows)
-    )
-    kw = {"budget": 3, "method": "ties", "space": space, "trim_scope": scope, "density": 0.3}
-    streamed, in_memory, _ = _both(paths, loaded, **kw)
-    assert blocked
-    _assert_same(streamed, in_memory)
-
-
-def test_dare_by_row_blocks_streamed_is_the_in_memory_whole_module_merge(
-    paths, loaded, monkeypatch
-):
-    """DARE-TIES in KnOTS space, streamed a few rows of a module at a time: each block draws its
-    rows of the module's mask (keyed by the module's place in the whole model), so the result is
-    the in-memory merge of whole modules."""
-    from netutility_jax.operators import _plan, _rows
-
-    kw = {"budget": 3, "method": "dare_ties", "space": "knots", "p": 0.4, "key": jax.random.key(3)}
-    in_memory = nu.merge_adapters(loaded.adapters, **kw)
-    monkeypatch.setattr(_plan, "DENSE_BYTES", 2048)
-    blocked = []
-    real = _rows.row_blocks  # (where the row-block merges call it)
-    monkeypatch.setattr(
-        _rows, "row_blocks", lambda a, b, rows: blocked.append(rows) or real(a, b, rows)
-    )
-    streamed = merge_adapters_streaming(peft.open_adapters(paths), chunk_bytes=TINY, **kw)
-    assert blocked
-    _assert_same(streamed, in_memory)
 
 
 def test_model_wide_ties_ties_at_the_threshold_are_kept_in_flat_order(tmp_path):

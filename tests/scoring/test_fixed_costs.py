@@ -1,9 +1,10 @@
-"""The per-module fixed costs of nu.score + nu.allocate (benchmarks/scoring.py, case many-small).
+"""The per-module fixed costs of nu.score (benchmarks/scoring.py, case many-small).
 
-Each shortcut is checked against what it replaces: ``_host.put_views`` against
-``jax.device_put``, the integer-sort medians of lam="auto" against the sorted values written out
-in numpy, the per-module outputs and masks against their buckets' values and placement, and the
-flags read in one transfer against the errors they stand for.
+Each shortcut is checked against what it replaces: the integer-sort medians of lam="auto"
+against the sorted values written out in numpy, the per-module outputs against their buckets'
+values and placement, and the flags read in one transfer against the errors they stand for
+(``_core.host.put_views`` is checked in tests/core/test_host.py, the masks' placement in
+tests/allocation/test_allocate.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ utility_mod = importlib.import_module("netutility_jax.utility")
 kernels_mod = importlib.import_module("netutility_jax.scoring._kernels")
 median_mod = importlib.import_module("netutility_jax.scoring._median")
 scoring_mod = importlib.import_module("netutility_jax.scoring._run")
-host_mod = importlib.import_module("netutility_jax._core.host")
-allocate_mod = importlib.import_module("netutility_jax.allocate")
 
 SPEC = (  # three buckets, flat names
     ("l0.q", 24, 16, (3, 4, 2)),
@@ -33,67 +32,6 @@ SPEC = (  # three buckets, flat names
     ("l1.v", 24, 8, (3, 4, 2)),
     ("l2.o", 16, 24, (2, 2, 2)),
 )
-
-
-def _same_array(x: jax.Array, y: jax.Array) -> None:
-    assert type(x) is type(y)
-    assert (x.shape, x.dtype, x.weak_type) == (y.shape, y.dtype, y.weak_type)
-    assert x.sharding == y.sharding
-    assert x.committed == y.committed
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-# ------------------------------------------------------------------------------------------------
-# put_views == jax.device_put
-# ------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("committed", [False, True])
-@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_, np.float64, np.float16])
-def test_put_views_gives_what_device_put_gives(committed, dtype):
-    h = (np.arange(5 * 3 * 4) % 7 - 2).astype(dtype).reshape(5, 3, 4)
-    views = [h[i] for i in range(5)] + [h[:, 1], h[2, :, ::2]]  # contiguous and strided
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if committed else None
-    got = host_mod.put_views(views, sharding)
-    want = jax.device_put(views, sharding)
-    assert len(got) == len(want)
-    for x, y in zip(got, want, strict=True):
-        _same_array(x, y)
-        # usable as any array: in a jitted function and with another committed array
-        np.testing.assert_array_equal(
-            np.asarray(jax.jit(lambda a: a[::-1][::-1])(x)), np.asarray(y)
-        )
-
-
-def test_put_views_of_nothing_and_of_other_leaves():
-    assert host_mod.put_views([]) == []
-    got = host_mod.put_views([np.float32(2.0), np.ones(3, np.float32)])
-    want = jax.device_put([np.float32(2.0), np.ones(3, np.float32)])
-    for x, y in zip(got, want, strict=True):
-        _same_array(x, y)
-
-
-@pytest.mark.parametrize("internal", ["missing", "changed"])
-def test_put_views_without_the_jaxlib_call_is_device_put(monkeypatch, internal):
-    # a jax without batched_device_put (import failed), or whose call differs (it raises): the
-    # public jax.device_put, from then on
-    def changed(*args, **kwargs):
-        raise TypeError("batched_device_put(): incompatible function arguments")
-
-    monkeypatch.setattr(host_mod, "_batched_put", None if internal == "missing" else changed)
-    h = np.arange(6, dtype=np.float32).reshape(2, 3)
-    for sharding in (None, jax.sharding.SingleDeviceSharding(jax.devices()[0])):
-        got = host_mod.put_views([h[0], h[1]], sharding)
-        for x, y in zip(got, jax.device_put([h[0], h[1]], sharding), strict=True):
-            _same_array(x, y)
-    assert host_mod._batched_put is None
-
-
-def test_put_views_keeps_its_values_after_the_host_array_goes():
-    h = np.arange(12, dtype=np.float32).reshape(3, 4)
-    got = host_mod.put_views([h[i] for i in range(3)])
-    del h
-    np.testing.assert_array_equal(np.asarray(got[2]), [8, 9, 10, 11])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,7 +95,7 @@ def test_lam_auto_medians_of_runs_are_nanmedians():
 
 
 # ------------------------------------------------------------------------------------------------
-# per-module outputs, masks and flags
+# per-module outputs and flags
 # ------------------------------------------------------------------------------------------------
 
 
@@ -177,45 +115,6 @@ def test_module_scores_are_their_buckets_rows_placed_as_before():
                 assert x.shape == (2, bk.r_max) and x.dtype == jnp.float32, f
                 assert x.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0]), f
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name} {f}")
-
-
-@pytest.mark.parametrize("scope", ["global", "local", "uniform"])
-def test_masks_are_uncommitted_bools_of_each_module(scope):
-    ads = make_adapters(4, 3, SPEC)
-    sc = nu.score(ads)
-    masks = nu.allocate(sc, 2, scope=scope)
-    jitted = jax.jit(lambda s: nu.allocate(s, 2, scope=scope))(sc)
-    assert list(masks) == list(sc.modules)
-    for name, m in masks.items():
-        assert isinstance(m, jax.Array) and not m.committed
-        assert m.dtype == jnp.bool_ and m.shape == sc.modules[name].utility.shape
-        np.testing.assert_array_equal(np.asarray(m), np.asarray(jitted[name]), err_msg=name)
-    if scope == "global":  # the top L R utilities over everything, positive ones only
-        u = np.concatenate([np.asarray(ms.utility).ravel() for ms in sc.modules.values()])
-        kept = np.concatenate([np.asarray(m).ravel() for m in masks.values()])
-        k = min(2 * len(masks), int((u > 0).sum()))
-        np.testing.assert_array_equal(np.sort(u[kept]), np.sort(u)[::-1][:k][::-1])
-
-
-def test_allocate_counts_bad_entries_per_module_only_when_there_are_some():
-    ads = make_adapters(5, 3, SPEC)
-    sc = nu.score(ads)
-    mods = dict(sc.modules)
-    u = np.array(mods["l1.q"].utility)
-    u[0, 0], u[1, 0] = np.nan, np.inf
-    s = np.array(mods["l2.o"].sigma)
-    s[2, 1] = -1.0
-    mods["l1.q"] = mods["l1.q"]._replace(utility=jnp.asarray(u))
-    mods["l2.o"] = mods["l2.o"]._replace(sigma=jnp.asarray(s))
-    bad = sc._replace(modules=mods)
-    with pytest.raises(
-        InputError, match=r"modules 'l1.q', 'l2.o' hold NaN .*\(2 such entries in 'l1.q'\)"
-    ):
-        nu.allocate(bad, 2)
-    counts = allocate_mod._bad_counts(
-        [ms.utility for ms in mods.values()], [ms.sigma for ms in mods.values()]
-    )
-    np.testing.assert_array_equal(counts, [0, 0, 2, 0, 1])
 
 
 def test_status_flags_stand_for_the_checks():

@@ -1,6 +1,6 @@
 """Sharding buckets over a device mesh (``mesh=``, :mod:`netutility_jax._core.mesh`).
 
-The 8-device checks run in a child process (``tests/core/_mesh_child.py``) with
+The 8-device checks run in a child process (``tests/operators/_mesh_child.py``) with
 ``--xla_force_host_platform_device_count=8``, which must be set before JAX starts: scores, masks,
 ranks and merged updates with ``mesh=`` against the same calls on one device. In this process
 (one CPU device) a one-device mesh runs the mesh code path (factors stacked on the host) and must

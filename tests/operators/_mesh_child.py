@@ -1,4 +1,4 @@
-"""Run by tests/core/test_mesh.py in a fresh process with 8 forced CPU devices (XLA_FLAGS): scores
+"""Run by tests/operators/test_mesh.py in a fresh process with 8 forced CPU devices (XLA_FLAGS): scores
 and merges of one device against the same calls with ``mesh=`` (8 devices, and 3 devices, which
 pads 11 modules to 12). Prints one JSON line of findings for the test to assert on."""
 
