@@ -212,3 +212,33 @@ def test_the_report_has_the_headline_two_level_intervals_and_multiplicity():
     want = np.mean([res["deltas"][c]["victims"]["per_seed"] for c in cells], axis=0)
     np.testing.assert_allclose(h["victims"]["per_seed"], want, rtol=1e-12)
     assert "## Headline" in md and "Holm" in md and "two-level" in md
+
+
+def test_the_registered_rule_says_why_it_is_not_applied():
+    """Seeds outside the registration are named, not counted as registered ones; another
+    initialisation than the registered per-task one is outside the registration whatever its
+    seeds (the shared-initialisation report's seeds 4-8 rendered: no decision applied)."""
+    import pathlib
+
+    from netutility_jax.experiments.harness import planting_report as pr
+
+    assert pr._not_applied([0, 1, 4], "per_task") == (
+        "not applied: accuracy on 3 of the 5 registered seeds"
+    )
+    assert pr._not_applied([4, 5, 6], "per_task") == (
+        "not applied: accuracy on 1 of the 5 registered seeds, and on seeds 5, 6 outside the "
+        "registration"
+    )
+    assert pr._not_applied([0, 1, 2, 3, 4], "shared") == (
+        "not applied: shared initialisation, outside the registration"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    seeds = pl.load_seeds(root / "docs/planted/shared")
+    assert len(seeds) >= 5 and all(r["init"] == "shared" for r, _ in seeds)
+    res, md = pl.render(seeds, command="test", n_boot=50)
+    mult = res["multiplicity"]
+    assert not mult["registered_rule_applied"]
+    assert mult["registered_rule"] == "not applied: shared initialisation, outside the registration"
+    decisions = {d["decision"] for d in res["deltas"].values() if d["primary"]}
+    assert decisions == {mult["registered_rule"]}
+    assert "of the 5 registered seeds" not in md and "(not applied: shared initialisation" in md

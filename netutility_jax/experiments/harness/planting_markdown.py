@@ -214,7 +214,7 @@ def _deltas(res: Mapping[str, Any]) -> list[str]:
         + (
             ""
             if mult.get("registered_rule_applied")
-            else f" (not applied: accuracy on {len(acc_seeds)} of the 5 registered seeds)"
+            else f" ({mult.get('registered_rule', 'not applied')})"
         )
         + "; Holm at family-wise 5% over the "
         f"{mult.get('primary_family', 0)} keeps "

@@ -106,7 +106,7 @@ def render(
         acc_seeds = [r["seed"] for r, _ in with_acc]
         results["accuracy_seeds"] = acc_seeds
         results["headline"] = _headline(deltas)
-        results["multiplicity"] = _multiplicity(deltas, acc_seeds)
+        results["multiplicity"] = _multiplicity(deltas, acc_seeds, init)
         for d in deltas.values():
             for side in ("victims", "mean"):
                 d[side].pop("_boot")
@@ -330,7 +330,24 @@ def _headline(deltas: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _multiplicity(deltas: dict[str, Any], acc_seeds: Sequence[int]) -> dict[str, Any]:
+def _not_applied(acc_seeds: Sequence[int], init: str) -> str:
+    """Why the registered rule decides nothing here: another initialisation than the registered
+    per-task one, or accuracy on other seeds than the five registered ones (counted)."""
+    if init != "per_task":
+        return f"not applied: {init} initialisation, outside the registration"
+    n_reg = len(set(acc_seeds) & set(REGISTERED_SEEDS))
+    outside = sorted(set(acc_seeds) - set(REGISTERED_SEEDS))
+    return f"not applied: accuracy on {n_reg} of the 5 registered seeds" + (
+        f", and on seed{'s' if len(outside) > 1 else ''} {', '.join(map(str, outside))} "
+        "outside the registration"
+        if outside
+        else ""
+    )
+
+
+def _multiplicity(
+    deltas: dict[str, Any], acc_seeds: Sequence[int], init: str = "per_task"
+) -> dict[str, Any]:
     """Holm over the primary family (the victims' outcome of the registered comparisons) and,
     separately, over every other delta shown (secondary victims' and every all-tasks delta);
     the registered decision (Bonferroni t interval over the five registered seeds) where every
@@ -344,7 +361,7 @@ def _multiplicity(deltas: dict[str, Any], acc_seeds: Sequence[int]) -> dict[str,
         if not (d["primary"] and side == "victims")
     }
     hp, hs = st.holm(primary), st.holm(secondary)
-    registered = sorted(acc_seeds) == list(REGISTERED_SEEDS)
+    registered = init == "per_task" and sorted(acc_seeds) == list(REGISTERED_SEEDS)
     for lab, d in deltas.items():
         for side in ("victims", "mean"):
             h = hp[lab] if d["primary"] and side == "victims" else hs[f"{lab} | {side}"]
@@ -355,7 +372,7 @@ def _multiplicity(deltas: dict[str, Any], acc_seeds: Sequence[int]) -> dict[str,
             d["decision"] = (
                 ("gain" if lo > 0 else "loss" if hi < 0 else "no difference declared")
                 if registered
-                else f"not applied ({len(acc_seeds)} of the 5 registered seeds)"
+                else _not_applied(acc_seeds, init)
             )
     return {
         "primary_family": sum(not math.isnan(float(v)) for v in primary.values()),
@@ -363,6 +380,7 @@ def _multiplicity(deltas: dict[str, Any], acc_seeds: Sequence[int]) -> dict[str,
         "secondary_family": sum(not math.isnan(float(v)) for v in secondary.values()),
         "secondary_holm_survivors": [k for k, v in hs.items() if v["reject"]],
         "registered_rule_applied": registered,
+        "registered_rule": "applied" if registered else _not_applied(acc_seeds, init),
     }
 
 
