@@ -13,6 +13,7 @@ fresh interpreter.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import json
 import pathlib
@@ -24,7 +25,19 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "netutility_jax"
 
 
+@functools.cache
+def _parsed(path: pathlib.Path) -> ast.Module:
+    """A source file's syntax tree, parsed once a session (the checks only read it)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _modules() -> dict[str, pathlib.Path]:
+    """The package's modules by dotted name (a copy: the listing is read from disk once)."""
+    return dict(_module_paths())
+
+
+@functools.cache
+def _module_paths() -> dict[str, pathlib.Path]:
     out = {}
     for p in sorted(ROOT.rglob("*.py")):
         rel = p.relative_to(ROOT.parent).with_suffix("")
@@ -49,7 +62,7 @@ def _imports(mods: dict[str, pathlib.Path], *, lazy: bool = True) -> dict[str, s
     time, i.e. outside function bodies; ``if TYPE_CHECKING:`` blocks count as import time)."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parsed(path)
         is_pkg = path.name == "__init__.py"
         for node in _walk(tree, lazy=lazy):
             targets = []
@@ -103,7 +116,7 @@ def test_no_import_cycle_inside_the_package():
 def test_every_module_declares_all():
     missing = []
     for mod, path in _modules().items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parsed(path)
         names = {
             t.id
             for node in tree.body
@@ -121,7 +134,7 @@ def _private_uses(mods: dict[str, pathlib.Path]) -> list[tuple[str, str, int]]:
     ``x`` names one of the package's modules; ``(user, "x._y", line)``."""
     out = []
     for mod, path in mods.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parsed(path)
         is_pkg = path.name == "__init__.py"
         aliases: dict[str, str] = {}
         for node in ast.walk(tree):
@@ -263,7 +276,7 @@ def _non_public_uses(path: pathlib.Path, mod: str) -> list[str]:
     of a name not in ``netutility_jax.__all__``, of an underscored name of a public module, and
     ``nu.<name>`` / ``nu.peft._<name>`` attributes likewise; as ``"file:line: what"``."""
     names, modules = _public_api()
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parsed(path)
     is_pkg = path.name == "__init__.py"
     where = path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path
     bad: list[str] = []
@@ -433,33 +446,69 @@ def test_each_builtin_suite_registers_itself_in_one_declaration():
     assert not missing, f"netutility demo does not import {sorted(missing)}"
 
 
-# run in a fresh interpreter: records who imported each of the package's modules first
+# One fresh interpreter imports the third-party libraries the package is built on (none of the
+# package itself), then forks a child per module named on its command line: each child starts
+# as a fresh interpreter would as far as netutility_jax goes, records who imported each of the
+# package's modules first, and sends the record back (a pipe per child).
 _PROBE = """
-import importlib, json, sys
-parent = {}
-class Probe:
-    def find_spec(self, name, path=None, target=None):
-        if name.startswith("netutility_jax") and name not in parent:
-            f = sys._getframe(1)
-            while f is not None and not f.f_globals.get("__name__", "").startswith("netutility_jax"):
-                f = f.f_back
-            parent[name] = None if f is None else f.f_globals["__name__"]
-        return None
-sys.meta_path.insert(0, Probe())
-importlib.import_module(sys.argv[1])
-print(json.dumps({m: parent.get(m) for m in sys.modules if m.startswith("netutility_jax")}))
+import importlib, json, os, sys
+for lib in ("numpy", "jax", "jax.numpy", "flax", "optax", "safetensors"):
+    try:
+        importlib.import_module(lib)
+    except ImportError:
+        pass
+assert not any(m.startswith("netutility_jax") for m in sys.modules)
+out = {}
+for name in sys.argv[1:]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        parent = {}
+        class Probe:
+            def find_spec(self, mod, path=None, target=None):
+                if mod.startswith("netutility_jax") and mod not in parent:
+                    f = sys._getframe(1)
+                    while f is not None and not f.f_globals.get("__name__", "").startswith(
+                        "netutility_jax"
+                    ):
+                        f = f.f_back
+                    parent[mod] = None if f is None else f.f_globals["__name__"]
+                return None
+        sys.meta_path.insert(0, Probe())
+        try:
+            importlib.import_module(name)
+            rec = {m: parent.get(m) for m in sys.modules if m.startswith("netutility_jax")}
+        except BaseException as e:
+            rec = {"__error__": repr(e)}
+        with os.fdopen(w, "w") as f:
+            json.dump(rec, f)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out[name] = json.loads(f.read() or '{"__error__": "no record"}')
+    os.waitpid(pid, 0)
+print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("name", HARNESS)
-def test_importing_a_harness_module_imports_no_model_or_suite(name):
-    """What ``import netutility_jax.experiments.<name>`` really loads, in a fresh interpreter
-    (a lazy import at module level, a re-export or a package ``__init__`` would show here)."""
+@pytest.fixture(scope="module")
+def harness_imports() -> dict[str, dict[str, str | None]]:
+    """What importing each harness module loads, module by module (see ``_PROBE``)."""
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE, f"{EXP}.{name}"], capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, "-c", _PROBE, *(f"{EXP}.{n}" for n in HARNESS)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", HARNESS)
+def test_importing_a_harness_module_imports_no_model_or_suite(name, harness_imports):
+    """What ``import netutility_jax.experiments.<name>`` really loads, as in a fresh interpreter
+    (a lazy import at module level, a re-export or a package ``__init__`` would show here)."""
+    loaded = harness_imports[f"{EXP}.{name}"]
+    assert "__error__" not in loaded, loaded
     banned = {f"{EXP}.{m}" for m in [*MODELS, *SUITES, *COMMAND]}
     bad = sorted(m for m in loaded if m in banned)
 
@@ -503,7 +552,7 @@ def _private_reaches(path: pathlib.Path) -> list[tuple[str, int]]:
     """Every dotted path into ``netutility_jax`` that ``path`` names with a private part, as
     (path, line): imports, ``importlib.import_module("...")`` and ``monkeypatch.setattr("...")``
     strings, and attribute chains on a name bound to the package or one of its modules."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _parsed(path)
     bound: dict[str, str] = {}
     found: list[tuple[str, int]] = []
     for node in ast.walk(tree):
@@ -576,9 +625,9 @@ def test_each_stage_s_tests_reach_only_its_own_private_modules():
         rel = path.relative_to(TESTS)
         if rel.name == "test_architecture.py":  # its sources under test are strings
             continue
-        allowed = {"_core"} | TEST_STAGES.get(rel.parts[0], set()) if len(rel.parts) > 1 else {
-            "_core"
-        }
+        allowed = (
+            {"_core"} | TEST_STAGES.get(rel.parts[0], set()) if len(rel.parts) > 1 else {"_core"}
+        )
         for dotted, line in _private_reaches(path):
             if _stage_of(dotted) not in allowed:
                 bad.append(f"tests/{rel}:{line}: {dotted}")
@@ -604,17 +653,19 @@ def test_the_test_reach_check_sees_each_form(tmp_path):
     )
     (tmp_path / "t.py").write_text(src)
     got = sorted({p for p, _ in _private_reaches(tmp_path / "t.py")})
-    assert got == sorted({
-        "netutility_jax.operators._plan",
-        "netutility_jax.scoring._run.score_run",
-        "netutility_jax.scoring._kernels",
-        "netutility_jax._core.tree.collect",
-        "netutility_jax._core.tree",
-        "netutility_jax._core",
-        "netutility_jax.pipeline._report.x",
-        "netutility_jax.pipeline._report",
-        "netutility_jax.folders._digests._SETTLE_NS",
-        "netutility_jax.allocate._bad_counts",
-    }), got
+    assert got == sorted(
+        {
+            "netutility_jax.operators._plan",
+            "netutility_jax.scoring._run.score_run",
+            "netutility_jax.scoring._kernels",
+            "netutility_jax._core.tree.collect",
+            "netutility_jax._core.tree",
+            "netutility_jax._core",
+            "netutility_jax.pipeline._report.x",
+            "netutility_jax.pipeline._report",
+            "netutility_jax.folders._digests._SETTLE_NS",
+            "netutility_jax.allocate._bad_counts",
+        }
+    ), got
     got = [_stage_of(p) for p in ("netutility_jax._core.tree", "netutility_jax.allocate._x")]
     assert got == ["_core", "allocation"]
