@@ -476,3 +476,38 @@ def folder_digest(folder: str) -> str:
             data = f.read_bytes()
             h.update(f"{f.name}\0{len(data)}\0".encode() + data)
     return h.hexdigest()
+
+
+# The command-line tests' adapters (tests/cli): 2 layers x (q_proj, v_proj), d_in 24, d_out 16;
+# tests elsewhere use the same shapes so that a worker compiles their programs once.
+CLI_MODULES = tuple(
+    f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj")
+)
+
+
+def cli_adapters(ranks=(4, 3, 4), seed=0) -> list[dict]:
+    """One float32 adapter per rank in ``ranks`` (scale 2), drawn from one generator."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            n: {
+                "lora_a": rng.normal(size=(24, r)).astype(np.float32),
+                "lora_b": (rng.normal(size=(r, 16)) / 4).astype(np.float32),
+                "scale": 2.0,
+            }
+            for n in CLI_MODULES
+        }
+        for r in ranks
+    ]
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``netutility ARGV`` in this process: (exit code, stdout, stderr)."""
+    from netutility_jax import cli
+
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:  # (argparse's refusals)
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err

@@ -24,7 +24,7 @@ import hypothesis
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from _reference import assert_scores_match, default_rtol, flat_modules, ref_scores
+from _reference import assert_scores_match, default_rtol, flat_modules, folder_digest, ref_scores
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError, InputTypeError
@@ -1442,19 +1442,6 @@ def test_config_files_are_read_as_the_reference_parser_reads_them_or_refused_slo
     _config_text_property(tmp_path_factory, case)
 
 
-def _report_digest(folder) -> str:
-    """An adapter folder's digest as a report records it, computed here."""
-    import hashlib
-    import pathlib
-
-    h = hashlib.sha256()
-    for f in sorted(pathlib.Path(folder).iterdir()):
-        if f.name == "adapter_config.json" or f.name.startswith("adapter_model"):
-            data = f.read_bytes()
-            h.update(f"{f.name}\0{len(data)}\0".encode() + data)
-    return h.hexdigest()
-
-
 @pytest.fixture(scope="module")
 def merge_report(tmp_path_factory):
     """A real merge of three small PEFT adapters and the text of its report."""
@@ -1544,7 +1531,7 @@ def _report_property(tmp_path_factory, merge_report, case):
         assert rep.get("netutility_version") == nu.__version__
         for a in rep["config"]["adapters"]:
             if isinstance(a, dict) and a.get("sha256") is not None:
-                assert a["sha256"] == _report_digest(a["path"]), a
+                assert a["sha256"] == folder_digest(a["path"]), a
 
 
 @hypothesis.settings(

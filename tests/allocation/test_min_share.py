@@ -5,29 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _reference import CLI_MODULES
+from _reference import cli_adapters as _adapters
 
 import netutility_jax as nu
 from netutility_jax.allocation import _min_share
 from netutility_jax.errors import InputError, InputTypeError
 
-D_IN, D_OUT = 24, 16
-# the shapes of tests/cli/test_cli.py's adapters: the compiled kernels are shared in a session
-MODULES = tuple(f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj"))
-
-
-def _adapters(ranks=(4, 3, 4), seed=0) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            n: {
-                "lora_a": rng.normal(size=(D_IN, r)).astype(np.float32),
-                "lora_b": (rng.normal(size=(r, D_OUT)) / 4).astype(np.float32),
-                "scale": 2.0,
-            }
-            for n in MODULES
-        }
-        for r in ranks
-    ]
+MODULES = CLI_MODULES
 
 
 def _reference_floor(utils: dict, budget: int, scope: str, positive_only: bool, f: float):

@@ -21,6 +21,7 @@ import tracemalloc
 import numpy as np
 import pytest
 from _reference import folder_digest
+from _reference import run_cli as _run
 from test_cli_config import BASE, NAMES, RANKS, _adapter
 
 import netutility_jax as nu
@@ -40,15 +41,6 @@ def folders(tmp_path_factory) -> list[str]:
         nu.peft.save_adapter(_adapter(i, r), p, base_config=BASE)
         out.append(str(p))
     return out
-
-
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as e:  # (argparse's refusals)
-        rc = e.code
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 def _refused(capsys, argv, message: str, start: str = "netutility merge: error: ") -> str:

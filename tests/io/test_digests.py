@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from _reference import folder_digest
+from _reference import folder_digest, run_cli
 
 import netutility_jax as nu
 from netutility_jax import cli
@@ -42,12 +42,6 @@ def folders(tmp_path_factory) -> list[str]:
         nu.peft.save_adapter(ad, p, base_model_name_or_path="tiny-test-model")
         out.append(str(p))
     return out
-
-
-def _run(capsys, *argv) -> tuple[int, str, str]:
-    rc = cli.main(list(argv))
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
 
 
 SETTLE_NS = 200_000_000  # (_digests._SETTLE_NS here, so that the files settle in a moment)
@@ -99,14 +93,14 @@ def test_a_merge_and_its_replay_hash_each_adapter_file_once(folders, tmp_path, c
     assert len(files) == 2 * len(copies)
     counts = _count_opens(monkeypatch, _digests, copies)
     out = tmp_path / "m"
-    rc, _, err = _run(capsys, "merge", *copies, "--budget", "2", "--no-plots", "--quiet",
+    rc, _, err = run_cli(capsys, "merge", *copies, "--budget", "2", "--no-plots", "--quiet",
                       "--out", str(out))  # fmt: skip
     assert rc == 0, err
     assert counts == dict.fromkeys(files, 1), counts
     rep = json.loads((out / cli.REPORT_NAME).read_text())
     assert [a["sha256"] for a in rep["config"]["adapters"]] == [folder_digest(c) for c in copies]
     counts.clear()
-    rc, _, err = _run(capsys, "merge", "--config", str(out / cli.REPORT_NAME), "--out",
+    rc, _, err = run_cli(capsys, "merge", "--config", str(out / cli.REPORT_NAME), "--out",
                       str(tmp_path / "again"), "--quiet")  # fmt: skip
     assert rc == 0, err
     assert counts == dict.fromkeys(files, 1), counts
@@ -134,7 +128,7 @@ def test_a_moments_file_is_hashed_once_a_run(folders, tmp_path, capsys, monkeypa
 
     monkeypatch.setattr(hashlib, "sha256", sha256)
     out = tmp_path / "m"
-    rc, _, err = _run(capsys, "merge", *copies, "--budget", "2", "--no-plots", "--quiet",
+    rc, _, err = run_cli(capsys, "merge", *copies, "--budget", "2", "--no-plots", "--quiet",
                       "--out", str(out), "--input-moments", str(mfile), "none", "none")  # fmt: skip
     assert rc == 0, err
     assert opens.get(str(mfile)) == 1 and not of_bytes, (opens, of_bytes)

@@ -8,29 +8,15 @@ import pathlib
 
 import numpy as np
 import pytest
+from _reference import CLI_MODULES
+from _reference import cli_adapters as _adapters
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError, InputTypeError
 from netutility_jax.pipeline.planning import Plan, plan, task_names
 
-D_IN, D_OUT = 24, 16
-# the shapes of tests/cli/test_cli.py's adapters: the compiled kernels are shared in a session
-MODULES = tuple(f"model.layers.{i}.self_attn.{m}" for i in range(2) for m in ("q_proj", "v_proj"))
-
-
-def _adapters(ranks=(4, 3, 4), seed=0) -> list[dict]:
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            n: {
-                "lora_a": rng.normal(size=(D_IN, r)).astype(np.float32),
-                "lora_b": (rng.normal(size=(r, D_OUT)) / 4).astype(np.float32),
-                "scale": 2.0,
-            }
-            for n in MODULES
-        }
-        for r in ranks
-    ]
+MODULES = CLI_MODULES
+D_IN, D_OUT = 24, 16  # (their shapes)
 
 
 # -------------------------------------------------------------------------------- weights
