@@ -511,3 +511,13 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
         rc = e.code
     cap = capsys.readouterr()
     return rc, cap.out, cap.err
+
+
+# Five small modules in three buckets with flat names (the scoring and allocation fixed-cost tests)
+FIVE_MODULES = (  # three buckets, flat names
+    ("l0.q", 24, 16, (3, 4, 2)),
+    ("l0.v", 24, 8, (3, 4, 2)),
+    ("l1.q", 24, 16, (3, 4, 2)),
+    ("l1.v", 24, 8, (3, 4, 2)),
+    ("l2.o", 16, 24, (2, 2, 2)),
+)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _reference import (
+    FIVE_MODULES,
     make_adapters,
     np_masks,
     ref_allocate,
@@ -478,18 +479,10 @@ def test_allocate_under_outer_jit():
 
 # ------------------------------------------------------------- the masks' placement and bad entries
 
-FIVE = (  # three buckets, flat names
-    ("l0.q", 24, 16, (3, 4, 2)),
-    ("l0.v", 24, 8, (3, 4, 2)),
-    ("l1.q", 24, 16, (3, 4, 2)),
-    ("l1.v", 24, 8, (3, 4, 2)),
-    ("l2.o", 16, 24, (2, 2, 2)),
-)
-
 
 @pytest.mark.parametrize("scope", ["global", "local", "uniform"])
 def test_masks_are_uncommitted_bools_of_each_module(scope):
-    ads = make_adapters(4, 3, FIVE)
+    ads = make_adapters(4, 3, FIVE_MODULES)
     sc = nu.score(ads)
     masks = nu.allocate(sc, 2, scope=scope)
     jitted = jax.jit(lambda s: nu.allocate(s, 2, scope=scope))(sc)
@@ -506,7 +499,7 @@ def test_masks_are_uncommitted_bools_of_each_module(scope):
 
 
 def test_allocate_counts_bad_entries_per_module_only_when_there_are_some():
-    ads = make_adapters(5, 3, FIVE)
+    ads = make_adapters(5, 3, FIVE_MODULES)
     sc = nu.score(ads)
     mods = dict(sc.modules)
     u = np.array(mods["l1.q"].utility)

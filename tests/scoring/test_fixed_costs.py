@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _reference import make_adapters
+from _reference import FIVE_MODULES, make_adapters
 
 import netutility_jax as nu
 from netutility_jax import InputError
@@ -25,13 +25,7 @@ kernels_mod = importlib.import_module("netutility_jax.scoring._kernels")
 median_mod = importlib.import_module("netutility_jax.scoring._median")
 scoring_mod = importlib.import_module("netutility_jax.scoring._run")
 
-SPEC = (  # three buckets, flat names
-    ("l0.q", 24, 16, (3, 4, 2)),
-    ("l0.v", 24, 8, (3, 4, 2)),
-    ("l1.q", 24, 16, (3, 4, 2)),
-    ("l1.v", 24, 8, (3, 4, 2)),
-    ("l2.o", 16, 24, (2, 2, 2)),
-)
+SPEC = FIVE_MODULES
 
 
 # ------------------------------------------------------------------------------------------------
