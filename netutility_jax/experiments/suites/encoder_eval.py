@@ -17,8 +17,9 @@ this model.
 
 **Speed (CPU).** Texts are packed (:func:`minilm.pack`): several texts share a row of
 :data:`ROW_LEN` tokens, each attending only to itself, with positions restarting per text, so no
-compute goes to padding. Batches have one fixed shape (:data:`ROWS` x :data:`ROW_LEN`), so the
-forward compiles once. Measured on the 2-core CPU (see ``benchmarks/demo_eval.py``).
+compute goes to padding. Batches have :data:`ROWS` x :data:`ROW_LEN` tokens, but for an
+evaluation set's last, which has a power of two of rows (8 to 64): the forward compiles for at
+most four shapes, and a small set computes few filler rows. Measured on the 2-core CPU (see ``benchmarks/demo_eval.py``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def encode(texts: Sequence[str], *, max_len: int = ROW_LEN) -> tuple[np.ndarray,
 
 
 class Batch(NamedTuple):
-    """One packed forward call: :class:`minilm.Packed` arrays of shape ``(ROWS, ROW_LEN)``."""
+    """One packed forward call: :class:`minilm.Packed` arrays of shape ``(rows, ROW_LEN)``."""
 
     ids: np.ndarray
     segment_ids: np.ndarray
@@ -88,8 +89,11 @@ def packed_batches(
     rows: int = ROWS,
     row_len: int = ROW_LEN,
     decreasing: bool = True,
+    shrink_last: bool = False,
 ) -> list[Batch]:
-    """Pack texts into rows and cut the rows into fixed-shape batches (empty rows fill the last).
+    """Pack texts into rows and cut the rows into batches of ``rows`` rows (empty rows fill the
+    last up to ``rows``, or with ``shrink_last`` up to the next power of two, at least 8: at
+    most three more compiled shapes, and a small set's pass computes 8 rows, not 64).
 
     ``decreasing``: see :func:`minilm.pack`.
     """
@@ -97,12 +101,14 @@ def packed_batches(
     out = []
     for s in range(0, len(p.ids), rows):
         sl = slice(s, s + rows)
+        n = len(p.ids[sl])
+        n_rows = min(rows, max(8, 1 << (n - 1).bit_length())) if shrink_last else rows
         out.append(
             Batch(
-                _fill(p.ids[sl], rows, 0),
-                _fill(p.segment_ids[sl], rows, 0),
-                _fill(p.position_ids[sl], rows, 0),
-                _fill(p.text[sl], rows, -1),
+                _fill(p.ids[sl], n_rows, 0),
+                _fill(p.segment_ids[sl], n_rows, 0),
+                _fill(p.position_ids[sl], n_rows, 0),
+                _fill(p.text[sl], n_rows, -1),
             )
         )
     return out
@@ -151,7 +157,7 @@ def _build(names, ids, lengths, task, labels) -> EvalSet:
         task=np.asarray(task, np.int32),
         labels=np.asarray(labels, np.int32),
         lengths=lengths,
-        batches=tuple(packed_batches(ids, lengths)),
+        batches=tuple(packed_batches(ids, lengths, shrink_last=True)),
         ids=ids,
     )
 
