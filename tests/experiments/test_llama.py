@@ -809,6 +809,37 @@ def test_gradient_step_changes_only_lora_params():
     assert float(l1) < float(l0)
 
 
+def test_abstract_models_are_built_once_and_share_no_variables():
+    """llama_model.abstract_model keeps one structure per config (building it under
+    nnx.eval_shape is slow) and merges it anew per call: the same placeholders as a direct
+    nnx.eval_shape build, and a value set in one model is not seen by the next, nor by a second
+    add_lora's adapters."""
+    from netutility_jax.experiments.models import llama_model
+
+    lora = llama.LoRAConfig(rank=2, targets=("q_proj",))
+    direct = nnx.eval_shape(
+        lambda: llama.Llama(SMALL, lora=lora, dtype=jnp.float32, param_dtype=jnp.float32,
+                            rngs=nnx.Rngs(0))
+    )  # fmt: skip
+    first = llama_model.abstract_model(SMALL, lora, jnp.float32, jnp.float32)
+    flat = dict(nnx.to_flat_state(nnx.state(first)))
+    want = dict(nnx.to_flat_state(nnx.state(direct)))
+    assert list(flat) == list(want)
+    for p, var in flat.items():
+        got, ref = var.get_value(), want[p].get_value()
+        assert (type(got), got.shape, got.dtype) == (type(ref), ref.shape, ref.dtype), p
+    first.model.norm.scale.set_value(jnp.ones(7))
+    second = llama_model.abstract_model(SMALL, lora, jnp.float32, jnp.float32)
+    assert second.model.norm.scale.get_value().shape == (SMALL.hidden_size,)
+    assert isinstance(second.model.norm.scale.get_value(), jax.ShapeDtypeStruct)
+    base = small_model()
+    one = llama.add_lora(base, lora, rngs=nnx.Rngs(1))
+    a1 = np.asarray(one.model.layers[0].self_attn.q_proj.lora.lora_a[...]).copy()
+    two = llama.add_lora(base, lora, rngs=nnx.Rngs(2))
+    np.testing.assert_array_equal(one.model.layers[0].self_attn.q_proj.lora.lora_a[...], a1)
+    assert not np.allclose(two.model.layers[0].self_attn.q_proj.lora.lora_a[...], a1)
+
+
 def test_add_lora_is_identity_and_names_map():
     base = small_model()
     model = llama.add_lora(
