@@ -810,7 +810,7 @@ def test_gradient_step_changes_only_lora_params():
 
 
 def test_abstract_models_are_built_once_and_share_no_variables():
-    """llama_model.abstract_model keeps one structure per config (building it under
+    """llama_model.abstract_model (minilm_model.abstract_of) keeps one structure per config (building it under
     nnx.eval_shape is slow) and merges it anew per call: the same placeholders as a direct
     nnx.eval_shape build, and a value set in one model is not seen by the next, nor by a second
     add_lora's adapters."""

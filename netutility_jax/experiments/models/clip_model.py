@@ -27,7 +27,8 @@ from .clip_config import CLIPConfig as CLIPConfig
 from .clip_config import CLIPTextConfig as CLIPTextConfig
 from .clip_config import CLIPVisionConfig as CLIPVisionConfig
 from .clip_config import LoRAConfig as LoRAConfig
-from .llama_model import abstract_of, init_model, linear, retyped, with_fresh_lora
+from .llama_model import init_model, linear, retyped, with_fresh_lora
+from .minilm_model import abstract_of
 
 __all__ = [  # (the config names re-imported above are clip_config's)
     "CLIPModel",
@@ -419,7 +420,7 @@ def abstract_model(
 ) -> CLIPModel:
     """A :class:`CLIPModel` of this structure whose arrays are ``jax.ShapeDtypeStruct``
     placeholders (no random draws for weights that are overwritten anyway)."""
-    return abstract_of(CLIPModel, cfg, lora, dtype, param_dtype)
+    return abstract_of(CLIPModel, cfg, lora=lora, dtype=dtype, param_dtype=param_dtype)
 
 
 def add_lora(model: CLIPModel, lora: LoRAConfig, *, rngs: nnx.Rngs) -> CLIPModel:

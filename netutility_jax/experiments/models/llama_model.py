@@ -7,7 +7,6 @@ model (state paths, LoRA layout, padding, dtypes); its loaders fill an abstract 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -20,7 +19,7 @@ from jax.typing import ArrayLike
 
 from ...errors import InputError, InputTypeError
 from .llama_config import LlamaConfig, LoRAConfig
-from .minilm_model import LORA_A_INIT, LORA_B_INIT, LoRALinear
+from .minilm_model import LORA_A_INIT, LORA_B_INIT, LoRALinear, abstract_of
 
 __all__ = [
     "BASE_WEIGHTS",
@@ -31,7 +30,6 @@ __all__ = [
     "Llama",
     "ModelOptions",
     "abstract_model",
-    "abstract_of",
     "add_lora",
     "apply_rope",
     "check_dtype",
@@ -569,30 +567,7 @@ def abstract_model(
 
     Structure only: no random draws for weights that are overwritten anyway.
     """
-    return abstract_of(Llama, cfg, lora, dtype, param_dtype)
-
-
-@functools.lru_cache(maxsize=8)
-def _abstract_parts(cls: type, cfg: Any, lora: Any, dtype: Any, param_dtype: Any) -> Any:
-    return nnx.split(
-        nnx.eval_shape(
-            lambda: cls(cfg, lora=lora, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
-        )
-    )
-
-
-def abstract_of(cls: type, cfg: Any, lora: Any, dtype: Any, param_dtype: Any) -> Any:
-    """A new ``cls(cfg, lora=..., dtype=..., param_dtype=..., rngs=...)`` whose arrays are
-    ``jax.ShapeDtypeStruct`` placeholders (each model's ``abstract_model``).
-
-    Built once per structure in a process and merged anew per call (a fresh module of fresh
-    variables each time, so setting one model's values leaves the next one's placeholders). Building is slow: every parameter draw under
-    ``nnx.eval_shape`` updates the ``nnx.Rngs`` count, and each update reads the tracer's
-    ``sharding``, whose error message walks the whole trace so far: 8.5 s for SmolLM2-135M with
-    LoRA on the 2-core CPU, against 13 ms for ``nnx.merge``.
-    """
-    graphdef, state = _abstract_parts(cls, cfg, lora, dtype, param_dtype)
-    return nnx.merge(graphdef, state, copy=True)
+    return abstract_of(Llama, cfg, lora=lora, dtype=dtype, param_dtype=param_dtype)
 
 
 def check_filled(fn: str, model: nnx.Module) -> None:

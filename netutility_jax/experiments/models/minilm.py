@@ -48,7 +48,7 @@ from .llama_tokenizer import check_texts
 
 # the network (config, layers: minilm_model), also reachable here
 from .minilm_model import INSTALL as INSTALL
-from .minilm_model import LORA_A_INIT, LORA_B_INIT, model_path
+from .minilm_model import LORA_A_INIT, LORA_B_INIT, abstract_of, model_path
 from .minilm_model import LORA_TARGETS as LORA_TARGETS
 from .minilm_model import PACKAGE as PACKAGE
 from .minilm_model import Embeddings as Embeddings
@@ -355,10 +355,7 @@ def _variable(model: nnx.Module, path: Sequence[str | int]) -> nnx.Variable:
 
 
 def _abstract(cfg: MiniLMConfig, lora_rank: int | None, lora_alpha: float | None) -> MiniLM:
-    # Structure only: no random draws for weights that are overwritten anyway.
-    return nnx.eval_shape(
-        lambda: MiniLM(cfg, lora_rank=lora_rank, lora_alpha=lora_alpha, rngs=nnx.Rngs(0))
-    )
+    return abstract_of(MiniLM, cfg, lora_rank=lora_rank, lora_alpha=lora_alpha)
 
 
 def _check_filled(fn: str, model: nnx.Module) -> None:
