@@ -129,24 +129,29 @@ def test_demo_study_planted_refuses_flags_it_sets_itself(tmp_path, capsys, flags
 
 
 @pytest.mark.slow
-def test_the_quick_planted_study_runs_and_renders(tmp_path):
+def test_the_quick_planted_study_runs_and_renders(tmp_path, capsys):
     """The quick preset's 3 tasks, one pair, read-out (a) and the primary merges, written by the
-    code that computed them; a second call finds the seed and only re-renders."""
+    code that computed them; a second call asking for less (read-out (a) only) finds the seed
+    and only re-renders."""
     import json
 
     from netutility_jax.experiments import planted
 
     out = tmp_path / "o"
     argv = ["--quick", "--seeds", "0", "--out", str(out), "--cache-dir", str(tmp_path / "c")]
-    assert planted.main([*argv, "--merges", "none"]) == 0
+    assert planted.main(argv) == 0  # primary
     res = json.loads((out / "results.json").read_text())
     ra = res["readout_a"]
     assert ra["conflict_g1"]["all/full"]["plant_kept"] == pytest.approx(1.0, abs=1e-6)
-    assert ra["null"]["all/full"]["plant_kept"] is None and not res["accuracy"]
+    assert ra["null"]["all/full"]["plant_kept"] is None
     assert "python -m netutility_jax.experiments.planted --quick" in res["command"]
-    assert planted.main(argv) == 0  # primary: the seed runs again with its merges
-    res = json.loads((out / "results.json").read_text())
     assert "conflict_g1/energy/R16" in res["accuracy"] and res["deltas"]
+    seed = (out / "seed0.json").read_bytes()
+    capsys.readouterr()
+    assert planted.main([*argv, "--merges", "none"]) == 0
+    assert "seed 0 is in" in capsys.readouterr().out and (out / "seed0.json").read_bytes() == seed
+    again = json.loads((out / "results.json").read_text())
+    assert again["accuracy"] == res["accuracy"] and again["readout_a"] == ra
 
 
 def test_the_grid_has_a_sign_aware_control_that_merges_as_the_library_does():
