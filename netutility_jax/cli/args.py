@@ -200,7 +200,7 @@ def add_loading(p: argparse.ArgumentParser) -> None:
 
 
 def add_compile_cache(p: argparse.ArgumentParser) -> None:
-    """``--no-compile-cache`` (``merge`` and ``inspect``)."""
+    """``--no-compile-cache`` (``merge``, ``inspect`` and ``demo``)."""
     p.add_argument(
         "--no-compile-cache",
         action="store_true",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from .args import add_compile_cache
 from .common import UsageError
 
 __all__ = ["add_demo_parser", "cmd_demo"]
@@ -19,6 +20,7 @@ def add_demo_parser(sub, *, demo_options: bool) -> None:
         description="Train task LoRAs on MiniLM-L6 with real data, merge them with every method, "
         "space and budget, uniform against net utility, and report normalized accuracy.",
     )
+    add_compile_cache(d)  # (its training and evaluation kernels: a second run compiles less)
     if demo_options:
         try:
             from ..experiments import demo as _demo

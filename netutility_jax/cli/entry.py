@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command != "demo":  # (the demo trains: compiled as JAX's defaults compile)
             cpu_compile_flags()
         cache = default_compile_cache()
-        if args.command != "demo" and not args.no_compile_cache and cache is not None:
+        if not args.no_compile_cache and cache is not None:
             enable_compile_cache(cache)
         return cmds[args.command](args)
     except PeerLostError as e:  # JAX's shutdown barrier would wait for the lost process

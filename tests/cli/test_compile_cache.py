@@ -90,3 +90,21 @@ def test_the_command_adds_its_cpu_compile_flags_to_what_xla_flags_says(monkeypat
         "--xla_force_host_platform_device_count=2",
         *(f"--{f}" for f in entry.CPU_COMPILE_FLAGS),
     ]
+
+
+@pytest.mark.parametrize("command", [["demo", "--quick"], ["inspect", "x"]])
+def test_the_demo_and_inspect_turn_the_cache_on_unless_told_not_to(command, monkeypatch, tmp_path):
+    """The demo keeps its kernels as merge and inspect do (a second demo run compiles less);
+    --no-compile-cache and NETUTILITY_COMPILE_CACHE=off leave the cache off. The command itself
+    is replaced: only the set-up before it runs is checked (JAX's settings are not touched)."""
+    from netutility_jax.cli import entry
+
+    calls: list = []
+    monkeypatch.setattr(entry, "enable_compile_cache", lambda folder: calls.append(folder))
+    for name in ("cmd_demo", "cmd_inspect"):
+        monkeypatch.setattr(entry, name, lambda args: 0)
+    monkeypatch.setenv("NETUTILITY_COMPILE_CACHE", str(tmp_path / "c"))
+    assert entry.main(command) == 0 and calls == [tmp_path / "c"]
+    assert entry.main([*command, "--no-compile-cache"]) == 0 and len(calls) == 1
+    monkeypatch.setenv("NETUTILITY_COMPILE_CACHE", "off")
+    assert entry.main(command) == 0 and len(calls) == 1
