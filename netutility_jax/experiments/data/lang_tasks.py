@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ...errors import InputError, InputTypeError
-from ..harness.passes import TaskSet
+from ..harness.passes import TaskSet, last_batch_rows
 from . import tasks as tk
 
 __all__ = [
@@ -308,7 +308,7 @@ def batches(
         sel = np.asarray(order[s : s + rows])
         n_rows = rows
         if shrink_last and len(sel) < rows:
-            n_rows = min(rows, max(4, 1 << (len(sel) - 1).bit_length()))
+            n_rows = last_batch_rows(len(sel), rows, 4)
         t = bucket(int(lengths[sel].max()))
         b_ids = np.full((n_rows, t), pad_id, np.int32)
         b_mask = np.zeros((n_rows, t), np.int32)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PassCounter", "TaskSet"]
+__all__ = ["PassCounter", "TaskSet", "last_batch_rows"]
 
 
 class TaskSet:
@@ -48,6 +48,13 @@ class TaskSet:
     def rows(self, task: int | str) -> np.ndarray:
         """Indices of the examples of one task."""
         return np.flatnonzero(self.task == self.task_index(task))
+
+
+def last_batch_rows(n: int, rows: int, least: int) -> int:
+    """Rows of a batch holding ``n`` of at most ``rows`` rows when the last batch shrinks: the
+    next power of two of ``n``, at least ``least`` and at most ``rows`` (a few more compiled
+    shapes, and a small set's pass computes few filler rows)."""
+    return min(rows, max(least, 1 << (n - 1).bit_length()))
 
 
 class PassCounter:

@@ -19,7 +19,8 @@ this model.
 :data:`ROW_LEN` tokens, each attending only to itself, with positions restarting per text, so no
 compute goes to padding. Batches have :data:`ROWS` x :data:`ROW_LEN` tokens, but for an
 evaluation set's last, which has a power of two of rows (8 to 64): the forward compiles for at
-most four shapes, and a small set computes few filler rows. Measured on the 2-core CPU (see ``benchmarks/demo_eval.py``).
+most four shapes, and a small set computes few filler rows. Measured on the 2-core CPU (see
+``benchmarks/demo_eval.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import numpy as np
 
 from ...errors import InputError
 from ..harness.evaluate import BackboneSearch, check_modules, module_delta
-from ..harness.passes import PassCounter, TaskSet
+from ..harness.passes import PassCounter, TaskSet, last_batch_rows
 from ..models import minilm
 
 __all__ = [
@@ -101,8 +102,7 @@ def packed_batches(
     out = []
     for s in range(0, len(p.ids), rows):
         sl = slice(s, s + rows)
-        n = len(p.ids[sl])
-        n_rows = min(rows, max(8, 1 << (n - 1).bit_length())) if shrink_last else rows
+        n_rows = last_batch_rows(len(p.ids[sl]), rows, 8) if shrink_last else rows
         out.append(
             Batch(
                 _fill(p.ids[sl], n_rows, 0),
