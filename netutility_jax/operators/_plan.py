@@ -310,7 +310,12 @@ def bucket_config(
     if rows == "auto":
         rows = row_block(res, p, q, m_tasks, itemsize, key_blocks=key_blocks)
     numeric = numeric_options(res)
-    static = tuple(sorted((k, v) for k, v in res.kernel_options.items() if k not in numeric))
+    # the kept-entry option (TIES's density) reaches the stages as a host-made count table
+    # (_stages.count_input), not as configuration: another density, the same programs
+    counted = registry.METHODS[res.kernel_method].keeps_top
+    static = tuple(
+        sorted((k, v) for k, v in res.kernel_options.items() if k not in numeric and k != counted)
+    )
     return BucketConfig(
         res.kernel_method,
         res.space,

@@ -26,6 +26,7 @@ multiply-add differently: the two routes agree to float32 rounding, not bit for 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -532,10 +533,27 @@ def _elementwise_bucket(
     return (*stage_decode_chunks(coords, xms, rtol=rtol, compact=compact), status)
 
 
-def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
+def count_input(cfg: BucketConfig, options: Mapping[str, Any], m_tasks: int) -> np.ndarray | None:
+    """The count table a bucket's elementwise merge takes as data: for a method that keeps
+    top entries (TIES's ``density``, the registry's ``keeps_top``) in core or KnOTS space,
+    :func:`_select.count_table_np` for every entry count its coordinates can have (core:
+    ``(M r_max, M r_max)`` with a ``left`` basis; KnOTS: ``(d_in, M r_max)``, one row);
+    None otherwise. Made on the host from the resolved ``options`` (the kernel method's), not
+    from ``cfg``, which does not hold the option: a merge at another density runs the compiled
+    program again instead of compiling a new one."""
+    spec = registry.METHODS[cfg.method]
+    if spec.kind != "elementwise" or not spec.keeps_top or cfg.space == "full":
+        return None
+    rq = m_tasks * cfg.r_max
+    p = rq if cfg.space == "core" else cfg.d_in
+    return _select.count_table_np(float(options[spec.keeps_top]), p, rq, cfg.space == "core")
+
+
+def bucket_merge(leaves, mask, coef, keys, nums, counts=None, *, cfg: BucketConfig):
     """One bucket, every method except elementwise-in-full: ``(lora_a, lora_b, live, check,
     bad)``, the factors padded, ``check`` the :func:`range_status` of each module and ``bad``
-    the inputs' non-finite counts ``(n, M, 3)``.
+    the inputs' non-finite counts ``(n, M, 3)``. ``counts``: the :func:`count_input` of a
+    method that keeps top entries (required for it, None for the others).
 
     Composes the jitted stages (traceable as a whole, e.g. by ``jax.make_jaxpr``, unless
     ``cfg.rows`` is set: row-blocked TIES finds its thresholds on the host).
@@ -557,8 +575,9 @@ def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
         red, ts, R, mask, unit, cfg=CoordsConfig(cspace, cfg.variant, rtol, ambient_in)
     )
     if elementwise:
-        opts = dict(cfg.options)
-        table = _select.count_table(opts[spec.keeps_top], c) if spec.keeps_top else None
+        table = None
+        if spec.keeps_top:
+            table = _count_table(counts, c, cfg)
         la, lb, live, status = _elementwise_bucket(
             c, coef, keys, nums, table, method=cfg.method, rtol=rtol, chunk=cfg.chunk,
             rows=cfg.rows, compact=cfg.compact,
@@ -576,6 +595,20 @@ def bucket_merge(leaves, mask, coef, keys, nums, *, cfg: BucketConfig):
     la, lb, live, check = map_back(la, lb, live, red.qa, red.qb, expand_in, unit)
     check = with_kernel_status(status, bad, check)
     return la, lb, live, check, bad
+
+
+def _count_table(counts, c, cfg: BucketConfig):
+    """``counts`` (:func:`count_input`) checked against the coordinates ``c`` it indexes."""
+    has_left = c.left is not None
+    p, q = c.a.shape[-2], c.b.shape[-2]
+    want = (p + 1 if has_left else 1, q + 1)
+    if counts is None or tuple(counts.shape) != want:
+        got = None if counts is None else tuple(counts.shape)
+        raise ValueError(
+            f"bucket_merge: {cfg.method} in {cfg.space} space keeps top entries of ({p}, {q}) "
+            f"coordinates and takes their count table of shape {want} (count_input), got {got}."
+        )
+    return counts
 
 
 def stack_masks(masks, bk: _tree.Bucket, m_tasks: int) -> np.ndarray:

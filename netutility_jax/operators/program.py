@@ -63,7 +63,7 @@ def applies(plan: Any) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("groups",))
-def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group, ...]):
+def merge_program(inputs, masks, key, index, coef, nums, counts, *, groups: tuple[Group, ...]):
     """Every group's :func:`_stages.bucket_merge`, ``[(la, lb, live, check, bad)]`` per group
     with the modules of all its pieces in order.
 
@@ -74,13 +74,15 @@ def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group,
       key, index: the merge's key (None: the method draws nothing) and per group each module's
         position in the whole model, which the module's key folds in (as ``_pipeline`` does).
       coef, nums: the coefficient and the method's traced options.
+      counts: per group the :func:`_stages.count_input` of a method that keeps top entries
+        (TIES's density as data: another density runs this program again), else None.
     """
     outs = []
     # On CPU no two LAPACK calls may run at once (_linalg.after). XLA inlines the stages, so
     # every input of a group waits: on the previous group's outputs, and the first group on every
     # mask (under a jitted merge_adapters, the scoring's results: its LAPACK calls come first).
     prev = tuple(masks)
-    for x, mk, idx, g in zip(inputs, masks, index, groups, strict=True):
+    for x, mk, idx, ct, g in zip(inputs, masks, index, counts, groups, strict=True):
         cfg = g.cfg
         if isinstance(x, _mesh.Stacked) and x.a.dtype != cfg.dtype:  # (a stacked set's dtype)
             x = x._replace(a=x.a.astype(cfg.dtype), b=x.b.astype(cfg.dtype))
@@ -97,9 +99,9 @@ def merge_program(inputs, masks, key, index, coef, nums, *, groups: tuple[Group,
                 )
             )
 
-        def one(args, cfg=cfg):
+        def one(args, cfg=cfg, ct=ct):
             st, m, k = args
-            return _stages.bucket_merge(_mesh.Stacked(*st), m, coef, k, nums, cfg=cfg)
+            return _stages.bucket_merge(_mesh.Stacked(*st), m, coef, k, nums, ct, cfg=cfg)
 
         if prev:  # (CPU: two LAPACK calls at once can deadlock its thread pool)
             x = x._replace(a=after(x.a, *prev), b=after(x.b, *prev), scale=after(x.scale, *prev))
@@ -159,8 +161,10 @@ def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, 
             np.concatenate([_stages.stack_masks(plan.masks, j.bucket, plan.m_tasks) for j in jobs])
         )
         index.append(np.asarray([i for j in jobs for i in j.index], np.int32))
+    options = plan.resolved.kernel_options
+    counts = tuple(_stages.count_input(g.cfg, options, plan.m_tasks) for g, _ in groups)
     outs = merge_program(
-        tuple(inputs), tuple(masks), key, tuple(index), coef, nums,
+        tuple(inputs), tuple(masks), key, tuple(index), coef, nums, counts,
         groups=tuple(g for g, _ in groups),
     )  # fmt: skip
     if all(jobs[0].bucket.stacked is not None for _, jobs in groups) or _ta.slices_on_device(
@@ -297,8 +301,9 @@ def merge_traced(
         index.append(np.asarray([position[n] for n in bk.names], np.int32))
         groups.append(Group(cfg, 1, len(bk.names)))
     nums = {k: jnp.asarray(v, dtype) for k, v in _plan.numeric_options(res).items()}
+    counts = tuple(_stages.count_input(g.cfg, res.kernel_options, m_tasks) for g in groups)
     outs = merge_program(
-        tuple(inputs), tuple(mks), key, tuple(index), jnp.asarray(coef, dtype), nums,
+        tuple(inputs), tuple(mks), key, tuple(index), jnp.asarray(coef, dtype), nums, counts,
         groups=tuple(groups),
     )  # fmt: skip
     blocks = []

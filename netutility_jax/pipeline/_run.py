@@ -67,8 +67,11 @@ def _dense_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks)
 
 def _bucket_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks, bads) -> None:
     bk = job.bucket
+    counts = _stages.count_input(job.cfg, plan.resolved.kernel_options, plan.m_tasks)
     if plan.mesh is None:
-        out = _stages.bucket_merge(_buckets.bucket_arrays(bk), mk, coef, keys, nums, cfg=job.cfg)
+        out = _stages.bucket_merge(
+            _buckets.bucket_arrays(bk), mk, coef, keys, nums, counts, cfg=job.cfg
+        )
     else:  # padded to whole modules per device, split between the mesh's devices
         n_pad = _mesh.padded(len(bk.names), plan.mesh)
         args = (
@@ -81,7 +84,7 @@ def _bucket_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks
             # host copy of the stacked factors is freed before the stages run, not after
             args = _mesh.shard(args, plan.mesh)
         out = _mesh.per_device(
-            lambda x: _stages.bucket_merge(x[0], x[1], coef, x[2], nums, cfg=job.cfg),
+            lambda x: _stages.bucket_merge(x[0], x[1], coef, x[2], nums, counts, cfg=job.cfg),
             args,
             plan.mesh,
         )

@@ -153,6 +153,7 @@ def test_bucket_merge_lapack_calls_are_ordered(method, space, route):
         jnp.asarray(1.0),
         keys,
         nums,
+        _stages.count_input(cfg, res.kernel_options, m_tasks),
     )
     assert _uses_lapack(jaxpr.jaxpr)
     _check_ordered(jaxpr.jaxpr)
@@ -249,8 +250,9 @@ def test_one_program_over_buckets_orders_their_lapack_calls(method, space):
     )
     index = tuple(jnp.asarray([i for j in jobs for i in j.index], jnp.int32) for _, jobs in groups)
     nums = {k: jnp.asarray(v, jnp.float32) for k, v in plan.numeric.items()}
+    counts = tuple(_stages.count_input(g.cfg, plan.resolved.kernel_options, 3) for g, _ in groups)
     jaxpr = jax.make_jaxpr(
         functools.partial(program.merge_program.__wrapped__, groups=tuple(g for g, _ in groups))
-    )(inputs, masks, None, index, jnp.asarray(1.0), nums)
+    )(inputs, masks, None, index, jnp.asarray(1.0), nums, counts)
     assert _uses_lapack(jaxpr.jaxpr)
     _check_ordered(jaxpr.jaxpr)

@@ -69,12 +69,7 @@ def _check_child(found: dict, cases: list) -> None:
             assert cli["same_names"] and cli["rel"] <= 2e-5, (mode, cli)
 
 
-# 33 s: in the slow tier, which CI runs
-@pytest.mark.slow
-def test_eight_devices_match_one_device():
-    _check_child(_run_child(), _mesh_child.FAST_CASES)
-
-
+# every method, the CLI and a 3-device mesh (it was run after a TA-only child, a subset of it)
 @pytest.mark.slow
 def test_eight_devices_match_one_device_every_method():
     _check_child(_run_child("all"), _mesh_child.ALL_CASES)

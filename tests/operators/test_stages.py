@@ -65,6 +65,7 @@ def test_low_rank_paths_never_form_dense_update(space, method):
         jnp.asarray(1.0),
         keys,
         nums,
+        _stages.count_input(cfg, res.kernel_options, m_tasks),
     )
     shapes = list(_all_shapes(jaxpr.jaxpr))
     assert shapes, "empty jaxpr"

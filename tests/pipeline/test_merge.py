@@ -507,14 +507,15 @@ def test_ties_full_space_keeps_peft_count(d_in, d_out):
         np.testing.assert_allclose(got, want, atol=1e-12, err_msg=str(density))
 
 
-# in the slow tier: one compile per density of the sweep (40-100 s on 2 cores)
-@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_ties_traced_knots_count_is_peft_count(dtype):
     """KnOTS, one task of rank r: TIES trims the (d_in, r) block, which the result keeps as its
     lora_a; its nonzero count must be PEFT's count for n = d_in r, for every density, when the
     count is made for a traced stage (float32 compute too: a float32 density or product would
-    miss the adversarial densities by one)."""
+    miss the adversarial densities by one). The density reaches the compiled merge as data:
+    the 27 densities of the sweep run one program (they compiled one each, 40-100 s)."""
+    from netutility_jax.operators import program
+
     d_in, r = 96, 25
     rng = np.random.default_rng(1)
     ad = {
@@ -524,11 +525,15 @@ def test_ties_traced_knots_count_is_peft_count(dtype):
         }
     }
     n = d_in * r
+    compiled = None
     for density in _sweep(n, extra=(0.7, 0.9)):
         out = nu.merge([ad], method="ties", space="knots", density=density)["m"]
         assert out["lora_a"].dtype == dtype
         want = int((_peft_prune(np.arange(1.0, n + 1), density) != 0).sum())
         assert int((np.asarray(out["lora_a"]) != 0).sum()) == want, density
+        if compiled is None:
+            compiled = program.merge_program._cache_size()
+    assert program.merge_program._cache_size() == compiled
 
 
 def test_ties_model_scope_keeps_peft_count():
