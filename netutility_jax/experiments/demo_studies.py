@@ -62,8 +62,6 @@ def run_planted(args: argparse.Namespace, command: str, *, prog: str = PROG) -> 
 
     from .harness import planting as pl
 
-    order = {"none": 0, "primary": 1, "all": 2}
-
     out = pathlib.Path(args.out)
     if out.exists() and not out.is_dir():
         raise DemoError(f"--out {out} is a file; give a directory")
@@ -80,13 +78,16 @@ def run_planted(args: argparse.Namespace, command: str, *, prog: str = PROG) -> 
         check_weights("encoder")
         task_list = load_tasks(specs, preset)
         suite = enc.EncoderSuite()
+        ran = False
         for seed in args.seeds:
             done = out / f"seed{seed}.json"
             if done.exists():
                 had = json.loads(done.read_text()).get("merges", "none")
-                if order[had] >= order[args.merges]:
+                if pl.merges_rank(had) >= pl.merges_rank(args.merges):
+                    shown = had if isinstance(had, str) else f"{len(had)} chosen"
                     print(
-                        f"{prog}: seed {seed} is in {out} (merges {had}); not run again", flush=True
+                        f"{prog}: seed {seed} is in {out} (merges {shown}); not run again",
+                        flush=True,
                     )
                     continue
             rec = pl.run_seed(
@@ -94,6 +95,9 @@ def run_planted(args: argparse.Namespace, command: str, *, prog: str = PROG) -> 
                 log=lambda s: print(s, flush=True), pairs=pairs,
             )  # fmt: skip
             pl.save_seed(out, rec, command=command)
+            _render_planted(out, command, prog)
+            ran = True
+        if not ran:  # every seed was there: the report drawn again from them
             _render_planted(out, command, prog)
     else:
         _render_planted(out, command, prog)

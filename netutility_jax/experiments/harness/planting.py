@@ -70,6 +70,7 @@ __all__ = [
     "Arm",
     "Plant",
     "load_seeds",
+    "merges_rank",
     "plant",
     "plant_kept",
     "render",
@@ -102,7 +103,7 @@ def run_seed(
     suite: Any,
     *,
     cache_dir: str | os.PathLike,
-    merges: str = "primary",
+    merges: str | Sequence[tuple[str, str, int | None]] = "primary",
     log: Callable[[str], None] = print,
     progress: bool = False,
     alpha: Any = "auto",
@@ -110,11 +111,11 @@ def run_seed(
 ) -> dict[str, Any]:
     """One seed of the study: train (or load) the adapters, plant every arm, read-out (a) for
     every allocation, and evaluate the ``merges`` (``"primary"``: :data:`PRIMARY`; ``"all"``:
-    every arm, allocation and budget; ``"none"``: read-out (a) only). Returns the seed's record
-    (JSON-ready) and its test correctness per merge (``record["correct"]``, popped by the
+    every arm, allocation and budget; ``"none"``: read-out (a) only; or the chosen ``(arm,
+    allocation, budget)`` triples of :func:`all_merges`, recorded as such). Returns the seed's
+    record (JSON-ready) and its test correctness per merge (``record["correct"]``, popped by the
     caller)."""
-    if merges not in ("primary", "all", "none"):
-        raise nu.InputError(f"run_seed: merges={merges!r}; expected 'primary', 'all' or 'none'.")
+    todo = _todo(merges)
     t0, c0 = time.perf_counter(), time.process_time()
     cache = pathlib.Path(cache_dir)
     heads = suite.heads(task_list)
@@ -136,7 +137,6 @@ def run_seed(
         seed, [t.adapter for t in trained], names, suite, task_list, alpha=alpha, pairs=pairs,
         log=log,
     )  # fmt: skip
-    todo = {"primary": PRIMARY, "all": all_merges(), "none": ()}[merges]
     records, correct = evaluation.run(todo, arms, log)
     single = None
     if records:
@@ -155,12 +155,39 @@ def run_seed(
         "diagnostics": arms.diagnostics,
         "readout_a": arms.readouts,
         "records": records,
-        "merges": merges,
+        "merges": merges if isinstance(merges, str) else [list(m) for m in todo],
         "seconds": {"total": time.perf_counter() - t0, "cpu": time.process_time() - c0},
         "correct": correct,
         "single_correct": single,
         "test_task": np.asarray(test.task),
     }
+
+
+def _todo(merges: Any) -> tuple[tuple[str, str, int | None], ...]:
+    """The merges :func:`run_seed` evaluates, for its ``merges`` argument."""
+    named = {"primary": PRIMARY, "all": all_merges(), "none": ()}
+    if isinstance(merges, str):
+        if merges not in named:
+            raise nu.InputError(
+                f"run_seed: merges={merges!r}; expected 'primary', 'all', 'none' or a sequence "
+                "of (arm, allocation, budget) triples."
+            )
+        return named[merges]
+    known = set(named["all"])
+    todo = tuple(tuple(m) for m in merges)
+    unknown = [m for m in todo if m not in known]
+    if unknown or not todo:
+        raise nu.InputError(
+            f"run_seed: merges {unknown or 'empty'} are not merges of the study; choose (arm, "
+            f"allocation, budget) triples of all_merges(), e.g. {PRIMARY[0]}."
+        )
+    return todo
+
+
+def merges_rank(merges: Any) -> int:
+    """How much of a seed's evaluation a recorded ``merges`` holds: ``"none"`` 0, chosen
+    merges 1, ``"primary"`` 2, ``"all"`` 3 (a seed is run again for a later call asking more)."""
+    return {"none": 0, "primary": 2, "all": 3}.get(merges, 1) if isinstance(merges, str) else 1
 
 
 @dataclasses.dataclass
