@@ -699,7 +699,7 @@ def test_quick_path_end_to_end(tiny, tmp_path):
 def test_presets():
     q, f = language.QUICK, language.FULL
     assert len(q.tasks) == 2 and q.seeds == (0,) and q.grid.budgets == (16,)
-    assert [r.method for r in q.grid.rows] == ["ta", "ties"] and q.n_test == 100
+    assert [r.method for r in q.grid.rows] == ["ta", "ties"] and q.n_test == 60
     jobs = gr.grid_jobs(q.grid, full_capacity=2 * q.train.lora_rank)
     assert len(jobs) == 4  # TA and TIES x uniform and Net Utility
     assert len(f.tasks) >= 6 and f.seeds == (0, 1, 2) and f.grid.budgets == (64, 32, 16)

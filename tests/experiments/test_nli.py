@@ -907,7 +907,8 @@ def test_end_to_end_quick_run_cached_rendered_exported(toy, tmp_path):
 
 @pytest.mark.slow
 def test_demo_command_line_quick(toy, tmp_path, capsys):
-    """``netutility demo --suite nli --quick --model-dir M --data-dir D`` on the toy setup."""
+    """``netutility demo --suite nli --quick --model-dir M --data-dir D`` on the toy setup (CI's
+    run of the NLI suite's quick demo: the slow tier's, not a demo step of its own)."""
     from netutility_jax.experiments import demo
 
     model_dir, data, _, _ = toy

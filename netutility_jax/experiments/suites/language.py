@@ -80,9 +80,10 @@ SUITE = "language"
 #   folding a merge into the kernels: 0.5 CPU-s for the dense updates, 0.05 a coefficient;
 #   merging 6 tasks at real size: 8 (TSV) to 11 (TIES) CPU-s, 2 tasks 1 to 2 CPU-s.
 # QUICK: 2 x 40 training steps (~100 CPU-s with compilation and validation), zero-shot and
-#   single-LoRA passes (~30), 4 merges each with ~8 validation passes and one test pass over
-#   200 prompts of ~12 tokens (~110 with the merges), loading and report (~20): ~260 CPU-s,
-#   2 to 4.5 minutes on an idle 2-core CPU.
+#   single-LoRA passes (~20), 4 merges each with ~8 to 12 validation passes over 48 prompts and
+#   one test pass over 120 prompts of ~12 tokens (~70 with the merges), loading and report
+#   (~20): ~210 CPU-s, 2 to 3.5 minutes on an idle 2-core CPU. (With 40 validation and 100 test
+#   prompts a task, evaluation was 60% of the run, 630 s of wall time on CI's slowest machines.)
 # FULL: up to 250 steps x 6 tasks x 3 seeds (~8,100 CPU-s, less with early stopping), 30 merges
 #   per seed each with ~8 validation passes over 288 prompts and one test pass over 1,506
 #   prompts of ~16 tokens (~156 CPU-s a merge, ~14,000 in all), single and zero-shot passes
@@ -100,8 +101,8 @@ QUICK = gr.Preset(
         weight_average=False,
     ),
     max_train=640,
-    n_val=40,
-    n_test=100,
+    n_val=24,
+    n_test=60,
 )
 FULL = gr.Preset(
     name="full",
@@ -385,7 +386,7 @@ def zero_shot(
 ) -> dict[str, float]:
     """The base model's accuracy per task on the preset's ``split`` prompts, cached.
 
-    Example (SmolLM2; about a minute for the quick preset's 200 test prompts on a 2-core CPU):
+    Example (SmolLM2; under a minute for the quick preset's 120 test prompts on a 2-core CPU):
       ``language.zero_shot("quick")`` -> ``{"word_sentiment": 0.5, "word_pos": 0.25}`` (chance
       level for this 135M model: it answers one label to most prompts).
     """
