@@ -166,12 +166,13 @@ def add_scoring(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--interference",
-        choices=("overlap", "signed"),
+        choices=("overlap", "signed", "signed_weaker"),
         default="overlap",
         help="the interference term: overlap = the paper's (input-side overlaps with the other "
         "tasks' directions, sign-blind); signed = this project's sign-aware extension (only "
         "conflicting pairs of rank-1 components count, agreeing ones add nothing; "
-        "docs/math.md). net_utility only. Default: overlap.",
+        "docs/math.md); signed_weaker = the same, each conflict charged to the side with the "
+        "smaller share of its task's energy. net_utility only. Default: overlap.",
     )
 
 

@@ -205,7 +205,9 @@ class MergeConfig:
         c["scope"] = _choice("scope", self.scope, (None, "global", "local"))
         c["alpha"] = _real("alpha", self.alpha, low=0, high=16, auto=True)
         c["lam"] = _real("lam", self.lam, low=0, high=1e30, auto=True)
-        c["interference"] = _choice("interference", self.interference, ("overlap", "signed"))
+        c["interference"] = _choice(
+            "interference", self.interference, ("overlap", "signed", "signed_weaker")
+        )
         for name in ("keep_nonpositive", "in_memory", "no_plots", "strict_targets",
                      "allow_different_base", "skip_non_lora"):  # fmt: skip
             c[name] = _bool(name, getattr(self, name))

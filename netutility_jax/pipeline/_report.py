@@ -111,8 +111,9 @@ class Report:
       data_aware: whether the scores used input second moments (``input_moments`` with data
         for at least one task-module; this project's extension, not the paper's, see
         docs/input_moments.md). False: the paper's data-free score (or no score).
-      interference: the scores' interference term, ``"overlap"`` (the paper's) or ``"signed"``
-        (this project's sign-aware extension, :func:`nu.score`).
+      interference: the scores' interference term, ``"overlap"`` (the paper's), ``"signed"``
+        (this project's sign-aware extension) or ``"signed_weaker"`` (its asymmetric form,
+        :func:`nu.score`).
     """
 
     lam: float | None

@@ -74,8 +74,9 @@ class MergeRequest:
       min_share: the per-task floor (None: none, or 0).
       options: the method's options as given (``**options``).
       resolved: the method and space with every option checked and defaulted.
-      interference: the scoring's interference term, ``"overlap"`` (the paper's) or
-        ``"signed"`` (this project's sign-aware extension; :func:`nu.score`).
+      interference: the scoring's interference term, ``"overlap"`` (the paper's), ``"signed"``
+        (this project's sign-aware extension) or ``"signed_weaker"`` (its asymmetric form;
+        :func:`nu.score`).
     """
 
     fn: str

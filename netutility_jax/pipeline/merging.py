@@ -307,8 +307,9 @@ def merge_adapters(
         not the paper's: docs/input_moments.md), with ``allocation="net_utility"`` only. The
         masks are then ``nu.allocate(nu.score(adapters, input_moments=...), budget)``'s;
         :attr:`Report.data_aware` says whether any data was used.
-      interference: the scores' interference term: ``"overlap"`` (the paper's) or
-        ``"signed"`` (this project's sign-aware extension; :func:`nu.score`), with
+      interference: the scores' interference term: ``"overlap"`` (the paper's), ``"signed"``
+        (this project's sign-aware extension) or ``"signed_weaker"`` (its asymmetric form;
+        :func:`nu.score`), with
         ``allocation="net_utility"`` only; :attr:`Report.interference` records it.
 
     Returns:

@@ -49,8 +49,11 @@ _HI = jax.lax.Precision.HIGHEST
 #: The interference terms :func:`score_buckets` computes: ``"overlap"`` the paper's (input-side
 #: overlaps, sign-blind), ``"signed"`` this project's sign-aware one (only conflicting parts of
 #: the directions' Frobenius inner products count; docs/math.md, section "Sign-aware
-#: interference").
-INTERFERENCES = ("overlap", "signed")
+#: interference"), and ``"signed_weaker"`` its asymmetric form (a conflicting pair charges only
+#: the direction holding the smaller share of its own task's energy, both on a tie).
+INTERFERENCES = ("overlap", "signed", "signed_weaker")
+#: The interference terms that need the directions' output sides (one more Gram).
+SIGNED = ("signed", "signed_weaker")
 
 
 class ModuleScores(NamedTuple):
@@ -144,7 +147,10 @@ def _finish(
     is replaced by ``(v_jk . v_im) |u_jk . u_im|`` where the rank-1 cosine ``(u_jk . u_im)(v_jk
     . v_im)`` is negative (a conflict) and by 0 elsewhere, with the output directions ``u = W^T
     v / s`` from ``gr.hb``; with ``alpha = 1`` and no moments, task i's part of the
-    interference is then ``sum_m min(0, <c_jk, c_im>_F)^2 / w_i``.
+    interference is then ``sum_m min(0, <c_jk, c_im>_F)^2 / w_i``. ``"signed_weaker"``: the
+    same, counting task i's component ``m`` only where the benefit (energy share) of ``(j, k)``
+    is at most that of ``(i, m)``: of a conflicting pair, the direction that matters less to its
+    own task is charged (both where the shares are equal).
     """
     r = gr.h.shape[-1]
     m_tasks = gr.h.shape[1]
@@ -159,7 +165,7 @@ def _finish(
     t_in = gr.scale[..., None, None] * jnp.matmul(rbt, z, precision=_HI) * inv[..., None, :]
     gt = jnp.einsum("njaib,nibm->njaim", gr.g, t_in, precision=_HI)
     ov = jnp.einsum("njak,njaim->njkim", t_in, gt, precision=_HI)  # v_jk . v_im
-    if interference == "signed":
+    if interference in SIGNED:
         # u_i = W'_i^T v_i / s'_i = b'_i^T p_i with p_i = scale'_i (a'_i^T a'_i) t_i / s'_i
         pv = gr.scale[..., None, None] * jnp.matmul(gr.gii, t_in, precision=_HI) * inv[..., None, :]
         hp = jnp.einsum("njaib,nibm->njaim", gr.hb, pv, precision=_HI)
@@ -190,9 +196,10 @@ def _finish(
             benefit = _safe_div(p, wt[..., None])
             # c_in = s_in^(2a) / w_i, in units of s_max_i^-2 (put back through ratio2)
             c = _safe_div(jnp.where(cand, rel ** (2 * alpha), 0), wt[..., None])
-            per_task = jnp.einsum("njkim,nim->njki", ov**2, c)  # (n, M_j, K, M_i)
+            per_task = jnp.einsum("njkim,nim->njki", _weaker(ov, benefit, interference) ** 2, c)
         else:
-            benefit, per_task = _data_aware(cm, ov, rel, cand, alpha)
+            benefit = _data_aware_benefit(cm, rel, cand, alpha)
+            per_task = _data_aware(cm, _weaker(ov, benefit, interference), rel, cand, alpha)
         unscaled = ratio2 * per_task * off[None, :, None, :]
         terms = mul_pow2(unscaled, d_exp)
         interference = jnp.where(cand, terms.sum(-1), 0)
@@ -212,6 +219,17 @@ def _finish(
             )
         )
     return out
+
+
+def _weaker(ov: jax.Array, benefit: jax.Array, interference: str) -> jax.Array:
+    """``ov (n, M_j, K, M_i, K)`` as the interference of :func:`_finish` reads it: for
+    ``"signed_weaker"`` only the pairs where ``(j, k)``'s benefit ``(n, M, K)`` is at most
+    ``(i, m)``'s (a mask that depends on no sign: the data-aware form stays invariant to the
+    SVD's sign choices); unchanged for the other terms."""
+    if interference != "signed_weaker":
+        return ov
+    weaker = benefit[:, :, :, None, None] <= benefit[:, None, None, :, :]
+    return jnp.where(weaker, ov, 0)
 
 
 def _moment_cores(
@@ -238,26 +256,40 @@ def _moment_cores(
     return jnp.where(cand[..., :, None] & cand[..., None, :], cm, 0)
 
 
-def _data_aware(
-    cm: jax.Array, ov: jax.Array, rel: jax.Array, cand: jax.Array, alpha: jax.Array | float
+def _data_aware_weights(
+    cm: jax.Array, rel: jax.Array, cand: jax.Array, alpha: jax.Array | float
 ) -> tuple[jax.Array, jax.Array]:
-    """Benefit and per-task interference of the data-aware geometry ``G_i = M_i S_i M_i``,
-    ``M_i = V_i Sigma_i^a V_i^T`` (docs/input_moments.md), in the units of :func:`_finish`.
-
-    ``benefit_jk = s_jk^(2+2a) C_j[k,k] / W_j``, ``W_j = sum_n s_jn^(2+2a) C_j[n,n]``; task i's
-    part of the interference of ``(j, k)``: ``s_jk^2 y^T C_i y / W_i`` with ``y_m = s_im^a
-    (v_jk . v_im)``. Scale-free in each ``C_i`` (it cancels against ``W_i``); with ``C_i = I`` it
-    is the data-free formula term for term.
-    """
+    """``(p, W)``: ``p_jk = s_jk^(2+2a) C_j[k,k]`` and ``W_j = sum_n p_jn`` of the data-aware
+    geometry, in the units of :func:`_finish`."""
     dg = jnp.clip(jnp.einsum("nikk->nik", cm), 0)
     p = jnp.where(cand, rel ** (2 + 2 * alpha) * dg, 0)
-    wt = p.sum(-1)
-    benefit = _safe_div(p, wt[..., None])
+    return p, p.sum(-1)
+
+
+def _data_aware_benefit(
+    cm: jax.Array, rel: jax.Array, cand: jax.Array, alpha: jax.Array | float
+) -> jax.Array:
+    """The data-aware benefit ``s_jk^(2+2a) C_j[k,k] / W_j`` (see :func:`_data_aware`)."""
+    p, wt = _data_aware_weights(cm, rel, cand, alpha)
+    return _safe_div(p, wt[..., None])
+
+
+def _data_aware(
+    cm: jax.Array, ov: jax.Array, rel: jax.Array, cand: jax.Array, alpha: jax.Array | float
+) -> jax.Array:
+    """Per-task interference of the data-aware geometry ``G_i = M_i S_i M_i``, ``M_i = V_i
+    Sigma_i^a V_i^T`` (docs/input_moments.md), in the units of :func:`_finish`.
+
+    ``benefit_jk = s_jk^(2+2a) C_j[k,k] / W_j`` (:func:`_data_aware_benefit`), ``W_j = sum_n
+    s_jn^(2+2a) C_j[n,n]``; task i's part of the interference of ``(j, k)``: ``s_jk^2 y^T C_i y /
+    W_i`` with ``y_m = s_im^a (v_jk . v_im)``. Scale-free in each ``C_i`` (it cancels against
+    ``W_i``); with ``C_i = I`` it is the data-free formula term for term.
+    """
+    _, wt = _data_aware_weights(cm, rel, cand, alpha)
     y = ov * jnp.where(cand, rel**alpha, 0)[:, None, None]  # (n, M_j, K, M_i, K)
     quad = jnp.einsum("njkim,nimp,njkip->njki", y, cm, y, precision=_HI)
     # s_im^2a in units of s_max_i^2a, W_i in units of s_max_i^(2+2a): s_max_i^-2 (see ratio2)
-    per_task = _safe_div(jnp.clip(quad, 0), wt[:, None, None, :])
-    return benefit, per_task
+    return _safe_div(jnp.clip(quad, 0), wt[:, None, None, :])
 
 
 def _module_energies(gr: Grams) -> tuple[jax.Array, jax.Array]:
@@ -294,7 +326,8 @@ def score_buckets(
     ``BucketStats.raw_ok`` is False, in which case the call must be repeated with ``"normalise"``.
 
     ``interference`` (:data:`INTERFERENCES`): ``"overlap"``, the paper's term, or ``"signed"``,
-    this project's sign-aware one (one more Gram, every task pair's ``b_i b_j^T``).
+    this project's sign-aware one (one more Gram, every task pair's ``b_i b_j^T``), or
+    ``"signed_weaker"``, its asymmetric form.
 
     Returns:
       one :class:`BucketStats` per bucket, arrays ``(n, M, r)``.
@@ -315,7 +348,7 @@ def _score_buckets(
     per bucket ``(f (n, M, k, d_in), iso (n, M))`` (:func:`_buckets.stack_moments`) for the
     data-aware score, or None."""
     grs: list[Grams] = []
-    cross_b = interference == "signed"
+    cross_b = interference in SIGNED
     for a, b, s, _ in buckets:
         # from leaves, each bucket's Grams after the previous one's: XLA then holds one group
         # of modules' stacked factors at a time (see _grams.leaf_grams)

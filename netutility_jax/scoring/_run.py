@@ -90,8 +90,9 @@ def check_interference(fn: str, interference: Any) -> str:
     if not isinstance(interference, str) or interference not in INTERFERENCES:
         raise InputError(
             f"{fn}: interference={brief(interference)}; expected 'overlap' (the paper's "
-            "input-overlap term, the default) or 'signed' (sign-aware: only conflicting "
-            "directions count; this project's extension)."
+            "input-overlap term, the default), 'signed' (sign-aware: only conflicting "
+            "directions count; this project's extension) or 'signed_weaker' (the same, each "
+            "conflict charged to the side with the smaller share of its task's energy)."
         )
     return interference
 

@@ -135,7 +135,10 @@ def score(
 
     so agreeing components add none, and ``|kappa| <= |v_jk . v_im|`` makes it at most the
     paper's term. With ``input_moments``, ``y_m = s_im^a kappa`` in the data-aware formula.
-    ``lam="auto"`` is the same median ratio over these values.
+    ``lam="auto"`` is the same median ratio over these values. ``interference="signed_weaker"``
+    (ours too) is its asymmetric form: task i's component ``m`` counts in the interference of
+    ``(j, k)`` only where ``benefit_jk <= benefit_im``, so of a conflicting pair the direction
+    with the smaller share of its own task's energy is charged, and both on a tie.
 
     All modules of equal shape are scored by one jitted, batched kernel from the Grams of the factors (see the module docstring); no dense update is formed.
     The kernel is scale-safe: factors and scales are normalised by exact powers of two, so any
@@ -180,7 +183,8 @@ def score(
         benefits and interferences) apply unchanged.
       interference: ``"overlap"`` (default): the paper's term, from the input directions'
         overlaps (sign-blind); ``"signed"``: only conflicting components count (above; this
-        project's extension). Static: each value compiles its own kernel.
+        project's extension); ``"signed_weaker"``: each conflict charged to its weaker side
+        (above; ours). Static: each value compiles its own kernel.
 
     Returns:
       :class:`Scores` with ``modules[name]`` fields ``sigma``, ``benefit``, ``interference``,

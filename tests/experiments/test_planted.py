@@ -261,3 +261,27 @@ def test_the_registered_rule_says_why_it_is_not_applied():
     decisions = {d["decision"] for d in res["deltas"].values() if d["primary"]}
     assert decisions == {mult["registered_rule"]}
     assert "of the 5 registered seeds" not in md and "(not applied: shared initialisation" in md
+
+
+def test_a_read_out_some_seeds_lack_is_their_mean_and_says_so():
+    """An allocation added after some seeds were run: its read-out (a) is the mean over the seeds
+    that have it, which results.json lists and results.md names; the others are unchanged."""
+    import copy
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    seeds = [(copy.deepcopy(r), a) for r, a in pl.load_seeds(root / "docs/planted")][:3]
+    assert len(seeds) == 3
+    arm, merge = "conflict_g1", "signed/R16"
+    want = [s[0]["readout_a"][arm][merge]["pairs"] for s in seeds]
+    for r, _ in seeds[1:]:  # only the first seed has it
+        for a in r["readout_a"].values():
+            a.pop(merge, None)
+    res, md = pl.render(seeds, command="test", n_boot=50)
+    got = res["readout_a"][arm][merge]
+    assert got["seeds"] == [seeds[0][0]["seed"]]
+    pair = next(iter(want[0]))
+    assert got["per_pair"][pair]["plant_kept"] == [want[0][pair]["plant_kept"]]
+    assert f"| {merge} (seed {seeds[0][0]['seed']} only) |" in md
+    other = res["readout_a"][arm]["energy/R16"]
+    assert other["seeds"] == [r["seed"] for r, _ in seeds] and "| energy/R16 |" in md

@@ -54,7 +54,7 @@ def test_signed_changes_the_choice_on_this_set():
     assert any((a[n] != b[n]).any() for n in NAMES)
 
 
-@pytest.mark.parametrize("interference", ["overlap", "signed"])
+@pytest.mark.parametrize("interference", ["overlap", "signed", "signed_weaker"])
 def test_merge_adapters_keeps_the_masks_of_its_scores(interference):
     ads = _adapters()
     want = _masks(ads, interference)
@@ -104,7 +104,8 @@ def test_a_bad_interference_is_refused_by_name():
         nu.merge_adapters(_adapters(), budget=BUDGET, interference="cosine")
 
 
-def test_command_line_flag_is_recorded_and_replayed(tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["signed", "signed_weaker"])
+def test_command_line_flag_is_recorded_and_replayed(tmp_path, capsys, kind):
     ads = _adapters(2)
     paths = []
     for i, ad in enumerate(ads):
@@ -114,14 +115,14 @@ def test_command_line_flag_is_recorded_and_replayed(tmp_path, capsys):
     out = tmp_path / "out"
     rc = cli.main(
         ["merge", *paths, "--out", str(out), "--budget", str(BUDGET), "--alpha", "1",
-         "--interference", "signed", "--no-plots", "--quiet"]
+         "--interference", kind, "--no-plots", "--quiet"]
     )  # fmt: skip
     err = capsys.readouterr()
     assert rc == 0, err
-    assert "signed interference" in err.out
+    assert f"{kind} interference" in err.out
     report = json.loads((out / "netutility_report.json").read_text())
-    assert report["interference"] == "signed" and report["config"]["interference"] == "signed"
-    want = _masks(nu.peft.load_adapters(paths).adapters, "signed")
+    assert report["interference"] == kind and report["config"]["interference"] == kind
+    want = _masks(nu.peft.load_adapters(paths).adapters, kind)
     kept = [int(sum(want[n][i].sum() for n in NAMES)) for i in range(M)]
     assert report["kept_per_task"] == kept
     rc = cli.main(
@@ -130,7 +131,7 @@ def test_command_line_flag_is_recorded_and_replayed(tmp_path, capsys):
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     again = json.loads((tmp_path / "r" / "netutility_report.json").read_text())
-    assert again["interference"] == "signed" and again["kept_per_task"] == kept
+    assert again["interference"] == kind and again["kept_per_task"] == kept
     rc = cli.main(
         ["merge", *paths, "--out", str(tmp_path / "u"), "--budget", "2", "--allocation",
          "uniform", "--interference", "signed", "--quiet"]

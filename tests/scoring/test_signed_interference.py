@@ -13,6 +13,8 @@ with ``w_i = sum_m s_im^(2 + 2a)``; with input moments ``S_i`` (``C_i = V_i^T S_
     z_m = s_im^a (v_jk . v_im) |u_jk . u_im|  where kappa < 0, else 0
 
 (``z_m^2 = s_im^(2a) min(0, kappa)^2``: with ``C_i = I`` the two formulas agree).
+``interference="signed_weaker"`` (its asymmetric form) counts task i's component ``m`` in the sum
+of ``(j, k)`` only where ``benefit_jk <= benefit_im``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import pytest
 
 import netutility_jax as nu
 from netutility_jax.errors import InputError
+
+INTERFERENCES = ("overlap", "signed", "signed_weaker")
 
 SHAPES = (("q", 14, 11, (3, 4, 2)), ("v", 14, 11, (4, 2, 3)), ("up", 9, 17, (2, 3, 3)))
 
@@ -59,8 +63,9 @@ def _kappa(uj, ui, vj, vi):
     return ov * abs(ou) if ou * ov < 0 else 0.0
 
 
-def _reference(ads, alpha, lam, moments=None):
-    """Dense float64 benefit, interference, utility (per module (M, r_max)) and lambda."""
+def _reference(ads, alpha, lam, moments=None, weaker=False):
+    """Dense float64 benefit, interference, utility (per module (M, r_max)) and lambda;
+    ``weaker``: each conflict charged to the side with the smaller (or equal) benefit."""
     out = {}
     for name, *_ in SHAPES:
         comps = [_svd(ad[name]) for ad in ads]
@@ -77,9 +82,11 @@ def _reference(ads, alpha, lam, moments=None):
         ]
         ben = np.zeros((m_tasks, r_max))
         inter = np.zeros((m_tasks, r_max))
-        for j, (sj, vj, uj) in enumerate(comps):
+        for j, (sj, _, _) in enumerate(comps):
             for k in range(sj.size):
                 ben[j, k] = sj[k] ** (2 + 2 * alpha) * cm[j][k, k] / w[j]
+        for j, (sj, vj, uj) in enumerate(comps):
+            for k in range(sj.size):
                 total = 0.0
                 for i, (si, vi, ui) in enumerate(comps):
                     if i == j:
@@ -87,6 +94,8 @@ def _reference(ads, alpha, lam, moments=None):
                     z = np.array(
                         [
                             si[m] ** alpha * _kappa(uj[:, k], ui[:, m], vj[:, k], vi[:, m])
+                            if not weaker or ben[j, k] <= ben[i, m]
+                            else 0.0
                             for m in range(si.size)
                         ]
                     )
@@ -132,6 +141,67 @@ def test_signed_matches_the_float64_reference(alpha):
             p_i = np.asarray(paper.modules[name].interference)
             assert (s_i <= p_i * (1 + 1e-12)).all() and s_i.sum() < 0.9 * p_i.sum()
     assert not jax.config.x64_enabled
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.0])
+def test_signed_weaker_matches_the_float64_reference(alpha):
+    with jax.enable_x64(True):
+        ads = _adapters(0)
+        sc = nu.score(ads, alpha=alpha, interference="signed_weaker")
+        ref, lam = _reference(ads, alpha, "auto", weaker=True)
+        _check(sc, ref, lam, 1e-8)
+        # it charges a subset of the signed term's pairs: never more, here less
+        signed = nu.score(ads, alpha=alpha, interference="signed")
+        for name in ref:
+            w_i = np.asarray(sc.modules[name].interference)
+            s_i = np.asarray(signed.modules[name].interference)
+            assert (w_i <= s_i * (1 + 1e-12)).all() and w_i.sum() < 0.9 * s_i.sum()
+
+
+def test_signed_weaker_with_input_moments_matches_the_reference():
+    rng = np.random.default_rng(7)
+    with jax.enable_x64(True):
+        ads = _adapters(3)
+        dense = [
+            None if j == 2 else {
+                name: (lambda x: x.T @ x / 30)(rng.normal(size=(30, d_in)))
+                for name, d_in, _, _ in SHAPES
+            }
+            for j in range(3)
+        ]  # fmt: skip
+        moms = [None if d is None else nu.input_moments_dense(d) for d in dense]
+        sc = nu.score(ads, alpha=1.0, interference="signed_weaker", input_moments=moms)
+        ref, lam = _reference(ads, 1.0, "auto", moments=dense, weaker=True)
+        _check(sc, ref, lam, 1e-7)
+
+
+def test_signed_weaker_charges_the_plant_not_the_victim():
+    """A victim task's top component, planted negated in a carrier task that has its own
+    directions besides: the two conflict exactly (kappa = -1) with equal singular values; the
+    symmetric terms charge both, the asymmetric one only the plant, whose share of its task's
+    energy is the smaller. Two tasks with equal spectra (a tie) are charged as by "signed"."""
+    rng = np.random.default_rng(11)
+    q, _ = np.linalg.qr(rng.normal(size=(16, 6)))
+    p, _ = np.linalg.qr(rng.normal(size=(10, 6)))
+    victim = {"m": {"lora_a": q[:, :2] * [3.0, 1.0], "lora_b": p[:, :2].T}}
+    carrier = {  # its own two directions, then the victim's first, negated
+        "m": {"lora_a": np.c_[q[:, 2:4] * [2.5, 2.0], q[:, :1] * 3.0], "lora_b": np.r_[
+            p[:, 2:4].T, -p[:, :1].T]}
+    }  # fmt: skip
+    ads = [{"m": {k: v.astype(np.float32) for k, v in ad["m"].items()}} for ad in (victim, carrier)]
+    sig = {k: nu.score(ads, lam=1.0, interference=k).modules["m"] for k in INTERFERENCES}
+    ben = np.asarray(sig["signed"].benefit)
+    assert ben[0, 0] > ben[1, 0]  # the victim's share is larger (the carrier has more energy)
+    it = {k: np.asarray(m.interference) for k, m in sig.items()}
+    assert it["signed"][0, 0] > 0.1 and it["signed"][1, 0] > 0.1  # both sides charged
+    assert abs(it["signed_weaker"][0, 0]) < 1e-6  # the victim's direction: not charged
+    np.testing.assert_allclose(it["signed_weaker"][1, 0], it["signed"][1, 0], rtol=1e-5)
+    tie = _pair(-1.0)
+    np.testing.assert_allclose(
+        np.asarray(nu.score(tie, lam=1.0, interference="signed_weaker").modules["m"].interference),
+        np.asarray(nu.score(tie, lam=1.0, interference="signed").modules["m"].interference),
+        rtol=1e-5,
+    )
 
 
 def test_signed_float32_is_the_reference_to_float32_rounding():
@@ -197,7 +267,7 @@ def test_opposite_tasks_conflict_fully_agreeing_ones_not_at_all():
 
 def test_orthogonal_tasks_have_no_interference_either_way():
     ads = _pair(-1.0, orthogonal=True)
-    for kind in ("overlap", "signed"):
+    for kind in INTERFERENCES:
         it = np.asarray(nu.score(ads, lam=1.0, interference=kind).modules["m"].interference)
         assert np.abs(it).max() < 1e-6, kind
 

@@ -96,17 +96,21 @@ def _readout_a(res: Mapping[str, Any]) -> list[str]:
         "",
     ]
     ra = res["readout_a"]
-    merges = list(next(iter(ra.values())).keys())
+    merges = list(dict.fromkeys(m for arm in ra.values() for m in arm))
+    every = {s for arm in ra.values() for x in arm.values() for s in x.get("seeds", ())}
     lines.append("| merge | " + " | ".join(ra) + " |")
     lines.append("|---|" + "---|" * len(ra))
     for m in merges:
         cells = []
+        seeds: set = set()
         for arm in ra:
             x = ra[arm].get(m)
+            seeds |= set(x.get("seeds", ())) if x is not None else set()
             cells.append(
                 "n/a" if x is None else f"{_f(x['plant_kept'], 2)} ({_f(x['victim_top_kept'], 2)})"
             )
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        only = f" (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, sorted(seeds)))} only)"
+        lines.append(f"| {m}{only if seeds < every else ''} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -172,7 +172,9 @@ def _header(
 
 def _readout_a(recs: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(read-out (a), changed between allocations)``: the mean over seeds of each read-out
-    (exact per seed), per arm and merge, and each arm's allocation differences per seed."""
+    (exact per seed), per arm and merge, and each arm's allocation differences per seed. A
+    merge that only some seeds have (an allocation added after the others were run) is the
+    mean over those, whose numbers it lists under ``seeds``."""
     ra: dict[str, Any] = {}
     changed: dict[str, Any] = {}
     for arm in recs[0]["readout_a"]:
@@ -181,20 +183,23 @@ def _readout_a(recs: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[
                 k: [r["readout_a"][arm]["_changed"][k] for r in recs]
                 for k in recs[0]["readout_a"][arm]["_changed"]
             }
-        for merge in recs[0]["readout_a"][arm]:
+        merges = dict.fromkeys(m for r in recs for m in r["readout_a"][arm])
+        for merge in merges:
             if merge.startswith("_"):
                 continue
+            have = [r for r in recs if merge in r["readout_a"][arm]]
             vals = {
                 pair: {
-                    k: [r["readout_a"][arm][merge]["pairs"][pair][k] for r in recs]
+                    k: [r["readout_a"][arm][merge]["pairs"][pair][k] for r in have]
                     for k in ("plant_kept", "victim_top_kept")
                 }
-                for pair in recs[0]["readout_a"][arm][merge]["pairs"]
+                for pair in have[0]["readout_a"][arm][merge]["pairs"]
             }
             ra.setdefault(arm, {})[merge] = {
                 "plant_kept": _mean_pairs(vals, "plant_kept"),
                 "victim_top_kept": _mean_pairs(vals, "victim_top_kept"),
                 "per_pair": vals,
+                "seeds": [r["seed"] for r in have],
             }
     return ra, changed
 

@@ -85,10 +85,12 @@ ALLOCATIONS: dict[str, dict[str, Any]] = {
     "lam_x4": {"kind": "global", "lam_scale": 4.0},
     "net_utility_data": {"kind": "global", "data": True},
     "signed": {"kind": "global", "interference": "signed"},
+    "signed_weaker": {"kind": "global", "interference": "signed_weaker"},
     "net_utility_pos": {"kind": "full"},
     "lam_x4_pos": {"kind": "full", "lam_scale": 4.0},
     "net_utility_data_pos": {"kind": "full", "data": True},
     "signed_pos": {"kind": "full", "interference": "signed"},
+    "signed_weaker_pos": {"kind": "full", "interference": "signed_weaker"},
     "all": {"kind": "all"},
 }
 BUDGETS = (16, 32)
