@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "count_table",
     "count_table_np",
     "digit_histogram",
     "kth_largest",
@@ -236,20 +235,15 @@ def trim_at(x: jax.Array, t: jax.Array, room: jax.Array) -> tuple[jax.Array, jax
 
 @functools.lru_cache(maxsize=32)
 def count_table_np(density: float, p: int, q: int, has_left: bool) -> np.ndarray:
-    """:func:`count_table` as a numpy array (cached per shape and density)."""
+    """TIES's kept count for every ``n`` that ``(p, q)`` coordinates (:class:`spaces.Coords`)
+    can have, made on the host by :func:`topk_count` (PEFT's rule, exact): ``table[rows, cols] =
+    int(density * rows * cols)`` over the live rows (``0..p``; one row, ``p``, without a ``left``
+    basis) and columns (``0..q``), int32, cached per shape and density. The compiled merge takes
+    it as data (``_stages.count_input``) and looks its counts up: no count is ever computed in a
+    traced (float32) dtype, and a new density compiles nothing."""
     rows = np.arange(p + 1, dtype=np.int64) if has_left else np.array([p], np.int64)
     n = rows[:, None] * np.arange(q + 1, dtype=np.int64)[None, :]
     return topk_count(density, n).astype(np.int32)
-
-
-def count_table(density: float, c: Any) -> jax.Array:
-    """TIES's kept count for every ``n`` a bucket's coordinates ``c`` (:class:`spaces.Coords`)
-    can have, made on the host by :func:`topk_count` (PEFT's rule, exact): ``table[rows, cols] =
-    int(density * rows * cols)`` over the live rows (``0..p``; one row, ``p``, without a ``left``
-    basis) and columns (``0..q``). A traced stage looks its counts up: no count is ever computed
-    in a traced (float32) dtype."""
-    p, q = c.a.shape[-2], c.b.shape[-2]
-    return jnp.asarray(count_table_np(float(density), p, q, c.left is not None))
 
 
 # ------------------------------------------------------------- streamed radix selection (host)

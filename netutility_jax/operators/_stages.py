@@ -469,7 +469,7 @@ def stage_split(coords, keys, table, *, chunk: int):
     """A bucket's coordinates cut into chunks of whole modules for :func:`stage_elementwise`:
     ``[(a, b, keys, k_top)]`` per chunk. TIES keeps ``k_top = int(density * n)`` of the ``n``
     real entries of a module's coordinates, looked up in the host-made ``table``
-    (:func:`_select.count_table`); ``table=None`` (DARE) gives zeros."""
+    (:func:`count_input`); ``table=None`` (DARE) gives zeros."""
     c = coords
     n = c.a.shape[0]
     if table is None:

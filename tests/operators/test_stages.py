@@ -295,7 +295,7 @@ def test_count_table_is_peft_count_for_every_live_shape():
         jnp.asarray(right), None,
     )  # fmt: skip
     (chunk,) = _stages.stage_split(
-        c, jnp.zeros((n_mod,), jnp.uint32), _select.count_table(0.3, c), chunk=n_mod
+        c, jnp.zeros((n_mod,), jnp.uint32), _select.count_table_np(0.3, p, q, True), chunk=n_mod
     )
     assert np.asarray(chunk[3]).tolist() == [int(0.3 * 480), int(0.3 * 91), 0]
 
