@@ -705,8 +705,8 @@ def cli_case_st(draw):
     for flag, good in _CLI_FLAGS.items():
         if flag == "--trim-scope":  # both scopes are valid (model-wide TIES streams too)
             good = draw(st.sampled_from(["module", "model"]))
-        if flag == "--interference":  # the paper's term or the sign-aware one
-            good = draw(st.sampled_from(["overlap", "signed"]))
+        if flag == "--interference":  # the paper's term or a sign-aware one
+            good = draw(st.sampled_from(["overlap", "signed", "signed_weaker"]))
         if flag == "--budget" or draw(st.booleans()):
             garbage = draw(st.integers(0, 2)) == 0
             n_garbage += garbage

@@ -198,8 +198,9 @@ def _finish(
             c = _safe_div(jnp.where(cand, rel ** (2 * alpha), 0), wt[..., None])
             per_task = jnp.einsum("njkim,nim->njki", _weaker(ov, benefit, interference) ** 2, c)
         else:
-            benefit = _data_aware_benefit(cm, rel, cand, alpha)
-            per_task = _data_aware(cm, _weaker(ov, benefit, interference), rel, cand, alpha)
+            p, wt = _data_aware_weights(cm, rel, cand, alpha)
+            benefit = _safe_div(p, wt[..., None])
+            per_task = _data_aware(cm, _weaker(ov, benefit, interference), rel, cand, alpha, wt)
         unscaled = ratio2 * per_task * off[None, :, None, :]
         terms = mul_pow2(unscaled, d_exp)
         interference = jnp.where(cand, terms.sum(-1), 0)
@@ -266,26 +267,22 @@ def _data_aware_weights(
     return p, p.sum(-1)
 
 
-def _data_aware_benefit(
-    cm: jax.Array, rel: jax.Array, cand: jax.Array, alpha: jax.Array | float
-) -> jax.Array:
-    """The data-aware benefit ``s_jk^(2+2a) C_j[k,k] / W_j`` (see :func:`_data_aware`)."""
-    p, wt = _data_aware_weights(cm, rel, cand, alpha)
-    return _safe_div(p, wt[..., None])
-
-
 def _data_aware(
-    cm: jax.Array, ov: jax.Array, rel: jax.Array, cand: jax.Array, alpha: jax.Array | float
+    cm: jax.Array,
+    ov: jax.Array,
+    rel: jax.Array,
+    cand: jax.Array,
+    alpha: jax.Array | float,
+    wt: jax.Array,
 ) -> jax.Array:
     """Per-task interference of the data-aware geometry ``G_i = M_i S_i M_i``, ``M_i = V_i
     Sigma_i^a V_i^T`` (docs/input_moments.md), in the units of :func:`_finish`.
 
-    ``benefit_jk = s_jk^(2+2a) C_j[k,k] / W_j`` (:func:`_data_aware_benefit`), ``W_j = sum_n
-    s_jn^(2+2a) C_j[n,n]``; task i's part of the interference of ``(j, k)``: ``s_jk^2 y^T C_i y /
-    W_i`` with ``y_m = s_im^a (v_jk . v_im)``. Scale-free in each ``C_i`` (it cancels against
-    ``W_i``); with ``C_i = I`` it is the data-free formula term for term.
+    ``benefit_jk = s_jk^(2+2a) C_j[k,k] / W_j``, ``W_j = sum_n s_jn^(2+2a) C_j[n,n]`` (``wt``,
+    from :func:`_data_aware_weights`); task i's part of the interference of ``(j, k)``: ``s_jk^2
+    y^T C_i y / W_i`` with ``y_m = s_im^a (v_jk . v_im)``. Scale-free in each ``C_i`` (it cancels
+    against ``W_i``); with ``C_i = I`` it is the data-free formula term for term.
     """
-    _, wt = _data_aware_weights(cm, rel, cand, alpha)
     y = ov * jnp.where(cand, rel**alpha, 0)[:, None, None]  # (n, M_j, K, M_i, K)
     quad = jnp.einsum("njkim,nimp,njkip->njki", y, cm, y, precision=_HI)
     # s_im^2a in units of s_max_i^2a, W_i in units of s_max_i^(2+2a): s_max_i^-2 (see ratio2)
