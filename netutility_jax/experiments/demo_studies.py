@@ -56,8 +56,9 @@ def run_planted(args: argparse.Namespace, command: str, *, prog: str = PROG) -> 
     """The planted-interference study (:mod:`netutility_jax.experiments.harness.planting`) for
     parsed options ``seeds``, ``out``, ``cache_dir``, ``merges``, ``quick`` and ``render`` (only
     re-render ``out``): each seed run, saved and the report re-rendered from every seed in
-    ``out``; a seed already there with at least ``merges`` is not run again. ``command`` is
-    recorded in every seed and the report."""
+    ``out``; a seed already there with every merge asked is not run again (one asked more is
+    run again for what it had and what is asked). ``command`` is recorded in every seed and
+    the report."""
     import json
 
     from .harness import planting as pl
@@ -81,9 +82,11 @@ def run_planted(args: argparse.Namespace, command: str, *, prog: str = PROG) -> 
         ran = False
         for seed in args.seeds:
             done = out / f"seed{seed}.json"
+            merges = args.merges
             if done.exists():
                 had = json.loads(done.read_text()).get("merges", "none")
-                if pl.merges_rank(had) >= pl.merges_rank(args.merges):
+                merges = pl.merges_to_run(had, args.merges)
+                if merges is None:
                     shown = had if isinstance(had, str) else f"{len(had)} chosen"
                     print(
                         f"{prog}: seed {seed} is in {out} (merges {shown}); not run again",
@@ -91,7 +94,7 @@ def run_planted(args: argparse.Namespace, command: str, *, prog: str = PROG) -> 
                     )
                     continue
             rec = pl.run_seed(
-                seed, task_list, preset, suite, cache_dir=cache, merges=args.merges,
+                seed, task_list, preset, suite, cache_dir=cache, merges=merges,
                 log=lambda s: print(s, flush=True), pairs=pairs,
             )  # fmt: skip
             pl.save_seed(out, rec, command=command)

@@ -4,7 +4,8 @@ pre-registered in docs/experiments.md; :mod:`netutility_jax.experiments.harness.
 Each seed is run, saved (``seed<N>.json``, ``seed<N>.npz``) and the report (``results.json``,
 ``results.md``) re-rendered from every seed in ``--out``: a seed run later, or by another
 process, joins the same report. A seed already in ``--out`` is not run again unless
-``--merges`` asks for more than it has (``none`` < ``primary`` < ``all``).
+``--merges`` asks for a merge it lacks; then it is run for what it had and what is asked (the
+merges it had come back from the job cache in ``--cache-dir``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ def _seeds(text: str) -> tuple[int, ...]:
     return out
 
 
+def _merges(text: str) -> str | tuple[tuple[str, str, int | None], ...]:
+    from .harness import planting as pl
+
+    try:
+        return pl.parse_merges(text)
+    except nu.InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=_seeds, default=(0, 1, 2, 3, 4), metavar="0,1,2,3,4")
@@ -42,11 +52,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="trained adapters and merges")
     p.add_argument(
         "--merges",
-        choices=("none", "primary", "all"),
+        type=_merges,
         default="primary",
+        metavar="primary|all|none|LABELS",
         help="which merges are evaluated for accuracy: primary (the pre-registered comparisons' "
         "merges, gamma 1, R 16 and full capacity), all (every arm, allocation and budget), none "
-        "(read-out (a) only: exact, no evaluation)",
+        "(read-out (a) only: exact, no evaluation), or comma-separated labels "
+        "arm/allocation/budget (e.g. conflict_g1/signed_weaker/R16,conflict_g1/all/full)",
     )
     p.add_argument(
         "--init",

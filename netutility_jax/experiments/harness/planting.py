@@ -70,7 +70,9 @@ __all__ = [
     "Arm",
     "Plant",
     "load_seeds",
-    "merges_rank",
+    "merge_label",
+    "merges_to_run",
+    "parse_merges",
     "plant",
     "plant_kept",
     "render",
@@ -184,10 +186,51 @@ def _todo(merges: Any) -> tuple[tuple[str, str, int | None], ...]:
     return todo
 
 
-def merges_rank(merges: Any) -> int:
-    """How much of a seed's evaluation a recorded ``merges`` holds: ``"none"`` 0, chosen
-    merges 1, ``"primary"`` 2, ``"all"`` 3 (a seed is run again for a later call asking more)."""
-    return {"none": 0, "primary": 2, "all": 3}.get(merges, 1) if isinstance(merges, str) else 1
+def merge_label(merge: Sequence[Any]) -> str:
+    """``"arm/allocation/R16"`` (or ``.../full``) of an ``(arm, allocation, budget)`` triple."""
+    arm, alloc, r = merge
+    return f"{arm}/{alloc}/{_merge_key(r)}"
+
+
+def parse_merges(text: str) -> str | tuple[tuple[str, str, int | None], ...]:
+    """``"none"``, ``"primary"``, ``"all"``, or comma-separated merge labels of
+    :func:`merge_label` (``conflict_g1/signed_weaker/R16,agreement_g1/all/full``) as triples.
+
+    Raises:
+      InputError: a label that is not a merge of the study (the known arms, allocations and
+        budgets named).
+    """
+    text = text.strip()
+    if text in ("none", "primary", "all"):
+        return text
+    by_label = {merge_label(m): m for m in all_merges()}
+    labels = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in labels if t not in by_label]
+    if unknown or not labels:
+        raise nu.InputError(
+            f"merges {unknown or repr(text)}: expected none, primary, all or labels "
+            "arm/allocation/budget of the study's merges (arms "
+            f"{', '.join(a.name for a in ARMS)}; allocations {', '.join(ALLOCATIONS)}; budgets "
+            f"{', '.join(f'R{r}' for r in BUDGETS)} for uniform and global ones, full for the "
+            f"others), e.g. {merge_label(PRIMARY[0])}"
+        )
+    return tuple(dict.fromkeys(by_label[t] for t in labels))
+
+
+def merges_to_run(recorded: Any, asked: Any) -> Any:
+    """What a seed already saved with ``recorded`` merges must evaluate for a call asking
+    ``asked`` (each a name or triples, as :func:`run_seed` takes them): None when it has them
+    all; else everything it had and everything asked (a name when that is the whole of it, the
+    triples in :func:`all_merges` order otherwise), so a seed run again keeps what it had
+    (cached merges come back from the job cache)."""
+    had, want = set(_todo(recorded)), set(_todo(asked))
+    if want <= had:
+        return None
+    both = had | want
+    for name in ("none", "primary", "all"):
+        if both == set(_todo(name)):
+            return name
+    return tuple(m for m in all_merges() if m in both)
 
 
 @dataclasses.dataclass

@@ -76,12 +76,6 @@ def _subset(task: np.ndarray, keep: Sequence[int]) -> tuple[np.ndarray, np.ndarr
     return rows, np.array([remap[t] for t in task[rows]], np.int64)
 
 
-def _subset(task: np.ndarray, keep: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    rows = np.isin(task, keep)
-    remap = {t: i for i, t in enumerate(keep)}
-    return rows, np.array([remap[t] for t in task[rows]], np.int64)
-
-
 def render(
     seeds: Sequence[tuple[dict[str, Any], dict[str, np.ndarray]]],
     *,
@@ -211,10 +205,17 @@ def comparisons() -> list[tuple[str, str, str, str | tuple[str, str], bool]]:
     out = [(lab, arm, a, b, True) for lab, arm, a, b in PRIMARY_DELTAS]
     for arm in ("conflict_g1", "agreement_g1", "null", "conflict_g0.5", "agreement_g0.5"):
         for r in ("R16", "R32"):
-            for a in ("uniform", "net_utility", "lam_x4", "net_utility_data", "signed"):
+            for a in (
+                "uniform", "net_utility", "lam_x4", "net_utility_data", "signed", "signed_weaker",
+            ):  # fmt: skip
                 out.append((f"{a} - energy, {arm}, {r}", arm, f"{a}/{r}", f"energy/{r}", False))
+            # the asymmetric sign-aware term (ours, after the registration) against the symmetric
+            out.append(
+                (f"signed_weaker - signed, {arm}, {r}", arm, f"signed_weaker/{r}", f"signed/{r}",
+                 False)
+            )  # fmt: skip
             if arm != "null":  # the oracle: Net Utility on the unplanted set
-                for a in ("energy", "net_utility", "signed"):
+                for a in ("energy", "net_utility", "signed", "signed_weaker"):
                     out.append(
                         (
                             f"{a} - oracle, {arm}, {r}",
@@ -224,8 +225,15 @@ def comparisons() -> list[tuple[str, str, str, str | tuple[str, str], bool]]:
                             False,
                         )
                     )
-        for a in ("net_utility_pos", "signed_pos", "lam_x4_pos", "net_utility_data_pos"):
+        for a in (
+            "net_utility_pos", "signed_pos", "lam_x4_pos", "net_utility_data_pos",
+            "signed_weaker_pos",
+        ):  # fmt: skip
             out.append((f"{a} - keep-all, {arm}", arm, f"{a}/full", "all/full", False))
+        out.append(
+            (f"signed_weaker_pos - signed_pos, {arm}", arm, "signed_weaker_pos/full",
+             "signed_pos/full", False)
+        )  # fmt: skip
         if arm != "null":
             out.append(
                 (
