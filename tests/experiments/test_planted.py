@@ -159,6 +159,9 @@ def test_the_quick_planted_study_runs_and_renders(tmp_path, capsys):
     argv = ["--quick", "--seeds", "0", "--out", str(out), "--cache-dir", str(cache)]
     assert planted.main([*argv, "--merges", "none"]) == 0
     assert "seed 0 is in" in capsys.readouterr().out and (out / "seed0.json").read_bytes() == seed
+    # one of its merges asked by label: it has it, so it is not run again either
+    assert planted.main([*argv, "--merges", "conflict_g1/energy/R16"]) == 0
+    assert "seed 0 is in" in capsys.readouterr().out and (out / "seed0.json").read_bytes() == seed
     res = json.loads((out / "results.json").read_text())
     ra = res["readout_a"]
     assert ra["conflict_g1"]["all/full"]["plant_kept"] == pytest.approx(1.0, abs=1e-6)
@@ -285,3 +288,88 @@ def test_a_read_out_some_seeds_lack_is_their_mean_and_says_so():
     assert f"| {merge} (seed {seeds[0][0]['seed']} only) |" in md
     other = res["readout_a"][arm]["energy/R16"]
     assert other["seeds"] == [r["seed"] for r, _ in seeds] and "| energy/R16 |" in md
+
+
+def test_merge_labels_name_every_merge_of_the_study_and_refuse_others(capsys):
+    """Every merge of the study has a label that parses back to it; names parse as names; a
+    label that is not a merge is refused naming it, and the command's flag says so."""
+    from netutility_jax.experiments import planted
+
+    merges = pl.all_merges()
+    assert len({pl.merge_label(m) for m in merges}) == len(merges)
+    for m in merges:
+        assert pl.parse_merges(pl.merge_label(m)) == (m,)
+    two = "conflict_g1/signed_weaker/R16, agreement_g1/all/full,conflict_g1/signed_weaker/R16"
+    assert pl.parse_merges(two) == (
+        ("conflict_g1", "signed_weaker", 16),
+        ("agreement_g1", "all", None),
+    )
+    assert [pl.parse_merges(n) for n in ("none", "primary", "all")] == ["none", "primary", "all"]
+    for bad in ("conflict_g1/signed/full", "conflict_g1/all/R16", "conflict/energy/R16", ","):
+        with pytest.raises(InputError, match="expected none, primary, all or labels"):
+            pl.parse_merges(bad)
+    with pytest.raises(SystemExit):
+        planted.main(["--out", "o", "--merges", "conflict_g1/signed/R64"])
+    err = capsys.readouterr().err
+    assert "argument --merges: merges ['conflict_g1/signed/R64']" in err
+
+
+def test_a_seed_asked_for_merges_it_lacks_is_run_for_what_it_had_and_what_is_asked():
+    """merges_to_run: None when the saved seed has every merge asked; else the union, a name
+    when the union is one, the triples in the study's order otherwise (JSON lists accepted)."""
+    a = ("conflict_g1", "signed_weaker", 16)
+    b = ("agreement_g1", "signed_weaker_pos", None)
+    assert pl.merges_to_run("primary", "none") is None
+    assert pl.merges_to_run("all", (a, b)) is None
+    assert pl.merges_to_run([list(a), list(b)], (b,)) is None
+    assert pl.merges_to_run("none", (b, a)) == tuple(m for m in pl.all_merges() if m in (a, b))
+    assert pl.merges_to_run([list(a)], "primary") == (*pl.PRIMARY, a)
+    assert pl.merges_to_run("primary", "all") == "all"
+    assert pl.merges_to_run(list(map(list, pl.PRIMARY[:3])), "primary") == "primary"
+    got = pl.merges_to_run("primary", (a,))
+    assert set(got) == {*pl.PRIMARY, a} and len(got) == len(pl.PRIMARY) + 1
+
+
+def test_the_asymmetric_terms_comparisons_are_reported_where_both_merges_were_evaluated():
+    """The committed seeds with the symmetric sign-aware merges copied under the asymmetric
+    term's labels: each signed_weaker comparison then equals the signed one's (to the bit), its
+    delta against signed is zero, and the registered comparisons and their family are as
+    before (an exploratory comparison joins the secondary family only)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    seeds = pl.load_seeds(root / "docs/planted")[:3]
+    base, _ = pl.render(seeds, command="test", n_boot=100)
+    copied = []
+    for r, a in seeds:
+        recs, arrays = dict(r["records"]), dict(a)
+        for arm in ("conflict_g1", "agreement_g1"):
+            for src, dst in (("signed/R16", "signed_weaker/R16"),
+                             ("signed_pos/full", "signed_weaker_pos/full")):  # fmt: skip
+                recs[f"{arm}/{dst}"] = recs[f"{arm}/{src}"]
+                arrays[f"c:{arm}/{dst}"] = arrays[f"c:{arm}/{src}"]
+        copied.append(({**r, "records": recs}, arrays))
+    res, md = pl.render(copied, command="test", n_boot=100)
+    d = res["deltas"]
+
+    def by_pair(deltas, a, b):  # (a primary pairing is shown once, under its registered label)
+        return next(v for v in deltas.values() if (v["a"], v["b"]) == (a, b))
+
+    for arm in ("conflict_g1", "agreement_g1"):
+        for new, old, b in (
+            ("signed_weaker/R16", "signed/R16", f"{arm}/energy/R16"),
+            ("signed_weaker_pos/full", "signed_pos/full", f"{arm}/all/full"),
+            ("signed_weaker/R16", "signed/R16", "null/net_utility/R16"),
+        ):
+            got = by_pair(d, f"{arm}/{new}", b)
+            want = by_pair(base["deltas"], f"{arm}/{old}", b)
+            assert got["victims"]["per_seed"] == want["victims"]["per_seed"], (new, b)
+            assert got["mean"]["per_seed"] == want["mean"]["per_seed"] and not got["primary"]
+        for same in (
+            f"signed_weaker - signed, {arm}, R16",
+            f"signed_weaker_pos - signed_pos, {arm}",
+        ):
+            assert d[same]["victims"]["per_seed"] == [0.0] * len(seeds)
+    assert res["multiplicity"]["primary_family"] == base["multiplicity"]["primary_family"] == 8
+    assert res["multiplicity"]["secondary_family"] > base["multiplicity"]["secondary_family"]
+    assert "signed_weaker - signed, conflict_g1, R16" in md
