@@ -49,6 +49,7 @@ from .scoring.decompose import lora_svd as lora_svd
 from .scoring.moments import InputMoments as InputMoments
 from .scoring.moments import input_moments as input_moments
 from .scoring.moments import input_moments_dense as input_moments_dense
+from .scoring.utility import INTERFERENCES as INTERFERENCES
 from .scoring.utility import ModuleScores as ModuleScores
 from .scoring.utility import Scores as Scores
 from .scoring.utility import heterogeneity as heterogeneity
@@ -111,6 +112,7 @@ def __dir__():
 
 
 __all__ = [
+    "INTERFERENCES",
     "Diagnostics",
     "InputError",
     "InputMoments",

@@ -10,38 +10,98 @@ command line turns it on, docs/cli.md). The library keeps no executables of its 
 version serialized them to disk, and an executable that JAX had itself loaded from its cache was
 stored in a form that later processes could not load (``NOT_FOUND: Function ... not found``),
 failing every merge of those shapes until the cache was deleted. Everything here is public JAX.
+
+``kernel(..., fast_compile=True)`` marks a program whose time on a CPU is compiling, not running:
+its run time is library calls (XLA's dot and LAPACK's QR and ``eigh``), which LLVM's
+optimisation does not touch, and its compile time is LLVM optimising a few hundred small fused
+loops. On the CPU backend such a program is compiled with :data:`FAST_COMPILE` (LLVM at level
+0); on other backends, and for every program not marked, XLA's defaults. The merge programs
+(``fast_compile="small"``) run elementwise loops over the factors, which level 0 slows: they
+take :data:`FAST_COMPILE` only inside :func:`small_merge` of a merge whose factors are at most
+:data:`SMALL_BYTES`, where the seconds of compile saved outweigh the run time lost (the
+pipeline's ``sized_merge`` opens it for a low-rank method's merge only: an elementwise one,
+TIES, DARE or DARE-TIES, works on dense coordinates, which level 0 slows several times). Figures: benchmarks/results/fast_compile.json.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import math
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
+import numpy as np
 
-__all__ = ["Kernel", "kernel", "release"]
+__all__ = [
+    "FAST_COMPILE",
+    "SMALL_BYTES",
+    "Kernel",
+    "factor_bytes",
+    "kernel",
+    "release",
+    "small_merge",
+]
+
+#: XLA compiler options of a ``fast_compile`` kernel on the CPU backend.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+#: The most bytes of adapter factors (all tasks) of a merge whose ``fast_compile="small"``
+#: programs take :data:`FAST_COMPILE`.
+SMALL_BYTES = 64 * 2**20
+
+_SMALL: contextvars.ContextVar[bool] = contextvars.ContextVar("netutility_small", default=False)
 
 _KERNELS: weakref.WeakSet[Kernel] = weakref.WeakSet()  # every kernel, for release()
 
 
 class Kernel:
     """``jax.jit(fun, static_argnames=...)``, registered for :func:`release`. Everything else
-    (``lower``, ``trace``, ...) is the jitted function's."""
+    (``lower``, ``trace``, ...) is the jitted function's: with ``fast_compile`` on the CPU
+    backend, the one compiled with :data:`FAST_COMPILE`."""
 
-    def __init__(self, fun: Callable, static_argnames: Sequence[str] = ()):
-        self._jit = jax.jit(fun, static_argnames=tuple(static_argnames))
+    def __init__(
+        self,
+        fun: Callable,
+        static_argnames: Sequence[str] = (),
+        fast_compile: bool | Literal["small"] = False,
+    ):
+        static = tuple(static_argnames)
+        self._default = jax.jit(fun, static_argnames=static)
+        self._fast = (
+            jax.jit(fun, static_argnames=static, compiler_options=FAST_COMPILE)
+            if fast_compile
+            else None
+        )
+        self._only_small = fast_compile == "small"
         name = getattr(fun, "__qualname__", None) or fun.__name__  # (a jnp.ufunc has no qualname)
         self._name = f"{fun.__module__}.{name}"
         functools.update_wrapper(self, fun)
         _KERNELS.add(self)
 
+    @property
+    def _jit(self) -> Any:
+        """The jitted function for the default backend (read at each call: cheap, and a process
+        may choose its platform after importing the library)."""
+        if self._fast is None or (self._only_small and not _SMALL.get()):
+            return self._default
+        return self._fast if jax.default_backend() == "cpu" else self._default
+
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._jit, attr)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._jit(*args, **kwargs)
+        jitted = self._jit
+        if jitted is self._default:
+            return jitted(*args, **kwargs)
+        try:
+            return jitted(*args, **kwargs)
+        except ValueError as e:  # inside another jit, which compiles it with its own options
+            if "compiler_options" not in str(e):
+                raise
+            return self._default(*args, **kwargs)
 
 
 def release() -> None:
@@ -49,11 +109,45 @@ def release() -> None:
     and compiles (or loads from JAX's persistent cache) again. For callers that know a batch
     of shapes is done with."""
     for k in list(_KERNELS):
-        k._jit.clear_cache()
+        for jitted in (k._default, k._fast):
+            if jitted is not None:
+                jitted.clear_cache()
 
 
-def kernel(fun: Callable | None = None, *, static_argnames: Sequence[str] = ()) -> Any:
-    """``jax.jit`` as a :class:`Kernel` (a decorator, with or without ``static_argnames``)."""
+def kernel(
+    fun: Callable | None = None,
+    *,
+    static_argnames: Sequence[str] = (),
+    fast_compile: bool | Literal["small"] = False,
+) -> Any:
+    """``jax.jit`` as a :class:`Kernel` (a decorator, with or without ``static_argnames``);
+    ``fast_compile``: compiled with :data:`FAST_COMPILE` on the CPU backend (``"small"``: only
+    inside :func:`small_merge` of a small merge)."""
     if fun is None:
-        return functools.partial(kernel, static_argnames=static_argnames)
-    return Kernel(fun, static_argnames)
+        return functools.partial(kernel, static_argnames=static_argnames, fast_compile=fast_compile)
+    return Kernel(fun, static_argnames, fast_compile)
+
+
+def factor_bytes(adapters: Any) -> int:
+    """Bytes of every array leaf of ``adapters`` (shapes and dtypes only: traced leaves count),
+    or its ``nbytes`` (a lazy :class:`nu.peft.AdapterSet`)."""
+    n = getattr(adapters, "nbytes", None)
+    if isinstance(n, int):
+        return n
+    total = 0
+    for x in jax.tree.leaves(adapters):
+        shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+        if shape is not None and dtype is not None:
+            total += math.prod(shape) * np.dtype(dtype).itemsize
+    return total
+
+
+@contextlib.contextmanager
+def small_merge(nbytes: int | None) -> Any:
+    """Within it, the ``fast_compile="small"`` kernels take :data:`FAST_COMPILE` (on the CPU)
+    if ``nbytes`` (the merge's factors) is at most :data:`SMALL_BYTES` (None: they do not)."""
+    token = _SMALL.set(nbytes is not None and nbytes <= SMALL_BYTES)
+    try:
+        yield
+    finally:
+        _SMALL.reset(token)

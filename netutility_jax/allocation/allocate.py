@@ -82,7 +82,7 @@ def _bad_counts(utils, sigmas) -> np.ndarray:
     return np.asarray(out)
 
 
-@kernel(static_argnames=("budget", "scope", "positive_only"))  # (jax.jit, kept on disk by the CLI)
+@kernel(static_argnames=("budget", "scope", "positive_only"), fast_compile=True)
 def _allocate_impl(utils, sigmas, *, budget, scope, positive_only):
     return _select(utils, sigmas, budget=budget, scope=scope, positive_only=positive_only), (
         _bad_count(utils, sigmas)
@@ -370,7 +370,11 @@ def allocate(
         raise InputError(f"{fn}: unknown scope {brief(scope)}; expected one of {SCOPES}.")
     check_choice(fn, "scope", scope, SCOPES)
     positive_only = check_bool(fn, "positive_only", positive_only)
-    if isinstance(scores, Scores) and isinstance(scores.modules, ScoreTable) and scores.modules.pristine:
+    if (
+        isinstance(scores, Scores)
+        and isinstance(scores.modules, ScoreTable)
+        and scores.modules.pristine
+    ):
         masks = _allocate_table(scores.modules, budget, scope, positive_only)
         if masks is not None:
             return masks

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..scoring.utility import INTERFERENCES
 from . import values
 from .options import add_method_options
 from .values import ALPHA_MAX, LAM_MAX, WEIGHT_RANGE, positive_int
@@ -166,7 +167,7 @@ def add_scoring(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--interference",
-        choices=("overlap", "signed", "signed_weaker"),
+        choices=INTERFERENCES,
         default="overlap",
         help="the interference term: overlap = the paper's (input-side overlaps with the other "
         "tasks' directions, sign-blind); signed = this project's sign-aware extension (only "

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from .. import registry
 from ..errors import InputError, InputTypeError
+from ..scoring.utility import INTERFERENCES
 
 __all__ = ["MergeConfig", "MomentsFile", "option_key"]
 
@@ -205,9 +206,7 @@ class MergeConfig:
         c["scope"] = _choice("scope", self.scope, (None, "global", "local"))
         c["alpha"] = _real("alpha", self.alpha, low=0, high=16, auto=True)
         c["lam"] = _real("lam", self.lam, low=0, high=1e30, auto=True)
-        c["interference"] = _choice(
-            "interference", self.interference, ("overlap", "signed", "signed_weaker")
-        )
+        c["interference"] = _choice("interference", self.interference, INTERFERENCES)
         for name in ("keep_nonpositive", "in_memory", "no_plots", "strict_targets",
                      "allow_different_base", "skip_non_lora"):  # fmt: skip
             c[name] = _bool(name, getattr(self, name))

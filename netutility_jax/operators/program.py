@@ -24,7 +24,6 @@ units in the last place (within the 1e-4-of-the-largest-entry guarantee of docs/
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -35,6 +34,7 @@ import numpy as np
 from .._core import buckets as _buckets
 from .._core import mesh as _mesh
 from .._core import stacking as _stacking
+from .._core.executables import kernel
 from .._core.host import put_views
 from .._core.linalg import after
 from .._core.tables import MergedTable
@@ -62,7 +62,7 @@ def applies(plan: Any) -> bool:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("groups",))
+@kernel(static_argnames=("groups",), fast_compile="small")
 def merge_program(inputs, masks, key, index, coef, nums, counts, *, groups: tuple[Group, ...]):
     """Every group's :func:`_stages.bucket_merge`, ``[(la, lb, live, check, bad)]`` per group
     with the modules of all its pieces in order.

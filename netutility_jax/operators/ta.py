@@ -15,7 +15,6 @@ the dtype's normal range, a result that overflows) are left to the bucket pipeli
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -27,6 +26,7 @@ from .._core import buckets as _buckets
 from .._core import mesh as _mesh
 from .._core import stacking as _stacking
 from .._core import tree as _tree
+from .._core.executables import kernel
 from .._core.host import put_views
 from .._core.tables import MaskTable, MergedTable, StackedMasks
 from ..scoring._kernels import default_rtol
@@ -42,7 +42,7 @@ class _Meta(NamedTuple):
     compact: bool = False  # live columns first, results left on the device (a stacked set)
 
 
-@functools.partial(jax.jit, static_argnames=("meta",))
+@kernel(static_argnames=("meta",), fast_compile="small")
 def ta_program(inputs, masks, coef, *, meta: _Meta):
     """Every bucket's kept directions, ``(outs, ok)``.
 

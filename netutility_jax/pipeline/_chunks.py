@@ -10,13 +10,11 @@ import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from .._core import buckets as _buckets
 from .._core import executables as _executables
 from .._core import tree as _tree
-from .._core.executables import kernel
 from .._core.host import host_constant
 from ..errors import InputError
 from ..scoring import _run as _scoring
@@ -133,14 +131,6 @@ def _as(m: dict[str, Any] | None, dtype: Any) -> dict[str, Any] | None:
     }
 
 
-# The heterogeneity's operations, one program each as jnp runs them eagerly (the same programs,
-# so the same h), kept whole (:mod:`._executables`): not traced and lowered in every process.
-_log2 = kernel(jnp.log2)
-_add = kernel(jnp.add)
-_multiply = kernel(jnp.multiply)
-_var = kernel(jnp.var)
-
-
 @dataclasses.dataclass
 class Energies:
     """Per-task energies summed over chunks, each chunk's as ``t 2^k`` (``utility``'s form),
@@ -201,10 +191,10 @@ class Energies:
             )
             err.task_index, err.argument = i, "alpha"
             raise err
-        # (converted on the host, exactly as XLA would: no conversion programs to load; each
-        # operation its own kept program, as eagerly: fused, XLA rounds some h differently)
-        rel = _add(host_constant(kmax - kmax[0], dtype), _log2(host_constant(total, dtype)))
-        return float(_var(_multiply(rel, np.log(2.0).astype(dtype))))
+        # (the total converted on the host, exactly as XLA would: no conversion program; then
+        # nu.heterogeneity's own program, so the same h as in memory)
+        k = np.asarray(kmax - kmax[0], np.int32)
+        return float(_scoring.log_energy_variance(k, host_constant(total, dtype)))
 
 
 @dataclasses.dataclass

@@ -12,8 +12,9 @@ defaults of the three signatures are the fields of :class:`MergeRequest` (a test
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from .. import registry
 from .._core import buckets as _buckets
 from .._core import checks as _checks
 from .._core import tree as _tree
+from .._core.executables import factor_bytes, small_merge
 from .._core.linalg import settle
 from ..allocation import _min_share
 from ..errors import InputError, InputTypeError
@@ -38,6 +40,7 @@ __all__ = [
     "check_input_moments",
     "check_weights",
     "has_data",
+    "sized_merge",
 ]
 
 #: The settings :func:`nu.merge_adapters`, :func:`nu.merge_adapters_streaming` and :func:`nu.plan`
@@ -288,3 +291,20 @@ def all_candidates(fn: str, names: Any, buckets: Any) -> dict[str, Any]:
         for j, nm in enumerate(bk.names):
             kept[nm] = keep[j]
     return {nm: kept[nm] for nm in names}
+
+
+def sized_merge(fun: Callable) -> Callable:
+    """``fun(adapters, ..., method=...)`` inside :func:`_executables.small_merge` of its
+    factors' bytes when ``method`` is a low-rank method (its merge programs may then be compiled
+    for speed of compiling, on the CPU); an elementwise method's, or an unknown name's (the call
+    raises its own error), with XLA's defaults."""
+
+    @functools.wraps(fun)
+    def sized(adapters: Any, *args: Any, **kwargs: Any) -> Any:
+        method = kwargs.get("method", "ta")
+        spec = registry.METHODS.get(method) if isinstance(method, str) else None
+        low_rank = spec is not None and spec.kind == "low_rank"
+        with small_merge(factor_bytes(adapters) if low_rank else None):
+            return fun(adapters, *args, **kwargs)
+
+    return sized

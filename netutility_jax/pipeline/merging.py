@@ -48,7 +48,7 @@ from ._report import build_report, heterogeneity_or_nan, ranks_of
 from ._report import warn_zeroed as warn_zeroed
 from ._report import zeroed_modules as zeroed_modules
 from ._report import zeroed_text as zeroed_text
-from ._request import MergeRequest
+from ._request import MergeRequest, sized_merge
 from ._request import check_weights as check_weights
 from ._traced import merge_adapters_traced, merge_traced, refuse_traced_mesh
 
@@ -86,6 +86,7 @@ SPACE_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
+@sized_merge
 def merge(
     adapters: Sequence[Any],
     masks: Mapping[str, Any] | None = None,
@@ -241,6 +242,7 @@ def run_plan(plan: Any, *, coef: Any, key: Any) -> dict[str, Any]:
     return scale_results(plan.fn, results, exp2, plan.dtype, coef) if exp2 else results
 
 
+@sized_merge
 def merge_adapters(
     adapters: Sequence[Any],
     *,

@@ -119,7 +119,7 @@ from ._chunks import (
     reads,
 )
 from ._report import Report, build_report, warn_zeroed
-from ._request import MergeRequest
+from ._request import MergeRequest, sized_merge
 from ._stream_merge import all_kept, merge_pass, merge_pass_model_wide, refuse_model_wide
 
 if TYPE_CHECKING:  # the peft package is imported on first use (nu.peft), not by the core
@@ -128,7 +128,7 @@ if TYPE_CHECKING:  # the peft package is imported on first use (nu.peft), not by
 __all__ = ["CHUNK_BYTES", "bound_heap", "merge_adapters_streaming", "plan_chunks"]
 
 
-@kernel
+@kernel(fast_compile=True)
 def _utility(s: utility.ModuleScores, lam: jax.Array) -> jax.Array:
     """``benefit - lam * interference`` on candidates (where the ``lam=0`` utility is finite),
     ``-inf`` elsewhere: :func:`nu.score`'s expression, for one module (one program per module
@@ -139,7 +139,7 @@ def _utility(s: utility.ModuleScores, lam: jax.Array) -> jax.Array:
 # one program, where its dozen eager operations were a program each, traced and loaded again in
 # every process (the same operations: elementwise selections, medians and one division, so the
 # same bits)
-_lam_auto = kernel(utility.lam_auto)
+_lam_auto = kernel(utility.lam_auto, fast_compile=True)
 
 
 def _utilities(stats: dict[str, utility.ModuleScores], lam: jax.Array) -> dict[str, jax.Array]:
@@ -409,6 +409,7 @@ def score_and_allocate(
     return sc, {n: kept[n] for n in st.source.names}, h
 
 
+@sized_merge
 def merge_adapters_streaming(
     source: AdapterSet,
     *,

@@ -51,6 +51,8 @@ _HI = jax.lax.Precision.HIGHEST
 #: the directions' Frobenius inner products count; docs/math.md, section "Sign-aware
 #: interference"), and ``"signed_weaker"`` its asymmetric form (a conflicting pair charges only
 #: the direction holding the smaller share of its own task's energy, both on a tie).
+#: The interference terms ``nu.score`` takes (``nu.INTERFERENCES``): the paper's input-side
+#: overlap, and this project's sign-aware term and its asymmetric form (docs/math.md).
 INTERFERENCES = ("overlap", "signed", "signed_weaker")
 #: The interference terms that need the directions' output sides (one more Gram).
 SIGNED = ("signed", "signed_weaker")
@@ -480,8 +482,9 @@ class Finished(NamedTuple):
 
 
 @kernel(
-    static_argnames=("meta", "lam_is_auto", "route", "energy", "interference")
-)  # (jax.jit, kept on disk by the CLI)
+    static_argnames=("meta", "lam_is_auto", "route", "energy", "interference"),
+    fast_compile=True,  # (its time is the Grams' dots and the eigh: _core.executables)
+)
 def score_impl(
     inputs,
     alpha,

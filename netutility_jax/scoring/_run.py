@@ -25,6 +25,7 @@ from .._core import mesh as _mesh
 from .._core import stacking as _stacking
 from .._core import tree as _tree
 from .._core.checks import brief, check_auto, check_real, real_option, real_value
+from .._core.executables import kernel
 from .._core.host import host_constant, put_views
 from .._core.linalg import mul_pow2, settle
 from .._core.tables import ScoreTable
@@ -443,6 +444,17 @@ def _shell(bk: _tree.Bucket) -> _tree.Bucket:
     return dataclasses.replace(bk, modules=mods)
 
 
+@kernel
+def log_energy_variance(k: jax.Array, t: jax.Array) -> jax.Array:
+    """``Var_i log(t_i 2^k_i)`` (population variance, in ``t``'s dtype): the heterogeneity
+    ``h`` of each task's energy ``t_i 2^k_i``, the integer parts centred exactly before the
+    float math. One program, shared by :func:`nu.heterogeneity` and the streamed merge, so both
+    compute the same bits (its eager operations were eight programs, each traced and loaded in
+    every process)."""
+    rel = (k - k[0]).astype(t.dtype) + jnp.log2(t)
+    return jnp.var(rel * np.log(2.0).astype(t.dtype))
+
+
 def sum_energies(parts: Any, m_tasks: int) -> tuple[np.ndarray, np.ndarray]:
     """Per task ``(k, t)``, the energy summed over modules as ``t 2^k`` (``t`` float64, each
     module's part taken relative to the task's largest power, so nothing overflows), from each
@@ -457,7 +469,7 @@ def sum_energies(parts: Any, m_tasks: int) -> tuple[np.ndarray, np.ndarray]:
     return np.where(live.any(0), kmax, 0), t
 
 
-@functools.partial(jax.jit, static_argnames=("meta", "route"))
+@kernel(static_argnames=("meta", "route"), fast_compile=True)
 def log_energy_impl(inputs, *, meta, route="raw"):
     """Per task ``||dW_i||_F^2 = t_i 2^k_i`` summed over modules, scale-safe.
 

@@ -57,6 +57,7 @@ from ..errors import InputError
 from . import moments
 from ._errors import X64_HINT, range_text
 from ._grams import ROUTES as ROUTES
+from ._kernels import INTERFERENCES as INTERFERENCES
 from ._kernels import BucketStats as BucketStats
 from ._kernels import ModuleScores as ModuleScores
 from ._kernels import Scores as Scores
@@ -64,9 +65,17 @@ from ._kernels import default_rtol as default_rtol
 from ._kernels import lam_auto as lam_auto
 from ._kernels import score_buckets as score_buckets
 from ._kernels import unstack as unstack
-from ._run import H_THRESHOLD, check_interference, check_options, log_energies, score_run
+from ._run import (
+    H_THRESHOLD,
+    check_interference,
+    check_options,
+    log_energies,
+    log_energy_variance,
+    score_run,
+)
 
 __all__ = [
+    "INTERFERENCES",
     "ROUTES",
     "BucketStats",
     "ModuleScores",
@@ -317,7 +326,7 @@ def heterogeneity(
       1.0
     """
     checked = check_bool(_fn, "checked", checked)
-    k, t, dtype = log_energies(adapters, _fn, checked)
+    k, t, _ = log_energies(adapters, _fn, checked)
     if not isinstance(t, jax.core.Tracer):
         zero = np.flatnonzero(np.asarray(t) <= 0)
         if zero.size:
@@ -340,5 +349,4 @@ def heterogeneity(
             err.argument = "alpha" if _for_alpha else None
             raise err
     # log e_i = ln 2 (k_i + log2 t_i); the integer part is centred exactly before the float math
-    rel = (k - k[0]).astype(dtype) + jnp.log2(t)
-    return jnp.var(rel * np.log(2.0).astype(dtype))
+    return log_energy_variance(k, t)
