@@ -19,8 +19,8 @@ loops. On the CPU backend such a program is compiled with :data:`FAST_COMPILE` (
 (``fast_compile="small"``) run elementwise loops over the factors, which level 0 slows: they
 take :data:`FAST_COMPILE` only inside :func:`small_merge` of a merge whose factors are at most
 :data:`SMALL_BYTES`, where the seconds of compile saved outweigh the run time lost (the
-pipeline's ``sized_merge`` opens it for a low-rank method's merge only: an elementwise one,
-TIES, DARE or DARE-TIES, works on dense coordinates, which level 0 slows several times). Figures: benchmarks/results/fast_compile.json.
+pipeline's ``sized_merge`` opens it for a TA merge only: TSV's and Iso-C's spectral steps and
+the elementwise methods' dense coordinates ran several times slower at level 0). Figures: benchmarks/results/fast_compile.json.
 """
 
 from __future__ import annotations

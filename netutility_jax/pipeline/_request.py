@@ -34,6 +34,7 @@ from ..scoring.utility import score
 
 __all__ = [
     "DEFAULTS",
+    "FAST_COMPILE_METHODS",
     "MERGE_DEFAULTS",
     "MergeRequest",
     "all_candidates",
@@ -293,18 +294,24 @@ def all_candidates(fn: str, names: Any, buckets: Any) -> dict[str, Any]:
     return {nm: kept[nm] for nm in names}
 
 
+#: The methods whose merge programs :func:`sized_merge` lets compile for speed of compiling:
+#: TA's work is sums and small products of the factors (on a 34 MB set, 2.6 s of compile instead
+#: of 18 s, 0.5 s a call instead of 0.3); TSV's and Iso-C's spectral steps and the elementwise
+#: methods' dense coordinates ran several times slower at LLVM's level 0
+#: (benchmarks/results/fast_compile.json), so they keep XLA's defaults.
+FAST_COMPILE_METHODS = ("ta",)
+
+
 def sized_merge(fun: Callable) -> Callable:
     """``fun(adapters, ..., method=...)`` inside :func:`_executables.small_merge` of its
-    factors' bytes when ``method`` is a low-rank method (its merge programs may then be compiled
-    for speed of compiling, on the CPU); an elementwise method's, or an unknown name's (the call
-    raises its own error), with XLA's defaults."""
+    factors' bytes when ``method`` is one of :data:`FAST_COMPILE_METHODS` (its merge programs
+    may then be compiled for speed of compiling, on the CPU); any other method's with XLA's
+    defaults."""
 
     @functools.wraps(fun)
     def sized(adapters: Any, *args: Any, **kwargs: Any) -> Any:
-        method = kwargs.get("method", "ta")
-        spec = registry.METHODS.get(method) if isinstance(method, str) else None
-        low_rank = spec is not None and spec.kind == "low_rank"
-        with small_merge(factor_bytes(adapters) if low_rank else None):
+        fast = kwargs.get("method", "ta") in FAST_COMPILE_METHODS
+        with small_merge(factor_bytes(adapters) if fast else None):
             return fun(adapters, *args, **kwargs)
 
     return sized
