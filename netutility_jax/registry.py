@@ -293,7 +293,7 @@ def _renamed(fn: str, spec: MethodSpec, options: dict[str, Any], takes: dict) ->
             f"{fn}: method={spec.name!r} option {old}= is renamed {new}= ({old}= keeps working "
             f"for one release); pass {new}={value!r}.",
             DeprecationWarning,
-            stacklevel=5,
+            stacklevel=_checks.caller_stacklevel(),
         )
         options[new] = value
     return options

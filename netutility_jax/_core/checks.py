@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import numbers
 import operator
+import os
 import reprlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -50,6 +52,19 @@ __all__ = [
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 60
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def caller_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel`` for the first frame outside the library, from the
+    function that calls this one (so a warning names the user's line however many of the
+    library's frames, e.g. a wrapper, lie between)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def brief(x: Any) -> str:

@@ -82,7 +82,7 @@ def warn_zeroed(
     if zeroed:
         warnings.warn(
             ZeroUpdateWarning(f"{fn}: {zeroed_text(zeroed, total, method, options)}"),
-            stacklevel=3,
+            stacklevel=_checks.caller_stacklevel(),
         )
 
 
