@@ -48,14 +48,14 @@ __all__ = [
 ]
 
 
-@kernel(static_argnames=("rows",), fast_compile="small")
+@kernel(static_argnames=("rows",))
 def pad_rows(a, *, rows: int):
     """``a (..., p, r)`` zero-padded to a whole number of ``rows``-row blocks."""
     p = a.shape[-2]
     return jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, -p % rows), (0, 0)])
 
 
-@kernel(static_argnames=("rows",), fast_compile="small")
+@kernel(static_argnames=("rows",))
 def block_tasks(a, b, j0, *, rows: int):
     """Rows ``j0 : j0 + rows`` of the dense coordinates ``a b^T`` (``a`` from :func:`pad_rows`)."""
     return _mm(jax.lax.dynamic_slice_in_dim(a, j0, rows, axis=-2), _t(b))
@@ -74,7 +74,7 @@ def row_blocks(a, b, rows: int) -> list:
     ]
 
 
-@kernel(static_argnames=("flat_ties",), fast_compile="small")
+@kernel(static_argnames=("flat_ties",))
 def ties_apply(x, t, room, coef, *, flat_ties):
     """Trim at the thresholds ``t`` and take the disjoint mean. Without ``flat_ties`` every entry
     at a task's threshold is known to fit (``room`` = their count), so the running count that
@@ -113,7 +113,7 @@ def ties_rows(a, b, k_top, coef, *, rows: int):
 DARE_KEPT = {"dare": _m.dare_kept, "dare_ties": _m.dare_ties_kept}
 
 
-@kernel(static_argnames=("method", "shape"), fast_compile="small")
+@kernel(static_argnames=("method", "shape"))
 def dare_block(x, key, j0, coef, nums, *, method: str, shape: tuple[int, int, int]):
     """DARE / DARE-TIES on rows ``j0 :`` of one module's dense coordinates, ``x (1, M, rows, q)``
     from :func:`row_blocks`, ``shape = (M, p, q)`` the whole module's: ``(1, rows, q)``. The drop
@@ -214,7 +214,7 @@ def _scale_dense(x, unit):
     return y, (code, log2)
 
 
-@kernel(static_argnames=("method", "r_max"), fast_compile="small")
+@kernel(static_argnames=("method", "r_max"))
 def module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max: int):
     """One module, elementwise method in full space: dense ``(d_in, d_out)`` merged update and
     its :func:`range_status`."""
@@ -227,7 +227,7 @@ def module_dense(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max
 
 
 #: One module's kept task updates as full-space coordinates (jitted :func:`_kept_coords`).
-module_kept_coords = kernel(_kept_coords, static_argnames=("r_max",), fast_compile="small")
+module_kept_coords = kernel(_kept_coords, static_argnames=("r_max",))
 
 
 def module_dense_rows(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, r_max: int, rows):
@@ -242,7 +242,7 @@ def module_dense_rows(a, b, s, r, mask, coef, key, nums, k_top, *, method: str, 
     return stage_scale_dense(xm[0], unit)
 
 
-@kernel(static_argnames=("r_max",), fast_compile="small")
+@kernel(static_argnames=("r_max",))
 def module_tasks(a, b, s, r, mask, unit, *, r_max: int):
     """One module's kept dense task updates, full space, in units of ``2**unit``:
     ``(1, M, d_in, d_out)``."""
@@ -250,10 +250,10 @@ def module_tasks(a, b, s, r, mask, unit, *, r_max: int):
 
 
 #: A dense merged update back to its size, and its range status (model-wide TIES).
-stage_scale_dense = kernel(_scale_dense, fast_compile="small")
+stage_scale_dense = kernel(_scale_dense)
 
 
-@kernel(fast_compile="small")
+@kernel
 def coords_tasks(ca, cb):
     """Dense task coordinates ``a b^T`` of a chunk of modules (model-wide TIES)."""
     return _mm(ca, _t(cb))

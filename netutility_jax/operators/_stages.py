@@ -225,7 +225,7 @@ def _coords(k, a, b, ts, *, space, variant, rtol):
 # an infinite or flushed-to-zero module.
 
 
-@kernel(static_argnames=("r_max",), fast_compile="small")
+@kernel(static_argnames=("r_max",))
 def stage_keep(a, b, s, r, *, r_max: int):
     """Every candidate of a stacked bucket ``(n, M, r_max)`` (``allocation="all"``)."""
     a, b, ts, _ = _s.normalise_tasks(a, b, s, a_axes=(2, 3), b_axes=(2, 3))
@@ -234,7 +234,7 @@ def stage_keep(a, b, s, r, *, r_max: int):
     return k.keep
 
 
-@kernel(fast_compile="small")
+@kernel
 def stage_scales(a, b, s):
     """Per module the unit (:func:`spaces.module_unit`), per task the :class:`spaces.TaskScales`
     and the non-finite counts ``(n, M, 3)`` of stacked factors ``a (n, M, d_in, r)``, ``b``."""
@@ -262,7 +262,7 @@ def reduce_bucket(leaves, *, cfg: ReduceConfig):
     return stage_reduce(leaves, cfg=cfg)
 
 
-@kernel(static_argnames=("cfg",), fast_compile="small")
+@kernel(static_argnames=("cfg",))
 def stage_reduce(leaves, *, cfg: ReduceConfig):
     """A bucket's factors, normalised per task by powers of two, in the bases of their own spans
     (:class:`spaces.Reduced`); their :class:`spaces.TaskScales`, ranks, non-finite counts
@@ -318,8 +318,8 @@ def _scaled(A, B, S, m_tasks: int):
     return _reduce_cat(a_n, b_n, m_tasks)
 
 
-_reduce_plain = kernel(_plain, static_argnames=("m_tasks",), fast_compile="small")
-_reduce_scaled = kernel(_scaled, static_argnames=("m_tasks",), fast_compile="small")
+_reduce_plain = kernel(_plain, static_argnames=("m_tasks",))
+_reduce_scaled = kernel(_scaled, static_argnames=("m_tasks",))
 
 
 def _reduce_stacked(st: _mesh.Stacked, *, m_tasks: int):
@@ -343,7 +343,7 @@ def _expand_in(qa, x):
     return _mm(q1, _mm(m, x))
 
 
-@kernel(static_argnames=("cfg",), fast_compile="small")
+@kernel(static_argnames=("cfg",))
 def stage_coords(red, ts, R, mask, unit, *, cfg: CoordsConfig):
     """Kept components of a bucket in a space's coordinates (:class:`spaces.Coords`), in units
     of ``2**unit`` (``unit (n,)``: each task's singular values get ``2**(exp_i - unit)``).
@@ -368,7 +368,7 @@ def stage_coords(red, ts, R, mask, unit, *, cfg: CoordsConfig):
     return c
 
 
-@kernel(static_argnames=("cfg",), fast_compile="small")
+@kernel(static_argnames=("cfg",))
 def stage_low_rank(ca, cb, coef, nums, *, cfg: LowRankConfig):
     """A spectral method (TA, TSV, Iso-C, Iso-CTS: the registry's kernel of ``cfg.method``) on
     factored coordinates ``ca (n, M, p, r)``, ``cb (n, M, q, r)``; ``nums`` holds its traced
@@ -381,7 +381,7 @@ def stage_low_rank(ca, cb, coef, nums, *, cfg: LowRankConfig):
     return am, bm, jnp.maximum(kernel_status(am), kernel_status(bm))
 
 
-@kernel(static_argnames=("cfg",), fast_compile="small")
+@kernel(static_argnames=("cfg",))
 def stage_map_back(la, lb, qa, qb, unit, *, cfg: MapBackConfig):
     """Reduced results in units of ``2**unit`` to ``(lora_a (n, d_in, width), lora_b (n, width,
     d_out))`` of their true size, and per module ``(code, log2)``: code 0 representable, 1 not
@@ -442,7 +442,7 @@ def map_back(la, lb, live, qa, qb, expand_in, unit):
     return la, lb, live[..., :width], check
 
 
-@kernel(static_argnames=("rtol", "compact"), fast_compile="small")
+@kernel(static_argnames=("rtol", "compact"))
 def stage_decode(coords, am, bm, *, rtol: float, compact: bool):
     """A low-rank method's merged factors back to LoRA form (:func:`spaces.decode_factored`)."""
     return _s.decode_factored(coords, am, bm, rtol=rtol, compact=compact)
@@ -464,7 +464,7 @@ def real_entries(c):
     return np.asarray(rows, np.int64) * np.asarray(cols, np.int64)
 
 
-@kernel(static_argnames=("chunk",), fast_compile="small")
+@kernel(static_argnames=("chunk",))
 def stage_split(coords, keys, table, *, chunk: int):
     """A bucket's coordinates cut into chunks of whole modules for :func:`stage_elementwise`:
     ``[(a, b, keys, k_top)]`` per chunk. TIES keeps ``k_top = int(density * n)`` of the ``n``
@@ -480,7 +480,7 @@ def stage_split(coords, keys, table, *, chunk: int):
     return [tuple(x[j0 : j0 + chunk] for x in (c.a, c.b, keys, k_top)) for j0 in range(0, n, chunk)]
 
 
-@kernel(static_argnames=("method",), fast_compile="small")
+@kernel(static_argnames=("method",))
 def stage_elementwise(a, b, keys, k_top, coef, nums, *, method: str):
     """TIES / DARE on a chunk of modules' dense core or KnOTS coordinates ``a b^T``: the merged
     ``(n, p, q)`` and per module its :func:`kernel_status`."""
@@ -488,7 +488,7 @@ def stage_elementwise(a, b, keys, k_top, coef, nums, *, method: str):
     return xm, kernel_status(xm)
 
 
-@kernel(static_argnames=("rtol", "compact"), fast_compile="small")
+@kernel(static_argnames=("rtol", "compact"))
 def stage_decode_chunks(coords, xms, *, rtol: float, compact: bool = True):
     """The merged chunks back to LoRA form: KnOTS blocks ``(d_in, k)`` are kept as the input
     factor, core matrices are re-factored by SVD (unless not ``compact``)."""

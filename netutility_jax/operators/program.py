@@ -62,7 +62,7 @@ def applies(plan: Any) -> bool:
     )
 
 
-@kernel(static_argnames=("groups",), fast_compile="small")
+@kernel(static_argnames=("groups",))
 def merge_program(inputs, masks, key, index, coef, nums, counts, *, groups: tuple[Group, ...]):
     """Every group's :func:`_stages.bucket_merge`, ``[(la, lb, live, check, bad)]`` per group
     with the modules of all its pieces in order.
