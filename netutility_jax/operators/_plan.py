@@ -240,12 +240,15 @@ def chunk_size(
     budget_bytes: int | None = None,
 ) -> int:  # fmt: skip
     """Modules per chunk of dense work: within ``budget_bytes`` (default :data:`DENSE_BYTES`),
-    and dividing ``n`` if given."""
+    and, given the bucket's ``n`` modules, as few chunks as that allows, as equal as they can
+    be (a divisor of ``n`` where one gives as few: 60 modules at 25 a chunk are 3 chunks of 20,
+    59 are 20, 20 and 19; the largest divisor, 1, made 59 chunks)."""
     budget_bytes = DENSE_BYTES if budget_bytes is None else budget_bytes
     per = max(1, 8 * n_tasks * p * q * itemsize)  # dense tasks plus a few temporaries
     c = int(max(1, budget_bytes // per))
-    if n is not None:
-        c = max(d for d in range(1, min(c, n) + 1) if n % d == 0)
+    if n is not None and n > 0:
+        k = -(-n // min(c, n))  # the fewest chunks within the budget
+        c = -(-n // k)
     return c
 
 
@@ -292,9 +295,10 @@ def bucket_config(
     key_blocks: bool = True,
 ) -> BucketConfig:
     """The stages' static configuration of a bucket (``chunk``: modules per chunk of dense
-    work, default within 64 MiB, dividing ``n_pad``: the modules the stages see, default the
-    bucket's; ``rows``: TIES's / DARE's rows per block of a module, default :func:`row_block`,
-    ``key_blocks``: DARE's key draws a block's masks, :func:`_rng.blockable`)."""
+    work, default :func:`chunk_size` within 64 MiB over ``n_pad``: the modules the stages see,
+    default the bucket's; ``rows``: TIES's / DARE's rows per block of a module, default
+    :func:`row_block`, ``key_blocks``: DARE's key draws a block's masks,
+    :func:`_rng.blockable`)."""
     if res.space == "knots" or (res.space == "full" and res.spec.kind == "elementwise"):
         p, q = _dense_shape(res.space, bk, m_tasks)
     else:

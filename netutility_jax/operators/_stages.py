@@ -101,6 +101,7 @@ __all__ = [
     "dare_rows",
     "elementwise",
     "entry_counts",
+    "host_plain",
     "kernel_status",
     "map_back",
     "module_dense",
@@ -132,13 +133,16 @@ __all__ = [
 
 
 class ReduceConfig(NamedTuple):
-    """:func:`stage_reduce`: the bucket's shapes, dtype and number of tasks."""
+    """:func:`stage_reduce`: the bucket's shapes, dtype and number of tasks; ``plain``: stacked
+    factors known (:func:`host_plain`) to be of moderate size, so that the program holds only
+    the plain reduction, not both branches of the choice."""
 
     d_in: int
     d_out: int
     r_max: int
     dtype: Any
     m_tasks: int
+    plain: bool = False
 
 
 class CoordsConfig(NamedTuple):
@@ -253,7 +257,8 @@ def reduce_bucket(leaves, *, cfg: ReduceConfig):
     ):
         A, B, S, R = leaves
         ts, unit, bad = stage_scales(A, B, S)
-        moderate = (np.abs(np.asarray(ts.a_exp)) <= 24) & (np.abs(np.asarray(ts.b_exp)) <= 24)
+        a_exp, b_exp = np.asarray(ts.a_exp), np.asarray(ts.b_exp)
+        moderate = (np.abs(a_exp) <= MODERATE_EXP) & (np.abs(b_exp) <= MODERATE_EXP)
         if moderate.all() and not np.asarray(bad).any():
             red = _reduce_plain(A, B, ts.a_exp, ts.b_exp, m_tasks=cfg.m_tasks)
         else:
@@ -269,8 +274,8 @@ def stage_reduce(leaves, *, cfg: ReduceConfig):
     ``(n, M, 3)`` and units ``(n,)``. The only ``d``-sized work before the map back (two Grams,
     one product per side, and one read of the factors for their sizes)."""
     if isinstance(leaves, _mesh.Stacked):
-        return _reduce_stacked(leaves, m_tasks=cfg.m_tasks)
-    d_in, d_out, r_max, dtype, m_tasks = cfg
+        return _reduce_stacked(leaves, m_tasks=cfg.m_tasks, plain=cfg.plain)
+    d_in, d_out, r_max, dtype, m_tasks = cfg[:5]
     a, b, s = leaves
     ts, bad = _s.leaf_scales(a, b, s, dtype)
     mant = tuple(tuple(ts.mant[j, i] for i in range(m_tasks)) for j in range(len(a)))
@@ -290,8 +295,7 @@ def stage_reduce(leaves, *, cfg: ReduceConfig):
     def scaled():  # extreme (or non-finite) factors: normalise them before any Gram
         return reduce(*_s.scale_leaves(a, b, ts, dtype))
 
-    # 2**+-24 of the largest entry: no Gram of such factors can leave float32's range
-    moderate = (jnp.abs(ts.a_exp) <= 24) & (jnp.abs(ts.b_exp) <= 24)
+    moderate = (jnp.abs(ts.a_exp) <= MODERATE_EXP) & (jnp.abs(ts.b_exp) <= MODERATE_EXP)
     red, R = jax.lax.cond(jnp.all(moderate) & ~jnp.any(bad), plain, scaled)
     return red, ts, R, bad, _s.module_unit(ts)
 
@@ -322,19 +326,48 @@ _reduce_plain = kernel(_plain, static_argnames=("m_tasks",))
 _reduce_scaled = kernel(_scaled, static_argnames=("m_tasks",))
 
 
-def _reduce_stacked(st: _mesh.Stacked, *, m_tasks: int):
+def _reduce_stacked(st: _mesh.Stacked, *, m_tasks: int, plain: bool = False):
     """:func:`stage_reduce` of factors stacked on the host (:func:`_mesh.host_stack`, e.g.
     sharded over a mesh), traced as one program: the same arithmetic on the same values, from
-    ``(n, M, ...)`` arrays."""
+    ``(n, M, ...)`` arrays (``plain``: the factors are known to be moderate, see
+    :func:`host_plain`, and the choice that the program would make is made already)."""
     A, B, S, R = st
     _, _, ts, bad = _s.normalise_tasks(A, B, S, a_axes=(2, 3), b_axes=(2, 3))
-    moderate = (jnp.abs(ts.a_exp) <= 24) & (jnp.abs(ts.b_exp) <= 24)
-    red = jax.lax.cond(
-        jnp.all(moderate) & ~jnp.any(bad),
-        lambda: _plain(A, B, ts.a_exp, ts.b_exp, m_tasks),
-        lambda: _scaled(A, B, S, m_tasks),
-    )
+    moderate = (jnp.abs(ts.a_exp) <= MODERATE_EXP) & (jnp.abs(ts.b_exp) <= MODERATE_EXP)
+    if plain:
+        red = _plain(A, B, ts.a_exp, ts.b_exp, m_tasks)
+    else:
+        red = jax.lax.cond(
+            jnp.all(moderate) & ~jnp.any(bad),
+            lambda: _plain(A, B, ts.a_exp, ts.b_exp, m_tasks),
+            lambda: _scaled(A, B, S, m_tasks),
+        )
     return red, ts, R, bad, _s.module_unit(ts)
+
+
+# 2**+-24 of the largest entry: no Gram of such factors can leave float32's range
+MODERATE_EXP = 24
+
+
+def host_plain(st: Any) -> bool:
+    """Whether factors stacked on the host (numpy :class:`_mesh.Stacked`) take
+    :func:`stage_reduce`'s plain reduction: every entry finite and each (module, task) factor's
+    largest entry ``2**e`` with ``|e| <= MODERATE_EXP``, the test that the program makes on the
+    device (from the same values, so the same answer; a subnormal largest entry, which a device
+    may flush to zero, has an exponent below -125 and answers False here, and the program keeps
+    its choice). False for anything but numpy factors."""
+    if not all(isinstance(x, np.ndarray) for x in st):
+        return False
+    A, B, S, _ = st
+    for x in (A, B, S):
+        if not np.isfinite(np.asarray(x, np.float32)).all():
+            return False
+    for x in (A, B):
+        amax = np.abs(np.asarray(x, np.float32)).max(axis=(2, 3))
+        e = np.where(amax > 0, np.frexp(amax)[1], 0)
+        if (np.abs(e) > MODERATE_EXP).any():
+            return False
+    return True
 
 
 def _expand_in(qa, x):
@@ -496,6 +529,32 @@ def stage_decode_chunks(coords, xms, *, rtol: float, compact: bool = True):
     return _s.decode_dense(coords, xm, rtol=rtol, compact=compact and coords.left is not None)
 
 
+# Chunks of a traced bucket written out one after another in its program; more go through one
+# lax.map. Each written-out chunk is a copy of the method's code (TIES's radix selection, DARE's
+# draws) that XLA compiles: on a SmolLM2-shaped set (a 59-module bucket, 59 chunks) the KnOTS TIES
+# merge compiled for 46 s; mapped, the code is compiled once whatever the module count.
+UNROLL_CHUNKS = 2
+
+
+def _mapped_elementwise(coords, keys, table, coef, nums, method, chunk):
+    """:func:`stage_elementwise` over a traced bucket's modules by one ``lax.map`` of equal chunks
+    of ``chunk`` modules (the last filled up with copies of the bucket's last module, whose
+    results are dropped): the merged ``(n, p, q)`` and each module's status."""
+    ((a, b, kk, kt),) = stage_split(coords, keys, table, chunk=coords.a.shape[0])
+    n = a.shape[0]
+    k = -(-n // chunk)
+    fill = np.minimum(np.arange(k * chunk), n - 1)  # (an index: keys may be typed key arrays)
+
+    def cut(x):
+        return x[fill].reshape(k, chunk, *x.shape[1:])
+
+    def one(args):
+        return stage_elementwise(*args, coef, nums, method=method)
+
+    xm, status = jax.lax.map(one, tuple(cut(x) for x in (a, b, kk, kt)))
+    return xm.reshape(k * chunk, *xm.shape[2:])[:n], status.reshape(k * chunk)[:n]
+
+
 def _elementwise_bucket(
     coords, coef, keys, nums, table, *, method, rtol, chunk, rows=None, compact=True
 ):
@@ -503,9 +562,12 @@ def _elementwise_bucket(
     tasks alive), or a block of ``rows`` rows of one module at a time (:func:`ties_rows`,
     :func:`dare_rows`), then decoded: ``(la, lb, live, status)``, ``status`` the registry
     kernel's :func:`kernel_status` per module (None for the blocked built-in TIES and DARE,
-    which run no registry kernel). A Python loop rather than ``lax.map``: XLA:CPU writes a
-    mapped output through an in-place update that it emits as scalar code, ~4 ms per KnOTS
-    module."""
+    which run no registry kernel). Up to :data:`UNROLL_CHUNKS` chunks a Python loop rather
+    than ``lax.map`` (XLA:CPU writes a mapped output through an in-place update that it emits
+    as scalar code, ~4 ms per KnOTS module); more chunks of a traced bucket go through one
+    ``lax.map`` (:func:`_mapped_elementwise`), so that its program holds one copy of the
+    method's code, not one per chunk. Untraced (each stage its own program), the loop
+    dispatches the same program per chunk."""
     status = None
     if rows is not None and table is None:
         xms = [
@@ -517,6 +579,9 @@ def _elementwise_bucket(
             ties_rows(a, b, kt, coef, rows=rows)
             for a, b, _, kt in stage_split(coords, keys, table, chunk=1)
         ]
+    elif isinstance(coords.a, jax.core.Tracer) and -(-coords.a.shape[0] // chunk) > UNROLL_CHUNKS:
+        xm, status = _mapped_elementwise(coords, keys, table, coef, nums, method, chunk)
+        xms = [xm]
     else:
         outs = [
             stage_elementwise(a, b, kk, kt, coef, nums, method=method)
@@ -549,11 +614,14 @@ def count_input(cfg: BucketConfig, options: Mapping[str, Any], m_tasks: int) -> 
     return _select.count_table_np(float(options[spec.keeps_top]), p, rq, cfg.space == "core")
 
 
-def bucket_merge(leaves, mask, coef, keys, nums, counts=None, *, cfg: BucketConfig):
+def bucket_merge(
+    leaves, mask, coef, keys, nums, counts=None, *, cfg: BucketConfig, plain: bool = False
+):
     """One bucket, every method except elementwise-in-full: ``(lora_a, lora_b, live, check,
     bad)``, the factors padded, ``check`` the :func:`range_status` of each module and ``bad``
     the inputs' non-finite counts ``(n, M, 3)``. ``counts``: the :func:`count_input` of a
-    method that keeps top entries (required for it, None for the others).
+    method that keeps top entries (required for it, None for the others); ``plain``: the
+    factors are known to take the plain reduction (:func:`host_plain`).
 
     Composes the jitted stages (traceable as a whole, e.g. by ``jax.make_jaxpr``, unless
     ``cfg.rows`` is set: row-blocked TIES finds its thresholds on the host).
@@ -561,7 +629,7 @@ def bucket_merge(leaves, mask, coef, keys, nums, counts=None, *, cfg: BucketConf
     spec = registry.METHODS[cfg.method]
     m_tasks = leaves.a.shape[1] if isinstance(leaves, _mesh.Stacked) else len(leaves[0][0])
     red, ts, R, bad, unit = reduce_bucket(
-        leaves, cfg=ReduceConfig(cfg.d_in, cfg.d_out, cfg.r_max, cfg.dtype, m_tasks)
+        leaves, cfg=ReduceConfig(cfg.d_in, cfg.d_out, cfg.r_max, cfg.dtype, m_tasks, plain)
     )
     rtol = _m.rank_rtol((cfg.d_in, cfg.d_out, m_tasks * cfg.r_max), cfg.dtype)
     elementwise = spec.kind == "elementwise"

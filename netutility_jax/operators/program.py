@@ -46,11 +46,13 @@ __all__ = ["applies", "merge_program", "merge_traced", "run"]
 
 class Group(NamedTuple):
     """A bucket's pieces merged by one ``lax.map``: their stage configuration, how many pieces
-    and the modules of each."""
+    and the modules of each; ``plain``: its factors, stacked on the host, take the plain
+    reduction (:func:`_stages.host_plain`: the program holds that branch only)."""
 
     cfg: Any  # _stages.BucketConfig
     pieces: int
     size: int
+    plain: bool = False
 
 
 def applies(plan: Any) -> bool:
@@ -99,9 +101,11 @@ def merge_program(inputs, masks, key, index, coef, nums, counts, *, groups: tupl
                 )
             )
 
-        def one(args, cfg=cfg, ct=ct):
+        def one(args, cfg=cfg, ct=ct, plain=g.plain):
             st, m, k = args
-            return _stages.bucket_merge(_mesh.Stacked(*st), m, coef, k, nums, ct, cfg=cfg)
+            return _stages.bucket_merge(
+                _mesh.Stacked(*st), m, coef, k, nums, ct, cfg=cfg, plain=plain
+            )
 
         if prev:  # (CPU: two LAPACK calls at once can deadlock its thread pool)
             x = x._replace(a=after(x.a, *prev), b=after(x.b, *prev), scale=after(x.scale, *prev))
@@ -155,8 +159,9 @@ def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, 
 
     groups = _groups(plan)
     inputs, masks, index = [], [], []
-    for _, jobs in groups:
+    for k, (g, jobs) in enumerate(groups):
         inputs.append(_inputs(jobs, plan.dtype))
+        groups[k] = (g._replace(plain=_stages.host_plain(inputs[-1])), jobs)
         masks.append(
             np.concatenate([_stages.stack_masks(plan.masks, j.bucket, plan.m_tasks) for j in jobs])
         )

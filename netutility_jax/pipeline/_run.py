@@ -19,6 +19,7 @@ import numpy as np
 
 from .._core import buckets as _buckets
 from .._core import mesh as _mesh
+from .._core import stacking as _stacking
 from .._core.host import host_constant
 from .._core.linalg import settle
 from ..operators import _stages, program
@@ -69,9 +70,14 @@ def _bucket_job(plan: MergePlan, job: Job, mk, coef, keys, nums, results, checks
     bk = job.bucket
     counts = _stages.count_input(job.cfg, plan.resolved.kernel_options, plan.m_tasks)
     if plan.mesh is None:
+        # stacked on the host (numpy) or on the device, as the one-program route does: from
+        # leaves, the reduction's program takes every (module, task) factor as an argument and
+        # grows with the piece (14 s of compiling per bucket shape of a 60-module piece)
+        x = _stacking.stacked_input(bk, plan.dtype)
         out = _stages.bucket_merge(
-            _buckets.bucket_arrays(bk), mk, coef, keys, nums, counts, cfg=job.cfg
-        )
+            _buckets.bucket_arrays(bk) if x is None else x, mk, coef, keys, nums, counts,
+            cfg=job.cfg,
+        )  # fmt: skip
     else:  # padded to whole modules per device, split between the mesh's devices
         n_pad = _mesh.padded(len(bk.names), plan.mesh)
         args = (

@@ -19,7 +19,7 @@ import netutility_jax as nu
 from netutility_jax._core import executables as _executables
 from netutility_jax._core import mesh as _mesh
 from netutility_jax._core.executables import kernel
-from netutility_jax.operators import _stages
+from netutility_jax.operators import _stages, program
 
 D_IN, R, M = 41, 5, 3
 OUTS = {"q": 29, "v": 13}  # two buckets
@@ -275,3 +275,67 @@ def test_pieces_of_a_bucket_go_through_one_mapped_program(monkeypatch):
     assert p.programs == 1, p.counts
     for n, w in whole.items():
         np.testing.assert_allclose(pieces[n], w, rtol=0, atol=1e-5 * np.abs(w).max(), err_msg=n)
+
+
+def test_host_plain_is_the_programs_own_choice_of_reduction():
+    """``_stages.host_plain`` decides on the host what the reduction decides in the program
+    (every entry finite, each factor's largest entry within 2**+-24): where it says plain, the
+    program's own test says so too, for largest entries on both sides of the boundary,
+    subnormal ones and non-finite ones."""
+    rng = np.random.default_rng(7)
+    exps = (-126, -30, -26, -25, -24, -1, 0, 23, 24, 25, 40)  # largest entry 2**e: frexp's e + 1
+    cases = [(e, bad) for e in exps for bad in "0n"]
+    cases += [("sub", "0")]
+    for e, bad in cases:
+        a = rng.standard_normal((2, M, 6, 3)).astype(np.float32)
+        b = rng.standard_normal((2, M, 3, 4)).astype(np.float32)
+        s = np.full((2, M), 1.5, np.float32)
+        if e == "sub":
+            a[1, 2] = np.float32(1e-40) * rng.random((6, 3), dtype=np.float32)
+        else:
+            a[1, 2] *= np.float32(2.0**e) / np.abs(a[1, 2]).max()
+        if bad == "n":
+            b[0, 1, 0, 0] = np.nan
+        st = _mesh.Stacked(a, b, s, np.full((2, M), 3, np.int32))
+        ts, _, flags = _stages.stage_scales(a, b, s)
+        lim = _stages.MODERATE_EXP
+        device = bool(
+            ((np.abs(ts.a_exp) <= lim) & (np.abs(ts.b_exp) <= lim)).all() and not flags.any()
+        )
+        host = _stages.host_plain(st)
+        assert host <= device, (e, bad)  # (never plain where the program would scale)
+        want = bad == "0" and e != "sub" and -25 <= e <= 23
+        assert host == want, (e, bad)
+    dev = _mesh.Stacked(*(jnp.asarray(x) for x in st))
+    assert not _stages.host_plain(dev)  # (device factors: the program decides)
+
+
+def test_a_program_of_moderate_factors_holds_the_plain_reduction_only(monkeypatch):
+    """The in-memory merge's program, given moderate factors stacked on the host, is traced with
+    the plain reduction only (the other branch was half of its reduction's compiling); factors
+    of extreme size still take the scaled one, inside the program, with the same merge as the
+    per-bucket route."""
+    traced = []
+    scaled = _stages._scaled
+
+    def spy(*args, **kw):
+        traced.append("scaled")
+        return scaled(*args, **kw)
+
+    monkeypatch.setattr(_stages, "_scaled", spy)
+    ads = _adapters(11, scale=1.25)
+    masks = _masks(ads, 3)
+    jax.clear_caches()
+    nu.merge(ads, masks, method="tsv", space="core")
+    assert traced == []
+    big = [
+        {n: {**m, "lora_a": m["lora_a"] * np.float32(2.0**30)} for n, m in ad.items()} for ad in ads
+    ]
+    got = nu.merge(big, masks, method="tsv", space="core")
+    assert traced  # (the program's choice: the scaled branch is there)
+    monkeypatch.setattr(program, "applies", lambda plan: False)  # (the per-bucket route)
+    want = nu.merge(big, masks, method="tsv", space="core")
+    for n in want:
+        w = np.asarray(want[n]["lora_a"] @ want[n]["lora_b"], np.float64)
+        g = np.asarray(got[n]["lora_a"] @ got[n]["lora_b"], np.float64)
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4 * np.abs(w).max(), err_msg=n)

@@ -360,3 +360,50 @@ def test_elementwise_chunks_give_the_same_merge(monkeypatch, method, space, opts
     assert calls
     for n in ads[0]:
         np.testing.assert_allclose(ref.dense(chunked[n]), ref.dense(whole[n]), atol=1e-10)
+
+
+@pytest.mark.parametrize("chunks", [2, 6])
+def test_a_program_holds_one_copy_of_the_method_whatever_its_chunks(monkeypatch, chunks):
+    """In the one compiled program of an in-memory merge, a bucket cut into more than
+    ``_stages.UNROLL_CHUNKS`` chunks goes through one ``lax.map``: the method's code is traced
+    (and compiled) once per bucket, not once per chunk (a 59-module bucket made 59 copies of
+    TIES's selection, 46 s of compiling); up to that many chunks, one after another."""
+    spec = tuple((f"layers/{i}/q", 18, 12, (4, 3, 5)) for i in range(chunks))
+    ads = ref.make_adapters(5, M, spec)
+    rng = np.random.default_rng(5)
+    masks = {name: rng.random((M, 5)) < 0.65 for name, *_ in spec}
+    plan = _plan.plan_merge(
+        "t", ads, masks, method="ties", space="knots", coef=1.0, key=None,
+        options={"density": 0.3},
+    )  # fmt: skip
+    assert [len(j.bucket.names) for j in plan.jobs] == [chunks]  # one bucket, one piece
+    whole = nu.merge(ads, masks, method="ties", space="knots", density=0.3)
+    monkeypatch.setattr(_plan, "chunk_size", lambda *a, **k: 1)
+    traced = []
+    stage = _stages.stage_elementwise
+
+    def spy(a, *args, **kw):
+        traced.append(a.shape[0])
+        return stage(a, *args, **kw)
+
+    monkeypatch.setattr(_stages, "stage_elementwise", spy)
+    jax.clear_caches()
+    chunked = nu.merge(ads, masks, method="ties", space="knots", density=0.3)
+    mapped = chunks > _stages.UNROLL_CHUNKS
+    assert traced == ([1] if mapped else [1] * chunks)
+    for n in ads[0]:
+        np.testing.assert_allclose(ref.dense(chunked[n]), ref.dense(whole[n]), atol=1e-10)
+
+
+def test_chunks_are_as_few_as_the_budget_allows_and_as_equal_as_they_can_be():
+    """``_plan.chunk_size``: the fewest chunks within the dense budget, each of the smallest size
+    that gives that many (a divisor of the module count where one does); a prime count is no
+    longer one module per chunk."""
+    per = 8 * 3 * 10 * 10 * 4  # one module's dense tasks and temporaries
+    for fit in range(1, 9):
+        for n in range(1, 40):
+            c = _plan.chunk_size(3, 10, 10, 4, n, budget_bytes=per * fit)
+            k = -(-n // min(fit, n))
+            assert c <= fit and -(-n // c) == k and c == -(-n // k), (fit, n, c)
+    assert _plan.chunk_size(3, 10, 10, 4, 59, budget_bytes=per * 25) == 20
+    assert _plan.chunk_size(3, 10, 10, 4, budget_bytes=per * 25) == 25
