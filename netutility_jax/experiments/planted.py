@@ -1,5 +1,5 @@
-"""``python -m netutility_jax.experiments.planted``: the planted-interference study (issue 44,
-pre-registered in docs/experiments.md; :mod:`netutility_jax.experiments.harness.planting`).
+"""``python -m netutility_jax.experiments.planted``: the planted-interference study
+(pre-registered in docs/experiments.md; :mod:`netutility_jax.experiments.harness.planting`).
 
 Each seed is run, saved (``seed<N>.json``, ``seed<N>.npz``) and the report (``results.json``,
 ``results.md``) re-rendered from every seed in ``--out``: a seed run later, or by another

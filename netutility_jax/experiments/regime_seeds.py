@@ -1,5 +1,5 @@
 """``python -m netutility_jax.experiments.regime_seeds``: the regime study's seeds pooled across
-runs (issue 44 item 3: seeds 3-9 of the centre and per-task cells beside the committed 0-2).
+runs (seeds 3-9 of the centre and per-task cells beside the committed 0-2).
 
 Each ``study.json`` given (``netutility demo --study regime [--cells ...] --seeds ...``) holds
 per seed, per cell and budget, the normalized accuracy of uniform, Net Utility and the
@@ -298,7 +298,7 @@ def _headline(res: Mapping[str, Any]) -> list[str]:
         "",
         "## Headline (the grid: the mean of the two cells, per seed)",
         "",
-        f"Energy - uniform at R = 16, the question issue 44 asked before seeds 3-9 ran: "
+        f"Energy - uniform at R = 16, the question asked before seeds 3-9 ran: "
         f"{_ivs(g16, holm=False)} over seeds {', '.join(map(str, seeds16))} (per seed "
         + ", ".join(f"{_f(v)}" for v in g16["per_seed"].values())
         + "); the two-level interval with the text noise fully correlated across seeds (the "

@@ -1,5 +1,5 @@
 """The planted-interference study: a known conflict (or agreement) between tasks, and which
-allocation finds it (issue 44; pre-registered in docs/experiments.md before any run; this
+allocation finds it (pre-registered in docs/experiments.md before any run; this
 project's design, not the paper's).
 
 For declared victim -> carrier pairs, each victim's top-2 singular components (``sigma_k x_k

@@ -1,4 +1,4 @@
-"""The planted-interference study's registered design and its plants (issue 44; pre-registered
+"""The planted-interference study's registered design and its plants (pre-registered
 in docs/experiments.md before any run; this project's design, not the paper's).
 
 * The design: the victim -> carrier :data:`PAIRS`, the :data:`ARMS` (conflict and agreement at

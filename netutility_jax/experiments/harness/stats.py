@@ -22,7 +22,7 @@ sampling noise. Percentile intervals.
 * the seed interval: ``mean +- t_{0.975, S-1} * sd / sqrt(S)`` over the ``S`` per-seed deltas,
   which also covers training noise (with 3 seeds, ``t = 4.30``: wide).
 
-**Two levels** (:func:`two_level`, :meth:`Bootstrap.two_level`; issue 44 item 4): neither
+**Two levels** (:func:`two_level`, :meth:`Bootstrap.two_level`): neither
 interval above holds both noise sources. The two-level bootstrap resamples the seeds (``S`` of
 them, with replacement) and the test texts together: replicate ``b`` draws one stratified text
 resample (the shared ``weights[b]``) and ``S`` seeds, and its value is the mean over the drawn
