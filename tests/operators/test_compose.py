@@ -14,11 +14,12 @@ import pytest
 
 import netutility_jax as nu
 from netutility_jax import InputTypeError
+from netutility_jax.operators import _plan, _stages
 
 M = 3
 
 
-def _adapters(seed=0):
+def _adapters(seed=0, layers=2):
     rng = np.random.default_rng(seed)
     return [
         {
@@ -27,7 +28,7 @@ def _adapters(seed=0):
                 "lora_b": rng.normal(size=(3, 8)).astype(np.float32),
                 "scale": 1.0 + t,
             }
-            for i in range(2)
+            for i in range(layers)
         }
         for t in range(M)
     ]
@@ -161,12 +162,45 @@ def test_other_merges_compose_with_jit_vmap_and_grad(method, space, opts):
     _same(upd(jitted(ads, jnp.asarray(w))), plain, rtol=1e-4)
 
 
+@pytest.mark.slow  # (three transformed merges compiled twice: about 15 s)
+def test_mapped_chunks_compose_with_jit_vmap_and_grad(monkeypatch):
+    """A bucket whose dense work is cut into more chunks than a program writes out one after
+    another (``_stages.UNROLL_CHUNKS``) goes through one ``lax.map``: under ``jit``, ``vmap``
+    over ``coef`` and ``grad`` to it, the same as the bucket in one chunk (DARE-TIES in KnOTS:
+    each module's key and its top entries)."""
+    ads = _adapters(6, layers=_stages.UNROLL_CHUNKS + 2)
+    masks = nu.allocate(nu.score(ads), 2)
+    kw = dict(method="dare_ties", space="knots", key=jax.random.key(4), p=0.3)
+    upd = lambda out: {k: nu.module_update(m) for k, m in out.items()}
+    f = lambda c: upd(nu.merge(ads, masks, coef=c, **kw))
+
+    def calls():
+        return (
+            jax.jit(f)(1.0),
+            jax.vmap(f)(jnp.array([0.5, 2.0])),
+            jax.grad(lambda c: _loss(f(c)))(1.5),
+        )
+
+    whole = calls()
+    monkeypatch.setattr(_plan, "chunk_size", lambda *a, **k: 1)
+    mapped = []
+    run = _stages._mapped_elementwise
+    monkeypatch.setattr(
+        _stages, "_mapped_elementwise", lambda *a, **k: mapped.append(1) or run(*a, **k)
+    )
+    jax.clear_caches()
+    _same(calls(), whole, rtol=1e-5)
+    assert mapped  # (the mapped route was the one traced)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
         (lambda a: nu.merge(a, method="ties"), "method='ties' in full space .*cannot run inside"),
         (
-            lambda a: nu.merge_adapters(a, budget=2, method="ties", space="core", trim_scope="model"),
+            lambda a: nu.merge_adapters(
+                a, budget=2, method="ties", space="core", trim_scope="model"
+            ),
             "trim_scope='model' .*cannot run inside",
         ),
         (lambda a: nu.merge_adapters(a, budget=2, min_share=0.5), "min_share cannot run"),
