@@ -333,10 +333,10 @@ def _reduce_stacked(st: _mesh.Stacked, *, m_tasks: int, plain: bool = False):
     :func:`host_plain`, and the choice that the program would make is made already)."""
     A, B, S, R = st
     _, _, ts, bad = _s.normalise_tasks(A, B, S, a_axes=(2, 3), b_axes=(2, 3))
-    moderate = (jnp.abs(ts.a_exp) <= MODERATE_EXP) & (jnp.abs(ts.b_exp) <= MODERATE_EXP)
     if plain:
         red = _plain(A, B, ts.a_exp, ts.b_exp, m_tasks)
     else:
+        moderate = (jnp.abs(ts.a_exp) <= MODERATE_EXP) & (jnp.abs(ts.b_exp) <= MODERATE_EXP)
         red = jax.lax.cond(
             jnp.all(moderate) & ~jnp.any(bad),
             lambda: _plain(A, B, ts.a_exp, ts.b_exp, m_tasks),
