@@ -359,11 +359,12 @@ def host_plain(st: Any) -> bool:
     if not all(isinstance(x, np.ndarray) for x in st):
         return False
     A, B, S, _ = st
-    for x in (A, B, S):
-        if not np.isfinite(np.asarray(x, np.float32)).all():
+    if not np.isfinite(np.asarray(S, np.float32)).all():
+        return False
+    for x in (A, B):  # (one float32 view or copy of each factor stack, read once for both tests)
+        amax = np.abs(np.asarray(x, np.float32)).max(axis=(2, 3))  # (NaN if any entry is)
+        if not np.isfinite(amax).all():
             return False
-    for x in (A, B):
-        amax = np.abs(np.asarray(x, np.float32)).max(axis=(2, 3))
         e = np.where(amax > 0, np.frexp(amax)[1], 0)
         if (np.abs(e) > MODERATE_EXP).any():
             return False
