@@ -160,7 +160,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
         diag = diagnose(
             loaded.adapters, budget=args.budget, alpha=args.alpha, lam=args.lam,
-            names=given,
+            names=given, interference=args.interference, _cli=True,
         )  # fmt: skip
         info["diagnostics"] = diag.to_dict()
     if args.json:

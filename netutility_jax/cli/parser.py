@@ -141,8 +141,10 @@ def add_inspect_parser(sub) -> None:
         action="store_true",
         help="also print data-free diagnostics of the Net Utility allocation at --budget "
         "(nu.diagnose): the tasks' input-subspace overlap against chance, each task's energy "
-        "and kept share against its uniform share, the effect of lambda x1/4 and x4, and a "
-        "random-rotation control; with --json they go under 'diagnostics'. Needs --budget.",
+        "and kept share against its uniform share, the effect of lambda x1/4 and x4, a "
+        "random-rotation control, the difference from energy alone (--lam 0), and a "
+        "recommendation (energy alone where the rotation control shows the interference term "
+        "sees no cross-task geometry); with --json they go under 'diagnostics'. Needs --budget.",
     )
     i.add_argument(
         "--budget",

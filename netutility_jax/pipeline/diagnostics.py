@@ -40,6 +40,20 @@ without data:
 5. **Warnings**, in plain English: overlap within a factor 2 of chance together with a rotation
    control that changes fewer than 10% of the kept directions; and each task that keeps less
    than half its uniform share.
+6. **Energy alone against Net Utility**: the directions whose kept status differs between this
+   allocation and the one by energy alone (``lam = 0``: every candidate ranked by its benefit,
+   its share of its task's energy), at the same budget and scope.
+7. **A recommendation** (this project's rule, from its own studies, not the paper's): where the
+   rotation control changes fewer than 10% of the kept directions (the interference term sees
+   no cross-task geometry, item 4), or Net Utility keeps nothing, allocate by **energy alone**
+   (``lam=0``, ``--lam 0``): it needs no lambda, and in the regime study (encoder adapters,
+   7 tasks, ten seeds; docs/experiments.md) it was as good as Net Utility at R = 16 and 32 and,
+   at a budget of about 2 directions per task and module (at most :data:`TIGHT_PER_TASK`),
+   beat the uniform split (:data:`EVIDENCE`); at looser budgets no allocation beat the uniform
+   split there, and none beat keeping every direction. Where the rotation control changes more,
+   the term acts on this set's geometry; the planted study found the sign-blind term helps
+   where tasks conflict and costs as much where they agree, so nothing is recommended over
+   comparing the options on held-out data.
 
 References:
   Amballa et al., "Not All Ranks Are Equal: Budget-Aware LoRA Merging Across Tasks": Eq.
@@ -61,14 +75,16 @@ from .._core.checks import as_integer, brief, check_budget, check_choice, given
 from ..allocation.allocate import allocate
 from ..allocation.analysis import kept_per_module, kept_per_task
 from ..errors import InputError, InputTypeError
-from ..scoring._run import check_options
+from ..scoring._run import check_interference, check_options
 from ..scoring.decompose import lora_svd
 from ..scoring.utility import Scores, score, task_energies
 
 __all__ = [
+    "EVIDENCE",
     "LAMBDA_FACTORS",
     "OVERLAP_NEAR_CHANCE",
     "ROTATION_FEW",
+    "TIGHT_PER_TASK",
     "Diagnostics",
     "ModuleOverlap",
     "TaskDiagnostics",
@@ -81,6 +97,18 @@ OVERLAP_NEAR_CHANCE = 2.0
 """Model-wide overlap within this factor of chance (``1/2 .. 2``) counts as chance level."""
 ROTATION_FEW = 0.1
 """A rotation control that changes fewer than this fraction of the kept directions counts as few."""
+TIGHT_PER_TASK = 2.5
+"""A budget of at most this many directions per task and module counts as tight (the regime
+study's evidence: a gain over uniform at 16 / 7 = 2.3, none at 16 / 5 = 3.2 or 32 / 7 = 4.6)."""
+EVIDENCE = {
+    "energy_vs_uniform_r16": (0.61, 0.12, 1.09),
+    "net_utility_vs_energy_r16": (0.08, -0.22, 0.39),
+}
+"""The figures :func:`diagnose`'s recommendation quotes: ``(mean, low, high)`` in points of
+normalised accuracy, the mean over ten seeds of the regime study's centre and per-task cells
+(encoder adapters, 7 tasks, R = 16) and its two-level 95% interval (seeds and test texts
+resampled together); docs/regime/seeds/results.json, whose grid entries a test compares with
+these."""
 
 _FN = "nu.diagnose"
 _SCOPES = ("global", "local")
@@ -149,6 +177,12 @@ class Diagnostics:
       rotation_changed_fraction: ``rotation_changed / (kept + rotation_kept)``: the fraction of
         kept directions replaced (0 if nothing is kept either way).
       warnings: plain-English warnings (see the module docstring, item 5).
+      interference: the interference term scored (``"overlap"``, the paper's, or this
+        project's ``"signed"`` / ``"signed_weaker"``; :func:`nu.score`).
+      energy_changed: directions whose kept status differs between this allocation and the one
+        by energy alone (``lam = 0``) at the same budget and scope (item 6; 0 when ``lam`` is 0).
+      recommend_energy: True where the recommendation (item 7) is to allocate by energy alone.
+      recommendation: the recommendation in plain English (item 7).
     """
 
     budget: int
@@ -166,6 +200,10 @@ class Diagnostics:
     rotation_changed: int
     rotation_changed_fraction: float
     warnings: tuple[str, ...]
+    interference: str = "overlap"
+    energy_changed: int = 0
+    recommend_energy: bool = False
+    recommendation: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (plain lists, numbers, strings; NaN as None; factors as strings)."""
@@ -188,6 +226,12 @@ class Diagnostics:
                     "changed_fraction": self.rotation_changed_fraction,
                 },
                 "warnings": list(self.warnings),
+                "interference": self.interference,
+                "energy_changed": self.energy_changed,
+                "recommendation": {
+                    "energy_only": self.recommend_energy,
+                    "text": self.recommendation,
+                },
             }
         )
 
@@ -223,7 +267,12 @@ class Diagnostics:
             f"random-rotation control (seed {self.rotation_seed}): {self.rotation_changed} "
             f"directions change kept status ({_pct(self.rotation_changed_fraction)} of the kept)"
         )
+        lines.append(
+            f"energy alone (lambda 0) at the same budget: {self.energy_changed} "
+            f"direction{'' if self.energy_changed == 1 else 's'} change kept status"
+        )
         lines += [f"warning: {w}" for w in self.warnings]
+        lines.append(f"recommendation: {self.recommendation}")
         return "\n".join(lines)
 
 
@@ -340,11 +389,13 @@ def _lambda_changes(
     *,
     budget: int,
     scope: str,
+    interference: str = "overlap",
 ) -> int:
     """Item 3: directions whose kept status changes when ``adapters`` are scored with
-    ``lam = factor * scores.lam`` (same alpha) and allocated as ``masks`` were."""
+    ``lam = factor * scores.lam`` (same alpha and interference) and allocated as ``masks``
+    were."""
     lam = factor * float(scores.lam)
-    other = score(adapters, alpha=float(scores.alpha), lam=lam)
+    other = score(adapters, alpha=float(scores.alpha), lam=lam, interference=interference)
     return _changed(masks, allocate(other, budget, scope=scope))
 
 
@@ -435,6 +486,103 @@ def _warnings(
     return tuple(out)
 
 
+def _energy_scores(scores: Scores) -> Scores:
+    """Item 6: the scores with every candidate's utility replaced by its benefit (``lam = 0``:
+    energy alone; non-candidates stay ``-inf``), so no second scoring is needed."""
+    modules = {
+        k: ms._replace(utility=np.where(np.isfinite(ms.utility), ms.benefit, -np.inf))
+        for k, ms in ((k, _as_numpy(ms)) for k, ms in scores.modules.items())
+    }
+    return scores._replace(modules=modules, lam=np.zeros_like(np.asarray(scores.lam)))
+
+
+def _as_numpy(ms: Any) -> Any:
+    return type(ms)(*(np.asarray(x) for x in ms))
+
+
+def _fmt_evidence(key: str) -> str:
+    mean, lo, hi = EVIDENCE[key]
+    return f"{mean:+.2f} points (95% interval {lo:+.2f} to {hi:+.2f})"
+
+
+def _recommendation(
+    *,
+    lam: float,
+    changed_fraction: float,
+    kept: int,
+    energy_changed: int,
+    budget: int,
+    m_tasks: int,
+    interference: str,
+    overlap: float,
+    cli: bool,
+) -> tuple[bool, str]:
+    """Item 7 of the module docstring: ``(recommend_energy, text)``."""
+    energy = "--lam 0" if cli else "lam=0"
+    keep_all = "--allocation all" if cli else 'allocation="all"'
+    per = budget / m_tasks
+    study = "this project's regime study (encoder adapters, 7 tasks, ten seeds)"
+
+    def budget_text(ref: str) -> str:
+        if per <= TIGHT_PER_TASK:
+            return (
+                f"At this budget (about {per:.1f} directions per task and module) allocate "
+                f"globally: in {ref}, at 2.3 directions per task and module, energy alone beat "
+                f"the uniform split by {_fmt_evidence('energy_vs_uniform_r16')}."
+            )
+        return (
+            f"At this budget ({per:.1f} directions per task and module) prefer {keep_all} "
+            "where the merge's rank allows it: no budget beat keeping every direction in "
+            f"{ref}, and at 3.2 to 4.6 directions per task and module no allocation beat the "
+            "uniform split."
+        )
+
+    if lam == 0:
+        return True, f"this allocation is already by energy alone ({energy}). {budget_text(study)}"
+    if kept == 0 or changed_fraction < ROTATION_FEW:
+        why = (
+            "Net Utility keeps no direction at this budget"
+            if kept == 0
+            else (
+                f"the interference term sees no cross-task geometry here (the rotation control "
+                f"changes {_pct(changed_fraction)} of the kept directions), so Net Utility's "
+                f"choice is energy down-weighting; it differs from energy alone in "
+                f"{energy_changed} of {kept} kept directions"
+            )
+        )
+        return True, (
+            f"allocate by energy alone ({energy}): {why}. Energy alone needs no lambda, and in "
+            f"{study} Net Utility minus energy alone at R = 16 was "
+            f"{_fmt_evidence('net_utility_vs_energy_r16')}. {budget_text('that study')}"
+        )
+    others = [f"energy alone ({energy})"]
+    if interference == "overlap":
+        others.append(
+            "the sign-aware term ("
+            + ("--interference signed" if cli else 'interference="signed"')
+            + ")"
+        )
+    else:
+        others.append(
+            "the paper's term ("
+            + ("--interference overlap" if cli else 'interference="overlap"')
+            + ")"
+        )
+    near = math.isfinite(overlap) and 1 / OVERLAP_NEAR_CHANCE <= overlap <= OVERLAP_NEAR_CHANCE
+    caveat = (
+        f"; the input overlap is {overlap:.2g}x chance, so this may follow the noise of flat "
+        "spectra rather than structure the tasks share"
+        if near
+        else ""
+    )
+    return False, (
+        f"none: the interference term acts on this set's geometry (the rotation control changes "
+        f"{_pct(changed_fraction)} of the kept directions{caveat}). This project's planted study found "
+        "the paper's sign-blind term helps where tasks conflict and costs as much where they "
+        f"agree: compare this allocation with {' and '.join(others)} on held-out data."
+    )
+
+
 # ------------------------------------------------------------------------------------ diagnose
 
 
@@ -447,6 +595,8 @@ def diagnose(
     scope: str = "global",
     rotation_seed: int = 0,
     names: Sequence[str] | None = None,
+    interference: str = "overlap",
+    _cli: bool = False,
 ) -> Diagnostics:
     """Check, without data, whether Net Utility's interference term informs the allocation.
 
@@ -464,7 +614,13 @@ def diagnose(
       chance);
     * warnings: overlap within 2x of chance and a rotation control that changes under 10% of the
       kept directions ("close to energy down-weighting"), and each task that keeps under half
-      its uniform share.
+      its uniform share;
+    * how many kept directions differ from the allocation by energy alone (``lam = 0``);
+    * a recommendation (this project's rule, not the paper's; module docstring, item 7): energy
+      alone (``lam=0``) where the rotation control changes under 10% of the kept directions or
+      Net Utility keeps nothing, with what the project's studies measured at this many
+      directions per task and module; otherwise none over comparing the options on held-out
+      data.
 
     It scores the adapters four times (as given, with lambda x1/4 and x4, rotated): about four
     times the cost of :func:`nu.score`. Concrete inputs only (not under ``jax.jit``).
@@ -478,13 +634,16 @@ def diagnose(
       scope: ``"global"`` or ``"local"`` (the uniform scope does not use the utilities).
       rotation_seed: non-negative integer seed of the random rotations.
       names: optional labels of the tasks (one string per adapter), used in the report.
+      interference: the interference term, as in :func:`nu.score` (``"overlap"``, the paper's;
+        ``"signed"`` or ``"signed_weaker"``, this project's); every scoring here uses it.
 
     Returns:
       :class:`Diagnostics`.
 
     Raises:
       InputError: (a ``ValueError``) fewer than two adapters, budget <= 0, scope not "global" or
-        "local", a negative rotation_seed, names of the wrong length, and whatever
+        "local", a negative rotation_seed, names of the wrong length, an unknown interference,
+        and whatever
         :func:`nu.score` refuses.
       InputTypeError: (a ``TypeError``) budget or rotation_seed not an integer (as
         :func:`nu.allocate`), names not a sequence of strings, an option of the wrong type.
@@ -505,6 +664,7 @@ def diagnose(
     check_options(_FN, alpha, lam, None, 1.0)
     check_choice(_FN, "scope", scope, _SCOPES, " (the uniform scope ignores the utilities)")
     seed = _check_seed(rotation_seed)
+    interference = check_interference(_FN, interference)
     if isinstance(adapters, Sequence) and not isinstance(adapters, (str, bytes, Mapping)):
         if len(adapters) < 2:
             raise InputError(
@@ -516,7 +676,7 @@ def diagnose(
     flat = [_tree.flatten_modules(ad, fn=_FN, task=i) for i, ad in enumerate(adapters)]
     dtype = _tree.compute_dtype(buckets)
 
-    scores = score(adapters, alpha=alpha, lam=lam)
+    scores = score(adapters, alpha=alpha, lam=lam, interference=interference)
     masks = allocate(scores, budget, scope=scope)
     uniform = allocate(scores, budget, scope="uniform")
     modules = _overlaps(flat, names_, scores, dtype)
@@ -543,15 +703,32 @@ def diagnose(
     )
 
     lam_changes = {
-        f: _lambda_changes(adapters, scores, masks, f, budget=budget, scope=scope)
+        f: _lambda_changes(
+            adapters, scores, masks, f, budget=budget, scope=scope, interference=interference
+        )
         for f in LAMBDA_FACTORS
     }
+    energy_masks = allocate(_energy_scores(scores), budget, scope=scope)
+    energy_changed = _changed(masks, energy_masks)
 
-    rot_scores = score(_rotated(flat, names_, seed), alpha=float(scores.alpha), lam=lam)
+    rot_scores = score(
+        _rotated(flat, names_, seed), alpha=float(scores.alpha), lam=lam, interference=interference
+    )
     rot_masks = allocate(rot_scores, budget, scope=scope)
     rot_kept = int(sum(int(np.asarray(m).sum()) for m in rot_masks.values()))
     changed = _changed(masks, rot_masks)
     frac = changed / (total + rot_kept) if total + rot_kept > 0 else 0.0
+    energy_only, advice = _recommendation(
+        lam=float(scores.lam),
+        changed_fraction=frac,
+        kept=total,
+        energy_changed=energy_changed,
+        budget=budget,
+        m_tasks=m_tasks,
+        interference=interference,
+        overlap=overlap,
+        cli=_cli,
+    )
 
     return Diagnostics(
         budget=budget,
@@ -569,4 +746,8 @@ def diagnose(
         rotation_changed=changed,
         rotation_changed_fraction=float(frac),
         warnings=_warnings(overlap, frac, changed, total, tasks),
+        interference=interference,
+        energy_changed=energy_changed,
+        recommend_energy=energy_only,
+        recommendation=advice,
     )

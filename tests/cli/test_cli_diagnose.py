@@ -40,6 +40,26 @@ def test_cli_inspect_diagnose(peft_folders, capsys):
     assert diag["kept"] == want["kept"]
     assert diag["overlap_vs_chance"] == pytest.approx(want["overlap_vs_chance"], rel=1e-6)
     assert not math.isnan(diag["overlap_vs_chance"])
+    # the recommendation and the difference from energy alone, spelt as flags
+    assert diag["energy_changed"] == want["energy_changed"]
+    rec = diag["recommendation"]
+    assert rec["energy_only"] == want["recommendation"]["energy_only"]
+    flags = "--lam 0" if rec["energy_only"] else "--interference signed"
+    assert flags in rec["text"] and flags.replace("--", "").replace(" ", "=") not in rec["text"]
+    rc, out, err = _run(capsys, "inspect", *peft_folders, "--diagnose", "--budget", "4")
+    assert out.splitlines()[-1] == f"recommendation: {rec['text']}"
+
+
+def test_cli_diagnose_scores_with_the_interference_flag(peft_folders, capsys):
+    rc, out, err = _run(capsys, "inspect", *peft_folders, "--diagnose", "--budget", "4",
+                        "--interference", "signed", "--json")  # fmt: skip
+    assert rc == 0, err
+    diag = json.loads(out)["diagnostics"]
+    ads = [nu.peft.load_adapter(f) for f in peft_folders]
+    want = nu.diagnose(ads, budget=4, interference="signed").to_dict()
+    assert diag["interference"] == "signed"
+    assert diag["lam"] == pytest.approx(want["lam"], rel=1e-6)
+    assert (diag["kept"], diag["lambda_changes"]) == (want["kept"], want["lambda_changes"])
 
 
 def test_cli_diagnose_needs_budget(peft_folders, capsys):

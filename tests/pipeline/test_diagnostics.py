@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import doctest
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -252,6 +253,100 @@ def test_rotation_control_and_the_down_weighting_warning():
     assert rand.kept == int(np.asarray(nu.kept_per_task(nu.allocate(sc, 3))).sum())
 
 
+# ------------------------------------------------ energy alone, the interference, the advice
+
+
+def test_energy_changes_are_the_difference_from_lam_zero():
+    # the structured set: Net Utility drops the shared direction energy alone would keep
+    for ads, budget in ((_structured(0), 3), (_random(3), 4), (_random(4), 7)):
+        d = nu.diagnose(ads, budget=budget)
+        masks = nu.allocate(nu.score(ads, alpha=d.alpha), budget)
+        energy = nu.allocate(nu.score(ads, alpha=d.alpha, lam=0.0), budget)
+        assert d.energy_changed == _sym_diff(masks, energy)
+    assert nu.diagnose(_structured(0), budget=3).energy_changed > 0
+    local = nu.diagnose(_structured(0), budget=3, scope="local")
+    masks = nu.allocate(nu.score(_structured(0)), 3, scope="local")
+    energy = nu.allocate(nu.score(_structured(0), lam=0.0), 3, scope="local")
+    assert local.energy_changed == _sym_diff(masks, energy)
+    assert nu.diagnose(_random(3), budget=4, lam=0.0).energy_changed == 0
+
+
+def test_the_interference_option_reaches_every_scoring():
+    ads = _structured(1)
+    for term in ("signed", "signed_weaker"):
+        d = nu.diagnose(ads, budget=3, interference=term)
+        sc = nu.score(ads, interference=term)
+        masks = nu.allocate(sc, 3)
+        assert d.interference == term and d.lam == pytest.approx(float(sc.lam))
+        assert d.kept == int(np.asarray(nu.kept_per_task(masks)).sum())
+        other = nu.allocate(
+            nu.score(ads, alpha=d.alpha, lam=4 * float(sc.lam), interference=term), 3
+        )
+        assert d.lambda_changes[4.0] == _sym_diff(masks, other)
+    with pytest.raises(InputError, match="interference"):
+        nu.diagnose(ads, budget=3, interference="dot")
+
+
+def test_energy_alone_is_recommended_where_the_rotation_control_sees_no_geometry():
+    # chance-level geometry (independent LoRAs, steep spectra): the control changes < 10%
+    rand = _random(0, d_in=256, decay=0.5)
+    tight = nu.diagnose(rand, budget=3)  # 1 direction per task and module
+    assert tight.rotation_changed_fraction < diagnostics.ROTATION_FEW
+    assert tight.recommend_energy and tight.recommendation.startswith("allocate by energy alone")
+    assert "lam=0" in tight.recommendation and "allocate globally" in tight.recommendation
+    # 3 per task and module (lambda fixed at 2: the median rule's lambda leaves half of the
+    # directions at a negative utility there, whose margin the rotations move)
+    loose = nu.diagnose(rand, budget=9, lam=2.0)
+    assert loose.rotation_changed_fraction < diagnostics.ROTATION_FEW
+    assert loose.recommend_energy and 'allocation="all"' in loose.recommendation
+    assert "allocate globally" not in loose.recommendation
+    # the command line's spelling
+    cli = nu.diagnose(rand, budget=3, _cli=True)
+    assert "--lam 0" in cli.recommendation and "lam=0" not in cli.recommendation
+    # already energy alone
+    zero = nu.diagnose(rand, budget=3, lam=0.0)
+    assert zero.recommend_energy and zero.recommendation.startswith("this allocation is already")
+    # geometry that matters (shared input frame, task-specific directions): no advice but a test
+    shared = nu.diagnose(_structured(0), budget=3)
+    assert shared.rotation_changed_fraction >= diagnostics.ROTATION_FEW
+    assert not shared.recommend_energy and shared.recommendation.startswith("none:")
+    assert 'interference="signed"' in shared.recommendation
+    assert "chance" not in shared.recommendation  # 8x chance: shared structure
+    # flat spectra at chance overlap: the rotations move many directions, which is noise
+    flat = nu.diagnose(_random(0, d_in=256), budget=3)
+    assert flat.rotation_changed_fraction >= diagnostics.ROTATION_FEW
+    assert (
+        not flat.recommend_energy
+        and "x chance, so this may follow the noise" in flat.recommendation
+    )
+    signed = nu.diagnose(_structured(0), budget=3, interference="signed")
+    assert not signed.recommend_energy and 'interference="overlap"' in signed.recommendation
+
+
+def test_the_tight_budget_threshold_is_per_task_and_module():
+    # budget / M at the threshold counts as tight, just above it does not
+    rand = _random(0, d_in=256, decay=0.5)
+    at = int(diagnostics.TIGHT_PER_TASK * M)  # 7 of 3 tasks: 2.33 per task and module
+    assert at / M <= diagnostics.TIGHT_PER_TASK < (at + 1) / M
+    tight, loose = (nu.diagnose(rand, budget=b, lam=2.0) for b in (at, at + 1))
+    assert tight.recommend_energy and loose.recommend_energy
+    assert "allocate globally" in tight.recommendation
+    assert "allocate globally" not in loose.recommendation
+
+
+def test_the_quoted_evidence_is_the_committed_study_s():
+    """The figures the recommendation quotes are those of the pooled regime study's grid."""
+    path = Path(__file__).resolve().parents[2] / "docs" / "regime" / "seeds" / "results.json"
+    grid = json.loads(path.read_text())["grid"]["16"]
+    for key, entry in (
+        ("energy_vs_uniform_r16", grid["energy - uniform"]),
+        ("net_utility_vs_energy_r16", grid["net_utility - energy"]),
+    ):
+        assert entry["n"] == 10
+        want = (entry["estimate"], *entry["two_level_ci95"])
+        assert diagnostics.EVIDENCE[key] == pytest.approx(want, abs=0.005)
+
+
 # ---------------------------------------------------------------------------- the report
 
 
@@ -271,7 +366,10 @@ def test_to_dict_and_format():
     out = d.format()
     assert "overlap vs chance" in out and "random-rotation control" in out
     assert all(n in out for n in ("x", "y", "z"))
-    assert len(out.splitlines()) == 2 + 1 + M + 2 + len(d.warnings)
+    assert len(out.splitlines()) == 2 + 1 + M + 3 + len(d.warnings) + 1
+    assert out.splitlines()[-1] == f"recommendation: {d.recommendation}"
+    assert back["recommendation"] == {"energy_only": d.recommend_energy, "text": d.recommendation}
+    assert back["energy_changed"] == d.energy_changed and back["interference"] == "overlap"
     with pytest.raises(dataclasses.FrozenInstanceError):
         d.budget = 3  # type: ignore[misc]
 
