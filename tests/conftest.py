@@ -7,8 +7,11 @@ check it explicitly for bf16/fp16/float32/float64 inputs.
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import tempfile
+import time
 
 import hypothesis
 import jax
@@ -91,3 +94,58 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         terminalreporter.line("NETUTILITY_DURATION_GUARD=fail: failing the session")
     else:
         terminalreporter.line("move them to the slow tier or make them faster")
+
+
+# Compile profile: with NETUTILITY_COMPILE_PROFILE=DIR, each pytest process writes
+# DIR/compile_<worker>.json: per test its wall seconds and the programs JAX compiled for it
+# (count, and seconds of tracing, lowering and XLA backend compiling, from jax.monitoring's
+# events), and per program name the same summed over the run. `python
+# scripts/compile_profile.py DIR` summarises it by test file and by program. Off by default.
+_PROFILE_DIR = os.environ.get("NETUTILITY_COMPILE_PROFILE")
+_EVENTS = {
+    "/jax/core/compile/backend_compile_duration": "backend_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lowering_s",
+    "/jax/core/compile/jaxpr_trace_duration": "tracing_s",
+}
+_test_cost: dict[str, float] = {}
+_programs: dict[str, dict[str, float]] = collections.defaultdict(
+    lambda: {"programs": 0, "backend_s": 0.0, "lowering_s": 0.0, "tracing_s": 0.0}
+)
+_tests: list[dict] = []
+
+
+def _on_jax_event(event: str, duration: float, **kwargs) -> None:
+    field = _EVENTS.get(event)
+    if field is None:
+        return
+    # tracing reports the function's name, lowering and compiling "jit(name)": one key for both
+    name = str(kwargs.get("fun_name", "?"))
+    name = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
+    entry = _programs[name]
+    entry[field] += duration
+    _test_cost[field] = _test_cost.get(field, 0.0) + duration
+    if field == "backend_s":
+        entry["programs"] += 1
+        _test_cost["programs"] = _test_cost.get("programs", 0) + 1
+
+
+if _PROFILE_DIR:
+    import jax.monitoring
+
+    jax.monitoring.register_event_duration_secs_listener(_on_jax_event)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _test_cost.clear()
+        start = time.perf_counter()
+        yield
+        row = {"programs": 0, "backend_s": 0.0, "lowering_s": 0.0, "tracing_s": 0.0}
+        _tests.append({"test": item.nodeid, "wall_s": time.perf_counter() - start,
+                       **row, **_test_cost})  # fmt: skip
+
+    def pytest_unconfigure(config: pytest.Config) -> None:
+        worker = getattr(config, "workerinput", {}).get("workerid", "main")
+        os.makedirs(_PROFILE_DIR, exist_ok=True)
+        path = os.path.join(_PROFILE_DIR, f"compile_{worker}.json")
+        with open(path, "w") as f:
+            json.dump({"tests": _tests, "programs": dict(_programs)}, f, indent=0)
