@@ -62,40 +62,6 @@ def m_tasks(request) -> int:
     return request.param
 
 
-# Duration guard: name every default-tier (not `slow`) test whose call phase took over
-# NETUTILITY_DURATION_LIMIT seconds (10), so a developer sees which tests to move to the slow tier.
-# Report only by default (timings on a loaded machine are not asserted); with
-# NETUTILITY_DURATION_GUARD=fail such a test fails the session. Under pytest-xdist the workers'
-# reports reach the controller's pytest_runtest_logreport, and the controller prints the summary.
-_DURATION_LIMIT_S = float(os.environ.get("NETUTILITY_DURATION_LIMIT", "10"))
-_DURATION_GUARD_FAILS = os.environ.get("NETUTILITY_DURATION_GUARD") == "fail"
-_over_limit: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when == "call" and "slow" not in report.keywords:
-        if report.duration > _DURATION_LIMIT_S:
-            _over_limit[report.nodeid] = report.duration
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    on_worker = hasattr(session.config, "workerinput")
-    if _over_limit and _DURATION_GUARD_FAILS and not on_worker and session.exitstatus == 0:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    if not _over_limit or hasattr(config, "workerinput"):
-        return
-    terminalreporter.section(f"default-tier tests over {_DURATION_LIMIT_S:g} s")
-    for nodeid, seconds in sorted(_over_limit.items(), key=lambda item: -item[1]):
-        terminalreporter.line(f"{seconds:7.2f} s  {nodeid}")
-    if _DURATION_GUARD_FAILS:
-        terminalreporter.line("NETUTILITY_DURATION_GUARD=fail: failing the session")
-    else:
-        terminalreporter.line("move them to the slow tier or make them faster")
-
-
 # Compile profile: with NETUTILITY_COMPILE_PROFILE=DIR, each pytest process writes
 # DIR/compile_<worker>.json: per test its wall seconds and the programs JAX compiled for it
 # (count, and seconds of tracing, lowering and XLA backend compiling, from jax.monitoring's
@@ -149,3 +115,38 @@ if _PROFILE_DIR:
         path = os.path.join(_PROFILE_DIR, f"compile_{worker}.json")
         with open(path, "w") as f:
             json.dump({"tests": _tests, "programs": dict(_programs)}, f, indent=0)
+
+
+# (This block stays last: tests/test_conftest_guard.py runs it, from here on, alone.)
+# Duration guard: name every default-tier (not `slow`) test whose call phase took over
+# NETUTILITY_DURATION_LIMIT seconds (10), so a developer sees which tests to move to the slow tier.
+# Report only by default (timings on a loaded machine are not asserted); with
+# NETUTILITY_DURATION_GUARD=fail such a test fails the session. Under pytest-xdist the workers'
+# reports reach the controller's pytest_runtest_logreport, and the controller prints the summary.
+_DURATION_LIMIT_S = float(os.environ.get("NETUTILITY_DURATION_LIMIT", "10"))
+_DURATION_GUARD_FAILS = os.environ.get("NETUTILITY_DURATION_GUARD") == "fail"
+_over_limit: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and "slow" not in report.keywords:
+        if report.duration > _DURATION_LIMIT_S:
+            _over_limit[report.nodeid] = report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    on_worker = hasattr(session.config, "workerinput")
+    if _over_limit and _DURATION_GUARD_FAILS and not on_worker and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if not _over_limit or hasattr(config, "workerinput"):
+        return
+    terminalreporter.section(f"default-tier tests over {_DURATION_LIMIT_S:g} s")
+    for nodeid, seconds in sorted(_over_limit.items(), key=lambda item: -item[1]):
+        terminalreporter.line(f"{seconds:7.2f} s  {nodeid}")
+    if _DURATION_GUARD_FAILS:
+        terminalreporter.line("NETUTILITY_DURATION_GUARD=fail: failing the session")
+    else:
+        terminalreporter.line("move them to the slow tier or make them faster")
