@@ -489,15 +489,19 @@ def _warnings(
 def _energy_scores(scores: Scores) -> Scores:
     """Item 6: the scores with every candidate's utility replaced by its benefit (``lam = 0``:
     energy alone; non-candidates stay ``-inf``), so no second scoring is needed."""
-    modules = {
-        k: ms._replace(utility=np.where(np.isfinite(ms.utility), ms.benefit, -np.inf))
-        for k, ms in ((k, _as_numpy(ms)) for k, ms in scores.modules.items())
-    }
+    modules = {}
+    for k, ms in scores.modules.items():
+        utility, benefit = np.asarray(ms.utility), np.asarray(ms.benefit)
+        modules[k] = ms._replace(utility=np.where(np.isfinite(utility), benefit, -np.inf))
     return scores._replace(modules=modules, lam=np.zeros_like(np.asarray(scores.lam)))
 
 
-def _as_numpy(ms: Any) -> Any:
-    return type(ms)(*(np.asarray(x) for x in ms))
+def _spelt(option: str, value: str, cli: bool) -> str:
+    """An option as the caller wrote it: ``--option value`` on the command line, else
+    ``option=value`` (strings quoted)."""
+    if cli:
+        return f"--{option} {value}"
+    return f'{option}="{value}"' if not value[:1].isdigit() else f"{option}={value}"
 
 
 def _fmt_evidence(key: str) -> str:
@@ -518,8 +522,8 @@ def _recommendation(
     cli: bool,
 ) -> tuple[bool, str]:
     """Item 7 of the module docstring: ``(recommend_energy, text)``."""
-    energy = "--lam 0" if cli else "lam=0"
-    keep_all = "--allocation all" if cli else 'allocation="all"'
+    energy = _spelt("lam", "0", cli)
+    keep_all = _spelt("allocation", "all", cli)
     per = budget / m_tasks
     study = "this project's regime study (encoder adapters, 7 tasks, ten seeds)"
 
@@ -555,19 +559,12 @@ def _recommendation(
             f"{study} Net Utility minus energy alone at R = 16 was "
             f"{_fmt_evidence('net_utility_vs_energy_r16')}. {budget_text('that study')}"
         )
-    others = [f"energy alone ({energy})"]
-    if interference == "overlap":
-        others.append(
-            "the sign-aware term ("
-            + ("--interference signed" if cli else 'interference="signed"')
-            + ")"
-        )
-    else:
-        others.append(
-            "the paper's term ("
-            + ("--interference overlap" if cli else 'interference="overlap"')
-            + ")"
-        )
+    other = (
+        ("the sign-aware term", "signed")
+        if interference == "overlap"
+        else ("the paper's term", "overlap")
+    )
+    others = [f"energy alone ({energy})", f"{other[0]} ({_spelt('interference', other[1], cli)})"]
     near = math.isfinite(overlap) and 1 / OVERLAP_NEAR_CHANCE <= overlap <= OVERLAP_NEAR_CHANCE
     caveat = (
         f"; the input overlap is {overlap:.2g}x chance, so this may follow the noise of flat "
