@@ -127,11 +127,16 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["householder", "cholesky"])
+@pytest.fixture(scope="module", params=["householder", "cholesky"])
 def route(request):
+    """The QR route (traces read _linalg._SMALL): module-scoped, so pytest runs the tests route
+    by route and the caches are cleared around the CholeskyQR2 group only, not around every
+    test (which also dropped every later test file's compiled programs in this process)."""
+    if request.param == "householder":
+        yield request.param
+        return
     saved = _linalg._SMALL
-    if request.param == "cholesky":
-        _linalg._SMALL = 0
+    _linalg._SMALL = 0
     jax.clear_caches()
     yield request.param
     _linalg._SMALL = saved
