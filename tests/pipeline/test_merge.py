@@ -32,13 +32,17 @@ def x64():
 def qr_route(request):
     """The QR route of netutility_jax._core.linalg: Householder (at most _SMALL rows, as every module
     in these small tests) or CholeskyQR2 (larger modules), forced by setting _SMALL to 0.
-    Module-scoped: pytest groups the tests by route, so caches are cleared once per switch."""
+    Module-scoped: pytest groups the tests by route, and the caches are cleared around the
+    CholeskyQR2 group only (traces read _SMALL), so the default tier clears nothing: the
+    process's later test files keep their compiled programs."""
     from netutility_jax._core import linalg as _linalg
 
+    if request.param == "householder":
+        yield request.param
+        return
     saved = _linalg._SMALL
-    if request.param == "cholesky":
-        _linalg._SMALL = 0
-        jax.clear_caches()  # traces read _SMALL: do not reuse the Householder ones
+    _linalg._SMALL = 0
+    jax.clear_caches()  # do not reuse the Householder traces
     yield request.param
     _linalg._SMALL = saved
     jax.clear_caches()
