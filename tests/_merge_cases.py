@@ -1,12 +1,15 @@
 """Cases shared by the merge tests (tests/pipeline/test_merge.py, the pipeline's public merge,
 and tests/operators/test_stages.py, the operators' stages and row blocks): small adapters, masks,
-and the float64 dense references of tests/_merge_reference.py for each method in each space."""
+the float64 dense references of tests/_merge_reference.py for each method in each space, and the
+QR route switch (also tests/operators/test_lapack_order.py's)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import _merge_reference as ref
+import jax
 import numpy as np
 
 # one bucket (keeps compiles few), ragged ranks, a module task 1 lacks; SPEC2 adds a second shape
@@ -18,6 +21,28 @@ SPEC = (
 SPEC2 = (*SPEC, ("mlp/up", 10, 22, (3, 5, 2)))
 M = 3
 SHAPES = {name: (d_in, d_out) for name, d_in, d_out, _ in SPEC2}
+
+
+@contextlib.contextmanager
+def qr_route(route: str):
+    """Run the block with netutility_jax._core.linalg's QR route: ``"householder"`` (every module
+    of these small tests) as it is, or ``"cholesky"`` (CholeskyQR2) forced by setting _SMALL to
+    0. Traces read _SMALL, so JAX's caches are cleared on entering and leaving the CholeskyQR2
+    route only: the Householder route clears nothing, and the process's later test files keep
+    their compiled programs. For module-scoped fixtures, so that pytest groups tests by route."""
+    if route == "householder":
+        yield
+        return
+    from netutility_jax._core import linalg as _linalg
+
+    saved = _linalg._SMALL
+    _linalg._SMALL = 0
+    jax.clear_caches()  # do not reuse the Householder traces
+    try:
+        yield
+    finally:
+        _linalg._SMALL = saved
+        jax.clear_caches()
 
 
 @functools.lru_cache

@@ -16,10 +16,10 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import pytest
+from _merge_cases import qr_route
 
 import netutility_jax as nu
 from netutility_jax import registry
-from netutility_jax._core import linalg as _linalg
 from netutility_jax.operators import _plan, _stages
 
 LAPACK = {
@@ -129,18 +129,10 @@ CASES = [
 
 @pytest.fixture(scope="module", params=["householder", "cholesky"])
 def route(request):
-    """The QR route (traces read _linalg._SMALL): module-scoped, so pytest runs the tests route
-    by route and the caches are cleared around the CholeskyQR2 group only, not around every
-    test (which also dropped every later test file's compiled programs in this process)."""
-    if request.param == "householder":
+    """The QR route (_merge_cases.qr_route), module-scoped so that pytest runs the tests route by
+    route and the caches are cleared around the CholeskyQR2 group only."""
+    with qr_route(request.param):
         yield request.param
-        return
-    saved = _linalg._SMALL
-    _linalg._SMALL = 0
-    jax.clear_caches()
-    yield request.param
-    _linalg._SMALL = saved
-    jax.clear_caches()
 
 
 @pytest.mark.parametrize(("method", "space"), CASES)

@@ -13,6 +13,7 @@ from _merge_cases import check as _check
 from _merge_cases import kept as _kept
 from _merge_cases import masks as _masks
 from _merge_cases import peft_prune as _peft_prune
+from _merge_cases import qr_route as _qr_route
 from _merge_cases import ref_in_space as _ref_in_space
 
 import netutility_jax as nu
@@ -31,21 +32,10 @@ def x64():
 )
 def qr_route(request):
     """The QR route of netutility_jax._core.linalg: Householder (at most _SMALL rows, as every module
-    in these small tests) or CholeskyQR2 (larger modules), forced by setting _SMALL to 0.
-    Module-scoped: pytest groups the tests by route, and the caches are cleared around the
-    CholeskyQR2 group only (traces read _SMALL), so the default tier clears nothing: the
-    process's later test files keep their compiled programs."""
-    from netutility_jax._core import linalg as _linalg
-
-    if request.param == "householder":
+    in these small tests) or CholeskyQR2 (larger modules), forced by setting _SMALL to 0
+    (_merge_cases.qr_route). Module-scoped: pytest groups the tests by route."""
+    with _qr_route(request.param):
         yield request.param
-        return
-    saved = _linalg._SMALL
-    _linalg._SMALL = 0
-    jax.clear_caches()  # do not reuse the Householder traces
-    yield request.param
-    _linalg._SMALL = saved
-    jax.clear_caches()
 
 
 @pytest.mark.parametrize("space", ["full", "core", "knots", "knots_original"])
