@@ -54,10 +54,12 @@ def parser() -> argparse.ArgumentParser:
         "--merges",
         type=_merges,
         default="primary",
-        metavar="primary|all|none|LABELS",
+        metavar="primary|all|none|data_weaker|LABELS",
         help="which merges are evaluated for accuracy: primary (the pre-registered comparisons' "
         "merges, gamma 1, R 16 and full capacity), all (every arm, allocation and budget), none "
-        "(read-out (a) only: exact, no evaluation), or comma-separated labels "
+        "(read-out (a) only: exact, no evaluation), data_weaker (the 12 merges of the "
+        "follow-up registered for the asymmetric term with the data-aware shares), or "
+        "comma-separated labels "
         "arm/allocation/budget (e.g. conflict_g1/signed_weaker/R16,conflict_g1/all/full)",
     )
     p.add_argument(

@@ -9,6 +9,7 @@ import pytest
 import netutility_jax as nu
 from netutility_jax.errors import InputError
 from netutility_jax.experiments.harness import planting as pl
+from netutility_jax.experiments.harness import plants
 
 NAMES = ("v", "c", "o")
 
@@ -312,14 +313,35 @@ def test_merge_labels_name_every_merge_of_the_study_and_refuse_others(capsys):
         ("conflict_g1", "signed_weaker", 16),
         ("agreement_g1", "all", None),
     )
-    assert [pl.parse_merges(n) for n in ("none", "primary", "all")] == ["none", "primary", "all"]
+    names = ("none", "primary", "all", "data_weaker")
+    assert [pl.parse_merges(n) for n in names] == list(names)
     for bad in ("conflict_g1/signed/full", "conflict_g1/all/R16", "conflict/energy/R16", ","):
-        with pytest.raises(InputError, match="expected none, primary, all or labels"):
+        with pytest.raises(InputError, match="expected none, primary, all, data_weaker or labels"):
             pl.parse_merges(bad)
     with pytest.raises(SystemExit):
         planted.main(["--out", "o", "--merges", "conflict_g1/signed/R64"])
     err = capsys.readouterr().err
     assert "argument --merges: merges ['conflict_g1/signed/R64']" in err
+
+
+def test_the_data_weaker_follow_up_is_its_registered_merges_and_comparisons():
+    """The follow-up registered in docs/experiments.md: 12 merges a seed, each a merge of the
+    study, holding both sides of its two primary comparisons (and of its secondary ones); the
+    Bonferroni level over the two; the data-aware asymmetric allocations score with the input
+    moments and the asymmetric term."""
+    todo = pl._todo("data_weaker")
+    assert len(todo) == 12 == len(set(todo)) and set(todo) <= set(pl.all_merges())
+    labels = {pl.merge_label(m) for m in todo}
+    for _, arm, a, b in plants.DATA_WEAKER_DELTAS:
+        assert {f"{arm}/{a}", f"{arm}/{b}"} <= labels
+    for arm in ("conflict_g1", "agreement_g1"):
+        assert {f"{arm}/signed_weaker/R16", f"{arm}/all/full"} <= labels
+        assert f"{arm}/signed_weaker_data_pos/full" in labels
+    assert {"null/energy/R16", "null/signed_weaker_data/R16"} <= labels
+    assert plants.DATA_WEAKER_LEVEL == pytest.approx(0.975)
+    for name in ("signed_weaker_data", "signed_weaker_data_pos"):
+        spec = pl.ALLOCATIONS[name]
+        assert spec["interference"] == "signed_weaker" and spec["data"] is True
 
 
 def test_a_seed_asked_for_merges_it_lacks_is_run_for_what_it_had_and_what_is_asked():

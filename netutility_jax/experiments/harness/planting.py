@@ -48,6 +48,7 @@ from .plants import ALLOCATIONS as ALLOCATIONS
 from .plants import ARMS as ARMS
 from .plants import BONFERRONI as BONFERRONI
 from .plants import BUDGETS as BUDGETS
+from .plants import DATA_WEAKER, all_merges, masks_of
 from .plants import PAIRS as PAIRS
 from .plants import PRIMARY as PRIMARY
 from .plants import PRIMARY_DELTAS as PRIMARY_DELTAS
@@ -55,7 +56,6 @@ from .plants import REGISTERED_SEEDS as REGISTERED_SEEDS
 from .plants import TOP as TOP
 from .plants import Arm as Arm
 from .plants import Plant as Plant
-from .plants import all_merges, masks_of
 from .plants import plant as plant
 from .plants import plant_kept as plant_kept
 from .plants import readout_a as readout_a
@@ -167,11 +167,12 @@ def run_seed(
 
 def _todo(merges: Any) -> tuple[tuple[str, str, int | None], ...]:
     """The merges :func:`run_seed` evaluates, for its ``merges`` argument."""
-    named = {"primary": PRIMARY, "all": all_merges(), "none": ()}
+    named = {"primary": PRIMARY, "all": all_merges(), "none": (), "data_weaker": DATA_WEAKER}
     if isinstance(merges, str):
         if merges not in named:
             raise nu.InputError(
-                f"run_seed: merges={merges!r}; expected 'primary', 'all', 'none' or a sequence "
+                f"run_seed: merges={merges!r}; expected 'primary', 'all', 'none', 'data_weaker' "
+                "or a sequence "
                 "of (arm, allocation, budget) triples."
             )
         return named[merges]
@@ -193,7 +194,7 @@ def merge_label(merge: Sequence[Any]) -> str:
 
 
 def parse_merges(text: str) -> str | tuple[tuple[str, str, int | None], ...]:
-    """``"none"``, ``"primary"``, ``"all"``, or comma-separated merge labels of
+    """``"none"``, ``"primary"``, ``"all"``, ``"data_weaker"`` or comma-separated merge labels of
     :func:`merge_label` (``conflict_g1/signed_weaker/R16,agreement_g1/all/full``) as triples.
 
     Raises:
@@ -201,14 +202,15 @@ def parse_merges(text: str) -> str | tuple[tuple[str, str, int | None], ...]:
         budgets named).
     """
     text = text.strip()
-    if text in ("none", "primary", "all"):
+    if text in ("none", "primary", "all", "data_weaker"):
         return text
     by_label = {merge_label(m): m for m in all_merges()}
     labels = [t.strip() for t in text.split(",") if t.strip()]
     unknown = [t for t in labels if t not in by_label]
     if unknown or not labels:
         raise nu.InputError(
-            f"merges {unknown or repr(text)}: expected none, primary, all or labels "
+            f"merges {unknown or repr(text)}: expected none, primary, all, data_weaker or "
+            "labels "
             "arm/allocation/budget of the study's merges (arms "
             f"{', '.join(a.name for a in ARMS)}; allocations {', '.join(ALLOCATIONS)}; budgets "
             f"{', '.join(f'R{r}' for r in BUDGETS)} for uniform and global ones, full for the "
@@ -227,7 +229,7 @@ def merges_to_run(recorded: Any, asked: Any) -> Any:
     if want <= had:
         return None
     both = had | want
-    for name in ("none", "primary", "all"):
+    for name in ("none", "primary", "all", "data_weaker"):
         if both == set(_todo(name)):
             return name
     return tuple(m for m in all_merges() if m in both)

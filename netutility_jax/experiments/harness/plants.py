@@ -30,6 +30,9 @@ __all__ = [
     "ARMS",
     "BONFERRONI",
     "BUDGETS",
+    "DATA_WEAKER",
+    "DATA_WEAKER_DELTAS",
+    "DATA_WEAKER_LEVEL",
     "HEADLINE",
     "PAIRS",
     "PRIMARY",
@@ -91,6 +94,9 @@ ALLOCATIONS: dict[str, dict[str, Any]] = {
     "net_utility_data_pos": {"kind": "full", "data": True},
     "signed_pos": {"kind": "full", "interference": "signed"},
     "signed_weaker_pos": {"kind": "full", "interference": "signed_weaker"},
+    # the asymmetric term with the data-aware shares (registered 2026-12-01, after the study)
+    "signed_weaker_data": {"kind": "global", "interference": "signed_weaker", "data": True},
+    "signed_weaker_data_pos": {"kind": "full", "interference": "signed_weaker", "data": True},
     "all": {"kind": "all"},
 }
 BUDGETS = (16, 32)
@@ -148,6 +154,31 @@ PRIMARY_DELTAS = tuple(
     for (a, a_lab) in pairs
     for b in ("energy" if r == "R16" else "all",)
 )
+#: The follow-up registered on 2026-12-01 (docs/experiments.md, "Pre-registration: the asymmetric
+#: term with the data-aware shares"): its 12 merges a seed (``--merges data_weaker``), its two
+#: primary comparisons and their Bonferroni level (97.5%).
+DATA_WEAKER = (
+    *(
+        (arm, alloc, r)
+        for arm in ("conflict_g1", "agreement_g1")
+        for alloc, r in (
+            ("energy", 16),
+            ("signed_weaker", 16),
+            ("signed_weaker_data", 16),
+            ("all", None),
+            ("signed_weaker_data_pos", None),
+        )
+    ),
+    ("null", "energy", 16),
+    ("null", "signed_weaker_data", 16),
+)
+DATA_WEAKER_DELTAS = tuple(
+    (f"signed_weaker_data - energy, {arm.split('_')[0]}, R16", arm, "signed_weaker_data/R16",
+     "energy/R16")
+    for arm in ("conflict_g1", "agreement_g1")
+)  # fmt: skip
+DATA_WEAKER_LEVEL = 1 - 0.05 / len(DATA_WEAKER_DELTAS)
+
 #: Bonferroni level of the eight primary comparisons (99.375%).
 BONFERRONI = 1 - 0.05 / len(PRIMARY_DELTAS)
 
