@@ -403,3 +403,57 @@ def test_the_asymmetric_terms_comparisons_are_reported_where_both_merges_were_ev
     assert res["multiplicity"]["primary_family"] == base["multiplicity"]["primary_family"] == 8
     assert res["multiplicity"]["secondary_family"] > base["multiplicity"]["secondary_family"]
     assert "signed_weaker - signed, conflict_g1, R16" in md
+
+
+def test_the_data_weaker_follow_up_is_reported_as_its_own_registered_family():
+    """The committed asymmetric-term seeds (docs/planted/weaker, the five registered seeds) with
+    its merges copied under the follow-up's labels: the two registered comparisons equal the
+    copied ones (to the bit), are decided by their own 97.5% t interval (written out here from
+    the per-seed deltas), and each family holds what the registration names (2 primary; 5
+    secondary comparisons' two outcomes and the primary ones' all-tasks outcome: 12)."""
+    import math
+    import pathlib
+
+    from scipy import stats as sps
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    seeds = pl.load_seeds(root / "docs/planted/weaker")
+    assert sorted(r["seed"] for r, _ in seeds) == [0, 1, 2, 3, 4]
+    copied = []
+    for r, a in seeds:
+        recs, arrays = dict(r["records"]), dict(a)
+        for src, dst in (
+            *((f"{arm}/signed_weaker/R16", f"{arm}/signed_weaker_data/R16") for arm in
+              ("conflict_g1", "agreement_g1", "null")),
+            *((f"{arm}/signed_weaker_pos/full", f"{arm}/signed_weaker_data_pos/full") for arm in
+              ("conflict_g1", "agreement_g1")),
+        ):  # fmt: skip
+            recs[dst] = recs[src]
+            arrays[f"c:{dst}"] = arrays[f"c:{src}"]
+        copied.append(({**r, "records": recs}, arrays))
+    res, md = pl.render(copied, command="test", n_boot=100)
+    d, mult = res["deltas"], res["multiplicity"]
+    # (the study's sign-aware rows are there too: those seeds evaluated their merges)
+    assert mult["primary_family"] == sum(v["primary"] for v in d.values()) == 4
+    assert mult["data_weaker_family"] == 2
+    assert mult["data_weaker_secondary_family"] == 12
+    for lab, arm, *_ in plants.DATA_WEAKER_DELTAS:
+        got, want = d[lab], d[f"signed_weaker - energy, {arm}, R16"]
+        assert got["family"] == "data_weaker" and not got["primary"]
+        assert got["victims"]["per_seed"] == want["victims"]["per_seed"]
+        per = np.asarray(got["victims"]["per_seed"])
+        half = sps.t.ppf(1 - 0.025 / 2, 4) * per.std(ddof=1) / math.sqrt(5)
+        np.testing.assert_allclose(
+            got["victims"]["seed_ci_bonferroni"], [per.mean() - half, per.mean() + half]
+        )
+        lo, hi = got["victims"]["seed_ci_bonferroni"]
+        assert got["decision"] == ("gain" if lo > 0 else "loss" if hi < 0 else
+                                   "no difference declared")  # fmt: skip
+    for arm in ("conflict", "agreement"):
+        same = d[f"signed_weaker_data - signed_weaker, {arm}, R16"]
+        assert same["family"] == "data_weaker_secondary"
+        assert same["victims"]["per_seed"] == [0.0] * 5
+    assert "97.5%" in md
+    assert md.index("signed_weaker_data - energy, conflict, R16") < md.index(
+        "signed_weaker - energy, conflict_g1, R16"
+    )

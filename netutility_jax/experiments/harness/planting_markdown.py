@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .plants import BONFERRONI
+from .plants import BONFERRONI, DATA_WEAKER_LEVEL
 
 __all__ = ["markdown"]
 
@@ -39,7 +39,8 @@ def markdown(res: Mapping[str, Any]) -> str:
     """``results.md`` of the study's results (``planting_report.render``)."""
     lines = [*_manipulation_check(res), *_readout_a(res), *_changed(res)]
     if res["accuracy"]:
-        lines += [*_headline(res), *_accuracy(res), *_deltas(res)]
+        lines += [*(_headline(res) if res.get("headline") else []), *_accuracy(res)]
+        lines += _deltas(res)
     else:
         lines += ["", "No merge was evaluated for accuracy (read-out (a) only)."]
     lines.append("")
@@ -189,21 +190,68 @@ def _accuracy(res: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _deltas(res: Mapping[str, Any]) -> list[str]:
-    """The deltas, primary comparisons first, with their intervals, p-values, Holm's correction
-    and the registered decision."""
-    acc_seeds = res.get("accuracy_seeds", [])
+_ORDER = ("primary", "data_weaker", "data_weaker_secondary", "secondary")
+
+
+def _family(d: Mapping[str, Any]) -> str:
+    return d.get("family", "primary" if d["primary"] else "secondary")
+
+
+def _survivors(names: Sequence[str]) -> str:
+    return "; ".join(names) if names else "none"
+
+
+def _multiplicity(res: Mapping[str, Any]) -> str:
+    """The multiplicity paragraph: each family shown, its size, its decision rule and what
+    Holm keeps."""
     mult = res.get("multiplicity") or {}
-    surv_p = mult.get("primary_holm_survivors", [])
+    rule = (
+        "" if mult.get("registered_rule_applied")
+        else f" ({mult.get('registered_rule', 'not applied')})"
+    )  # fmt: skip
+    parts = []
+    if mult.get("primary_family"):
+        parts.append(
+            f"{mult['primary_family']} primary comparisons (the victims' outcome, registered): "
+            f"the registered decision is the Bonferroni t interval over the five registered "
+            f"seeds{rule}; Holm at family-wise 5% over the {mult['primary_family']} keeps "
+            f"{_survivors(mult.get('primary_holm_survivors', []))}."
+        )
+    if mult.get("data_weaker_family"):
+        parts.append(
+            f"The follow-up registered for the asymmetric term with the data-aware shares: "
+            f"{mult['data_weaker_family']} primary comparisons (the victims' outcome), decided "
+            f"by the t interval over the five registered seeds at "
+            f"{100 * DATA_WEAKER_LEVEL:.1f}% (Bonferroni over its two){rule}; Holm over them "
+            f"keeps {_survivors(mult.get('data_weaker_holm_survivors', []))}. Its secondary "
+            f"family ({mult.get('data_weaker_secondary_family', 0)} deltas: its secondary "
+            "comparisons, both outcomes, and its primary ones' all-tasks outcome): Holm keeps "
+            f"{_survivors(mult.get('data_weaker_secondary_holm_survivors', []))}."
+        )
     surv_s = mult.get("secondary_holm_survivors", [])
+    parts.append(
+        f"The other {mult.get('secondary_family', 0)} deltas shown (comparisons outside the "
+        "registrations, and the all-tasks outcome of the registered study's) are one family: "
+        f"Holm keeps {len(surv_s)} of them"
+        + (f" ({'; '.join(surv_s)})" if surv_s else "")
+        + ". Read any other delta as exploratory."
+    )
+    return "**Multiplicity.** " + " ".join(parts)
+
+
+def _deltas(res: Mapping[str, Any]) -> list[str]:
+    """The deltas, registered comparisons first, with their intervals, p-values, Holm's
+    correction and the registered decisions."""
+    acc_seeds = res.get("accuracy_seeds", [])
     lines = [
         "",
-        "## Deltas (primary comparisons first)",
+        "## Deltas (registered comparisons first)",
         "",
         "Victims' normalised accuracy (and all tasks'), mean over seeds (per seed in the order "
         f"{', '.join(map(str, acc_seeds))}): the paired bootstrap 95% interval over test "
-        "texts (adapters fixed), the t interval over seeds (95%; for the primary comparisons "
-        f"also at the registered Bonferroni level {100 * BONFERRONI:.3f}%), the two-level "
+        "texts (adapters fixed), the t interval over seeds (95%; for a registration's primary "
+        f"comparisons also at its Bonferroni level: {100 * BONFERRONI:.3f}% for the study's "
+        f"eight, {100 * DATA_WEAKER_LEVEL:.1f}% for the follow-up's two), the two-level "
         "interval (seeds and texts resampled together, 95%), the two-sided p of the t test "
         "over seeds and its Holm-adjusted value within its family. With fewer than two seeds "
         "there is no seed interval; the text interval alone does not include the seed noise "
@@ -212,37 +260,23 @@ def _deltas(res: Mapping[str, Any]) -> list[str]:
         "narrower than the t interval over seeds: it shows how much the test texts add, "
         "and the registered rule reads the t interval.",
         "",
-        f"**Multiplicity.** {mult.get('primary_family', 0)} primary comparisons (the victims' "
-        "outcome, registered): the registered decision is the Bonferroni t interval over the "
-        "five registered seeds"
-        + (
-            ""
-            if mult.get("registered_rule_applied")
-            else f" ({mult.get('registered_rule', 'not applied')})"
-        )
-        + "; Holm at family-wise 5% over the "
-        f"{mult.get('primary_family', 0)} keeps "
-        + ("; ".join(surv_p) if surv_p else "none")
-        + f". The other {mult.get('secondary_family', 0)} deltas shown (secondary "
-        "comparisons, and the all-tasks outcome of every comparison) are one family: Holm "
-        f"keeps {len(surv_s)} of them"
-        + (f" ({'; '.join(surv_s)})" if surv_s else "")
-        + ". Read any other delta as exploratory.",
+        _multiplicity(res),
         "",
         "| comparison | victims | per seed | text 95% | seed 95% | two-level 95% | seed "
         "Bonferroni | p | Holm p | decision | all tasks | all tasks text 95% | all tasks "
         "two-level 95% |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for lab, d in sorted(res["deltas"].items(), key=lambda kv: not kv[1]["primary"]):
+    for lab, d in sorted(res["deltas"].items(), key=lambda kv: _ORDER.index(_family(kv[1]))):
         v, m = d["victims"], d["mean"]
-        bold = "**" if d["primary"] else ""
+        registered = _family(d) in ("primary", "data_weaker")
+        bold = "**" if registered else ""
         lines.append(
             f"| {bold}{lab}{bold} | {_f(v['estimate'], 2, True)} | "
             f"{', '.join(_f(x, 1, True) for x in v['per_seed'])} | "
             f"{_ci(v['text_ci95'])} | {_ci(v['seed_ci95'])} | "
             f"{_ci(v.get('two_level_ci95', [None, None]))} | "
-            f"{_ci(v['seed_ci_bonferroni']) if d['primary'] else ''} | "
+            f"{_ci(v['seed_ci_bonferroni']) if registered else ''} | "
             f"{_p(v.get('p_seeds'))} | {_p(v.get('p_holm'))} | {d.get('decision', '')} | "
             f"{_f(m['estimate'], 2, True)} | {_ci(m['text_ci95'])} | "
             f"{_ci(m.get('two_level_ci95', [None, None]))} |"

@@ -31,6 +31,9 @@ from .plants import (
     ARMS,
     BONFERRONI,
     BUDGETS,
+    DATA_WEAKER_DELTAS,
+    DATA_WEAKER_LEVEL,
+    DATA_WEAKER_SECONDARY,
     HEADLINE,
     PRIMARY_DELTAS,
     REGISTERED_SEEDS,
@@ -198,21 +201,32 @@ def _readout_a(recs: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], dict[
     return ra, changed
 
 
-def comparisons() -> list[tuple[str, str, str, str | tuple[str, str], bool]]:
+#: The families of :func:`comparisons`: the registered study's primary comparisons, the
+#: follow-up's (the data-aware asymmetric term, registered later) and its secondary ones, and
+#: every other comparison (exploratory).
+FAMILIES = ("primary", "data_weaker", "data_weaker_secondary", "secondary")
+
+
+def comparisons() -> list[tuple[str, str, str, str | tuple[str, str], str]]:
     """Every comparison the report may show, the registered ones first: ``(label, arm, a, b,
-    primary)`` with ``a`` a merge of ``arm`` (``allocation/budget``) and ``b`` one of ``arm`` or
-    an ``(arm, merge)`` of another arm (the oracle: the unplanted set)."""
-    out = [(lab, arm, a, b, True) for lab, arm, a, b in PRIMARY_DELTAS]
+    family)`` with ``a`` a merge of ``arm`` (``allocation/budget``), ``b`` one of ``arm`` or an
+    ``(arm, merge)`` of another arm (the oracle: the unplanted set), and ``family`` one of
+    :data:`FAMILIES`."""
+    out = [(lab, arm, a, b, "primary") for lab, arm, a, b in PRIMARY_DELTAS]
+    out += [(lab, arm, a, b, "data_weaker") for lab, arm, a, b in DATA_WEAKER_DELTAS]
+    out += [(lab, arm, a, b, "data_weaker_secondary") for lab, arm, a, b in DATA_WEAKER_SECONDARY]
     for arm in ("conflict_g1", "agreement_g1", "null", "conflict_g0.5", "agreement_g0.5"):
         for r in ("R16", "R32"):
             for a in (
                 "uniform", "net_utility", "lam_x4", "net_utility_data", "signed", "signed_weaker",
             ):  # fmt: skip
-                out.append((f"{a} - energy, {arm}, {r}", arm, f"{a}/{r}", f"energy/{r}", False))
+                out.append(
+                    (f"{a} - energy, {arm}, {r}", arm, f"{a}/{r}", f"energy/{r}", "secondary")
+                )
             # the asymmetric sign-aware term (ours, after the registration) against the symmetric
             out.append(
                 (f"signed_weaker - signed, {arm}, {r}", arm, f"signed_weaker/{r}", f"signed/{r}",
-                 False)
+                 "secondary")
             )  # fmt: skip
             if arm != "null":  # the oracle: Net Utility on the unplanted set
                 for a in ("energy", "net_utility", "signed", "signed_weaker"):
@@ -222,17 +236,17 @@ def comparisons() -> list[tuple[str, str, str, str | tuple[str, str], bool]]:
                             arm,
                             f"{a}/{r}",
                             ("null", f"net_utility/{r}"),
-                            False,
+                            "secondary",
                         )
                     )
         for a in (
             "net_utility_pos", "signed_pos", "lam_x4_pos", "net_utility_data_pos",
             "signed_weaker_pos",
         ):  # fmt: skip
-            out.append((f"{a} - keep-all, {arm}", arm, f"{a}/full", "all/full", False))
+            out.append((f"{a} - keep-all, {arm}", arm, f"{a}/full", "all/full", "secondary"))
         out.append(
             (f"signed_weaker_pos - signed_pos, {arm}", arm, "signed_weaker_pos/full",
-             "signed_pos/full", False)
+             "signed_pos/full", "secondary")
         )  # fmt: skip
         if arm != "null":
             out.append(
@@ -241,7 +255,7 @@ def comparisons() -> list[tuple[str, str, str, str | tuple[str, str], bool]]:
                     arm,
                     "all/full",
                     ("null", "all/full"),
-                    False,
+                    "secondary",
                 )
             )
     return out
@@ -274,16 +288,18 @@ def _accuracy(
         }
     deltas: dict[str, Any] = {}
     done: set[tuple[str, str]] = set()
-    for lab, arm, a, b, primary in comparisons():
+    levels = {"primary": BONFERRONI, "data_weaker": DATA_WEAKER_LEVEL}
+    for lab, arm, a, b, family in comparisons():
         la = f"{arm}/{a}"
         lb = f"{b[0]}/{b[1]}" if isinstance(b, tuple) else f"{arm}/{b}"
         if la not in common or lb not in common or (la, lb) in done:
             continue  # (a secondary pairing that is a primary one is shown once)
         done.add((la, lb))
         ca, cb = corr(la), corr(lb)
-        level = BONFERRONI if primary else 0.95
+        level = levels.get(family, 0.95)
         deltas[lab] = {
-            "primary": primary,
+            "primary": family == "primary",
+            "family": family,
             "a": la,
             "b": lb,
             "victims": _delta(bs_vic, ca[:, rows], cb[:, rows], single[:, rows], level),
@@ -361,37 +377,53 @@ def _not_applied(acc_seeds: Sequence[int], init: str) -> str:
 def _multiplicity(
     deltas: dict[str, Any], acc_seeds: Sequence[int], init: str = "per_task"
 ) -> dict[str, Any]:
-    """Holm over the primary family (the victims' outcome of the registered comparisons) and,
-    separately, over every other delta shown (secondary victims' and every all-tasks delta);
-    the registered decision (Bonferroni t interval over the five registered seeds) where every
-    registered seed has accuracy. Writes ``p_holm``/``holm_reject``/``decision`` into the
-    deltas."""
-    primary = {lab: d["victims"]["p_seeds"] for lab, d in deltas.items() if d["primary"]}
-    secondary = {
-        f"{lab} | {side}": d[side]["p_seeds"]
-        for lab, d in deltas.items()
-        for side in ("victims", "mean")
-        if not (d["primary"] and side == "victims")
-    }
-    hp, hs = st.holm(primary), st.holm(secondary)
+    """Holm within each family: the registered study's primary comparisons (their victims'
+    outcome), the follow-up's two primary comparisons (likewise) and its secondary family (its
+    secondary comparisons' outcomes and its primary ones' all-tasks outcome), and every other
+    delta shown (one family); the registered decisions (each registration's Bonferroni t
+    interval over the five registered seeds) where every registered seed has accuracy. Writes
+    ``p_holm``/``holm_reject``/``decision`` into the deltas."""
+    fams: dict[str, dict[str, Any]] = {f: {} for f in FAMILIES}
+    where: dict[tuple[str, str], str] = {}
+    for lab, d in deltas.items():
+        fam = d.get("family", "primary" if d["primary"] else "secondary")
+        for side in ("victims", "mean"):
+            f = fam
+            if side == "mean" and fam in ("primary", "data_weaker"):
+                f = "data_weaker_secondary" if fam == "data_weaker" else "secondary"
+            fams[f][f"{lab} | {side}"] = d[side]["p_seeds"]
+            where[(lab, side)] = f
+    holm = {f: st.holm(ps) for f, ps in fams.items()}
     registered = init == "per_task" and sorted(acc_seeds) == list(REGISTERED_SEEDS)
     for lab, d in deltas.items():
         for side in ("victims", "mean"):
-            h = hp[lab] if d["primary"] and side == "victims" else hs[f"{lab} | {side}"]
+            h = holm[where[(lab, side)]][f"{lab} | {side}"]
             d[side]["p_holm"] = h["p_holm"]
             d[side]["holm_reject"] = h["reject"]
-        if d["primary"]:
+        if d.get("family", "primary" if d["primary"] else "") in ("primary", "data_weaker"):
             lo, hi = d["victims"]["seed_ci_bonferroni"]
             d["decision"] = (
                 ("gain" if lo > 0 else "loss" if hi < 0 else "no difference declared")
                 if registered
                 else _not_applied(acc_seeds, init)
             )
+
+    def count(f):
+        return sum(not math.isnan(float(v)) for v in fams[f].values())
+
+    def kept(f):
+        return [k.removesuffix(" | victims") if f in ("primary", "data_weaker") else k
+                for k, v in holm[f].items() if v["reject"]]  # fmt: skip
+
     return {
-        "primary_family": sum(not math.isnan(float(v)) for v in primary.values()),
-        "primary_holm_survivors": [k for k, v in hp.items() if v["reject"]],
-        "secondary_family": sum(not math.isnan(float(v)) for v in secondary.values()),
-        "secondary_holm_survivors": [k for k, v in hs.items() if v["reject"]],
+        "primary_family": count("primary"),
+        "primary_holm_survivors": kept("primary"),
+        "data_weaker_family": count("data_weaker"),
+        "data_weaker_holm_survivors": kept("data_weaker"),
+        "data_weaker_secondary_family": count("data_weaker_secondary"),
+        "data_weaker_secondary_holm_survivors": kept("data_weaker_secondary"),
+        "secondary_family": count("secondary"),
+        "secondary_holm_survivors": kept("secondary"),
         "registered_rule_applied": registered,
         "registered_rule": "applied" if registered else _not_applied(acc_seeds, init),
     }

@@ -33,6 +33,7 @@ __all__ = [
     "DATA_WEAKER",
     "DATA_WEAKER_DELTAS",
     "DATA_WEAKER_LEVEL",
+    "DATA_WEAKER_SECONDARY",
     "HEADLINE",
     "PAIRS",
     "PRIMARY",
@@ -178,6 +179,21 @@ DATA_WEAKER_DELTAS = tuple(
     for arm in ("conflict_g1", "agreement_g1")
 )  # fmt: skip
 DATA_WEAKER_LEVEL = 1 - 0.05 / len(DATA_WEAKER_DELTAS)
+#: Its secondary comparisons (one family with every all-tasks outcome of its comparisons,
+#: Holm at 5%).
+DATA_WEAKER_SECONDARY = (
+    *(
+        (f"signed_weaker_data - signed_weaker, {arm.split('_')[0]}, R16", arm,
+         "signed_weaker_data/R16", "signed_weaker/R16")
+        for arm in ("conflict_g1", "agreement_g1")
+    ),
+    *(
+        (f"signed_weaker_data_pos - keep-all, {arm.split('_')[0]}", arm,
+         "signed_weaker_data_pos/full", "all/full")
+        for arm in ("conflict_g1", "agreement_g1")
+    ),
+    ("signed_weaker_data - energy, null, R16", "null", "signed_weaker_data/R16", "energy/R16"),
+)  # fmt: skip
 
 #: Bonferroni level of the eight primary comparisons (99.375%).
 BONFERRONI = 1 - 0.05 / len(PRIMARY_DELTAS)
