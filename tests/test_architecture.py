@@ -113,6 +113,69 @@ def test_no_import_cycle_inside_the_package():
             visit(m)
 
 
+#: The size rules the house keeps (docs/design.md): a module over this many lines is split, a
+#: function over this many lines of code (blank lines, comments and its docstring not counted)
+#: is cut into named steps.
+MODULE_LINES = 600
+FUNCTION_CODE_LINES = 80
+
+
+def _code_lines(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's lines of code: its lines, less blank ones, comment-only ones and its
+    docstring (nested functions count within it)."""
+    skip: set[int] = set()
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        if isinstance(first.value.value, str):
+            skip = set(range(first.lineno, first.end_lineno + 1))
+    return sum(
+        1
+        for i in range(node.lineno, node.end_lineno + 1)
+        if i not in skip and lines[i - 1].strip() and not lines[i - 1].strip().startswith("#")
+    )
+
+
+def _too_long(mods: dict[str, pathlib.Path]) -> list[str]:
+    out = []
+    for mod, path in mods.items():
+        lines = path.read_text().splitlines()
+        if len(lines) > MODULE_LINES:
+            out.append(f"{mod}: {len(lines)} lines (at most {MODULE_LINES})")
+        for node in ast.walk(_parsed(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _code_lines(lines, node)
+                if n > FUNCTION_CODE_LINES:
+                    out.append(
+                        f"{mod}.{node.name} (line {node.lineno}): {n} lines of code (at most "
+                        f"{FUNCTION_CODE_LINES})"
+                    )
+    return out
+
+
+def test_no_module_or_function_is_too_long():
+    """Every module of the package (the experiments included) within MODULE_LINES lines, every
+    function within FUNCTION_CODE_LINES lines of code."""
+    assert _too_long(_modules()) == []
+
+
+def test_the_size_check_counts_code_lines_only(tmp_path):
+    """The check flags a long module and a long function, and counts neither a docstring, nor
+    blank or comment lines, nor what lies outside the function."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(FUNCTION_CODE_LINES - 2))
+    doc = '    """' + "\n".join(["A docstring."] * 30) + '"""\n'
+    # (at the limit: the def line, the body and the return; the docstring, the comment and the
+    # blank line not counted)
+    ok = f"def f():\n{doc}" + body + "\n    # a comment\n\n    return 0\n"
+    long = f"def g():\n{doc}" + body + "\n    y = 1\n    z = y\n    return z\n"
+    (tmp_path / "ok.py").write_text(ok)
+    (tmp_path / "long.py").write_text(long + "\n" * MODULE_LINES)
+    tree = ast.parse(ok)
+    assert _code_lines(ok.splitlines(), tree.body[0]) == FUNCTION_CODE_LINES
+    got = _too_long({"pkg.ok": tmp_path / "ok.py", "pkg.long": tmp_path / "long.py"})
+    assert [g.split(":")[0] for g in got] == ["pkg.long", "pkg.long.g (line 1)"]
+    assert f"{FUNCTION_CODE_LINES + 2} lines of code" in got[1]
+
+
 def test_every_module_declares_all():
     missing = []
     for mod, path in _modules().items():

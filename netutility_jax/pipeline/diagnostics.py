@@ -73,11 +73,25 @@ from .._core import io as _io
 from .._core import tree as _tree
 from .._core.checks import as_integer, brief, check_budget, check_choice, given
 from ..allocation.allocate import allocate
-from ..allocation.analysis import kept_per_module, kept_per_task
+from ..allocation.analysis import kept_per_task
 from ..errors import InputError, InputTypeError
 from ..scoring._run import check_interference, check_options
-from ..scoring.decompose import lora_svd
-from ..scoring.utility import Scores, score, task_energies
+from ..scoring.utility import score, task_energies
+from ._diagnose_advice import EVIDENCE as EVIDENCE
+from ._diagnose_advice import OVERLAP_NEAR_CHANCE as OVERLAP_NEAR_CHANCE
+from ._diagnose_advice import ROTATION_FEW as ROTATION_FEW
+from ._diagnose_advice import TIGHT_PER_TASK as TIGHT_PER_TASK
+from ._diagnose_advice import pct as _pct
+from ._diagnose_advice import recommendation, warnings_of
+from ._diagnose_measures import ModuleOverlap as ModuleOverlap
+from ._diagnose_measures import (
+    changed,
+    energy_scores,
+    lambda_changes,
+    overlaps,
+    rotated,
+    uniform_shares,
+)
 
 __all__ = [
     "EVIDENCE",
@@ -93,42 +107,8 @@ __all__ = [
 
 LAMBDA_FACTORS = (0.25, 4.0)
 """The factors of lambda whose effect :func:`diagnose` reports (relative to the scoring's lambda)."""
-OVERLAP_NEAR_CHANCE = 2.0
-"""Model-wide overlap within this factor of chance (``1/2 .. 2``) counts as chance level."""
-ROTATION_FEW = 0.1
-"""A rotation control that changes fewer than this fraction of the kept directions counts as few."""
-TIGHT_PER_TASK = 2.5
-"""A budget of at most this many directions per task and module counts as tight (the regime
-study's evidence: a gain over uniform at 16 / 7 = 2.3, none at 16 / 5 = 3.2 or 32 / 7 = 4.6)."""
-EVIDENCE = {
-    "energy_vs_uniform_r16": (0.61, 0.12, 1.09),
-    "net_utility_vs_energy_r16": (0.08, -0.22, 0.39),
-}
-"""The figures :func:`diagnose`'s recommendation quotes: ``(mean, low, high)`` in points of
-normalised accuracy, the mean over ten seeds of the regime study's centre and per-task cells
-(encoder adapters, 7 tasks, R = 16) and its two-level 95% interval (seeds and test texts
-resampled together); docs/regime/seeds/results.json, whose grid entries a test compares with
-these."""
-
 _FN = "nu.diagnose"
 _SCOPES = ("global", "local")
-
-
-class ModuleOverlap(NamedTuple):
-    """Input-subspace overlap of one module's tasks (see the module docstring, item 1).
-
-    Attributes:
-      overlap: mean over task pairs ``i < j`` of ``||V_i^T V_j||_F^2 / min(r_i, r_j)``.
-      chance: mean over the same pairs of ``max(r_i, r_j) / d_in``, the expectation of the
-        overlap for a uniformly random subspace.
-      overlap_vs_chance: ``overlap / chance``; NaN with fewer than two tasks with candidates.
-      tasks: how many tasks have candidate directions in the module.
-    """
-
-    overlap: float
-    chance: float
-    overlap_vs_chance: float
-    tasks: int
 
 
 class TaskDiagnostics(NamedTuple):
@@ -276,10 +256,6 @@ class Diagnostics:
         return "\n".join(lines)
 
 
-def _pct(x: float) -> str:
-    return "n/a" if not math.isfinite(x) else f"{100 * x:.0f}%"
-
-
 def _num(x: float) -> str:
     return "n/a" if not math.isfinite(x) else f"{x:.2f}"
 
@@ -324,260 +300,6 @@ def _check_names(names: Any, m_tasks: int) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------ the measures
-
-
-def _in_dirs(
-    flat: Sequence[Mapping[str, _tree.Module | None]], names: Sequence[str], dtype: Any
-) -> dict[tuple[str, int], np.ndarray]:
-    """``{(module, task): in_dirs (d_in, k)}`` float64, descending, from :func:`nu.lora_svd`,
-    one batched call per factor shape."""
-    groups: dict[tuple, list[tuple[str, int, _tree.Module]]] = {}
-    for name in names:
-        for i, f in enumerate(flat):
-            m = f[name]
-            if m is not None and m.rank > 0:
-                key = (tuple(m.lora_a.shape), tuple(m.lora_b.shape))
-                groups.setdefault(key, []).append((name, i, m))
-    out = {}
-    for items in groups.values():
-        a = np.stack([np.asarray(m.lora_a).astype(dtype) for _, _, m in items])
-        b = np.stack([np.asarray(m.lora_b).astype(dtype) for _, _, m in items])
-        s = np.asarray([np.asarray(m.scale, np.float64) for _, _, m in items]).astype(dtype)
-        dirs = np.asarray(lora_svd(a, b, s).in_dirs, np.float64)
-        out.update(((name, i), dirs[n]) for n, (name, i, _) in enumerate(items))
-    return out
-
-
-def _overlaps(
-    flat: Sequence[Mapping[str, _tree.Module | None]],
-    names: Sequence[str],
-    scores: Scores,
-    dtype: Any,
-) -> dict[str, ModuleOverlap]:
-    """Item 1 of the module docstring, per module."""
-    dirs = _in_dirs(flat, names, dtype)
-    out = {}
-    for name in names:
-        ranks = np.asarray(scores.modules[name].sigma > 0).sum(1)
-        live = [i for i, r in enumerate(ranks) if r > 0]
-        d_in = next(f[name].d_in for f in flat if f[name] is not None)
-        vs = {i: dirs[name, i][:, : int(ranks[i])] for i in live}
-        ov, ch = [], []
-        for p, i in enumerate(live):
-            for j in live[p + 1 :]:
-                ri, rj = int(ranks[i]), int(ranks[j])
-                ov.append(float(np.sum((vs[i].T @ vs[j]) ** 2)) / min(ri, rj))
-                ch.append(max(ri, rj) / d_in)
-        if ov:
-            o, c = float(np.mean(ov)), float(np.mean(ch))
-            out[name] = ModuleOverlap(o, c, o / c, len(live))
-        else:
-            out[name] = ModuleOverlap(math.nan, math.nan, math.nan, len(live))
-    return out
-
-
-def _changed(masks: Mapping[str, Any], other: Mapping[str, Any]) -> int:
-    """Directions kept in exactly one of two allocations of the same modules."""
-    return int(sum((np.asarray(masks[k]) ^ np.asarray(other[k])).sum() for k in masks))
-
-
-def _lambda_changes(
-    adapters: Sequence[Any],
-    scores: Scores,
-    masks: Mapping[str, Any],
-    factor: float,
-    *,
-    budget: int,
-    scope: str,
-    interference: str = "overlap",
-) -> int:
-    """Item 3: directions whose kept status changes when ``adapters`` are scored with
-    ``lam = factor * scores.lam`` (same alpha and interference) and allocated as ``masks``
-    were."""
-    lam = factor * float(scores.lam)
-    other = score(adapters, alpha=float(scores.alpha), lam=lam, interference=interference)
-    return _changed(masks, allocate(other, budget, scope=scope))
-
-
-def _haar_frame(rng: np.random.Generator, d: int, k: int) -> np.ndarray:
-    """A ``(d, k)`` orthonormal frame uniform on the Stiefel manifold (QR of a Gaussian, with
-    the signs that make ``R``'s diagonal positive)."""
-    q, r = np.linalg.qr(rng.standard_normal((d, k)))
-    return q * np.where(np.diag(r) < 0, -1.0, 1.0)
-
-
-def _rotated(
-    flat: Sequence[Mapping[str, _tree.Module | None]], names: Sequence[str], seed: int
-) -> list[dict[str, Any]]:
-    """Item 4: the adapters with every task's ``lora_a`` replaced by ``Q lora_a``, ``Q`` a Haar
-    random ``d_in x d_in`` orthogonal matrix per task and module.
-
-    ``Q`` is never formed: with the thin QR ``lora_a = Q_a R_a`` (``Q_a`` ``(d_in, k)``,
-    ``k = min(d_in, r)``), ``Q lora_a = (Q Q_a) R_a``, and for Haar ``Q`` the frame ``Q Q_a`` is
-    uniform on the Stiefel manifold; so ``lora_a -> F R_a`` with ``F`` a uniform frame
-    (:func:`_haar_frame`) has exactly the law of a Haar rotation, at ``O(d_in r^2)`` instead of
-    ``O(d_in^3)``, and equals ``Q lora_a`` for the orthogonal ``Q`` that maps ``Q_a`` to ``F``.
-    """
-    rng = np.random.default_rng(seed)
-    out: list[dict[str, Any]] = [{} for _ in flat]
-    for name in names:
-        for i, f in enumerate(flat):
-            m = f[name]
-            if m is None:
-                out[i][name] = None
-                continue
-            a = np.asarray(m.lora_a)
-            if m.rank > 0 and m.d_in > 0:
-                qa, ra = np.linalg.qr(a.astype(np.float64))
-                a = (_haar_frame(rng, m.d_in, qa.shape[1]) @ ra).astype(a.dtype)
-            out[i][name] = {"lora_a": a, "lora_b": m.lora_b, "scale": m.scale}
-    return out
-
-
-def _uniform_shares(uniform: Mapping[str, Any], scores: Scores) -> np.ndarray:
-    """Item 2: per task, ``sum_l [i in l] U_l / M'_l / sum_l U_l`` (see the module docstring)."""
-    counts = kept_per_module(uniform)
-    m_tasks = next(iter(scores.modules.values())).sigma.shape[0]
-    share = np.zeros(m_tasks)
-    for name, u in counts.items():
-        live = np.asarray(scores.modules[name].sigma > 0).any(1)
-        if live.any():
-            share += live * (u / live.sum())
-    total = sum(counts.values())
-    return share / total if total > 0 else np.full(m_tasks, math.nan)
-
-
-def _warnings(
-    overlap: float,
-    changed_fraction: float,
-    changed: int,
-    kept: int,
-    tasks: Sequence[TaskDiagnostics],
-) -> tuple[str, ...]:
-    out = []
-    near = math.isfinite(overlap) and 1 / OVERLAP_NEAR_CHANCE <= overlap <= OVERLAP_NEAR_CHANCE
-    if near and changed_fraction < ROTATION_FEW:
-        out.append(
-            "Net Utility's choice here is close to energy down-weighting: the tasks' input "
-            f"subspaces overlap {overlap:.2g}x what independent random subspaces would "
-            f"(1x), and rotating every task's input side at random changes only {changed} "
-            f"kept directions ({_pct(changed_fraction)} of {kept}), so the interference term "
-            "sees no cross-task geometry and mainly penalises high-energy tasks; compare with "
-            "the uniform allocation before trusting the ranking."
-        )
-    if kept == 0:
-        out.append(
-            "Net Utility keeps no direction at this budget (no positive utility); lower lambda "
-            "or use the uniform allocation."
-        )
-    for i, t in enumerate(tasks):
-        if math.isfinite(t.kept_vs_uniform) and t.kept_vs_uniform < 0.5:
-            label = t.name if t.name == f"task {i}" else f"task {i} ({t.name})"
-            why = (
-                "Net Utility's interference term weighs against tasks with large updates"
-                if t.energy_share > t.uniform_share
-                else "its directions have low net utility against the other tasks at this lambda"
-            )
-            out.append(
-                f"{label} keeps {t.kept} of the {kept} kept directions ({_pct(t.kept_share)}), "
-                f"less than half its uniform share ({_pct(t.uniform_share)}); it has "
-                f"{_pct(t.energy_share)} of the total energy, and {why}."
-            )
-    return tuple(out)
-
-
-def _energy_scores(scores: Scores) -> Scores:
-    """Item 6: the scores with every candidate's utility replaced by its benefit (``lam = 0``:
-    energy alone; non-candidates stay ``-inf``), so no second scoring is needed."""
-    modules = {}
-    for k, ms in scores.modules.items():
-        utility, benefit = np.asarray(ms.utility), np.asarray(ms.benefit)
-        modules[k] = ms._replace(utility=np.where(np.isfinite(utility), benefit, -np.inf))
-    return scores._replace(modules=modules, lam=np.zeros_like(np.asarray(scores.lam)))
-
-
-def _spelt(option: str, value: str, cli: bool) -> str:
-    """An option as the caller wrote it: ``--option value`` on the command line, else
-    ``option=value`` (strings quoted)."""
-    if cli:
-        return f"--{option} {value}"
-    return f'{option}="{value}"' if not value[:1].isdigit() else f"{option}={value}"
-
-
-def _fmt_evidence(key: str) -> str:
-    mean, lo, hi = EVIDENCE[key]
-    return f"{mean:+.2f} points (95% interval {lo:+.2f} to {hi:+.2f})"
-
-
-def _recommendation(
-    *,
-    lam: float,
-    changed_fraction: float,
-    kept: int,
-    energy_changed: int,
-    budget: int,
-    m_tasks: int,
-    interference: str,
-    overlap: float,
-    cli: bool,
-) -> tuple[bool, str]:
-    """Item 7 of the module docstring: ``(recommend_energy, text)``."""
-    energy = _spelt("lam", "0", cli)
-    keep_all = _spelt("allocation", "all", cli)
-    per = budget / m_tasks
-    study = "this project's regime study (encoder adapters, 7 tasks, ten seeds)"
-
-    def budget_text(ref: str) -> str:
-        if per <= TIGHT_PER_TASK:
-            return (
-                f"At this budget (about {per:.1f} directions per task and module) allocate "
-                f"globally: in {ref}, at 2.3 directions per task and module, energy alone beat "
-                f"the uniform split by {_fmt_evidence('energy_vs_uniform_r16')}."
-            )
-        return (
-            f"At this budget ({per:.1f} directions per task and module) prefer {keep_all} "
-            "where the merge's rank allows it: no budget beat keeping every direction in "
-            f"{ref}, and at 3.2 to 4.6 directions per task and module no allocation beat the "
-            "uniform split."
-        )
-
-    if lam == 0:
-        return True, f"this allocation is already by energy alone ({energy}). {budget_text(study)}"
-    if kept == 0 or changed_fraction < ROTATION_FEW:
-        why = (
-            "Net Utility keeps no direction at this budget"
-            if kept == 0
-            else (
-                f"the interference term sees no cross-task geometry here (the rotation control "
-                f"changes {_pct(changed_fraction)} of the kept directions), so Net Utility's "
-                f"choice is energy down-weighting; it differs from energy alone in "
-                f"{energy_changed} of {kept} kept directions"
-            )
-        )
-        return True, (
-            f"allocate by energy alone ({energy}): {why}. Energy alone needs no lambda, and in "
-            f"{study} Net Utility minus energy alone at R = 16 was "
-            f"{_fmt_evidence('net_utility_vs_energy_r16')}. {budget_text('that study')}"
-        )
-    other = (
-        ("the sign-aware term", "signed")
-        if interference == "overlap"
-        else ("the paper's term", "overlap")
-    )
-    others = [f"energy alone ({energy})", f"{other[0]} ({_spelt('interference', other[1], cli)})"]
-    near = math.isfinite(overlap) and 1 / OVERLAP_NEAR_CHANCE <= overlap <= OVERLAP_NEAR_CHANCE
-    caveat = (
-        f"; the input overlap is {overlap:.2g}x chance, so this may follow the noise of flat "
-        "spectra rather than structure the tasks share"
-        if near
-        else ""
-    )
-    return False, (
-        f"none: the interference term acts on this set's geometry (the rotation control changes "
-        f"{_pct(changed_fraction)} of the kept directions{caveat}). This project's planted study found "
-        "the paper's sign-blind term helps where tasks conflict and costs as much where they "
-        f"agree: compare this allocation with {' and '.join(others)} on held-out data."
-    )
 
 
 # ------------------------------------------------------------------------------------ diagnose
@@ -662,71 +384,36 @@ def diagnose(
     check_choice(_FN, "scope", scope, _SCOPES, " (the uniform scope ignores the utilities)")
     seed = _check_seed(rotation_seed)
     interference = check_interference(_FN, interference)
-    if isinstance(adapters, Sequence) and not isinstance(adapters, (str, bytes, Mapping)):
-        if len(adapters) < 2:
-            raise InputError(
-                f"{_FN}: adapters has {len(adapters)} adapter{'' if len(adapters) == 1 else 's'}"
-                "; expected at least 2 (the diagnostics compare tasks)."
-            )
+    _check_count(adapters)
     names_, buckets, m_tasks = _tree.collect(adapters, fn=_FN)
     labels = _check_names(names, m_tasks)
     flat = [_tree.flatten_modules(ad, fn=_FN, task=i) for i, ad in enumerate(adapters)]
-    dtype = _tree.compute_dtype(buckets)
 
     scores = score(adapters, alpha=alpha, lam=lam, interference=interference)
     masks = allocate(scores, budget, scope=scope)
-    uniform = allocate(scores, budget, scope="uniform")
-    modules = _overlaps(flat, names_, scores, dtype)
+    modules = overlaps(flat, names_, scores, _tree.compute_dtype(buckets))
     ratios = [m.overlap_vs_chance for m in modules.values() if math.isfinite(m.overlap_vs_chance)]
     overlap = float(np.mean(ratios)) if ratios else math.nan
-
-    energy = np.asarray(task_energies(adapters, _fn=_FN), np.float64)
-    e_share = energy / energy.sum() if energy.sum() > 0 else np.full(m_tasks, math.nan)
-    kept = np.asarray(kept_per_task(masks), np.int64)
-    total = int(kept.sum())
-    k_share = kept / total if total > 0 else np.full(m_tasks, math.nan)
-    u_share = _uniform_shares(uniform, scores)
-    tasks = tuple(
-        TaskDiagnostics(
-            labels[i],
-            float(energy[i]),
-            float(e_share[i]),
-            int(kept[i]),
-            float(k_share[i]),
-            float(u_share[i]),
-            _ratio(float(k_share[i]), float(u_share[i])),
-        )
-        for i in range(m_tasks)
-    )
-
+    tasks = _task_table(adapters, scores, masks, labels, budget)
+    total = sum(t.kept for t in tasks)
     lam_changes = {
-        f: _lambda_changes(
+        f: lambda_changes(
             adapters, scores, masks, f, budget=budget, scope=scope, interference=interference
         )
         for f in LAMBDA_FACTORS
     }
-    energy_masks = allocate(_energy_scores(scores), budget, scope=scope)
-    energy_changed = _changed(masks, energy_masks)
-
+    energy_changed = changed(masks, allocate(energy_scores(scores), budget, scope=scope))
     rot_scores = score(
-        _rotated(flat, names_, seed), alpha=float(scores.alpha), lam=lam, interference=interference
+        rotated(flat, names_, seed), alpha=float(scores.alpha), lam=lam, interference=interference
     )
     rot_masks = allocate(rot_scores, budget, scope=scope)
     rot_kept = int(sum(int(np.asarray(m).sum()) for m in rot_masks.values()))
-    changed = _changed(masks, rot_masks)
-    frac = changed / (total + rot_kept) if total + rot_kept > 0 else 0.0
-    energy_only, advice = _recommendation(
-        lam=float(scores.lam),
-        changed_fraction=frac,
-        kept=total,
-        energy_changed=energy_changed,
-        budget=budget,
-        m_tasks=m_tasks,
-        interference=interference,
-        overlap=overlap,
-        cli=_cli,
-    )
-
+    rot_changed = changed(masks, rot_masks)
+    frac = rot_changed / (total + rot_kept) if total + rot_kept > 0 else 0.0
+    energy_only, advice = recommendation(
+        lam=float(scores.lam), changed_fraction=frac, kept=total, energy_changed=energy_changed,
+        budget=budget, m_tasks=m_tasks, interference=interference, overlap=overlap, cli=_cli,
+    )  # fmt: skip
     return Diagnostics(
         budget=budget,
         scope=scope,
@@ -740,11 +427,47 @@ def diagnose(
         rotation_seed=seed,
         rotation_lam=float(rot_scores.lam),
         rotation_kept=rot_kept,
-        rotation_changed=changed,
+        rotation_changed=rot_changed,
         rotation_changed_fraction=float(frac),
-        warnings=_warnings(overlap, frac, changed, total, tasks),
+        warnings=warnings_of(overlap, frac, rot_changed, total, tasks),
         interference=interference,
         energy_changed=energy_changed,
         recommend_energy=energy_only,
         recommendation=advice,
+    )
+
+
+def _check_count(adapters: Any) -> None:
+    """At least two adapters (the diagnostics compare tasks); other forms are left to
+    :func:`_tree.collect`'s checks."""
+    if isinstance(adapters, Sequence) and not isinstance(adapters, (str, bytes, Mapping)):
+        if len(adapters) < 2:
+            raise InputError(
+                f"{_FN}: adapters has {len(adapters)} adapter{'' if len(adapters) == 1 else 's'}"
+                "; expected at least 2 (the diagnostics compare tasks)."
+            )
+
+
+def _task_table(
+    adapters: Sequence[Any], scores: Any, masks: Any, labels: Sequence[str], budget: int
+) -> tuple[TaskDiagnostics, ...]:
+    """Item 2 of the module docstring: each task's energy, kept directions and shares."""
+    m_tasks = len(labels)
+    energy = np.asarray(task_energies(adapters, _fn=_FN), np.float64)
+    e_share = energy / energy.sum() if energy.sum() > 0 else np.full(m_tasks, math.nan)
+    kept = np.asarray(kept_per_task(masks), np.int64)
+    total = int(kept.sum())
+    k_share = kept / total if total > 0 else np.full(m_tasks, math.nan)
+    u_share = uniform_shares(allocate(scores, budget, scope="uniform"), scores)
+    return tuple(
+        TaskDiagnostics(
+            labels[i],
+            float(energy[i]),
+            float(e_share[i]),
+            int(kept[i]),
+            float(k_share[i]),
+            float(u_share[i]),
+            _ratio(float(k_share[i]), float(u_share[i])),
+        )
+        for i in range(m_tasks)
     )

@@ -19,7 +19,7 @@ import netutility_jax as nu
 from netutility_jax._core import executables as _executables
 from netutility_jax._core import mesh as _mesh
 from netutility_jax._core.executables import kernel
-from netutility_jax.operators import _stages, program
+from netutility_jax.operators import _reduce, _stages, program
 
 D_IN, R, M = 41, 5, 3
 OUTS = {"q": 29, "v": 13}  # two buckets
@@ -316,13 +316,13 @@ def test_a_program_of_moderate_factors_holds_the_plain_reduction_only(monkeypatc
     of extreme size still take the scaled one, inside the program, with the same merge as the
     per-bucket route."""
     traced = []
-    scaled = _stages._scaled
+    scaled = _reduce._scaled
 
     def spy(*args, **kw):
         traced.append("scaled")
         return scaled(*args, **kw)
 
-    monkeypatch.setattr(_stages, "_scaled", spy)
+    monkeypatch.setattr(_reduce, "_scaled", spy)
     ads = _adapters(11, scale=1.25)
     masks = _masks(ads, 3)
     jax.clear_caches()

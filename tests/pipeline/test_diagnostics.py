@@ -18,7 +18,7 @@ import pytest
 import netutility_jax as nu
 from netutility_jax._core import tree as _tree
 from netutility_jax.errors import InputError, InputTypeError
-from netutility_jax.pipeline import diagnostics
+from netutility_jax.pipeline import _diagnose_measures, diagnostics
 
 M, R, L = 3, 4, 3
 
@@ -203,7 +203,7 @@ def test_lambda_sensitivity():
     d = nu.diagnose(ads, budget=4)
     sc = nu.score(ads, alpha=d.alpha)
     masks = nu.allocate(sc, 4)
-    same = diagnostics._lambda_changes(ads, sc, masks, 1.0, budget=4, scope="global")
+    same = _diagnose_measures.lambda_changes(ads, sc, masks, 1.0, budget=4, scope="global")
     assert same == 0
     assert set(d.lambda_changes) == {0.25, 4.0}
     for f, n in d.lambda_changes.items():
@@ -217,7 +217,7 @@ def test_lambda_sensitivity():
 def test_rotation_keeps_every_spectrum_and_changes_the_input_side():
     ads = _random(7)
     flat = [_tree.flatten_modules(ad, fn="t", task=i) for i, ad in enumerate(ads)]
-    rot = diagnostics._rotated(flat, list(ads[0]), 0)
+    rot = _diagnose_measures.rotated(flat, list(ads[0]), 0)
     for ad, rd in zip(ads, rot, strict=True):
         for name in ad:
             a = np.asarray(ad[name]["lora_a"], np.float64)
@@ -230,7 +230,7 @@ def test_rotation_keeps_every_spectrum_and_changes_the_input_side():
                 np.linalg.svd(_dense(ad[name]), compute_uv=False)[:R],
                 rtol=1e-4,
             )
-    again = diagnostics._rotated(flat, list(ads[0]), 0)
+    again = _diagnose_measures.rotated(flat, list(ads[0]), 0)
     assert all(np.array_equal(again[1][n]["lora_a"], rot[1][n]["lora_a"]) for n in ads[0])
 
 
