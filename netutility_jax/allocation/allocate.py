@@ -140,26 +140,48 @@ def _placed_order(layout: tuple) -> jax.Array:
     return jax.device_put(_module_order(layout)[0])
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "scope", "positive_only", "n_modules"))
-def _allocate_stacked(stats, perm, *, budget, scope, positive_only, n_modules):
+@functools.partial(
+    jax.jit, static_argnames=("budget", "scope", "positive_only", "n_modules", "packed")
+)
+def _allocate_stacked(stats, perm, *, budget, scope, positive_only, n_modules, packed=False):
     """:func:`_allocate_impl` over each live bucket's stacked fields ``(n, 4, M, r)``: one
     program whatever the module count. Global: the utilities in module order (``perm``), so
     ties go to the lower module, task and slot as before; per module: one batched top-k per
-    bucket."""
+    bucket. Returns ``(masks, bad)``; with ``packed``, for a host that reads them, one bool
+    vector instead: every mask raveled in that order, then ``bad > 0`` (one transfer, see
+    :func:`_unpack`)."""
     utils = [st[:, 3] for st in stats]
     sigmas = [st[:, 0] for st in stats]
     bad = _bad_count(utils, sigmas)
     if scope == "global":
         flat = jnp.concatenate([u.ravel() for u in utils])[perm]
-        return _topk_mask(flat, budget * n_modules, positive_only), bad
-    outs = []
-    for u, sg in zip(utils, sigmas, strict=True):
-        n, m_tasks, r = u.shape
-        if scope == "local":
-            key, pos = u.reshape(n, m_tasks * r), positive_only
-        else:
-            key, pos = _uniform_keys(sg, u > -jnp.inf, budget), False
-        outs.append(_topk_mask(key, min(budget, m_tasks * r), pos).reshape(n, m_tasks, r))
+        masks = _topk_mask(flat, budget * n_modules, positive_only)
+    else:
+        outs = []
+        for u, sg in zip(utils, sigmas, strict=True):
+            n, m_tasks, r = u.shape
+            if scope == "local":
+                key, pos = u.reshape(n, m_tasks * r), positive_only
+            else:
+                key, pos = _uniform_keys(sg, u > -jnp.inf, budget), False
+            outs.append(_topk_mask(key, min(budget, m_tasks * r), pos).reshape(n, m_tasks, r))
+        masks = tuple(outs)
+    if not packed:
+        return masks, bad
+    return jnp.concatenate([m.ravel() for m in jax.tree.leaves(masks)] + [(bad > 0)[None]])
+
+
+def _unpack(vector: np.ndarray, stats, scope: str) -> tuple[Any, bool]:
+    """``(masks, bad)`` on the host from :func:`_allocate_stacked`'s packed vector: the global
+    mask flat, or per bucket ``(n, M, r)``; whether any field was bad."""
+    bad = bool(vector[-1])
+    if scope == "global":
+        return vector[:-1], bad
+    outs, at = [], 0
+    for st in stats:
+        n, _, m_tasks, r = st.shape
+        outs.append(vector[at : at + n * m_tasks * r].reshape(n, m_tasks, r))
+        at += n * m_tasks * r
     return tuple(outs), bad
 
 
@@ -179,15 +201,18 @@ def _allocate_table(
         budget = min(budget, max(1, *(m * r for m, r in shapes)))
         layout = (tuple(names), tuple((bn, sh) for (bn, _), sh in zip(parts, shapes, strict=True)))
         perm, sizes, inverse = _module_order(layout)
-        if not any(isinstance(st, jax.core.Tracer) for st in stats):
+        traced = any(isinstance(st, jax.core.Tracer) for st in stats)
+        if not traced:
             perm = _placed_order(layout)  # (placed once per layout, not every call)
-        flat, bad = _allocate_stacked(
-            stats, perm, budget=budget, scope=scope, positive_only=positive_only,
-            n_modules=len(names),
-        )  # fmt: skip
-        if isinstance(bad, jax.core.Tracer):  # (inside a transformation: no values to check)
+        kw = {"budget": budget, "scope": scope, "positive_only": positive_only}
+        kw["n_modules"] = len(names)
+        out = None if traced else _allocate_stacked(stats, perm, **kw, packed=True)
+        if out is None or isinstance(out, jax.core.Tracer):
+            # inside a transformation (traced fields, or constants under an outer trace): no
+            # values to check, the masks kept per bucket
+            flat, _ = _allocate_stacked(stats, perm, **kw)
             return _stacked_masks(table, parts, flat, inverse, scope)
-        flat, bad = jax.device_get((flat, bad))  # both in one round trip
+        flat, bad = _unpack(np.asarray(jax.device_get(out)), stats, scope)  # one transfer
     if bad:
         return None
     host: dict[str, np.ndarray] = {}
