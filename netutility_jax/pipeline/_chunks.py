@@ -138,6 +138,11 @@ class Energies:
 
     parts: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
     failed: bool = False
+    # h by (dtype, chunks summed): the scoring pass's h and the report's are one value, computed
+    # once (the merge pass drops the kernels' programs, which would trace h's again)
+    _h: dict[tuple[str, tuple[int, ...]], float] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     def add(self, chunk: int, adapters: Sequence[Any], fn: str, *, strict: bool) -> None:
         try:
@@ -193,8 +198,11 @@ class Energies:
             raise err
         # (the total converted on the host, exactly as XLA would: no conversion program; then
         # nu.heterogeneity's own program, so the same h as in memory)
-        k = np.asarray(kmax - kmax[0], np.int32)
-        return float(_scoring.log_energy_variance(k, host_constant(total, dtype)))
+        key = (np.dtype(dtype).str, tuple(sorted(self.parts)))
+        if key not in self._h:
+            k = np.asarray(kmax - kmax[0], np.int32)
+            self._h[key] = float(_scoring.log_energy_variance(k, host_constant(total, dtype)))
+        return self._h[key]
 
 
 @dataclasses.dataclass

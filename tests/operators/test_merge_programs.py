@@ -188,7 +188,8 @@ def test_a_streamed_merge_drops_a_shapes_programs_after_its_last_chunk(tmp_path,
             np.testing.assert_array_equal(np.asarray(out[n][k]), np.asarray(held[n][k]))
     # (a program used by both shapes, e.g. of the scores' scalars, may compile once more)
     assert held_programs <= programs <= held_programs + 2 * len(OUTS), (programs, held_programs)
-    # (what runs after the last chunk, h from the summed energies, holds its small program)
+    # (h, from the summed energies, is computed once: where the report is the first to need
+    # it, after the last chunk, its small program may be held)
     held_now = [k._name for k in _executables._KERNELS if k._cache_size()]
     h = "netutility_jax.scoring._run.log_energy_variance"
     assert not [n for n in held_now if n.startswith("netutility_jax.") and n != h], held_now

@@ -642,3 +642,34 @@ def test_the_command_bounds_the_heap_before_it_streams(paths, tmp_path, monkeypa
     monkeypatch.setattr(streaming, "bound_heap", lambda: calls.append("bound"))
     rc = main(["merge", *paths, "--out", str(tmp_path / "out"), "--budget", "4", "--no-plots"])
     assert rc in (0, None) and calls == ["bound"]
+
+
+def test_the_energies_h_is_computed_once():
+    """A streamed merge's h (the scoring pass's, for alpha='auto', and the report's) is one
+    value computed once: after every kernel's programs are dropped (as the merge pass drops
+    them), asking again compiles nothing and gives the same bits, which are nu.heterogeneity's
+    of the same adapters in memory."""
+    from jax._src import monitoring
+
+    from netutility_jax._core import executables
+    from netutility_jax.pipeline import _chunks
+
+    rng = np.random.default_rng(5)
+    ads = [_adapter(rng, i) for i in range(3)]
+    energies = _chunks.Energies()
+    energies.add(0, ads, "t", strict=True)
+    h = energies.heterogeneity(np.float32, "t", strict=True)
+    compiled = []
+
+    def listen(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kw.get("fun_name"))
+
+    executables.release()
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        again = energies.heterogeneity(np.float32, "t", strict=False)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert again == h and compiled == []
+    assert h == float(nu.heterogeneity(ads))
