@@ -16,7 +16,7 @@ import numpy as np
 
 from .plants import BONFERRONI, DATA_WEAKER_LEVEL
 
-__all__ = ["markdown"]
+__all__ = ["family_of", "markdown"]
 
 
 def _f(x: Any, nd: int = 1, sign: bool = False) -> str:
@@ -193,7 +193,9 @@ def _accuracy(res: Mapping[str, Any]) -> list[str]:
 _ORDER = ("primary", "data_weaker", "data_weaker_secondary", "secondary")
 
 
-def _family(d: Mapping[str, Any]) -> str:
+def family_of(d: Mapping[str, Any]) -> str:
+    """A delta's family (:data:`planting_report.FAMILIES`); a delta rendered before the families
+    were recorded is the study's primary comparison or a secondary one."""
     return d.get("family", "primary" if d["primary"] else "secondary")
 
 
@@ -267,9 +269,9 @@ def _deltas(res: Mapping[str, Any]) -> list[str]:
         "two-level 95% |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for lab, d in sorted(res["deltas"].items(), key=lambda kv: _ORDER.index(_family(kv[1]))):
+    for lab, d in sorted(res["deltas"].items(), key=lambda kv: _ORDER.index(family_of(kv[1]))):
         v, m = d["victims"], d["mean"]
-        registered = _family(d) in ("primary", "data_weaker")
+        registered = family_of(d) in ("primary", "data_weaker")
         bold = "**" if registered else ""
         lines.append(
             f"| {bold}{lab}{bold} | {_f(v['estimate'], 2, True)} | "

@@ -386,7 +386,7 @@ def _multiplicity(
     fams: dict[str, dict[str, Any]] = {f: {} for f in FAMILIES}
     where: dict[tuple[str, str], str] = {}
     for lab, d in deltas.items():
-        fam = d.get("family", "primary" if d["primary"] else "secondary")
+        fam = pmd.family_of(d)
         for side in ("victims", "mean"):
             f = fam
             if side == "mean" and fam in ("primary", "data_weaker"):
@@ -400,7 +400,7 @@ def _multiplicity(
             h = holm[where[(lab, side)]][f"{lab} | {side}"]
             d[side]["p_holm"] = h["p_holm"]
             d[side]["holm_reject"] = h["reject"]
-        if d.get("family", "primary" if d["primary"] else "") in ("primary", "data_weaker"):
+        if pmd.family_of(d) in ("primary", "data_weaker"):
             lo, hi = d["victims"]["seed_ci_bonferroni"]
             d["decision"] = (
                 ("gain" if lo > 0 else "loss" if hi < 0 else "no difference declared")
