@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,7 +18,7 @@ from .._core.tables import MaskTable, ScoreTable, StackedMasks
 from ..errors import InputError, InputTypeError
 from ..scoring.utility import Scores
 
-__all__ = ["SCOPES", "allocate"]
+__all__ = ["SCOPES", "allocate", "allocate_stacked", "mask_table", "module_order", "placed_order"]
 
 SCOPES = ("global", "local", "uniform")
 
@@ -116,7 +116,7 @@ def _select(utils, sigmas, *, budget, scope, positive_only):
 
 
 @functools.lru_cache(maxsize=8)
-def _module_order(layout: tuple) -> tuple[np.ndarray, tuple[int, ...], np.ndarray]:
+def module_order(layout: tuple) -> tuple[np.ndarray, tuple[int, ...], np.ndarray]:
     """For the live buckets' ``layout`` (per bucket its names and ``(M, r)``) in the adapters'
     module order ``layout[0]``: the gather that puts the buckets' flat utilities in module order,
     each live module's size, and the inverse gather (module order back to the buckets' order,
@@ -135,15 +135,15 @@ def _module_order(layout: tuple) -> tuple[np.ndarray, tuple[int, ...], np.ndarra
 
 
 @functools.lru_cache(maxsize=8)
-def _placed_order(layout: tuple) -> jax.Array:
-    """:func:`_module_order`'s gather on the device (concrete calls only: placed once)."""
-    return jax.device_put(_module_order(layout)[0])
+def placed_order(layout: tuple) -> jax.Array:
+    """:func:`module_order`'s gather on the device (concrete calls only: placed once)."""
+    return jax.device_put(module_order(layout)[0])
 
 
 @functools.partial(
     jax.jit, static_argnames=("budget", "scope", "positive_only", "n_modules", "packed")
 )
-def _allocate_stacked(stats, perm, *, budget, scope, positive_only, n_modules, packed=False):
+def allocate_stacked(stats, perm, *, budget, scope, positive_only, n_modules, packed=False):
     """:func:`_allocate_impl` over each live bucket's stacked fields ``(n, 4, M, r)``: one
     program whatever the module count. Global: the utilities in module order (``perm``), so
     ties go to the lower module, task and slot as before; per module: one batched top-k per
@@ -172,7 +172,7 @@ def _allocate_stacked(stats, perm, *, budget, scope, positive_only, n_modules, p
 
 
 def _unpack(vector: np.ndarray, stats, scope: str) -> tuple[Any, bool]:
-    """``(masks, bad)`` on the host from :func:`_allocate_stacked`'s packed vector: the global
+    """``(masks, bad)`` on the host from :func:`allocate_stacked`'s packed vector: the global
     mask flat, or per bucket ``(n, M, r)``; whether any field was bad."""
     bad = bool(vector[-1])
     if scope == "global":
@@ -200,37 +200,51 @@ def _allocate_table(
     else:
         budget = min(budget, max(1, *(m * r for m, r in shapes)))
         layout = (tuple(names), tuple((bn, sh) for (bn, _), sh in zip(parts, shapes, strict=True)))
-        perm, sizes, inverse = _module_order(layout)
+        perm, _, inverse = module_order(layout)
         traced = any(isinstance(st, jax.core.Tracer) for st in stats)
         if not traced:
-            perm = _placed_order(layout)  # (placed once per layout, not every call)
+            perm = placed_order(layout)  # (placed once per layout, not every call)
         kw = {"budget": budget, "scope": scope, "positive_only": positive_only}
         kw["n_modules"] = len(names)
-        out = None if traced else _allocate_stacked(stats, perm, **kw, packed=True)
+        out = None if traced else allocate_stacked(stats, perm, **kw, packed=True)
         if out is None or isinstance(out, jax.core.Tracer):
             # inside a transformation (traced fields, or constants under an outer trace): no
             # values to check, the masks kept per bucket
-            flat, _ = _allocate_stacked(stats, perm, **kw)
+            flat, _ = allocate_stacked(stats, perm, **kw)
             return _stacked_masks(table, parts, flat, inverse, scope)
         flat, bad = _unpack(np.asarray(jax.device_get(out)), stats, scope)  # one transfer
     if bad:
         return None
+    blocks = [(bn, sh) for (bn, _), sh in zip(parts, shapes, strict=True)]
+    fixed = {nm: tuple(ms.utility.shape) for nm, ms in table.fixed.items()}
+    return mask_table(names, blocks, fixed, flat, scope)
+
+
+def mask_table(
+    names: Sequence[str],
+    blocks: Sequence[tuple[Sequence[str], tuple[int, int]]],
+    fixed: Mapping[str, tuple[int, ...]],
+    flat: Any,
+    scope: str,
+) -> MaskTable:
+    """The :class:`MaskTable` of :func:`allocate_stacked`'s masks read to the host (``flat``:
+    the global mask in module order, or per live bucket ``(n, M, r)``; None without a live
+    bucket): ``blocks`` per live bucket its names and ``(M, r)``, ``fixed`` the shapes of the
+    modules without one (nothing kept)."""
     host: dict[str, np.ndarray] = {}
     if flat is not None and scope == "global":
+        shape_of = {nm: sh for bn, sh in blocks for nm in bn}
         off = 0
-        live = {nm for bn, _ in parts for nm in bn}
-        it = iter(sizes)
-        shape_of = {nm: sh for (bn, _), sh in zip(parts, shapes, strict=True) for nm in bn}
         for nm in names:
-            if nm in live:
-                size = next(it)
+            if nm in shape_of:
+                size = math.prod(shape_of[nm])
                 host[nm] = flat[off : off + size].reshape(shape_of[nm])
                 off += size
     elif flat is not None:
-        for (bn, _), masks in zip(parts, flat, strict=True):
+        for (bn, _), masks in zip(blocks, flat, strict=True):
             host.update((nm, masks[i]) for i, nm in enumerate(bn))
-    for nm, ms in table.fixed.items():
-        host[nm] = np.zeros(tuple(ms.utility.shape), bool)
+    for nm, shape in fixed.items():
+        host[nm] = np.zeros(shape, bool)
     return MaskTable({nm: host[nm] for nm in names})
 
 

@@ -33,17 +33,25 @@ from ..scoring._kernels import default_rtol
 from ._plan import check_coef, check_masks, check_scale_range
 from .traced import kept_directions_many
 
-__all__ = ["DEVICE_SLICES", "TaResult", "merge_ta", "slices_on_device", "ta_program"]
+__all__ = [
+    "DEVICE_SLICES",
+    "TaMeta",
+    "TaResult",
+    "merge_ta",
+    "slices_on_device",
+    "stacked_result",
+    "ta_program",
+]
 
 
-class _Meta(NamedTuple):
+class TaMeta(NamedTuple):
     dtype: Any
     dims: tuple[tuple[int, int, int], ...]  # per bucket (d_in, d_out, r_max)
     compact: bool = False  # live columns first, results left on the device (a stacked set)
 
 
 @kernel(static_argnames=("meta",), fast_compile="small")
-def ta_program(inputs, masks, coef, *, meta: _Meta):
+def ta_program(inputs, masks, coef, *, meta: TaMeta):
     """Every bucket's kept directions, ``(outs, ok)``.
 
     Args:
@@ -172,7 +180,7 @@ def merge_ta(
         if done is None:
             return None
         return TaResult({nm: done.modules[nm] for nm in names}, done.zero, done.keep)
-    meta = _Meta(np.dtype(dtype), dims)
+    meta = TaMeta(np.dtype(dtype), dims)
     with np.errstate(over="ignore", invalid="ignore"):
         outs, ok = ta_program(tuple(inputs), stacked, np.asarray(c, dtype), meta=meta)
         outs, ok = jax.device_get((outs, ok))
@@ -220,12 +228,19 @@ def _merge_ta_stacked(names, buckets, m_tasks, inputs, masks, c, dtype, dims) ->
     """A stacked set's TA: the merged factors stay on the device, stacked per bucket with each
     module's kept columns first (a :class:`MergedTable` with counts); only the kept flags, the
     zero flags and ``ok`` are read back (no factor is read, none placed)."""
-    meta = _Meta(np.dtype(dtype), dims, compact=True)
+    meta = TaMeta(np.dtype(dtype), dims, compact=True)
     with np.errstate(over="ignore", invalid="ignore"):
         outs, flags = ta_program(tuple(inputs), masks, np.asarray(c, dtype), meta=meta)
         flags = np.asarray(jax.device_get(flags))  # the one read
     if not flags[-1]:
         return None
+    return stacked_result(names, buckets, m_tasks, outs, flags)
+
+
+def stacked_result(names, buckets, m_tasks: int, outs, flags: np.ndarray) -> TaResult:
+    """The :class:`TaResult` of :func:`ta_program`'s compact outputs: the factors ``outs`` left
+    on the device (a :class:`MergedTable` with each module's kept count), the ``flags`` read
+    (every bucket's keep and nonzero, then ``ok``)."""
     zero: dict[str, bool] = {}
     kept: dict[str, np.ndarray] = {}
     counts = []

@@ -25,6 +25,7 @@ __all__ = [
     "Report",
     "ZeroUpdateWarning",
     "build_report",
+    "h_of",
     "heterogeneity_or_nan",
     "ranks_of",
     "warn_zeroed",
@@ -198,16 +199,18 @@ def build_report(
     h: float,
     ranks: Mapping[str, int | None],
     zeroed: Sequence[str] = (),
+    lam_alpha: tuple[float, float] | None = None,
 ) -> Report:
     """The :class:`Report` of the merge ``req`` asked for: ``kept_masks`` and the scores ``sc``
     it allocated with (None for ``allocation="all"``), the heterogeneity ``h``, each merged
-    module's rank in module order, and the modules that came out zero."""
+    module's rank in module order, and the modules that came out zero; ``lam_alpha``: the
+    scores' lambda and alpha where the host has them already (read with the masks)."""
     # (nu.allocate's masks are read from their host copies, and kept as they are: placing
     # each module's mask on the device is left to whoever reads one)
     host = kept_masks.host_dict() if _is_table(kept_masks) else kept_masks
     return Report(
-        lam=None if sc is None else float(sc.lam),
-        alpha=None if sc is None else float(sc.alpha),
+        lam=None if sc is None else float(sc.lam) if lam_alpha is None else lam_alpha[0],
+        alpha=None if sc is None else float(sc.alpha) if lam_alpha is None else lam_alpha[1],
         budget=None if req.budget is None else int(req.budget),
         budget_spent=budget_spent(kept_masks),
         kept={nm: np.asarray(v, bool).sum(1) for nm, v in host.items()},
@@ -227,3 +230,13 @@ def build_report(
         data_aware=req.data_aware,
         interference=req.interference,
     )
+
+
+def h_of(k: np.ndarray, t: np.ndarray) -> float:
+    """``h = Var_i log ||dW_i||_F^2`` from each task's energy ``t_i 2^k_i`` (the scoring's,
+    ``sum_energies``), in float64; NaN if a task is zero everywhere (as
+    :func:`heterogeneity_or_nan`)."""
+    if (t <= 0).any():
+        return float("nan")
+    rel = (k - k[0]).astype(np.float64) + np.log2(t)
+    return float(np.var(rel * np.log(2.0)))

@@ -39,12 +39,13 @@ from ..operators._module_ops import module_update as module_update
 from ..operators._module_ops import to_lora as to_lora
 from ..operators.stacked import StackedAdapters
 from ..scoring._run import score_run
+from . import _fused
 from . import _run as _pipeline
 from ._coef import coef_split as coef_split
 from ._coef import scale_results as scale_results
 from ._report import Report as Report
 from ._report import ZeroUpdateWarning as ZeroUpdateWarning
-from ._report import build_report, heterogeneity_or_nan, ranks_of
+from ._report import build_report, h_of, heterogeneity_or_nan, ranks_of
 from ._report import warn_zeroed as warn_zeroed
 from ._report import zeroed_modules as zeroed_modules
 from ._report import zeroed_text as zeroed_text
@@ -375,20 +376,28 @@ def merge_adapters(
                     interference=interference, **options,
                 )  # fmt: skip
             done = _merged_by_stages(adapters, weighted, req, names, buckets, mesh, options)
-    merged, kept_masks, sc, h, zeroed = done
+    merged, kept_masks, sc, h, zeroed, lam_alpha = done
     zeroed = () if req.zero_merge else zeroed
     warn_zeroed(req.fn, zeroed, len(names), method, options)
     ranks = ranks_of(merged)
     report = build_report(
         req, kept_masks, sc, h=heterogeneity_or_nan(adapters) if h is None else h,
-        ranks={nm: ranks[nm] for nm in names}, zeroed=zeroed,
+        ranks={nm: ranks[nm] for nm in names}, zeroed=zeroed, lam_alpha=lam_alpha,
     )  # fmt: skip
     return merged, report
 
 
 def _merged_ta(adapters, weighted, req: MergeRequest, names, buckets, coef) -> tuple | None:
     """TA as one program over every bucket (:mod:`..operators.ta`): ``(merged, kept masks,
-    scores, h, zeroed)``, or None where that program must refuse or split the inputs."""
+    scores, h, zeroed, (lam, alpha) or None)``, or None where that program must refuse or split
+    the inputs. A stacked set is scored, allocated and merged in one program where it can be
+    (:mod:`._fused`)."""
+    fused = None
+    if isinstance(adapters, StackedAdapters):
+        fused = _fused.fused_ta(adapters, req, names, buckets, adapters.m_tasks)
+    if fused is not None:
+        merged = _rebuild(weighted, fused.merged)
+        return merged, fused.masks, fused.scores, fused.h, fused.zeroed, (fused.lam, fused.alpha)
     h = None
     if req.allocation == "all":
         sc = masks = None  # every candidate, which the TA program keeps and returns
@@ -401,7 +410,7 @@ def _merged_ta(adapters, weighted, req: MergeRequest, names, buckets, coef) -> t
         return None
     kept_masks = masks if masks is not None else MaskTable(done.keep)
     zeroed = tuple(nm for nm in names if done.zero[nm] and _kept_any(kept_masks, nm))
-    return _rebuild(weighted, done.modules), kept_masks, sc, h, zeroed
+    return _rebuild(weighted, done.modules), kept_masks, sc, h, zeroed, None
 
 
 def _merged_by_stages(adapters, weighted, req: MergeRequest, names, buckets, mesh, options):
@@ -417,7 +426,7 @@ def _merged_by_stages(adapters, weighted, req: MergeRequest, names, buckets, mes
         weighted, masks, method=req.method, space=req.space, coef=req.coef, key=req.key,
         mesh=mesh, **options,
     )  # fmt: skip
-    return merged, kept_masks, sc, h, tuple(zeroed_modules(_flat(merged), kept_masks))
+    return merged, kept_masks, sc, h, tuple(zeroed_modules(_flat(merged), kept_masks)), None
 
 
 def _flat(merged: Any) -> Mapping[str, Any]:
@@ -449,17 +458,7 @@ def _scored_with_h(adapters: Any, req: MergeRequest) -> tuple[Any, Any, float]:
         input_moments=req.input_moments, interference=req.interference,
     )  # fmt: skip
     sc = run.scores[0]
-    return sc, req.select(sc), _h_of(*run.energies)
-
-
-def _h_of(k: np.ndarray, t: np.ndarray) -> float:
-    """``h = Var_i log ||dW_i||_F^2`` from each task's energy ``t_i 2^k_i`` (the scoring's,
-    :func:`_scoring.sum_energies`), in float64; NaN if a task is zero everywhere (as
-    :func:`heterogeneity_or_nan`)."""
-    if (t <= 0).any():
-        return float("nan")
-    rel = (k - k[0]).astype(np.float64) + np.log2(t)
-    return float(np.var(rel * np.log(2.0)))
+    return sc, req.select(sc), h_of(*run.energies)
 
 
 def _kept_any(masks: Mapping[str, Any], name: str) -> bool:

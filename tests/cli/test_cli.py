@@ -292,7 +292,7 @@ def test_only_library_errors_are_user_errors(folders, tmp_path, capsys, monkeypa
         raise exc("boom deep in the merge")
 
     monkeypatch.setattr(allocate, "_allocate_impl", boom)
-    monkeypatch.setattr(allocate, "_allocate_stacked", boom)  # (nu.score's own scores)
+    monkeypatch.setattr(allocate, "allocate_stacked", boom)  # (nu.score's own scores)
     out = tmp_path / "out"
     # (in memory: the traceback checked below names nu.merge_adapters; streaming, the default,
     # reaches the same allocation through nu.merge_adapters_streaming)

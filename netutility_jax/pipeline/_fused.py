@@ -1,0 +1,226 @@
+"""A stacked set's TA merge as one program: scores, lambda, allocation and merge, read once.
+
+``nu.merge_adapters(nu.stack_adapters(...), method="ta")`` by stages runs three programs (the
+scoring kernel, the allocation, the TA program) with reads between them (the scoring's status,
+the masks, the merged flags, lambda and alpha for the report) and hands the masks back to the
+device for the merge. Here the same functions run inside one jitted program, the scoring on its
+fast route (``"raw"``), and everything the host needs comes back in one byte vector: the
+scoring's status flags, lambda, the allocation's bad-field flag and masks, the merged flags and
+the task energies for ``h``. The scores and the merged factors stay on the device.
+
+Where a flag says that the fast route does not stand (the raw Grams refused, a non-finite factor,
+a result beyond the dtype, no candidate for ``lam="auto"``, a NaN or +inf field, a merged result
+that is not finite), :func:`fused_ta` returns None and the caller runs the stages one by one,
+which take the exact route or raise as they always did: this program is one schedule of the
+same functions, never a second semantics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core import tree as _tree
+from .._core.executables import kernel
+from .._core.host import host_constant
+from .._core.tables import ScoreTable
+from ..allocation import allocate as _allocate
+from ..errors import InputError
+from ..operators import ta
+from ..operators._plan import check_scale_range
+from ..operators.stacked import StackedAdapters
+from ..scoring._kernels import (
+    ANY_SIGMA,
+    BEYOND,
+    NONFINITE,
+    RAW_OK,
+    ModuleScores,
+    Scores,
+    default_rtol,
+    score_impl,
+)
+from ..scoring._run import sum_energies
+from ._report import h_of
+
+__all__ = ["Fused", "fused_ta"]
+
+
+class _Spec(NamedTuple):
+    """The fused program's static settings."""
+
+    dtype: Any
+    dims: tuple[tuple[int, int, int], ...]  # per bucket (d_in, d_out, r_max)
+    lam_is_auto: bool
+    interference: str
+    budget: int  # (capped at a module's slots, as nu.allocate caps it)
+    scope: str
+    positive_only: bool
+    n_modules: int
+
+
+class Fused(NamedTuple):
+    """What :func:`fused_ta` returns: ``merge_adapters``'s TA results and the report's numbers
+    read with them (``lam``, ``alpha``: Python floats, no second read)."""
+
+    merged: Any  # a MergedTable (the factors on the device, kept columns first)
+    masks: Any  # the allocation's MaskTable (host copies)
+    scores: Scores
+    h: float
+    zeroed: tuple[str, ...]
+    lam: float
+    alpha: float
+
+
+def _bytes(x: jax.Array) -> jax.Array:
+    """``x`` raveled as bytes (bools as 0/1), for the one read."""
+    if x.dtype == jnp.bool_:
+        return x.ravel().astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x.ravel(), jnp.uint8).ravel()
+
+
+@kernel(static_argnames=("spec",), fast_compile=True)
+def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
+    """Score, allocate and TA-merge every bucket: ``(stats, outs, lam, vector)``.
+
+    ``stats``: per bucket the scores' fields ``(n, 4, M, r)``; ``outs``: per bucket the merged
+    ``(la, lb)`` (kept columns first); ``lam``: the lambda used; ``vector``: uint8, in order the status flags (4), lambda,
+    the bad-field flag, the masks (global: module order; else per bucket), the merged flags (see
+    :func:`ta.ta_program`, ``ok`` last) and per bucket the energies' mantissas and exponents.
+    """
+    rtols = tuple(jnp.asarray(default_rtol(r, spec.dtype), spec.dtype) for _, _, r in spec.dims)
+    finished, _, parts = score_impl(
+        inputs, alpha, lam, rtols, meta=(spec.dtype, spec.dims), lam_is_auto=spec.lam_is_auto,
+        route="raw", energy=True, interference=spec.interference,
+    )  # fmt: skip
+    done = finished[0]
+    stats = tuple(o.stats for o in done.outs)
+    kw = {"budget": spec.budget, "scope": spec.scope, "positive_only": spec.positive_only}
+    masks, bad = _allocate.allocate_stacked(stats, perm, n_modules=spec.n_modules, **kw)
+    if spec.scope == "global":  # module order -> each bucket's (n, M, r)
+        flat = masks
+        back = flat[jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.size, dtype=perm.dtype))]
+        blocks, off = [], 0
+        for st in stats:
+            n, _, m, r = st.shape
+            blocks.append(back[off : off + n * m * r].reshape(n, m, r))
+            off += n * m * r
+        masks = tuple(blocks)
+    else:
+        flat = jnp.concatenate([m.ravel() for m in masks])
+    outs, flags = ta.ta_program(
+        inputs, masks, coef, meta=ta.TaMeta(np.dtype(spec.dtype), spec.dims, compact=True)
+    )
+    head = [done.status, done.lam.astype(spec.dtype), (bad > 0), flat, flags]
+    tail = [x for m, k in parts for x in (m.astype(spec.dtype), k.astype(jnp.int32))]
+    return stats, outs, done.lam, jnp.concatenate([_bytes(x) for x in (*head, *tail)])
+
+
+def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | None:
+    """``nu.merge_adapters``'s TA of a stacked set (``req`` its checked request) by
+    :func:`fused_program`, or None where the stages must run instead: inputs outside what the
+    program takes (another form, a bucket without a candidate, data-aware scores, a task floor,
+    task weights, ``alpha="auto"``, ``allocation="all"``, a coefficient beyond the dtype), or
+    a flag raised (see the module docstring)."""
+    if not _takes(adapters, req, buckets):
+        return None
+    dtype = np.dtype(_tree.compute_dtype(buckets))
+    try:  # (a scale beyond the dtype: the stages report it, in their order)
+        check_scale_range(req.fn, buckets, dtype)
+    except InputError:
+        return None
+    c = float(np.asarray(req.coef, np.float64))
+    fi = np.finfo(dtype)
+    if not (c == 0 or float(fi.tiny) <= abs(c) <= float(fi.max)):
+        return None
+    shapes = [(m_tasks, bk.r_max) for bk in buckets]
+    blocks = [(tuple(bk.names), sh) for bk, sh in zip(buckets, shapes, strict=True)]
+    layout = (tuple(names), tuple(blocks))
+    scope = "uniform" if req.allocation == "uniform" else req.scope
+    spec = _Spec(
+        dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets), isinstance(req.lam, str),
+        req.interference, min(req.budget, max(1, *(m * r for m, r in shapes))), scope,
+        req.positive_only, len(names),
+    )  # fmt: skip
+    alpha = host_constant(req.alpha, dtype)
+    lam = 0.0 if spec.lam_is_auto else req.lam
+    inputs = tuple(bk.stacked for bk in buckets)
+    with np.errstate(over="ignore", invalid="ignore"):
+        stats, outs, lam_used, vector = fused_program(
+            inputs, alpha, lam, _allocate.placed_order(layout), host_constant(c, dtype), spec=spec
+        )
+        host = np.asarray(jax.device_get(vector))  # the one read
+    read = _Reader(host)
+    status = read.take(np.bool_, 4)
+    lam_host = float(read.take(dtype, 1)[0])
+    bad = bool(read.take(np.bool_, 1)[0])
+    if (
+        not status[RAW_OK]
+        or status[NONFINITE]
+        or status[BEYOND]
+        or (spec.lam_is_auto and not status[ANY_SIGMA])
+        or bad
+    ):
+        return None
+    n_slots = [len(bk.names) * m * r for bk, (m, r) in zip(buckets, shapes, strict=True)]
+    flat = read.take(np.bool_, sum(n_slots))
+    if scope != "global":
+        cuts = np.cumsum(n_slots)[:-1]
+        flat = tuple(
+            f.reshape(len(bk.names), *sh)
+            for f, bk, sh in zip(np.split(flat, cuts), buckets, shapes, strict=True)
+        )
+    flags = read.take(np.bool_, sum(n_slots) + len(names) + 1)  # (keep, nonzero), then ok
+    if not flags[-1]:
+        return None
+    parts = [
+        (read.take(dtype, len(bk.names) * m_tasks), read.take(np.int32, len(bk.names) * m_tasks))
+        for bk in buckets
+    ]
+    k, t = sum_energies([(m.reshape(-1, m_tasks), e.reshape(-1, m_tasks)) for m, e in parts],
+                        m_tasks)  # fmt: skip
+    masks = _allocate.mask_table(names, blocks, {}, flat, scope)
+    done = ta.stacked_result(names, buckets, m_tasks, outs, flags)
+    table = ScoreTable(names, [(bk.names, st) for bk, st in zip(buckets, stats, strict=True)], {},
+                       ModuleScores)  # fmt: skip
+    sc = Scores(table, lam_used, alpha)
+    zeroed = tuple(nm for nm in names if done.zero[nm] and masks.host(nm).any())
+    return Fused(
+        done.modules, masks, sc, h_of(k, t), zeroed, lam_host, float(np.asarray(req.alpha, dtype))
+    )
+
+
+def _takes(adapters: Any, req: Any, buckets) -> bool:
+    """Whether :func:`fused_program` takes the merge: a ``nu.stack_adapters`` set whose buckets
+    all have candidates and are stacked in the compute dtype, scored data-free with a given
+    alpha, allocated by Net Utility or uniformly without a floor, unweighted."""
+    if not (isinstance(adapters, StackedAdapters) and buckets):
+        return False
+    if req.allocation not in ("net_utility", "uniform") or isinstance(req.alpha, str):
+        return False
+    if req.input_moments is not None or req.min_share or req.weights is not None:
+        return False
+    dtype = np.dtype(_tree.compute_dtype(buckets))
+    for bk in buckets:
+        st = bk.stacked
+        if st is None or bk.r_max == 0 or bk.d_in == 0 or bk.d_out == 0:
+            return False
+        if not (st.a.dtype == dtype and st.b.dtype == dtype and st.scale.dtype == dtype):
+            return False
+    return True
+
+
+class _Reader:
+    """Reads the program's byte vector in order, each piece as its dtype."""
+
+    def __init__(self, data: np.ndarray):
+        self._data, self._at = data, 0
+
+    def take(self, dtype: Any, n: int) -> np.ndarray:
+        dt = np.dtype(dtype)
+        size = n * dt.itemsize
+        piece = self._data[self._at : self._at + size]
+        self._at += size
+        return piece.view(np.uint8).astype(bool) if dt == np.bool_ else piece.view(dt)

@@ -1,0 +1,175 @@
+"""A stacked set's TA merge in one program (netutility_jax/pipeline/_fused.py): the same merge,
+masks, scores and report as the stages run one by one, and the stages' errors where a flag
+sends it back to them."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import netutility_jax as nu
+from netutility_jax import InputError
+from netutility_jax.pipeline import _fused
+
+M = 4
+KINDS = {"q": (24, 24), "k": (24, 8), "up": (24, 40)}
+
+
+def _adapters(seed=0, layers=3, rank=4):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(M):
+        ad = {}
+        for layer in range(layers):
+            for kind, (d_in, d_out) in KINDS.items():
+                r = rank - (i == 1 and kind == "k")  # a ragged rank in one bucket
+                ad[f"l{layer}.{kind}"] = {
+                    "lora_a": rng.normal(size=(d_in, r)).astype(np.float32) / np.sqrt(d_in),
+                    "lora_b": rng.normal(size=(r, d_out)).astype(np.float32) * (1 + i),
+                    "scale": 0.5 + i,
+                }
+        out.append(ad)
+    return out
+
+
+@pytest.fixture
+def took(monkeypatch):
+    """The results of the one-program route in this test (None where it declined)."""
+    seen = []
+    real = _fused.fused_ta
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(_fused, "fused_ta", spy)
+    return seen
+
+
+def _by_stages(monkeypatch, *args, **kwargs):
+    with monkeypatch.context() as mp:
+        mp.setattr(_fused, "fused_ta", lambda *a, **k: None)
+        return nu.merge_adapters(*args, **kwargs)
+
+
+def _dense(mod):
+    a, b = (np.asarray(mod[k], np.float64) for k in ("lora_a", "lora_b"))
+    return float(mod.get("scale", 1.0)) * a @ b
+
+
+CASES = [
+    {},
+    {"lam": 0.0},
+    {"lam": 2.5, "positive_only": False},
+    {"alpha": 0.0},
+    {"scope": "local"},
+    {"allocation": "uniform"},
+    {"interference": "signed"},
+    {"interference": "signed_weaker", "coef": 0.7},
+]
+
+
+@pytest.mark.parametrize("opts", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_one_program_gives_the_stages_merge_masks_scores_and_report(monkeypatch, took, opts):
+    st = nu.stack_adapters(jax.device_put(_adapters()))
+    out, rep = nu.merge_adapters(st, budget=5, method="ta", **opts)
+    assert len(took) == 1 and took[0] is not None  # the one-program route ran
+    want, wrep = _by_stages(monkeypatch, st, budget=5, method="ta", **opts)
+    assert list(out) == list(want) == list(st.names)
+    for nm in st.names:
+        np.testing.assert_array_equal(rep.masks[nm], wrep.masks[nm], err_msg=nm)
+        got, ref = _dense(out[nm]), _dense(want[nm])
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=nm)
+        for f in ("sigma", "benefit", "interference", "utility"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(rep.scores.modules[nm], f)),
+                np.asarray(getattr(wrep.scores.modules[nm], f)),
+                err_msg=f"{nm} {f}",
+            )
+    assert rep.lam == wrep.lam and rep.alpha == wrep.alpha
+    assert float(rep.scores.lam) == rep.lam and float(rep.scores.alpha) == rep.alpha
+    assert rep.heterogeneity == pytest.approx(wrep.heterogeneity, rel=1e-12)
+    assert rep.ranks == wrep.ranks and rep.zeroed == wrep.zeroed
+    assert rep.budget_spent == wrep.budget_spent and rep.scope == wrep.scope
+    assert {k: v.tolist() for k, v in rep.kept.items()} == {
+        k: v.tolist() for k, v in wrep.kept.items()
+    }
+
+
+def test_the_merge_is_task_arithmetic_of_the_kept_directions_in_float64(took):
+    """Independent of both routes: each module's merged update is coef times the sum over tasks
+    of the kept singular components, from a float64 SVD of each task's dense update."""
+    ads = _adapters(seed=3)
+    st = nu.stack_adapters(jax.device_put(ads))
+    out, rep = nu.merge_adapters(st, budget=4, method="ta", coef=0.8)
+    assert took[0] is not None
+    for nm in st.names:
+        want = 0.0
+        for i, ad in enumerate(ads):
+            u, s, vt = np.linalg.svd(_dense(ad[nm]), full_matrices=False)
+            keep = np.zeros(s.shape, bool)
+            mask = np.asarray(rep.masks[nm][i])
+            keep[: mask.size] = mask[: s.size]
+            want = want + (u[:, keep] * s[keep]) @ vt[keep]
+        got = _dense(out[nm])
+        np.testing.assert_allclose(got, 0.8 * want, atol=2e-5 * np.abs(want).max(), err_msg=nm)
+
+
+def test_a_non_finite_factor_is_reported_by_the_stages(took):
+    ads = _adapters()
+    ads[2]["l1.up"]["lora_b"][0, 3] = np.nan
+    st = nu.stack_adapters(jax.device_put(ads))
+    with pytest.raises(InputError, match=r"l1\.up") as e:
+        nu.merge_adapters(st, budget=4, method="ta")
+    assert took == [None]  # the flag sent it back to the stages, which named the module
+    assert "task 2" in str(e.value) or "adapters[2]" in str(e.value)
+
+
+def test_extreme_factors_take_the_exact_route_of_the_stages(took):
+    """Factor entries beyond the raw Grams' range (2^+-40): the stages redo the scoring on
+    normalised factors, exactly."""
+    ads = _adapters()
+    for ad in ads:
+        ad["l0.q"]["lora_a"] *= np.float32(2.0**-45)
+        ad["l0.q"]["lora_b"] *= np.float32(2.0**45)
+    st = nu.stack_adapters(jax.device_put(ads))
+    out, rep = nu.merge_adapters(st, budget=4, method="ta")
+    assert took == [None]
+    # the same updates (powers of two cancel exactly), merged by the one program
+    plain = nu.stack_adapters(jax.device_put(_adapters()))
+    want, wrep = nu.merge_adapters(plain, budget=4, method="ta")
+    assert took[1] is not None
+    for nm in st.names:
+        np.testing.assert_array_equal(rep.masks[nm], wrep.masks[nm])
+        ref = _dense(want[nm])
+        np.testing.assert_allclose(_dense(out[nm]), ref, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"allocation": "all"},
+        {"alpha": "auto"},
+        {"weights": [1.0, 0.5, 2.0, 1.0]},
+        {"min_share": 0.5},
+    ],
+    ids=["all", "alpha-auto", "weights", "min_share"],
+)
+def test_what_the_program_does_not_take_goes_to_the_stages(took, opts):
+    st = nu.stack_adapters(jax.device_put(_adapters()))
+    nu.merge_adapters(st, budget=4, method="ta", **opts)
+    assert took in ([], [None])  # declined (or never asked: allocation="all" scores nothing)
+
+
+def test_a_scale_beyond_the_dtype_gets_the_stages_error(monkeypatch, took):
+    ads = _adapters()
+    ads[1]["l2.k"]["scale"] = 1e40
+    with np.errstate(over="ignore"):  # (stacking casts the scale: inf, which is refused)
+        st = nu.stack_adapters(ads)
+    with pytest.raises(InputError) as got:
+        nu.merge_adapters(st, budget=4, method="ta")
+    assert took == [None]
+    with pytest.raises(InputError) as want:
+        _by_stages(monkeypatch, st, budget=4, method="ta")
+    assert str(got.value) == str(want.value) and "l2.k" in str(got.value)
