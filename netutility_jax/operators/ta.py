@@ -38,6 +38,7 @@ __all__ = [
     "TaMeta",
     "TaResult",
     "merge_ta",
+    "module_factors",
     "slices_on_device",
     "stacked_result",
     "ta_program",
@@ -203,6 +204,24 @@ def merge_ta(
         for nm in bk.names:
             modules[nm] = {"lora_a": next(it), "lora_b": next(it), "scale": 1.0}
     return TaResult({nm: modules[nm] for nm in names}, zero, {nm: kept[nm] for nm in names})
+
+
+def module_factors(names, table: MergedTable, *, on_device: bool) -> dict[str, dict[str, Any]]:
+    """Each module's merged factors at its rank from a compact :class:`MergedTable`, as
+    :func:`merge_ta` gives a list's: sliced on the device (``on_device``), or read back in one
+    transfer and placed as views (a CPU, whose host copies cost nothing)."""
+    if on_device:
+        return {nm: table[nm] for nm in names}
+    blocks = table.blocks()
+    host = jax.device_get([(la, lb) for _, la, lb in blocks])
+    views, order = [], []
+    for (bn, _, _), (la, lb), counts in zip(blocks, host, table.counts, strict=True):
+        for i, (nm, k) in enumerate(zip(bn, counts, strict=True)):
+            views += [la[i][:, :k], lb[i][:k, :]]
+            order.append(nm)
+    it = iter(put_views(views))
+    modules = {nm: {"lora_a": next(it), "lora_b": next(it), "scale": 1.0} for nm in order}
+    return {nm: modules[nm] for nm in names}
 
 
 # Whether a list of device factors is merged with its results sliced on the device (each module

@@ -1,12 +1,14 @@
-"""A stacked set's TA merge as one program: scores, lambda, allocation and merge, read once.
+"""An eager TA merge as one program: scores, lambda, allocation and merge, read once.
 
-``nu.merge_adapters(nu.stack_adapters(...), method="ta")`` by stages runs three programs (the
+``nu.merge_adapters(adapters, method="ta")`` by stages runs three programs (the
 scoring kernel, the allocation, the TA program) with reads between them (the scoring's status,
 the masks, the merged flags, lambda and alpha for the report) and hands the masks back to the
 device for the merge. Here the same functions run inside one jitted program, the scoring on its
 fast route (``"raw"``), and everything the host needs comes back in one byte vector: the
 scoring's status flags, lambda, the allocation's bad-field flag and masks, the merged flags and
-the task energies for ``h``. The scores and the merged factors stay on the device.
+the task energies for ``h``. The scores and a stacked set's merged factors stay on the device; a
+list's buckets are stacked once, for the whole program (as the scoring stacks them), and its
+modules come back as :func:`ta.merge_ta` gives them (:func:`ta.module_factors`).
 
 Where a flag says that the fast route does not stand (the raw Grams refused, a non-finite factor,
 a result beyond the dtype, no candidate for ``lam="auto"``, a NaN or +inf field, a merged result
@@ -23,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._core import buckets as _buckets
+from .._core import stacking as _stacking
 from .._core import tree as _tree
 from .._core.executables import kernel
 from .._core.host import host_constant
@@ -65,7 +69,7 @@ class Fused(NamedTuple):
     """What :func:`fused_ta` returns: ``merge_adapters``'s TA results and the report's numbers
     read with them (``lam``, ``alpha``: Python floats, no second read)."""
 
-    merged: Any  # a MergedTable (the factors on the device, kept columns first)
+    merged: Any  # a stacked set's MergedTable (kept columns first), or a list's modules by name
     masks: Any  # the allocation's MaskTable (host copies)
     scores: Scores
     h: float
@@ -81,7 +85,9 @@ def _bytes(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x.ravel(), jnp.uint8).ravel()
 
 
-@kernel(static_argnames=("spec",), fast_compile=True)
+# (compiled for speed of compiling in a small merge only, as the TA program: at XLA's level 0
+# a large TA merge runs several times slower)
+@kernel(static_argnames=("spec",), fast_compile="small")
 def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
     """Score, allocate and TA-merge every bucket: ``(stats, outs, lam, vector)``.
 
@@ -119,7 +125,7 @@ def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
 
 
 def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | None:
-    """``nu.merge_adapters``'s TA of a stacked set (``req`` its checked request) by
+    """``nu.merge_adapters``'s TA (``req`` its checked request) by
     :func:`fused_program`, or None where the stages must run instead: inputs outside what the
     program takes (another form, a bucket without a candidate, data-aware scores, a task floor,
     task weights, ``alpha="auto"``, ``allocation="all"``, a coefficient beyond the dtype), or
@@ -146,7 +152,9 @@ def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | N
     )  # fmt: skip
     alpha = host_constant(req.alpha, dtype)
     lam = 0.0 if spec.lam_is_auto else req.lam
-    inputs = tuple(bk.stacked for bk in buckets)
+    inputs = _inputs(adapters, buckets, dtype)
+    if inputs is None:
+        return None
     with np.errstate(over="ignore", invalid="ignore"):
         stats, outs, lam_used, vector = fused_program(
             inputs, alpha, lam, _allocate.placed_order(layout), host_constant(c, dtype), spec=spec
@@ -187,16 +195,36 @@ def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | N
                        ModuleScores)  # fmt: skip
     sc = Scores(table, lam_used, alpha)
     zeroed = tuple(nm for nm in names if done.zero[nm] and masks.host(nm).any())
+    merged = done.modules  # (a stacked set's result: a MergedTable, its factors stacked)
+    if not isinstance(adapters, StackedAdapters):  # each module's factors, as merge_ta gives them
+        merged = ta.module_factors(names, done.modules, on_device=ta.slices_on_device(buckets))
     return Fused(
-        done.modules, masks, sc, h_of(k, t), zeroed, lam_host, float(np.asarray(req.alpha, dtype))
+        merged, masks, sc, h_of(k, t), zeroed, lam_host, float(np.asarray(req.alpha, dtype))
     )
 
 
+def _inputs(adapters: Any, buckets, dtype) -> tuple | None:
+    """Every bucket as four arrays (:class:`_mesh.Stacked`), or None where one keeps its leaves:
+    a stacked set's arrays (in the compute dtype); a list's factors stacked as the scoring stacks
+    them (numpy on the host, device arrays on their device), its scales rounded as XLA does."""
+    if isinstance(adapters, StackedAdapters):
+        return tuple(bk.stacked for bk in buckets)
+    out = []
+    for bk in buckets:
+        host = _buckets.host_scales(_buckets.bucket_arrays(bk)[2], dtype)
+        st = None if host is None else _stacking.stacked_input(bk, dtype, scales=host)
+        if st is None:  # (traced scales or factors, a bucket too large to copy)
+            return None
+        out.append(st._replace(scale=host))
+    return tuple(out)
+
+
 def _takes(adapters: Any, req: Any, buckets) -> bool:
-    """Whether :func:`fused_program` takes the merge: a ``nu.stack_adapters`` set whose buckets
-    all have candidates and are stacked in the compute dtype, scored data-free with a given
-    alpha, allocated by Net Utility or uniformly without a floor, unweighted."""
-    if not (isinstance(adapters, StackedAdapters) and buckets):
+    """Whether :func:`fused_program` takes the merge: a list of adapters or a
+    ``nu.stack_adapters`` set (stacked in the compute dtype) whose buckets all have candidates,
+    scored data-free with a given alpha, allocated by Net Utility or uniformly without a floor,
+    unweighted."""
+    if not buckets:
         return False
     if req.allocation not in ("net_utility", "uniform") or isinstance(req.alpha, str):
         return False
@@ -204,10 +232,12 @@ def _takes(adapters: Any, req: Any, buckets) -> bool:
         return False
     dtype = np.dtype(_tree.compute_dtype(buckets))
     for bk in buckets:
-        st = bk.stacked
-        if st is None or bk.r_max == 0 or bk.d_in == 0 or bk.d_out == 0:
+        if bk.r_max == 0 or bk.d_in == 0 or bk.d_out == 0:
             return False
-        if not (st.a.dtype == dtype and st.b.dtype == dtype and st.scale.dtype == dtype):
+        st = bk.stacked
+        if isinstance(adapters, StackedAdapters) and not (
+            st is not None and st.a.dtype == st.b.dtype == st.scale.dtype == dtype
+        ):
             return False
     return True
 

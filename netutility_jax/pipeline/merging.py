@@ -390,11 +390,9 @@ def merge_adapters(
 def _merged_ta(adapters, weighted, req: MergeRequest, names, buckets, coef) -> tuple | None:
     """TA as one program over every bucket (:mod:`..operators.ta`): ``(merged, kept masks,
     scores, h, zeroed, (lam, alpha) or None)``, or None where that program must refuse or split
-    the inputs. A stacked set is scored, allocated and merged in one program where it can be
+    the inputs. The adapters are scored, allocated and merged in one program where they can be
     (:mod:`._fused`)."""
-    fused = None
-    if isinstance(adapters, StackedAdapters):
-        fused = _fused.fused_ta(adapters, req, names, buckets, adapters.m_tasks)
+    fused = _fused.fused_ta(adapters, req, names, buckets, len(adapters))
     if fused is not None:
         merged = _rebuild(weighted, fused.merged)
         return merged, fused.masks, fused.scores, fused.h, fused.zeroed, (fused.lam, fused.alpha)

@@ -70,14 +70,27 @@ CASES = [
 ]
 
 
+def _form(form, ads):
+    """The adapters as a stacked set, a list of numpy trees or a list of device trees."""
+    if form == "stacked":
+        return nu.stack_adapters(jax.device_put(ads))
+    return ads if form == "numpy" else jax.device_put(ads)
+
+
+@pytest.mark.parametrize("form", ["stacked", "numpy", "device"])
 @pytest.mark.parametrize("opts", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_one_program_gives_the_stages_merge_masks_scores_and_report(monkeypatch, took, opts):
-    st = nu.stack_adapters(jax.device_put(_adapters()))
+def test_one_program_gives_the_stages_merge_masks_scores_and_report(monkeypatch, took, opts, form):
+    st = _form(form, _adapters())
     out, rep = nu.merge_adapters(st, budget=5, method="ta", **opts)
     assert len(took) == 1 and took[0] is not None  # the one-program route ran
     want, wrep = _by_stages(monkeypatch, st, budget=5, method="ta", **opts)
-    assert list(out) == list(want) == list(st.names)
-    for nm in st.names:
+    names = list(rep.masks)
+    assert list(out) == list(want) == names
+    if form != "stacked":  # the factors at each module's rank, as the stages give them
+        for nm in names:
+            assert out[nm]["lora_a"].shape == want[nm]["lora_a"].shape
+            assert isinstance(out[nm]["lora_a"], jax.Array)
+    for nm in names:
         np.testing.assert_array_equal(rep.masks[nm], wrep.masks[nm], err_msg=nm)
         got, ref = _dense(out[nm]), _dense(want[nm])
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=nm)
@@ -95,6 +108,23 @@ def test_one_program_gives_the_stages_merge_masks_scores_and_report(monkeypatch,
     assert {k: v.tolist() for k, v in rep.kept.items()} == {
         k: v.tolist() for k, v in wrep.kept.items()
     }
+
+
+def test_a_list_of_device_factors_is_sliced_on_the_device_as_the_stages_slice_it(monkeypatch, took):
+    """The accelerator's route (each module's factors sliced on the device, nothing read
+    back), forced on this CPU."""
+    from netutility_jax.operators import ta
+
+    monkeypatch.setattr(ta, "DEVICE_SLICES", True)
+    ads = jax.device_put(_adapters(seed=5))
+    out, rep = nu.merge_adapters(ads, budget=4, method="ta")
+    assert took[0] is not None
+    want, wrep = _by_stages(monkeypatch, ads, budget=4, method="ta")
+    for nm in rep.masks:
+        np.testing.assert_array_equal(rep.masks[nm], wrep.masks[nm])
+        assert out[nm]["lora_a"].shape == want[nm]["lora_a"].shape
+        ref = _dense(want[nm])
+        np.testing.assert_allclose(_dense(out[nm]), ref, atol=1e-5 * np.abs(ref).max())
 
 
 def test_the_merge_is_task_arithmetic_of_the_kept_directions_in_float64(took):

@@ -10,6 +10,7 @@ import pytest
 
 import netutility_jax as nu
 from netutility_jax._core import executables as ex
+from netutility_jax.pipeline import _fused
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU compile options")
 
@@ -58,9 +59,26 @@ def _fast(calls, name):
 
 @pytest.mark.parametrize("small", [True, False])
 def test_a_low_rank_merges_programs_follow_its_size(monkeypatch, chosen, small):
-    """nu.merge_adapters (TA) of a small set runs its program compiled for speed of compiling,
-    of a set over SMALL_BYTES with XLA's defaults; the merged modules agree either way, and
-    the scoring program is compiled for speed of compiling whatever the size."""
+    """nu.merge_adapters (TA) of a small set runs its one program (scores, allocation and
+    merge: pipeline/_fused.py) compiled for speed of compiling, of a set over SMALL_BYTES with
+    XLA's defaults; the merged modules agree either way."""
+    ads = _adapters()
+    if not small:
+        monkeypatch.setattr(ex, "SMALL_BYTES", ex.factor_bytes(ads) - 1)
+    merged, _ = nu.merge_adapters(ads, budget=2, method="ta", space="full")
+    assert _fast(chosen, "fused_program") == {small}
+    chosen.clear()
+    monkeypatch.setattr(ex, "SMALL_BYTES", ex.factor_bytes(ads) - 1 if small else 1 << 40)
+    other, _ = nu.merge_adapters(ads, budget=2, method="ta", space="full")
+    assert _fast(chosen, "fused_program") == {not small}
+    _close(merged, other)
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_the_stages_programs_follow_the_size_too(monkeypatch, chosen, small):
+    """Where the one program declines (here forced), the stages: the TA program follows the
+    size, the scoring program is compiled for speed of compiling whatever the size."""
+    monkeypatch.setattr(_fused, "fused_ta", lambda *a, **k: None)
     ads = _adapters()
     if not small:
         monkeypatch.setattr(ex, "SMALL_BYTES", ex.factor_bytes(ads) - 1)
