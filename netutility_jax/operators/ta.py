@@ -46,9 +46,10 @@ __all__ = [
 
 
 class TaMeta(NamedTuple):
+    """:func:`ta_program`'s static settings."""
+
     dtype: Any
     dims: tuple[tuple[int, int, int], ...]  # per bucket (d_in, d_out, r_max)
-    compact: bool = False  # live columns first, results left on the device (a stacked set)
 
 
 @kernel(static_argnames=("meta",), fast_compile="small")
@@ -62,11 +63,10 @@ def ta_program(inputs, masks, coef, *, meta: TaMeta):
       coef: the merge coefficient (a normal number of the dtype).
 
     Returns:
-      ``outs[b] = (la (n, d_in, M r_max), lb (n, M r_max, d_out), keep (n, M r_max))`` and
-      ``ok`` (``()`` bool): every input and output finite. With ``meta.compact`` each row's
-      kept columns come first (in their order), ``outs[b] = (la, lb)`` and the second result
-      is every bucket's ``keep`` and ``nonzero (n,)`` (whether the row's update is not exactly
-      zero) raveled in bucket order, then ``ok``, in one bool vector.
+      ``(outs, flags)``: ``outs[b] = (la (n, d_in, M r_max), lb (n, M r_max, d_out))`` with each
+      row's kept columns first (in their order); ``flags`` every bucket's ``keep (n, M r_max)``
+      and ``nonzero (n,)`` (whether the row's update is not exactly zero) raveled in bucket
+      order, then ``ok`` (every input and output finite), in one bool vector (one read).
     """
     masks = (None,) * len(inputs) if masks is None else masks
     items = []
@@ -107,18 +107,13 @@ def ta_program(inputs, masks, coef, *, meta: TaMeta):
         la = jnp.moveaxis(la, 1, 2).reshape(n, d_in, m_tasks * r_max)
         lb = lb.reshape(n, m_tasks * r_max, d_out)
         keep = keep.reshape(n, m_tasks * r_max)
-        if not meta.compact:
-            outs.append((la, lb, keep))
-            continue
         order = jnp.argsort(~keep, axis=-1, stable=True)  # kept columns first, in order
         la = jnp.take_along_axis(la, order[:, None, :], axis=2)
         lb = jnp.take_along_axis(lb, order[:, :, None], axis=1)
         nonzero = jnp.any(la != 0, (1, 2)) & jnp.any(lb != 0, (1, 2))
         outs.append((la, lb, keep, nonzero))
-    if meta.compact:  # every flag in one array: one read (:func:`_merge_ta_stacked`)
-        flags = [x.ravel() for _, _, keep, nonzero in outs for x in (keep, nonzero)]
-        return tuple((la, lb) for la, lb, _, _ in outs), jnp.concatenate([*flags, ok[None]])
-    return tuple(outs), ok
+    flags = [x.ravel() for _, _, keep, nonzero in outs for x in (keep, nonzero)]
+    return tuple((la, lb) for la, lb, _, _ in outs), jnp.concatenate([*flags, ok[None]])
 
 
 class TaResult(NamedTuple):
@@ -174,36 +169,14 @@ def merge_ta(
         inputs.append((a, b, s if host is None else host))
     stacked = None if masks is None else tuple(_bucket_masks(masks, bk, m_tasks) for bk in buckets)
     dims = tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets)
-    if buckets and all(bk.stacked is not None for bk in buckets):
-        return _merge_ta_stacked(names, buckets, m_tasks, inputs, stacked, c, dtype, dims)
-    if buckets and slices_on_device(buckets):  # an accelerator's factors: no round trip
-        done = _merge_ta_stacked(names, buckets, m_tasks, inputs, stacked, c, dtype, dims)
-        if done is None:
-            return None
-        return TaResult({nm: done.modules[nm] for nm in names}, done.zero, done.keep)
-    meta = TaMeta(np.dtype(dtype), dims)
-    with np.errstate(over="ignore", invalid="ignore"):
-        outs, ok = ta_program(tuple(inputs), stacked, np.asarray(c, dtype), meta=meta)
-        outs, ok = jax.device_get((outs, ok))
-    if not ok:
-        return None
-    modules: dict[str, dict[str, Any]] = {}
-    zero: dict[str, bool] = {}
-    kept: dict[str, np.ndarray] = {}
-    views = []
-    for bk, (la, lb, keep) in zip(buckets, outs, strict=True):
-        for i, nm in enumerate(bk.names):
-            kept[nm] = keep[i].reshape(m_tasks, bk.r_max)
-            cols = np.flatnonzero(keep[i])
-            va, vb = la[i][:, cols], lb[i][cols, :]
-            views += [va, vb]
-            zero[nm] = cols.size == 0 or not (va.any() and vb.any())
-    placed = put_views(views)
-    it = iter(placed)
-    for bk in buckets:
-        for nm in bk.names:
-            modules[nm] = {"lora_a": next(it), "lora_b": next(it), "scale": 1.0}
-    return TaResult({nm: modules[nm] for nm in names}, zero, {nm: kept[nm] for nm in names})
+    done = _merge_ta_stacked(names, buckets, m_tasks, inputs, stacked, c, dtype, dims)
+    if done is None or (buckets and all(bk.stacked is not None for bk in buckets)):
+        return done  # (a stacked set's factors stay stacked)
+    # a list's modules: sliced on an accelerator (no round trip), read back on a CPU
+    modules = module_factors(
+        names, done.modules, on_device=bool(buckets) and slices_on_device(buckets)
+    )
+    return TaResult(modules, done.zero, done.keep)
 
 
 def module_factors(names, table: MergedTable, *, on_device: bool) -> dict[str, dict[str, Any]]:
@@ -247,7 +220,7 @@ def _merge_ta_stacked(names, buckets, m_tasks, inputs, masks, c, dtype, dims) ->
     """A stacked set's TA: the merged factors stay on the device, stacked per bucket with each
     module's kept columns first (a :class:`MergedTable` with counts); only the kept flags, the
     zero flags and ``ok`` are read back (no factor is read, none placed)."""
-    meta = TaMeta(np.dtype(dtype), dims, compact=True)
+    meta = TaMeta(np.dtype(dtype), dims)
     with np.errstate(over="ignore", invalid="ignore"):
         outs, flags = ta_program(tuple(inputs), masks, np.asarray(c, dtype), meta=meta)
         flags = np.asarray(jax.device_get(flags))  # the one read

@@ -117,7 +117,7 @@ def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
     else:
         flat = jnp.concatenate([m.ravel() for m in masks])
     outs, flags = ta.ta_program(
-        inputs, masks, coef, meta=ta.TaMeta(np.dtype(spec.dtype), spec.dims, compact=True)
+        inputs, masks, coef, meta=ta.TaMeta(np.dtype(spec.dtype), spec.dims)
     )
     head = [done.status, done.lam.astype(spec.dtype), (bad > 0), flat, flags]
     tail = [x for m, k in parts for x in (m.astype(spec.dtype), k.astype(jnp.int32))]
