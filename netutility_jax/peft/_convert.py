@@ -140,11 +140,12 @@ def module_from_peft(
 
 
 def _upcast(x: Any, host: bool = False) -> Any:
-    # transpose and upcast on the host: eager jnp ops would compile once per factor shape
+    # transpose and upcast on the host, placed as is: eager jnp ops (jnp.asarray of a numpy
+    # array included) compile an identity program once per factor shape
     arr = np.asarray(x)
     if arr.dtype != np.float64:
         arr = arr.astype(np.float32, copy=False)
-    return arr.T if host else jnp.asarray(np.ascontiguousarray(arr.T))
+    return arr.T if host else jax.device_put(np.ascontiguousarray(arr.T))
 
 
 # ---------------------------------------------------------------------------------------------

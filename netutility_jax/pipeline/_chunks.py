@@ -25,6 +25,7 @@ __all__ = [
     "Energies",
     "Progress",
     "Stream",
+    "as_dtype",
     "bound_heap",
     "plan_chunks",
     "reads",
@@ -121,7 +122,7 @@ def release_heap() -> None:
         trim(0)
 
 
-def _as(m: dict[str, Any] | None, dtype: Any) -> dict[str, Any] | None:
+def as_dtype(m: dict[str, Any] | None, dtype: Any) -> dict[str, Any] | None:
     if m is None:
         return None
     return {
@@ -268,7 +269,7 @@ class Stream:
             names = self.chunks[k]
             adapters = self.source.read(names, host=True)  # stacked on the host (_mesh)
             if self.dtype == np.float64:
-                adapters = [{n: _as(m, self.dtype) for n, m in ad.items()} for ad in adapters]
+                adapters = [{n: as_dtype(m, self.dtype) for n, m in ad.items()} for ad in adapters]
             yield k, names, adapters
             # (the caller asks for the next: this one is done, and the caller has dropped it)
             del adapters

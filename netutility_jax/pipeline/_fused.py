@@ -11,7 +11,8 @@ list's buckets are stacked once, for the whole program (as the scoring stacks th
 modules come back as :func:`ta.merge_ta` gives them (:func:`ta.module_factors`).
 
 Where a flag says that the fast route does not stand (the raw Grams refused, a non-finite factor,
-a result beyond the dtype, no candidate for ``lam="auto"``, a NaN or +inf field, a merged result
+a result beyond the dtype, no candidate for ``lam="auto"``, an ``h`` within 1e-3 of the
+``alpha="auto"`` rule's threshold, a NaN or +inf field, a merged result
 that is not finite), :func:`fused_ta` returns None and the caller runs the stages one by one,
 which take the exact route or raise as they always did: this program is one schedule of the
 same functions, never a second semantics.
@@ -30,6 +31,7 @@ from .._core import stacking as _stacking
 from .._core import tree as _tree
 from .._core.executables import kernel
 from .._core.host import host_constant
+from .._core.linalg import mul_pow2
 from .._core.tables import ScoreTable
 from ..allocation import allocate as _allocate
 from ..errors import InputError
@@ -46,10 +48,10 @@ from ..scoring._kernels import (
     default_rtol,
     score_impl,
 )
-from ..scoring._run import sum_energies
+from ..scoring._run import H_THRESHOLD, log_energy_variance, sum_energies
 from ._report import h_of
 
-__all__ = ["Fused", "fused_ta"]
+__all__ = ["Fused", "fused_ta", "takes_request"]
 
 
 class _Spec(NamedTuple):
@@ -58,6 +60,7 @@ class _Spec(NamedTuple):
     dtype: Any
     dims: tuple[tuple[int, int, int], ...]  # per bucket (d_in, d_out, r_max)
     lam_is_auto: bool
+    alpha_is_auto: bool  # alpha="auto": both alphas scored, the heterogeneity rule picks one
     interference: str
     budget: int  # (capped at a module's slots, as nu.allocate caps it)
     scope: str
@@ -92,8 +95,10 @@ def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
     """Score, allocate and TA-merge every bucket: ``(stats, outs, lam, vector)``.
 
     ``stats``: per bucket the scores' fields ``(n, 4, M, r)``; ``outs``: per bucket the merged
-    ``(la, lb)`` (kept columns first); ``lam``: the lambda used; ``vector``: uint8, in order the status flags (4), lambda,
-    the bad-field flag, the masks (global: module order; else per bucket), the merged flags (see
+    ``(la, lb)`` (kept columns first); ``lam``: the lambda used; ``vector``: uint8, in order the
+    status flags (4), lambda, with ``alpha="auto"`` the heterogeneity ``h`` that picked alpha
+    (``alpha`` is then ``(0, 1)``, both scored from one decomposition), the bad-field flag, the
+    masks (global: module order; else per bucket), the merged flags (see
     :func:`ta.ta_program`, ``ok`` last) and per bucket the energies' mantissas and exponents.
     """
     rtols = tuple(jnp.asarray(default_rtol(r, spec.dtype), spec.dtype) for _, _, r in spec.dims)
@@ -101,7 +106,10 @@ def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
         inputs, alpha, lam, rtols, meta=(spec.dtype, spec.dims), lam_is_auto=spec.lam_is_auto,
         route="raw", energy=True, interference=spec.interference,
     )  # fmt: skip
-    done = finished[0]
+    done, h = finished[0], None
+    if spec.alpha_is_auto:  # (alpha = (0, 1): the rule's pick of the two, as nu.score makes it)
+        h = _heterogeneity(parts)
+        done = jax.tree.map(lambda a0, a1: jnp.where(h > H_THRESHOLD, a0, a1), *finished)
     stats = tuple(o.stats for o in done.outs)
     kw = {"budget": spec.budget, "scope": spec.scope, "positive_only": spec.positive_only}
     masks, bad = _allocate.allocate_stacked(stats, perm, n_modules=spec.n_modules, **kw)
@@ -120,15 +128,29 @@ def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
         inputs, masks, coef, meta=ta.TaMeta(np.dtype(spec.dtype), spec.dims)
     )
     head = [done.status, done.lam.astype(spec.dtype), (bad > 0), flat, flags]
+    if h is not None:
+        head.insert(2, h.astype(spec.dtype))
     tail = [x for m, k in parts for x in (m.astype(spec.dtype), k.astype(jnp.int32))]
     return stats, outs, done.lam, jnp.concatenate([_bytes(x) for x in (*head, *tail)])
+
+
+def _heterogeneity(parts) -> jax.Array:
+    """``h`` of the tasks' energies from the scoring's per-module parts, summed over modules
+    relative to each task's largest power as :func:`log_energy_impl` sums them (NaN or inf
+    where a task is zero everywhere: the caller then runs the stages, which raise)."""
+    e = jnp.concatenate([m for m, _ in parts], 0)  # (modules, M)
+    k = jnp.concatenate([x for _, x in parts], 0)
+    live = e > 0
+    kmax = jnp.max(jnp.where(live, k, jnp.iinfo(jnp.int32).min), 0)
+    t = jnp.where(live, mul_pow2(e, jnp.where(live, k - kmax, 0)), 0).sum(0)
+    return log_energy_variance(jnp.where(live.any(0), kmax, 0), t)
 
 
 def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | None:
     """``nu.merge_adapters``'s TA (``req`` its checked request) by
     :func:`fused_program`, or None where the stages must run instead: inputs outside what the
     program takes (another form, a bucket without a candidate, data-aware scores, a task floor,
-    task weights, ``alpha="auto"``, ``allocation="all"``, a coefficient beyond the dtype), or
+    task weights, ``allocation="all"``, a coefficient beyond the dtype), or
     a flag raised (see the module docstring)."""
     if not _takes(adapters, req, buckets):
         return None
@@ -147,10 +169,10 @@ def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | N
     scope = "uniform" if req.allocation == "uniform" else req.scope
     spec = _Spec(
         dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets), isinstance(req.lam, str),
-        req.interference, min(req.budget, max(1, *(m * r for m, r in shapes))), scope,
+        isinstance(req.alpha, str), req.interference, min(req.budget, max(1, *(m * r for m, r in shapes))), scope,
         req.positive_only, len(names),
     )  # fmt: skip
-    alpha = host_constant(req.alpha, dtype)
+    alpha = host_constant(np.array((0.0, 1.0)) if spec.alpha_is_auto else req.alpha, dtype)
     lam = 0.0 if spec.lam_is_auto else req.lam
     inputs = _inputs(adapters, buckets, dtype)
     if inputs is None:
@@ -163,9 +185,11 @@ def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | N
     read = _Reader(host)
     status = read.take(np.bool_, 4)
     lam_host = float(read.take(dtype, 1)[0])
+    h_rule = float(read.take(dtype, 1)[0]) if spec.alpha_is_auto else None
     bad = bool(read.take(np.bool_, 1)[0])
     if (
-        not status[RAW_OK]
+        not _clear_of_threshold(h_rule)
+        or not status[RAW_OK]
         or status[NONFINITE]
         or status[BEYOND]
         or (spec.lam_is_auto and not status[ANY_SIGMA])
@@ -198,9 +222,17 @@ def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | N
     merged = done.modules  # (a stacked set's result: a MergedTable, its factors stacked)
     if not isinstance(adapters, StackedAdapters):  # each module's factors, as merge_ta gives them
         merged = ta.module_factors(names, done.modules, on_device=ta.slices_on_device(buckets))
+    alpha_used = req.alpha if h_rule is None else (0.0 if h_rule > H_THRESHOLD else 1.0)
     return Fused(
-        merged, masks, sc, h_of(k, t), zeroed, lam_host, float(np.asarray(req.alpha, dtype))
+        merged, masks, sc, h_of(k, t), zeroed, lam_host, float(np.asarray(alpha_used, dtype))
     )
+
+
+def _clear_of_threshold(h: float | None) -> bool:
+    """Whether the program's ``h`` (None: alpha given) picks alpha as ``nu.heterogeneity``'s
+    would: finite and not within 1e-3 of the rule's threshold (there the energies' other order
+    of summation could pick the other alpha, and the stages decide)."""
+    return h is None or (np.isfinite(h) and abs(h - H_THRESHOLD) > 1e-3)
 
 
 def _inputs(adapters: Any, buckets, dtype) -> tuple | None:
@@ -219,16 +251,19 @@ def _inputs(adapters: Any, buckets, dtype) -> tuple | None:
     return tuple(out)
 
 
+def takes_request(req: Any) -> bool:
+    """Whether :func:`fused_program` takes ``req``'s settings (whatever the adapters): scored
+    data-free, allocated by Net Utility or uniformly without a floor, unweighted."""
+    if req.allocation not in ("net_utility", "uniform"):
+        return False
+    return req.input_moments is None and not req.min_share and req.weights is None
+
+
 def _takes(adapters: Any, req: Any, buckets) -> bool:
-    """Whether :func:`fused_program` takes the merge: a list of adapters or a
-    ``nu.stack_adapters`` set (stacked in the compute dtype) whose buckets all have candidates,
-    scored data-free with a given alpha, allocated by Net Utility or uniformly without a floor,
-    unweighted."""
-    if not buckets:
-        return False
-    if req.allocation not in ("net_utility", "uniform") or isinstance(req.alpha, str):
-        return False
-    if req.input_moments is not None or req.min_share or req.weights is not None:
+    """Whether :func:`fused_program` takes the merge: :func:`takes_request`, and a list of
+    adapters or a ``nu.stack_adapters`` set (stacked in the compute dtype) whose buckets all
+    have candidates."""
+    if not buckets or not takes_request(req):
         return False
     dtype = np.dtype(_tree.compute_dtype(buckets))
     for bk in buckets:

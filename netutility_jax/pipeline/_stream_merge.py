@@ -17,16 +17,56 @@ from .._core import tree as _tree
 from ..errors import InputError
 from ..operators import _plan, _results, ta
 from ..operators._ties_model import ties_model_streamed
-from . import _exchange, merging
-from ._report import ranks_of, zeroed_modules
+from . import _exchange, _fused, merging
+from ._report import build_report, ranks_of, warn_zeroed, zeroed_modules
 from ._request import all_candidates
 
 if TYPE_CHECKING:  # the peft package is imported on first use (nu.peft), not by the core
     pass
 
-from ._chunks import Energies, Stream
+from ._chunks import Energies, Stream, as_dtype
 
-__all__ = ["all_kept", "merge_pass", "merge_pass_model_wide", "refuse_model_wide"]
+__all__ = [
+    "all_kept",
+    "merge_one_chunk",
+    "merge_pass",
+    "merge_pass_model_wide",
+    "refuse_model_wide",
+]
+
+
+def merge_one_chunk(st: Stream, req: Any, mesh: Any, on_chunk: Callable | None) -> tuple | None:
+    """A set that is one chunk, merged by TA in one process on one device (``mesh`` the
+    caller's, None): read once and merged as :func:`nu.merge_adapters` merges it in memory, by
+    the one TA program (:mod:`._fused`: scores, lambda, allocation and merge, one read back);
+    ``(merged, report)``, or None where that program does not take the merge or a flag sends it
+    back (the passes then read the chunk as for any set, with their errors). The streamed
+    merge's result is the in-memory one by contract; here it is the same computation."""
+    if len(st.chunks) != 1 or st.ex.count != 1 or mesh is not None:
+        return None
+    res = req.resolved
+    if not merging.fast_ta(st.fn, req.method, req.space, req.options, None):
+        return None
+    if not _fused.takes_request(req):
+        return None
+    adapters = st.source.read(list(st.source.names), host=True)  # (the chunk, in model order)
+    adapters = [{n: as_dtype(m, st.dtype) for n, m in ad.items()} for ad in adapters]
+    names, buckets, m_tasks = _tree.collect(adapters, fn=st.fn)
+    done = _fused.fused_ta(adapters, req, names, buckets, m_tasks)
+    if done is None:
+        return None
+    merged = {n: done.merged[n] for n in st.source.names}
+    if on_chunk is not None:
+        merged = dict(_on_chunk(st.fn, on_chunk, merged))
+    if st.progress is not None:
+        st.progress.finish()  # (one read, where two were announced)
+    zeroed = () if req.zero_merge else done.zeroed
+    warn_zeroed(st.fn, zeroed, len(names), req.method, res.options)
+    report = build_report(
+        req, done.masks, done.scores, h=done.h, ranks=ranks_of(merged), zeroed=zeroed,
+        lam_alpha=(done.lam, done.alpha),
+    )  # fmt: skip
+    return merged, report
 
 
 def _merge_chunk(

@@ -21,6 +21,12 @@ the adapters (:class:`nu.peft.AdapterSet`) a chunk of modules at a time, in pass
    through :func:`merging.run_plan`, which applies a ``coef`` outside the dtype's range).
    Only the merged modules are kept.
 
+A TA merge whose whole set is one chunk, in one process on one device, reads it once and runs
+the in-memory merge's one TA program on it (scores, lambda, allocation and merge; see
+:mod:`._fused`): the same computation as the passes, one program where they compile several.
+Where that program does not take the merge (data-aware scores, weights, a task floor,
+``allocation="all"``) or a flag sends it back, the passes run as for any set.
+
 ``allocation="all"`` needs no pass 1 (the energies for :attr:`Report.heterogeneity` are then
 summed in pass 2). A chunk is a run of modules of equal ``(d_in, d_out,
 r_max)`` in natural order whose factors (every task, in the compute dtype) fit ``chunk_bytes``,
@@ -120,7 +126,13 @@ from ._chunks import (
 )
 from ._report import Report, build_report, warn_zeroed
 from ._request import MergeRequest, sized_merge
-from ._stream_merge import all_kept, merge_pass, merge_pass_model_wide, refuse_model_wide
+from ._stream_merge import (
+    all_kept,
+    merge_one_chunk,
+    merge_pass,
+    merge_pass_model_wide,
+    refuse_model_wide,
+)
 
 if TYPE_CHECKING:  # the peft package is imported on first use (nu.peft), not by the core
     from ..peft._lazy import AdapterSet
@@ -514,7 +526,8 @@ def merge_adapters_streaming(
     req = req.with_tasks(len(source.paths))
     # None: this process's first device, the chunks stacked on the host all the same: one small
     # program per stage and chunk shape, not one traced over every module's leaves
-    mesh = _mesh.check_mesh(fn, mesh) or _mesh.module_mesh(jax.local_devices()[:1])
+    given = _mesh.check_mesh(fn, mesh)
+    mesh = given or _mesh.module_mesh(jax.local_devices()[:1])
     st = _stream(fn, source, chunk_bytes, _exchange.current(fn, distributed), req.weights)
     refuse_model_wide(fn, res, st.ex)
     if progress is not None:
@@ -523,6 +536,9 @@ def merge_adapters_streaming(
             st, progress=Progress(progress, mine * reads(allocation, res.model_wide, st.dtype))
         )
         st.progress.start()
+    one = merge_one_chunk(st, req, given, on_chunk)  # (a TA merge of one chunk: one program)
+    if one is not None:
+        return one
     sc, masks, energies = _allocation(st, req, mesh)
     call = {"method": method, "space": space, "coef": coef, "key": key, "options": res.options}
     call["mesh"] = mesh

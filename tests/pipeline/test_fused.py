@@ -180,11 +180,10 @@ def test_extreme_factors_take_the_exact_route_of_the_stages(took):
     "opts",
     [
         {"allocation": "all"},
-        {"alpha": "auto"},
         {"weights": [1.0, 0.5, 2.0, 1.0]},
         {"min_share": 0.5},
     ],
-    ids=["all", "alpha-auto", "weights", "min_share"],
+    ids=["all", "weights", "min_share"],
 )
 def test_what_the_program_does_not_take_goes_to_the_stages(took, opts):
     st = nu.stack_adapters(jax.device_put(_adapters()))
@@ -203,3 +202,59 @@ def test_a_scale_beyond_the_dtype_gets_the_stages_error(monkeypatch, took):
     with pytest.raises(InputError) as want:
         _by_stages(monkeypatch, st, budget=4, method="ta")
     assert str(got.value) == str(want.value) and "l2.k" in str(got.value)
+
+
+def _even(seed=0):
+    """Adapters of near-equal energies (h well under the alpha="auto" threshold of 1)."""
+    ads = _adapters(seed)
+    for i, ad in enumerate(ads):
+        for mod in ad.values():
+            mod["lora_b"] /= np.float32(1 + i)
+            mod["scale"] = 1.0
+    return ads
+
+
+@pytest.mark.parametrize("form", ["stacked", "numpy"])
+@pytest.mark.parametrize("which", ["uneven", "even"])
+def test_alpha_auto_picks_the_heterogeneity_rules_alpha_in_the_one_program(
+    monkeypatch, took, which, form
+):
+    """Both alphas are scored from one decomposition and h picks one, as ``nu.score`` picks
+    it: alpha 0 where h > 1 (the uneven set), 1 where not (the even set); masks, scores and
+    merge as the stages'."""
+    ads = _adapters() if which == "uneven" else _even()
+    h = float(nu.heterogeneity(ads))
+    assert (h > 1.0) == (which == "uneven") and abs(h - 1.0) > 0.05
+    st = _form(form, ads)
+    out, rep = nu.merge_adapters(st, budget=5, method="ta", alpha="auto")
+    assert len(took) == 1 and took[0] is not None
+    want, wrep = _by_stages(monkeypatch, st, budget=5, method="ta", alpha="auto")
+    assert rep.alpha == wrep.alpha == (0.0 if h > 1.0 else 1.0)
+    assert rep.lam == wrep.lam
+    assert rep.heterogeneity == pytest.approx(h, rel=1e-5)
+    for nm in rep.masks:
+        np.testing.assert_array_equal(rep.masks[nm], wrep.masks[nm], err_msg=nm)
+        np.testing.assert_array_equal(
+            np.asarray(rep.scores.modules[nm].utility), np.asarray(wrep.scores.modules[nm].utility)
+        )
+        ref = _dense(want[nm])
+        np.testing.assert_allclose(_dense(out[nm]), ref, atol=1e-5 * np.abs(ref).max())
+
+
+def test_an_h_at_the_rules_threshold_is_left_to_the_stages(monkeypatch, took):
+    """Within 1e-3 of the threshold the two routes' sums could pick different alphas: the
+    program declines and the stages decide."""
+    ads = _adapters()
+    h = float(nu.heterogeneity(ads))
+    monkeypatch.setattr(_fused, "H_THRESHOLD", h + 5e-4)  # (the host's check of the h read)
+    nu.merge_adapters(ads, budget=4, method="ta", alpha="auto")
+    assert took == [None]
+
+
+def test_alpha_auto_with_a_task_zero_everywhere_gets_the_stages_error(took):
+    ads = _adapters()
+    for mod in ads[3].values():
+        mod["lora_b"][:] = 0.0
+    with pytest.raises(InputError, match=r"alpha='auto'.*task 3"):
+        nu.merge_adapters(ads, budget=4, method="ta", alpha="auto")
+    assert took == [None]
