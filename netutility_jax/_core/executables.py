@@ -6,7 +6,9 @@ can drop all of their compiled programs at once (the streamed merge does, after 
 a shape, so that programs no chunk will use again do not stay resident).
 
 Compiled programs outlive a process only through JAX's own persistent compilation cache (the
-command line turns it on, docs/cli.md). The library keeps no executables of its own: an earlier
+command line turns it on, docs/cli.md); a kernel made with ``export=True`` also keeps its traced
+program (StableHLO, no compiled code) where :mod:`.exports` has a folder, so that a later process
+skips tracing it. The library keeps no executables of its own: an earlier
 version serialized them to disk, and an executable that JAX had itself loaded from its cache was
 stored in a form that later processes could not load (``NOT_FOUND: Function ... not found``),
 failing every merge of those shapes until the cache was deleted. Everything here is public JAX.
@@ -35,6 +37,8 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
+
+from . import exports as _exports
 
 __all__ = [
     "FAST_COMPILE",
@@ -67,8 +71,11 @@ class Kernel:
         fun: Callable,
         static_argnames: Sequence[str] = (),
         fast_compile: bool | Literal["small"] = False,
+        export: bool = False,
     ):
         static = tuple(static_argnames)
+        self._static = static
+        self._export = export
         self._default = jax.jit(fun, static_argnames=static)
         self._fast = (
             jax.jit(fun, static_argnames=static, compiler_options=FAST_COMPILE)
@@ -94,6 +101,9 @@ class Kernel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         jitted = self._jit
+        if self._export and _exports.wanted(args, kwargs, self._static):
+            options = FAST_COMPILE if jitted is self._fast else None
+            return _exports.call(jitted, self._name, options, self._static, args, kwargs)
         if jitted is self._default:
             return jitted(*args, **kwargs)
         try:
@@ -112,6 +122,7 @@ def release() -> None:
         for jitted in (k._default, k._fast):
             if jitted is not None:
                 jitted.clear_cache()
+    _exports.clear()
 
 
 def kernel(
@@ -119,13 +130,18 @@ def kernel(
     *,
     static_argnames: Sequence[str] = (),
     fast_compile: bool | Literal["small"] = False,
+    export: bool = False,
 ) -> Any:
     """``jax.jit`` as a :class:`Kernel` (a decorator, with or without ``static_argnames``);
     ``fast_compile``: compiled with :data:`FAST_COMPILE` on the CPU backend (``"small"``: only
-    inside :func:`small_merge` of a small merge)."""
+    inside :func:`small_merge` of a small merge); ``export``: its traced program kept across
+    processes where :mod:`~netutility_jax._core.exports` has a folder (static arguments then
+    by keyword)."""
     if fun is None:
-        return functools.partial(kernel, static_argnames=static_argnames, fast_compile=fast_compile)
-    return Kernel(fun, static_argnames, fast_compile)
+        return functools.partial(
+            kernel, static_argnames=static_argnames, fast_compile=fast_compile, export=export
+        )
+    return Kernel(fun, static_argnames, fast_compile, export)
 
 
 def factor_bytes(adapters: Any) -> int:

@@ -12,6 +12,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from .._core import exports as _exports
 from ..errors import NetUtilityError, PeerLostError, one_line
 from .common import PROG, say
 from .convert import cmd_convert
@@ -22,6 +23,7 @@ from .parser import MAX_MESSAGE, build_parser, required_merge_arguments
 
 __all__ = [
     "CPU_COMPILE_FLAGS",
+    "EXPORTS",
     "cpu_compile_flags",
     "default_compile_cache",
     "enable_compile_cache",
@@ -29,6 +31,11 @@ __all__ = [
     "main",
     "run",
 ]
+
+
+#: The subfolder of the compilation cache where traced programs are kept (see
+#: :func:`enable_compile_cache`).
+EXPORTS = "netutility-exports"
 
 
 def default_compile_cache() -> pathlib.Path | None:
@@ -45,7 +52,8 @@ def default_compile_cache() -> pathlib.Path | None:
 
 def enable_compile_cache(folder: pathlib.Path) -> bool:
     """Turn on JAX's persistent compilation cache in ``folder`` (every kernel the command
-    compiles; nothing else is kept, see :mod:`netutility_jax._core.executables`). A folder that
+    compiles), and keep the traced programs of the kernels that export them in its
+    :data:`EXPORTS` subfolder (:mod:`netutility_jax._core.exports`: no compiled code). A folder that
     cannot be created is a note, not an error: the command runs without the cache. Returns
     whether the cache is on."""
     import jax
@@ -60,6 +68,7 @@ def enable_compile_cache(folder: pathlib.Path) -> bool:
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _exports.set_folder(folder / EXPORTS)
     return True
 
 

@@ -1,4 +1,5 @@
-"""The command's compile cache is JAX's own and nothing else: ordinary use never poisons it.
+"""The command's compile cache is JAX's own (with the traced programs of ``_core.exports``, no
+compiled code of the library's own): ordinary use never poisons it.
 
 The sequence that broke an earlier version (a fresh cache; ``inspect``, then ``merge --dry-run``
 twice: the third run failed with ``NOT_FOUND: Function ... not found`` from an executable the
@@ -58,12 +59,19 @@ def test_inspect_then_dry_runs_then_merges_all_succeed_from_one_cache(tmp_path):
     for args in runs:
         proc = _cli(args, cache)
         assert proc.returncode == 0, (args, proc.stderr[-3000:])
-    assert not (cache / "executables").exists()  # nothing but JAX's own cache is written
+    assert not (cache / "executables").exists()  # no executables of the library's own
+    # the one program of these TA merges, traced once and read back by the later processes
+    from netutility_jax.cli import entry
+
+    (export,) = (cache / entry.EXPORTS).iterdir()
+    stamp = export.stat().st_mtime_ns
     # a folder an earlier version left behind, with a file that does not load: never read
     (cache / "executables").mkdir()
     (cache / "executables" / "score_impl-0000.exe").write_bytes(b"not an executable")
     proc = _cli(["merge", *paths, "--budget", "2", "--out", str(tmp_path / "out2")], cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list((cache / entry.EXPORTS).iterdir()) == [export]
+    assert export.stat().st_mtime_ns == stamp
     one = nu.peft.load_adapter(tmp_path / "out1")
     two = nu.peft.load_adapter(tmp_path / "out2")
     assert one.keys() == two.keys()
