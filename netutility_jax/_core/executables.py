@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -76,6 +77,7 @@ class Kernel:
         static = tuple(static_argnames)
         self._static = static
         self._export = export
+        self._first_static = _first_position(fun, static)
         self._default = jax.jit(fun, static_argnames=static)
         self._fast = (
             jax.jit(fun, static_argnames=static, compiler_options=FAST_COMPILE)
@@ -101,7 +103,7 @@ class Kernel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         jitted = self._jit
-        if self._export and _exports.wanted(args, kwargs, self._static):
+        if self._export and _exports.wanted(args, kwargs, self._static, self._first_static):
             options = FAST_COMPILE if jitted is self._fast else None
             return _exports.call(jitted, self._name, options, self._static, args, kwargs)
         if jitted is self._default:
@@ -112,6 +114,22 @@ class Kernel:
             if "compiler_options" not in str(e):
                 raise
             return self._default(*args, **kwargs)
+
+
+def _first_position(fun: Callable, static: Sequence[str]) -> int:
+    """The position of ``fun``'s first static parameter that can be given positionally (a
+    large number where none can)."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):  # (no signature: exported only with no positional argument)
+        return 0
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for i, p in enumerate(params):
+        if p.kind not in kinds:  # (*args or keyword-only: no static parameter after is positional)
+            break
+        if p.name in static:
+            return i
+    return 1 << 30
 
 
 def release() -> None:

@@ -88,11 +88,16 @@ def _source_digest() -> str:
     return _SOURCE[0]
 
 
-def wanted(args: Sequence[Any], kwargs: Mapping[str, Any], static: Sequence[str]) -> bool:
+def wanted(
+    args: Sequence[Any], kwargs: Mapping[str, Any], static: Sequence[str], first_static: int
+) -> bool:
     """Whether a call with these arguments takes the export cache: a folder is set,
-    ``flatbuffers`` is installed, no static argument is given positionally (they are keyword
-    only here), and no argument is a tracer or an array spread over several devices."""
-    if _FOLDER is None or importlib.util.find_spec("flatbuffers") is None:
+    ``flatbuffers`` is installed, no static argument is given positionally (``first_static``:
+    the position of the kernel's first static parameter), and no argument is a tracer or an
+    array spread over several devices."""
+    if _FOLDER is None or len(args) > first_static:
+        return False
+    if importlib.util.find_spec("flatbuffers") is None:
         return False
     dynamic = {k: v for k, v in kwargs.items() if k not in static}
     for x in jax.tree.leaves((tuple(args), dynamic)):
@@ -176,7 +181,10 @@ def call(
     _register()
     st = {k: v for k, v in kwargs.items() if k in static}
     dynamic = {k: v for k, v in kwargs.items() if k not in static}
-    k = key(name, options, st, args, dynamic)
+    try:
+        k = key(name, options, st, args, dynamic)
+    except Exception:  # (an argument without an abstract value: the plain jit says what)
+        return jitted(*args, **kwargs)
     fn = _CALLS.get(k)
     if fn is None and k not in _FAILED:
         path = _FOLDER / f"{k}{SUFFIX}"

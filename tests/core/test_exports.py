@@ -176,3 +176,16 @@ def test_the_one_program_ta_merge_through_the_cache_is_the_merge_without_it(fold
         for name, mod in want[0].items():
             for f in ("lora_a", "lora_b"):
                 np.testing.assert_array_equal(np.asarray(merged[name][f]), np.asarray(mod[f]))
+
+
+@executables.kernel(static_argnames=("k",), export=True)
+def _scaled(x, k):
+    return x * k
+
+
+def test_a_static_argument_given_by_position_takes_the_plain_jit(folder):
+    x = np.arange(3, dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(_scaled(x, 3)), x * 3)
+    assert _stored(folder) == []
+    np.testing.assert_array_equal(np.asarray(_scaled(x, k=4)), x * 4)  # by keyword: exported
+    assert len(_stored(folder)) == 1
