@@ -6,9 +6,9 @@ can drop all of their compiled programs at once (the streamed merge does, after 
 a shape, so that programs no chunk will use again do not stay resident).
 
 Compiled programs outlive a process only through JAX's own persistent compilation cache (the
-command line turns it on, docs/cli.md); a kernel made with ``export=True`` also keeps its traced
-program (StableHLO, no compiled code) where :mod:`.exports` has a folder, so that a later process
-skips tracing it. The library keeps no executables of its own: an earlier
+command line turns it on, docs/cli.md); a kernel also keeps its traced program (StableHLO, no
+compiled code) where :mod:`.exports` has a folder (the command line's), so that a later process
+skips tracing it (``export=False`` opts a kernel out). The library keeps no executables of its own: an earlier
 version serialized them to disk, and an executable that JAX had itself loaded from its cache was
 stored in a form that later processes could not load (``NOT_FOUND: Function ... not found``),
 failing every merge of those shapes until the cache was deleted. Everything here is public JAX.
@@ -72,7 +72,7 @@ class Kernel:
         fun: Callable,
         static_argnames: Sequence[str] = (),
         fast_compile: bool | Literal["small"] = False,
-        export: bool = False,
+        export: bool = True,
     ):
         static = tuple(static_argnames)
         self._static = static
@@ -148,13 +148,13 @@ def kernel(
     *,
     static_argnames: Sequence[str] = (),
     fast_compile: bool | Literal["small"] = False,
-    export: bool = False,
+    export: bool = True,
 ) -> Any:
     """``jax.jit`` as a :class:`Kernel` (a decorator, with or without ``static_argnames``);
     ``fast_compile``: compiled with :data:`FAST_COMPILE` on the CPU backend (``"small"``: only
     inside :func:`small_merge` of a small merge); ``export``: its traced program kept across
-    processes where :mod:`~netutility_jax._core.exports` has a folder (static arguments then
-    by keyword)."""
+    processes where :mod:`~netutility_jax._core.exports` has a folder (for calls outside any
+    trace that give the static arguments by keyword)."""
     if fun is None:
         return functools.partial(
             kernel, static_argnames=static_argnames, fast_compile=fast_compile, export=export

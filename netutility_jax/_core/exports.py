@@ -4,9 +4,10 @@ skips tracing and lowering it.
 A warm ``netutility merge`` of a small set spends most of its time after the imports in JAX
 tracing and lowering its one program (about 0.8 s of 1.1 s on 2 cores) before JAX's persistent
 compilation cache can even be asked for the compiled code. With a folder set
-(:func:`set_folder`; the command line sets one inside its compilation cache), a kernel made
-with ``kernel(..., export=True)`` is exported (``jax.export.export``: StableHLO in JAX's own
-serialized form, flatbuffers, nothing pickled, no compiled code) and stored under a key of
+(:func:`set_folder`; the command line sets one inside its compilation cache), each kernel
+(:func:`~netutility_jax._core.executables.kernel`, unless made with ``export=False``) is
+exported (``jax.export.export``: StableHLO in JAX's own serialized form, flatbuffers, nothing
+pickled, no compiled code) and stored under a key of
 everything its trace depends on (:func:`key`): the library's source files, JAX's and jaxlib's
 versions, the backend and its devices, ``jax_enable_x64``, the kernel, its compiler options,
 the static arguments' reprs and every other argument's tree structure, shape, dtype and weak
@@ -28,6 +29,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -43,19 +45,35 @@ _FOLDER: pathlib.Path | None = None
 _CALLS: dict[str, Callable] = {}  # key -> jax.jit(exported.call), this process
 _FAILED: set[str] = set()  # keys JAX could not export: the plain jit from then on
 _SOURCE: list[str] = []  # the library's source digest, once computed
-_REGISTERED: list[bool] = []  # the library's pytree types, registered with jax.export once
+_REGISTERED: set[type] = set()  # the library's NamedTuple types, registered with jax.export
+_SCANNED: list[int] = [0]  # len(sys.modules) at the last scan
 
 
 def _register() -> None:
-    """Register with ``jax.export`` the library's pytree types that cross a kernel's boundary
-    (a serialized tree names them), once per process."""
-    if not _REGISTERED:
-        from .mesh import Stacked
-
-        jax.export.register_namedtuple_serialization(
-            Stacked, serialized_name="netutility_jax.Stacked"
-        )
-        _REGISTERED.append(True)
+    """Register with ``jax.export`` every NamedTuple type of the library's imported modules (a
+    serialized tree names the types of its nodes, and a later process must know them before it
+    reads the tree), scanning again only when modules were imported since the last scan."""
+    if len(sys.modules) == _SCANNED[0]:
+        return
+    _SCANNED[0] = len(sys.modules)
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "netutility_jax" or name.startswith("netutility_jax.")):
+            continue
+        for obj in list(vars(mod).values()):
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, tuple)
+                and hasattr(obj, "_fields")
+                and obj.__module__ == name
+                and obj not in _REGISTERED
+            ):
+                _REGISTERED.add(obj)
+                try:
+                    jax.export.register_namedtuple_serialization(
+                        obj, serialized_name=f"{name}.{obj.__qualname__}"
+                    )
+                except ValueError:  # (registered already, by another route)
+                    pass
 
 
 def set_folder(path: str | os.PathLike | None) -> None:

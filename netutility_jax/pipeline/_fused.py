@@ -90,7 +90,7 @@ def _bytes(x: jax.Array) -> jax.Array:
 
 # (compiled for speed of compiling in a small merge only, as the TA program: at XLA's level 0
 # a large TA merge runs several times slower)
-@kernel(static_argnames=("spec",), fast_compile="small", export=True)
+@kernel(static_argnames=("spec",), fast_compile="small")
 def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
     """Score, allocate and TA-merge every bucket: ``(stats, outs, lam, vector)``.
 

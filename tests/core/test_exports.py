@@ -46,13 +46,18 @@ def _expected(s, y, k):  # float64, written out
 
 
 def _later_process(monkeypatch):
+    """Forget what this process loaded; returns the list of the kernels ``jax.export.export``
+    was then asked for (a failed export falls back to the plain jit: only this list shows it)."""
     exports.clear()
     executables.release()
+    asked = []
 
-    def refuse(*a, **kw):
-        raise AssertionError("traced again: the stored export was not read")
+    def refuse(fun, *a, **kw):
+        asked.append(fun)
+        raise RuntimeError("traced again: the stored export was not read")
 
     monkeypatch.setattr(jax.export, "export", refuse)
+    return asked
 
 
 def test_a_kernel_is_exported_once_and_a_later_process_reads_it(folder, monkeypatch):
@@ -62,7 +67,7 @@ def test_a_kernel_is_exported_once_and_a_later_process_reads_it(folder, monkeypa
     want, total = _expected(s, y, 3)
     np.testing.assert_allclose(np.asarray(out["sum"]), want, rtol=1e-6)
     np.testing.assert_allclose(float(out["pair"][0]), total, rtol=1e-5)
-    _later_process(monkeypatch)
+    asked = _later_process(monkeypatch)
     again = _affine(s, y, k=3)
     assert jax.tree.structure(again) == jax.tree.structure(out)
     for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(out), strict=True):
@@ -71,7 +76,7 @@ def test_a_kernel_is_exported_once_and_a_later_process_reads_it(folder, monkeypa
     np.testing.assert_allclose(
         np.asarray(_affine(s2, y2, k=3)["sum"]), _expected(s2, y2, 3)[0], rtol=1e-6
     )
-    assert _stored(folder) == [path]
+    assert _stored(folder) == [path] and asked == []
 
 
 def test_the_key_changes_with_the_static_arguments_shapes_and_dtypes(folder):
@@ -159,17 +164,24 @@ def _adapters(seed=0):
     ]
 
 
-def test_the_one_program_ta_merge_through_the_cache_is_the_merge_without_it(folder, monkeypatch):
+@pytest.mark.parametrize(
+    "options",
+    [dict(method="ta", space="core"), dict(method="ties", space="knots", density=0.3)],
+)
+def test_a_merge_through_the_cache_is_the_merge_without_it(folder, monkeypatch, options):
+    """TA: the one program; TIES: the scoring kernel (whose outputs are the library's own
+    NamedTuples, registered for the export) and the merge program."""
     ads = _adapters()
-    plain_args = dict(budget=6, method="ta", space="core")
     exports.set_folder(None)
-    want = nu.merge_adapters(ads, **plain_args)
+    want = nu.merge_adapters(ads, budget=6, **options)
     exports.set_folder(folder)
     executables.release()
-    first = nu.merge_adapters(ads, **plain_args)
-    assert len(_stored(folder)) == 1  # the one program, exported
-    _later_process(monkeypatch)
-    later = nu.merge_adapters(ads, **plain_args)
+    first = nu.merge_adapters(ads, budget=6, **options)
+    stored = _stored(folder)
+    assert len(stored) == (1 if options["method"] == "ta" else 2)
+    asked = _later_process(monkeypatch)
+    later = nu.merge_adapters(ads, budget=6, **options)
+    assert asked == [] and _stored(folder) == stored
     for merged, report in (first, later):
         np.testing.assert_array_equal(report.kept_per_task, want[1].kept_per_task)
         assert report.lam == want[1].lam
