@@ -36,6 +36,8 @@ def test_a_stacked_set_pays_fixed_costs_independent_of_depth(tmp_path):
         for c in (shallow, deep):
             assert c["argument_buffers"] <= 4 * c["buckets"] + 16, c
             assert c["recompiled_on_steady_call"] == 0, c
+            # a steady call of a stacked set places nothing: its settings were placed once
+            assert c["host_to_device"] == 0, c
     # score + allocate: two programs, two reads (the scoring's status, the masks)
     assert by["score+allocate:stacked", 10]["programs_compiled"] <= 2
     assert by["score+allocate:stacked", 10]["device_to_host"] <= 2

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from . import exports as _exports
+from . import host as _host
 
 __all__ = [
     "FAST_COMPILE",
@@ -141,6 +142,7 @@ def release() -> None:
             if jitted is not None:
                 jitted.clear_cache()
     _exports.clear()
+    _host.forget_constants()
 
 
 def kernel(

@@ -8,7 +8,9 @@ give the same arrays (values, dtypes, placement, commitment) without either.
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["host_constant", "put_views"]
+__all__ = ["forget_constants", "host_constant", "put_views"]
 
 
 def host_constant(x: Any, dtype: Any) -> jax.Array:
@@ -25,11 +27,57 @@ def host_constant(x: Any, dtype: Any) -> jax.Array:
     placed as is (``jax.device_put``). ``jnp.asarray(0.1, jnp.float32)`` compiles a one-operation
     program per dtype pair (and ``jnp.asarray`` of a numpy array an identity one per shape),
     which a fresh process traces, lowers and loads again (about 20 ms each on 2 cores; a small
-    merge made a dozen). Anything else (a jax array, a tracer) goes through jnp."""
+    merge made a dozen). A small value (at most :data:`_KEPT_SIZE` elements: a scalar setting,
+    a tolerance, lambda) is placed once and the same device array given back after, for the
+    same bits, dtype and default device: a steady call places nothing, which on an accelerator
+    is a host-to-device copy per setting and call (jax arrays are immutable and the library
+    donates none of its inputs, so sharing one is safe). Anything else (a jax array, a tracer)
+    goes through jnp."""
     if isinstance(x, (bool, int, float, np.generic, np.ndarray)):
         with np.errstate(over="ignore"):  # (beyond the dtype's range: inf, as XLA converts)
-            return jax.device_put(np.asarray(x, dtype))
+            host = np.asarray(x, dtype)
+        if host.size > _KEPT_SIZE:
+            return jax.device_put(host)
+        return _placed(host.dtype, host.shape, host.tobytes(), _default_device_key())
     return jnp.asarray(x, dtype)
+
+
+_KEPT_SIZE = 16
+_KEPT_COUNT = 256
+_kept: collections.OrderedDict[tuple, jax.Array] = collections.OrderedDict()
+_kept_lock = threading.Lock()
+
+
+def _default_device_key() -> Any:
+    """What decides where ``jax.device_put`` places an uncommitted value now: the default device
+    setting (``jax.default_device``'s context included) and the backends' platform."""
+    return (jax.config.jax_default_device, jax.config.jax_platforms, jax.config.jax_enable_x64)
+
+
+def _placed(dtype: np.dtype, shape: tuple[int, ...], raw: bytes, where: Any) -> jax.Array:
+    """One small constant placed, from :func:`host_constant`'s store (the last
+    :data:`_KEPT_COUNT` used; one a caller deleted, e.g. by donating it, is placed again)."""
+    key = (dtype, shape, raw, where)
+    with _kept_lock:
+        arr = _kept.get(key)
+        if arr is not None and not arr.is_deleted():
+            _kept.move_to_end(key)
+            return arr
+    arr = jax.device_put(np.frombuffer(raw, dtype).reshape(shape).copy())
+    if isinstance(arr, jax.core.Tracer):  # (placed inside a trace: that trace's value only)
+        return arr
+    with _kept_lock:
+        _kept[key] = arr
+        while len(_kept) > _KEPT_COUNT:
+            _kept.popitem(last=False)
+    return arr
+
+
+def forget_constants() -> None:
+    """Drop :func:`host_constant`'s placed values (with the programs, by
+    :func:`executables.release`)."""
+    with _kept_lock:
+        _kept.clear()
 
 
 try:  # the one jaxlib call jax.device_put ends in, for one array on one device (see put_views)

@@ -66,3 +66,122 @@ def test_put_views_keeps_its_values_after_the_host_array_goes():
     got = host_mod.put_views([h[i] for i in range(3)])
     del h
     np.testing.assert_array_equal(np.asarray(got[2]), [8, 9, 10, 11])
+
+
+# host_constant: small values placed once, the same device array given back after
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.float16, np.bool_])
+def test_host_constant_places_a_small_value_once(monkeypatch, dtype):
+    placed = []
+    put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: placed.append(x) or put(x, *a, **k))
+    value = np.asarray([3, 0, 1], dtype)[0] if dtype is not np.bool_ else np.bool_(True)
+    x = host_mod.host_constant(value, dtype)
+    y = host_mod.host_constant(value.item(), dtype)  # the same bits from a Python number
+    assert y is x and len(placed) == 1
+    _same_array(x, jax.device_put(np.asarray(value, dtype)))
+    # another dtype, another value, or a larger array: another placement
+    assert host_mod.host_constant(value, np.float64 if dtype is np.float32 else np.float32) is not x
+    assert host_mod.host_constant(np.zeros(2, dtype), dtype) is not x
+    big = np.arange(host_mod._KEPT_SIZE + 1).astype(dtype)
+    assert host_mod.host_constant(big, dtype) is not host_mod.host_constant(big, dtype)
+
+
+def test_host_constant_tells_apart_values_with_equal_floats():
+    # -0.0 == 0.0 and a NaN is not equal to itself: keyed by bits, not by value
+    zero, neg = host_mod.host_constant(0.0, np.float32), host_mod.host_constant(-0.0, np.float32)
+    assert zero is not neg and np.signbit(np.asarray(neg)) and not np.signbit(np.asarray(zero))
+    nan = host_mod.host_constant(float("nan"), np.float32)
+    assert nan is host_mod.host_constant(float("nan"), np.float32) and np.isnan(np.asarray(nan))
+    # rounding to the dtype first: two doubles with one float32 image give one array
+    assert host_mod.host_constant(0.1, np.float32) is host_mod.host_constant(
+        float(np.float32(0.1)), np.float32
+    )
+
+
+def test_host_constant_places_again_what_a_caller_deleted():
+    x = host_mod.host_constant(0.625, np.float32)
+    x.delete()  # (as donating it to a jitted function does on an accelerator)
+    y = host_mod.host_constant(0.625, np.float32)
+    assert y is not x and not y.is_deleted() and float(y) == 0.625
+
+
+def test_host_constant_inside_a_trace_keeps_no_tracer():
+    value = 0.8125  # (a value no other test places)
+
+    @jax.jit
+    def f(a):
+        return a * host_mod.host_constant(value, np.float32)
+
+    assert float(f(np.float32(2.0))) == 1.625
+    x = host_mod.host_constant(value, np.float32)  # a concrete array, placed now
+    assert isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    assert float(x) == value and float(f(np.float32(3.0))) == 2.4375
+
+
+def test_release_forgets_the_placed_constants():
+    from netutility_jax._core import executables
+
+    x = host_mod.host_constant(0.375, np.float32)
+    executables.release()
+    assert host_mod.host_constant(0.375, np.float32) is not x
+
+
+def test_a_steady_score_and_merge_place_nothing(monkeypatch):
+    # the settings (tolerances, alpha, lambda, the merge's coefficient) were placed by the first
+    # call; a second call of the same shapes places none of them again
+    import netutility_jax as nu
+
+    rng = np.random.default_rng(0)
+    ads = [
+        {
+            f"l{i}": {
+                "lora_a": rng.normal(size=(6, 2)).astype(np.float32),
+                "lora_b": rng.normal(size=(2, 5)).astype(np.float32),
+                "scale": 1.5,
+            }
+            for i in range(3)
+        }
+        for _ in range(3)
+    ]
+    stacked = jax.block_until_ready(nu.stack_adapters(ads))
+
+    def run():
+        masks = nu.allocate(nu.score(stacked), 3)
+        merged = nu.merge_adapters(stacked, budget=3, method="ta", space="core")[0]
+        return jax.block_until_ready((jax.tree.leaves(masks), jax.tree.leaves(merged)))
+
+    run()
+    placed = []
+    put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: placed.append(x) or put(x, *a, **k))
+    run()
+    assert placed == []
+
+
+def test_host_constant_follows_the_default_device():
+    # a value placed on one default device is not handed out under another
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import jax, numpy as np
+        from netutility_jax._core.host import host_constant
+        d0, d1 = jax.devices()[:2]
+        a = host_constant(0.5, np.float32)
+        with jax.default_device(d1):
+            b = host_constant(0.5, np.float32)
+            c = host_constant(0.5, np.float32)
+        assert a.devices() == {d0} and b.devices() == {d1} and c is b, (a.devices(), b.devices())
+        assert host_constant(0.5, np.float32) is a
+        print("ok")
+        """
+    )
+    env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
