@@ -16,7 +16,8 @@ Per case, each in a fresh interpreter with no compile cache (``run_worker``): pr
 seconds of XLA compiling on the first call (``jax.monitoring``'s backend-compile events), the first
 call's wall time, then over steady calls the median wall time, the time until the call returns
 (host work: tracing-cache lookups, Python, transfers it waits on), and the counts of one steady
-call: jitted dispatches, argument buffers handed to them (for ``merge_jit``, also the traced
+call: jitted dispatches, argument buffers handed to them, its host time (the call's wall time
+less the time inside its programs, each waited for where it is dispatched) (for ``merge_jit``, also the traced
 program's top-level jaxpr equations, a size no machine load changes), host->device placements
 (``jax.device_put``, which the library's ``host_constant`` ends in, and its ``put_views``, plus
 numpy arguments of a jitted call) and device->host reads (arrays first materialised on the host).
@@ -85,6 +86,7 @@ class Counts:
 
     def __init__(self):
         self.dispatches = self.buffers = self.h2d = self.d2h = 0
+        self.run_s = 0.0  # inside the programs (each waited for where it is dispatched)
 
     @contextlib.contextmanager
     def counting(self):
@@ -106,7 +108,11 @@ class Counts:
         def execute(self_, *args):
             counts.dispatches += 1
             counts.buffers += len(args)
-            return exe_call(self_, *args)
+            t0 = time.perf_counter()
+            out = exe_call(self_, *args)
+            jax.block_until_ready(out)
+            counts.run_s += time.perf_counter() - t0
+            return out
 
         patch(pjit, "_get_fastpath_data", lambda *a, **k: None)
         patch(pxla.ExecuteReplicated, "__call__", execute)
@@ -232,11 +238,17 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
     recompiled = len(events) - n_before
     # One more call on JAX's Python dispatch path (its caches cleared, so that no C++ fast path
     # hides a dispatch; the library's own caches kept, as in any steady call): the counting
-    # hooks see every dispatch, placement and read of a steady call, compiling aside.
+    # hooks see every dispatch, placement and read of a steady call, compiling aside; its time
+    # outside the programs (each waited for where it is dispatched) is the host's work
+    # (Python, checks, transfers' set-up) on this dispatch path, a little above the C++ one's.
     jax.clear_caches()
+    with Counts().counting():  # (compiled again, on the Python path: not counted)
+        _ready(fn())
     counts = Counts()
     with counts.counting():
+        t0 = time.perf_counter()
         _ready(fn())
+        host = time.perf_counter() - t0 - counts.run_s  # the call's time outside its programs
     n_modules = layers * len(KINDS)
     return {
         "stage": name,
@@ -256,6 +268,7 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
         "host_to_device": counts.h2d,
         "device_to_host": counts.d2h,
         "recompiled_on_steady_call": recompiled,
+        "host_s": host,
         **({} if equations is None else {"jaxpr_equations": equations}),
     }
 
@@ -378,7 +391,8 @@ def _line(r: dict) -> str:
         f"compile {r['compile_s']:6.2f}s first {r['first_call_s']:6.2f}s "
         f"steady {1e3 * r['steady_median_s']:8.1f}ms returns {1e3 * r['returns_after_median_s']:7.1f}ms "
         f"dispatches {r['dispatches']:>4} buffers {r['argument_buffers']:>5} "
-        f"h2d {r['host_to_device']:>5} d2h {r['device_to_host']:>4}"
+        f"h2d {r['host_to_device']:>5} d2h {r['device_to_host']:>4} "
+        f"host {1e3 * r['host_s']:5.1f}ms"
     )
 
 

@@ -19,6 +19,7 @@ from .._core.checks import check_masks as _np
 from .._core.checks import few
 from ..errors import InputError, InputTypeError
 from ..scoring.utility import Scores
+from ._summary import budget_spent_of, masks_by_shape, non_prefix_of
 
 __all__ = [
     "budget_spent",
@@ -52,13 +53,7 @@ def kept_per_task(masks: Mapping[str, jax.Array]) -> jax.Array:
 
 def budget_spent(masks: Mapping[str, jax.Array]) -> float:
     """Average directions kept per module (the paper's "used (avg)"); compare with the budget R."""
-    m = _np("nu.budget_spent", masks)
-    return float(sum(int(v.sum()) for v in m.values()) / len(m))
-
-
-def _is_prefix(row: np.ndarray) -> bool:
-    n = int(row.sum())
-    return bool(row[:n].all())
+    return budget_spent_of(masks_by_shape(_np("nu.budget_spent", masks)))
 
 
 def non_prefix_fraction(masks: Mapping[str, jax.Array]) -> float:
@@ -74,10 +69,7 @@ def non_prefix_fraction(masks: Mapping[str, jax.Array]) -> float:
       >>> nu.non_prefix_fraction(masks)  # task 0 keeps a prefix, task 1 does not, task 2 nothing
       0.5
     """
-    rows = [row for v in _np("nu.non_prefix_fraction", masks).values() for row in v if row.any()]
-    if not rows:
-        return 0.0
-    return float(np.mean([not _is_prefix(r) for r in rows]))
+    return non_prefix_of(masks_by_shape(_np("nu.non_prefix_fraction", masks)))
 
 
 def retention_by_rank(masks: Mapping[str, jax.Array], scores: Scores) -> jax.Array:

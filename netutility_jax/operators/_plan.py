@@ -196,6 +196,8 @@ def check_scale_range(fn: str, buckets: Sequence[_tree.Bucket], dtype) -> None:
     would become ``inf`` when cast: refused here, before anything is computed."""
     fi = np.finfo(dtype)
     for bk in buckets:
+        if _scales_in_range(bk, float(fi.tiny), float(fi.max)):
+            continue
         for name, mods in zip(bk.names, bk.modules, strict=True):
             for i, m in enumerate(mods):
                 if m is None or isinstance(m.scale, jax.core.Tracer):
@@ -207,6 +209,20 @@ def check_scale_range(fn: str, buckets: Sequence[_tree.Bucket], dtype) -> None:
                         f"outside the range of {np.dtype(dtype).name} (normal numbers "
                         f"{fi.tiny:.3g} to {fi.max:.3g}); {X64_HINT}."
                     )
+
+
+def _scales_in_range(bk: _tree.Bucket, tiny: float, big: float) -> bool:
+    """Whether every concrete scale of the bucket is 0 or within ``[tiny, big]``, checked as one
+    array (False: the caller looks module by module, for its message)."""
+    try:
+        v = np.abs(np.asarray(
+            [m.scale for mods in bk.modules for m in mods
+             if m is not None and not isinstance(m.scale, jax.core.Tracer)],
+            np.float64,
+        ))  # fmt: skip
+    except (TypeError, ValueError):  # (a scale of another form: module by module)
+        return False
+    return bool(v.ndim == 1 and ((v <= big) & ((v == 0) | (v >= tiny))).all())
 
 
 def _dense_shape(space: str, bk: _tree.Bucket, m_tasks: int) -> tuple[int, int]:

@@ -14,7 +14,14 @@ import numpy as np
 from .._core import checks as _checks
 from .._core import tree as _tree
 from .._core.tables import MaskTable, MergedTable
-from ..allocation.analysis import budget_spent, kept_per_task, non_prefix_fraction
+from ..allocation._summary import (
+    budget_spent_of,
+    kept_of,
+    kept_per_task_of,
+    masks_by_shape,
+    non_prefix_of,
+)
+from ..allocation.analysis import kept_per_task
 from ..errors import InputError
 from ..scoring.utility import heterogeneity
 
@@ -165,14 +172,19 @@ def ranks_of(merged: Any) -> dict[str, int | None]:
     }
 
 
-def _kept_per_task(masks: Mapping[str, Any]) -> np.ndarray:
-    """:func:`nu.kept_per_task` (its checks, values and dtype) summed on the host: its
-    ``jnp.asarray`` of the sum is a program of its own, traced and loaded in every process."""
-    m = _checks.check_masks("nu.kept_per_task", masks)
+def _summaries(masks: Mapping[str, Any]) -> tuple[float, dict[str, np.ndarray], np.ndarray, float]:
+    """``(budget_spent, kept, kept_per_task, non_prefix_fraction)`` of the kept masks: the values,
+    dtypes and errors of :func:`nu.budget_spent`, :func:`nu.kept_per_task` and
+    :func:`nu.non_prefix_fraction` (checked once, in that order), from the masks grouped by
+    shape (``allocation._summary``); ``kept``: each module's count per task."""
+    m = _checks.check_masks("nu.budget_spent", masks)
+    groups = masks_by_shape(m)
+    spent, kept = budget_spent_of(groups), kept_of(groups, list(m))
     if len({v.shape[0] for v in m.values()}) > 1:
-        return np.asarray(kept_per_task(masks))  # (its error)
-    total = np.asarray(sum(v.sum(1) for v in m.values()))
-    return total.astype(jax.dtypes.canonicalize_dtype(total.dtype))
+        kept_per_task(masks)  # (its error: the masks disagree on M)
+    total = kept_per_task_of(groups)
+    total = total.astype(jax.dtypes.canonicalize_dtype(total.dtype))
+    return spent, kept, total, non_prefix_of(groups)
 
 
 def _is_table(masks: Any) -> bool:
@@ -207,15 +219,15 @@ def build_report(
     scores' lambda and alpha where the host has them already (read with the masks)."""
     # (nu.allocate's masks are read from their host copies, and kept as they are: placing
     # each module's mask on the device is left to whoever reads one)
-    host = kept_masks.host_dict() if _is_table(kept_masks) else kept_masks
+    spent, kept, per_task, non_prefix = _summaries(kept_masks)
     return Report(
         lam=None if sc is None else float(sc.lam) if lam_alpha is None else lam_alpha[0],
         alpha=None if sc is None else float(sc.alpha) if lam_alpha is None else lam_alpha[1],
         budget=None if req.budget is None else int(req.budget),
-        budget_spent=budget_spent(kept_masks),
-        kept={nm: np.asarray(v, bool).sum(1) for nm, v in host.items()},
-        kept_per_task=_kept_per_task(kept_masks),
-        non_prefix_fraction=non_prefix_fraction(kept_masks),
+        budget_spent=spent,
+        kept=kept,
+        kept_per_task=per_task,
+        non_prefix_fraction=non_prefix,
         heterogeneity=h,
         ranks=dict(ranks),
         method=req.method,

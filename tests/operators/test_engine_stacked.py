@@ -258,3 +258,25 @@ def test_stacked_merges_flag_modules_merged_to_zero_as_the_list_does(method, opt
     assert rep.zeroed == want.zeroed and rep.zeroed  # the flags agree with the modules read
     for name in rep.zeroed:
         assert not np.any(_dense(got[name]))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_a_stacked_set_merges_in_the_dtype_its_adapters_merge_in(dtype):
+    # the compute dtype of a stacked set is read from its stacked factors, not its modules
+    with jax.enable_x64(dtype == "float64"):
+        ads = jax.tree.map(
+            lambda x: np.asarray(x, dtype) if isinstance(x, np.ndarray) else x, _adapters()
+        )
+        want, want_rep = nu.merge_adapters(ads, budget=4, method="ta", space="core")
+        got, got_rep = nu.merge_adapters(
+            nu.stack_adapters(ads), budget=4, method="ta", space="core"
+        )
+        expected = np.float64 if dtype == "float64" else np.float32
+        for layer in ("l0", "l1"):
+            for kind in ("q", "v"):
+                w = nu.module_update(want[layer][kind])
+                g = nu.module_update(got[f"{layer}/{kind}"])
+                assert w.dtype == g.dtype == expected, (w.dtype, g.dtype)
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        assert got_rep.kept_per_task.tolist() == want_rep.kept_per_task.tolist()
+        assert got_rep.budget_spent == want_rep.budget_spent
