@@ -214,12 +214,11 @@ def check_scale_range(fn: str, buckets: Sequence[_tree.Bucket], dtype) -> None:
 def _scales_in_range(bk: _tree.Bucket, tiny: float, big: float) -> bool:
     """Whether every concrete scale of the bucket is 0 or within ``[tiny, big]``, checked as one
     array (False: the caller looks module by module, for its message)."""
+    scales = [m.scale for mods in bk.modules for m in mods if m is not None]
+    if any(isinstance(x, jax.Array) for x in scales):  # (device or traced: module by module)
+        return False
     try:
-        v = np.abs(np.asarray(
-            [m.scale for mods in bk.modules for m in mods
-             if m is not None and not isinstance(m.scale, jax.core.Tracer)],
-            np.float64,
-        ))  # fmt: skip
+        v = np.abs(np.asarray(scales, np.float64))
     except (TypeError, ValueError):  # (a scale of another form: module by module)
         return False
     return bool(v.ndim == 1 and ((v <= big) & ((v == 0) | (v >= tiny))).all())
