@@ -127,8 +127,9 @@ class Counts:
 
         def device_put(x, *a, **k):
             out = put(x, *a, **k)
-            # (inside a trace it places nothing: the value becomes part of the program)
-            counts.h2d += sum(not isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(out))
+            # host values only (a device array's copy on its device, or a value inside a trace,
+            # which becomes part of the program, crosses nothing)
+            counts.h2d += sum(not isinstance(v, jax.Array) for v in jax.tree.leaves(x))
             return out
 
         patch(jax, "device_put", device_put)

@@ -21,7 +21,7 @@ import numpy as np
 __all__ = ["forget_constants", "host_constant", "put_views"]
 
 
-def host_constant(x: Any, dtype: Any) -> jax.Array:
+def host_constant(x: Any, dtype: Any, *, shared: bool = True) -> jax.Array:
     """``jnp.asarray(x, dtype)`` of a concrete host number (or numpy array) without compiling a
     conversion: numpy rounds it to ``dtype`` (to nearest, as XLA's conversion does) and it is
     placed as is (``jax.device_put``). ``jnp.asarray(0.1, jnp.float32)`` compiles a one-operation
@@ -31,14 +31,17 @@ def host_constant(x: Any, dtype: Any) -> jax.Array:
     a tolerance, lambda) is placed once and the same device array given back after, for the
     same bits, dtype and default device: a steady call places nothing, which on an accelerator
     is a host-to-device copy per setting and call (jax arrays are immutable and the library
-    donates none of its inputs, so sharing one is safe). Anything else (a jax array, a tracer)
-    goes through jnp."""
+    donates none of its inputs, so sharing one between its programs is safe). A value handed
+    to the caller (a ``Scores``' alpha) takes ``shared=False``: a copy made on the device, so
+    that deleting or donating it leaves every other result whole. Anything else (a jax array,
+    a tracer) goes through jnp."""
     if isinstance(x, (bool, int, float, np.generic, np.ndarray)):
         with np.errstate(over="ignore"):  # (beyond the dtype's range: inf, as XLA converts)
             host = np.asarray(x, dtype)
         if host.size > _KEPT_SIZE:
             return jax.device_put(host)
-        return _placed(host.dtype, host.shape, host.tobytes(), _default_device_key())
+        placed = _placed(host.dtype, host.shape, host.tobytes(), _default_device_key())
+        return placed if shared else jax.device_put(placed, may_alias=False)
     return jnp.asarray(x, dtype)
 
 

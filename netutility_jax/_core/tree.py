@@ -556,20 +556,11 @@ def float_dtype(*dtypes: Any) -> np.dtype:
     return np.dtype(np.float64 if f64 else np.float32)
 
 
-def _stacked_dtypes(bk: Bucket) -> tuple[Any, Any]:
-    a, b = bk.stacked[0], bk.stacked[1]
-    return a.dtype, b.dtype
-
-
 def compute_dtype(buckets: Sequence[Bucket]) -> np.dtype:
-    """The compute dtype of a set of buckets (see :func:`float_dtype`). A stacked bucket's
-    factors are in its modules' compute dtype already (``nu.stack_adapters`` cast them): their
-    two dtypes stand for its modules'."""
-    stacked = {d for bk in buckets if bk.stacked is not None for d in _stacked_dtypes(bk)}
-    mods = [m for bk in buckets if bk.stacked is None for mods in bk.modules for m in mods
-            if m is not None]  # fmt: skip
+    """The compute dtype of a set of buckets (see :func:`float_dtype`)."""
+    mods = [m for bk in buckets for mods in bk.modules for m in mods if m is not None]
     try:  # each distinct dtype once: a handful, not two per module and task
-        dtypes = stacked | {m.lora_a.dtype for m in mods} | {m.lora_b.dtype for m in mods}
+        dtypes = {m.lora_a.dtype for m in mods} | {m.lora_b.dtype for m in mods}
     except TypeError:  # an unhashable dtype: every one
-        dtypes = [*stacked, *(d for m in mods for d in (m.lora_a.dtype, m.lora_b.dtype))]
+        dtypes = [d for m in mods for d in (m.lora_a.dtype, m.lora_b.dtype)]
     return float_dtype(*dtypes)

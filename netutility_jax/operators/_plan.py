@@ -219,7 +219,7 @@ def _scales_in_range(bk: _tree.Bucket, tiny: float, big: float) -> bool:
         return False
     try:
         v = np.abs(np.asarray(scales, np.float64))
-    except (TypeError, ValueError):  # (a scale of another form: module by module)
+    except (TypeError, ValueError, OverflowError):  # (another form, an int beyond float64)
         return False
     return bool(v.ndim == 1 and ((v <= big) & ((v == 0) | (v >= tiny))).all())
 

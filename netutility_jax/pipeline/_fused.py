@@ -217,7 +217,7 @@ def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | N
     done = ta.stacked_result(names, buckets, m_tasks, outs, flags)
     table = ScoreTable(names, [(bk.names, st) for bk, st in zip(buckets, stats, strict=True)], {},
                        ModuleScores)  # fmt: skip
-    sc = Scores(table, lam_used, alpha)
+    sc = Scores(table, lam_used, jax.device_put(alpha, may_alias=False))  # (the caller's own)
     zeroed = tuple(nm for nm in names if done.zero[nm] and masks.host(nm).any())
     merged = done.modules  # (a stacked set's result: a MergedTable, its factors stacked)
     if not isinstance(adapters, StackedAdapters):  # each module's factors, as merge_ta gives them

@@ -165,7 +165,9 @@ def _global_scores(
     """The whole model's :class:`nu.Scores` from the chunks' ``lam=0`` statistics and ``lam``
     (``"auto"``: the median ratio over every candidate, :func:`utility.lam_auto`)."""
     if not isinstance(lam, str):
-        return utility.Scores(stats, host_constant(lam, dtype), host_constant(alpha, dtype))
+        return utility.Scores(
+            stats, host_constant(lam, dtype, shared=False), host_constant(alpha, dtype, shared=False)
+        )
     cand = {n: np.asarray(s.utility) > -np.inf for n, s in stats.items()}
     if not any(c.any() for c in cand.values()):
         raise InputError(
@@ -201,7 +203,7 @@ def _global_scores(
             "in size. Check the LoRA scales (lora_alpha / r), pass a smaller lam, or use float64."
         )
     modules = {n: s._replace(utility=utils[n]) for n, s in stats.items()}
-    return utility.Scores(modules, lam_v, host_constant(alpha, dtype))
+    return utility.Scores(modules, lam_v, host_constant(alpha, dtype, shared=False))
 
 
 def _chunk_moments(moments: Any, names: Sequence[str]) -> list[Any] | None:

@@ -283,7 +283,7 @@ def score_run(
     scores = [
         # kept stacked: each module's fields are sliced (in the graph, or made on the host)
         # only when read (see _core.tables)
-        Scores(_table(names, live, f, d), f.lam, host_constant(a, dtype))
+        Scores(_table(names, live, f, d), f.lam, host_constant(a, dtype, shared=False))
         for d, f, a in zip(by_name, finished, alphas, strict=True)
     ]
     energies = sum_energies(parts, m_tasks) if energy else None

@@ -73,6 +73,7 @@ def test_put_views_keeps_its_values_after_the_host_array_goes():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int32, np.float16, np.bool_])
 def test_host_constant_places_a_small_value_once(monkeypatch, dtype):
+    host_mod.forget_constants()  # (an earlier test may have placed these values)
     placed = []
     put = jax.device_put
     monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: placed.append(x) or put(x, *a, **k))
@@ -155,7 +156,12 @@ def test_a_steady_score_and_merge_place_nothing(monkeypatch):
     run()
     placed = []
     put = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: placed.append(x) or put(x, *a, **k))
+
+    def device_put(x, *a, **k):  # host values only (a device array's copy crosses nothing)
+        placed.extend(v for v in jax.tree.leaves(x) if not isinstance(v, jax.Array))
+        return put(x, *a, **k)
+
+    monkeypatch.setattr(jax, "device_put", device_put)
     run()
     assert placed == []
 
@@ -185,3 +191,32 @@ def test_host_constant_follows_the_default_device():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_value_handed_to_the_caller_is_its_own(monkeypatch):
+    # two calls' results never share a buffer: deleting (or donating) one leaves the other whole
+    import netutility_jax as nu
+
+    rng = np.random.default_rng(1)
+    ads = [
+        {
+            f"l{i}": {
+                "lora_a": rng.normal(size=(6, 2)).astype(np.float32),
+                "lora_b": rng.normal(size=(2, 5)).astype(np.float32),
+            }
+            for i in range(2)
+        }
+        for _ in range(3)
+    ]
+    stacked = nu.stack_adapters(ads)
+    s1, s2 = nu.score(stacked), nu.score(stacked)
+    r1 = nu.merge_adapters(stacked, budget=2, method="ta")[1]
+    r2 = nu.merge_adapters(stacked, budget=2, method="ta")[1]
+    for one, two in ((s1, s2), (r1.scores, r2.scores)):
+        assert one.alpha is not two.alpha
+        one.alpha.delete()
+        assert float(two.alpha) == 1.0 and not two.alpha.is_deleted()
+    mine = host_mod.host_constant(0.4375, np.float32, shared=False)
+    assert mine is not host_mod.host_constant(0.4375, np.float32, shared=False)
+    mine.delete()
+    assert float(host_mod.host_constant(0.4375, np.float32)) == 0.4375
