@@ -129,24 +129,28 @@ def test_release_forgets_the_placed_constants():
     assert host_mod.host_constant(0.375, np.float32) is not x
 
 
+def _small_adapters(seed: int, *, modules: int, scale: float) -> list[dict]:
+    """Three tasks of ``modules`` modules (6 -> 5, rank 2), float32 numpy factors."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            f"l{i}": {
+                "lora_a": rng.normal(size=(6, 2)).astype(np.float32),
+                "lora_b": rng.normal(size=(2, 5)).astype(np.float32),
+                "scale": scale,
+            }
+            for i in range(modules)
+        }
+        for _ in range(3)
+    ]
+
+
 def test_a_steady_score_and_merge_place_nothing(monkeypatch):
     # the settings (tolerances, alpha, lambda, the merge's coefficient) were placed by the first
     # call; a second call of the same shapes places none of them again
     import netutility_jax as nu
 
-    rng = np.random.default_rng(0)
-    ads = [
-        {
-            f"l{i}": {
-                "lora_a": rng.normal(size=(6, 2)).astype(np.float32),
-                "lora_b": rng.normal(size=(2, 5)).astype(np.float32),
-                "scale": 1.5,
-            }
-            for i in range(3)
-        }
-        for _ in range(3)
-    ]
-    stacked = jax.block_until_ready(nu.stack_adapters(ads))
+    stacked = jax.block_until_ready(nu.stack_adapters(_small_adapters(0, modules=3, scale=1.5)))
 
     def run():
         masks = nu.allocate(nu.score(stacked), 3)
@@ -197,18 +201,7 @@ def test_a_value_handed_to_the_caller_is_its_own(monkeypatch):
     # two calls' results never share a buffer: deleting (or donating) one leaves the other whole
     import netutility_jax as nu
 
-    rng = np.random.default_rng(1)
-    ads = [
-        {
-            f"l{i}": {
-                "lora_a": rng.normal(size=(6, 2)).astype(np.float32),
-                "lora_b": rng.normal(size=(2, 5)).astype(np.float32),
-            }
-            for i in range(2)
-        }
-        for _ in range(3)
-    ]
-    stacked = nu.stack_adapters(ads)
+    stacked = nu.stack_adapters(_small_adapters(1, modules=2, scale=1.0))
     s1, s2 = nu.score(stacked), nu.score(stacked)
     r1 = nu.merge_adapters(stacked, budget=2, method="ta")[1]
     r2 = nu.merge_adapters(stacked, budget=2, method="ta")[1]
