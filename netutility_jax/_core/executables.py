@@ -32,6 +32,7 @@ import contextvars
 import functools
 import inspect
 import math
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -44,6 +45,7 @@ from . import host as _host
 
 __all__ = [
     "FAST_COMPILE",
+    "MODERATE_COMPILE",
     "SMALL_BYTES",
     "Kernel",
     "factor_bytes",
@@ -54,6 +56,12 @@ __all__ = [
 
 #: XLA compiler options of a ``fast_compile`` kernel on the CPU backend.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+#: XLA compiler options of a ``fast_compile="moderate"`` kernel on the CPU backend: LLVM at
+#: level 1, without the fusion emitters. The one-program merges of the methods other than TA
+#: (scoring, allocation and merge in one program): their compile took 1.5 s less than at XLA's
+#: defaults (TSV Core, 32 layers x 7 kinds x 8 tasks: 6.9 -> 5.3 s first call) for 0-3% of run
+#: time, where level 0 ran their spectral and elementwise steps 1.4-2.2x slower.
+MODERATE_COMPILE = {"xla_backend_optimization_level": 1, "xla_cpu_use_fusion_emitters": False}
 #: The most bytes of adapter factors (all tasks) of a merge whose ``fast_compile="small"``
 #: programs take :data:`FAST_COMPILE`.
 SMALL_BYTES = 64 * 2**20
@@ -72,7 +80,7 @@ class Kernel:
         self,
         fun: Callable,
         static_argnames: Sequence[str] = (),
-        fast_compile: bool | Literal["small"] = False,
+        fast_compile: bool | Literal["small", "moderate"] = False,
         export: bool = True,
     ):
         static = tuple(static_argnames)
@@ -80,16 +88,26 @@ class Kernel:
         self._export = export
         self._first_static = _first_position(fun, static)
         self._default = jax.jit(fun, static_argnames=static)
-        self._fast = (
-            jax.jit(fun, static_argnames=static, compiler_options=FAST_COMPILE)
-            if fast_compile
-            else None
-        )
+        self._fun, self._mode = fun, fast_compile
+        self._options: dict[str, Any] | None = None
+        self._fast_jit: Any = None  # (made at its first use: see moderate_options)
         self._only_small = fast_compile == "small"
         name = getattr(fun, "__qualname__", None) or fun.__name__  # (a jnp.ufunc has no qualname)
         self._name = f"{fun.__module__}.{name}"
         functools.update_wrapper(self, fun)
         _KERNELS.add(self)
+
+    @property
+    def _fast(self) -> Any:
+        """The jitted function with this kernel's compiler options (None: it has none)."""
+        if not self._mode:
+            return None
+        if self._fast_jit is None:
+            self._options = moderate_options() if self._mode == "moderate" else FAST_COMPILE
+            self._fast_jit = jax.jit(
+                self._fun, static_argnames=self._static, compiler_options=self._options
+            )
+        return self._fast_jit
 
     @property
     def _jit(self) -> Any:
@@ -105,7 +123,7 @@ class Kernel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         jitted = self._jit
         if self._export and _exports.wanted(args, kwargs, self._static, self._first_static):
-            options = FAST_COMPILE if jitted is self._fast else None
+            options = self._options if jitted is self._fast else None
             return _exports.call(jitted, self._name, options, self._static, args, kwargs)
         if jitted is self._default:
             return jitted(*args, **kwargs)
@@ -115,6 +133,13 @@ class Kernel:
             if "compiler_options" not in str(e):
                 raise
             return self._default(*args, **kwargs)
+
+
+def moderate_options() -> dict[str, Any]:
+    """:data:`MODERATE_COMPILE` less the options that ``XLA_FLAGS`` sets (read when a kernel
+    first compiles): a level the user, or the test suite, chose for every program stands."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {k: v for k, v in MODERATE_COMPILE.items() if k not in flags}
 
 
 def _first_position(fun: Callable, static: Sequence[str]) -> int:
@@ -138,7 +163,7 @@ def release() -> None:
     and compiles (or loads from JAX's persistent cache) again. For callers that know a batch
     of shapes is done with."""
     for k in list(_KERNELS):
-        for jitted in (k._default, k._fast):
+        for jitted in (k._default, k._fast_jit):
             if jitted is not None:
                 jitted.clear_cache()
     _exports.clear()
@@ -149,12 +174,12 @@ def kernel(
     fun: Callable | None = None,
     *,
     static_argnames: Sequence[str] = (),
-    fast_compile: bool | Literal["small"] = False,
+    fast_compile: bool | Literal["small", "moderate"] = False,
     export: bool = True,
 ) -> Any:
     """``jax.jit`` as a :class:`Kernel` (a decorator, with or without ``static_argnames``);
     ``fast_compile``: compiled with :data:`FAST_COMPILE` on the CPU backend (``"small"``: only
-    inside :func:`small_merge` of a small merge); ``export``: its traced program kept across
+    inside :func:`small_merge` of a small merge; ``"moderate"``: with :data:`MODERATE_COMPILE`); ``export``: its traced program kept across
     processes where :mod:`~netutility_jax._core.exports` has a folder (for calls outside any
     trace that give the static arguments by keyword)."""
     if fun is None:

@@ -41,7 +41,17 @@ from .._core.tables import MergedTable
 from . import _stages
 from . import ta as _ta
 
-__all__ = ["applies", "merge_program", "merge_traced", "run"]
+__all__ = [
+    "applies",
+    "device_results",
+    "groups_of",
+    "host_results",
+    "merge_program",
+    "merge_traced",
+    "nonzero_rows",
+    "on_device",
+    "run",
+]
 
 
 class Group(NamedTuple):
@@ -152,11 +162,11 @@ def _inputs(jobs: Sequence[Any], dtype: Any) -> Any:
     return _buckets.bucket_arrays(bk) if st is None else st
 
 
-def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, list]:
-    """Merge every job of ``plan`` in one program: ``(results, checks)`` as the per-bucket route
-    collects them; non-finite inputs raised here."""
-    from ._results import raise_nonfinite
-
+def groups_of(plan: Any) -> tuple[list[tuple[Group, list[Any]]], list[Any], tuple]:
+    """``plan``'s groups (each with its jobs), each group's factors
+    (:func:`_stacking.stacked_input`, or the leaves) and the per-group inputs :func:`merge_program`
+    takes besides them: ``(masks, index, counts)``, masks read from ``plan.masks`` (None: every
+    candidate)."""
     groups = _groups(plan)
     inputs, masks, index = [], [], []
     for k, (g, jobs) in enumerate(groups):
@@ -168,18 +178,46 @@ def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, 
         index.append(np.asarray([i for j in jobs for i in j.index], np.int32))
     options = plan.resolved.kernel_options
     counts = tuple(_stages.count_input(g.cfg, options, plan.m_tasks) for g, _ in groups)
+    return groups, inputs, (tuple(masks), tuple(index), counts)
+
+
+def on_device(groups: Sequence[tuple[Group, list[Any]]]) -> bool:
+    """Whether the merged factors stay on the device (:func:`device_results`): a stacked set's,
+    or an accelerator's factors."""
+    jobs = [j for _, js in groups for j in js]
+    return all(js[0].bucket.stacked is not None for _, js in groups) or _ta.slices_on_device(
+        [j.bucket for j in jobs]
+    )
+
+
+def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, list]:
+    """Merge every job of ``plan`` in one program: ``(results, checks)`` as the per-bucket route
+    collects them; non-finite inputs raised here."""
+    from ._results import raise_nonfinite
+
+    groups, inputs, (masks, index, counts) = groups_of(plan)
     outs = merge_program(
-        tuple(inputs), tuple(masks), key, tuple(index), coef, nums, counts,
-        groups=tuple(g for g, _ in groups),
+        tuple(inputs), masks, key, index, coef, nums, counts, groups=tuple(g for g, _ in groups),
     )  # fmt: skip
-    if all(jobs[0].bucket.stacked is not None for _, jobs in groups) or _ta.slices_on_device(
-        [j.bucket for _, jobs in groups for j in jobs]
-    ):  # a stacked set, or an accelerator's factors: the factors stay where they are
-        return _device_results(plan, groups, outs)
-    outs = jax.device_get(outs)  # one transfer: every bucket's factors, ranks and checks
-    results: dict[str, Any] = {}
+    if on_device(groups):  # the factors stay where they are
+        small = jax.device_get(
+            [(live, check, bad, nz) for (_, _, live, check, bad), nz in zip(
+                outs, _nonzero(tuple((la, lb) for la, lb, *_ in outs)), strict=True)]
+        )  # fmt: skip
+        results, checks, buckets, bads = device_results(plan.names, groups, outs, small)
+    else:  # one transfer: every bucket's factors, ranks and checks
+        results, checks, buckets, bads = host_results(groups, jax.device_get(outs))
+    raise_nonfinite(plan.fn, buckets, bads, plan.dtype)
+    return results, checks
+
+
+def host_results(groups: Sequence[tuple[Group, list[Any]]], outs: Sequence[Any]) -> tuple:
+    """:func:`merge_program`'s outputs read to the host as ``(results, checks, buckets, bads)``:
+    each module's live columns cut and placed with one ``device_put``, ``{name: module}``; the
+    range checks; each piece's bucket and non-finite flags (for :func:`raise_nonfinite`)."""
     checks: list = []
-    buckets, bads = [], []
+    buckets: list = []
+    bads: list = []
     views = []
     order = []
     for (_, jobs), (la, lb, live, check, bad) in zip(groups, outs, strict=True):
@@ -191,11 +229,12 @@ def run(plan: Any, *, coef: Any, nums: dict[str, Any], key: Any) -> tuple[dict, 
             # copies of their own size: a view would keep the whole padded bucket alive
             views += [np.array(la[i, :, :r]), np.array(lb[i, :r, :])]
             order.append(nm)
-    raise_nonfinite(plan.fn, buckets, bads, plan.dtype)
     placed = put_views(views)
-    for k, nm in enumerate(order):
-        results[nm] = {"lora_a": placed[2 * k], "lora_b": placed[2 * k + 1], "scale": 1.0}
-    return results, checks
+    results = {
+        nm: {"lora_a": placed[2 * k], "lora_b": placed[2 * k + 1], "scale": 1.0}
+        for k, nm in enumerate(order)
+    }
+    return results, checks, buckets, bads
 
 
 def _group_names(jobs: Sequence[Any], bad: Any, buckets: list, bads: list) -> tuple[str, ...]:
@@ -214,35 +253,30 @@ def _group_names(jobs: Sequence[Any], bad: Any, buckets: list, bads: list) -> tu
 def _nonzero(factors: tuple[tuple[jax.Array, jax.Array], ...]) -> tuple[jax.Array, ...]:
     """Per group and row ``(n,)``: whether ``la @ lb`` can be nonzero (neither factor all
     zero); one program for every group."""
-    return tuple(
-        jnp.any(la != 0, axis=(1, 2)) & jnp.any(lb != 0, axis=(1, 2)) for la, lb in factors
-    )
+    return tuple(nonzero_rows(la, lb) for la, lb in factors)
 
 
-def _device_results(plan: Any, groups: list, outs: Sequence[Any]) -> tuple[Any, list]:
-    """:func:`run`'s results with the merged factors left on the device, stacked per group
-    (each module's live columns come first): a :class:`MergedTable` whose modules are sliced
-    at their ranks when read. One read: the live flags, the checks, the non-finite flags and
-    whether each module merged to zero."""
-    from ._results import raise_nonfinite
+def nonzero_rows(la: jax.Array, lb: jax.Array) -> jax.Array:
+    """Per row ``(n,)`` of stacked factors: whether ``la @ lb`` can be nonzero."""
+    return jnp.any(la != 0, axis=(1, 2)) & jnp.any(lb != 0, axis=(1, 2))
 
-    nonzero_rows = _nonzero(tuple((la, lb) for la, lb, *_ in outs))
-    small = jax.device_get(
-        [
-            (live, check, bad, nz)
-            for (_, _, live, check, bad), nz in zip(outs, nonzero_rows, strict=True)
-        ]
-    )
+
+def device_results(
+    names: Sequence[str], groups: list, outs: Sequence[Any], small: Sequence[Any]
+) -> tuple:
+    """:func:`merge_program`'s results with the merged factors left on the device, stacked per
+    group (each module's live columns come first): ``(MergedTable, checks, buckets, bads)``, a
+    module sliced at its rank when read. ``small``: per group ``(live, check, bad, nonzero)``
+    read to the host (one read)."""
     checks: list = []
     buckets, bads, blocks, counts, nonzero = [], [], [], [], []
     for (_, jobs), (la, lb, *_), (live, check, bad, nz) in zip(groups, outs, small, strict=True):
-        names = _group_names(jobs, bad, buckets, bads)
-        checks.append((names, check))
-        blocks.append((names, la, lb))
+        group_names = _group_names(jobs, bad, buckets, bads)
+        checks.append((group_names, check))
+        blocks.append((group_names, la, lb))
         counts.append(np.asarray(live).sum(-1).tolist())
         nonzero.append(np.asarray(nz).tolist())
-    raise_nonfinite(plan.fn, buckets, bads, plan.dtype)
-    return MergedTable(plan.names, blocks, 1.0, counts, nonzero), checks
+    return MergedTable(names, blocks, 1.0, counts, nonzero), checks, buckets, bads
 
 
 def merge_traced(

@@ -51,7 +51,20 @@ from ..scoring._kernels import (
 from ..scoring._run import H_THRESHOLD, log_energy_variance, sum_energies
 from ._report import h_of
 
-__all__ = ["Fused", "fused_ta", "takes_request"]
+__all__ = [
+    "Fused",
+    "Prepared",
+    "Reader",
+    "alpha_used",
+    "as_bytes",
+    "fused_ta",
+    "prepare",
+    "read_head",
+    "read_tail",
+    "score_allocate",
+    "scores_of",
+    "takes_request",
+]
 
 
 class _Spec(NamedTuple):
@@ -88,18 +101,15 @@ def _bytes(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x.ravel(), jnp.uint8).ravel()
 
 
-# (compiled for speed of compiling in a small merge only, as the TA program: at XLA's level 0
-# a large TA merge runs several times slower)
-@kernel(static_argnames=("spec",), fast_compile="small")
-def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
-    """Score, allocate and TA-merge every bucket: ``(stats, outs, lam, vector)``.
+def score_allocate(inputs, alpha, lam, perm, spec: _Spec):
+    """Inside a program: score (fast route), pick lambda and allocate every bucket.
 
-    ``stats``: per bucket the scores' fields ``(n, 4, M, r)``; ``outs``: per bucket the merged
-    ``(la, lb)`` (kept columns first); ``lam``: the lambda used; ``vector``: uint8, in order the
-    status flags (4), lambda, with ``alpha="auto"`` the heterogeneity ``h`` that picked alpha
-    (``alpha`` is then ``(0, 1)``, both scored from one decomposition), the bad-field flag, the
-    masks (global: module order; else per bucket), the merged flags (see
-    :func:`ta.ta_program`, ``ok`` last) and per bucket the energies' mantissas and exponents.
+    Returns ``(stats, masks, lam, head, tail)``: per bucket the scores' fields ``(n, 4, M, r)``
+    and masks ``(n, M, r)``, the lambda used, and the pieces of the byte vector the host reads
+    (``head``: the status flags (4), lambda, with ``alpha="auto"`` the heterogeneity ``h`` that
+    picked alpha (``alpha`` is then ``(0, 1)``, both scored from one decomposition), the
+    bad-field flag and the masks (global: module order; else per bucket); ``tail``: per bucket
+    the energies' mantissas and exponents). :func:`read_scores` reads them back.
     """
     rtols = tuple(jnp.asarray(default_rtol(r, spec.dtype), spec.dtype) for _, _, r in spec.dims)
     finished, _, parts = score_impl(
@@ -124,14 +134,34 @@ def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
         masks = tuple(blocks)
     else:
         flat = jnp.concatenate([m.ravel() for m in masks])
-    outs, flags = ta.ta_program(
-        inputs, masks, coef, meta=ta.TaMeta(np.dtype(spec.dtype), spec.dims)
-    )
-    head = [done.status, done.lam.astype(spec.dtype), (bad > 0), flat, flags]
+    head = [done.status, done.lam.astype(spec.dtype), (bad > 0), flat]
     if h is not None:
         head.insert(2, h.astype(spec.dtype))
     tail = [x for m, k in parts for x in (m.astype(spec.dtype), k.astype(jnp.int32))]
-    return stats, outs, done.lam, jnp.concatenate([_bytes(x) for x in (*head, *tail)])
+    return stats, tuple(masks), done.lam, head, tail
+
+
+def as_bytes(pieces) -> jax.Array:
+    """Arrays raveled as one uint8 vector (bools as 0/1), for the one read."""
+    return jnp.concatenate([_bytes(x) for x in pieces])
+
+
+# (compiled for speed of compiling in a small merge only, as the TA program: at XLA's level 0
+# a large TA merge runs several times slower)
+@kernel(static_argnames=("spec",), fast_compile="small")
+def fused_program(inputs, alpha, lam, perm, coef, *, spec: _Spec):
+    """Score, allocate and TA-merge every bucket: ``(stats, outs, lam, vector)``.
+
+    ``stats``: per bucket the scores' fields ``(n, 4, M, r)``; ``outs``: per bucket the merged
+    ``(la, lb)`` (kept columns first); ``lam``: the lambda used; ``vector``: uint8, in order
+    :func:`score_allocate`'s head, the merged flags (see :func:`ta.ta_program`, ``ok`` last)
+    and its tail (the energies).
+    """
+    stats, masks, lam_used, head, tail = score_allocate(inputs, alpha, lam, perm, spec)
+    outs, flags = ta.ta_program(
+        inputs, masks, coef, meta=ta.TaMeta(np.dtype(spec.dtype), spec.dims)
+    )
+    return stats, outs, lam_used, as_bytes((*head, flags, *tail))
 
 
 def _heterogeneity(parts) -> jax.Array:
@@ -146,12 +176,25 @@ def _heterogeneity(parts) -> jax.Array:
     return log_energy_variance(jnp.where(live.any(0), kmax, 0), t)
 
 
-def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | None:
-    """``nu.merge_adapters``'s TA (``req`` its checked request) by
-    :func:`fused_program`, or None where the stages must run instead: inputs outside what the
-    program takes (another form, a bucket without a candidate, data-aware scores, a task floor,
-    task weights, ``allocation="all"``, a coefficient beyond the dtype), or
-    a flag raised (see the module docstring)."""
+class Prepared(NamedTuple):
+    """A merge's settings and inputs for a fused program (:func:`prepare`)."""
+
+    spec: _Spec
+    dtype: Any
+    names: Any
+    buckets: Any
+    m_tasks: int
+    shapes: list  # per bucket (M, r_max)
+    blocks: list  # per bucket (names, (M, r_max))
+    inputs: tuple  # per bucket its four stacked arrays
+    args: tuple  # (alpha, lam, perm, coef), placed
+
+
+def prepare(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Prepared | None:
+    """What a fused program takes for ``req`` (checked request), or None where the stages must
+    run instead: inputs outside what the program takes (another form, a bucket without a
+    candidate, data-aware scores, a task floor, task weights, ``allocation="all"``, a scale or a
+    coefficient beyond the dtype)."""
     if not _takes(adapters, req, buckets):
         return None
     dtype = np.dtype(_tree.compute_dtype(buckets))
@@ -169,23 +212,25 @@ def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | N
     scope = "uniform" if req.allocation == "uniform" else req.scope
     spec = _Spec(
         dtype, tuple((bk.d_in, bk.d_out, bk.r_max) for bk in buckets), isinstance(req.lam, str),
-        isinstance(req.alpha, str), req.interference, min(req.budget, max(1, *(m * r for m, r in shapes))), scope,
-        req.positive_only, len(names),
+        isinstance(req.alpha, str), req.interference,
+        min(req.budget, max(1, *(m * r for m, r in shapes))), scope, req.positive_only, len(names),
     )  # fmt: skip
-    alpha = host_constant(np.array((0.0, 1.0)) if spec.alpha_is_auto else req.alpha, dtype)
-    lam = 0.0 if spec.lam_is_auto else req.lam
     inputs = _inputs(adapters, buckets, dtype)
     if inputs is None:
         return None
-    with np.errstate(over="ignore", invalid="ignore"):
-        stats, outs, lam_used, vector = fused_program(
-            inputs, alpha, lam, _allocate.placed_order(layout), host_constant(c, dtype), spec=spec
-        )
-        host = np.asarray(jax.device_get(vector))  # the one read
-    read = _Reader(host)
+    alpha = host_constant(np.array((0.0, 1.0)) if spec.alpha_is_auto else req.alpha, dtype)
+    lam = 0.0 if spec.lam_is_auto else req.lam
+    args = (alpha, lam, _allocate.placed_order(layout), host_constant(c, dtype))
+    return Prepared(spec, dtype, names, buckets, m_tasks, shapes, blocks, inputs, args)
+
+
+def read_head(read: Reader, prep: Prepared) -> tuple | None:
+    """:func:`score_allocate`'s head read: ``(lam, h or None, masks as mask_table takes
+    them)``, or None where a flag sends the merge back to the stages."""
+    spec = prep.spec
     status = read.take(np.bool_, 4)
-    lam_host = float(read.take(dtype, 1)[0])
-    h_rule = float(read.take(dtype, 1)[0]) if spec.alpha_is_auto else None
+    lam_host = float(read.take(prep.dtype, 1)[0])
+    h_rule = float(read.take(prep.dtype, 1)[0]) if spec.alpha_is_auto else None
     bad = bool(read.take(np.bool_, 1)[0])
     if (
         not _clear_of_threshold(h_rule)
@@ -196,36 +241,75 @@ def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | N
         or bad
     ):
         return None
-    n_slots = [len(bk.names) * m * r for bk, (m, r) in zip(buckets, shapes, strict=True)]
+    n_slots = [len(bk.names) * m * r for bk, (m, r) in zip(prep.buckets, prep.shapes, strict=True)]
     flat = read.take(np.bool_, sum(n_slots))
-    if scope != "global":
+    if spec.scope != "global":
         cuts = np.cumsum(n_slots)[:-1]
         flat = tuple(
             f.reshape(len(bk.names), *sh)
-            for f, bk, sh in zip(np.split(flat, cuts), buckets, shapes, strict=True)
+            for f, bk, sh in zip(np.split(flat, cuts), prep.buckets, prep.shapes, strict=True)
         )
-    flags = read.take(np.bool_, sum(n_slots) + len(names) + 1)  # (keep, nonzero), then ok
-    if not flags[-1]:
-        return None
+    return lam_host, h_rule, flat
+
+
+def read_tail(read: Reader, prep: Prepared) -> float:
+    """:func:`score_allocate`'s tail read: the report's ``h`` of the task energies."""
+    m_tasks = prep.m_tasks
     parts = [
-        (read.take(dtype, len(bk.names) * m_tasks), read.take(np.int32, len(bk.names) * m_tasks))
-        for bk in buckets
-    ]
+        (read.take(prep.dtype, len(bk.names) * m_tasks),
+         read.take(np.int32, len(bk.names) * m_tasks))
+        for bk in prep.buckets
+    ]  # fmt: skip
     k, t = sum_energies([(m.reshape(-1, m_tasks), e.reshape(-1, m_tasks)) for m, e in parts],
                         m_tasks)  # fmt: skip
-    masks = _allocate.mask_table(names, blocks, {}, flat, scope)
+    return h_of(k, t)
+
+
+def scores_of(prep: Prepared, stats, lam_used, flat) -> tuple:
+    """``(masks, scores)`` of the program's results: the :class:`MaskTable` of the read masks
+    and the :class:`Scores` whose fields stay on the device."""
+    masks = _allocate.mask_table(prep.names, prep.blocks, {}, flat, prep.spec.scope)
+    table = ScoreTable(
+        prep.names, [(bk.names, st) for bk, st in zip(prep.buckets, stats, strict=True)], {},
+        ModuleScores,
+    )  # fmt: skip
+    alpha = prep.args[0]
+    return masks, Scores(table, lam_used, jax.device_put(alpha, may_alias=False))  # (its own)
+
+
+def alpha_used(req: Any, h_rule: float | None, dtype: Any) -> float:
+    """The alpha the scores used: the request's, or the heterogeneity rule's pick."""
+    alpha = req.alpha if h_rule is None else (0.0 if h_rule > H_THRESHOLD else 1.0)
+    return float(np.asarray(alpha, dtype))
+
+
+def fused_ta(adapters: Any, req: Any, names, buckets, m_tasks: int) -> Fused | None:
+    """``nu.merge_adapters``'s TA (``req`` its checked request) by :func:`fused_program`, or
+    None where the stages must run instead (:func:`prepare`), or a flag raised (see the module
+    docstring)."""
+    prep = prepare(adapters, req, names, buckets, m_tasks)
+    if prep is None:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        stats, outs, lam_used, vector = fused_program(prep.inputs, *prep.args, spec=prep.spec)
+        host = np.asarray(jax.device_get(vector))  # the one read
+    read = Reader(host)
+    head = read_head(read, prep)
+    if head is None:
+        return None
+    lam_host, h_rule, flat = head
+    n_slots = sum(len(bk.names) * m * r for bk, (m, r) in zip(buckets, prep.shapes, strict=True))
+    flags = read.take(np.bool_, n_slots + len(names) + 1)  # (keep, nonzero), then ok
+    if not flags[-1]:
+        return None
+    h = read_tail(read, prep)
+    masks, sc = scores_of(prep, stats, lam_used, flat)
     done = ta.stacked_result(names, buckets, m_tasks, outs, flags)
-    table = ScoreTable(names, [(bk.names, st) for bk, st in zip(buckets, stats, strict=True)], {},
-                       ModuleScores)  # fmt: skip
-    sc = Scores(table, lam_used, jax.device_put(alpha, may_alias=False))  # (the caller's own)
     zeroed = tuple(nm for nm in names if done.zero[nm] and masks.host(nm).any())
     merged = done.modules  # (a stacked set's result: a MergedTable, its factors stacked)
     if not isinstance(adapters, StackedAdapters):  # each module's factors, as merge_ta gives them
         merged = ta.module_factors(names, done.modules, on_device=ta.slices_on_device(buckets))
-    alpha_used = req.alpha if h_rule is None else (0.0 if h_rule > H_THRESHOLD else 1.0)
-    return Fused(
-        merged, masks, sc, h_of(k, t), zeroed, lam_host, float(np.asarray(alpha_used, dtype))
-    )
+    return Fused(merged, masks, sc, h, zeroed, lam_host, alpha_used(req, h_rule, prep.dtype))
 
 
 def _clear_of_threshold(h: float | None) -> bool:
@@ -277,7 +361,7 @@ def _takes(adapters: Any, req: Any, buckets) -> bool:
     return True
 
 
-class _Reader:
+class Reader:
     """Reads the program's byte vector in order, each piece as its dtype."""
 
     def __init__(self, data: np.ndarray):

@@ -17,7 +17,7 @@ from .._core import tree as _tree
 from ..errors import InputError
 from ..operators import _plan, _results, ta
 from ..operators._ties_model import ties_model_streamed
-from . import _exchange, _fused, merging
+from . import _exchange, _fused, _fused_stages, merging
 from ._report import build_report, ranks_of, warn_zeroed, zeroed_modules
 from ._request import all_candidates
 
@@ -36,23 +36,26 @@ __all__ = [
 
 
 def merge_one_chunk(st: Stream, req: Any, mesh: Any, on_chunk: Callable | None) -> tuple | None:
-    """A set that is one chunk, merged by TA in one process on one device (``mesh`` the
-    caller's, None): read once and merged as :func:`nu.merge_adapters` merges it in memory, by
-    the one TA program (:mod:`._fused`: scores, lambda, allocation and merge, one read back);
-    ``(merged, report)``, or None where that program does not take the merge or a flag sends it
-    back (the passes then read the chunk as for any set, with their errors). The streamed
-    merge's result is the in-memory one by contract; here it is the same computation."""
+    """A set that is one chunk, merged in one process on one device (``mesh`` the caller's,
+    None): read once and merged as :func:`nu.merge_adapters` merges it in memory, by one
+    program (:mod:`._fused` for TA, :mod:`._fused_stages` for the other methods: scores,
+    lambda, allocation and merge, one read back); ``(merged, report)``, or None where that
+    program does not take the merge or a flag sends it back (the passes then read the chunk as
+    for any set, with their errors). The streamed merge's result is the in-memory one by
+    contract; here it is the same computation."""
     if len(st.chunks) != 1 or st.ex.count != 1 or mesh is not None:
         return None
     res = req.resolved
-    if not merging.fast_ta(st.fn, req.method, req.space, req.options, None):
+    if res.model_wide or not _fused.takes_request(req):
         return None
-    if not _fused.takes_request(req):
+    if res.spec.kind == "elementwise" and res.space == "full":  # (module by module: the passes)
         return None
+    ta = merging.fast_ta(st.fn, req.method, req.space, req.options, None)
     adapters = st.source.read(list(st.source.names), host=True)  # (the chunk, in model order)
     adapters = [{n: as_dtype(m, st.dtype) for n, m in ad.items()} for ad in adapters]
     names, buckets, m_tasks = _tree.collect(adapters, fn=st.fn)
-    done = _fused.fused_ta(adapters, req, names, buckets, m_tasks)
+    fused = _fused.fused_ta if ta else _fused_stages.fused_merge
+    done = fused(adapters, req, names, buckets, m_tasks)
     if done is None:
         return None
     merged = {n: done.merged[n] for n in st.source.names}

@@ -39,7 +39,7 @@ from ..operators._module_ops import module_update as module_update
 from ..operators._module_ops import to_lora as to_lora
 from ..operators.stacked import StackedAdapters
 from ..scoring._run import score_run
-from . import _fused
+from . import _fused, _fused_stages
 from . import _run as _pipeline
 from ._coef import coef_split as coef_split
 from ._coef import scale_results as scale_results
@@ -366,6 +366,11 @@ def merge_adapters(
     names, buckets, _m_tasks = _tree.collect(adapters, fn=req.fn)
     with _stacking.reuse():  # device factors stacked once, for the scoring and the merge
         done = _merged_ta(adapters, weighted, req, names, buckets, coef) if fast else None
+        if done is None and not fast and mesh is None:  # another method: one program too
+            fused = _fused_stages.fused_merge(adapters, req, names, buckets, _m_tasks)
+            if fused is not None:
+                done = (_rebuild(weighted, fused.merged), fused.masks, fused.scores, fused.h,
+                        fused.zeroed, (fused.lam, fused.alpha))  # fmt: skip
         if done is None:  # the bucket pipeline (for TA: inputs it must refuse or split, ta.py)
             if isinstance(adapters, StackedAdapters) and fast:
                 return merge_adapters(

@@ -166,11 +166,16 @@ def _adapters(seed=0):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(method="ta", space="core"), dict(method="ties", space="knots", density=0.3)],
+    [
+        dict(method="ta", space="core"),
+        dict(method="ties", space="knots", density=0.3),
+        dict(method="ties", space="knots", density=0.3, weights=[1.0, 0.5, 2.0]),
+    ],
 )
 def test_a_merge_through_the_cache_is_the_merge_without_it(folder, monkeypatch, options):
-    """TA: the one program; TIES: the scoring kernel (whose outputs are the library's own
-    NamedTuples, registered for the export) and the merge program."""
+    """TA and TIES: the one program; TIES with task weights (which the one program does not
+    take): the scoring kernel (whose outputs are the library's own NamedTuples, registered for
+    the export) and the merge program."""
     ads = _adapters()
     exports.set_folder(None)
     want = nu.merge_adapters(ads, budget=6, **options)
@@ -178,7 +183,7 @@ def test_a_merge_through_the_cache_is_the_merge_without_it(folder, monkeypatch, 
     executables.release()
     first = nu.merge_adapters(ads, budget=6, **options)
     stored = _stored(folder)
-    assert len(stored) == (1 if options["method"] == "ta" else 2)
+    assert len(stored) == (2 if "weights" in options else 1)
     asked = _later_process(monkeypatch)
     later = nu.merge_adapters(ads, budget=6, **options)
     assert asked == [] and _stored(folder) == stored

@@ -1,17 +1,19 @@
-"""A streamed TA merge whose set is one chunk (``netutility_jax/pipeline/_stream_merge.py``,
-``merge_one_chunk``): read once and merged by the one TA program of the in-memory merge, the
-same masks, merge and report as the chunked passes and as ``nu.merge_adapters``; the passes
-where that program does not take the merge or a flag sends it back."""
+"""A streamed merge whose set is one chunk (``netutility_jax/pipeline/_stream_merge.py``,
+``merge_one_chunk``): read once and merged by the one program of the in-memory merge (TA's, or
+every other method's), the same masks, merge and report as the chunked passes and as
+``nu.merge_adapters``; the passes where that program does not take the merge or a flag sends it
+back."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
 
 import netutility_jax as nu
 from netutility_jax import InputError, peft
-from netutility_jax.pipeline import _fused
+from netutility_jax.pipeline import _fused, _fused_stages
 from netutility_jax.pipeline.streaming import merge_adapters_streaming
 
 SHAPES = {"q_proj": (16, 16), "up_proj": (16, 24)}
@@ -54,14 +56,18 @@ class _Reads:
 
 @pytest.fixture
 def took(monkeypatch):
+    """The results of the one-program routes (TA's and the other methods') in this test."""
     seen = []
-    real = _fused.fused_ta
 
-    def spy(*args, **kwargs):
-        seen.append(real(*args, **kwargs))
-        return seen[-1]
+    def spy(real):
+        def call(*args, **kwargs):
+            seen.append(real(*args, **kwargs))
+            return seen[-1]
 
-    monkeypatch.setattr(_fused, "fused_ta", spy)
+        return call
+
+    monkeypatch.setattr(_fused, "fused_ta", spy(_fused.fused_ta))
+    monkeypatch.setattr(_fused_stages, "fused_merge", spy(_fused_stages.fused_merge))
     return seen
 
 
@@ -69,9 +75,23 @@ def _update(mod):
     return np.asarray(nu.module_update(mod), np.float64)
 
 
-@pytest.mark.parametrize("opts", [{}, {"alpha": "auto", "space": "core"}, {"lam": 0.0}])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},
+        {"alpha": "auto", "space": "core"},
+        {"lam": 0.0},
+        {"method": "tsv", "space": "core"},
+        {"method": "ties", "space": "knots", "density": 0.3, "alpha": "auto"},
+        {"method": "dare_ties", "space": "core", "p": 0.3, "seed": 3},
+        {"method": "iso_cts", "space": "full", "scope": "local"},
+    ],
+)
 def test_one_chunk_is_read_once_and_merged_as_the_chunked_passes_merge_it(tmp_path, took, opts):
     paths = _write(tmp_path)
+    opts = dict(opts)
+    if "seed" in opts:
+        opts["key"] = jax.random.key(opts.pop("seed"))
     kw = {"budget": 3, "method": "ta", **opts}
     source = _Reads(peft.open_adapters(paths))
     seen, steps = [], []
@@ -100,12 +120,12 @@ def test_one_chunk_is_read_once_and_merged_as_the_chunked_passes_merge_it(tmp_pa
 @pytest.mark.parametrize(
     "kw",
     [
-        {"method": "tsv", "space": "core"},
+        {"method": "ties", "space": "full"},
         {"weights": [1.0, 0.5, 2.0]},
         {"allocation": "all"},
         {"min_share": 0.5},
     ],
-    ids=["tsv", "weights", "all", "min_share"],
+    ids=["ties_full", "weights", "all", "min_share"],
 )
 def test_what_the_program_does_not_take_runs_the_passes(tmp_path, took, kw):
     paths = _write(tmp_path)
