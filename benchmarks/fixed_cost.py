@@ -17,7 +17,8 @@ seconds of XLA compiling on the first call (``jax.monitoring``'s backend-compile
 call's wall time, then over steady calls the median wall time, the time until the call returns
 (host work: tracing-cache lookups, Python, transfers it waits on), and the counts of one steady
 call: jitted dispatches, argument buffers handed to them, its host time (the call's wall time
-less the time inside its programs, each waited for where it is dispatched) (for ``merge_jit``, also the traced
+less the time inside its programs, each waited for where it is dispatched; the median of
+``--repeats`` counted calls) (for ``merge_jit``, also the traced
 program's top-level jaxpr equations, a size no machine load changes), host->device placements
 (``jax.device_put``, which the library's ``host_constant`` ends in, and its ``put_views``, plus
 numpy arguments of a jitted call) and device->host reads (arrays first materialised on the host).
@@ -245,11 +246,14 @@ def run_case(stage: str, layers: int, tasks: int, rank: int, repeats: int) -> di
     jax.clear_caches()
     with Counts().counting():  # (compiled again, on the Python path: not counted)
         _ready(fn())
-    counts = Counts()
-    with counts.counting():
-        t0 = time.perf_counter()
-        _ready(fn())
-        host = time.perf_counter() - t0 - counts.run_s  # the call's time outside its programs
+    hosts = []  # (the counts of every counted call are the same; the host time is noisy)
+    for _ in range(repeats):
+        counts = Counts()
+        with counts.counting():
+            t0 = time.perf_counter()
+            _ready(fn())
+            hosts.append(time.perf_counter() - t0 - counts.run_s)  # outside the programs
+    host = statistics.median(hosts)
     n_modules = layers * len(KINDS)
     return {
         "stage": name,

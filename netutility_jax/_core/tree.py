@@ -15,7 +15,7 @@ same under an outer ``jit``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -140,6 +140,15 @@ class Bucket:
     # the factors stacked once (``nu.stack_adapters``: a ``_mesh.Stacked`` on the device), in
     # which case ``modules`` hold their shapes, dtypes and scales only; None: the leaves
     stacked: Any = None
+
+    def memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()``, a fact of this bucket's modules (which never change), computed once per
+        bucket: a ``nu.stack_adapters`` set keeps its buckets, so its calls do not walk every
+        (module, task) again. Not a field: equality and ``dataclasses.replace`` ignore it."""
+        memo = self.__dict__.setdefault("_memo", {})  # (frozen: the dict, not an attribute)
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
 
 
 def _as_module(fn: str, task: int, name: str, node: Any) -> Module:
@@ -558,9 +567,13 @@ def float_dtype(*dtypes: Any) -> np.dtype:
 
 def compute_dtype(buckets: Sequence[Bucket]) -> np.dtype:
     """The compute dtype of a set of buckets (see :func:`float_dtype`)."""
-    mods = [m for bk in buckets for mods in bk.modules for m in mods if m is not None]
+    return float_dtype(*(d for bk in buckets for d in bk.memo("dtypes", lambda bk=bk: _dtypes(bk))))
+
+
+def _dtypes(bk: Bucket) -> tuple:
+    """The distinct dtypes of a bucket's factors."""
+    mods = [m for mods in bk.modules for m in mods if m is not None]
     try:  # each distinct dtype once: a handful, not two per module and task
-        dtypes = {m.lora_a.dtype for m in mods} | {m.lora_b.dtype for m in mods}
+        return tuple({m.lora_a.dtype for m in mods} | {m.lora_b.dtype for m in mods})
     except TypeError:  # an unhashable dtype: every one
-        dtypes = [d for m in mods for d in (m.lora_a.dtype, m.lora_b.dtype)]
-    return float_dtype(*dtypes)
+        return tuple(d for m in mods for d in (m.lora_a.dtype, m.lora_b.dtype))

@@ -214,14 +214,21 @@ def check_scale_range(fn: str, buckets: Sequence[_tree.Bucket], dtype) -> None:
 def _scales_in_range(bk: _tree.Bucket, tiny: float, big: float) -> bool:
     """Whether every concrete scale of the bucket is 0 or within ``[tiny, big]``, checked as one
     array (False: the caller looks module by module, for its message)."""
+    v = bk.memo("abs_scales", lambda: _abs_scales(bk))
+    return v is not None and bool(((v <= big) & ((v == 0) | (v >= tiny))).all())
+
+
+def _abs_scales(bk: _tree.Bucket) -> np.ndarray | None:
+    """Every scale of the bucket's modules as one float64 array of magnitudes, or None where
+    one is a device array, traced, or not a real number within float64."""
     scales = [m.scale for mods in bk.modules for m in mods if m is not None]
     if any(isinstance(x, jax.Array) for x in scales):  # (device or traced: module by module)
-        return False
+        return None
     try:
         v = np.abs(np.asarray(scales, np.float64))
     except (TypeError, ValueError, OverflowError):  # (another form, an int beyond float64)
-        return False
-    return bool(v.ndim == 1 and ((v <= big) & ((v == 0) | (v >= tiny))).all())
+        return None
+    return v if v.ndim == 1 else None
 
 
 def _dense_shape(space: str, bk: _tree.Bucket, m_tasks: int) -> tuple[int, int]:
