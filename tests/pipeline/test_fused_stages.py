@@ -84,8 +84,18 @@ def _kw(opts):
     return kw
 
 
-@pytest.mark.parametrize("form", ["numpy", "device", "stacked"])
-@pytest.mark.parametrize("opts", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+# every method from numpy factors; the device and stacked forms (whose factors stay on the
+# device, or are stacked there) with a spectral, an elementwise and a keyed method
+FORMS = [("numpy", o) for o in CASES] + [
+    (form, CASES[i]) for form in ("device", "stacked") for i in (0, 4, 7)
+]
+
+
+@pytest.mark.parametrize(
+    ("form", "opts"),
+    FORMS,
+    ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()),
+)
 def test_one_program_gives_the_stages_merge_masks_scores_and_report(monkeypatch, took, opts, form):
     st = _form(form, _adapters())
     out, rep = nu.merge_adapters(st, budget=3, **_kw(opts))
