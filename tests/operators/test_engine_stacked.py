@@ -3,6 +3,8 @@ what the adapters themselves give, through a handful of argument buffers."""
 
 from __future__ import annotations
 
+import collections
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -280,3 +282,47 @@ def test_a_stacked_set_merges_in_the_dtype_its_adapters_merge_in(dtype):
                 np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
         assert got_rep.kept_per_task.tolist() == want_rep.kept_per_task.tolist()
         assert got_rep.budget_spent == want_rep.budget_spent
+
+
+# ------------------------------------------------------------------------------------------------
+# Facts of a bucket computed once (a nu.stack_adapters set keeps its buckets across calls)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_stacked_sets_dtypes_and_scales_are_walked_once_and_a_reweighted_set_walks_its_own(
+    monkeypatch,
+):
+    """The compute dtype and the scales' range check read every (module, task) once per bucket;
+    a set with other scales (``with_weights``: new buckets) is checked on its own scales, so a
+    weight that takes a scale beyond float32 is refused after the unweighted set passed."""
+    from netutility_jax._core import tree as _tree
+    from netutility_jax.operators import _plan
+
+    rng = np.random.default_rng(0)
+    ads = [
+        {f"l{i}": {"lora_a": rng.normal(size=(8, 2)).astype(np.float32),
+                   "lora_b": rng.normal(size=(2, 6)).astype(np.float32), "scale": 1.0 + t}
+         for i in range(3)}
+        for t in range(2)
+    ]  # fmt: skip
+    st = nu.stack_adapters(ads)
+    walks = collections.Counter()
+    for owner, name in ((_tree, "_dtypes"), (_plan, "_abs_scales")):
+        real = getattr(owner, name)
+
+        def counted(bk, real=real, name=name):
+            walks[name] += 1
+            return real(bk)
+
+        monkeypatch.setattr(owner, name, counted)
+    names, buckets, _ = _tree.collect(st, fn="t")
+    fi = np.finfo(np.float32)
+    for _ in range(3):
+        assert _tree.compute_dtype(buckets) == np.float32
+        _plan.check_scale_range("t", buckets, np.float32)
+    assert walks == {"_dtypes": len(buckets), "_abs_scales": len(buckets)}
+    with pytest.raises(InputError, match=r"scale of module 'l\d', task 1"):
+        _plan.check_scale_range("t", _tree.collect(st.with_weights([1.0, 2e38]), fn="t")[1],
+                                np.float32)  # fmt: skip
+    assert float(fi.max) < 2.0 * 2e38  # (the weighted scale, 2 x 2e38, is beyond float32)
+    assert names == list(st.names)
