@@ -48,9 +48,10 @@ def fused_merge_program(inputs, alpha, lam, perm, coef, key, nums, counts, index
     """Score, allocate and merge every bucket: ``(stats, lam, vector, outs, small)``.
 
     ``cuts``: per group of the merge's program its bucket and rows ``(b, lo, hi)``; its factors
-    and masks are those rows of the bucket's. ``vector``: :func:`_fused.score_allocate`'s head
-    and tail as bytes; ``outs``: per group ``(la, lb, live, check, bad)``
-    (:func:`program.merge_program`); ``small``: per group ``(live, check, bad, nonzero)``.
+    and masks are those rows of the bucket's. ``outs``: per group ``(la, lb, live, check, bad)``
+    (:func:`program.merge_program`); ``small``: per group ``(live, check, bad, nonzero)``;
+    ``vector``: :func:`_fused.score_allocate`'s head and tail, then ``small``'s leaves, as bytes
+    (the one read: ``small`` itself is returned for its shapes and dtypes).
     """
     stats, masks, lam_used, head, tail = _fused.score_allocate(inputs, alpha, lam, perm, spec)
     g_in = tuple(_slice(inputs[b], lo, hi) for b, lo, hi in cuts)
@@ -67,7 +68,8 @@ def fused_merge_program(inputs, alpha, lam, perm, coef, key, nums, counts, index
         )
         for la, lb, live, check, bad in outs
     )
-    return stats, lam_used, _fused.as_bytes((*head, *tail)), outs, small
+    vector = _fused.as_bytes((*head, *tail, *jax.tree.leaves(small)))
+    return stats, lam_used, vector, outs, small
 
 
 def _cuts(groups, buckets) -> tuple | None:
@@ -113,12 +115,15 @@ def fused_merge(adapters: Any, req: Any, names, buckets, m_tasks: int) -> _fused
             groups=tuple(g for g, _ in groups), cuts=cuts,
         )  # fmt: skip
         stay = program.on_device(groups)
-        host, flags, read_outs = jax.device_get((vector, small, None if stay else outs))
+        host, read_outs = jax.device_get((vector, None if stay else outs))  # the one read
     read = _fused.Reader(np.asarray(host))
     head = _fused.read_head(read, prep)
     if head is None:
         return None
     lam_host, h_rule, flat = head
+    h = _fused.read_tail(read, prep)
+    leaves, tree = jax.tree.flatten(small)  # (read from the vector, in its order)
+    flags = jax.tree.unflatten(tree, [read.take(x.dtype, x.size).reshape(x.shape) for x in leaves])
     if stay:
         merged, checks, bks, bads = program.device_results(plan.names, groups, outs, flags)
     else:
@@ -128,7 +133,6 @@ def fused_merge(adapters: Any, req: Any, names, buckets, m_tasks: int) -> _fused
         raise_range(req.fn, checks, prep.dtype)
     except InputError:
         return None
-    h = _fused.read_tail(read, prep)
     masks, sc = _fused.scores_of(prep, stats, lam_used, flat)
     zero = {
         nm: not nz
