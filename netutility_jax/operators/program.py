@@ -46,10 +46,12 @@ __all__ = [
     "device_results",
     "groups_of",
     "host_results",
+    "index_counts",
     "merge_program",
     "merge_traced",
     "nonzero_rows",
     "on_device",
+    "plan_groups",
     "run",
 ]
 
@@ -168,17 +170,29 @@ def groups_of(plan: Any) -> tuple[list[tuple[Group, list[Any]]], list[Any], tupl
     takes besides them: ``(masks, index, counts)``, masks read from ``plan.masks`` (None: every
     candidate)."""
     groups = _groups(plan)
-    inputs, masks, index = [], [], []
+    inputs, masks = [], []
     for k, (g, jobs) in enumerate(groups):
         inputs.append(_inputs(jobs, plan.dtype))
         groups[k] = (g._replace(plain=_stages.host_plain(inputs[-1])), jobs)
         masks.append(
             np.concatenate([_stages.stack_masks(plan.masks, j.bucket, plan.m_tasks) for j in jobs])
         )
-        index.append(np.asarray([i for j in jobs for i in j.index], np.int32))
+    return groups, inputs, (tuple(masks), *index_counts(plan, groups))
+
+
+def plan_groups(plan: Any) -> list[tuple[Group, list[Any]]]:
+    """``plan``'s groups, each with its jobs, without their factors (:func:`groups_of` stacks
+    them): for a caller that has the factors stacked already."""
+    return _groups(plan)
+
+
+def index_counts(plan: Any, groups: Sequence[tuple[Group, list[Any]]]) -> tuple[tuple, tuple]:
+    """Per group each module's position in the model (its DARE key's fold) and the
+    :func:`_stages.count_input` of a method that keeps top entries."""
+    index = tuple(np.asarray([i for j in jobs for i in j.index], np.int32) for _, jobs in groups)
     options = plan.resolved.kernel_options
     counts = tuple(_stages.count_input(g.cfg, options, plan.m_tasks) for g, _ in groups)
-    return groups, inputs, (tuple(masks), tuple(index), counts)
+    return index, counts
 
 
 def on_device(groups: Sequence[tuple[Group, list[Any]]]) -> bool:

@@ -30,7 +30,7 @@ from .._core.host import host_constant
 from ..errors import InputError
 from ..operators import _plan, program
 from ..operators._results import raise_nonfinite, raise_range
-from ..operators._stages import count_input, host_plain
+from ..operators._stages import host_plain
 from . import _fused
 
 __all__ = ["fused_merge"]
@@ -99,14 +99,13 @@ def fused_merge(adapters: Any, req: Any, names, buckets, m_tasks: int) -> _fused
     )  # fmt: skip
     if not program.applies(plan) or plan.dtype != prep.dtype:
         return None
-    groups = program.groups_of(plan)[0]  # (the factors: the scoring's, cut per group)
+    groups = program.plan_groups(plan)  # (the factors: the scoring's, cut per group)
     cuts = _cuts(groups, buckets)
     if cuts is None:
         return None
     plain = [host_plain(prep.inputs[b]) for b, _, _ in cuts]
     groups = [(g._replace(plain=p), jobs) for (g, jobs), p in zip(groups, plain, strict=True)]
-    index = tuple(np.asarray([i for j in jobs for i in j.index], np.int32) for _, jobs in groups)
-    counts = tuple(count_input(g.cfg, plan.resolved.kernel_options, m_tasks) for g, _ in groups)
+    index, counts = program.index_counts(plan, groups)
     nums = {k: host_constant(v, prep.dtype) for k, v in plan.numeric.items()}
     alpha, lam, perm, coef = prep.args
     with np.errstate(over="ignore", invalid="ignore"):
