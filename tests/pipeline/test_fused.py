@@ -7,55 +7,21 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from _fused_cases import adapters, by_stages, dense, spy
 
 import netutility_jax as nu
 from netutility_jax import InputError
 from netutility_jax.pipeline import _fused
 
-M = 4
-KINDS = {"q": (24, 24), "k": (24, 8), "up": (24, 40)}
-
-
-def _adapters(seed=0, layers=3, rank=4):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(M):
-        ad = {}
-        for layer in range(layers):
-            for kind, (d_in, d_out) in KINDS.items():
-                r = rank - (i == 1 and kind == "k")  # a ragged rank in one bucket
-                ad[f"l{layer}.{kind}"] = {
-                    "lora_a": rng.normal(size=(d_in, r)).astype(np.float32) / np.sqrt(d_in),
-                    "lora_b": rng.normal(size=(r, d_out)).astype(np.float32) * (1 + i),
-                    "scale": 0.5 + i,
-                }
-        out.append(ad)
-    return out
-
 
 @pytest.fixture
 def took(monkeypatch):
     """The results of the one-program route in this test (None where it declined)."""
-    seen = []
-    real = _fused.fused_ta
-
-    def spy(*args, **kwargs):
-        seen.append(real(*args, **kwargs))
-        return seen[-1]
-
-    monkeypatch.setattr(_fused, "fused_ta", spy)
-    return seen
+    return spy(monkeypatch, _fused, "fused_ta")
 
 
 def _by_stages(monkeypatch, *args, **kwargs):
-    with monkeypatch.context() as mp:
-        mp.setattr(_fused, "fused_ta", lambda *a, **k: None)
-        return nu.merge_adapters(*args, **kwargs)
-
-
-def _dense(mod):
-    a, b = (np.asarray(mod[k], np.float64) for k in ("lora_a", "lora_b"))
-    return float(mod.get("scale", 1.0)) * a @ b
+    return by_stages(monkeypatch, _fused, "fused_ta", *args, **kwargs)
 
 
 CASES = [
@@ -80,7 +46,7 @@ def _form(form, ads):
 @pytest.mark.parametrize("form", ["stacked", "numpy", "device"])
 @pytest.mark.parametrize("opts", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_one_program_gives_the_stages_merge_masks_scores_and_report(monkeypatch, took, opts, form):
-    st = _form(form, _adapters())
+    st = _form(form, adapters())
     out, rep = nu.merge_adapters(st, budget=5, method="ta", **opts)
     assert len(took) == 1 and took[0] is not None  # the one-program route ran
     want, wrep = _by_stages(monkeypatch, st, budget=5, method="ta", **opts)
@@ -92,7 +58,7 @@ def test_one_program_gives_the_stages_merge_masks_scores_and_report(monkeypatch,
             assert isinstance(out[nm]["lora_a"], jax.Array)
     for nm in names:
         np.testing.assert_array_equal(rep.masks[nm], wrep.masks[nm], err_msg=nm)
-        got, ref = _dense(out[nm]), _dense(want[nm])
+        got, ref = dense(out[nm]), dense(want[nm])
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=nm)
         for f in ("sigma", "benefit", "interference", "utility"):
             np.testing.assert_array_equal(
@@ -116,38 +82,38 @@ def test_a_list_of_device_factors_is_sliced_on_the_device_as_the_stages_slice_it
     from netutility_jax.operators import ta
 
     monkeypatch.setattr(ta, "DEVICE_SLICES", True)
-    ads = jax.device_put(_adapters(seed=5))
+    ads = jax.device_put(adapters(seed=5))
     out, rep = nu.merge_adapters(ads, budget=4, method="ta")
     assert took[0] is not None
     want, wrep = _by_stages(monkeypatch, ads, budget=4, method="ta")
     for nm in rep.masks:
         np.testing.assert_array_equal(rep.masks[nm], wrep.masks[nm])
         assert out[nm]["lora_a"].shape == want[nm]["lora_a"].shape
-        ref = _dense(want[nm])
-        np.testing.assert_allclose(_dense(out[nm]), ref, atol=1e-5 * np.abs(ref).max())
+        ref = dense(want[nm])
+        np.testing.assert_allclose(dense(out[nm]), ref, atol=1e-5 * np.abs(ref).max())
 
 
 def test_the_merge_is_task_arithmetic_of_the_kept_directions_in_float64(took):
     """Independent of both routes: each module's merged update is coef times the sum over tasks
     of the kept singular components, from a float64 SVD of each task's dense update."""
-    ads = _adapters(seed=3)
+    ads = adapters(seed=3)
     st = nu.stack_adapters(jax.device_put(ads))
     out, rep = nu.merge_adapters(st, budget=4, method="ta", coef=0.8)
     assert took[0] is not None
     for nm in st.names:
         want = 0.0
         for i, ad in enumerate(ads):
-            u, s, vt = np.linalg.svd(_dense(ad[nm]), full_matrices=False)
+            u, s, vt = np.linalg.svd(dense(ad[nm]), full_matrices=False)
             keep = np.zeros(s.shape, bool)
             mask = np.asarray(rep.masks[nm][i])
             keep[: mask.size] = mask[: s.size]
             want = want + (u[:, keep] * s[keep]) @ vt[keep]
-        got = _dense(out[nm])
+        got = dense(out[nm])
         np.testing.assert_allclose(got, 0.8 * want, atol=2e-5 * np.abs(want).max(), err_msg=nm)
 
 
 def test_a_non_finite_factor_is_reported_by_the_stages(took):
-    ads = _adapters()
+    ads = adapters()
     ads[2]["l1.up"]["lora_b"][0, 3] = np.nan
     st = nu.stack_adapters(jax.device_put(ads))
     with pytest.raises(InputError, match=r"l1\.up") as e:
@@ -159,7 +125,7 @@ def test_a_non_finite_factor_is_reported_by_the_stages(took):
 def test_extreme_factors_take_the_exact_route_of_the_stages(took):
     """Factor entries beyond the raw Grams' range (2^+-40): the stages redo the scoring on
     normalised factors, exactly."""
-    ads = _adapters()
+    ads = adapters()
     for ad in ads:
         ad["l0.q"]["lora_a"] *= np.float32(2.0**-45)
         ad["l0.q"]["lora_b"] *= np.float32(2.0**45)
@@ -167,13 +133,13 @@ def test_extreme_factors_take_the_exact_route_of_the_stages(took):
     out, rep = nu.merge_adapters(st, budget=4, method="ta")
     assert took == [None]
     # the same updates (powers of two cancel exactly), merged by the one program
-    plain = nu.stack_adapters(jax.device_put(_adapters()))
+    plain = nu.stack_adapters(jax.device_put(adapters()))
     want, wrep = nu.merge_adapters(plain, budget=4, method="ta")
     assert took[1] is not None
     for nm in st.names:
         np.testing.assert_array_equal(rep.masks[nm], wrep.masks[nm])
-        ref = _dense(want[nm])
-        np.testing.assert_allclose(_dense(out[nm]), ref, atol=1e-5 * np.abs(ref).max())
+        ref = dense(want[nm])
+        np.testing.assert_allclose(dense(out[nm]), ref, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize(
@@ -186,13 +152,13 @@ def test_extreme_factors_take_the_exact_route_of_the_stages(took):
     ids=["all", "weights", "min_share"],
 )
 def test_what_the_program_does_not_take_goes_to_the_stages(took, opts):
-    st = nu.stack_adapters(jax.device_put(_adapters()))
+    st = nu.stack_adapters(jax.device_put(adapters()))
     nu.merge_adapters(st, budget=4, method="ta", **opts)
     assert took in ([], [None])  # declined (or never asked: allocation="all" scores nothing)
 
 
 def test_a_scale_beyond_the_dtype_gets_the_stages_error(monkeypatch, took):
-    ads = _adapters()
+    ads = adapters()
     ads[1]["l2.k"]["scale"] = 1e40
     with np.errstate(over="ignore"):  # (stacking casts the scale: inf, which is refused)
         st = nu.stack_adapters(ads)
@@ -206,7 +172,7 @@ def test_a_scale_beyond_the_dtype_gets_the_stages_error(monkeypatch, took):
 
 def _even(seed=0):
     """Adapters of near-equal energies (h well under the alpha="auto" threshold of 1)."""
-    ads = _adapters(seed)
+    ads = adapters(seed)
     for i, ad in enumerate(ads):
         for mod in ad.values():
             mod["lora_b"] /= np.float32(1 + i)
@@ -222,7 +188,7 @@ def test_alpha_auto_picks_the_heterogeneity_rules_alpha_in_the_one_program(
     """Both alphas are scored from one decomposition and h picks one, as ``nu.score`` picks
     it: alpha 0 where h > 1 (the uneven set), 1 where not (the even set); masks, scores and
     merge as the stages'."""
-    ads = _adapters() if which == "uneven" else _even()
+    ads = adapters() if which == "uneven" else _even()
     h = float(nu.heterogeneity(ads))
     assert (h > 1.0) == (which == "uneven") and abs(h - 1.0) > 0.05
     st = _form(form, ads)
@@ -237,14 +203,14 @@ def test_alpha_auto_picks_the_heterogeneity_rules_alpha_in_the_one_program(
         np.testing.assert_array_equal(
             np.asarray(rep.scores.modules[nm].utility), np.asarray(wrep.scores.modules[nm].utility)
         )
-        ref = _dense(want[nm])
-        np.testing.assert_allclose(_dense(out[nm]), ref, atol=1e-5 * np.abs(ref).max())
+        ref = dense(want[nm])
+        np.testing.assert_allclose(dense(out[nm]), ref, atol=1e-5 * np.abs(ref).max())
 
 
 def test_an_h_at_the_rules_threshold_is_left_to_the_stages(monkeypatch, took):
     """Within 1e-3 of the threshold the two routes' sums could pick different alphas: the
     program declines and the stages decide."""
-    ads = _adapters()
+    ads = adapters()
     h = float(nu.heterogeneity(ads))
     monkeypatch.setattr(_fused, "H_THRESHOLD", h + 5e-4)  # (the host's check of the h read)
     nu.merge_adapters(ads, budget=4, method="ta", alpha="auto")
@@ -252,7 +218,7 @@ def test_an_h_at_the_rules_threshold_is_left_to_the_stages(monkeypatch, took):
 
 
 def test_alpha_auto_with_a_task_zero_everywhere_gets_the_stages_error(took):
-    ads = _adapters()
+    ads = adapters()
     for mod in ads[3].values():
         mod["lora_b"][:] = 0.0
     with pytest.raises(InputError, match=r"alpha='auto'.*task 3"):

@@ -7,55 +7,21 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from _fused_cases import adapters, by_stages, dense, spy
 
 import netutility_jax as nu
 from netutility_jax import InputError
 from netutility_jax.pipeline import _fused_stages
 
-M = 4
-KINDS = {"q": (24, 24), "k": (24, 8), "up": (24, 40)}
-
-
-def _adapters(seed=0, layers=3, rank=4):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(M):
-        ad = {}
-        for layer in range(layers):
-            for kind, (d_in, d_out) in KINDS.items():
-                r = rank - (i == 1 and kind == "k")  # a ragged rank in one bucket
-                ad[f"l{layer}.{kind}"] = {
-                    "lora_a": rng.normal(size=(d_in, r)).astype(np.float32) / np.sqrt(d_in),
-                    "lora_b": rng.normal(size=(r, d_out)).astype(np.float32) * (1 + i),
-                    "scale": 0.5 + i,
-                }
-        out.append(ad)
-    return out
-
 
 @pytest.fixture
 def took(monkeypatch):
     """The results of the one-program route in this test (None where it declined)."""
-    seen = []
-    real = _fused_stages.fused_merge
-
-    def spy(*args, **kwargs):
-        seen.append(real(*args, **kwargs))
-        return seen[-1]
-
-    monkeypatch.setattr(_fused_stages, "fused_merge", spy)
-    return seen
+    return spy(monkeypatch, _fused_stages, "fused_merge")
 
 
 def _by_stages(monkeypatch, *args, **kwargs):
-    with monkeypatch.context() as mp:
-        mp.setattr(_fused_stages, "fused_merge", lambda *a, **k: None)
-        return nu.merge_adapters(*args, **kwargs)
-
-
-def _dense(mod):
-    a, b = (np.asarray(mod[k], np.float64) for k in ("lora_a", "lora_b"))
-    return float(mod.get("scale", 1.0)) * a @ b
+    return by_stages(monkeypatch, _fused_stages, "fused_merge", *args, **kwargs)
 
 
 def _form(form, ads):
@@ -97,7 +63,7 @@ FORMS = [("numpy", o) for o in CASES] + [
     ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()),
 )
 def test_one_program_gives_the_stages_merge_masks_scores_and_report(monkeypatch, took, opts, form):
-    st = _form(form, _adapters())
+    st = _form(form, adapters())
     out, rep = nu.merge_adapters(st, budget=3, **_kw(opts))
     assert len(took) == 1 and took[0] is not None  # the one-program route ran
     want, wrep = _by_stages(monkeypatch, st, budget=3, **_kw(opts))
@@ -107,7 +73,7 @@ def test_one_program_gives_the_stages_merge_masks_scores_and_report(monkeypatch,
         if form != "stacked":  # each module's factors at its rank, as the stages give them
             assert out[nm]["lora_a"].shape == want[nm]["lora_a"].shape
         np.testing.assert_array_equal(rep.masks[nm], wrep.masks[nm], err_msg=nm)
-        got, ref = _dense(out[nm]), _dense(want[nm])
+        got, ref = dense(out[nm]), dense(want[nm])
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=nm)
         for f in ("sigma", "utility"):
             np.testing.assert_array_equal(
@@ -127,13 +93,13 @@ def test_iso_c_is_the_kept_directions_sum_with_a_flat_spectrum_in_float64(took):
     """Independent of both routes: each module's Iso-C update is the TA sum of the kept
     singular components (a float64 SVD of each task's dense update) with its nonzero singular
     values replaced by their mean."""
-    ads = _adapters(seed=3)
+    ads = adapters(seed=3)
     out, rep = nu.merge_adapters(ads, budget=3, method="iso_c", space="core", coef=0.8)
     assert took[0] is not None
     for nm in ads[0]:
         ta = 0.0
         for i, ad in enumerate(ads):
-            u, s, vt = np.linalg.svd(_dense(ad[nm]), full_matrices=False)
+            u, s, vt = np.linalg.svd(dense(ad[nm]), full_matrices=False)
             keep = np.zeros(s.shape, bool)
             mask = np.asarray(rep.masks[nm][i])
             keep[: mask.size] = mask[: s.size]
@@ -141,12 +107,12 @@ def test_iso_c_is_the_kept_directions_sum_with_a_flat_spectrum_in_float64(took):
         u, s, vt = np.linalg.svd(ta, full_matrices=False)
         live = s > 1e-6 * s[0]
         want = 0.8 * (u[:, live] * s[live].mean()) @ vt[live]
-        got = _dense(out[nm])
+        got = dense(out[nm])
         np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max(), err_msg=nm)
 
 
 def test_a_non_finite_factor_is_reported_by_the_stages(took):
-    ads = _adapters()
+    ads = adapters()
     ads[2]["l1.up"]["lora_b"][0, 3] = np.nan
     with pytest.raises(InputError, match=r"l1\.up"):
         nu.merge_adapters(ads, budget=4, method="tsv", space="core")
@@ -156,7 +122,7 @@ def test_a_non_finite_factor_is_reported_by_the_stages(took):
 def test_a_result_beyond_the_dtype_is_refused_by_the_stages(monkeypatch, took):
     """A coefficient that overflows the merged factors: the merge's range check sends the
     merge back, and the stages' error is the caller's."""
-    ads = _adapters()
+    ads = adapters()
     with pytest.raises(InputError) as got:
         nu.merge_adapters(ads, budget=4, method="ties", space="core", coef=3e38)
     assert took == [None]
@@ -176,7 +142,7 @@ def test_a_result_beyond_the_dtype_is_refused_by_the_stages(monkeypatch, took):
     ids=["ties_full", "model_wide", "weights", "min_share"],
 )
 def test_what_the_program_does_not_take_goes_to_the_stages(monkeypatch, took, opts):
-    ads = _adapters()
+    ads = adapters()
     out, rep = nu.merge_adapters(ads, budget=4, **opts)
     assert took in ([], [None])
     want, wrep = _by_stages(monkeypatch, ads, budget=4, **opts)
@@ -188,9 +154,9 @@ def test_what_the_program_does_not_take_goes_to_the_stages(monkeypatch, took, op
 def test_a_second_call_runs_the_same_program(took):
     """The program is traced once per shapes and settings: other adapters of the same shapes
     reuse it."""
-    ads = _adapters()
+    ads = adapters()
     nu.merge_adapters(ads, budget=3, method="tsv", space="core")
     traced = _fused_stages.fused_merge_program._cache_size()
-    nu.merge_adapters(_adapters(seed=9), budget=3, method="tsv", space="core")
+    nu.merge_adapters(adapters(seed=9), budget=3, method="tsv", space="core")
     assert _fused_stages.fused_merge_program._cache_size() == traced
     assert took[0] is not None and took[1] is not None
