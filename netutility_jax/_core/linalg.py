@@ -41,6 +41,7 @@ __all__ = [
     "pow2",
     "pow2_normalise",
     "settle",
+    "svd",
     "svd_many",
     "t",
 ]
@@ -170,6 +171,73 @@ def eigh_batched(mats: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array]]
     return list(zip(_split_flat(w, shapes), _split_flat(v, shapes), strict=True))
 
 
+# jaxlib's CUDA SVD (cuSOLVER gesvdj) runs one matrix after another when a side exceeds 32 (its
+# batched Jacobi kernel stops there), while its eigh decomposes a whole batch in one call
+# (syevBatched since CUDA 12.6.2; batched Jacobi up to 32 x 32). Read in jaxlib/gpu/
+# solver_kernels_ffi.cc (jax 0.10-0.11); benchmarks/gpu_lowering.py counts the calls.
+_GPU_BATCHED_SVD = 32
+# Tests only: take the GPU route on any backend (set it, then clear JAX's caches).
+FORCE_EIGH_SVD = False
+
+
+def svd(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Thin SVD ``(u, s, vt)`` of ``x (..., m, k)``, ``s`` descending.
+
+    LAPACK's (``jnp.linalg.svd``) on a CPU, and XLA's own on a TPU. On CUDA and ROCm a batch of
+    matrices with a side above 32 is decomposed by :func:`_svd_by_eigh`, one batched ``eigh``,
+    where the solver's SVD would run once per matrix. The route is chosen when the program is
+    lowered (:func:`jax.lax.platform_dependent`), so a program exported for a GPU takes it too.
+    Both are backward stable (``s`` to ``eps ||x||``); where the GPU route cannot pair a
+    singular value's vectors (``s`` at rounding level) it gives zero columns and ``s = 0``.
+    Every caller keeps only ``s > rtol s_max`` (:func:`operators.methods.above_rtol`), with
+    ``rtol`` at least ``max(m, k) eps``.
+    """
+
+    def lapack(y):
+        return tuple(jnp.linalg.svd(y, full_matrices=False))
+
+    if FORCE_EIGH_SVD:
+        return _svd_by_eigh(x)
+    m, k = x.shape[-2:]
+    if x.ndim == 2 or max(m, k) <= _GPU_BATCHED_SVD:
+        return lapack(x)
+    return jax.lax.platform_dependent(x, cuda=_svd_by_eigh, rocm=_svd_by_eigh, default=lapack)
+
+
+def _svd_by_eigh(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Thin SVD from the symmetric eigendecomposition of ``H = [[0, x], [x^T, 0]]`` (order
+    ``m + k``): its eigenvalues are ``+-s_i`` and ``|m - k|`` zeros, the eigenvector of ``+s_i``
+    is ``(u_i, v_i) / sqrt(2)``. Unlike ``eigh`` of ``x^T x`` it does not square the condition
+    number: ``s`` is accurate to ``eps ||x||`` as LAPACK's SVD is. The ``min(m, k)`` largest
+    eigenpairs give ``(u, s, v)``; each half is renormalised (then one Newton-Schulz step makes
+    the columns orthonormal to working precision), and a pair whose half vanishes (``s`` at
+    rounding level, where ``+-s`` and the zeros mix) gives zero columns and ``s = 0``.
+    """
+    m, k = x.shape[-2:]
+    c = min(m, k)
+    lead = x.shape[:-2]
+    top = jnp.concatenate([jnp.zeros((*lead, m, m), x.dtype), x], -1)
+    bottom = jnp.concatenate([t(x), jnp.zeros((*lead, k, k), x.dtype)], -1)
+    w, v = jnp.linalg.eigh(jnp.concatenate([top, bottom], -2))  # ascending
+    w, v = w[..., ::-1][..., :c], v[..., ::-1][..., :c]
+    halves = []
+    for h in (v[..., :m, :], v[..., m:, :]):
+        norm = jnp.sqrt(jnp.sum(h * h, axis=-2, keepdims=True))  # 1 / sqrt(2) for s > 0
+        halves.append((h, norm))
+    live = (halves[0][1] > 0.25) & (halves[1][1] > 0.25) & (w[..., None, :] > 0)  # (..., 1, c)
+    u, vv = (jnp.where(live, h / jnp.where(live, n, 1), 0) for h, n in halves)
+    # the halves of close pairs (small s) are orthonormal only to eps / gap: one Newton-Schulz
+    # step, ``Y (3 I - Y^T Y) / 2``, squares that error (zero columns stay zero)
+    eye = jnp.eye(c, dtype=x.dtype)
+    u, vv = (mm(y, 1.5 * eye - 0.5 * mm(t(y), y)) for y in (u, vv))
+    s = jnp.where(live[..., 0, :], w, 0)
+    # a zeroed pair among live ones at rounding level: move it last, keeping s descending
+    order = jnp.argsort(-s, axis=-1, stable=True)
+    s = jnp.take_along_axis(s, order, -1)
+    u, vv = (jnp.take_along_axis(h, order[..., None, :], -1) for h in (u, vv))
+    return u, s, t(vv)
+
+
 def svd_many(mats: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
     """Thin SVDs of several batches of ``(..., m, k)`` matrices as ONE call.
 
@@ -183,7 +251,7 @@ def svd_many(mats: Sequence[jax.Array]) -> list[tuple[jax.Array, jax.Array, jax.
         for m in mats
     ]
     flat, shapes = _flat_concat(padded)
-    u, s, vt = jnp.linalg.svd(flat, full_matrices=False)
+    u, s, vt = svd(flat)
     out = []
     for m, uu, ss, vv in zip(
         mats, _split_flat(u, shapes), _split_flat(s, shapes), _split_flat(vt, shapes), strict=True

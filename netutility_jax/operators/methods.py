@@ -29,7 +29,7 @@ import numpy as np
 from .._core.linalg import column_norms as _column_norms
 from .._core.linalg import concat_tasks as _concat_tasks
 from .._core.linalg import mm as _mm
-from .._core.linalg import mul_pow2, orth_qr_lazy_many, pow2_normalise, svd_many
+from .._core.linalg import mul_pow2, orth_qr_lazy_many, pow2_normalise, svd, svd_many
 from .._core.linalg import t as _t
 from ._select import digit_histogram as digit_histogram
 from ._select import kth_largest as kth_largest
@@ -114,7 +114,7 @@ def factored_svd(a: jax.Array, b: jax.Array, *, rtol: float) -> FactoredSVD:
     """
     p, q, k = a.shape[-2], b.shape[-2], a.shape[-1]
     if max(p, q) <= k:  # already small (reduced coordinates): one dense SVD, no QRs
-        u, s, vt = jnp.linalg.svd(_mm(a, _t(b)), full_matrices=False)
+        u, s, vt = svd(_mm(a, _t(b)))
         keep = above_rtol(s, rtol)
         s = jnp.where(keep, s, 0)
         return FactoredSVD(
@@ -122,7 +122,7 @@ def factored_svd(a: jax.Array, b: jax.Array, *, rtol: float) -> FactoredSVD:
         )
     (fa, fb), (ea, eb) = qr_equilibrated([a, b], rtol=rtol)
     core = _mm(mul_pow2(fa.r, (ea + eb)[..., None, :]), _t(fb.r))
-    w, s, zt = jnp.linalg.svd(core, full_matrices=False)
+    w, s, zt = svd(core)
     keep = above_rtol(s, rtol)
     s = jnp.where(keep, s, 0)
     u = fa.q_times(jnp.where(keep[..., None, :], w, 0))

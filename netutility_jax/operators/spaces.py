@@ -58,7 +58,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._core.linalg import LazyQR, concat_tasks, mul_pow2, orth_qr_lazy_many, svd_many
+from .._core.linalg import LazyQR, concat_tasks, mul_pow2, orth_qr_lazy_many, svd, svd_many
 from .._core.linalg import mm as _mm
 from .._core.linalg import t as _t
 from . import methods as _m
@@ -303,7 +303,7 @@ def _factor_svd(a, b, scale):
     """
     (fa, fb), (ea, eb) = _m.qr_equilibrated([a, _t(b)])
     core = scale[..., None, None] * _mm(mul_pow2(fa.r, (ea + eb)[..., None, :]), _t(fb.r))
-    w, s, zt = jnp.linalg.svd(core, full_matrices=False)
+    w, s, zt = svd(core)
     return _SVD(fa.q_times(w), s, fb.q_times(_t(zt)))
 
 
@@ -407,7 +407,7 @@ def knots_coords(
     z = concat_tasks(k.out_dirs * k.s[..., None, :])  # (n, d_out, M r)
     (fz,), (ez,) = _m.qr_equilibrated([z], rtol=rtol)
     rz = mul_pow2(fz.r, ez[..., None, :])
-    w, s, _ = jnp.linalg.svd(rz, full_matrices=False)  # rz: (n, M r, M r)
+    w, s, _ = svd(rz)  # rz: (n, M r, M r)
     keep = _m.above_rtol(s, rtol)
     s = jnp.where(keep, s, 0)
     u = fz.q_times(jnp.where(keep[..., None, :], w, 0))  # (n, d_out, k)

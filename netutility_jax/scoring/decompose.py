@@ -10,7 +10,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from .._core.checks import check_bool, given, is_real_dtype, is_real_scalar
-from .._core.linalg import mul_pow2, pow2_normalise, settle
+from .._core.linalg import mul_pow2, pow2_normalise, settle, svd
 from .._core.tree import float_dtype
 from ..errors import InputError, InputTypeError
 
@@ -80,7 +80,7 @@ def _lora_svd(a: jax.Array, b: jax.Array, scale: jax.Array) -> tuple[LoraSVD, ja
         q, rr = jnp.linalg.qr(jnp.stack([pad(a), pad(jnp.swapaxes(b, -1, -2))]))
         qa, ra, qb, rb = q[0, ..., :d_in, :], rr[0], q[1, ..., :d_out, :], rr[1]
     core = scale[..., None, None] * jnp.matmul(ra, jnp.swapaxes(rb, -1, -2), precision=_HI)
-    w, s, zt = jnp.linalg.svd(core, full_matrices=False)
+    w, s, zt = svd(core)
     in_dirs = jnp.matmul(qa, w, precision=_HI)
     out_dirs = jnp.matmul(qb, jnp.swapaxes(zt, -1, -2), precision=_HI)
     s_top = s[..., :1] if s.shape[-1] else jnp.zeros((*s.shape[:-1], 1), s.dtype)
