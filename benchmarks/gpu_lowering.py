@@ -16,8 +16,11 @@ call makes follows from jaxlib's GPU kernels (``jaxlib/gpu/solver_kernels_ffi.cc
 
 Cases: the fixed-cost sets (benchmarks/fixed_cost.py: the seven Llama module kinds, 8 tasks,
 r 16, tiny dimensions, stacked) at 32 and 80 layers, for TSV and Iso-C in Core space and TIES and
-TA in KnOTS space, with the library's GPU SVD route (``_core.linalg.svd``) and with it turned off
+TA in KnOTS space (``--llama8b``: Llama-3-8B's shapes, a few layers, TIES in Core space), with the library's GPU SVD route (``_core.linalg.svd``) and with it turned off
 (``--lapack-svd``: every SVD through cuSOLVER's, as before the route). No timing: counts only.
+Where a ``lax.cond`` chooses between branches (the exact QR: its Gram route, or Householder QR
+when that route loses a direction), ``launches`` takes the branch with the fewest and
+``launches_most`` the one with the most.
 
     python benchmarks/gpu_lowering.py                  # JSON to benchmarks/results/
 """
@@ -35,6 +38,7 @@ import jax
 from jax import export
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fixed_cost
 from _harness import code_info, machine_info, write_json
 from fixed_cost import make_adapters
 
@@ -42,6 +46,17 @@ import netutility_jax as nu
 from netutility_jax._core import linalg as _linalg
 
 CASES = [("tsv", "core"), ("iso_c", "core"), ("ties", "knots"), ("ta", "knots")]
+CASES_8B = [("tsv", "core"), ("iso_c", "core"), ("ties", "core"), ("ta", "knots")]
+# Llama-3-8B's module shapes (d_in, d_out), for --llama8b: its QRs take the Gram route (d > 512)
+LLAMA3_8B = {
+    "q_proj": (4096, 4096),
+    "k_proj": (4096, 1024),
+    "v_proj": (4096, 1024),
+    "o_proj": (4096, 4096),
+    "gate_proj": (4096, 14336),
+    "up_proj": (4096, 14336),
+    "down_proj": (14336, 4096),
+}
 _CALL = re.compile(r"custom_call @(\w+)\([^)]*\)[^\n]*?: \(tensor<([0-9x]+)x\w+>")
 
 
@@ -56,50 +71,128 @@ def launches(target: str, shape: tuple[int, ...]) -> int:
     return 1  # geqrf, syevd, potrf, trsm: batched
 
 
-def solver_calls(method: str, space: str, layers: int) -> list[tuple[str, tuple[int, ...]]]:
+def _top_cases(body: str) -> list[tuple[int, int, list[str]]]:
+    """``(start, end, branches)`` of each ``stablehlo.case`` (a ``lax.cond`` or ``switch``) of
+    ``body`` not nested in another: its span and each branch's text."""
+    out = []
+    for m in re.finditer(r'"stablehlo\.case"\([^)]*\) \(', body):
+        if out and m.start() < out[-1][1]:
+            continue  # nested: its own branch's cost counts it
+        depth, i, branches, at = 1, m.end(), [], None
+        braces = 0
+        while depth and i < len(body):
+            ch = body[i]
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if ch == "{":
+                braces += 1
+                if braces == 1:
+                    at = i + 1
+            elif ch == "}":
+                braces -= 1
+                if braces == 0:
+                    branches.append(body[at:i])
+            i += 1
+        out.append((m.start(), i, branches))
+    return out
+
+
+def launch_range(text: str) -> tuple[collections.Counter, collections.Counter, list[str]]:
+    """The solver launches of ``main`` of a lowered module, per kernel: ``(fewest, most)`` over
+    the branches a ``lax.cond`` may take (the exact QR's Householder fallback runs only when
+    the Gram route loses a direction; its Gram route is the branch with the fewest), and every
+    call as ``target shape``."""
+    bodies = {}
+    heads = list(re.finditer(r"func\.func (?:public|private) @(\w+)\(", text))
+    for m, nxt in zip(heads, [*heads[1:], None], strict=True):
+        bodies[m.group(1)] = text[m.start() : nxt.start() if nxt else len(text)]
+    listed = []
+    for m in _CALL.finditer(text):
+        listed.append(f"{m.group(1)} {m.group(2)}")
+    memo: dict[str, tuple[collections.Counter, collections.Counter]] = {}
+
+    def region(body: str) -> tuple[collections.Counter, collections.Counter]:
+        lo, hi = collections.Counter(), collections.Counter()
+        cases = _top_cases(body)
+        outside = lambda pos: not any(a <= pos < b for a, b, _ in cases)
+        for m in _CALL.finditer(body):
+            if outside(m.start()):
+                shape = tuple(int(d) for d in m.group(2).split("x"))
+                kernel = m.group(1).replace("cusolver_", "").replace("_ffi", "")
+                n = launches(m.group(1), shape)
+                lo[kernel] += n
+                hi[kernel] += n
+        for c in re.finditer(r"call @(\w+)\(", body):
+            if outside(c.start()) and c.group(1) in bodies:
+                a, b = function(c.group(1))
+                lo.update(a)
+                hi.update(b)
+        for _, _, branches in cases:
+            costs = [region(br) for br in branches]
+            if costs:
+                lo.update(min((c[0] for c in costs), key=lambda x: sum(x.values())))
+                hi.update(max((c[1] for c in costs), key=lambda x: sum(x.values())))
+        return lo, hi
+
+    def function(name: str) -> tuple[collections.Counter, collections.Counter]:
+        if name not in memo:
+            memo[name] = (collections.Counter(), collections.Counter())  # (no recursion)
+            memo[name] = region(bodies[name])
+        return memo[name]
+
+    lo, hi = function("main")
+    return lo, hi, listed
+
+
+def lowered(method: str, space: str, layers: int) -> str:
     stacked = nu.stack_adapters(make_adapters(layers, 8, 16))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), stacked)
 
     def merged(a):
         return nu.merge_adapters(a, budget=16, method=method, space=space)[0]
 
-    text = export.export(jax.jit(merged), platforms=["cuda"])(abstract).mlir_module()
-    return [
-        (m.group(1), tuple(int(d) for d in m.group(2).split("x"))) for m in _CALL.finditer(text)
-    ]
+    return export.export(jax.jit(merged), platforms=["cuda"])(abstract).mlir_module()
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--depths", default="32,80")
     p.add_argument("--lapack-svd", action="store_true", help="the GPU SVD route off (before)")
+    p.add_argument("--llama8b", action="store_true", help="Llama-3-8B's shapes (use --depths 2,4)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.llama8b:
+        fixed_cost.KINDS = LLAMA3_8B  # (make_adapters reads it)
     if a.lapack_svd:
         _linalg._GPU_BATCHED_SVD = 1 << 30  # every SVD through jnp.linalg.svd
     rows = []
-    for method, space in CASES:
+    # (TIES in KnOTS space at 8B's shapes merges its 14336-row modules in row blocks, which do
+    # not run under jax.jit: Core space there)
+    for method, space in CASES_8B if a.llama8b else CASES:
         for layers in (int(d) for d in a.depths.split(",")):
-            calls = solver_calls(method, space, layers)
-            by_target = collections.Counter()
-            for target, shape in calls:
-                by_target[target.replace("cusolver_", "").replace("_ffi", "")] += launches(
-                    target, shape
-                )
+            text = lowered(method, space, layers)
+            lo, hi, calls = launch_range(text)
             row = {
                 "method": method,
                 "space": space,
                 "layers": layers,
-                "modules": layers * 7,
+                "modules": layers * len(fixed_cost.KINDS),
                 "solver_calls": len(calls),
-                "launches": sum(by_target.values()),
-                "launches_by_kernel": dict(sorted(by_target.items())),
-                "calls": [f"{t} {'x'.join(map(str, s))}" for t, s in calls],
+                "launches": sum(lo.values()),
+                "launches_by_kernel": dict(sorted(lo.items())),
+                "launches_most": sum(hi.values()),
+                "launches_most_by_kernel": dict(sorted(hi.items())),
+                "calls": calls,
+                # (a solver call inside a loop would run once per iteration: none is counted so)
+                "while_loops": text.count("stablehlo.while"),
             }
             rows.append(row)
             print(f"{method}-{space} {layers} layers: {row['solver_calls']} solver calls, "
-                  f"{row['launches']} launches {row['launches_by_kernel']}")  # fmt: skip
-    name = "gpu_lowering_lapack_svd.json" if a.lapack_svd else "gpu_lowering.json"
+                  f"{row['launches']} launches {row['launches_by_kernel']} (at most "
+                  f"{row['launches_most']} {row['launches_most_by_kernel']})")  # fmt: skip
+    name = (
+        "gpu_lowering" + ("_llama8b" if a.llama8b else "") + ("_lapack_svd" if a.lapack_svd else "")
+    )
+    name += ".json"
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     write_json(out, {"benchmark": "gpu_lowering", "machine": machine_info(), "code": code_info(),
                      "argv": sys.argv[1:], "rows": rows})  # fmt: skip
