@@ -143,6 +143,48 @@ def launch_range(text: str) -> tuple[collections.Counter, collections.Counter, l
     return lo, hi, listed
 
 
+def _while_spans(body: str) -> list[tuple[int, int]]:
+    """The text spans of every ``stablehlo.while`` (its ``cond`` and ``do`` blocks) in ``body``."""
+    spans = []
+    for m in re.finditer(r"stablehlo\.while\(", body):
+        i, depth, blocks = body.index("{", m.end()), 0, 0
+        while blocks < 2 and i < len(body):
+            depth += {"{": 1, "}": -1}.get(body[i], 0)
+            if body[i] == "}" and depth == 0:
+                blocks += 1
+            i += 1
+        spans.append((m.start(), i))
+    return spans
+
+
+def solver_calls_in_loops(text: str) -> int:
+    """Solver custom calls that sit in a ``while`` loop's body, or in a function called there
+    (each would run once per iteration; the launch counts assume none)."""
+    heads = list(re.finditer(r"func\.func (?:public|private) @(\w+)\(", text))
+    bodies = {
+        m.group(1): text[m.start() : nxt.start() if nxt else len(text)]
+        for m, nxt in zip(heads, [*heads[1:], None], strict=True)
+    }
+    memo: dict[str, int] = {}
+
+    def solvers(name: str) -> int:  # solver calls a function makes, through its callees
+        if name not in memo:
+            memo[name] = 0
+            body = bodies[name]
+            memo[name] = len(_CALL.findall(body)) + sum(
+                solvers(c) for c in re.findall(r"call @(\w+)\(", body) if c in bodies
+            )
+        return memo[name]
+
+    count = 0
+    for body in bodies.values():
+        for a, b in _while_spans(body):
+            inner = body[a:b]
+            count += len(_CALL.findall(inner))
+            count += sum(solvers(c) for c in re.findall(r"call @(\w+)\(", inner) if c in bodies)
+    return count
+
+
 def lowered(method: str, space: str, layers: int) -> str:
     stacked = nu.stack_adapters(make_adapters(layers, 8, 16))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), stacked)
@@ -182,8 +224,8 @@ def main(argv=None) -> int:
                 "launches_most": sum(hi.values()),
                 "launches_most_by_kernel": dict(sorted(hi.items())),
                 "calls": calls,
-                # (a solver call inside a loop would run once per iteration: none is counted so)
                 "while_loops": text.count("stablehlo.while"),
+                "solver_calls_in_loops": solver_calls_in_loops(text),
             }
             rows.append(row)
             print(f"{method}-{space} {layers} layers: {row['solver_calls']} solver calls, "
