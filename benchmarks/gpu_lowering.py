@@ -71,6 +71,15 @@ def launches(target: str, shape: tuple[int, ...]) -> int:
     return 1  # geqrf, syevd, potrf, trsm: batched
 
 
+def _functions(text: str) -> dict[str, str]:
+    """Each ``func.func`` of a lowered module by name: its text up to the next one."""
+    heads = list(re.finditer(r"func\.func (?:public|private) @(\w+)\(", text))
+    return {
+        m.group(1): text[m.start() : nxt.start() if nxt else len(text)]
+        for m, nxt in zip(heads, [*heads[1:], None], strict=True)
+    }
+
+
 def _top_cases(body: str) -> list[tuple[int, int, list[str]]]:
     """``(start, end, branches)`` of each ``stablehlo.case`` (a ``lax.cond`` or ``switch``) of
     ``body`` not nested in another: its span and each branch's text."""
@@ -101,10 +110,7 @@ def launch_range(text: str) -> tuple[collections.Counter, collections.Counter, l
     the branches a ``lax.cond`` may take (the exact QR's Householder fallback runs only when
     the Gram route loses a direction; its Gram route is the branch with the fewest), and every
     call as ``target shape``."""
-    bodies = {}
-    heads = list(re.finditer(r"func\.func (?:public|private) @(\w+)\(", text))
-    for m, nxt in zip(heads, [*heads[1:], None], strict=True):
-        bodies[m.group(1)] = text[m.start() : nxt.start() if nxt else len(text)]
+    bodies = _functions(text)
     listed = []
     for m in _CALL.finditer(text):
         listed.append(f"{m.group(1)} {m.group(2)}")
@@ -160,11 +166,7 @@ def _while_spans(body: str) -> list[tuple[int, int]]:
 def solver_calls_in_loops(text: str) -> int:
     """Solver custom calls that sit in a ``while`` loop's body, or in a function called there
     (each would run once per iteration; the launch counts assume none)."""
-    heads = list(re.finditer(r"func\.func (?:public|private) @(\w+)\(", text))
-    bodies = {
-        m.group(1): text[m.start() : nxt.start() if nxt else len(text)]
-        for m, nxt in zip(heads, [*heads[1:], None], strict=True)
-    }
+    bodies = _functions(text)
     memo: dict[str, int] = {}
 
     def solvers(name: str) -> int:  # solver calls a function makes, through its callees
